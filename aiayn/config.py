@@ -1,0 +1,356 @@
+"""Typed configuration: model, data, training and decoding sections, YAML presets, ``--set`` overrides.
+
+Unknown keys are an error (a typo in a recipe must not be silently ignored), and impossible model
+shapes are rejected when the config is built, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: unknown key, wrong type or impossible shape."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the Transformer (paper section 3). Defaults are paper-base (Table 3)."""
+
+    vocab_size: int = 37000  # source vocabulary (or the shared one)
+    tgt_vocab_size: int | None = None  # None: same vocabulary as the source
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1  # P_drop: sub-layer outputs and embedding+position sums
+    attention_dropout: float = 0.0  # on attention probabilities (not in the paper)
+    activation_dropout: float = 0.0  # after the FFN activation (not in the paper)
+    activation: str = "relu"  # relu (paper) | gelu | swish
+    norm_first: bool = False  # False: post-LN as the paper; True: pre-LN + final LayerNorm
+    layer_norm_eps: float = 1e-5
+    positional: str = "sinusoidal"  # sinusoidal (paper) | learned (Table 3 row E)
+    positional_layout: str = "interleaved"  # interleaved (eq. 4-5) | concat (sin half | cos half)
+    max_positions: int = 1024
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
+    share_embeddings: bool = True  # one matrix for source and target embeddings
+    tie_output: bool = True  # target embedding shared with the pre-softmax projection
+    output_bias: bool = False  # a bias on the logits (Marian's final_logits_bias)
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model <= 0 or self.n_heads <= 0 or self.d_ff <= 0:
+            raise ConfigError("model: d_model, n_heads and d_ff must be positive")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model: d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
+            )
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"model: sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.vocab_size <= 0 or (self.tgt_vocab_size is not None and self.tgt_vocab_size <= 0):
+            raise ConfigError("model: vocabulary sizes must be positive")
+        if self.n_encoder_layers < 0 or self.n_decoder_layers <= 0:
+            raise ConfigError("model: need at least one decoder layer and no negative layer count")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ConfigError(f"model: pad_id={self.pad_id} outside the vocabulary")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model: {name} must be in [0, 1)")
+        _choice("model.activation", self.activation, ("relu", "gelu", "swish"))
+        _choice("model.positional", self.positional, ("sinusoidal", "learned"))
+        _choice("model.positional_layout", self.positional_layout, ("interleaved", "concat"))
+        if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
+            raise ConfigError(
+                "model: share_embeddings needs one vocabulary "
+                f"(vocab_size={self.vocab_size}, tgt_vocab_size={self.tgt_vocab_size})"
+            )
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.tgt_vocab_size if self.tgt_vocab_size is not None else self.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes batches."""
+
+    dataset: str | None = None  # multi30k | tinyshakespeare | xsum | None (files below)
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train_src: str | None = None
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    format: str = "text"  # text (parallel files, optionally .gz) | tsv | jsonl
+    src_field: str = "src"  # jsonl / tsv column names
+    tgt_field: str = "tgt"
+    tokenizer: str = "bpe"  # bpe (SentencePiece) | char
+    vocab_size: int = 8000
+    shared_vocab: bool = True
+    byte_fallback: bool = True
+    tokenizer_sample: int = 2_000_000  # sentences SentencePiece trains on at most
+    max_tokens: int = 4096  # token budget of one batch (source or target, the larger)
+    max_len: int | None = None  # drop longer pairs; None: the model's max_positions
+    block_size: int = 256  # language modelling: tokens per training block
+    batch_size: int = 32  # language modelling: blocks per batch
+    separator: str = " <sep> "  # summarization as language modelling: document <sep> summary
+    valid_fraction: float = 0.1  # language modelling: last part held out (nanoGPT splits 90/10)
+
+    def __post_init__(self) -> None:
+        _choice("data.format", self.format, ("text", "tsv", "jsonl"))
+        _choice("data.tokenizer", self.tokenizer, ("bpe", "char"))
+        if self.max_tokens <= 0:
+            raise ConfigError("data.max_tokens must be positive")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation (paper section 5.3-5.4) and the loop around it."""
+
+    max_updates: int = 100_000
+    max_epochs: int | None = None
+    schedule: str = "noam"  # noam (paper) | inverse_sqrt (peak lr) | constant
+    lr_scale: float = 1.0  # noam: lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    lr: float = 5e-4  # inverse_sqrt / constant: the peak learning rate
+    warmup: int = 4000
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    accum_steps: int = 1  # micro-batches per update
+    clip_norm: float | None = None
+    precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | bf16 | fp16
+    compile: bool = False
+    seed: int = 1
+    log_every: int = 50
+    eval_every: int = 1000
+    eval_bleu: bool = False  # also decode the validation set with greedy search and report BLEU
+    save_every: int = 1000
+    keep_last: int = 5
+    patience: int | None = None  # evaluations without improvement before stopping early
+    inference_weights: str = "last"  # which weights model.safetensors holds: last | best | average
+    average_last: int = 5  # checkpoints averaged when inference_weights is 'average'
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
+        _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _choice("train.inference_weights", self.inference_weights, ("last", "best", "average"))
+        if self.accum_steps < 1:
+            raise ConfigError("train.accum_steps must be >= 1")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError("train.label_smoothing must be in [0, 1)")
+        self.adam_betas = tuple(self.adam_betas)  # YAML gives a list
+
+
+@dataclass
+class DecodeConfig:
+    """Inference defaults (paper section 6.1: beam 4, alpha 0.6, max length input + 50)."""
+
+    beam: int = 4
+    alpha: float = 0.6
+    length_penalty: str = "gnmt"  # gnmt (paper) | power (fairseq, HF, CTranslate2) | none
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    max_tokens: int = 4096  # token budget of one decoding batch (source tokens x beam)
+
+    def __post_init__(self) -> None:
+        _choice("decode.length_penalty", self.length_penalty, ("gnmt", "power", "none"))
+        if self.beam < 1:
+            raise ConfigError("decode.beam must be >= 1")
+
+
+@dataclass
+class Config:
+    """The whole recipe: ``task`` picks encoder-decoder translation or a decoder-only LM."""
+
+    task: str = "translation"  # translation | lm | summarization
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        _choice("task", self.task, ("translation", "lm", "summarization"))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["train"]["adam_betas"] = list(self.train.adam_betas)
+        return d
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, allowed))}")
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from a dict, recursing into nested sections; reject unknown keys."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})"
+        )
+    kwargs = {}
+    for key, value in values.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{where}.{key}" if where else key)
+        else:
+            kwargs[key] = _coerce(value, hint, f"{where}.{key}" if where else key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive, fields are checked above
+        raise ConfigError(str(e)) from None
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check (and mildly coerce: int -> float, str -> number from --set) a value against its hint."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    if args and type(None) in args:  # Optional[X]
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Build a validated :class:`Config` from nested dicts (as read from YAML)."""
+    return _build(Config, values or {}, "")
+
+
+def model_config(preset_or_values: str | dict[str, Any] | None = None, **overrides: Any) -> ModelConfig:
+    """A :class:`ModelConfig` from a preset name in ``configs/`` (e.g. ``"paper-base"``) or a dict.
+
+    >>> cfg = model_config("tiny", vocab_size=100)
+    """
+    values: dict[str, Any] = {}
+    if isinstance(preset_or_values, str):
+        values = dict(load_yaml(resolve_config_path(preset_or_values)).get("model", {}))
+    elif isinstance(preset_or_values, dict):
+        values = dict(preset_or_values)
+    values.update(overrides)
+    return _build(ModelConfig, values, "model")
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path as given, or a preset name looked up in ``configs/`` (``paper-base`` -> configs/paper-base.yaml)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for candidate in (CONFIG_DIR / f"{name_or_path}.yaml", CONFIG_DIR / str(name_or_path)):
+        if candidate.exists():
+            return candidate
+    presets = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))) if CONFIG_DIR.exists() else ""
+    raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=v`` strings; ``v`` is parsed as YAML (so 0.1, true, [0.9, 0.98] work)."""
+    out = dict(values)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node: dict[str, Any] = {}
+        cur = node
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            cur[p] = {}
+            cur = cur[p]
+        cur[parts[-1]] = value
+        out = _merge(out, node)
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
+    values = load_yaml(resolve_config_path(path))
+    base = values.pop("base", None)
+    if base is not None:
+        base_values = load_yaml(resolve_config_path(base))
+        base_values.pop("base", None)
+        values = _merge(base_values, values)
+    values = apply_overrides(values, overrides or [])
+    return config_from_dict(values)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

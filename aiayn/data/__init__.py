@@ -1,0 +1,1 @@
+"""Data: tokenization, corpora, batching."""

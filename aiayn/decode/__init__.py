@@ -1,0 +1,1 @@
+"""Decoding on token ids (search) and text in / text out (translator)."""

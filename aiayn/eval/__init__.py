@@ -1,0 +1,1 @@
+"""Metrics: sacreBLEU, chrF, tokenized BLEU, ROUGE, perplexity."""

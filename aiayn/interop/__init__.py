@@ -1,0 +1,1 @@
+"""Weight interop: Hugging Face Marian, CTranslate2 export."""

@@ -1,0 +1,26 @@
+"""The Transformer of "Attention Is All You Need", section 3, one named module per idea."""
+
+from aiayn.model.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
+from aiayn.model.embeddings import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEncoding,
+    TokenEmbedding,
+    sinusoidal_table,
+)
+from aiayn.model.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
+from aiayn.model.transformer import (
+    Decoder,
+    DecoderOnlyLM,
+    Encoder,
+    Transformer,
+    build_model,
+    causal_mask,
+    count_parameters,
+)
+
+__all__ = [
+    "Decoder", "DecoderLayer", "DecoderOnlyLM", "Encoder", "EncoderLayer", "KVCache",
+    "LearnedPositionalEmbedding", "MultiHeadAttention", "PositionwiseFeedForward",
+    "SinusoidalPositionalEncoding", "TokenEmbedding", "Transformer", "build_model", "causal_mask",
+    "count_parameters", "scaled_dot_product_attention", "sinusoidal_table",
+]

@@ -1,0 +1,163 @@
+"""Scaled dot-product attention (eq. 1), multi-head attention (eq. 2) and the KV cache.
+
+Shapes: B batch, H heads, Tq query length, Tk key length, D model width, K head width (D / H).
+Masks are boolean and mean "may attend" (True = keep), broadcastable to (B, H, Tq, Tk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  (eq. 1).
+
+    q: (B, H, Tq, K), k: (B, H, Tk, K), v: (B, H, Tk, K); mask: bool, True = may attend,
+    broadcastable to (B, H, Tq, Tk). Returns (output (B, H, Tq, K), probabilities (B, H, Tq, Tk) or None).
+
+    The fast path (``need_weights=False``) calls ``torch.nn.functional.scaled_dot_product_attention``;
+    the explicit path computes the probabilities so they can be returned for visualization. A query
+    row whose keys are all masked gives a zero output on both paths (softmax over nothing is
+    undefined, and NaN would poison the whole batch through the residual stream).
+    """
+    empty_rows = None
+    if mask is not None:
+        empty_rows = ~mask.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
+        if not bool(empty_rows.any()):
+            empty_rows = None
+        else:
+            # Let empty rows attend everywhere (a finite softmax), then zero their output below.
+            mask = mask | empty_rows
+    if not need_weights:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        probs = None
+    else:
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if empty_rows is not None:
+            probs = probs.masked_fill(empty_rows, 0.0)
+        out = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+    return out, probs
+
+
+class KVCache:
+    """Keys and values of past decoder steps, one entry per decoder layer.
+
+    Self-attention keys/values grow by one step per call of ``Decoder.forward``; cross-attention
+    keys/values are projected from the encoder memory once per source and then reused.
+    ``reorder(indices)`` selects (and may repeat or drop) batch rows, as beam search needs.
+    Tensors are (B, H, T, K).
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.self_k: list[Tensor | None] = [None] * n_layers
+        self.self_v: list[Tensor | None] = [None] * n_layers
+        self.cross_k: list[Tensor | None] = [None] * n_layers
+        self.cross_v: list[Tensor | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        """Number of target positions already cached."""
+        k = self.self_k[0]
+        return 0 if k is None else k.size(2)
+
+    def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new steps' (B, H, t, K) keys/values; return all keys/values so far."""
+        if self.self_k[layer] is not None:
+            k = torch.cat([self.self_k[layer], k], dim=2)
+            v = torch.cat([self.self_v[layer], v], dim=2)
+        self.self_k[layer], self.self_v[layer] = k, v
+        return k, v
+
+    def reorder(self, indices: Tensor) -> None:
+        """Keep batch rows ``indices`` (LongTensor (B',)) in that order, in every cached tensor."""
+        for store in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = t.index_select(0, indices)
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (eq. 2).
+
+    The h per-head projections are stored as one (3D, D) matrix ``in_proj`` (rows: Q | K | V), the
+    layout of ``torch.nn.MultiheadAttention``. Self-attention does one matmul for Q, K and V;
+    cross-attention uses the Q rows on the decoder states and the K|V rows on the encoder memory.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.dropout = dropout
+        self.in_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Xavier-uniform on each D x D block (as if Q, K, V were separate layers, like the references).
+        for w in self.in_proj.weight.chunk(3, dim=0):
+            nn.init.xavier_uniform_(w)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.in_proj.bias)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def _split(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, K)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the encoder memory (B, S, D) -> two (B, H, S, K)."""
+        D = self.d_model
+        kv = F.linear(memory, self.in_proj.weight[D:], self.in_proj.bias[D:])  # (B, S, 2D)
+        k, v = kv.chunk(2, dim=-1)
+        return self._split(k), self._split(v)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, Tq, D) queries. ``memory`` None: self-attention over x (plus cached past steps);
+        ``memory`` (B, S, D): cross-attention (keys/values cached once when a cache is given).
+        mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk).
+        Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
+        D = self.d_model
+        if memory is None:
+            q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).chunk(3, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+            if cache is not None:
+                k, v = cache.append_self(layer, k, v)
+        else:
+            q = self._split(F.linear(x, self.in_proj.weight[:D], self.in_proj.bias[:D]))
+            if cache is not None and cache.cross_k[layer] is not None:
+                k, v = cache.cross_k[layer], cache.cross_v[layer]
+            else:
+                k, v = self.project_kv(memory)
+                if cache is not None:
+                    cache.cross_k[layer], cache.cross_v[layer] = k, v
+        p = self.dropout if self.training else 0.0
+        out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights)
+        B, _, Tq, _ = out.shape
+        out = out.transpose(1, 2).reshape(B, Tq, D)  # concat heads: (B, Tq, D)
+        return self.out_proj(out), probs

@@ -1,0 +1,108 @@
+"""Position-wise feed-forward network (eq. 3) and the encoder / decoder layers (section 3.1).
+
+Each sub-layer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper), or, with
+``norm_first``, x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, the common later variant).
+Shapes: B batch, S source length, T target length, D model width.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.model.attention import KVCache, MultiHeadAttention
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2  (eq. 3); gelu or swish in place of ReLU as options."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.activation = ACTIVATIONS[activation]
+        self.dropout = nn.Dropout(dropout)  # activation dropout: not in the paper, default 0
+        for fc in (self.fc1, self.fc2):
+            nn.init.xavier_uniform_(fc.weight)
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+
+
+class SublayerConnection(nn.Module):
+    """Residual connection and LayerNorm around one sub-layer, post-LN or pre-LN."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
+        """``sublayer(h) -> (out, extra)``; returns (new x, extra)."""
+        if self.norm_first:
+            out, extra = sublayer(self.norm(x))
+            return x + self.dropout(out), extra
+        out, extra = sublayer(x)
+        return self.norm(x + self.dropout(out)), extra
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual + LayerNorm wrapper."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.activation_dropout)
+        self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
+        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x (B, S, D); mask (B, 1, 1, S) True for real tokens. Returns (B, S, D) and attention probs."""
+        x, probs = self.sub_attn(x, lambda h: self.self_attn(h, mask=mask, need_weights=need_weights))
+        x, _ = self.sub_ffn(x, lambda h: (self.ffn(h), None))
+        return x, probs
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention (omitted in a decoder-only LM), feed-forward."""
+
+    def __init__(self, cfg, cross_attention: bool = True) -> None:
+        super().__init__()
+        d, p, nf, eps = cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps
+        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout)
+        self.sub_self = SublayerConnection(d, p, nf, eps)
+        self.cross_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout) if cross_attention else None
+        self.sub_cross = SublayerConnection(d, p, nf, eps) if cross_attention else None
+        self.ffn = PositionwiseFeedForward(d, cfg.d_ff, cfg.activation, cfg.activation_dropout)
+        self.sub_ffn = SublayerConnection(d, p, nf, eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        self_mask: Tensor | None,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """x (B, T, D); self_mask (T, T_total) causal; memory (B, S, D); memory_mask (B, 1, 1, S).
+        Returns (B, T, D), self-attention probs, cross-attention probs."""
+        x, self_probs = self.sub_self(
+            x, lambda h: self.self_attn(h, mask=self_mask, cache=cache, layer=layer, need_weights=need_weights)
+        )
+        cross_probs = None
+        if self.cross_attn is not None:
+            x, cross_probs = self.sub_cross(
+                x,
+                lambda h: self.cross_attn(
+                    h, memory, mask=memory_mask, cache=cache, layer=layer, need_weights=need_weights
+                ),
+            )
+        x, _ = self.sub_ffn(x, lambda h: (self.ffn(h), None))
+        return x, self_probs, cross_probs

@@ -1,0 +1,197 @@
+"""The encoder-decoder Transformer (section 3, Figure 1) and a decoder-only language model.
+
+Shapes: B batch, S source length, T target length, D model width, V vocabulary.
+Token masks are bool (B, S), True for real tokens; attention masks mean "may attend".
+The models expose ``encode`` / ``decode`` (with an optional :class:`KVCache`) and nothing about search:
+decoding algorithms live in :mod:`aiayn.decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import KVCache
+from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
+from aiayn.model.layers import DecoderLayer, EncoderLayer
+
+
+def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
+    """(length, past+length) bool: query i may attend to keys 0 .. past+i. None when nothing is hidden."""
+    if length == 1:
+        return None  # one new token sees every cached position
+    q = torch.arange(length, device=device).unsqueeze(1) + past
+    k = torch.arange(past + length, device=device).unsqueeze(0)
+    return k <= q
+
+
+def _positions(cfg: ModelConfig) -> nn.Module:
+    if cfg.positional == "learned":
+        return LearnedPositionalEmbedding(cfg.max_positions, cfg.d_model)
+    return SinusoidalPositionalEncoding(cfg.max_positions, cfg.d_model, cfg.positional_layout)
+
+
+class Encoder(nn.Module):
+    """N encoder layers over scaled embeddings + positions (dropout on the sum)."""
+
+    def __init__(self, cfg: ModelConfig, embed: TokenEmbedding) -> None:
+        super().__init__()
+        self.embed, self.positions = embed, _positions(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        # Pre-LN needs a final LayerNorm (its residual stream is never normalised); post-LN has none.
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
+
+    def forward(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
+        """src (B, S) ids, src_mask (B, S) bool -> memory (B, S, D), per-layer attention probs."""
+        x = self.dropout(self.embed(src) + self.positions(src.size(1)))
+        attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S): every query sees the real keys
+        probs = []
+        for layer in self.layers:
+            x, p = layer(x, attn_mask, need_weights)
+            probs.append(p)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, probs
+
+
+class Decoder(nn.Module):
+    """N decoder layers (masked self-attention, optional cross-attention, FFN) and the output projection."""
+
+    def __init__(self, cfg: ModelConfig, embed: TokenEmbedding, cross_attention: bool = True) -> None:
+        super().__init__()
+        self.embed, self.positions = embed, _positions(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
+        V = embed.weight.size(0)
+        self.output_proj = nn.Linear(cfg.d_model, V, bias=False)
+        if cfg.tie_output:
+            self.output_proj.weight = embed.weight  # section 3.4: shared pre-softmax projection
+        else:
+            nn.init.xavier_uniform_(self.output_proj.weight)
+        self.output_bias = nn.Parameter(torch.zeros(V)) if cfg.output_bias else None
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list, list]:
+        """tgt (B, T) ids (only the new steps when a cache is given); memory (B, S, D);
+        memory_mask (B, S) bool. Returns logits (B, T, V), self- and cross-attention probs per layer."""
+        past = cache.length if cache is not None else 0
+        T = tgt.size(1)
+        x = self.dropout(self.embed(tgt) + self.positions(T, offset=past))
+        self_mask = causal_mask(T, past, tgt.device)
+        mem_mask = memory_mask[:, None, None, :] if memory_mask is not None else None
+        self_probs, cross_probs = [], []
+        for i, layer in enumerate(self.layers):
+            x, sp, cp = layer(x, self_mask, memory, mem_mask, cache, i, need_weights)
+            self_probs.append(sp)
+            cross_probs.append(cp)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = F.linear(x, self.output_proj.weight, self.output_bias)  # (B, T, V)
+        return logits, self_probs, cross_probs
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer: ``encode(src)`` once, then ``decode(tgt, memory)`` (teacher-forced
+    or step by step with a cache). ``forward(src, tgt_in)`` returns logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pad_id = cfg.pad_id
+        src_embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embeddings)
+        if cfg.share_embeddings:
+            tgt_embed = src_embed
+        else:
+            tgt_embed = TokenEmbedding(cfg.target_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embeddings)
+        self.encoder = Encoder(cfg, src_embed)
+        self.decoder = Decoder(cfg, tgt_embed, cross_attention=True)
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        """(B, S) ids -> (B, S) bool, True for real (non-pad) tokens."""
+        return src != self.pad_id
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """src (B, S) -> memory (B, S, D). ``src_mask`` defaults to ``src != pad_id``."""
+        if src_mask is None:
+            src_mask = self.src_mask(src)
+        return self.encoder(src, src_mask)[0]
+
+    def decode(
+        self, tgt: Tensor, memory: Tensor, memory_mask: Tensor, cache: KVCache | None = None
+    ) -> Tensor:
+        """tgt (B, T) ids (with a cache: only the steps not yet cached); memory (B, S, D);
+        memory_mask (B, S) bool. Returns logits (B, T, V)."""
+        return self.decoder(tgt, memory, memory_mask, cache)[0]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.decoder.layers))
+
+    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) (BOS + target) -> logits (B, T, V)."""
+        if src_mask is None:
+            src_mask = self.src_mask(src)
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt_in, memory, src_mask)
+
+    @torch.no_grad()
+    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
+        """Attention probabilities for inspection: {"encoder": (L, B, H, S, S), "decoder_self":
+        (L, B, H, T, T), "cross": (L, B, H, T, S)} computed with the explicit attention path."""
+        src_mask = self.src_mask(src)
+        memory, enc = self.encoder(src, src_mask, need_weights=True)
+        _, dec_self, cross = self.decoder(tgt_in, memory, src_mask, need_weights=True)
+        return {"encoder": torch.stack(enc), "decoder_self": torch.stack(dec_self), "cross": torch.stack(cross)}
+
+
+class DecoderOnlyLM(nn.Module):
+    """An autoregressive language model: the decoder stack without cross-attention, tied output.
+
+    Uses ``n_decoder_layers`` of the config. ``forward(tokens)`` returns logits (B, T, V).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pad_id = cfg.pad_id
+        embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embeddings)
+        self.decoder = Decoder(cfg, embed, cross_attention=False)
+
+    def decode(
+        self, tokens: Tensor, memory: Tensor | None = None, memory_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """tokens (B, T) (with a cache: only the new steps) -> logits (B, T, V). ``memory`` is unused;
+        it is accepted so search code can drive both model kinds the same way."""
+        return self.decoder(tokens, None, None, cache)[0]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.decoder.layers))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.decode(tokens)
+
+    @torch.no_grad()
+    def attention_maps(self, tokens: Tensor) -> dict[str, Tensor]:
+        """{"decoder_self": (L, B, H, T, T)} from the explicit attention path."""
+        _, self_probs, _ = self.decoder(tokens, need_weights=True)
+        return {"decoder_self": torch.stack(self_probs)}
+
+
+def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
+    """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``."""
+    return DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,1 @@
+"""Figures: positional encodings, attention maps, schedules, training curves."""
