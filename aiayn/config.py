@@ -122,6 +122,7 @@ class TrainConfig:
 
     max_updates: int = 100_000
     max_epochs: int | None = None
+    max_minutes: float | None = None  # wall-clock budget of the training loop (time-to-quality recipes)
     schedule: str = "noam"  # noam (paper) | inverse_sqrt (peak lr) | constant
     lr_scale: float = 1.0  # noam: lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     lr: float = 5e-4  # inverse_sqrt / constant: the peak learning rate

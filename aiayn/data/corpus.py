@@ -1,0 +1,209 @@
+"""Corpus readers with validation: parallel text (optionally .gz), TSV, JSONL and plain text.
+
+Every problem with the input is a :class:`DataError` whose message is one line naming the file
+(and line) at fault, which the CLI prints as is. Lines lose only their line ending ("\\n" or
+"\\r\\n"); inner and leading whitespace is kept, since whether it matters is the tokenizer's call.
+Lines are split on "\\n" only (not on the other characters ``str.splitlines`` breaks at, such as
+U+2028 or form feed), so that parallel files stay aligned.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class DataError(ValueError):
+    """Unusable input data. ``str()`` is one line for users: what is wrong and where."""
+
+    def __init__(self, message: str) -> None:
+        # One line whatever the caller passed, so the CLI's stderr line is never broken up.
+        super().__init__(" ".join(str(message).split("\n")))
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    """The file's bytes, gunzipped when it is gzip (by content, whatever its name)."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{p}: no such file")
+    if p.is_dir():
+        raise DataError(f"{p}: is a directory, expected a file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"{p}: cannot read ({e.strerror or e})") from None
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{p}: not a valid gzip file ({e})") from None
+    return raw
+
+
+def _decode(data: bytes, path: str | Path) -> str:
+    """UTF-8 text; invalid bytes are an error naming the 1-based line (never silently replaced)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        bad = data[e.start : e.start + 1].hex()
+        raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{bad} at column {col})") from None
+    return text[1:] if text.startswith("\ufeff") else text  # drop a byte-order mark
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file (plain or gzip), without their line endings."""
+    text = _decode(_read_bytes(path), path)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start an empty one
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
+def read_text(path: str | Path) -> str:
+    """A whole UTF-8 text file (plain or gzip) as one string, for language modelling."""
+    text = _decode(_read_bytes(path), path)
+    if not text:
+        raise DataError(f"{path}: empty corpus (the file has no text)")
+    return text
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
+    """Sentence pairs from two line-aligned files (plain or .gz)."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(
+            f"parallel files differ in length: {src_path} has {len(src)} lines, "
+            f"{tgt_path} has {len(tgt)} lines"
+        )
+    if not src:
+        raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines")
+    return list(zip(src, tgt))
+
+
+def read_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
+    """Sentence pairs from a tab-separated file (plain or .gz).
+
+    Columns are named by a header row, or, when both fields are column indices ("0", "1", ...),
+    the file has no header and columns are taken by position. Fields are split on tabs only:
+    no CSV quoting, as in the TSV files MT corpora ship (a quote is just a character).
+    """
+    lines = read_lines(path)
+    by_index = src_field.isdigit() and tgt_field.isdigit()
+    if by_index:
+        cols, first = (int(src_field), int(tgt_field)), 0
+    else:
+        if not lines:
+            raise DataError(f"empty corpus: {path} has no lines")
+        header = lines[0].split("\t")
+        for f in (src_field, tgt_field):
+            if f not in header:
+                raise DataError(f"{path}: no column {f!r} in the header row (columns: {', '.join(header)})")
+        cols, first = (header.index(src_field), header.index(tgt_field)), 1
+    need = max(cols) + 1
+    pairs = []
+    for n, line in enumerate(lines[first:], start=first + 1):
+        parts = line.split("\t")
+        if len(parts) < need:
+            raise DataError(f"{path}: line {n}: {len(parts)} columns, expected at least {need}")
+        pairs.append((parts[cols[0]], parts[cols[1]]))
+    if not pairs:
+        raise DataError(f"empty corpus: {path} has no rows")
+    return pairs
+
+
+def _jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line_number, object)`` for each non-blank line of a JSON-lines file (plain or .gz)."""
+    for n, line in enumerate(read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+        yield n, row
+
+
+def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (plain or .gz), one per non-blank line."""
+    rows = [row for _, row in _jsonl_objects(path)]
+    if not rows:
+        raise DataError(f"empty corpus: {path} has no rows")
+    return rows
+
+
+def read_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
+    """Pairs ``(row[src_field], row[tgt_field])`` from a JSON-lines file; both must be strings."""
+    pairs = []
+    for n, row in _jsonl_objects(path):
+        for f in (src_field, tgt_field):
+            if f not in row:
+                raise DataError(f"{path}: line {n}: no field {f!r} (fields: {', '.join(map(str, row))})")
+            if not isinstance(row[f], str):
+                raise DataError(f"{path}: line {n}: field {f!r} is {type(row[f]).__name__}, expected a string")
+        pairs.append((row[src_field], row[tgt_field]))
+    if not pairs:
+        raise DataError(f"empty corpus: {path} has no rows")
+    return pairs
+
+
+def read_pairs(
+    fmt: str, src_path: str | Path, tgt_path: str | Path | None = None, src_field: str = "src",
+    tgt_field: str = "tgt",
+) -> list[tuple[str, str]]:
+    """Dispatch on ``data.format``: ``text`` needs both paths; ``tsv`` / ``jsonl`` read ``src_path``."""
+    if fmt == "text":
+        if tgt_path is None:
+            raise DataError(f"format text needs a target file beside {src_path}")
+        return read_parallel(src_path, tgt_path)
+    if fmt == "tsv":
+        return read_tsv(src_path, src_field, tgt_field)
+    if fmt == "jsonl":
+        return read_jsonl(src_path, src_field, tgt_field)
+    raise DataError(f"data format {fmt!r}: expected text, tsv or jsonl")
+
+
+def clean_pairs(
+    pairs: Sequence[tuple[str, str]],
+    ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    max_len: int | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """Indices of the pairs to train on, and counts of what was dropped (for the caller to log).
+
+    A pair is dropped as ``empty`` when either side is empty or only whitespace, and as
+    ``too_long`` when ``ids`` (the token ids of each side, no specials) are given and a side has
+    ``len + 1 > max_len`` tokens: the + 1 is the EOS the batcher appends to the source and the
+    BOS it prepends to the target, so every kept pair fits ``max_len`` positions.
+    Returns ``(kept_indices, {"empty": n, "too_long": m, "kept": k})``.
+    """
+    if ids is not None and len(ids) != len(pairs):
+        raise ValueError(f"clean_pairs: {len(pairs)} pairs but {len(ids)} token-id pairs")
+    kept: list[int] = []
+    empty = too_long = 0
+    for i, (s, t) in enumerate(pairs):
+        if not s.strip() or not t.strip():
+            empty += 1
+        elif max_len is not None and ids is not None and max(len(ids[i][0]), len(ids[i][1])) + 1 > max_len:
+            too_long += 1
+        else:
+            kept.append(i)
+    return kept, {"empty": empty, "too_long": too_long, "kept": len(kept)}
+
+
+def describe_clean_stats(stats: dict[str, int], max_len: int | None = None) -> str:
+    """One log line for :func:`clean_pairs`' counts, e.g. ``kept 990 of 1000 pairs (...)``."""
+    total = stats["kept"] + stats["empty"] + stats["too_long"]
+    limit = f" than {max_len} tokens" if max_len is not None else ""
+    return (
+        f"kept {stats['kept']} of {total} pairs (dropped {stats['empty']} with an empty side, "
+        f"{stats['too_long']} longer{limit})"
+    )

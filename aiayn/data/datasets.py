@@ -1,0 +1,220 @@
+"""Known datasets: read from ``$AIAYN_DATA_DIR/<folder>/`` or downloaded once, sha256-checked.
+
+Lookup order for ``dataset_path(name, filename)``:
+
+1. ``$AIAYN_DATA_DIR`` set: the file must be in ``$AIAYN_DATA_DIR/<folder>/`` (offline machines);
+   a missing file is an error rather than a silent download attempt.
+2. Otherwise ``$AIAYN_CACHE_DIR/<folder>/`` (default ``~/.cache/aiayn``), downloading it from
+   its public source on first use: to a temporary file in the same folder, checked against the
+   sha256 below, then renamed, so a cache never holds a partial or wrong file (concurrent
+   processes, such as DDP ranks, each rename a complete copy).
+
+Every file, local or downloaded, is checked against its sha256: a truncated or different copy
+would otherwise train silently on other data than the recipe promises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .corpus import DataError, read_jsonl_rows, read_pairs, read_parallel, read_text
+
+DATA_DIR_ENV = "AIAYN_DATA_DIR"
+CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/aiayn")
+DOWNLOAD_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    url: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Dataset:
+    folder: str  # sub-folder of the data / cache directory
+    files: dict[str, RemoteFile]
+
+
+_M30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+_M30K_SHA256 = {
+    "test_2016_flickr.cs.gz": "200a4a74cc9560f051924abb9803be008d1908d77f747e9141aeb86dfd2797f1",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.fr.gz": "6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90",
+    "test_2017_flickr.de.gz": "a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee",
+    "test_2017_flickr.en.gz": "76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074",
+    "test_2017_flickr.fr.gz": "3ba671ceb2299f3304ffafefea7a833d08632fbaf0ba18546f8a2ec2391af496",
+    "test_2017_mscoco.de.gz": "799e4854c25d601cb6cb6be29eabe5667734c61ace2f495e03e429031a0bc338",
+    "test_2017_mscoco.en.gz": "aab300bfb4427697987e02cd0aacd44bfe8aa50456231b6474c08038bbed2b58",
+    "test_2017_mscoco.fr.gz": "754f3072ba9f124569ba5258b32730fc1d214bbf8e0c6dfb2b74401676220db0",
+    "train.cs.gz": "a65adb8b32e3bc664f21ecba7a6e7f6950fd1f405e135f7c312faabdb6255077",
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.fr.gz": "622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c",
+    "val.cs.gz": "b63226e05c4bd5dd6a42897d74b86a1b9d2c31498252c572b1ea7f7996927fcc",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
+}
+
+DATASETS: dict[str, Dataset] = {
+    # Multi30k task 1 (WMT16 multimodal MT), raw: cased, untokenized.
+    "multi30k": Dataset("multi30k", {f: RemoteFile(_M30K_URL + f, h) for f, h in _M30K_SHA256.items()}),
+    "tinyshakespeare": Dataset(
+        "tinyshakespeare",
+        {
+            "input.txt": RemoteFile(
+                "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+                "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+            )
+        },
+    ),
+    # 1,000 XSum rows {document, summary, id}.
+    "xsum": Dataset(
+        "xsum-sample",
+        {
+            "xsum-1000.jsonl": RemoteFile(
+                "https://raw.githubusercontent.com/voidism/Lookback-Lens/main/data/xsum-1000.jsonl",
+                "71409a4cbe21b183ccd44e317bf7a42522bb0db37bc754f89ce20260d0c0ab9b",
+            )
+        },
+    ),
+}
+
+MULTI30K_SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
+
+
+def cache_dir() -> Path:
+    """Where downloads go: ``$AIAYN_CACHE_DIR`` or ``~/.cache/aiayn``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch(url: str, dest: Path) -> None:
+    """Copy ``url`` (https://, file://) to ``dest``. Module-level so tests can replace it."""
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r, open(dest, "wb") as f:
+        shutil.copyfileobj(r, f)
+
+
+def dataset_path(name: str, filename: str) -> Path:
+    """Local path of a known dataset file, from ``$AIAYN_DATA_DIR`` or the (downloading) cache."""
+    remote = _remote(name, filename)
+    folder = DATASETS[name].folder
+    data_dir = os.environ.get(DATA_DIR_ENV)
+    if data_dir:
+        path = Path(data_dir).expanduser() / folder / filename
+        if not path.is_file():
+            raise DataError(
+                f"{path}: no such file ({DATA_DIR_ENV} is set, so {name} is read from there; "
+                f"unset it to download from {remote.url})"
+            )
+        _verify(path, remote, delete=False)
+        return path
+    path = cache_dir() / folder / filename
+    if path.is_file():
+        if sha256_file(path) == remote.sha256:
+            return path
+        path.unlink()  # a corrupted cache entry: fetch it again
+    _download(remote, path)
+    return path
+
+
+def _remote(name: str, filename: str) -> RemoteFile:
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r} (known: {', '.join(sorted(DATASETS))})")
+    files = DATASETS[name].files
+    if filename not in files:
+        raise DataError(f"dataset {name} has no file {filename!r} (files: {', '.join(sorted(files))})")
+    return files[filename]
+
+
+def _verify(path: Path, remote: RemoteFile, delete: bool) -> None:
+    got = sha256_file(path)
+    if got != remote.sha256:
+        if delete:
+            path.unlink(missing_ok=True)
+        what = "the download was deleted" if delete else "replace it with the file from " + remote.url
+        raise DataError(f"{path}: sha256 mismatch (expected {remote.sha256}, got {got}); {what}")
+
+
+def _download(remote: RemoteFile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        try:
+            fetch(remote.url, tmp)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise DataError(
+                f"cannot download {remote.url} ({reason}); to work offline, put the file in "
+                f"${DATA_DIR_ENV}/{path.parent.name}/{path.name}"
+            ) from None
+        got = sha256_file(tmp)
+        if got != remote.sha256:
+            raise DataError(
+                f"{remote.url}: sha256 mismatch (expected {remote.sha256}, got {got}); the download was deleted"
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def multi30k_split(split: str, src_lang: str = "en", tgt_lang: str = "de") -> list[tuple[str, str]]:
+    """Sentence pairs of a Multi30k split: train, val, test_2016_flickr, test_2017_flickr, test_2017_mscoco."""
+    files = DATASETS["multi30k"].files
+    if split not in MULTI30K_SPLITS:
+        raise DataError(f"multi30k has no split {split!r} (splits: {', '.join(MULTI30K_SPLITS)})")
+    langs = sorted(f.split(".")[1] for f in files if f.split(".")[0] == split)
+    for lang in (src_lang, tgt_lang):
+        if lang not in langs:
+            raise DataError(f"multi30k {split} has no language {lang!r} (languages: {', '.join(langs)})")
+    return read_parallel(
+        dataset_path("multi30k", f"{split}.{src_lang}.gz"), dataset_path("multi30k", f"{split}.{tgt_lang}.gz")
+    )
+
+
+def tinyshakespeare_text() -> str:
+    """The 1,115,394 characters of tinyshakespeare (the char-rnn LM benchmark)."""
+    return read_text(dataset_path("tinyshakespeare", "input.txt"))
+
+
+def xsum_rows() -> list[dict[str, Any]]:
+    """1,000 XSum rows ``{"document", "summary", "id"}``."""
+    return read_jsonl_rows(dataset_path("xsum", "xsum-1000.jsonl"))
+
+
+def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
+    """Sentence pairs for a translation :class:`~aiayn.config.DataConfig` and ``split`` train | valid.
+
+    ``data.dataset == 'multi30k'``: the Multi30k split (valid = val) in ``src_lang -> tgt_lang``;
+    otherwise the files ``train_src``/``train_tgt`` or ``valid_src``/``valid_tgt`` in ``data.format``.
+    """
+    if split not in ("train", "valid"):
+        raise DataError(f"split {split!r}: expected train or valid")
+    if data.dataset == "multi30k":
+        return multi30k_split("val" if split == "valid" else split, data.src_lang, data.tgt_lang)
+    if data.dataset is not None:
+        raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k)")
+    src, tgt = getattr(data, f"{split}_src"), getattr(data, f"{split}_tgt")
+    if src is None:
+        raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+    return read_pairs(data.format, src, tgt, data.src_field, data.tgt_field)

@@ -1,0 +1,192 @@
+"""From a config to training data: read the corpus, train or load the tokenizer, encode, filter, batch.
+
+Translation: token-budget batches of (source, target) pairs. Language modelling: contiguous blocks.
+Every drop (empty line, too long) is counted in the log, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aiayn.config import Config, ConfigError
+from aiayn.data.batching import Batch, collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair, train_tokenizer_pair
+
+log = logging.getLogger("aiayn.data")
+
+
+def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
+    """Text pairs of ``split`` (train / valid or a named split) for the config's dataset or files."""
+    if cfg.data.dataset == "reverse":
+        from aiayn.data.synthetic import reverse_split
+
+        return reverse_split(split)
+    from aiayn.data.datasets import config_pairs
+
+    return config_pairs(cfg.data, split)
+
+
+def load_lm_text(cfg: Config) -> str:
+    """The whole text of a language-modelling corpus."""
+    if cfg.data.dataset == "tinyshakespeare":
+        from aiayn.data.datasets import tinyshakespeare_text
+
+        return tinyshakespeare_text()
+    if cfg.data.train_src is None:
+        raise ConfigError("task lm needs data.dataset: tinyshakespeare or data.train_src: a text file")
+    from aiayn.data.corpus import read_text
+
+    return read_text(cfg.data.train_src)
+
+
+def tokenizer_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "tokenizer"
+
+
+def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]], is_main: bool,
+                   barrier=lambda: None) -> TokenizerPair:
+    """Load the run's tokenizer, or train it on the training texts (main process) and save it."""
+    tdir = tokenizer_dir(run_dir)
+    if not (tdir / "tokenizer.json").exists():
+        if is_main:
+            log.info("training a %s tokenizer (vocab %d, %s) on %d + %d texts", cfg.data.tokenizer,
+                     cfg.data.vocab_size, "shared" if cfg.data.shared_vocab else "separate",
+                     len(texts[0]), len(texts[1]))
+            train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
+                                 vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
+                                 max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed)
+        barrier()
+    return TokenizerPair.load(tdir)
+
+
+def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> None:
+    """Set the model's vocabulary sizes from the tokenizer (the recipe's numbers are only requests)."""
+    m = cfg.model
+    if not tok.shared and m.share_embeddings:
+        raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+    m.vocab_size = tok.src.vocab_size
+    m.tgt_vocab_size = None if tok.shared else tok.tgt.vocab_size
+    m.pad_id = PAD_ID
+    m.__post_init__()
+
+
+@dataclass
+class TranslationData:
+    """Encoded training/validation pairs; batches by token budget, reshuffled per epoch."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+    valid_src: list[list[int]]
+    valid_tgt: list[list[int]]
+    max_tokens: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        # +1: EOS on the source, BOS (input) / EOS (output) on the target.
+        self._src_lens = [len(s) + 1 for s in self.src]
+        self._tgt_lens = [len(t) + 1 for t in self.tgt]
+        self._valid: list[Batch] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[Batch]:
+        idx = token_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True)
+        return [self._collate(self.src, self.tgt, b) for b in idx]
+
+    @property
+    def valid_batches(self) -> list[Batch]:
+        if self._valid is None:
+            lens_s = [len(s) + 1 for s in self.valid_src]
+            lens_t = [len(t) + 1 for t in self.valid_tgt]
+            idx = token_batches(lens_s, lens_t, self.max_tokens, self.seed, 0, shuffle=False)
+            self._valid = [self._collate(self.valid_src, self.valid_tgt, b) for b in idx]
+        return self._valid
+
+    @staticmethod
+    def _collate(src: list[list[int]], tgt: list[list[int]], indices: list[int]) -> Batch:
+        return collate([src[i] for i in indices], [tgt[i] for i in indices], indices, PAD_ID, BOS_ID, EOS_ID)
+
+
+@dataclass
+class LMData:
+    """A token stream cut into contiguous blocks (new offsets and order every epoch)."""
+
+    train_ids: torch.Tensor  # (N,)
+    valid_ids: torch.Tensor  # (M,)
+    block_size: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self._valid: list[Batch] | None = None
+        if self.train_ids.numel() <= self.block_size + 1:
+            raise DataError(f"the training text has {self.train_ids.numel()} tokens, fewer than one block "
+                            f"of {self.block_size + 1}")
+
+    def epoch_batches(self, epoch: int) -> list[Batch]:
+        return lm_batches(lm_blocks(self.train_ids, self.block_size, self.seed, epoch), self.batch_size)
+
+    @property
+    def valid_batches(self) -> list[Batch]:
+        if self._valid is None:
+            n = (self.valid_ids.numel() - 1) // self.block_size
+            if n < 1:
+                raise DataError(f"the validation text has {self.valid_ids.numel()} tokens, fewer than one "
+                                f"block of {self.block_size + 1}")
+            # Fixed, non-overlapping blocks: every validation token is predicted exactly once.
+            blocks = torch.stack([self.valid_ids[i * self.block_size : (i + 1) * self.block_size + 1]
+                                  for i in range(n)])
+            self._valid = lm_batches(blocks, self.batch_size)
+        return self._valid
+
+
+def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+                           ) -> tuple[TranslationData, TokenizerPair]:
+    train, valid = load_pairs(cfg, "train"), load_pairs(cfg, "valid")
+    tok = get_tokenizers(cfg, run_dir, ([s for s, _ in train], [t for _, t in train]), is_main, barrier)
+    fit_model_to_vocab(cfg, tok)
+    max_len = cfg.data.max_len or cfg.model.max_positions
+    out = []
+    for name, pairs in (("train", train), ("valid", valid)):
+        ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
+        kept, stats = clean_pairs(pairs, ids, max_len)
+        if is_main:
+            log.info("%s: %s", name, describe_clean_stats(stats, max_len))
+        if not kept:
+            raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
+        out.append(([ids[i][0] for i in kept], [ids[i][1] for i in kept]))
+    (src, tgt), (vsrc, vtgt) = out
+    return TranslationData(src, tgt, vsrc, vtgt, cfg.data.max_tokens, cfg.train.seed), tok
+
+
+def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+                  ) -> tuple[LMData, TokenizerPair]:
+    text = load_lm_text(cfg)
+    if not text.strip():
+        raise DataError("the language-modelling corpus is empty")
+    split = int(len(text) * (1 - cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
+    train_text, valid_text = text[:split], text[split:]
+    # Tokenizers train on lines; the stream itself keeps every newline.
+    lines = [ln for ln in train_text.splitlines() if ln.strip()]
+    tok = get_tokenizers(cfg, run_dir, (lines, []), is_main, barrier)
+    fit_model_to_vocab(cfg, tok)
+    enc = tok.src.encode
+    train_ids = torch.tensor(enc(train_text), dtype=torch.long)
+    valid_ids = torch.tensor(enc(valid_text), dtype=torch.long)
+    if is_main:
+        log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d)", train_ids.numel(),
+                 valid_ids.numel(), tok.src.kind, tok.src.vocab_size)
+    if cfg.data.block_size + 1 > cfg.model.max_positions + 1:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
+                          f"{cfg.model.max_positions}")
+    return LMData(train_ids, valid_ids, cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
+
+
+def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None):
+    """Task dispatch: (TrainData, TokenizerPair)."""
+    if cfg.task == "lm":
+        return build_lm_data(cfg, run_dir, is_main, barrier)
+    return build_translation_data(cfg, run_dir, is_main, barrier)

@@ -1,0 +1,372 @@
+"""Tokenizers: SentencePiece BPE (the paper's byte-pair encoding, section 5.1) and characters.
+
+Every tokenizer uses the same special ids, so the model, the batcher and the search code can
+rely on them without asking the tokenizer: PAD_ID=0, UNK_ID=1, BOS_ID=2, EOS_ID=3.
+
+BPE models are trained losslessly (no normalization, whitespace kept, byte fallback on by
+default), so ``decode(encode(x)) == x`` for any text, including scripts never seen in training.
+That departs from SentencePiece's default NFKC normalization: what a user reads back from
+``translate`` is exactly what the model produced, and cleaning text is left to data preparation.
+
+On disk (``RUN/tokenizer/``)::
+
+    tokenizer.json                  {"kind", "shared", "src", "tgt", vocab sizes}
+    shared.model                    one SentencePiece model for both sides, or
+    src.model + tgt.model           one per side (char tokenizers: *.json)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+
+from .corpus import DataError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")
+N_BYTES = 256  # byte-fallback pieces <0x00>..<0xFF>
+UNK_TEXT = "\u2047"  # what SentencePiece prints for an unknown piece: ⁇
+
+# SentencePiece skips training sentences longer than this many bytes; raised from its default
+# (4192) so that long documents (XSum) still count, while bounding memory.
+_MAX_SENTENCE_BYTES = 16384
+PAIR_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    """Text <-> ids. ``encode`` adds no BOS/EOS (the batcher does); ``decode`` drops pad/bos/eos."""
+
+    kind: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def pieces(self, text: str) -> list[str]:
+        """The pieces ``encode`` would produce, as strings (for inspection and attention plots)."""
+        return [self.id_to_piece(i) for i in self.encode(text)]
+
+    def id_to_piece(self, i: int) -> str:
+        raise NotImplementedError
+
+    @property
+    def suffix(self) -> str:
+        """File suffix of the saved model: ``.model`` (SentencePiece) or ``.json`` (char)."""
+        raise NotImplementedError
+
+    def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
+        """Write ``directory/name.model`` (BPE) or ``directory/name.json`` (char); return the path."""
+        raise NotImplementedError
+
+    @staticmethod
+    def load(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
+        """Load what :meth:`save` wrote, whichever kind it is."""
+        return load_tokenizer(directory, name)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (BPE), kept in memory as its serialized protobuf."""
+
+    kind = "bpe"
+
+    def __init__(self, model_proto: bytes) -> None:
+        self.model_proto = model_proto
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        specials = [self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()]
+        if specials != [PAD_ID, UNK_ID, BOS_ID, EOS_ID]:
+            raise DataError(f"SentencePiece model has special ids {specials}, expected [0, 1, 2, 3]")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def suffix(self) -> str:
+        return ".model"
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)])
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.id_to_piece(int(i))
+
+    def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
+        path = Path(directory) / f"{name}{self.suffix}"
+        _atomic_write(path, self.model_proto)
+        return path
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character: the specials, then the training characters in sorted order."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars = sorted(set(chars))
+        if any(len(c) != 1 for c in self.chars):
+            raise DataError("char tokenizer: every vocabulary entry must be one character")
+        self.itos = list(SPECIAL_PIECES) + self.chars
+        self.stoi = {c: i + len(SPECIAL_PIECES) for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    @property
+    def suffix(self) -> str:
+        return ".json"
+
+    def encode(self, text: str) -> list[int]:
+        get = self.stoi.get
+        return [get(c, UNK_ID) for c in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in (PAD_ID, BOS_ID, EOS_ID):
+                continue
+            out.append(UNK_TEXT if i == UNK_ID or not 0 <= i < len(self.itos) else self.itos[i])
+        return "".join(out)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.itos[int(i)]
+
+    def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
+        path = Path(directory) / f"{name}{self.suffix}"
+        payload = json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
+        _atomic_write(path, payload.encode("utf-8"))
+        return path
+
+
+def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
+    """Load ``directory/name.model`` (BPE) or ``directory/name.json`` (char)."""
+    base = Path(directory) / name
+    model, chars = base.with_suffix(".model"), base.with_suffix(".json")
+    if model.is_file():
+        try:
+            return SentencePieceTokenizer(model.read_bytes())
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{model}: not a readable SentencePiece model ({_first_line(e)})") from None
+    if chars.is_file():
+        try:
+            data = json.loads(chars.read_text(encoding="utf-8"))
+            return CharTokenizer(data["chars"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{chars}: not a char tokenizer file ({_first_line(e)})") from None
+    raise DataError(f"no tokenizer {name} in {directory} (expected {model.name} or {chars.name})")
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | Path | None = None,
+    kind: str = "bpe",
+    vocab_size: int = 8000,
+    byte_fallback: bool = True,
+    max_sentences: int = 2_000_000,
+    seed: int = 1,
+    name: str = "tokenizer",
+    num_threads: int = 2,
+) -> Tokenizer:
+    """Train a tokenizer on ``texts`` (one sentence each) and save it to ``out_dir`` when given.
+
+    ``kind='bpe'``: SentencePiece BPE with ``vocab_size`` pieces at most (a soft limit: a small
+    corpus gives fewer). ``kind='char'``: every character seen; ``vocab_size`` is ignored.
+    At most ``max_sentences`` texts are used, a seeded uniform sample, so training is repeatable.
+    """
+    if kind == "char":
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(t)
+        if not seen:
+            raise DataError("cannot train a char tokenizer: the training text is empty")
+        tok: Tokenizer = CharTokenizer(seen)
+    elif kind == "bpe":
+        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads)
+    else:
+        raise DataError(f"tokenizer kind {kind!r}: expected bpe or char")
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tok.save(out_dir, name)
+    return tok
+
+
+def _train_bpe(
+    texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int
+) -> SentencePieceTokenizer:
+    min_vocab = len(SPECIAL_PIECES) + (N_BYTES if byte_fallback else 0) + 1
+    if vocab_size < min_vocab:
+        need = "the 4 specials + 256 byte pieces + 1" if byte_fallback else "the 4 specials + 1"
+        raise DataError(
+            f"vocab_size={vocab_size} is too small for a BPE tokenizer"
+            f"{' with byte_fallback' if byte_fallback else ''}: it needs at least {min_vocab} ({need})"
+        )
+    sample = [t for t in _sample(texts, max_sentences, seed) if t.strip()]
+    if not sample:
+        raise DataError("cannot train a BPE tokenizer: the training text is empty")
+    writer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample),
+            model_writer=writer,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,  # a small corpus yields fewer pieces instead of an error
+            byte_fallback=byte_fallback,
+            character_coverage=1.0,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_piece=SPECIAL_PIECES[PAD_ID],
+            unk_piece=SPECIAL_PIECES[UNK_ID],
+            bos_piece=SPECIAL_PIECES[BOS_ID],
+            eos_piece=SPECIAL_PIECES[EOS_ID],
+            # Lossless: no NFKC, keep repeated/leading whitespace, so decode(encode(x)) == x.
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            # We sampled above; SentencePiece's own sampling would add a second, unseeded shuffle.
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=max(1, min(threads, os.cpu_count() or 1)),
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        msg = _first_line(e)
+        m = re.search(r"required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            # character_coverage=1.0 keeps every character, so the corpus alphabet must fit.
+            raise DataError(
+                f"vocab_size={vocab_size} is too small for this corpus: the specials"
+                f"{', 256 byte pieces' if byte_fallback else ''} and its distinct characters "
+                f"need at least {m.group(2)}"
+            ) from None
+        raise DataError(f"SentencePiece training failed: {msg}") from None
+    return SentencePieceTokenizer(writer.getvalue())
+
+
+def _sample(texts: Iterable[str], k: int, seed: int) -> list[str]:
+    """A seeded uniform sample of at most ``k`` texts (reservoir sampling), in corpus order."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    for n, t in enumerate(texts):
+        if n < k:
+            reservoir.append((n, t))
+        else:
+            j = rng.randint(0, n)
+            if j < k:
+                reservoir[j] = (n, t)
+    reservoir.sort()
+    return [t for _, t in reservoir]
+
+
+@dataclass
+class TokenizerPair:
+    """Source and target tokenizers; ``src is tgt`` when the vocabulary is shared."""
+
+    src: Tokenizer
+    tgt: Tokenizer
+
+    @property
+    def shared(self) -> bool:
+        return self.src is self.tgt
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the model file(s) and ``tokenizer.json`` into ``directory`` (RUN/tokenizer)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        if self.shared:
+            src_file = tgt_file = self.src.save(d, "shared").name
+        else:
+            src_file, tgt_file = self.src.save(d, "src").name, self.tgt.save(d, "tgt").name
+        meta = {
+            "kind": self.src.kind,
+            "shared": self.shared,
+            "src": src_file,
+            "tgt": tgt_file,
+            "src_vocab_size": self.src.vocab_size,
+            "tgt_vocab_size": self.tgt.vocab_size,
+            "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+        }
+        _atomic_write(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        return d
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TokenizerPair:
+        """Read what :meth:`save` wrote; a missing or broken file is a one-line :class:`DataError`."""
+        d = Path(directory)
+        meta_path = d / PAIR_FILE
+        if not meta_path.is_file():
+            raise DataError(f"{meta_path}: no such file (not a tokenizer directory)")
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            src_name, tgt_name = Path(meta["src"]).stem, Path(meta["tgt"]).stem
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{meta_path}: not a valid tokenizer description ({_first_line(e)})") from None
+        src = load_tokenizer(d, src_name)
+        tgt = src if meta.get("shared") or src_name == tgt_name else load_tokenizer(d, tgt_name)
+        return cls(src, tgt)
+
+
+def train_tokenizer_pair(
+    src_texts: Sequence[str],
+    tgt_texts: Sequence[str],
+    out_dir: str | Path | None = None,
+    shared: bool = True,
+    kind: str = "bpe",
+    vocab_size: int = 8000,
+    byte_fallback: bool = True,
+    max_sentences: int = 2_000_000,
+    seed: int = 1,
+) -> TokenizerPair:
+    """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side.
+
+    With ``shared``, ``max_sentences`` bounds the source and target texts together.
+    """
+    kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed)
+    if shared:
+        tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
+        pair = TokenizerPair(tok, tok)
+    else:
+        src = train_tokenizer(src_texts, max_sentences=max_sentences, **kw)
+        tgt = train_tokenizer(tgt_texts, max_sentences=max_sentences, **kw)
+        pair = TokenizerPair(src, tgt)
+    if out_dir is not None:
+        pair.save(out_dir)
+    return pair
+
+
+def _chain(*parts: Iterable[str]) -> Iterator[str]:
+    for p in parts:
+        yield from p
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # Write then rename, so an interrupted save never leaves a half-written model in a run directory.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,222 @@
+"""Export an aiayn :class:`Transformer` to a CTranslate2 model directory (``model.bin``, ``config.json``,
+vocabularies) for fast CPU/GPU inference with ``ctranslate2.Translator``.
+
+The spec is filled weight for weight, like CTranslate2's own converters do for fairseq or Marian:
+
+    in_proj (3D, D), rows Q | K | V  -> self_attention.linear[0] (CT2 fuses Q, K, V the same way)
+    cross in_proj rows Q / rows K|V  -> attention.linear[0] / attention.linear[1]
+    out_proj                         -> linear[-1];  sub-layer norms -> the sub-layer's layer_norm
+    ffn.fc1 / ffn.fc2                -> ffn.linear_0 / ffn.linear_1
+    output_proj (+ output_bias)      -> decoder.projection (weight, bias)
+
+Positions are written out as an explicit table (our sinusoids in either layout, or the learned
+vectors), because CTranslate2's built-in sinusoid is tensor2tensor's (positions from 1, a different
+frequency spacing), not eq. 4-5. ``pre_norm`` follows ``norm_first`` (CTranslate2's pre-norm
+stack ends with a LayerNorm, like ours), ``scale_embeddings`` the sqrt(D) flag, and the LayerNorm
+epsilon is stored in ``config.json``.
+
+Special tokens, matching how aiayn trains: the source is ``tokens + [EOS]`` (so the exported config
+sets ``add_source_eos`` and callers pass pieces *without* ``</s>``), the decoder starts from BOS
+(``decoder_start_token``), and decoding stops at EOS. CTranslate2 works on piece strings, so the
+caller gives the id -> piece lists (SentencePiece's ``<pad> <unk> <s> </s>`` at ids 0-3 in aiayn).
+
+``ctranslate2`` is imported inside the functions, so aiayn works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from torch import Tensor, nn
+
+from aiayn.model.transformer import Transformer
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ctranslate2.specs.transformer_spec import TransformerSpec
+
+UNK_ID, BOS_ID, EOS_ID = 1, 2, 3  # aiayn's SentencePiece ids (pad is 0)
+
+
+def _np(t: Tensor) -> np.ndarray:
+    """A float32 numpy copy, detached from the model (quantization happens in ``spec.optimize``)."""
+    return t.detach().float().cpu().contiguous().numpy().copy()
+
+
+def _linear(spec: Any, weight: Tensor, bias: Tensor | None) -> None:
+    spec.weight = _np(weight)
+    if bias is not None:
+        spec.bias = _np(bias)
+
+
+def _norm(spec: Any, norm: nn.LayerNorm) -> None:
+    spec.gamma = _np(norm.weight)
+    spec.beta = _np(norm.bias)
+
+
+def _positions(module: nn.Module) -> np.ndarray:
+    """(max_positions, D) table of what is added to the embeddings at each position, 0-based."""
+    table = module.table if hasattr(module, "table") else module.weight
+    return _np(table)
+
+
+def _self_attention(spec: Any, mha: nn.Module, norm: nn.LayerNorm) -> None:
+    _linear(spec.linear[0], mha.in_proj.weight, mha.in_proj.bias)  # fused Q|K|V, same row order
+    _linear(spec.linear[1], mha.out_proj.weight, mha.out_proj.bias)
+    _norm(spec.layer_norm, norm)
+
+
+def _cross_attention(spec: Any, mha: nn.Module, norm: nn.LayerNorm) -> None:
+    D = mha.d_model
+    w, b = mha.in_proj.weight, mha.in_proj.bias
+    _linear(spec.linear[0], w[:D], b[:D])  # queries from the decoder states
+    _linear(spec.linear[1], w[D:], b[D:])  # fused K|V from the encoder memory
+    _linear(spec.linear[2], mha.out_proj.weight, mha.out_proj.bias)
+    _norm(spec.layer_norm, norm)
+
+
+def _ffn(spec: Any, ffn: nn.Module, norm: nn.LayerNorm) -> None:
+    _linear(spec.linear_0, ffn.fc1.weight, ffn.fc1.bias)
+    _linear(spec.linear_1, ffn.fc2.weight, ffn.fc2.bias)
+    _norm(spec.layer_norm, norm)
+
+
+def _check_vocab(name: str, pieces: list[str], size: int, special: dict[str, int]) -> None:
+    if len(pieces) != size:
+        raise ValueError(f"{name} vocabulary has {len(pieces)} pieces but the model has {size} embeddings")
+    if len(set(pieces)) != len(pieces):
+        dup = next(p for i, p in enumerate(pieces) if p in pieces[:i])
+        raise ValueError(f"{name} vocabulary repeats the piece {dup!r}: CTranslate2 maps pieces to ids by name")
+    for role, i in special.items():
+        if not 0 <= i < size:
+            raise ValueError(f"{role} id {i} is outside the {name} vocabulary of {size}")
+
+
+def ctranslate2_spec(
+    model: Transformer,
+    vocab: list[str],
+    tgt_vocab: list[str] | None = None,
+    *,
+    unk_id: int = UNK_ID,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    add_source_eos: bool = True,
+) -> TransformerSpec:
+    """A filled, validated ``ctranslate2.specs.TransformerSpec`` for ``model``.
+
+    ``vocab`` / ``tgt_vocab`` are the id -> piece lists (``tgt_vocab`` None: the source one).
+    The special ids must name the same pieces in both vocabularies (CTranslate2 stores them once,
+    as strings). ``add_source_eos`` makes CTranslate2 append EOS to each source, as aiayn training
+    does; set it False if your sources already end in EOS.
+    """
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    if not isinstance(model, Transformer):
+        raise TypeError(f"export_ctranslate2 exports an encoder-decoder Transformer, got {type(model).__name__}")
+    cfg = model.cfg
+    if cfg.n_encoder_layers == 0:
+        raise ValueError("CTranslate2 needs at least one encoder layer (model.n_encoder_layers=0)")
+    tgt_vocab = list(vocab if tgt_vocab is None else tgt_vocab)
+    vocab = list(vocab)
+    special = {"unk": unk_id, "bos": bos_id, "eos": eos_id}
+    _check_vocab("source", vocab, cfg.vocab_size, special)
+    _check_vocab("target", tgt_vocab, cfg.target_vocab_size, special)
+    for role, i in special.items():
+        if vocab[i] != tgt_vocab[i]:
+            raise ValueError(
+                f"the {role} piece differs between vocabularies ({vocab[i]!r} vs {tgt_vocab[i]!r}); "
+                "CTranslate2 names each special token once"
+            )
+
+    activation = {
+        "relu": common_spec.Activation.RELU,
+        "gelu": common_spec.Activation.GELU,  # exact erf GELU, as torch.nn.functional.gelu
+        "swish": common_spec.Activation.SWISH,
+    }[cfg.activation]
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_encoder_layers, cfg.n_decoder_layers),
+        cfg.n_heads,
+        pre_norm=cfg.norm_first,
+        activation=activation,
+    )
+
+    enc, dec = model.encoder, model.decoder
+    spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
+    spec.encoder.scale_embeddings = cfg.scale_embeddings  # bool: True = sqrt(D), False = none
+    spec.encoder.position_encodings.encodings = _positions(enc.positions)
+    for layer_spec, layer in zip(spec.encoder.layer, enc.layers):
+        _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_attn.norm)
+        _ffn(layer_spec.ffn, layer.ffn, layer.sub_ffn.norm)
+    if enc.final_norm is not None:
+        _norm(spec.encoder.layer_norm, enc.final_norm)
+
+    spec.decoder.embeddings.weight = _np(dec.embed.weight)
+    spec.decoder.scale_embeddings = cfg.scale_embeddings
+    spec.decoder.position_encodings.encodings = _positions(dec.positions)
+    for layer_spec, layer in zip(spec.decoder.layer, dec.layers):
+        _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_self.norm)
+        _cross_attention(layer_spec.attention, layer.cross_attn, layer.sub_cross.norm)
+        _ffn(layer_spec.ffn, layer.ffn, layer.sub_ffn.norm)
+    if dec.final_norm is not None:
+        _norm(spec.decoder.layer_norm, dec.final_norm)
+    # Tied weights are written twice here; spec.optimize() aliases identical tensors in model.bin.
+    _linear(spec.decoder.projection, dec.output_proj.weight, dec.output_bias)
+
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(tgt_vocab)
+    config = spec.config
+    config.unk_token = vocab[unk_id]
+    config.bos_token = vocab[bos_id]
+    config.eos_token = vocab[eos_id]
+    config.decoder_start_token = vocab[bos_id]  # aiayn decoders start from BOS (Marian: a zero vector)
+    config.add_source_bos = False
+    config.add_source_eos = add_source_eos
+    config.layer_norm_epsilon = cfg.layer_norm_eps
+    spec.validate()
+    return spec
+
+
+def export_ctranslate2(
+    model: Transformer,
+    vocab: list[str],
+    out_dir: str | os.PathLike,
+    tgt_vocab: list[str] | None = None,
+    quantization: str | None = None,
+    *,
+    unk_id: int = UNK_ID,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+    add_source_eos: bool = True,
+    force: bool = False,
+) -> Path:
+    """Write ``model`` as a CTranslate2 model directory and return its path.
+
+    ``vocab``: source id -> piece list (also the target's when ``tgt_vocab`` is None).
+    ``quantization``: None (float32) or a CTranslate2 weight type (int8, int8_float32, int16,
+    float16, bfloat16, ...). ``out_dir`` must not exist unless ``force`` (it is then replaced).
+    Load it with ``ctranslate2.Translator(out_dir)`` and translate piece lists without ``</s>``.
+    """
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists (pass force=True to replace it)")
+    spec = ctranslate2_spec(
+        model, vocab, tgt_vocab, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id, add_source_eos=add_source_eos
+    )
+    spec.optimize(quantization=quantization)  # also validates the quantization name
+    # Build next to the target and swap in, so a failed save never leaves half a model behind.
+    tmp = out.with_name(out.name + ".tmp-export")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        spec.save(str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

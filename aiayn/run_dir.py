@@ -1,0 +1,51 @@
+"""A trained model on disk (the run directory): config.yaml, tokenizer/, model.safetensors, checkpoints/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from aiayn.config import Config, load_config
+from aiayn.data.tokenizer import TokenizerPair
+from aiayn.model import build_model
+from aiayn.train.checkpoint import CheckpointError, checkpoint_paths, list_checkpoints, load_weights
+
+
+@dataclass
+class Run:
+    """A loaded run: its resolved config, the model in eval mode, and its tokenizers."""
+
+    path: Path
+    cfg: Config
+    model: nn.Module
+    tokenizers: TokenizerPair
+
+
+def inference_weights_path(run_dir: str | Path) -> Path:
+    """model.safetensors, or the newest checkpoint when training has not finished yet."""
+    run_dir = Path(run_dir)
+    final = run_dir / "model.safetensors"
+    if final.exists():
+        return final
+    steps = list_checkpoints(run_dir)
+    if steps:
+        return checkpoint_paths(run_dir, steps[-1])[0]
+    raise CheckpointError(f"{run_dir}: no model.safetensors and no checkpoints (is it a run directory?)")
+
+
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu", weights: str | Path | None = None) -> Run:
+    """Read config, tokenizer and weights of a run; the model is on ``device`` in eval mode."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run directory")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{run_dir}: no config.yaml (is it a run directory?)")
+    cfg = load_config(cfg_path)
+    tok = TokenizerPair.load(run_dir / "tokenizer")
+    model = build_model(cfg.model, cfg.task)
+    load_weights(model, weights or inference_weights_path(run_dir))
+    return Run(run_dir, cfg, model.to(device).eval(), tok)

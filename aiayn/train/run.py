@@ -1,0 +1,78 @@
+"""``aiayn train`` and ``aiayn average`` as library functions."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from aiayn.config import Config, load_config
+from aiayn.data.pipeline import build_data
+from aiayn.model import build_model, count_parameters
+from aiayn.train.checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    checkpoint_paths,
+    list_checkpoints,
+    save_weights,
+)
+from aiayn.train.trainer import Trainer, TrainState, init_distributed, pick_device, prepare_run_dir
+
+log = logging.getLogger("aiayn.train")
+
+
+def default_run_dir(config_path: str | Path) -> Path:
+    return Path("runs") / Path(config_path).stem
+
+
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
+    """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
+    d = init_distributed()
+    device = pick_device(cfg.train.device, d)
+    run_dir = prepare_run_dir(cfg, run_dir, resume, d)
+    data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
+    if d.main:  # the vocabulary sizes are now known: record the config the model is built from
+        from aiayn.config import save_config
+
+        save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every process
+    model = build_model(cfg.model, cfg.task)
+    if d.main:
+        log.info("model: %s, %.2fM parameters, device %s, %d process(es)", type(model).__name__,
+                 count_parameters(model) / 1e6, device, d.world)
+    evaluate_extra = None
+    if cfg.train.eval_bleu and cfg.task != "lm":
+        from aiayn.eval.metrics import validation_bleu_fn
+
+        evaluate_extra = validation_bleu_fn(cfg, data, _tok)
+    trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
+    if resume and trainer.resume():
+        if d.main:
+            log.info("resumed from step %d (epoch %d, update %d of the epoch)", trainer.state.step,
+                     trainer.state.epoch, trainer.state.position)
+    state = trainer.train()
+    if d.main:
+        log.info("done: %d updates, %.0f s; run directory %s", state.step, state.elapsed_s, run_dir)
+    return state
+
+
+def train_from_config(config: str | Path, run_dir: str | Path | None = None, overrides: list[str] | None = None,
+                      resume: bool = False, progress: bool = True) -> TrainState:
+    cfg = load_config(config, overrides)
+    return train(cfg, run_dir or default_run_dir(config), resume, progress)
+
+
+def average_run(run_dir: str | Path, last: int = 5) -> Path:
+    """Average the last ``last`` checkpoints into RUN/model.safetensors (atomically)."""
+    steps = list_checkpoints(run_dir)
+    if not steps:
+        raise CheckpointError(f"{run_dir}: no checkpoints to average")
+    if last < 1:
+        raise CheckpointError("--last must be at least 1")
+    chosen = steps[-last:]
+    out = Path(run_dir) / "model.safetensors"
+    avg = average_checkpoints([checkpoint_paths(run_dir, s)[0] for s in chosen])
+    save_weights(avg, out, {"source": f"average of steps {chosen}"})
+    log.info("averaged %d checkpoints (steps %s) into %s", len(chosen), chosen, out)
+    return out

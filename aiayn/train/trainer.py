@@ -1,0 +1,446 @@
+"""The training loop: token-normalized accumulation, the paper's schedule, evaluation, early stopping,
+atomic resumable checkpoints, progress and metrics, and data parallelism through torchrun.
+
+Shapes: B batch, S source length, T target length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aiayn.config import Config, ConfigError, save_config
+from aiayn.data.batching import Batch
+from aiayn.train.checkpoint import (
+    average_checkpoints,
+    checkpoint_paths,
+    list_checkpoints,
+    load_checkpoint,
+    read_weights,
+    save_checkpoint,
+    save_weights,
+    set_rng_state,
+)
+from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.schedule import build_optimizer, learning_rate
+
+log = logging.getLogger("aiayn.train")
+
+
+class TrainData(Protocol):
+    """What the loop needs from a task's data: deterministic epochs of batches, and validation batches."""
+
+    def epoch_batches(self, epoch: int) -> list[Batch]: ...
+
+    @property
+    def valid_batches(self) -> list[Batch]: ...
+
+
+# --- distributed helpers ---------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def sum(self, values: Sequence[float], device: torch.device) -> list[float]:
+        """All-reduce (sum) a few scalars across processes."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def broadcast_flag(self, flag: bool, device: torch.device) -> bool:
+        """Rank 0's decision, for all (so every process stops at the same update)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], device=device)
+        dist.broadcast(t, 0)
+        return bool(t.item())
+
+
+def init_distributed() -> Dist:
+    """Join the process group torchrun set up (WORLD_SIZE > 1), else a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def pick_device(name: str, d: Dist) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_context(precision: str, device: torch.device):
+    """bf16/fp16 autocast on CUDA; fp32 on CPU for ``auto`` (bf16 matmul is not safe on every CPU)."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext(), precision
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype), precision
+
+
+# --- one update ------------------------------------------------------------------------------------
+
+
+def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Teacher-forced logits (B, T, V) for a translation batch (src given) or an LM batch (src None)."""
+    if batch.src is None:
+        return model(batch.tgt_in)
+    return model(batch.src, batch.tgt_in)
+
+
+@dataclass
+class UpdateStats:
+    loss: float  # label-smoothed loss summed over target tokens
+    nll: float  # negative log-likelihood summed over target tokens
+    ntokens: int  # target tokens of the whole update (all micro-batches, all processes)
+    grad_norm: float | None = None
+
+
+def train_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Batch],
+    lr: float,
+    label_smoothing: float,
+    pad_id: int = 0,
+    clip_norm: float | None = None,
+    dist_info: Dist | None = None,
+    autocast=None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> UpdateStats:
+    """One optimizer update over ``micro_batches`` (gradient accumulation).
+
+    Every micro-batch's summed loss is divided by the target tokens of the *whole* update (all
+    micro-batches, all processes), so k accumulated micro-batches give the same gradient as one batch
+    k times larger. DDP averages gradients over processes, so the loss is multiplied by the world size.
+    """
+    d = dist_info or Dist()
+    device = next(model.parameters()).device
+    local_tokens = sum(b.ntokens for b in micro_batches)
+    (total_tokens,) = d.sum([local_tokens], device)
+    scale = d.world / max(total_tokens, 1.0)
+    loss_sum = nll_sum = 0.0
+    ctx = autocast or contextlib.nullcontext()
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with ctx:
+                logits = batch_logits(model, batch)
+            loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id)
+            scaled = loss * scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        loss_sum += loss.item()
+        nll_sum += nll.item()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = None
+    if clip_norm:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, nll_sum = d.sum([loss_sum, nll_sum], device)
+    return UpdateStats(loss_sum, nll_sum, int(total_tokens), grad_norm)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, batches: Sequence[Batch], label_smoothing: float, pad_id: int = 0,
+    dist_info: Dist | None = None, autocast=None,
+) -> dict[str, float]:
+    """Validation loss, NLL per token and perplexity (exp of NLL per token), sharded over processes."""
+    d = dist_info or Dist()
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss = nll = tokens = 0.0
+    for batch in batches[d.rank :: d.world]:
+        batch = batch.to(device)
+        with autocast or contextlib.nullcontext():
+            logits = batch_logits(model, batch)
+        l_, n_ = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id)
+        loss, nll, tokens = loss + l_.item(), nll + n_.item(), tokens + batch.ntokens
+    model.train(was_training)
+    loss, nll, tokens = d.sum([loss, nll, tokens], device)
+    per_tok = nll / max(tokens, 1)
+    return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Where training is: saved in every checkpoint's JSON and restored by --resume."""
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # index of the next update within the current epoch
+    best_valid: float | None = None
+    best_step: int | None = None
+    bad_evals: int = 0
+    elapsed_s: float = 0.0
+    tokens: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("step", "epoch", "position", "best_valid", "best_step",
+                                              "bad_evals", "elapsed_s", "tokens")}
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per log or evaluation) and TensorBoard events if installed."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.tb = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            # Drop what a killed run logged after its last checkpoint: it is about to be redone.
+            keep = [ln for ln in self.path.read_text(encoding="utf-8").splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        elif self.path.exists():
+            self.path.unlink()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except Exception:  # tensorboard is optional
+            self.tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Trainer:
+    """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        data: TrainData,
+        run_dir: str | Path,
+        dist_info: Dist | None = None,
+        device: torch.device | None = None,
+        progress: bool = True,
+        evaluate_extra: Callable[[nn.Module], dict[str, float]] | None = None,
+    ) -> None:
+        self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
+        self.d = dist_info or Dist()
+        self.device = device or torch.device("cpu")
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.progress = progress
+        self.evaluate_extra = evaluate_extra
+        self.state = TrainState()
+        self.autocast, self.precision = autocast_context(cfg.train.precision, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.pad_id = cfg.model.pad_id
+
+    # The module that runs forward/backward: DDP and torch.compile wrap the plain model.
+    def _train_module(self) -> nn.Module:
+        module = self.model
+        if self.cfg.train.compile:
+            module = torch.compile(module)
+        if self.d.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        return module
+
+    def resume(self) -> bool:
+        """Restore the newest complete checkpoint; False when there is none."""
+        steps = list_checkpoints(self.run_dir)
+        if not steps:
+            return False
+        meta = load_checkpoint(self.run_dir, steps[-1], self.model, self.optimizer)
+        st = meta["train_state"]
+        self.state = TrainState(**{k: st[k] for k in TrainState().to_json()})
+        set_rng_state(meta["rng"])
+        if self.d.rank > 0:  # rank 0's RNG was saved; give the others their own dropout streams
+            torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.state.step * 31 + self.d.rank)
+        return True
+
+    def epoch_updates(self, epoch: int) -> list[list[Batch]]:
+        """This process's updates of an epoch: batches dealt round-robin, grouped by accum_steps.
+        Every process gets the same number of updates (a remainder is left for the next epoch's shuffle)."""
+        batches = self.data.epoch_batches(epoch)
+        k, w = self.cfg.train.accum_steps, self.d.world
+        n_updates = len(batches) // (k * w)
+        mine = batches[self.d.rank :: w][: n_updates * k]
+        return [mine[i * k : (i + 1) * k] for i in range(n_updates)]
+
+    def _save(self, keep_last: int) -> None:
+        if self.d.main:
+            protect = {self.state.best_step} if self.state.best_step is not None else set()
+            save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
+                            {"train_state": self.state.to_json(), "world_size": self.d.world},
+                            keep_last=keep_last, protect=protect)
+        self.d.barrier()
+
+    def _evaluate(self, metrics: MetricsLog) -> bool:
+        """Validation; returns True when early stopping says stop."""
+        tc = self.cfg.train
+        result = evaluate_loss(self.model, self.data.valid_batches, tc.label_smoothing, self.pad_id,
+                               self.d, self.autocast)
+        if self.evaluate_extra is not None and self.d.main:
+            result.update(self.evaluate_extra(self.model))
+        st = self.state
+        improved = st.best_valid is None or result["valid_nll"] < st.best_valid - 1e-6
+        if improved:
+            st.best_valid, st.best_step, st.bad_evals = result["valid_nll"], st.step, 0
+        else:
+            st.bad_evals += 1
+        record = {"step": st.step, "epoch": st.epoch, **{k: round(v, 6) for k, v in result.items()},
+                  "best_step": st.best_step}
+        metrics.write(record)
+        if self.d.main:
+            log.info("eval %s", " ".join(f"{k}={v}" for k, v in record.items()))
+        return tc.patience is not None and st.bad_evals >= tc.patience
+
+    def train(self) -> TrainState:
+        """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state."""
+        tc, st = self.cfg.train, self.state
+        metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None)
+        module = self._train_module()
+        module.train()
+        bar = None
+        if self.progress and self.d.main:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=tc.max_updates, initial=st.step, unit="upd", dynamic_ncols=True, mininterval=1.0)
+        d_model = self.cfg.model.d_model
+        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
+        start = time.perf_counter() - st.elapsed_s
+        stop = st.step >= tc.max_updates
+        last_saved = st.step
+        while not stop and (tc.max_epochs is None or st.epoch < tc.max_epochs):
+            updates = self.epoch_updates(st.epoch)
+            if not updates:
+                raise ConfigError("the training data gives no full update: lower data.max_tokens "
+                                  "or train.accum_steps, or add data")
+            while st.position < len(updates) and not stop:
+                micro = [b.to(self.device) for b in updates[st.position]]
+                lr = learning_rate(tc, d_model, st.step + 1)
+                stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
+                                     tc.clip_norm, self.d, self.autocast, self.scaler)
+                st.step += 1
+                st.position += 1
+                st.tokens += stats.ntokens
+                st.elapsed_s = time.perf_counter() - start
+                window["loss"] += stats.loss
+                window["nll"] += stats.nll
+                window["tokens"] += stats.ntokens
+                window["updates"] += 1
+                if bar is not None:
+                    bar.update(1)
+                if st.step % tc.log_every == 0 or st.step == tc.max_updates:
+                    dt = time.perf_counter() - window["t0"]
+                    rec = {"step": st.step, "epoch": st.epoch, "lr": lr,
+                           "train_loss": round(window["loss"] / max(window["tokens"], 1), 5),
+                           "train_nll": round(window["nll"] / max(window["tokens"], 1), 5),
+                           "tokens_per_s": round(window["tokens"] / max(dt, 1e-9), 1),
+                           "elapsed_s": round(st.elapsed_s, 2)}
+                    metrics.write(rec)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{rec['train_loss']:.3f}", lr=f"{lr:.2e}",
+                                        tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+                    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
+                out_of_time = tc.max_minutes is not None and st.elapsed_s >= tc.max_minutes * 60
+                stop = st.step >= tc.max_updates or self.d.broadcast_flag(out_of_time, self.device)
+                if st.step % tc.eval_every == 0 or stop:
+                    stop = self._evaluate(metrics) or stop
+                if st.step % tc.save_every == 0 or stop:
+                    self._save(tc.keep_last)
+                    last_saved = st.step
+            if st.position >= len(updates):
+                st.epoch, st.position = st.epoch + 1, 0
+        if last_saved != st.step:  # max_epochs reached between saves
+            self._evaluate(metrics)
+            self._save(tc.keep_last)
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        if self.d.main:
+            self.write_inference_weights()
+        self.d.barrier()
+        return st
+
+    def write_inference_weights(self) -> Path:
+        """model.safetensors: the last, best or averaged weights, as train.inference_weights says."""
+        tc, out = self.cfg.train, self.run_dir / "model.safetensors"
+        steps = list_checkpoints(self.run_dir)
+        if tc.inference_weights == "average":
+            paths = [checkpoint_paths(self.run_dir, s)[0] for s in steps[-tc.average_last :]]
+            save_weights(average_checkpoints(paths), out, {"source": f"average of steps {steps[-tc.average_last:]}"})
+        elif tc.inference_weights == "best" and self.state.best_step in steps:
+            save_weights(read_weights(checkpoint_paths(self.run_dir, self.state.best_step)[0]), out,
+                         {"source": f"best step {self.state.best_step}"})
+        else:
+            save_weights(self.model, out, {"source": f"last step {self.state.step}"})
+        return out
+
+
+def prepare_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist) -> Path:
+    """Create the run directory, refusing to overwrite an existing run unless resuming it."""
+    run_dir = Path(run_dir)
+    has_run = bool(list_checkpoints(run_dir)) or (run_dir / "model.safetensors").exists()
+    if has_run and not resume:
+        raise ConfigError(f"{run_dir} already holds a training run: pass --resume to continue it "
+                          "or choose another --run-dir")
+    if d.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    d.barrier()
+    return run_dir

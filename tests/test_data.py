@@ -1,0 +1,417 @@
+"""Data layer: tokenizers, corpus readers and their errors, batching, known datasets."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.data import datasets
+from aiayn.data.batching import collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.corpus import (
+    DataError,
+    clean_pairs,
+    describe_clean_stats,
+    read_jsonl,
+    read_jsonl_rows,
+    read_lines,
+    read_parallel,
+    read_text,
+    read_tsv,
+)
+from aiayn.data.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    CharTokenizer,
+    TokenizerPair,
+    load_tokenizer,
+    train_tokenizer,
+    train_tokenizer_pair,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS_EN = "the a cat dog man woman sits runs on in red blue green house street park ball with".split()
+WORDS_DE = "der die das Katze Hund Mann Frau sitzt läuft auf im rot blau grün Haus Straße Park Ball".split()
+
+
+def synthetic(words: list[str], n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> tuple[list[str], list[str]]:
+    return synthetic(WORDS_EN, 300, 0), synthetic(WORDS_DE, 300, 1)
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus, tmp_path_factory):
+    return train_tokenizer(corpus[0] + corpus[1], tmp_path_factory.mktemp("tok"), vocab_size=400)
+
+
+# --- tokenizers -----------------------------------------------------------------------------------
+
+
+def test_bpe_special_ids_and_round_trip(bpe):
+    assert [bpe.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert bpe.kind == "bpe" and 300 <= bpe.vocab_size <= 400
+    # Unseen scripts, emoji, tabs and repeated spaces survive through byte fallback + no normalization.
+    for text in ["the cat sits on the mat", "Straße  grün\tHaus", "日本語のテキスト", "Ελληνικά 🙂 ﬁ x²", ""]:
+        ids = bpe.encode(text)
+        assert UNK_ID not in ids
+        assert bpe.decode(ids) == text
+    ids = bpe.encode("the cat")
+    assert BOS_ID not in ids and EOS_ID not in ids  # encode adds no specials
+    assert bpe.decode([BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]) == "the cat"
+    assert "".join(bpe.pieces("the cat")).replace("\u2581", " ").strip() == "the cat"
+    # Real merges were learnt: a frequent word is one piece, far fewer pieces than characters.
+    assert len(bpe.encode("the house")) <= 3
+
+
+def test_bpe_training_is_deterministic_and_saved(corpus, tmp_path, bpe):
+    again = train_tokenizer(corpus[0] + corpus[1], tmp_path, vocab_size=400)
+    assert again.model_proto == bpe.model_proto
+    loaded = load_tokenizer(tmp_path)
+    text = "a woman runs in the park"
+    assert loaded.encode(text) == bpe.encode(text)
+
+
+def test_bpe_vocab_too_small_is_a_clear_error(corpus):
+    with pytest.raises(ValueError, match="vocab_size=200 is too small.*byte_fallback.*at least 261"):
+        train_tokenizer(corpus[0], vocab_size=200)
+    # The corpus alphabet plus byte pieces does not fit: SentencePiece's error becomes one line.
+    texts = corpus[0] + ["".join(chr(0x4E00 + i) for i in range(60))]
+    with pytest.raises(DataError, match="vocab_size=300 is too small for this corpus.*at least 3"):
+        train_tokenizer(texts, vocab_size=300)
+    no_fallback = train_tokenizer(corpus[0], vocab_size=100, byte_fallback=False)
+    assert no_fallback.encode("日")[-1] == UNK_ID  # after the word-boundary piece
+
+
+def test_shared_and_separate_pairs_round_trip(corpus, tmp_path):
+    src, tgt = corpus
+    shared = train_tokenizer_pair(src, tgt, tmp_path / "shared", shared=True, vocab_size=400)
+    separate = train_tokenizer_pair(src, tgt, tmp_path / "separate", shared=False, vocab_size=350)
+    assert shared.shared and not separate.shared
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["shared.model", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "separate").iterdir()) == ["src.model", "tgt.model", "tokenizer.json"]
+    meta = json.loads((tmp_path / "separate" / "tokenizer.json").read_text())
+    assert meta["kind"] == "bpe" and meta["shared"] is False and meta["tgt_vocab_size"] == separate.tgt.vocab_size
+    for pair, d in ((shared, "shared"), (separate, "separate")):
+        loaded = TokenizerPair.load(tmp_path / d)
+        assert loaded.shared == pair.shared
+        for s, t in zip(src[:50], tgt[:50]):
+            assert loaded.src.encode(s) == pair.src.encode(s)
+            assert loaded.tgt.encode(t) == pair.tgt.encode(t)
+    # Separate vocabularies really differ: German words are single pieces only in the target model.
+    assert separate.tgt.encode("Straße") != separate.src.encode("Straße")
+
+
+def test_char_tokenizer(tmp_path):
+    text = "First Citizen:\nBefore we proceed, hear me speak.\n"
+    tok = train_tokenizer([text], tmp_path, kind="char")
+    assert isinstance(tok, CharTokenizer) and tok.kind == "char"
+    assert tok.vocab_size == 4 + len(set(text))
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("F§") == [tok.encode("F")[0], UNK_ID]  # unseen character
+    assert tok.decode([BOS_ID, *tok.encode("hear"), EOS_ID, PAD_ID]) == "hear"
+    assert load_tokenizer(tmp_path).encode(text) == tok.encode(text)
+    # Ids follow sorted characters, after the four specials.
+    assert tok.id_to_piece(4) == sorted(set(text))[0]
+    pair = TokenizerPair(tok, tok)
+    pair.save(tmp_path / "pair")
+    assert (tmp_path / "pair" / "shared.json").is_file()
+    assert TokenizerPair.load(tmp_path / "pair").src.encode(text) == tok.encode(text)
+
+
+def test_tokenizer_load_errors(tmp_path):
+    with pytest.raises(DataError, match="tokenizer.json: no such file"):
+        TokenizerPair.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a valid tokenizer description"):
+        TokenizerPair.load(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"garbage")
+    with pytest.raises(DataError, match="not a readable SentencePiece model"):
+        load_tokenizer(tmp_path)
+
+
+# --- corpus readers and their errors --------------------------------------------------------------
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def test_read_parallel_plain_and_gz(tmp_path):
+    src = write(tmp_path / "a.en", "Hello  world \r\nsecond line\n\nlast")  # CRLF, blank line, no final newline
+    tgt = write(tmp_path / "a.de.gz", "Hallo  Welt \nzweite Zeile\n\nletzte\n")
+    assert read_parallel(src, tgt) == [
+        ("Hello  world ", "Hallo  Welt "),
+        ("second line", "zweite Zeile"),
+        ("", ""),
+        ("last", "letzte"),
+    ]
+    # U+2028 is not a line break for us (str.splitlines would split there and misalign the files).
+    assert read_lines(write(tmp_path / "b.txt", "a\u2028b\nc\n")) == ["a\u2028b", "c"]
+
+
+def test_mismatched_parallel_files_name_both(tmp_path):
+    src = write(tmp_path / "train.en", "a\nb\nc\n")
+    tgt = write(tmp_path / "train.de", "x\ny\n")
+    with pytest.raises(DataError) as e:
+        read_parallel(src, tgt)
+    msg = str(e.value)
+    assert str(src) in msg and str(tgt) in msg and "3 lines" in msg and "2 lines" in msg
+    assert "\n" not in msg
+
+
+def test_bad_utf8_names_line(tmp_path):
+    path = write(tmp_path / "bad.en", b"fine\nalso fine\nbroken \xff here\n")
+    with pytest.raises(DataError, match=r"bad\.en: line 3: not valid UTF-8 \(byte 0xff at column 8\)"):
+        read_lines(path)
+    gz = write(tmp_path / "bad.en.gz", b"ok\n\xc3\n")
+    with pytest.raises(DataError, match="line 2: not valid UTF-8"):
+        read_lines(gz)
+
+
+def test_missing_empty_and_corrupt_files(tmp_path):
+    ok = write(tmp_path / "ok.de", "x\n")
+    with pytest.raises(DataError, match=r"nope\.en: no such file"):
+        read_parallel(tmp_path / "nope.en", ok)
+    a, b = write(tmp_path / "e.en", ""), write(tmp_path / "e.de", "")
+    with pytest.raises(DataError) as e:
+        read_parallel(a, b)
+    assert "empty corpus" in str(e.value) and str(a) in str(e.value) and str(b) in str(e.value)
+    with pytest.raises(DataError, match="empty corpus"):
+        read_text(write(tmp_path / "empty.txt", ""))
+    trunc = tmp_path / "trunc.gz"
+    trunc.write_bytes(gzip.compress(b"hello world\n" * 100)[:30])
+    with pytest.raises(DataError, match=r"trunc\.gz: not a valid gzip file"):
+        read_lines(trunc)
+
+
+def test_read_text_keeps_everything(tmp_path):
+    text = "ROMEO:\n  But, soft!\r\n\n"
+    assert read_text(write(tmp_path / "t.txt.gz", text)) == text
+
+
+def test_read_tsv(tmp_path):
+    path = write(tmp_path / "c.tsv", "id\ten\tde\n1\tHello \"you\"\tHallo\n2\ta b\tc d\n")
+    assert read_tsv(path, "en", "de") == [('Hello "you"', "Hallo"), ("a b", "c d")]
+    assert read_tsv(path, "de", "en")[1] == ("c d", "a b")
+    # Column indices: no header row.
+    assert read_tsv(path, "1", "2")[0] == ("en", "de")
+    with pytest.raises(DataError, match=r"no column 'fr' in the header row \(columns: id, en, de\)"):
+        read_tsv(path, "en", "fr")
+    short = write(tmp_path / "s.tsv", "en\tde\nhello\tHallo\nalone\n")
+    with pytest.raises(DataError, match=r"s\.tsv: line 3: 1 columns, expected at least 2"):
+        read_tsv(short, "en", "de")
+
+
+def test_read_jsonl(tmp_path):
+    rows = [{"document": "Long text.\nMore.", "summary": "Short.", "id": "1"}, {"document": "B", "summary": "b"}]
+    path = write(tmp_path / "x.jsonl.gz", "\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert read_jsonl(path, "document", "summary") == [("Long text.\nMore.", "Short."), ("B", "b")]
+    assert read_jsonl_rows(path) == rows
+    with pytest.raises(DataError, match=r"x\.jsonl\.gz: line 2: no field 'id'"):
+        read_jsonl(path, "document", "id")
+    bad = write(tmp_path / "bad.jsonl", '{"src": "a", "tgt": "b"}\n{"src": "a", tgt\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl: line 2: not valid JSON"):
+        read_jsonl(bad)
+    typed = write(tmp_path / "typed.jsonl", '{"src": "a", "tgt": 3}\n')
+    with pytest.raises(DataError, match="line 1: field 'tgt' is int, expected a string"):
+        read_jsonl(typed)
+
+
+def test_clean_pairs_drops_and_counts():
+    pairs = [("a b", "x y"), ("", "x"), ("a", "  \t"), ("long " * 9, "y"), ("c", "z")]
+    ids = [([1, 2], [3, 4]), ([], [5]), ([6], [7]), ([8] * 9, [9]), ([10], [11])]
+    kept, stats = clean_pairs(pairs, ids, max_len=9)  # 9 tokens + EOS = 10 > 9
+    assert kept == [0, 4]
+    assert stats == {"empty": 2, "too_long": 1, "kept": 2}
+    assert describe_clean_stats(stats, 9) == (
+        "kept 2 of 5 pairs (dropped 2 with an empty side, 1 longer than 9 tokens)"
+    )
+    assert clean_pairs(pairs, ids, max_len=10)[1]["too_long"] == 0  # 9 + 1 fits exactly
+    assert clean_pairs(pairs)[1] == {"empty": 2, "too_long": 0, "kept": 3}
+
+
+# --- batching -------------------------------------------------------------------------------------
+
+
+def lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    src = [rng.randint(1, 60) for _ in range(n)]
+    return src, [max(1, s + rng.randint(-5, 5)) for s in src]
+
+
+def test_token_batches_budget_coverage_determinism():
+    src, tgt = lengths(2000, 0)
+    src[7] = 700  # longer than the whole budget: its own batch, not dropped
+    budget = 512
+    batches = token_batches(src, tgt, budget, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(2000))
+    for b in batches:
+        cost = len(b) * max(max(src[i], tgt[i]) + 1 for i in b)
+        assert cost <= budget or b == [7]
+    assert [7] in batches
+    assert token_batches(src, tgt, budget, seed=3, epoch=0) == batches
+    other = token_batches(src, tgt, budget, seed=3, epoch=1)
+    assert other != batches and sorted(map(sorted, other)) != sorted(map(sorted, batches))
+    # Batches are filled: on average well over half the budget is used.
+    assert statistics.mean(len(b) * max(max(src[i], tgt[i]) + 1 for i in b) for b in batches) > 0.8 * budget
+
+
+def test_token_batches_group_similar_lengths():
+    src, tgt = lengths(2000, 1)
+    batches = token_batches(src, tgt, 1024, seed=1, epoch=0)
+    spread = statistics.mean(max(src[i] for i in b) - min(src[i] for i in b) for b in batches)
+    rng = random.Random(0)
+    perm = list(range(2000))
+    rng.shuffle(perm)
+    sizes = [len(b) for b in batches]
+    random_batches, pos = [], 0
+    for s in sizes:
+        random_batches.append(perm[pos : pos + s])
+        pos += s
+    random_spread = statistics.mean(max(src[i] for i in b) - min(src[i] for i in b) for b in random_batches)
+    assert spread < 0.25 * random_spread
+    # Without shuffling: sorted, shortest first, and independent of seed and epoch.
+    fixed = token_batches(src, None, 1024, seed=1, shuffle=False)
+    assert fixed == token_batches(src, None, 1024, seed=9, epoch=4, shuffle=False)
+    flat = [src[i] for b in fixed for i in b]
+    assert flat == sorted(flat)
+
+
+def test_collate_exact():
+    batch = collate([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], indices=[4, 2])
+    assert batch.src.tolist() == [[5, 6, 7, EOS_ID], [8, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch.tgt_in.tolist() == [[BOS_ID, 9, 10, PAD_ID], [BOS_ID, 11, 12, 13]]
+    assert batch.tgt_out.tolist() == [[9, 10, EOS_ID, PAD_ID], [11, 12, 13, EOS_ID]]
+    assert batch.src.dtype == torch.long and batch.ntokens == 7 and batch.indices == [4, 2]
+    moved = batch.to("cpu")
+    assert torch.equal(moved.tgt_out, batch.tgt_out) and moved.ntokens == 7 and len(moved) == 2
+
+
+def test_lm_blocks_contiguous_and_deterministic():
+    stream = torch.arange(1000) + 10  # value = position + 10: slices are easy to recognise
+    L = 16
+    blocks = lm_blocks(stream, L, seed=1, epoch=0)
+    assert blocks.shape[1] == L + 1 and blocks.dtype == torch.long
+    starts = sorted(int(b[0]) - 10 for b in blocks)
+    for b in blocks:  # every block is a contiguous slice of the stream
+        s = int(b[0]) - 10
+        assert torch.equal(b, stream[s : s + L + 1])
+    offset = starts[0]
+    assert 0 <= offset < L and starts == list(range(offset, offset + L * len(starts), L))
+    assert len(starts) == (1000 - offset - 1) // L
+    assert torch.equal(lm_blocks(stream, L, seed=1, epoch=0), blocks)
+    moved = [lm_blocks(stream, L, seed=1, epoch=e)[:, 0].sort().values[0].item() for e in range(1, 8)]
+    assert len(set(moved) | {offset + 10}) > 1  # boundaries move between epochs
+    assert not torch.equal(lm_blocks(stream, L, seed=1, epoch=1), blocks)
+    ordered = lm_blocks(stream, L, shuffle=False)
+    assert ordered[0].tolist() == stream[: L + 1].tolist() and ordered.shape[0] == 999 // L
+    batches = lm_batches(blocks, batch_size=8)
+    assert sum(len(b) for b in batches) == blocks.shape[0] and batches[0].src is None
+    first = batches[0]
+    assert torch.equal(first.tgt_in[:, 1:], first.tgt_out[:, :-1])  # target = input shifted by one
+    assert torch.equal(first.tgt_in, blocks[:8, :-1]) and first.ntokens == 8 * L
+    with pytest.raises(ValueError, match="shorter than one block"):
+        lm_blocks(torch.arange(10), 16)
+
+
+# --- known datasets -------------------------------------------------------------------------------
+
+
+def shared_data_dir() -> Path | None:
+    env = os.environ.get("AIAYN_DATA_DIR")
+    candidate = Path(env) if env else REPO.parent / "shared" / "data"
+    return candidate if (candidate / "multi30k").is_dir() else None
+
+
+def test_multi30k_from_data_dir(monkeypatch):
+    data_dir = shared_data_dir()
+    if data_dir is None:
+        pytest.skip("no shared data folder (set AIAYN_DATA_DIR or place it at ../shared/data)")
+    monkeypatch.setenv("AIAYN_DATA_DIR", str(data_dir))
+    pairs = datasets.multi30k_split("val", "en", "de")
+    assert len(pairs) == 1014
+    assert pairs[0][0] == "A group of men are loading cotton onto a truck"
+    assert all(s and t for s, t in pairs)
+    with pytest.raises(DataError, match="multi30k has no split 'dev'.*test_2016_flickr"):
+        datasets.multi30k_split("dev")
+    with pytest.raises(DataError, match=r"multi30k test_2017_mscoco has no language 'cs' \(languages: de, en, fr\)"):
+        datasets.multi30k_split("test_2017_mscoco", "en", "cs")
+
+
+@pytest.fixture
+def fake_dataset(tmp_path, monkeypatch):
+    """A known dataset 'toy' whose source is a file:// URL, with the cache in tmp_path."""
+    (tmp_path / "remote").mkdir()
+    source = write(tmp_path / "remote" / "toy.txt", "hi\n")
+    good = hashlib.sha256(source.read_bytes()).hexdigest()
+    monkeypatch.delenv("AIAYN_DATA_DIR", raising=False)
+    monkeypatch.setenv("AIAYN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(
+        datasets.DATASETS, "toy", datasets.Dataset("toy-dir", {"toy.txt": datasets.RemoteFile(source.as_uri(), good)})
+    )
+    return source, good
+
+
+def test_download_verifies_and_caches(fake_dataset, tmp_path, monkeypatch):
+    source, _ = fake_dataset
+    path = datasets.dataset_path("toy", "toy.txt")
+    assert path == tmp_path / "cache" / "toy-dir" / "toy.txt" and path.read_text() == "hi\n"
+    assert [p.name for p in path.parent.iterdir()] == ["toy.txt"]  # no temp file left behind
+    # Cached: the source is not fetched again.
+    monkeypatch.setattr(datasets, "fetch", lambda url, dest: pytest.fail("fetched again"))
+    assert datasets.dataset_path("toy", "toy.txt") == path
+    # A corrupted cache entry is fetched again.
+    path.write_text("tampered")
+    calls = []
+    monkeypatch.setattr(datasets, "fetch", lambda url, dest: calls.append(url) or dest.write_bytes(b"hi\n"))
+    assert datasets.dataset_path("toy", "toy.txt").read_text() == "hi\n" and calls == [source.as_uri()]
+
+
+def test_download_checksum_mismatch(fake_dataset, tmp_path):
+    source, good = fake_dataset
+    source.write_text("changed upstream\n")
+    with pytest.raises(DataError, match=f"sha256 mismatch \\(expected {good}, got [0-9a-f]{{64}}\\); the download"):
+        datasets.dataset_path("toy", "toy.txt")
+    leftovers = list((tmp_path / "cache").rglob("*"))
+    assert all(p.is_dir() for p in leftovers)  # the bad download was deleted
+
+
+def test_download_failure_and_unknown_names(fake_dataset, tmp_path, monkeypatch):
+    monkeypatch.setitem(
+        datasets.DATASETS,
+        "toy",
+        datasets.Dataset("toy-dir", {"toy.txt": datasets.RemoteFile((tmp_path / "gone.txt").as_uri(), "0" * 64)}),
+    )
+    with pytest.raises(DataError, match="cannot download file://.*gone.txt.*AIAYN_DATA_DIR"):
+        datasets.dataset_path("toy", "toy.txt")
+    with pytest.raises(DataError, match="unknown dataset 'wmt14'.*multi30k"):
+        datasets.dataset_path("wmt14", "x")
+    with pytest.raises(DataError, match="dataset multi30k has no file 'train.xx.gz'"):
+        datasets.dataset_path("multi30k", "train.xx.gz")
+
+
+def test_data_dir_missing_and_tampered(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIAYN_DATA_DIR", str(tmp_path))
+    with pytest.raises(DataError, match=r"tinyshakespeare[/\\]input\.txt: no such file \(AIAYN_DATA_DIR is set"):
+        datasets.tinyshakespeare_text()
+    (tmp_path / "tinyshakespeare").mkdir()
+    write(tmp_path / "tinyshakespeare" / "input.txt", "not it")
+    with pytest.raises(DataError, match="sha256 mismatch.*replace it"):
+        datasets.tinyshakespeare_text()
+    assert (tmp_path / "tinyshakespeare" / "input.txt").exists()  # a user's file is never deleted
