@@ -52,15 +52,16 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
                    barrier=lambda: None) -> TokenizerPair:
     """Load the run's tokenizer, or train it on the training texts (main process) and save it."""
     tdir = tokenizer_dir(run_dir)
-    if not (tdir / "tokenizer.json").exists():
-        if is_main:
-            log.info("training a %s tokenizer (vocab %d, %s) on %d + %d texts", cfg.data.tokenizer,
-                     cfg.data.vocab_size, "shared" if cfg.data.shared_vocab else "separate",
-                     len(texts[0]), len(texts[1]))
-            train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
-                                 vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
-                                 max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed)
-        barrier()
+    # Every process passes the barrier, whatever it saw: a rank that looked after the main one had
+    # already written the tokenizer would otherwise skip it and leave the main one waiting forever.
+    if is_main and not (tdir / "tokenizer.json").exists():
+        log.info("training a %s tokenizer (vocab %d, %s) on %d + %d texts", cfg.data.tokenizer,
+                 cfg.data.vocab_size, "shared" if cfg.data.shared_vocab else "separate",
+                 len(texts[0]), len(texts[1]))
+        train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
+                             vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
+                             max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed)
+    barrier()
     return TokenizerPair.load(tdir)
 
 

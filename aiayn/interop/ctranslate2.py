@@ -220,3 +220,89 @@ def export_ctranslate2(
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+_README = """\
+CTranslate2 export of the aiayn run {run}
+(model: {layers} layers, d_model {d_model}; weights {weights}; quantization {quant})
+
+Files: model.bin, config.json and the vocabularies are CTranslate2's; {tok_files}
+are the run's tokenizer ({kind}, {vocab}), copied so that this directory is self-contained.
+
+The source is the tokenizer's pieces WITHOUT </s> (config.json adds it, as aiayn training did);
+the decoder starts from <s> and stops at </s>.
+
+    import ctranslate2, sentencepiece as spm
+    sp_src = spm.SentencePieceProcessor(model_file="{src_model}")
+    sp_tgt = spm.SentencePieceProcessor(model_file="{tgt_model}")
+    translator = ctranslate2.Translator("{out}", device="cpu")   # compute_type="int8" etc. also work
+    pieces = [sp_src.encode(line, out_type=str) for line in ["{example}"]]
+    results = translator.translate_batch(pieces, beam_size={beam}, length_penalty={alpha},
+                                         max_decoding_length=256, min_decoding_length=0)
+    print([sp_tgt.decode(r.hypotheses[0]) for r in results])
+
+Length penalty: CTranslate2 divides the score by |Y|^length_penalty (aiayn's 'power'). The run's
+config decodes with length_penalty={lp!r}, alpha={alpha}{lp_note}.
+To reproduce aiayn's beam_search(length_penalty='power', stop='exact') token for token,
+also pass patience=1000 (CTranslate2 otherwise stops once beam_size hypotheses have finished),
+return_end_token=True (|Y| counts the EOS step) and
+max_decoding_length=int({a} * (len(pieces) + 1) + {b}) per sentence.
+"""
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantization: str | None = None,
+               *, force: bool = False) -> Path:
+    """``aiayn export ctranslate2 RUN OUT_DIR``: export a run's model with its vocabularies, copy its
+    tokenizer files into ``out_dir`` and write a README.txt there; return ``out_dir``.
+
+    User errors (not a run, a language-model run, ``out_dir`` already there, a bad quantization name)
+    are one-line :class:`~aiayn.config.ConfigError` / :class:`~aiayn.train.checkpoint.CheckpointError`.
+    The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
+    """
+    from aiayn.config import ConfigError
+    from aiayn.run_dir import inference_weights_path, load_run
+
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists: choose a new directory or remove it")
+    run = load_run(run_dir, "cpu")
+    if not isinstance(run.model, Transformer):
+        raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models export to CTranslate2")
+    tok = run.tokenizers
+    vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
+    tgt_vocab = None if tok.shared else [tok.tgt.id_to_piece(i) for i in range(tok.tgt.vocab_size)]
+    stage = out.with_name(out.name + ".tmp-run-export")
+    if stage.exists():
+        shutil.rmtree(stage)
+    try:
+        try:
+            export_ctranslate2(run.model, vocab, stage, tgt_vocab, quantization=quantization)
+        except ValueError as e:  # a bad quantization name, or a vocabulary that does not fit
+            raise ConfigError(f"cannot export {run_dir}: {str(e).splitlines()[0]}") from None
+        tdir = Path(run_dir) / "tokenizer"
+        tok_files = sorted(p.name for p in tdir.iterdir() if p.is_file() and not p.name.startswith("."))
+        for name in tok_files:
+            if (stage / name).exists():
+                raise ConfigError(f"tokenizer file {name} would overwrite a CTranslate2 file")
+            shutil.copy2(tdir / name, stage / name)
+        cfg, d = run.cfg, run.cfg.decode
+        src_model = str(out / ("shared.model" if tok.shared else "src.model"))
+        tgt_model = str(out / ("shared.model" if tok.shared else "tgt.model"))
+        if tok.src.kind != "bpe":
+            src_model = tgt_model = "(a char tokenizer: split the text into characters instead of spm)"
+        readme = _README.format(
+            run=Path(run_dir).resolve(), layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
+            d_model=cfg.model.d_model, weights=inference_weights_path(run_dir).name, quant=quantization or "none",
+            tok_files=", ".join(tok_files), kind=tok.src.kind, vocab="shared" if tok.shared else "separate",
+            src_model=src_model, tgt_model=tgt_model, out=out, example="A sentence to translate.",
+            beam=d.beam, alpha=d.alpha, lp=d.length_penalty, a=d.max_len_a, b=d.max_len_b,
+            lp_note="" if d.length_penalty == "power" else " (not 'power': CTranslate2's beam ranks differently)",
+        )
+        (stage / "README.txt").write_text(readme, encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    return out

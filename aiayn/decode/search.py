@@ -1,0 +1,399 @@
+"""Search on token ids: greedy, batched beam search with length penalties by name, and sampling.
+
+Nothing here knows about text. The functions drive any model exposing
+
+    memory = model.encode(src (B, S), src_mask (B, S) bool)          -> (B, S, D)
+    logits = model.decode(tgt (B, T), memory, memory_mask, cache)    -> (B, T, V)
+    cache  = model.new_cache();  cache.reorder(rows: LongTensor)     (select / repeat / drop rows)
+
+With a cache, ``decode`` receives only the tokens it has not seen yet. A decoder-only LM takes
+``memory=None, memory_mask=None`` (only :func:`sample` uses one).
+
+Shapes: B batch (sentences), S source length, T target length, D model width, V vocabulary,
+N beam size; rows of beam search are sentence-major: row = sentence * N + beam.
+
+Conventions shared by greedy and beam search:
+
+* The output never contains BOS or EOS. ``bos_id`` is the decoder's start token (Hugging Face
+  Marian starts from its pad id, aiayn models from BOS).
+* ``max_len`` of sentence i is ``int(max_len_a * src_len_i + max_len_b)`` with ``src_len_i`` its real
+  (non-pad) length, so batching never changes a sentence's limit; it is capped at the model's
+  ``cfg.max_positions`` (the decoder reads positions 0 .. max_len-1). ``max_len`` bounds the number of
+  *decoding steps*: EOS is one of them. A sentence ended by EOS has at most max_len-1 tokens; one still
+  running at step max_len is cut there and returned with exactly max_len tokens and no EOS, as Hugging
+  Face finalizes unfinished beams (fairseq instead forces an EOS after max_len tokens). Hugging Face's
+  ``max_length`` counts the start token as well: ``max_length = max_len + 1``.
+* ``min_len``: EOS is forbidden until ``min_len`` tokens have been produced (HF ``min_length - 1``).
+* ``|Y|``, the length in the length penalty, is the number of decoding steps of the hypothesis: its
+  tokens **plus the EOS** when it ended with one (a hypothesis cut at max_len has |Y| = max_len). This
+  is Hugging Face's ``cur_len + 1 - decoder_prompt_len`` and fairseq's ``step + 1``.
+
+Models are not switched to eval mode here: callers decode with ``model.eval()`` (dropout off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LENGTH_PENALTIES = ("gnmt", "power", "none")
+STOP_RULES = ("exact", "hf")
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    """One finished beam-search output: ``tokens`` without BOS/EOS, ``score`` the length-penalized
+    score used for ranking, ``logprob`` the sum of the token log-probabilities (EOS included)."""
+
+    tokens: list[int]
+    score: float
+    logprob: float
+
+
+def length_penalty_denominator(length: int, alpha: float, kind: str = "gnmt") -> float:
+    """The number a hypothesis' log-probability is divided by; ``length`` is |Y| (EOS counted).
+
+    ``gnmt``: ((5 + |Y|) / 6) ** alpha (Wu et al. 2016, used by the paper with alpha 0.6);
+    ``power``: |Y| ** alpha (fairseq, Hugging Face, CTranslate2); ``none``: 1.
+    """
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if kind == "power":
+        return float(length) ** alpha
+    if kind == "none":
+        return 1.0
+    raise ValueError(f"unknown length penalty {kind!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
+
+
+def penalized_score(logprob: float, length: int, alpha: float, kind: str = "gnmt") -> float:
+    """score = logprob / length_penalty_denominator(|Y|, alpha, kind)."""
+    return logprob / length_penalty_denominator(length, alpha, kind)
+
+
+def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> list[int]:
+    """Per-sentence decoding-step limits int(a * src_len_i + b) from src_mask (B, S) bool, at least 1
+    and at most the model's ``cfg.max_positions`` when it has one."""
+    cap = getattr(getattr(model, "cfg", None), "max_positions", None)
+    out = []
+    for n in src_mask.sum(dim=1).tolist():
+        m = int(max_len_a * n + max_len_b)
+        if cap is not None:
+            m = min(m, int(cap))
+        out.append(max(1, m))
+    return out
+
+
+# Greedy ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_search(
+    model,
+    src: Tensor,
+    src_mask: Tensor | None = None,
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    min_len: int = 0,
+    bos_id: int = 2,
+    eos_id: int = 3,
+    pad_id: int = 0,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Argmax decoding. src (B, S) ids, src_mask (B, S) bool (default ``src != pad_id``).
+
+    Returns one token list per sentence, without BOS and EOS. Sentences that end drop out of the
+    batch (their rows are removed from the cache), so the remaining steps cost only the live rows.
+    ``use_cache=False`` re-decodes the whole prefix at every step (the reference for cache tests).
+    """
+    if src_mask is None:
+        src_mask = src != pad_id
+    limits = max_lengths(model, src_mask, max_len_a, max_len_b)
+    memory = model.encode(src, src_mask)  # (B, S, D)
+    mem_mask = src_mask
+    B = src.size(0)
+    sent = list(range(B))  # original sentence of each live row
+    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (B', 1 + t)
+    cache = model.new_cache() if use_cache else None
+    out: list[list[int]] = [[] for _ in range(B)]
+    t = 0  # tokens produced so far by every live row
+    while sent:
+        inp = tokens[:, -1:] if cache is not None else tokens
+        logits = model.decode(inp, memory, mem_mask, cache)[:, -1].float()  # (B', V)
+        if t < min_len:
+            logits[:, eos_id] = NEG_INF
+        nxt = logits.argmax(dim=-1)  # (B',)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        ended = (nxt == eos_id).tolist()
+        keep = []
+        for i, s in enumerate(sent):
+            if ended[i] or t + 1 >= limits[s]:
+                seq = tokens[i, 1:].tolist()
+                out[s] = seq[:-1] if ended[i] else seq
+            else:
+                keep.append(i)
+        if len(keep) < len(sent):
+            if not keep:
+                break
+            idx = torch.tensor(keep, dtype=torch.long, device=src.device)
+            tokens, memory, mem_mask = tokens[idx], memory[idx], mem_mask[idx]
+            if cache is not None:
+                cache.reorder(idx)
+            sent = [sent[i] for i in keep]
+        t += 1
+    return out
+
+
+# Beam search -----------------------------------------------------------------------------------------
+
+
+def _offer(pool: list[Hypothesis], hyp: Hypothesis, size: int) -> None:
+    """Insert ``hyp`` into ``pool`` (sorted best first, at most ``size``) if it makes the cut."""
+    if len(pool) >= size and hyp.score <= pool[-1].score:
+        return
+    i = len(pool)
+    while i > 0 and pool[i - 1].score < hyp.score:  # after equal scores: earlier hypotheses win ties
+        i -= 1
+    pool.insert(i, hyp)
+    del pool[size:]
+
+
+def _best_possible(best_live: float, length: int, limit: int, alpha: float, kind: str, stop: str) -> float:
+    """Upper bound on the penalized score any continuation of a live beam can still finish with.
+
+    ``length`` is |Y| of the live beams now. ``exact``: a continuation finishes with |Y'| in
+    [length+1, limit] and logprob' <= best_live <= 0, so its score is at most best_live divided by the
+    largest denominator over that range; the penalties are monotone in |Y|, so it sits at an end
+    (alpha >= 0: at ``limit``; alpha < 0: at length+1).
+    ``hf``: Hugging Face's default heuristic (early_stopping=False) divides by the denominator at the
+    *current* length; with alpha > 0 a longer hypothesis can still beat it, so that rule may stop
+    before the best hypothesis is found.
+    """
+    if stop == "hf":
+        return best_live / length_penalty_denominator(length, alpha, kind)
+    # max over both ends also covers a logprob rounded a hair above 0 (log_softmax of p ~ 1).
+    ends = (length + 1, max(limit, length + 1))
+    return max(best_live / length_penalty_denominator(n, alpha, kind) for n in ends)
+
+
+@torch.no_grad()
+def beam_search(
+    model,
+    src: Tensor,
+    src_mask: Tensor | None = None,
+    beam: int = 4,
+    alpha: float = 0.6,
+    length_penalty: str = "gnmt",
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    nbest: int = 1,
+    min_len: int = 0,
+    stop: str = "exact",
+    bos_id: int = 2,
+    eos_id: int = 3,
+    pad_id: int = 0,
+) -> list[list[Hypothesis]]:
+    """Batched beam search with a KV cache. src (B, S) ids, src_mask (B, S) bool (default ``src != pad_id``).
+
+    Returns, per sentence, up to ``nbest`` finished :class:`Hypothesis`, best (highest penalized
+    score) first. The rules are those of fairseq and Hugging Face, so results can be compared:
+
+    * The encoder runs once; memory, its mask and the cache hold B*N rows, and the cache is reordered
+      with ``cache.reorder`` after every step. At the first step only beam 0 of each sentence is live
+      (the others start at -inf) so N copies of the same prefix are not expanded.
+    * Each step keeps the 2N best (beam, token) candidates by summed logprob. A candidate ending in
+      EOS among the first N of them becomes a finished hypothesis (EOS candidates ranked lower are
+      dropped); the N best non-EOS candidates are the next live beams. At a sentence's max_len the
+      first N candidates are all finalized, EOS or not.
+    * Each sentence keeps its N best finished hypotheses by penalized score (see
+      :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
+      still beat its worst member, judged by ``stop``:
+      ``exact`` (default): a sound upper bound (:func:`_best_possible`), so the result equals running
+      every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
+      for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
+      ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
+      returns the same hypotheses as ``exact``.) Done sentences leave the batch.
+    """
+    if length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"unknown length penalty {length_penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
+    if stop not in STOP_RULES:
+        raise ValueError(f"unknown stop rule {stop!r}; expected one of {', '.join(STOP_RULES)}")
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam (got beam={beam}, nbest={nbest})")
+    if src_mask is None:
+        src_mask = src != pad_id
+    device = src.device
+    B, N = src.size(0), beam
+    limits = max_lengths(model, src_mask, max_len_a, max_len_b)
+    memory = model.encode(src, src_mask)  # (B, S, D)
+    rows = torch.arange(B, device=device).repeat_interleave(N)
+    memory, mem_mask = memory.index_select(0, rows), src_mask.index_select(0, rows)  # (B*N, S, D), (B*N, S)
+    cache = model.new_cache()
+    tokens = torch.full((B * N, 1), bos_id, dtype=torch.long, device=device)  # (B*N, 1 + t)
+    scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
+    scores[:, 0] = 0.0
+    sent = list(range(B))  # original sentence of each live group of N rows
+    pools: list[list[Hypothesis]] = [[] for _ in range(B)]
+    t = 0  # tokens produced so far by every live beam
+    while sent:
+        n = len(sent)
+        logits = model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1]  # (n*N, V)
+        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        if t < min_len:
+            lprobs[:, eos_id] = NEG_INF
+        V = lprobs.size(-1)
+        cand = (scores.unsqueeze(-1) + lprobs.view(n, N, V)).view(n, N * V)
+        top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+        top_beam, top_tok = top_idx // V, top_idx % V
+        length = t + 1  # |Y| of every candidate of this step
+        is_eos = top_tok == eos_id
+
+        # Finished hypotheses: EOS among the first N candidates, or all first N at the limit.
+        lp_l, beam_l, tok_l, eos_l = top_lp.tolist(), top_beam.tolist(), top_tok.tolist(), is_eos.tolist()
+        for i, s in enumerate(sent):
+            at_limit = length >= limits[s]
+            for j in range(min(N, len(lp_l[i]))):
+                if lp_l[i][j] == NEG_INF:
+                    break  # sorted: only impossible candidates follow
+                if eos_l[i][j] or at_limit:
+                    prefix = tokens[i * N + beam_l[i][j], 1:].tolist()
+                    seq = prefix if eos_l[i][j] else prefix + [tok_l[i][j]]
+                    score = penalized_score(lp_l[i][j], length, alpha, length_penalty)
+                    _offer(pools[s], Hypothesis(seq, score, lp_l[i][j]), N)
+
+        # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
+        live_lp = top_lp.masked_fill(is_eos, NEG_INF)
+        order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
+        new_scores = live_lp.gather(1, order)
+        src_rows = torch.arange(n, device=device)[:, None] * N + top_beam.gather(1, order)  # (n, N)
+        new_tok = top_tok.gather(1, order)
+
+        keep = []
+        best_live = new_scores[:, 0].tolist()
+        for i, s in enumerate(sent):
+            pool = pools[s]
+            done = (
+                length >= limits[s]
+                or best_live[i] == NEG_INF  # no live beam can produce anything finite
+                or (
+                    len(pool) == N
+                    and _best_possible(best_live[i], length, limits[s], alpha, length_penalty, stop)
+                    <= pool[-1].score
+                )
+            )
+            if not done:
+                keep.append(i)
+        if not keep:
+            break
+        k = torch.tensor(keep, dtype=torch.long, device=device)
+        next_rows = src_rows.index_select(0, k).reshape(-1)  # (n'*N,) beam reorder and dropped sentences
+        cache.reorder(next_rows)
+        tokens = torch.cat([tokens[next_rows], new_tok.index_select(0, k).reshape(-1, 1)], dim=1)
+        memory, mem_mask = memory[next_rows], mem_mask[next_rows]
+        scores = new_scores.index_select(0, k)
+        sent = [sent[i] for i in keep]
+        t += 1
+    return [pool[:nbest] for pool in pools]
+
+
+# Sampling --------------------------------------------------------------------------------------------
+
+
+def filter_top_k(logits: Tensor, k: int | None) -> Tensor:
+    """Keep the k largest logits of (..., V), set the rest to -inf (ties with the k-th are kept)."""
+    if k is None or k >= logits.size(-1):
+        return logits
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1, got {k}")
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def filter_top_p(logits: Tensor, p: float | None) -> Tensor:
+    """Nucleus filtering of (..., V): keep the smallest set of most probable tokens whose probability
+    mass is >= p (always at least the top token); set the rest to -inf."""
+    if p is None or p >= 1.0:
+        return logits
+    if not 0.0 < p:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more probable tokens
+    drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def _pick(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, gen) -> int:
+    """One token id from logits (V,)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=gen))
+
+
+def _device(model) -> torch.device:
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return p.device if p is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt: Sequence[int] | Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    context_limit: int | None = None,
+) -> Iterator[int]:
+    """Stream up to ``max_new_tokens`` ids from a language model, one at a time, after ``prompt``
+    (a list of ids, a (T,) or a (1, T) tensor; not empty: start it with BOS if the model expects one).
+
+    ``temperature`` 0 is greedy (argmax); otherwise logits / temperature, then top-k, then top-p
+    (nucleus) filtering, then a draw with a ``torch.Generator`` seeded by ``seed`` (None: torch's
+    global RNG). Generation stops after ``eos_id``, which is not yielded. The prompt is prefilled in
+    one call, then one token per step with the cache. The model sees at most ``context_limit`` tokens
+    (default: its ``cfg.max_positions``); once the text is longer, each step re-decodes the last
+    ``context_limit`` tokens without a cache (absolute positions cannot slide inside a cache), as
+    nanoGPT does.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    device = _device(model)
+    tokens = torch.as_tensor(prompt, dtype=torch.long, device=device).reshape(1, -1)  # (1, T)
+    if tokens.size(1) == 0:
+        raise ValueError("sample needs a non-empty prompt (e.g. [bos_id])")
+    if context_limit is None:
+        context_limit = getattr(getattr(model, "cfg", None), "max_positions", None)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    cache = model.new_cache() if use_cache else None
+    pending = tokens  # (1, t): tokens the cache has not seen yet
+    cached = 0
+    for _ in range(max_new_tokens):
+        if cache is not None and context_limit is not None and cached + pending.size(1) > context_limit:
+            cache = None  # past the position table: from here on, slide a window
+        if cache is not None:
+            logits = model.decode(pending, None, None, cache)[0, -1]  # (V,)
+            cached += pending.size(1)
+        else:
+            window = tokens if context_limit is None else tokens[:, -context_limit:]
+            logits = model.decode(window, None, None, None)[0, -1]
+        tok = _pick(logits, temperature, top_k, top_p, gen)
+        if eos_id is not None and tok == eos_id:
+            return
+        yield tok
+        pending = torch.tensor([[tok]], dtype=torch.long, device=device)
+        tokens = torch.cat([tokens, pending], dim=1)
+
+
+def sample_list(model, prompt: Sequence[int] | Tensor, max_new_tokens: int, **kwargs) -> list[int]:
+    """:func:`sample` collected into a list (same arguments)."""
+    return list(sample(model, prompt, max_new_tokens, **kwargs))

@@ -1,0 +1,244 @@
+"""``aiayn evaluate``: score a run on a split of its dataset or on a pair of files, and record it in the run.
+
+Translation (and summarization) runs: decode the sources with :class:`~aiayn.decode.translator.Translator`
+and write ``RUN/eval/<name>.hyp`` (one line per source line) and ``RUN/eval/<name>.json``::
+
+    {"name", "task", "data": {"split"} or {"src", "ref"}, "n_sentences",
+     "scores": {"bleu", "chrf", "bleu_lc_tok"[, "rouge1", "rouge2", "rougeL"]},
+     "signatures": {"bleu", "chrf", "bleu_lc_tok"}, "bleu_detail",
+     "decode": {beam, alpha, length_penalty, max_len_a, max_len_b, max_tokens, device},
+     "run": {"path", "weights", "weights_source", "config_task"}, "truncated_lines", "wall_s", "created"}
+
+``bleu`` / ``chrf`` are sacreBLEU (13a, cased) on detokenized text; ``bleu_lc_tok`` is the Multi30k
+papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.metrics`), a different number.
+Summarization runs also get ROUGE-1/2/L.
+
+Language-model runs: mean NLL per token (nats) and perplexity of the held-out text (the last
+``data.valid_fraction`` of the corpus, in the fixed validation blocks training used).
+
+Files are written atomically (temporary file + rename) so an interrupted evaluation never leaves a
+half-written result in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import Config, ConfigError
+
+log = logging.getLogger("aiayn.eval")
+
+
+def split_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
+    """(source, reference) pairs of a split of the run's dataset.
+
+    ``reverse``: train / valid / test; ``multi30k``: train, val (or valid), test_2016_flickr, ...;
+    parallel files named in the config: train / valid.
+    """
+    ds = cfg.data.dataset
+    if ds == "reverse":
+        from aiayn.data.synthetic import reverse_split
+
+        return reverse_split(split)
+    if ds == "multi30k":
+        from aiayn.data.datasets import multi30k_split
+
+        return multi30k_split("val" if split == "valid" else split, cfg.data.src_lang, cfg.data.tgt_lang)
+    from aiayn.data.pipeline import load_pairs
+
+    return load_pairs(cfg, split)
+
+
+def _check_name(name: str) -> str:
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise ConfigError(f"--name {name!r}: expected a plain file name (no directories)")
+    return name
+
+
+def _default_name(src: str) -> str:
+    p = Path(src)
+    return (p.with_suffix("") if p.suffix == ".gz" else p).stem or "eval"
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _weights_info(run_dir: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    from aiayn.run_dir import inference_weights_path
+
+    path = inference_weights_path(run_dir)
+    info: dict[str, Any] = {"path": str(run_dir), "weights": str(path.relative_to(run_dir))}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "source" in meta:
+            info["weights_source"] = meta["source"]
+    except Exception:  # informational only: load_run has already read and validated the file
+        pass
+    return info
+
+
+def _write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[str] | None) -> Path:
+    import json
+
+    out_dir = run_dir / "eval"
+    out_dir.mkdir(exist_ok=True)
+    if hyps is not None:
+        _atomic_text(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
+    path = out_dir / f"{name}.json"
+    _atomic_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str | None = None,
+                         ref: str | None = None, name: str | None = None, beam: int | None = None,
+                         alpha: float | None = None, length_penalty: str | None = None,
+                         max_tokens: int | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Decode a split (or ``src``, scored against ``ref``), write eval/<name>.json + .hyp; return the record."""
+    from aiayn.data.corpus import read_parallel
+    from aiayn.decode.translator import _one_line, load
+    from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
+
+    run_dir = Path(run_dir)
+    translator = load(run_dir, device=device)
+    cfg = translator.cfg
+    if split is not None:
+        pairs, data_info = split_pairs(cfg, split), {"split": split, "dataset": cfg.data.dataset}
+        name = name or split
+    else:
+        pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
+        name = name or _default_name(src)
+    _check_name(name)
+    sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
+    settings = translator.settings(beam, alpha, length_penalty, max_tokens)
+    _, truncated = translator.encode_sources(sources, warn=False)
+    start = time.perf_counter()
+    hyps = [_one_line(h) for h in translator.translate(sources, beam=beam, alpha=alpha,
+                                                       length_penalty=length_penalty, max_tokens=max_tokens)]
+    wall = time.perf_counter() - start
+
+    sb = sacrebleu_scores(hyps, refs)
+    lc_score, lc_desc = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
+    scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
+    if cfg.task == "summarization":
+        scores.update(rouge_scores(hyps, refs))
+    result = {
+        "name": name,
+        "task": cfg.task,
+        "data": data_info,
+        "n_sentences": len(sources),
+        "scores": {k: round(v, 4) for k, v in scores.items()},
+        "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
+        "bleu_detail": sb["bleu_detail"],
+        "decode": {**asdict(settings), "device": str(device)},
+        "run": _weights_info(run_dir),
+        "truncated_lines": [i + 1 for i in truncated],
+        "wall_s": round(wall, 3),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    result["json_path"] = str(_write_result(run_dir, name, result, hyps))
+    return result
+
+
+def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "cpu") -> dict[str, Any]:
+    """NLL per token (nats) and perplexity of a language-model run's validation text; writes eval/<name>.json."""
+    import torch
+
+    from aiayn.data.pipeline import build_lm_data
+    from aiayn.eval.metrics import perplexity
+    from aiayn.run_dir import load_run
+    from aiayn.train.trainer import evaluate_loss
+
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, device)
+    name = _check_name(name or "valid")
+    data, _ = build_lm_data(run.cfg, run_dir)
+    start = time.perf_counter()
+    with torch.no_grad():
+        res = evaluate_loss(run.model, data.valid_batches, label_smoothing=0.0)
+    wall = time.perf_counter() - start
+    nll = res["valid_nll"]
+    result = {
+        "name": name,
+        "task": "lm",
+        "data": {"split": "valid", "valid_fraction": run.cfg.data.valid_fraction,
+                 "block_size": run.cfg.data.block_size, "n_tokens": int(sum(b.ntokens for b in data.valid_batches))},
+        "scores": {"nll_per_token": round(nll, 6), "ppl": round(perplexity(nll), 4)},
+        "run": _weights_info(run_dir),
+        "wall_s": round(wall, 3),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    result["json_path"] = str(_write_result(run_dir, name, result, None))
+    return result
+
+
+def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None = None, ref: str | None = None,
+                 name: str | None = None, beam: int | None = None, alpha: float | None = None,
+                 length_penalty: str | None = None, max_tokens: int | None = None,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Evaluate a run (see the module docstring); dispatches on the run's task."""
+    from aiayn.config import load_config
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        from aiayn.train.checkpoint import CheckpointError
+
+        what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
+        raise CheckpointError(f"{run_dir}: {what}")
+    if load_config(cfg_path).task == "lm":
+        if src is not None or ref is not None or split not in (None, "valid"):
+            raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref, "
+                              "--split valid at most")
+        return evaluate_lm(run_dir, name, device)
+    if (split is None) == (src is None and ref is None):
+        raise ConfigError("evaluate needs either --split NAME or --src FILE --ref FILE")
+    if split is None and (src is None or ref is None):
+        raise ConfigError("--src and --ref go together")
+    return evaluate_translation(run_dir, split, src, ref, name, beam, alpha, length_penalty, max_tokens, device)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+    s = result["scores"]
+    if result["task"] == "lm":
+        return (f"{result['name']}: {result['data']['n_tokens']} tokens, NLL {s['nll_per_token']:.4f} nats/token, "
+                f"perplexity {s['ppl']:.2f}\nwrote {result['json_path']}")
+    d, sig = result["decode"], result["signatures"]
+    lines = [
+        f"{result['name']}: {result['n_sentences']} sentences, beam {d['beam']}, alpha {d['alpha']} "
+        f"({d['length_penalty']}), {result['wall_s']:.1f} s",
+        f"BLEU        {s['bleu']:6.2f}  {sig['bleu']}",
+        f"chrF        {s['chrf']:6.2f}  {sig['chrf']}",
+        f"BLEU lc-tok {s['bleu_lc_tok']:6.2f}  (lowercased + Moses-tokenized, Multi30k-paper style; not sacreBLEU)",
+    ]
+    for k in ("rouge1", "rouge2", "rougeL"):
+        if k in s:
+            lines.append(f"{k:<11} {s[k]:6.2f}  (rouge-score F1, Porter stemmer)")
+    if result["truncated_lines"]:
+        lines.append(f"{len(result['truncated_lines'])} source line(s) truncated to the model's positions")
+    lines.append(f"wrote {result['json_path']} and {Path(result['json_path']).with_suffix('.hyp')}")
+    return "\n".join(lines)
+
+
+def evaluate_cli(args: argparse.Namespace) -> int:
+    result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, beam=args.beam,
+                          alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens,
+                          device=args.device)
+    print(summary(result))
+    return 0

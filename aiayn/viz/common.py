@@ -1,0 +1,89 @@
+"""What every figure shares: exact pixel sizes, saving, and the optional window.
+
+Figures are made with pyplot so that ``--show`` can open them, but the backend is Agg unless a
+window was asked for (``use_backend``), so nothing needs a display to write a PNG.
+Sizes are in pixels: figure size = pixels / DPI inches, saved at that DPI and without
+``bbox_inches="tight"`` (which would crop and change the size); ``layout="constrained"`` keeps the
+labels inside the canvas instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+
+from aiayn.config import ConfigError
+
+DPI = 100
+log = logging.getLogger("aiayn.viz")
+
+
+def use_backend(show: bool) -> None:
+    """Agg (files only) unless ``show``; with ``show`` keep matplotlib's choice of an interactive backend."""
+    if not show:
+        matplotlib.use("Agg", force=True)
+
+
+def new_figure(width: int | None, height: int | None, default: tuple[int, int]):
+    """A pyplot figure of exactly ``width`` x ``height`` pixels (``default`` where None)."""
+    import matplotlib.pyplot as plt
+
+    w, h = width or default[0], height or default[1]
+    if w < 50 or h < 50:
+        raise ConfigError(f"viz: figure size {w}x{h} px is too small (at least 50x50)")
+    # A thousandth of a pixel more so that float rounding can never lose a pixel.
+    return plt.figure(figsize=((w + 1e-3) / DPI, (h + 1e-3) / DPI), dpi=DPI, layout="constrained")
+
+
+def save_figure(fig, out: str | Path, show: bool = False) -> Path:
+    """Write ``fig`` as a PNG at its exact pixel size; close it unless it is to be shown."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    if out.parent != Path(""):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI, format="png")
+    if not show:
+        plt.close(fig)
+    return out
+
+
+def show_figures() -> None:
+    """Open the figures still open in windows, if the backend can; otherwise say so."""
+    import matplotlib.pyplot as plt
+
+    backend = matplotlib.get_backend().lower()
+    if backend in ("agg", "pdf", "ps", "svg", "cairo", "template") or "inline" in backend:
+        log.warning("--show: no interactive matplotlib backend here (%s); the PNG is written", backend)
+        plt.close("all")
+        return
+    plt.show()
+
+
+def heatmap(ax, data: np.ndarray, title: str, xlabel: str, ylabel: str, cmap: str = "viridis",
+            symmetric: bool = False, colorbar: bool = True, **kwargs):
+    """imshow of a 2-d array with origin top-left (row 0 at the top, like a printed matrix)."""
+    data = np.asarray(data, dtype=np.float64)
+    if symmetric:
+        lim = float(np.nanmax(np.abs(data))) or 1.0
+        kwargs.setdefault("vmin", -lim)
+        kwargs.setdefault("vmax", lim)
+    im = ax.imshow(data, cmap=cmap, aspect="auto", interpolation="nearest", **kwargs)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if colorbar:
+        ax.figure.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
+    return im
+
+
+def suptitle(fig, text: str, fontsize: int = 12) -> None:
+    """A figure title wrapped to the figure's width (about 0.55 em per character)."""
+    width_px = fig.get_figwidth() * fig.dpi
+    chars = max(20, int(width_px / (0.55 * fontsize * fig.dpi / 72)))
+    lines = [w for line in text.splitlines() for w in (textwrap.wrap(line, chars) or [""])]
+    fig.suptitle("\n".join(lines), fontsize=fontsize)

@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny trained run directory (reverse-words task) built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Two cores on CI: one intra-op thread per test process keeps timings predictable.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def shared_data_dir() -> Path | None:
+    """$AIAYN_DATA_DIR or ../shared/data beside the repo, if present."""
+    env = os.environ.get("AIAYN_DATA_DIR")
+    for cand in ([Path(env)] if env else []) + [REPO.parent / "shared" / "data"]:
+        if cand.is_dir():
+            return cand
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """A run directory trained for a few seconds on the reverse task: config, tokenizer, checkpoints,
+    model.safetensors, metrics.jsonl. Good enough to exercise every command; not a quality model."""
+    from aiayn.config import load_config
+    from aiayn.train.run import train
+
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", [
+        "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0",
+        "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20",
+        "train.log_every=10", "data.max_tokens=512", "decode.max_len_b=5",
+        # Short pieces (most words split in several) make targets long, so after 60 updates the toy model
+        # emits varied non-empty output; with whole-word pieces it would still answer EOS at once.
+        "data.vocab_size=300",
+    ])
+    train(cfg, run_dir, progress=False)
+    return run_dir

@@ -1,0 +1,535 @@
+"""Proofs for search (greedy, beam, sampling): a scripted stub model pins beam search by hand
+arithmetic, a brute-force reference proves the exact stopping rule, batch-1 = batch-32, cached =
+uncached, and token-for-token equality with Hugging Face ``generate`` on a random Marian model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from aiayn import build_model, model_config
+from aiayn.decode.search import (
+    Hypothesis,
+    beam_search,
+    filter_top_k,
+    filter_top_p,
+    greedy_search,
+    length_penalty_denominator,
+    sample,
+    sample_list,
+)
+
+PAD, BOS, EOS = 0, 2, 3
+A, B, C = 4, 5, 6  # ordinary tokens of the stub vocabulary
+V_STUB = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matrices on a shared 2-core machine: extra threads only contend (10x slower), and one
+    # thread also makes the float results independent of the machine's core count.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# A scripted stub model --------------------------------------------------------------------------------
+
+
+class StubCache:
+    """Remembers each row's tokens (BOS first); ``reorder`` selects rows like the real KV cache."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] | None = None
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        self.rows = [list(self.rows[i]) for i in indices.tolist()]
+
+
+class StubModel:
+    """Next-token probabilities scripted as a function of the prefix (the tokens after BOS).
+
+    ``scripts[k]`` drives source sentence ``[[k + 4]]`` (see :func:`stub_src`): a dict
+    prefix tuple -> {token: probability} (unscripted prefixes get ``default``, EOS with probability 1),
+    or a callable prefix -> such a dict. Tokens not listed have probability 0. ``decoded`` records
+    every prefix the search asked about, to prove when it stopped.
+    """
+
+    def __init__(self, *scripts, default=None) -> None:
+        self.scripts = scripts
+        self.default = default or {EOS: 1.0}
+        self.decoded: list[tuple[int, ...]] = []
+        self.calls = 0
+
+    def encode(self, src, src_mask=None):
+        return (src[:, :1] - 4).float().unsqueeze(-1)  # (B, 1, 1): which script
+
+    def new_cache(self) -> StubCache:
+        return StubCache()
+
+    def distribution(self, k: int, prefix: tuple[int, ...]) -> dict[int, float]:
+        script = self.scripts[k]
+        return script(prefix) if callable(script) else script.get(prefix, self.default)
+
+    def decode(self, tgt, memory, memory_mask, cache=None):
+        self.calls += 1
+        rows = tgt.tolist()
+        if cache is not None:
+            cache.rows = rows if cache.rows is None else [r + n for r, n in zip(cache.rows, rows)]
+            rows = cache.rows
+        logits = torch.zeros(len(rows), tgt.size(1), V_STUB)  # only the last position is read
+        for i, row in enumerate(rows):
+            prefix = tuple(row[1:])
+            self.decoded.append(prefix)
+            k = int(memory[i, 0, 0]) if memory is not None else 0
+            probs = torch.zeros(V_STUB, dtype=torch.float64)
+            for tok, p in self.distribution(k, prefix).items():
+                probs[tok] = p
+            logits[i, -1] = probs.log().float()
+        return logits
+
+    def max_decoded(self) -> int:
+        return max(len(p) for p in self.decoded)
+
+
+def stub_src(*ks: int) -> torch.Tensor:
+    return torch.tensor([[k + 4] for k in ks])
+
+
+def hyps(model, src, **kw) -> list[list[Hypothesis]]:
+    kw.setdefault("max_len_a", 0.0)
+    kw.setdefault("max_len_b", 10)
+    return beam_search(model, src, nbest=kw.pop("nbest", kw.get("beam", 4)), **kw)
+
+
+def check(got: list[Hypothesis], expected: list[tuple[list[int], float, float]]) -> None:
+    assert [h.tokens for h in got] == [e[0] for e in expected]
+    for h, (_, score, logprob) in zip(got, expected):
+        assert h.score == pytest.approx(score, abs=1e-5)
+        assert h.logprob == pytest.approx(logprob, abs=1e-5)
+
+
+def gnmt(n: int, alpha: float = 1.0) -> float:
+    return ((5 + n) / 6) ** alpha
+
+
+ln = math.log
+
+# Case 1: beam finds what greedy misses. Greedy: A (.5) then EOS (.4) -> [A], probability .20.
+SCRIPT_1 = {
+    (): {A: 0.5, B: 0.4, EOS: 0.1},
+    (A,): {EOS: 0.4, C: 0.35, B: 0.25},
+    (B,): {EOS: 0.9, A: 0.1},
+}
+# Case 2: the empty hypothesis finished at step 1 (.30) stays best under `none` although a live beam
+# (A C, .40) was more probable at step 2: none of its continuations can end above .30.
+SCRIPT_2 = {
+    (): {A: 0.5, EOS: 0.3, B: 0.2},
+    (A,): {C: 0.8, EOS: 0.2},
+    (B,): {EOS: 0.9, C: 0.1},
+    (A, C): {EOS: 0.6, C: 0.4},
+}
+# Case 3: B C C C C (probability .07 at step 2, then certain) wins only with the power penalty, only
+# if the search does not stop at step 2, where Hugging Face's default heuristic gives up.
+SCRIPT_3 = {
+    (): {A: 0.4, B: 0.35, C: 0.25},
+    (A,): {EOS: 0.9, C: 0.1},
+    (B,): {EOS: 0.8, C: 0.2},
+    (B, C): {C: 1.0},
+    (B, C, C): {C: 1.0},
+    (B, C, C, C): {C: 1.0},
+}
+
+
+# 1. Beam search pinned by hand ------------------------------------------------------------------------
+
+
+def test_case1_greedy_and_beam2_differ():
+    m = StubModel(SCRIPT_1)
+    assert greedy_search(m, stub_src(0), max_len_a=0, max_len_b=10) == [[A]]
+    # Beam 2. Step 1 (|Y| = 1): A .5, B .4 live; EOS (.1) ranks 3rd > N = 2, so it is dropped.
+    # Step 2 (|Y| = 2): B EOS .36, A EOS .20 (both in the first 2: finished), A C .175, A B .125 live.
+    # none: best live ln .175 <= worst finished ln .20: stop.
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="none")[0],
+        [([B], ln(0.36), ln(0.36)), ([A], ln(0.2), ln(0.2))],
+    )
+    assert m.max_decoded() == 1  # never expanded A C or A B
+    # power, alpha 1: finished [B] ln .36 / 2, [A] ln .20 / 2; bound ln .175 / 10 (max_len) is higher,
+    # so go on. Step 3 (|Y| = 3, unscripted -> EOS): A C EOS ln .175 / 3 = -0.581 beats [A] (-0.805);
+    # A B EOS ln .125 / 3 = -0.693 does not. No live beam left: stop.
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="power", alpha=1.0)[0],
+        [([B], ln(0.36) / 2, ln(0.36)), ([A, C], ln(0.175) / 3, ln(0.175))],
+    )
+    # gnmt, alpha 1: denominators (5 + |Y|) / 6: [B] ln .36 / (7/6) = -0.876, [A] -1.380; bound
+    # ln .175 / (15/6) = -0.697 > -1.380; step 3: A C EOS ln .175 / (8/6) = -1.307 replaces [A].
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="gnmt", alpha=1.0)[0],
+        [([B], ln(0.36) / gnmt(2), ln(0.36)), ([A, C], ln(0.175) / gnmt(3), ln(0.175))],
+    )
+    # The paper's alpha 0.6: same trace, ((5 + |Y|) / 6) ** 0.6.
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="gnmt", alpha=0.6)[0],
+        [([B], ln(0.36) / gnmt(2, 0.6), ln(0.36)), ([A, C], ln(0.175) / gnmt(3, 0.6), ln(0.175))],
+    )
+
+
+def test_case2_beam3_finished_hypothesis_is_not_beaten_by_a_live_one_that_cannot_improve():
+    m = StubModel(SCRIPT_2)
+    assert greedy_search(m, stub_src(0), max_len_a=0, max_len_b=10) == [[A, C]]
+    # Beam 3. Step 1: A .5, EOS .3, B .2 in the first 3 -> [] finished (|Y| = 1, ln .3); A, B live.
+    # Step 2: A C .40, B EOS .18, A EOS .10, B C .02 -> [B], [A] finished; A C, B C live.
+    #   The pool is full, but live A C (ln .40) is above every finished logprob: go on.
+    # Step 3: A C EOS .24 finished (replaces [A]); A C C .16 live; B C EOS .02 finished, too low.
+    #   none: best live ln .16 <= worst finished ln .18: stop. [] stays first.
+    check(
+        hyps(m, stub_src(0), beam=3, length_penalty="none")[0],
+        [([], ln(0.3), ln(0.3)), ([A, C], ln(0.24), ln(0.24)), ([B], ln(0.18), ln(0.18))],
+    )
+    assert m.max_decoded() == 2  # A C was expanded, A C C never
+    # power, alpha 1: [] ln .3 / 1, [B] ln .18 / 2, [A] ln .1 / 2; step 3: A C ln .24 / 3 = -0.476;
+    # bound ln .16 / 10 > worst, so step 4: A C C EOS ln .16 / 4 = -0.458 wins (longest first).
+    check(
+        hyps(m, stub_src(0), beam=3, length_penalty="power", alpha=1.0)[0],
+        [([A, C, C], ln(0.16) / 4, ln(0.16)), ([A, C], ln(0.24) / 3, ln(0.24)), ([B], ln(0.18) / 2, ln(0.18))],
+    )
+    # gnmt, alpha 1: [] -1.204, [B] ln .18 / (7/6) = -1.470, [A] -1.974; step 3: A C ln .24 / (8/6)
+    # = -1.070 (first); bound ln .16 / (15/6) = -0.733 > -1.470; step 4: A C C ln .16 / (9/6) = -1.222
+    # replaces [B].
+    check(
+        hyps(m, stub_src(0), beam=3, length_penalty="gnmt", alpha=1.0)[0],
+        [([A, C], ln(0.24) / gnmt(3), ln(0.24)), ([], ln(0.3), ln(0.3)), ([A, C, C], ln(0.16) / gnmt(4), ln(0.16))],
+    )
+
+
+def test_case3_longer_hypothesis_wins_only_by_length_penalty_and_exact_stopping():
+    # Step 1: A .4, B .35 live. Step 2 (|Y| = 2): A EOS .36, B EOS .28 finished; B C .07, A C .04 live.
+    m = StubModel(SCRIPT_3)
+    # none: best live ln .07 <= ln .28: stop at once.
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="none")[0],
+        [([A], ln(0.36), ln(0.36)), ([B], ln(0.28), ln(0.28))],
+    )
+    assert m.max_decoded() == 1
+    # power, alpha 1, exact: bound ln .07 / 10 = -0.266 > worst ln .28 / 2 = -0.637: go on; B C C C C
+    # EOS ends at |Y| = 6 with ln .07 / 6 = -0.443 > ln .36 / 2 = -0.511: the long one wins.
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="power", alpha=1.0)[0],
+        [([B, C, C, C, C], ln(0.07) / 6, ln(0.07)), ([A], ln(0.36) / 2, ln(0.36))],
+    )
+    # power, alpha 1, Hugging Face's heuristic: ln .07 / 2 (current length) = -1.330 < -0.637: stop.
+    m = StubModel(SCRIPT_3)
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="power", alpha=1.0, stop="hf")[0],
+        [([A], ln(0.36) / 2, ln(0.36)), ([B], ln(0.28) / 2, ln(0.28))],
+    )
+    assert m.max_decoded() == 1
+    # gnmt, alpha 1: bound ln .07 / (15/6) = -1.064 > worst ln .28 / (7/6) = -1.091, so the search
+    # follows B C C C C, whose ln .07 / (11/6) = -1.450 does not make the cut.
+    m = StubModel(SCRIPT_3)
+    check(
+        hyps(m, stub_src(0), beam=2, length_penalty="gnmt", alpha=1.0)[0],
+        [([A], ln(0.36) / gnmt(2), ln(0.36)), ([B], ln(0.28) / gnmt(2), ln(0.28))],
+    )
+    assert m.max_decoded() == 5
+
+
+def test_stub_cases_batched_together_equal_alone():
+    alone = [hyps(StubModel(s), stub_src(0), beam=2, length_penalty="power", alpha=1.0)[0]
+             for s in (SCRIPT_1, SCRIPT_2, SCRIPT_3)]
+    together = hyps(StubModel(SCRIPT_1, SCRIPT_2, SCRIPT_3), stub_src(0, 1, 2, 1, 0), beam=2,
+                    length_penalty="power", alpha=1.0)
+    assert together == [alone[0], alone[1], alone[2], alone[1], alone[0]]
+
+
+def test_max_len_is_per_sentence_and_cut_hypotheses_are_finalized():
+    never_ends = StubModel({}, default={A: 0.5, B: 0.5 - 1e-3, EOS: 1e-3})
+    src = torch.tensor([[4, 9, 0, 0, 0], [4, 9, 9, 9, 9]])  # real lengths 2 and 5 (pad 0)
+    # int(0.5 * 2 + 2) = 3 and int(0.5 * 5 + 2) = 4 decoding steps.
+    assert greedy_search(never_ends, src, max_len_a=0.5, max_len_b=2) == [[A] * 3, [A] * 4]
+    out = beam_search(never_ends, src, beam=2, alpha=1.0, length_penalty="power", max_len_a=0.5, max_len_b=2,
+                      nbest=2)
+    # Unfinished beams are finalized at the limit without EOS, |Y| = max_len.
+    assert out[0][0].tokens == [A] * 3 and out[1][0].tokens == [A] * 4
+    assert out[0][0].score == pytest.approx(3 * ln(0.5) / 3, abs=1e-4)
+    # The runner-up is one B among three tokens (A A B, A B A and B A A tie; which one is unspecified).
+    assert sorted(out[0][1].tokens) == [A, A, B]
+    assert out[0][1].score == pytest.approx((2 * ln(0.5) + ln(0.499)) / 3, abs=1e-4)
+    # min_len: EOS is forbidden until min_len tokens exist.
+    eager = StubModel({}, default={EOS: 0.9, A: 0.1})
+    assert greedy_search(eager, stub_src(0), max_len_b=10, min_len=2) == [[A, A]]
+    assert beam_search(eager, stub_src(0), beam=2, max_len_b=10, min_len=2)[0][0].tokens == [A, A]
+
+
+# 2. The exact stopping rule equals running to max_len (brute force) --------------------------------
+
+
+def reference_beam(dist, beam: int, alpha: float, kind: str, max_len: int) -> list[tuple[list[int], float]]:
+    """Beam search by definition: same candidate rules, no early stop, every step to max_len."""
+    live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    pool: list[tuple[float, list[int]]] = []
+    for step in range(1, max_len + 1):
+        cands = [(lp + ln(p), prefix, tok) for prefix, lp in live for tok, p in dist(prefix).items() if p > 0]
+        cands.sort(key=lambda c: -c[0])
+        cands = cands[: 2 * beam]
+        for lp, prefix, tok in cands[:beam]:
+            if tok == EOS or step == max_len:
+                seq = list(prefix) if tok == EOS else [*prefix, tok]
+                pool.append((lp / length_penalty_denominator(step, alpha, kind), seq))
+        live = [((*prefix, tok), lp) for lp, prefix, tok in cands if tok != EOS][:beam]
+        if not live:
+            break
+    pool.sort(key=lambda h: -h[0])
+    return [(seq, score) for score, seq in pool[:beam]]
+
+
+def random_script(seed: int):
+    def dist(prefix: tuple[int, ...]) -> dict[int, float]:
+        rng = random.Random(f"{seed}/{prefix}")
+        weights = [rng.random() ** 2 for _ in range(4)]  # EOS, A, B, C; squared: peakier
+        total = sum(weights)
+        return {tok: w / total for tok, w in zip((EOS, A, B, C), weights)}
+
+    return dist
+
+
+@pytest.mark.parametrize("kind,alpha", [("none", 0.0), ("gnmt", 0.6), ("gnmt", 2.0), ("power", 1.0),
+                                        ("power", -0.5)])
+def test_exact_stop_equals_brute_force(kind, alpha):
+    max_len, stopped_early = 7, 0
+    for seed in range(6):
+        for beam in (1, 2, 3, 4):
+            m = StubModel(random_script(seed))
+            got = beam_search(m, stub_src(0), beam=beam, alpha=alpha, length_penalty=kind, max_len_a=0,
+                              max_len_b=max_len, nbest=beam)[0]
+            want = reference_beam(random_script(seed), beam, alpha, kind, max_len)
+            assert [h.tokens for h in got] == [w[0] for w in want], (seed, beam)
+            assert [h.score for h in got] == pytest.approx([w[1] for w in want], abs=1e-5)
+            stopped_early += m.max_decoded() < max_len - 1
+    assert stopped_early > 0  # the stopping rule was exercised, not just the step limit
+
+
+# 3. Batch 1 = batch 32, cached = uncached (random tiny models) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mt():
+    torch.manual_seed(1)
+    m = build_model(model_config("tiny", vocab_size=50, dropout=0.0, output_bias=True)).eval()
+    with torch.no_grad():
+        m.decoder.output_bias[EOS] = 3.0  # a random model rarely ends; this one ends at varied lengths
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 16, (32,), generator=g)
+    src = torch.full((32, int(lengths.max())), PAD)
+    for i, n in enumerate(lengths.tolist()):
+        src[i, :n] = torch.randint(4, 50, (n,), generator=g)
+    return m, src, lengths
+
+
+def test_greedy_batch_of_32_equals_one_at_a_time_and_uncached(tiny_mt):
+    m, src, lengths = tiny_mt
+    batched = greedy_search(m, src, max_len_a=1.0, max_len_b=5)
+    limits = [n + 5 for n in lengths.tolist()]
+    assert any(len(o) < lim for o, lim in zip(batched, limits)), "no sentence ended by EOS"
+    assert any(len(o) == lim for o, lim in zip(batched, limits)), "no sentence cut at max_len"
+    for i, n in enumerate(lengths.tolist()):
+        assert greedy_search(m, src[i : i + 1, :n], max_len_a=1.0, max_len_b=5) == [batched[i]]
+    assert greedy_search(m, src, max_len_a=1.0, max_len_b=5, use_cache=False) == batched
+
+
+@pytest.mark.parametrize("kind", ["gnmt", "power"])
+def test_beam_batch_of_32_equals_one_at_a_time(tiny_mt, kind):
+    m, src, lengths = tiny_mt
+    kw = dict(beam=4, alpha=0.6, length_penalty=kind, max_len_a=1.0, max_len_b=5, nbest=2)
+    batched = beam_search(m, src, **kw)
+    assert len({len(h[0].tokens) for h in batched}) > 3  # varied lengths: some end early
+    for i, n in enumerate(lengths.tolist()):
+        alone = beam_search(m, src[i : i + 1, :n], **kw)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], abs=1e-5)
+        assert [h.logprob for h in alone] == pytest.approx([h.logprob for h in batched[i]], abs=1e-5)
+
+
+def test_beam_1_equals_greedy(tiny_mt):
+    m, src, _ = tiny_mt
+    greedy = greedy_search(m, src, max_len_b=5)
+    assert [h[0].tokens for h in beam_search(m, src, beam=1, max_len_b=5, length_penalty="none")] == greedy
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    torch.manual_seed(2)
+    return build_model(model_config("tiny", vocab_size=50, dropout=0.0, max_positions=64), "lm").eval()
+
+
+def greedy_reference(lm, prompt: list[int], n: int, window: int) -> list[int]:
+    """Argmax of a full forward pass over the last ``window`` tokens, n times (no cache)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = lm(torch.tensor([tokens[-window:]]))[0, -1]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def test_lm_cached_equals_uncached_and_sliding_window(tiny_lm):
+    prompt = [BOS, 7, 8, 9]
+    ref = greedy_reference(tiny_lm, prompt, 30, window=64)
+    assert sample_list(tiny_lm, prompt, 30, temperature=0) == ref
+    assert sample_list(tiny_lm, prompt, 30, temperature=0, use_cache=False) == ref
+    # Past the context limit the model sees the last 16 tokens only (cached start, then windowed).
+    ref16 = greedy_reference(tiny_lm, prompt, 30, window=16)
+    assert sample_list(tiny_lm, prompt, 30, temperature=0, context_limit=16) == ref16
+    assert sample_list(tiny_lm, prompt, 30, temperature=0, context_limit=16, use_cache=False) == ref16
+    # The default limit is the model's max_positions (64): 100 tokens do not overflow the table.
+    assert len(sample_list(tiny_lm, prompt, 100, seed=0)) == 100
+
+
+# 4. Sampling ------------------------------------------------------------------------------------------
+
+
+def test_sampling_is_seeded_and_degenerates_to_greedy(tiny_lm):
+    prompt = [BOS, 11]
+    greedy = greedy_reference(tiny_lm, prompt, 20, window=64)
+    a = sample_list(tiny_lm, prompt, 20, temperature=1.0, seed=123)
+    assert sample_list(tiny_lm, prompt, 20, temperature=1.0, seed=123) == a
+    assert a != greedy  # sampling at temperature 1 actually samples (fixed seed: deterministic)
+    assert sample_list(tiny_lm, prompt, 20, temperature=0.0) == greedy
+    assert sample_list(tiny_lm, prompt, 20, temperature=1e-6, seed=5) == greedy
+    assert sample_list(tiny_lm, prompt, 20, top_k=1, seed=5) == greedy
+    assert sample_list(tiny_lm, torch.tensor([prompt]), 20, top_p=1e-9, seed=5) == greedy
+
+
+def test_sample_streams_and_stops_at_eos():
+    m = StubModel({}, default={A: 0.5, EOS: 0.5})
+    stream = sample(m, [BOS], 100, seed=0)
+    assert m.calls == 0  # lazy: nothing runs before the first token is asked for
+    first = next(stream)
+    assert m.calls == 1 and first in (A, EOS)
+    rest = list(stream)
+    out = [first, *rest]
+    assert EOS in out and len(out) == 100  # without eos_id, EOS is just another token
+    ended = sample_list(m, [BOS], 100, seed=0, eos_id=EOS)
+    assert ended == out[: out.index(EOS)]  # same draws; EOS ends the stream and is not yielded
+
+
+def test_top_p_sampling_stays_in_the_nucleus():
+    m = StubModel({}, default={A: 0.5, B: 0.3, C: 0.15, EOS: 0.05})
+    draws = sample_list(m, [BOS], 400, top_p=0.75, seed=0)
+    assert set(draws) == {A, B}
+    assert abs(draws.count(A) / 400 - 0.5 / 0.8) < 0.08  # renormalized inside the nucleus
+
+
+def test_filter_top_p_keeps_smallest_set_with_enough_mass():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])  # sorted: 0.5 (id 1), 0.3 (id 3), 0.15 (id 0), 0.05 (id 2)
+    logits = probs.log()
+    kept = lambda p: set(torch.isfinite(filter_top_p(logits, p)).nonzero().flatten().tolist())
+    assert kept(0.4) == {1}  # 0.5 >= 0.4 alone
+    assert kept(0.7) == {1, 3}  # 0.5 < 0.7 <= 0.8
+    assert kept(0.9) == {1, 3, 0}  # 0.8 < 0.9 <= 0.95
+    assert kept(0.99) == {0, 1, 2, 3}
+    assert kept(1.0) == {0, 1, 2, 3}
+    assert torch.equal(filter_top_p(logits, 0.7)[[1, 3]], logits[[1, 3]])  # kept logits unchanged
+    batch = torch.stack([logits, logits.flip(0)])  # (2, V): filters each row
+    assert torch.isfinite(filter_top_p(batch, 0.7)).tolist() == [[False, True, False, True], [True, False, True, False]]
+
+
+def test_filter_top_k():
+    logits = torch.tensor([1.0, 4.0, 2.0, 3.0])
+    assert torch.isfinite(filter_top_k(logits, 2)).tolist() == [False, True, False, True]
+    assert torch.equal(filter_top_k(logits, None), logits)
+    assert torch.equal(filter_top_k(logits, 10), logits)
+
+
+def test_bad_arguments_are_refused():
+    m = StubModel(SCRIPT_1)
+    with pytest.raises(ValueError, match="length penalty"):
+        beam_search(m, stub_src(0), length_penalty="wu")
+    with pytest.raises(ValueError, match="stop"):
+        beam_search(m, stub_src(0), stop="never")
+    with pytest.raises(ValueError, match="nbest"):
+        beam_search(m, stub_src(0), beam=2, nbest=3)
+    with pytest.raises(ValueError, match="temperature"):
+        next(sample(m, [BOS], 3, temperature=-1))
+
+
+# 5. Token for token with Hugging Face generate() ------------------------------------------------------
+
+L_HF = 12  # decoding steps; HF's max_length counts the decoder start token: L_HF + 1
+
+
+@pytest.fixture(scope="module")
+def marian():
+    transformers = pytest.importorskip("transformers")
+    marian_interop = pytest.importorskip("aiayn.interop.marian")
+    cfg = transformers.MarianConfig(
+        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, activation_function="relu",
+        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=EOS, decoder_start_token_id=0, forced_eos_token_id=None,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=128,
+        init_std=0.2,  # the default 0.02 gives a model that ignores its source
+    )
+    torch.manual_seed(6)
+    hf = transformers.MarianMTModel(cfg).eval()
+    with torch.no_grad():
+        hf.final_logits_bias[0, EOS] = 1.5  # outputs end at varied lengths (seed and bias chosen so)
+    g = torch.Generator().manual_seed(6)
+    lengths = [9, 5, 12, 3, 7, 10]
+    src = torch.full((len(lengths), max(lengths)), 0)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = torch.randint(4, 64, (n - 1,), generator=g)
+        src[i, n - 1] = EOS
+    return hf, marian_interop.from_hf_marian(hf).eval(), src
+
+
+def hf_generate(hf, src, **kw):
+    # Everything that could change the search is pinned, whatever the generation config says.
+    kw = dict(attention_mask=src != 0, max_length=L_HF + 1, min_length=0, do_sample=False,
+              no_repeat_ngram_size=0, bad_words_ids=None, forced_eos_token_id=None, forced_bos_token_id=None,
+              repetition_penalty=1.0, output_scores=True, return_dict_in_generate=True, **kw)
+    with torch.no_grad():
+        return hf.generate(src, **kw)
+
+
+def hf_tokens(seq: torch.Tensor) -> list[int]:
+    """Drop the start token; cut at the first EOS (the rest is padding)."""
+    s = seq[1:].tolist()
+    return s[: s.index(EOS)] if EOS in s else s
+
+
+# Marian starts decoding from its pad id (0) and pads the source with 0.
+MARIAN_IDS = dict(bos_id=0, eos_id=EOS, pad_id=0, max_len_a=0.0, max_len_b=L_HF)
+
+
+def test_greedy_equals_hf_generate(marian):
+    hf, ours, src = marian
+    want = [hf_tokens(s) for s in hf_generate(hf, src, num_beams=1).sequences]
+    assert greedy_search(ours, src, **MARIAN_IDS) == want
+    assert any(0 < len(w) < L_HF for w in want) and any(len(w) == L_HF for w in want)
+
+
+@pytest.mark.parametrize("early_stopping,stop", [(False, "hf"), ("never", "exact")])
+def test_beam_equals_hf_generate(marian, early_stopping, stop):
+    hf, ours, src = marian
+    out = hf_generate(hf, src, num_beams=4, num_return_sequences=4, length_penalty=1.0,
+                      early_stopping=early_stopping)
+    want = [hf_tokens(s) for s in out.sequences]
+    got = beam_search(ours, src, beam=4, alpha=1.0, length_penalty="power", nbest=4, stop=stop, **MARIAN_IDS)
+    assert [h.tokens for hs in got for h in hs] == want
+    assert [h.score for hs in got for h in hs] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+    best = want[::4]
+    assert any(0 < len(w) < L_HF for w in best) and any(len(w) == L_HF for w in best)
+
+
+def test_hf_heuristic_and_exact_stop_differ_on_this_model(marian):
+    # So the two tests above pin two different behaviours, each to its Hugging Face counterpart.
+    hf, ours, src = marian
+    kw = dict(beam=4, alpha=1.0, length_penalty="power", nbest=4, **MARIAN_IDS)
+    heuristic = beam_search(ours, src, stop="hf", **kw)
+    exact = beam_search(ours, src, stop="exact", **kw)
+    assert [[h.tokens for h in hs] for hs in heuristic] != [[h.tokens for h in hs] for hs in exact]

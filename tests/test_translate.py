@@ -1,0 +1,202 @@
+"""Text in, text out: the Translator and ``aiayn translate`` keep the input order through length-sorted
+batches, map empty lines to empty lines, truncate over-long sources with a warning naming the line,
+and return exactly what the search functions return on the same ids."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aiayn
+from aiayn import cli
+from aiayn.config import ConfigError
+from aiayn.data.batching import token_batches
+from aiayn.data.synthetic import reverse_split
+from aiayn.decode.search import beam_search, greedy_search, max_lengths
+from aiayn.decode.translator import Translator, _score_tokens, load
+
+EOS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matrices on a shared 2-core machine: a second intra-op thread only contends (100x slower).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run) -> Translator:
+    return load(tiny_run)
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[str]:
+    """Test sentences of varied lengths, shuffled so that length order differs from input order."""
+    return [s for s, _ in reverse_split("test")[:12]]
+
+
+def long_line(translator: Translator) -> str:
+    line = " ".join(["alpha", "bravo", "charlie"] * 40)
+    assert len(translator.tokenizers.src.encode(line)) > translator.cfg.model.max_positions
+    return line
+
+
+def test_batched_equals_one_by_one(translator, sources):
+    texts = sources[:6] + [""] + sources[6:] + ["   "]
+    # A budget that makes several length-sorted batches whose order is not the input order.
+    max_tokens = 4 * 40
+    batches = token_batches([len(translator.tokenizers.src.encode(t)) for t in sources], None, max_tokens // 4,
+                            shuffle=False)
+    assert len(batches) > 2 and [i for b in batches for i in b] != list(range(len(sources)))
+    batched = translator.translate(texts, max_tokens=max_tokens)
+    alone = [translator.translate([t])[0] for t in texts]
+    assert len(batched) == len(texts)
+    assert batched == alone
+    assert batched[6] == "" and batched[-1] == ""
+    # Not vacuous: most lines got a non-empty translation (a 60-update toy model may stop at once on a few).
+    nonempty = [batched[i] for i in range(len(texts)) if texts[i].strip()]
+    assert sum(1 for t in nonempty if t) >= 0.5 * len(nonempty) and len(set(nonempty)) > 3
+    assert translator.translate(sources[0]) == batched[0]  # a single string in, a single string out
+
+
+def test_translate_equals_direct_beam_search(translator, sources):
+    cfg, tok, model = translator.cfg.decode, translator.tokenizers, translator.model
+    found = translator.translate_hypotheses(sources, nbest=3, max_tokens=200)
+    for text, hyps in zip(sources, found):
+        src = torch.tensor([tok.src.encode(text) + [EOS]])
+        ours = beam_search(model, src, beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty,
+                           max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, nbest=3)[0]
+        assert [h.ids for h in hyps] == [h.tokens for h in ours]
+        # batched (padded) vs alone: the same tokens, floats equal up to rounding
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in ours], abs=1e-4)
+        assert [h.logprob for h in hyps] == pytest.approx([h.logprob for h in ours], abs=1e-4)
+        assert [h.text for h in hyps] == [tok.tgt.decode(h.tokens) for h in ours]
+        assert [h.tokens for h in hyps] == [[tok.tgt.id_to_piece(i) for i in h.tokens] for h in ours]
+    plain = translator.translate(sources, nbest=3)
+    assert plain == [[h.text for h in hyps] for hyps in found]
+
+
+def test_greedy_equals_direct_greedy_search_and_scores_match_beam(translator, sources):
+    cfg, tok, model = translator.cfg.decode, translator.tokenizers, translator.model
+    found = translator.translate_hypotheses(sources, beam=1, length_penalty="power", alpha=1.0)
+    for text, hyps in zip(sources, found):
+        src = torch.tensor([tok.src.encode(text) + [EOS]])
+        assert [h.ids for h in hyps] == greedy_search(model, src, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+    # The teacher-forced score of greedy outputs follows the search's conventions: re-scoring beam
+    # hypotheses (ended by EOS or cut at the limit) gives back their logprob and penalized score.
+    for text in sources[:4]:
+        src = torch.tensor([tok.src.encode(text) + [EOS]])
+        hyps = beam_search(model, src, beam=4, alpha=1.0, length_penalty="power", max_len_a=cfg.max_len_a,
+                           max_len_b=cfg.max_len_b, nbest=4)[0]
+        limits = max_lengths(model, src != 0, cfg.max_len_a, cfg.max_len_b) * len(hyps)
+        rescored = _score_tokens(model, src.expand(len(hyps), -1), [h.tokens for h in hyps], limits, 1.0, "power")
+        for h, r in zip(hyps, rescored):
+            assert r.tokens == h.tokens
+            assert r.logprob == pytest.approx(h.logprob, abs=1e-4)
+            assert r.score == pytest.approx(h.score, abs=1e-4)
+
+
+def test_truncation_warns_with_the_line_number(translator, sources, caplog):
+    line = long_line(translator)
+    limit = translator.cfg.model.max_positions - 1
+    with caplog.at_level("WARNING", logger="aiayn.translate"):
+        out = translator.translate([sources[0], line, sources[1]])
+    assert len(out) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("line 2:")
+    # The cut source decodes exactly like its first `limit` ids given to the search directly.
+    cfg, tok = translator.cfg.decode, translator.tokenizers
+    src = torch.tensor([tok.src.encode(line)[:limit] + [EOS]])
+    best = beam_search(translator.model, src, beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty,
+                       max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)[0][0]
+    assert out[1] == tok.tgt.decode(best.tokens)
+
+
+def test_options_and_errors(translator, sources):
+    assert translator.settings().beam == translator.cfg.decode.beam
+    assert translator.settings(beam=2, alpha=0.0, length_penalty="none").length_penalty == "none"
+    with pytest.raises(ConfigError, match="nbest"):
+        translator.translate(sources[:1], beam=2, nbest=3)
+    with pytest.raises(ConfigError, match="length penalty"):
+        translator.translate(sources[:1], length_penalty="average")
+    assert isinstance(aiayn.load(translator.path), Translator)
+
+
+# Command line -----------------------------------------------------------------------------------------
+
+
+def test_cli_file_to_file_and_json(tiny_run, translator, sources, tmp_path):
+    lines = sources[:5] + [""] + sources[5:8]
+    inp, out, js = tmp_path / "in.txt", tmp_path / "out.txt", tmp_path / "out.jsonl"
+    inp.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    assert cli.main(["translate", str(tiny_run), "--input", str(inp), "--output", str(out), "--beam", "2"]) == 0
+    got = out.read_text(encoding="utf-8").split("\n")
+    assert got[-1] == "" and got[:-1] == translator.translate(lines, beam=2)
+    assert got[5] == ""
+
+    argv = ["translate", str(tiny_run), "--input", str(inp), "--output", str(js), "--json", "--nbest", "2",
+            "--beam", "2", "--alpha", "1.0", "--length-penalty", "power"]
+    assert cli.main(argv) == 0
+    records = [json.loads(x) for x in js.read_text(encoding="utf-8").splitlines()]
+    expected = translator.translate_hypotheses(lines, beam=2, alpha=1.0, length_penalty="power", nbest=2)
+    assert [r["line"] for r in records] == list(range(1, len(lines) + 1))
+    assert [r["src"] for r in records] == lines
+    assert records[5]["hyps"] == []
+    for r, hyps in zip(records, expected):
+        assert [set(h) for h in r["hyps"]] == [{"text", "score", "logprob", "tokens"}] * len(hyps)
+        assert [h["text"] for h in r["hyps"]] == [h.text for h in hyps]
+        assert [h["tokens"] for h in r["hyps"]] == [h.tokens for h in hyps]
+        assert [h["score"] for h in r["hyps"]] == [h.score for h in hyps]
+        assert all(h["score"] >= h2["score"] for h, h2 in zip(r["hyps"], r["hyps"][1:]))
+    # beam 1 --json: greedy output, with finite scores from the teacher-forced pass
+    argv = ["translate", str(tiny_run), "--input", str(inp), "--output", str(js), "--json", "--beam", "1"]
+    assert cli.main(argv) == 0
+    records = [json.loads(x) for x in js.read_text(encoding="utf-8").splitlines()]
+    assert [r["hyps"][0]["text"] if r["hyps"] else "" for r in records] == translator.translate(lines, beam=1)
+    assert all(math.isfinite(r["hyps"][0]["logprob"]) for r in records if r["hyps"])
+
+
+def test_cli_stdin_to_stdout(tiny_run, translator, sources, monkeypatch, capsys):
+    lines = [sources[0], "", sources[1]]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert cli.main(["translate", str(tiny_run), "--beam", "1"]) == 0
+    assert capsys.readouterr().out == "".join(x + "\n" for x in translator.translate(lines, beam=1))
+
+
+def test_cli_subprocess_stdin_warning_on_stderr(tiny_run, translator, sources):
+    """The real process: stdin -> stdout, one line per input line, the truncation warning on stderr."""
+    lines = [sources[0], long_line(translator), "", sources[2]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(tiny_run), "--beam", "1"],
+                          input="\n".join(lines) + "\n", capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:-1] == translator.translate(lines, beam=1)
+    warn = [ln for ln in proc.stderr.splitlines() if "WARNING" in ln]
+    assert len(warn) == 1 and "line 2:" in warn[0] and "positions" in warn[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["translate", "{tmp}/no_such_run"], "no such run directory"),
+    (["translate", "{run}", "--input", "{tmp}/missing.txt"], "missing.txt: no such file"),
+    (["translate", "{run}", "--nbest", "2"], "--nbest > 1 needs --json"),
+    (["translate", "{run}", "--json", "--nbest", "5"], "nbest must be between 1 and the beam size"),
+    (["translate", "{run}", "--beam", "0"], "beam must be >= 1"),
+])
+def test_cli_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("alpha\n"))
+    argv = [a.format(tmp=tmp_path, run=tiny_run) for a in argv]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("aiayn: error:") and message in err[0], err
