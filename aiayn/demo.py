@@ -1,0 +1,62 @@
+"""``make demo`` / ``aiayn demo``: the main job, end to end.
+
+Data (local or downloaded) -> shared BPE -> training with a progress bar -> checkpoint averaging ->
+evaluation on test_2016_flickr -> example translations beside their references -> where the run is
+and how to translate your own sentences with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from aiayn.config import CONFIG_DIR, load_config
+from aiayn.train.checkpoint import list_checkpoints
+
+log = logging.getLogger("aiayn.demo")
+
+DEFAULT_CONFIG = CONFIG_DIR / "multi30k_en_de_quick.yaml"
+TEST_SPLIT = "test_2016_flickr"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from aiayn.eval.evaluate import evaluate_run, summary
+    from aiayn.train.run import train
+
+    config = Path(args.config) if args.config else DEFAULT_CONFIG
+    cfg = load_config(config, args.set)
+    run_dir = Path(args.run_dir or Path("runs") / "demo")
+    if (run_dir / "model.safetensors").exists():
+        print(f"{run_dir} already holds a trained model: evaluating it (delete the folder to train again)")
+    else:
+        resume = bool(list_checkpoints(run_dir))
+        if resume:
+            print(f"{run_dir} holds an unfinished run: resuming it")
+        print(f"training {config.name} into {run_dir} (budget: {cfg.train.max_minutes or '-'} minutes, "
+              f"{cfg.train.max_updates} updates at most)")
+        train(cfg, run_dir, resume=resume, progress=True)
+    split = TEST_SPLIT if cfg.data.dataset == "multi30k" else "test"
+    result = evaluate_run(run_dir, split=split)
+    print()
+    print(summary(result))
+    _show_examples(run_dir, result, n=5)
+    print()
+    print(f"The run directory is {run_dir}. Translate your own sentences with:")
+    print(f"  echo 'A man is riding a bicycle down the street.' | .venv/bin/aiayn translate {run_dir}")
+    return 0
+
+
+def _show_examples(run_dir: Path, result: dict, n: int) -> None:
+    from aiayn.eval.evaluate import split_pairs
+
+    cfg = load_config(run_dir / "config.yaml")
+    pairs = split_pairs(cfg, result["name"])
+    hyps = Path(result["json_path"]).with_suffix(".hyp").read_text(encoding="utf-8").splitlines()
+    print()
+    step = max(1, len(pairs) // n)
+    for i in range(0, step * n, step):
+        src, ref = pairs[i]
+        print(f"[{i + 1}] source     {src}")
+        print(f"    reference  {ref}")
+        print(f"    aiayn      {hyps[i]}")
