@@ -311,3 +311,21 @@ def test_learns_to_reverse_words_to_95_percent_exact_match(tmp_path):
     assert exact >= 0.95
     assert elapsed < 180  # measured 123 s on a quiet 2-core CPU (issue target: 2 minutes); slack for CI
     assert math.isfinite(elapsed)
+
+
+def test_early_stopping_after_patience_evaluations_without_improvement(tmp_path):
+    # lr = 0: the validation loss cannot improve after the first evaluation.
+    cfg = tiny_cfg("train.max_updates=50", "train.schedule=constant", "train.lr=0.0", "train.eval_every=1",
+                   "train.patience=2", "train.save_every=100", "train.inference_weights=best")
+    state = train(cfg, tmp_path / "run", progress=False)
+    assert state.step == 3 and state.best_step == 1 and state.bad_evals == 2
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "valid_nll" in r] == [1, 2, 3]
+    assert "best step 1" in str(read_weights_metadata(tmp_path / "run" / "model.safetensors"))
+
+
+def read_weights_metadata(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()

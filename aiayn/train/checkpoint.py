@@ -180,9 +180,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     keep_last: int | None = None,
-    protect: set[int] | frozenset[int] = frozenset(),
 ) -> Path:
-    """Write checkpoint ``step`` (JSON last) and delete all but the newest ``keep_last`` (except ``protect``)."""
+    """Write checkpoint ``step`` (JSON last) and delete all but the newest ``keep_last``."""
     wpath, opath, jpath = checkpoint_paths(run_dir, step)
     save_weights(model, wpath)
     meta: dict[str, Any] = {"step": step, "rng": rng_state(), **state}
@@ -192,9 +191,8 @@ def save_checkpoint(
     atomic_write_json(jpath, meta)
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
-            if old not in protect:
-                for p in reversed(checkpoint_paths(run_dir, old)):  # JSON first: never a half-listed one
-                    p.unlink(missing_ok=True)
+            for p in reversed(checkpoint_paths(run_dir, old)):  # JSON first: never a half-listed one
+                p.unlink(missing_ok=True)
     return jpath
 
 

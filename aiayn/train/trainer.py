@@ -289,6 +289,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
 
+    @property
+    def best_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "best.safetensors"
+
     # The module that runs forward/backward: DDP and torch.compile wrap the plain model.
     def _train_module(self) -> nn.Module:
         module = self.model
@@ -323,10 +327,9 @@ class Trainer:
 
     def _save(self, keep_last: int) -> None:
         if self.d.main:
-            protect = {self.state.best_step} if self.state.best_step is not None else set()
             save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
                             {"train_state": self.state.to_json(), "world_size": self.d.world},
-                            keep_last=keep_last, protect=protect)
+                            keep_last=keep_last)
         self.d.barrier()
 
     def _evaluate(self, metrics: MetricsLog) -> bool:
@@ -340,6 +343,9 @@ class Trainer:
         improved = st.best_valid is None or result["valid_nll"] < st.best_valid - 1e-6
         if improved:
             st.best_valid, st.best_step, st.bad_evals = result["valid_nll"], st.step, 0
+            if self.d.main:  # kept apart from the rotating checkpoints, so 'best' is always on disk
+                save_weights(self.model, self.best_path, {"source": f"best step {st.step}",
+                                                          "valid_nll": str(result["valid_nll"])})
         else:
             st.bad_evals += 1
         record = {"step": st.step, "epoch": st.epoch, **{k: round(v, 6) for k, v in result.items()},
@@ -424,9 +430,8 @@ class Trainer:
         if tc.inference_weights == "average":
             paths = [checkpoint_paths(self.run_dir, s)[0] for s in steps[-tc.average_last :]]
             save_weights(average_checkpoints(paths), out, {"source": f"average of steps {steps[-tc.average_last:]}"})
-        elif tc.inference_weights == "best" and self.state.best_step in steps:
-            save_weights(read_weights(checkpoint_paths(self.run_dir, self.state.best_step)[0]), out,
-                         {"source": f"best step {self.state.best_step}"})
+        elif tc.inference_weights == "best" and self.best_path.exists():
+            save_weights(read_weights(self.best_path), out, {"source": f"best step {self.state.best_step}"})
         else:
             save_weights(self.model, out, {"source": f"last step {self.state.step}"})
         return out
