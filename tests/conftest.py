@@ -41,3 +41,13 @@ def tiny_run(tmp_path_factory) -> Path:
     ])
     train(cfg, run_dir, progress=False)
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for modules of tiny matrices: on a 2-core machine extra threads only contend
+    (up to 10x slower when the cores are shared), and float results stop depending on the core count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -28,12 +28,7 @@ HYPS = ["Ein Hund läuft über die Wiese.", "Zwei Männer sprechen miteinander."
 REFS = ["Ein Hund rennt über die Wiese.", "Zwei Männer reden miteinander.", "Eine Frau liest eine Zeitung."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared 2-core machine
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Metrics -----------------------------------------------------------------------------------------------

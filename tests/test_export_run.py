@@ -20,12 +20,7 @@ from aiayn.interop.ctranslate2 import export_run  # noqa: E402
 EOS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared 2-core machine
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

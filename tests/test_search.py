@@ -27,14 +27,7 @@ A, B, C = 4, 5, 6  # ordinary tokens of the stub vocabulary
 V_STUB = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: extra threads only contend (10x slower), and one
-    # thread also makes the float results independent of the machine's core count.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # A scripted stub model --------------------------------------------------------------------------------

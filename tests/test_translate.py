@@ -25,13 +25,7 @@ from aiayn.decode.translator import Translator, _score_tokens, load
 EOS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: a second intra-op thread only contends (100x slower).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

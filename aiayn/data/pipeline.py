@@ -26,6 +26,10 @@ def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
         from aiayn.data.synthetic import reverse_split
 
         return reverse_split(split)
+    if cfg.data.dataset == "xsum" or cfg.task == "summarization":
+        from aiayn.data.summarization import summary_pairs
+
+        return summary_pairs(cfg, split)
     from aiayn.data.datasets import config_pairs
 
     return config_pairs(cfg.data, split)
@@ -49,7 +53,7 @@ def tokenizer_dir(run_dir: str | Path) -> Path:
 
 
 def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]], is_main: bool,
-                   barrier=lambda: None) -> TokenizerPair:
+                   barrier=lambda: None, user_defined_symbols: tuple[str, ...] | list[str] = ()) -> TokenizerPair:
     """Load the run's tokenizer, or train it on the training texts (main process) and save it."""
     tdir = tokenizer_dir(run_dir)
     # Every process passes the barrier, whatever it saw: a rank that looked after the main one had
@@ -60,7 +64,8 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
                  len(texts[0]), len(texts[1]))
         train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
                              vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
-                             max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed)
+                             max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed,
+                             user_defined_symbols=user_defined_symbols)
     barrier()
     return TokenizerPair.load(tdir)
 
@@ -153,6 +158,8 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
     out = []
     for name, pairs in (("train", train), ("valid", valid)):
         ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
+        if cfg.task == "summarization":  # cut long documents (as Translator does at inference), not drop them
+            ids = [(s[: max_len - 1], t) for s, t in ids]
         kept, stats = clean_pairs(pairs, ids, max_len)
         if is_main:
             log.info("%s: %s", name, describe_clean_stats(stats, max_len))
@@ -165,6 +172,10 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
 
 def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                   ) -> tuple[LMData, TokenizerPair]:
+    from aiayn.data.summarization import build_summary_lm_data, is_summary_lm
+
+    if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
+        return build_summary_lm_data(cfg, run_dir, is_main, barrier)
     text = load_lm_text(cfg)
     if not text.strip():
         raise DataError("the language-modelling corpus is empty")
@@ -172,6 +183,8 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
     train_text, valid_text = text[:split], text[split:]
     # Tokenizers train on lines; the stream itself keeps every newline.
     lines = [ln for ln in train_text.splitlines() if ln.strip()]
+    if cfg.data.tokenizer == "char":  # every character of the stream, the newline included (not UNK)
+        lines = [train_text]
     tok = get_tokenizers(cfg, run_dir, (lines, []), is_main, barrier)
     fit_model_to_vocab(cfg, tok)
     enc = tok.src.encode

@@ -184,12 +184,15 @@ def train_tokenizer(
     seed: int = 1,
     name: str = "tokenizer",
     num_threads: int = 2,
+    user_defined_symbols: Sequence[str] = (),
 ) -> Tokenizer:
     """Train a tokenizer on ``texts`` (one sentence each) and save it to ``out_dir`` when given.
 
     ``kind='bpe'``: SentencePiece BPE with ``vocab_size`` pieces at most (a soft limit: a small
     corpus gives fewer). ``kind='char'``: every character seen; ``vocab_size`` is ignored.
     At most ``max_sentences`` texts are used, a seeded uniform sample, so training is repeatable.
+    ``user_defined_symbols`` (BPE only) become single pieces that are never split, e.g. the ``<sep>``
+    of summarization as language modelling; a char tokenizer spells them out character by character.
     """
     if kind == "char":
         seen: set[str] = set()
@@ -199,7 +202,7 @@ def train_tokenizer(
             raise DataError("cannot train a char tokenizer: the training text is empty")
         tok: Tokenizer = CharTokenizer(seen)
     elif kind == "bpe":
-        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads)
+        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads, user_defined_symbols)
     else:
         raise DataError(f"tokenizer kind {kind!r}: expected bpe or char")
     if out_dir is not None:
@@ -209,9 +212,11 @@ def train_tokenizer(
 
 
 def _train_bpe(
-    texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int
+    texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int,
+    user_defined_symbols: Sequence[str] = (),
 ) -> SentencePieceTokenizer:
-    min_vocab = len(SPECIAL_PIECES) + (N_BYTES if byte_fallback else 0) + 1
+    symbols = [s for s in dict.fromkeys(user_defined_symbols) if s]
+    min_vocab = len(SPECIAL_PIECES) + (N_BYTES if byte_fallback else 0) + len(symbols) + 1
     if vocab_size < min_vocab:
         need = "the 4 specials + 256 byte pieces + 1" if byte_fallback else "the 4 specials + 1"
         raise DataError(
@@ -239,6 +244,7 @@ def _train_bpe(
             unk_piece=SPECIAL_PIECES[UNK_ID],
             bos_piece=SPECIAL_PIECES[BOS_ID],
             eos_piece=SPECIAL_PIECES[EOS_ID],
+            **({"user_defined_symbols": symbols} if symbols else {}),
             # Lossless: no NFKC, keep repeated/leading whitespace, so decode(encode(x)) == x.
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
@@ -336,12 +342,14 @@ def train_tokenizer_pair(
     byte_fallback: bool = True,
     max_sentences: int = 2_000_000,
     seed: int = 1,
+    user_defined_symbols: Sequence[str] = (),
 ) -> TokenizerPair:
     """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side.
 
     With ``shared``, ``max_sentences`` bounds the source and target texts together.
     """
-    kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed)
+    kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed,
+              user_defined_symbols=user_defined_symbols)
     if shared:
         tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
         pair = TokenizerPair(tok, tok)

@@ -1,0 +1,215 @@
+"""Summarization data: the XSum sample split three ways, and "document <sep> summary" LM sequences.
+
+The same data is summarized two ways (``aiayn summarize`` handles both):
+
+(a) ``task: lm``, a decoder-only LM trained on one sequence per article (the course's recipe)::
+
+        BOS  document  <sep>  summary  EOS
+
+    then asked for a summary by priming it with ``BOS document <sep>`` and decoding to EOS.
+(b) ``task: summarization``, the encoder-decoder Transformer on (document, summary) pairs.
+
+Decisions, and why:
+
+* Split of ``xsum-1000.jsonl``, in file order, the same for both ways: rows 0-799 train, 800-899 valid
+  (early stopping / perplexity), 900-999 test (ROUGE). :data:`XSUM_SPLITS`.
+* Text is put on one line (every whitespace run becomes one space) for training and inference alike:
+  XSum documents have one sentence per line, and ``aiayn summarize`` reads one document per line.
+* One article per LM sequence, never packed with others. When it is longer than ``block_size + 1``
+  tokens the *document* is cut (its end is dropped: XSum's summary is mostly about the opening),
+  never the separator or the summary, so every training sequence teaches the summary. An article
+  whose summary alone does not fit is dropped, and counted in the log.
+* The loss covers every token, document included, as the course trains it: with 800 articles the
+  documents are most of the text the model can learn English from (about 95% of the tokens); the
+  summary tokens alone would be some 20k tokens. Validation perplexity is therefore over whole
+  sequences.
+* The separator (``data.separator``, default ``" <sep> "``) is one user-defined piece of the BPE
+  model (``<sep>``; SentencePiece's word-initial space supplies the blanks around it), or its
+  characters spelt out by a char tokenizer. Either way ``decode(sequence) == document + separator +
+  summary`` (see :func:`lm_sequence`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiayn.config import Config, ConfigError
+from aiayn.data.batching import Batch, pad_batch, token_batches
+from aiayn.data.corpus import DataError
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair
+
+log = logging.getLogger("aiayn.data")
+
+XSUM_SIZE = 1000
+XSUM_SPLITS = {"train": (0, 800), "valid": (800, 900), "test": (900, 1000)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every whitespace run (newlines included) replaced by one space, stripped."""
+    return " ".join(text.split())
+
+
+def xsum_split(split: str) -> list[dict]:
+    """Rows ``{"document", "summary", "id"}`` of ``split`` (train | valid | test) of the XSum sample."""
+    from aiayn.data.datasets import xsum_rows
+
+    if split not in XSUM_SPLITS:
+        raise DataError(f"xsum has no split {split!r} (splits: {', '.join(XSUM_SPLITS)})")
+    rows = xsum_rows()
+    if len(rows) != XSUM_SIZE:
+        raise DataError(f"the xsum sample has {len(rows)} rows, expected {XSUM_SIZE}")
+    start, end = XSUM_SPLITS[split]
+    return rows[start:end]
+
+
+def xsum_pairs(split: str) -> list[tuple[str, str]]:
+    """(document, summary) pairs of an XSum split, each put on one line."""
+    return [(one_line(r["document"]), one_line(r["summary"])) for r in xsum_split(split)]
+
+
+def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
+    """(document, summary) pairs of ``split`` for a summarization config, texts on one line: the XSum
+    sample (``data.dataset: xsum``; train | valid | test) or the files ``data.<split>_src`` (and
+    ``_tgt``) in ``data.format``, e.g. JSONL with fields ``data.src_field`` / ``data.tgt_field``."""
+    if cfg.data.dataset == "xsum":
+        return xsum_pairs(split)
+    if cfg.data.dataset is not None:
+        raise DataError(f"dataset {cfg.data.dataset!r} is not a summarization corpus (known: xsum)")
+    if split not in ("train", "valid"):
+        raise DataError(f"split {split!r}: expected train or valid (files named in the config)")
+    d = cfg.data
+    src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
+    if src is None:
+        raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+    from aiayn.data.corpus import read_pairs
+
+    return [(one_line(a), one_line(b)) for a, b in read_pairs(d.format, src, tgt, d.src_field, d.tgt_field)]
+
+
+def is_summary_lm(cfg: Config) -> bool:
+    """A language model trained on "document <sep> summary" sequences (rather than a text stream)."""
+    return cfg.task == "lm" and (cfg.data.dataset == "xsum" or cfg.data.format == "jsonl")
+
+
+def lead_1(document: str) -> str:
+    """The lead-1 baseline: the document's first sentence (XSum documents hold one sentence per line;
+    text without line breaks is cut after the first ``.``, ``!`` or ``?`` followed by a space)."""
+    for line in document.splitlines():
+        if line.strip():
+            return one_line(line)
+    text = one_line(document)
+    return re.split(r"(?<=[.!?])\s+", text, maxsplit=1)[0] if text else ""
+
+
+# "document <sep> summary" sequences ------------------------------------------------------------------
+
+
+def separator_ids(tok: Tokenizer, separator: str) -> list[int]:
+    """The ids the separator contributes between the document and summary ids.
+
+    SentencePiece prefixes every ``encode`` call with a word boundary, so the document, the stripped
+    separator and the summary are encoded apart and the boundaries supply the blanks: the ids equal
+    ``encode(document + " <sep> " + summary)``. A char tokenizer spells the separator out as given.
+    """
+    ids = tok.encode(separator.strip() if tok.kind == "bpe" else separator)
+    if not ids or UNK_ID in ids:
+        raise DataError(f"separator {separator!r} is not in the tokenizer's vocabulary")
+    return ids
+
+
+def lm_sequence(tok: Tokenizer, document: str, summary: str, sep_ids: list[int], block_size: int
+                ) -> list[int] | None:
+    """``[BOS] + document + separator + summary + [EOS]`` in at most ``block_size + 1`` ids (a block's
+    input and target), cutting the end of the document when it is too long; None when the summary
+    alone does not fit."""
+    doc, summ = tok.encode(document), tok.encode(summary)
+    room = block_size + 1 - (2 + len(sep_ids) + len(summ))
+    if room < 1:
+        return None
+    return [BOS_ID] + doc[:room] + sep_ids + summ + [EOS_ID]
+
+
+def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -> list[int]:
+    """``[BOS] + document + separator`` in at most ``max_len`` ids (the end of the document is cut)."""
+    room = max(0, max_len - 1 - len(sep_ids))
+    return [BOS_ID] + tok.encode(document)[:room] + sep_ids
+
+
+@dataclass
+class SummaryLMData:
+    """One padded row per article; batches of similar length within ``batch_size * (block_size + 1)``
+    tokens, in a new order every epoch. Rows are right-padded: with causal attention the padding only
+    follows the real tokens, and the loss ignores it."""
+
+    train: list[list[int]]
+    valid: list[list[int]]
+    block_size: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self._valid: list[Batch] | None = None
+
+    def _batches(self, rows: list[list[int]], epoch: int, shuffle: bool) -> list[Batch]:
+        budget = self.batch_size * (self.block_size + 1)
+        # token_batches adds one to each length (it counts an EOS): lengths here already hold theirs.
+        groups = token_batches([len(r) - 1 for r in rows], None, budget, self.seed, epoch, shuffle=shuffle)
+        out = []
+        for idx in groups:
+            padded = pad_batch([rows[i] for i in idx], PAD_ID)  # (B, L + 1)
+            tgt_out = padded[:, 1:]
+            out.append(Batch(None, padded[:, :-1], tgt_out, int((tgt_out != PAD_ID).sum()), list(idx)))
+        return out
+
+    def epoch_batches(self, epoch: int) -> list[Batch]:
+        return self._batches(self.train, epoch, shuffle=True)
+
+    @property
+    def valid_batches(self) -> list[Batch]:
+        if self._valid is None:
+            self._valid = self._batches(self.valid, 0, shuffle=False)
+        return self._valid
+
+
+def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+                          ) -> tuple[SummaryLMData, TokenizerPair]:
+    """Train (or load) the tokenizer with the separator as one piece, and encode every article."""
+    from aiayn.data.pipeline import fit_model_to_vocab, get_tokenizers
+
+    if cfg.data.block_size > cfg.model.max_positions:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
+                          f"{cfg.model.max_positions}")
+    sep = cfg.data.separator
+    if not sep.strip():
+        raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
+    train, valid = summary_pairs(cfg, "train"), summary_pairs(cfg, "valid")
+    symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
+    texts = [t for pair in train for t in pair] + [sep]  # the char tokenizer must know the separator's characters
+    tok = get_tokenizers(cfg, run_dir, (texts, []), is_main, barrier, user_defined_symbols=symbols)
+    fit_model_to_vocab(cfg, tok)
+    sep_ids = separator_ids(tok.src, sep)
+    out = []
+    for name, pairs in (("train", train), ("valid", valid)):
+        rows, dropped, cut = [], 0, 0
+        for doc, summ in pairs:
+            if not doc or not summ:
+                dropped += 1
+                continue
+            row = lm_sequence(tok.src, doc, summ, sep_ids, cfg.data.block_size)
+            if row is None:
+                dropped += 1
+                continue
+            cut += len(row) < len(tok.src.encode(doc)) + len(sep_ids) + len(tok.src.encode(summ)) + 2
+            rows.append(row)
+        if is_main:
+            log.info("%s: %d document<sep>summary sequences (%d documents cut to fit %d tokens, %d articles "
+                     "dropped: empty, or the summary alone too long)", name, len(rows), cut,
+                     cfg.data.block_size + 1, dropped)
+        if not rows:
+            raise DataError(f"{name}: no usable document/summary pairs")
+        out.append(rows)
+    return SummaryLMData(out[0], out[1], cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
+
