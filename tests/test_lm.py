@@ -339,6 +339,18 @@ def test_rouge_of_a_run_on_its_valid_split(summary_lm, summary_seq2seq):
     assert main(["rouge"]) == 2
 
 
+def test_evaluate_with_a_split_scores_summaries_by_rouge(summary_lm, summary_seq2seq, capsys):
+    from aiayn.decode.generate import evaluate_summaries
+
+    for run in (summary_lm, summary_seq2seq):
+        assert cli.main(["evaluate", str(run), "--split", "valid"]) == 0
+        out = capsys.readouterr().out
+        assert "rouge1" in out and "rougeL" in out
+        res = json.loads((run / "eval" / "rouge_valid.json").read_text(encoding="utf-8"))
+        direct = evaluate_summaries(run, "valid")  # the same scores as the library call
+        assert res["scores"] == direct["scores"]
+
+
 def test_evaluate_summary_lm_reports_perplexity(summary_lm, capsys):
     from aiayn.run_dir import load_run
 

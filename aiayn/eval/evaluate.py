@@ -201,7 +201,16 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
 
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
         raise CheckpointError(f"{run_dir}: {what}")
-    if load_config(cfg_path).task == "lm":
+    cfg = load_config(cfg_path)
+    from aiayn.data.summarization import is_summary_lm
+
+    if split is not None and (cfg.task == "summarization" or is_summary_lm(cfg)):
+        # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
+        from aiayn.decode.generate import evaluate_summaries
+
+        return evaluate_summaries(run_dir, split, beam=beam, alpha=alpha, length_penalty=length_penalty,
+                                  device=device)
+    if cfg.task == "lm":
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref, "
                               "--split valid at most")
@@ -216,6 +225,16 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
 def summary(result: dict[str, Any]) -> str:
     """A few lines for the terminal."""
     s = result["scores"]
+    if result["name"].startswith("rouge_"):
+        lines = [f"{result['name']}: {result['data']['n_documents']} documents ({result['decode']['how']}), "
+                 f"{result['wall_s']:.1f} s",
+                 "ROUGE F1 (rouge-score, Porter stemmer):  " + "  ".join(f"{k} {s[k]:.2f}" for k in
+                                                                       ("rouge1", "rouge2", "rougeL"))]
+        if "lead1" in result:
+            lines.append("lead-1 baseline:                         " + "  ".join(
+                f"{k} {result['lead1'][k]:.2f}" for k in ("rouge1", "rouge2", "rougeL")))
+        lines.append(f"wrote {result['json_path']}")
+        return "\n".join(lines)
     if result["task"] == "lm":
         return (f"{result['name']}: {result['data']['n_tokens']} tokens, NLL {s['nll_per_token']:.4f} nats/token, "
                 f"perplexity {s['ppl']:.2f}\nwrote {result['json_path']}")
