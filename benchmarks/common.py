@@ -1,0 +1,277 @@
+"""What the benchmark entry points share: the machine and versions they ran on, JSON output, their
+sections of BENCHMARKS.md, the training batches, and the re-layout that lets a model trained with the
+paper's interleaved sinusoids run unchanged as a Hugging Face Marian model.
+
+Shapes: B batch, S source length, T target length, D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aiayn.data.batching import Batch, collate, token_batches
+from aiayn.model.embeddings import sinusoidal_table
+from aiayn.model.transformer import Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MD = REPO / "BENCHMARKS.md"
+RESULTS_DIR = REPO / "benchmarks" / "results"
+SECTION_ORDER = ("train_throughput", "translate_speed", "mfu")
+
+MD_HEADER = """\
+# Benchmarks
+
+aiayn measured side by side with what users would pick instead, in one run on one machine, by the
+scripts in [`benchmarks/`](benchmarks/README.md). Each section below is rewritten by its script and says
+when, on what machine, with which versions and by which command it was measured; the JSON beside it is
+in `benchmarks/results/`. Regenerate everything with `python -m benchmarks.run_all`.
+
+## GPU
+
+No GPU was lent to the session that produced these tables (the device tool lends one to some tasks
+only), so the bf16 GPU comparisons and the paper-base training MFU against the H100/H200 bf16 dense
+peak (989 TFLOP/s, goal >= 45%) were **not measured**. The scripts measure CPU, fp32.
+"""
+
+
+# Machine, versions, provenance -----------------------------------------------------------------------
+
+
+def set_threads(n: int | None) -> int:
+    """Use ``n`` intra-op threads (None: one per core) and return the number used."""
+    n = n or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """Where and with what a benchmark ran (goes into every JSON and markdown section)."""
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": package_version("transformers"),
+        "ctranslate2": package_version("ctranslate2"),
+        "aiayn": package_version("aiayn"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The command that reproduces a run: ``python -m benchmarks.<module> <argv>``."""
+    return " ".join(["python -m benchmarks." + module, shlex.join(list(argv))]).strip()
+
+
+def provenance(info: dict[str, Any], command: str, date: str) -> str:
+    """Markdown lines naming date, command, machine and versions."""
+    versions = ", ".join(f"{k} {info[k]}" for k in ("python", "torch", "transformers", "ctranslate2", "aiayn")
+                         if info.get(k))
+    return (
+        f"- Date: {date}\n"
+        f"- Command: `{command}`\n"
+        f"- Machine: {info['platform']}; CPU: {info['cpu']}, {info['cores']} cores, "
+        f"{info['threads']} threads used; GPU: {info['gpu'] or 'none'}\n"
+        f"- Versions: {versions}\n"
+    )
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(x: Any) -> str:
+        return "" if x is None else str(x)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def goal_cell(value: float | None, goal: float, unit: str = "x") -> str:
+    """``2.31x (goal >= 1.5x: met)``; '-' when the value could not be measured."""
+    if value is None:
+        return "-"
+    fmt = (lambda v: f"{v:.1f}%") if unit == "%" else (lambda v: f"{v:.2f}x")
+    verdict = "met" if value >= goal else "short"
+    return f"{fmt(value)} (goal >= {fmt(goal)}: {verdict})"
+
+
+def _markers(key: str) -> tuple[str, str]:
+    return f"<!-- BEGIN {key} -->", f"<!-- END {key} -->"
+
+
+def update_section(md_path: str | os.PathLike, key: str, body: str) -> Path:
+    """Replace (or add, in :data:`SECTION_ORDER`) the section ``key`` of the markdown file, leaving the
+    rest of the file as it is. A missing file starts with :data:`MD_HEADER`."""
+    path = Path(md_path)
+    text = path.read_text(encoding="utf-8") if path.exists() else MD_HEADER
+    begin, end = _markers(key)
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        # Insert before the first later section that is present, else at the end.
+        later = SECTION_ORDER[SECTION_ORDER.index(key) + 1:] if key in SECTION_ORDER else ()
+        at = min((text.index(_markers(k)[0]) for k in later if _markers(k)[0] in text), default=None)
+        if at is None:
+            text = text.rstrip() + "\n\n" + block + "\n"
+        else:
+            text = text[:at] + block + "\n\n" + text[at:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# Training batches -----------------------------------------------------------------------------------
+
+# Multi30k En-De train (29,000 pairs) tokenized with an 8k shared SentencePiece BPE: 14.3 +- 4.8
+# source and 14.8 +- 5.5 target tokens per sentence (without EOS / BOS), target/source 1.04 +- 0.19.
+# Synthetic batches draw their lengths from these.
+SYNTHETIC_SRC_MEAN, SYNTHETIC_SRC_SD = 14.3, 4.8
+SYNTHETIC_TGT_RATIO, SYNTHETIC_TGT_SD = 1.04, 0.19
+
+
+def multi30k_token_pairs(run_dir: str | os.PathLike, split: str = "train",
+                         limit: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(source ids, target ids) of a Multi30k split, tokenized with the run's tokenizer (its languages)."""
+    from aiayn.config import load_config
+    from aiayn.data.datasets import multi30k_split
+    from aiayn.data.tokenizer import TokenizerPair
+
+    run_dir = Path(run_dir)
+    data = load_config(run_dir / "config.yaml").data
+    tok = TokenizerPair.load(run_dir / "tokenizer")
+    pairs = multi30k_split(split, data.src_lang, data.tgt_lang)[:limit]
+    return [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
+
+
+def synthetic_token_pairs(n: int, vocab_size: int, seed: int = 1,
+                          max_len: int = 64) -> list[tuple[list[int], list[int]]]:
+    """``n`` random pairs whose lengths follow Multi30k's (see the constants above); ids in [4, V)."""
+    lengths, ids = random.Random(seed), random.Random(seed + 1)  # the same lengths whatever the vocabulary
+    out = []
+    for _ in range(n):
+        s = min(max_len, max(2, round(lengths.gauss(SYNTHETIC_SRC_MEAN, SYNTHETIC_SRC_SD))))
+        t = min(max_len, max(2, round(s * lengths.gauss(SYNTHETIC_TGT_RATIO, SYNTHETIC_TGT_SD))))
+        out.append(([ids.randrange(4, vocab_size) for _ in range(s)], [ids.randrange(4, vocab_size) for _ in range(t)]))
+    return out
+
+
+def training_batches(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, count: int,
+                     seed: int = 1) -> list[Batch]:
+    """``count`` length-bucketed batches of at most ``max_tokens`` (as aiayn training makes them), in a
+    seeded random order; cycles through the epoch if it has fewer batches."""
+    groups = token_batches([len(s) for s, _ in pairs], [len(t) for _, t in pairs], max_tokens, seed=seed)
+    picked = [groups[i % len(groups)] for i in range(count)]
+    return [collate([pairs[i][0] for i in g], [pairs[i][1] for i in g], g) for g in picked]
+
+
+def save_batches(batches: Sequence[Batch], path: str | os.PathLike) -> None:
+    torch.save([{"src": b.src, "tgt_in": b.tgt_in, "tgt_out": b.tgt_out, "ntokens": b.ntokens} for b in batches],
+               path)
+
+
+def load_batches(path: str | os.PathLike) -> list[Batch]:
+    return [Batch(d["src"], d["tgt_in"], d["tgt_out"], int(d["ntokens"]), [])
+            for d in torch.load(path, weights_only=True)]
+
+
+# Interleaved -> concat sinusoid layout ------------------------------------------------------------------
+
+
+def concat_permutation(d_model: int) -> Tensor:
+    """perm such that ``interleaved_table[:, perm] == concat_table``: even dims (sines), then odd (cosines)."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def _relayout(name: str, t: Tensor, perm: Tensor) -> Tensor:
+    # Only axes indexed by the model width D move; the Q/K/V rows of in_proj (per-head structure), the
+    # FFN inner dimension, the attention output before out_proj and the vocabulary stay where they are.
+    if name.endswith(("embed.weight", "output_proj.weight", "in_proj.weight", "fc1.weight")):
+        return t[:, perm]  # D is the input (column) axis
+    if name.endswith(("out_proj.weight", "fc2.weight", "out_proj.bias", "fc2.bias")):
+        return t[perm]  # D is the output axis
+    if ".norm." in name or "final_norm." in name:
+        return t[perm]  # LayerNorm statistics do not depend on the order of the dimensions
+    if name.endswith(("in_proj.bias", "fc1.bias", "output_bias")):
+        return t
+    raise ValueError(f"no re-layout rule for the parameter {name}")
+
+
+@torch.no_grad()
+def concat_layout_copy(model: Transformer) -> Transformer:
+    """A copy of ``model`` with ``positional_layout='concat'`` that computes the same function.
+
+    A model trained with the paper's interleaved sinusoids (sin on even, cos on odd dimensions) equals,
+    up to float rounding, a concat-layout model (all sines, then all cosines: Marian's and CTranslate2's
+    layout) whose every model-width axis is permuted by :func:`concat_permutation`: the embedding
+    columns, the input columns of in_proj / fc1 / the output projection, the output rows of out_proj /
+    fc2 and the LayerNorm parameters. The hidden states are then the old ones permuted, every matmul
+    sums the same products in another order, and the logits agree to float rounding.
+    """
+    cfg = model.cfg
+    if cfg.positional != "sinusoidal":
+        raise ValueError(f"only sinusoidal positions have a layout (model.positional={cfg.positional!r})")
+    out = Transformer(dataclasses.replace(cfg, positional_layout="concat"))
+    if cfg.positional_layout == "concat":
+        out.load_state_dict(model.state_dict())
+        return out.train(model.training)
+    perm = concat_permutation(cfg.d_model)
+    table = sinusoidal_table(8, cfg.d_model, "interleaved")
+    assert torch.equal(table[:, perm], sinusoidal_table(8, cfg.d_model, "concat"))
+    out.load_state_dict({k: _relayout(k, v, perm) for k, v in model.state_dict().items()}, strict=True)
+    return out.train(model.training)
+
+
+@torch.no_grad()
+def max_logit_diff(a: Any, b: Any, src: Tensor, tgt_in: Tensor) -> float:
+    """max |logits_a - logits_b| of two callables ``f(src (B, S), tgt_in (B, T)) -> (B, T, V)`` at
+    the real (non-pad) target positions."""
+    keep = (tgt_in != 0).unsqueeze(-1)
+    return float(((a(src, tgt_in) - b(src, tgt_in)).abs() * keep).max())
