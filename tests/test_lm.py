@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import shared_data_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from aiayn import cli
 from aiayn.config import config_from_dict
@@ -20,14 +21,6 @@ from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def shared_data_dir() -> Path | None:
-    """$AIAYN_DATA_DIR or ../shared/data beside the repo, if present."""
-    import os
-
-    for cand in [os.environ.get("AIAYN_DATA_DIR"), REPO.parent / "shared" / "data"]:
-        if cand and Path(cand).is_dir():
-            return Path(cand)
-    return None
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices, one intra-op thread
