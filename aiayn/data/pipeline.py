@@ -193,7 +193,7 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
     if is_main:
         log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d)", train_ids.numel(),
                  valid_ids.numel(), tok.src.kind, tok.src.vocab_size)
-    if cfg.data.block_size + 1 > cfg.model.max_positions + 1:
+    if cfg.data.block_size > cfg.model.max_positions:
         raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
     return LMData(train_ids, valid_ids, cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
