@@ -56,12 +56,11 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each shared tensor stored once (under its first name), contiguous, on CPU."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: set[int] = set()  # storage addresses: tied parameters share one
     for name, t in model.state_dict().items():
-        if id(t) in seen or t.data_ptr() in seen:
-            continue
-        seen.update((id(t), t.data_ptr()))
-        out[name] = t.detach().to("cpu").contiguous()
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[name] = t.detach().to("cpu").contiguous()
     return out
 
 
