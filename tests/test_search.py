@@ -39,8 +39,11 @@ class StubCache:
     def __init__(self) -> None:
         self.rows: list[list[int]] | None = None
 
-    def reorder(self, indices: torch.Tensor) -> None:
+    def reorder(self, indices: torch.Tensor, cross: bool = True) -> None:  # the stub has no cross K/V
         self.rows = [list(self.rows[i]) for i in indices.tolist()]
+
+    def reorder_cross(self, indices: torch.Tensor) -> None:
+        pass
 
 
 class StubModel:

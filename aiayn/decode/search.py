@@ -291,9 +291,14 @@ def beam_search(
             break
         k = torch.tensor(keep, dtype=torch.long, device=device)
         next_rows = src_rows.index_select(0, k).reshape(-1)  # (n'*N,) beam reorder and dropped sentences
-        cache.reorder(next_rows)
+        # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
+        # when a sentence leaves the batch, not on every step's beam reorder.
+        cache.reorder(next_rows, cross=False)
+        if len(keep) < n:
+            sent_rows = (k[:, None] * N + torch.arange(N, device=device)).reshape(-1)
+            cache.reorder_cross(sent_rows)
+            memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
         tokens = torch.cat([tokens[next_rows], new_tok.index_select(0, k).reshape(-1, 1)], dim=1)
-        memory, mem_mask = memory[next_rows], mem_mask[next_rows]
         scores = new_scores.index_select(0, k)
         sent = [sent[i] for i in keep]
         t += 1

@@ -84,9 +84,21 @@ class KVCache:
         self.self_k[layer], self.self_v[layer] = k, v
         return k, v
 
-    def reorder(self, indices: Tensor) -> None:
-        """Keep batch rows ``indices`` (LongTensor (B',)) in that order, in every cached tensor."""
-        for store in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+    def reorder(self, indices: Tensor, cross: bool = True) -> None:
+        """Keep batch rows ``indices`` (LongTensor (B',)) in that order, in every cached tensor.
+
+        ``cross=False`` leaves the cross-attention keys/values alone: beam search reorders beams within a
+        sentence every step, and all beams of a sentence share them, so they only need selecting (with
+        ``reorder_cross``) when a sentence leaves the batch."""
+        self._select((self.self_k, self.self_v) + ((self.cross_k, self.cross_v) if cross else ()), indices)
+
+    def reorder_cross(self, indices: Tensor) -> None:
+        """Keep rows ``indices`` of the cross-attention keys/values only."""
+        self._select((self.cross_k, self.cross_v), indices)
+
+    @staticmethod
+    def _select(stores: tuple, indices: Tensor) -> None:
+        for store in stores:
             for i, t in enumerate(store):
                 if t is not None:
                     store[i] = t.index_select(0, indices)
