@@ -85,6 +85,8 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=None, help="length penalty alpha (paper: 0.6)")
     p.add_argument("--length-penalty", choices=["gnmt", "power", "none"], default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="token budget of one decoding batch")
+    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                   help="never repeat an n-gram of the output (default: the run's config, 0 = off)")
     p.add_argument("--device", default="cpu")
 
 
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--slide", action="store_true", help="slide the context window past the model's positions")
+    p.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+                   help="never repeat an n-gram of the generated text (0 = off)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_generate)
 

@@ -167,11 +167,14 @@ class DecodeConfig:
     max_len_a: float = 1.0
     max_len_b: int = 50
     max_tokens: int = 4096  # token budget of one decoding batch (source tokens x beam)
+    no_repeat_ngram: int = 0  # n > 0: no output repeats one of its own n-grams (not in the paper; summaries)
 
     def __post_init__(self) -> None:
         _choice("decode.length_penalty", self.length_penalty, ("gnmt", "power", "none"))
         if self.beam < 1:
             raise ConfigError("decode.beam must be >= 1")
+        if self.no_repeat_ngram < 0:
+            raise ConfigError("decode.no_repeat_ngram must be >= 0 (0: off)")
 
 
 @dataclass

@@ -308,6 +308,25 @@ def test_summarize_command(which, request, articles, tmp_path):
     assert from_jsonl == first[:2] + first[3:]  # newlines inside a document do not matter
 
 
+@pytest.mark.parametrize("which", ["summary_lm", "summary_seq2seq"])
+def test_summarize_no_repeat_ngram_reaches_the_search(which, request, articles, tmp_path, capsys, monkeypatch):
+    import aiayn.decode.search as search
+
+    run_dir = request.getfixturevalue(which)
+    seen: list[int] = []
+    real = search.repeated_ngram_bans
+    monkeypatch.setattr(search, "repeated_ngram_bans", lambda seq, n: seen.append(n) or real(seq, n))
+    doc = json.loads((articles / "valid.jsonl").read_text().splitlines()[0])["document"]
+    (tmp_path / "in.txt").write_text(" ".join(doc.split()) + "\n", encoding="utf-8")
+    assert len(_summarize(run_dir, tmp_path, "--input", str(tmp_path / "in.txt"), "--max-new-tokens", "8")) == 1
+    assert set(seen) <= {0}  # off by default (the run's decode.no_repeat_ngram is 0)
+    assert len(_summarize(run_dir, tmp_path, "--input", str(tmp_path / "in.txt"), "--max-new-tokens", "8",
+                          "--no-repeat-ngram", "3")) == 1
+    assert 3 in seen  # the option is applied by the search (its effect is proven in test_search.py)
+    assert cli.main(["summarize", str(run_dir), "--input", str(tmp_path / "in.txt"), "--no-repeat-ngram", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("aiayn: error: --no-repeat-ngram must be >= 0")
+
+
 def test_summarize_and_generate_refuse_other_runs(text_lm, summary_lm, summary_seq2seq, tiny_run, tmp_path, capsys):
     (tmp_path / "in.txt").write_text("alpha bravo.\n", encoding="utf-8")
     assert cli.main(["summarize", str(text_lm), "--input", str(tmp_path / "in.txt")]) == 2

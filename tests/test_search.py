@@ -18,6 +18,7 @@ from aiayn.decode.search import (
     filter_top_p,
     greedy_search,
     length_penalty_denominator,
+    repeated_ngram_bans,
     sample,
     sample_list,
 )
@@ -383,6 +384,66 @@ def test_lm_cached_equals_uncached_and_sliding_window(tiny_lm):
     assert sample_list(tiny_lm, prompt, 30, temperature=0, context_limit=16, use_cache=False) == ref16
     # The default limit is the model's max_positions (64): 100 tokens do not overflow the table.
     assert len(sample_list(tiny_lm, prompt, 100, seed=0)) == 100
+
+
+# n-gram blocking -------------------------------------------------------------------------------------
+
+
+def has_repeated_ngram(seq: list[int], n: int) -> bool:
+    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+def brute_force_bans(seq: list[int], n: int, vocab: int) -> list[int]:
+    """Tokens t for which seq + [t] holds an n-gram twice (the definition, checked exhaustively)."""
+    return [t for t in range(vocab) if has_repeated_ngram(seq + [t], n) and not has_repeated_ngram(seq, n)]
+
+
+def test_repeated_ngram_bans_is_the_definition():
+    assert repeated_ngram_bans([A, B, C, A, B], 3) == [C]
+    assert repeated_ngram_bans([A, B, A], 2) == [B]
+    assert repeated_ngram_bans([A, B, A, C, A], 2) == [B, C]
+    assert repeated_ngram_bans([C, A, C], 1) == [A, C]
+    assert repeated_ngram_bans([A, B, C], 0) == [] and repeated_ngram_bans([A], 3) == []
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 4)
+        seq = [rng.randrange(4) for _ in range(rng.randint(0, 12))]
+        while has_repeated_ngram(seq, n):  # searches only ever extend sequences without a repeat
+            seq.pop()
+        assert repeated_ngram_bans(seq, n) == brute_force_bans(seq, n, 4), (seq, n)
+
+
+def stutter(prefix: tuple[int, ...]) -> dict[int, float]:
+    """A model that loves to stutter: A B A B ... unless something forbids it."""
+    if not prefix:
+        return {A: 0.6, B: 0.3, C: 0.1}
+    nxt = B if prefix[-1] == A else A
+    return {nxt: 0.55, C: 0.25, EOS: 0.2} if len(prefix) < 8 else {EOS: 1.0}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_no_repeat_ngram_in_greedy_beam_and_sampling(n):
+    m = StubModel(stutter)
+    src = stub_src(0)
+    plain = greedy_search(m, src, max_len_a=0, max_len_b=10)[0]
+    assert plain[:4] == [A, B, A, B]  # without blocking it stutters
+    greedy = greedy_search(m, src, max_len_a=0, max_len_b=10, no_repeat_ngram=n)[0]
+    assert not has_repeated_ngram(greedy, n) and greedy != plain
+    beams = hyps(m, src, beam=3, no_repeat_ngram=n)[0]
+    assert beams and all(not has_repeated_ngram(h.tokens, n) for h in beams)
+    lm = StubModel(stutter)
+    drawn = sample_list(lm, [BOS], 10, temperature=0, eos_id=EOS, no_repeat_ngram=n)
+    assert drawn == greedy  # the same rule in the LM sampler (greedy at temperature 0)
+    for seed in range(5):
+        assert not has_repeated_ngram(sample_list(lm, [BOS], 10, seed=seed, eos_id=EOS, no_repeat_ngram=n), n)
+
+
+def test_no_repeat_ngram_zero_changes_nothing(tiny_mt):
+    m, src, _ = tiny_mt
+    assert greedy_search(m, src, max_len_b=8, no_repeat_ngram=0) == greedy_search(m, src, max_len_b=8)
+    a = [h[0].tokens for h in beam_search(m, src, beam=4, max_len_b=8)]
+    assert [h[0].tokens for h in beam_search(m, src, beam=4, max_len_b=8, no_repeat_ngram=0)] == a
 
 
 # 4. Sampling ------------------------------------------------------------------------------------------

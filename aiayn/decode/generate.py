@@ -107,7 +107,8 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
 
 
 def generate_text(run, prompt: str, max_new_tokens: int = 200, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None, seed: int | None = None, slide: bool = False) -> Iterator[str]:
+                  top_p: float | None = None, seed: int | None = None, slide: bool = False,
+                  no_repeat_ngram: int = 0) -> Iterator[str]:
     """Stream the continuation of ``prompt`` by a language-model :class:`~aiayn.run_dir.Run`: one text
     piece per generated token (empty while a character is incomplete), then what was held back.
     Checks happen here, before the first token: a bad option or a prompt too long for the context
@@ -117,13 +118,15 @@ def generate_text(run, prompt: str, max_new_tokens: int = 200, temperature: floa
         raise ConfigError(f"{run.path} is a {cfg.task} run: `aiayn generate` needs a language model "
                           "(use translate or summarize)")
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if no_repeat_ngram < 0:
+        raise ConfigError(f"--no-repeat-ngram must be >= 0 (0: off), got {no_repeat_ngram}")
     ids = prompt_ids(cfg, tok, prompt)
     ctx = lm_context(cfg)
     if len(ids) + 1 > ctx and not slide:
         raise ConfigError(f"the prompt is {len(ids)} tokens but the model reads {ctx} at once (its training "
                           f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
     tokens = sample(run.model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    eos_id=EOS_ID, context_limit=ctx)
+                    eos_id=EOS_ID, context_limit=ctx, no_repeat_ngram=no_repeat_ngram)
 
     def stream() -> Iterator[str]:
         text = TextStream(tok, ids)
@@ -151,7 +154,7 @@ def generate_cli(args: argparse.Namespace) -> int:
 
     run = load_run(args.run, args.device)
     pieces = generate_text(run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           args.seed, args.slide)
+                           args.seed, args.slide, args.no_repeat_ngram)
     _write_stdout(args.prompt)
     for piece in pieces:
         if piece:
@@ -163,8 +166,9 @@ def generate_cli(args: argparse.Namespace) -> int:
 # Summaries ---------------------------------------------------------------------------------------------
 
 
-def summarize_lm(run, documents: Sequence[str], max_new_tokens: int = 64) -> list[str]:
-    """Greedy summaries from a "document <sep> summary" language model, one per document."""
+def summarize_lm(run, documents: Sequence[str], max_new_tokens: int = 64, no_repeat_ngram: int = 0) -> list[str]:
+    """Greedy summaries from a "document <sep> summary" language model, one per document; with
+    ``no_repeat_ngram`` n > 0 a summary never repeats one of its own n-grams (it may copy the document's)."""
     cfg, tok = run.cfg, run.tokenizers.src
     ctx = lm_context(cfg)
     sep = separator_ids(tok, cfg.data.separator)
@@ -179,7 +183,7 @@ def summarize_lm(run, documents: Sequence[str], max_new_tokens: int = 64) -> lis
         found: list[int] = []
         text = ""
         for t in sample(run.model, lm_prompt(tok, doc, sep, ctx - reserve), max_new_tokens, temperature=0.0,
-                        eos_id=EOS_ID, context_limit=ctx):
+                        eos_id=EOS_ID, context_limit=ctx, no_repeat_ngram=no_repeat_ngram):
             found.append(t)
             text = tok.decode(found)
             if any(s in text for s in stops):
@@ -192,12 +196,12 @@ def summarize_lm(run, documents: Sequence[str], max_new_tokens: int = 64) -> lis
 
 def summarize_seq2seq(run, documents: Sequence[str], max_new_tokens: int = 64, beam: int | None = None,
                       alpha: float | None = None, length_penalty: str | None = None,
-                      max_tokens: int | None = None) -> list[str]:
+                      max_tokens: int | None = None, no_repeat_ngram: int | None = None) -> list[str]:
     """Summaries from an encoder-decoder run: documents cut to its positions, beam (or greedy) search."""
     from aiayn.decode.translator import Translator, decode_sources
 
     tr = Translator(run.model, run.tokenizers, run.cfg, run.path)
-    settings = tr.settings(beam, alpha, length_penalty, max_tokens)
+    settings = tr.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
     settings.max_len_a, settings.max_len_b = 0.0, max_new_tokens  # at most max_new_tokens summary tokens
     ids, cut = tr.encode_sources([one_line(d) for d in documents], warn=False)
     if cut:
@@ -213,10 +217,15 @@ def summarize_seq2seq(run, documents: Sequence[str], max_new_tokens: int = 64, b
 
 def summarize(run, documents: Sequence[str], max_new_tokens: int = 64, beam: int | None = None,
               alpha: float | None = None, length_penalty: str | None = None,
-              max_tokens: int | None = None) -> list[str]:
-    """One summary per document (see the module docstring), from either kind of summarization run."""
+              max_tokens: int | None = None, no_repeat_ngram: int | None = None) -> list[str]:
+    """One summary per document (see the module docstring), from either kind of summarization run.
+    ``no_repeat_ngram`` None takes the run's ``decode.no_repeat_ngram``."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if no_repeat_ngram is None:
+        no_repeat_ngram = run.cfg.decode.no_repeat_ngram
+    if no_repeat_ngram < 0:
+        raise ConfigError(f"--no-repeat-ngram must be >= 0 (0: off), got {no_repeat_ngram}")
     if run.cfg.task == "lm":
         if not is_summary_lm(run.cfg):
             raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
@@ -224,10 +233,11 @@ def summarize(run, documents: Sequence[str], max_new_tokens: int = 64, beam: int
         if beam not in (None, 1):
             raise ConfigError("--beam: a language-model run summarizes greedily; beam search needs an "
                               "encoder-decoder (task: summarization) run")
-        return summarize_lm(run, documents, max_new_tokens)
+        return summarize_lm(run, documents, max_new_tokens, no_repeat_ngram)
     if run.cfg.task != "summarization":
         raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
-    return summarize_seq2seq(run, documents, max_new_tokens, beam, alpha, length_penalty, max_tokens)
+    return summarize_seq2seq(run, documents, max_new_tokens, beam, alpha, length_penalty, max_tokens,
+                             no_repeat_ngram)
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -253,7 +263,8 @@ def summarize_cli(args: argparse.Namespace) -> int:
     run = load_run(args.run, args.device)
     field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
     docs = read_documents(args.input, field)
-    found = summarize(run, docs, args.max_new_tokens, args.beam, args.alpha, args.length_penalty, args.max_tokens)
+    found = summarize(run, docs, args.max_new_tokens, args.beam, args.alpha, args.length_penalty, args.max_tokens,
+                      args.no_repeat_ngram)
     text = "".join(s + "\n" for s in found)
     if args.output is not None and args.output != "-":
         Path(args.output).write_text(text, encoding="utf-8")
@@ -275,7 +286,7 @@ def lead1_scores(split: str = "test") -> dict[str, float]:
 
 def evaluate_summaries(run_dir: str | Path, split: str = "test", max_new_tokens: int = 64, beam: int | None = None,
                        alpha: float | None = None, length_penalty: str | None = None,
-                       device: str = "cpu") -> dict[str, Any]:
+                       device: str = "cpu", no_repeat_ngram: int | None = None) -> dict[str, Any]:
     """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
     ``RUN/eval/rouge_<split>.json`` and ``.hyp``; return the record."""
     from aiayn.eval.evaluate import _weights_info, _write_result
@@ -286,7 +297,10 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", max_new_tokens:
     run = load_run(run_dir, device)
     pairs = summary_pairs(run.cfg, split)
     start = time.perf_counter()
-    hyps = summarize(run, [d for d, _ in pairs], max_new_tokens, beam, alpha, length_penalty)
+    if no_repeat_ngram is None:
+        no_repeat_ngram = run.cfg.decode.no_repeat_ngram
+    hyps = summarize(run, [d for d, _ in pairs], max_new_tokens, beam, alpha, length_penalty,
+                     no_repeat_ngram=no_repeat_ngram)
     wall = time.perf_counter() - start
     kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else \
         f"encoder-decoder: beam {beam or run.cfg.decode.beam}"
@@ -295,7 +309,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", max_new_tokens:
         "task": run.cfg.task,
         "data": {"dataset": run.cfg.data.dataset, "split": split, "n_documents": len(pairs)},
         "scores": {k: round(v, 2) for k, v in rouge_scores(hyps, [s for _, s in pairs]).items()},
-        "decode": {"how": kind, "max_new_tokens": max_new_tokens},
+        "decode": {"how": kind, "max_new_tokens": max_new_tokens, "no_repeat_ngram": no_repeat_ngram},
         "run": _weights_info(run_dir),
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -320,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--beam", type=int, default=None)
     r.add_argument("--alpha", type=float, default=None)
     r.add_argument("--length-penalty", choices=["gnmt", "power", "none"], default=None)
+    r.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                   help="never repeat an n-gram of the summary (default: the run's config, 0 = off)")
     r.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -331,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                  lead1_scores(args.split).items()}}}))
         else:
             res = evaluate_summaries(args.run, args.split, args.max_new_tokens, args.beam, args.alpha,
-                                     args.length_penalty, args.device)
+                                     args.length_penalty, args.device, args.no_repeat_ngram)
             print(json.dumps({k: res[k] for k in ("name", "task", "data", "scores", "decode", "wall_s")
                               if k in res} | ({"lead1": res["lead1"]} if "lead1" in res else {})))
             print(f"wrote {res['json_path']}")

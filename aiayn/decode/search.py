@@ -45,6 +45,21 @@ STOP_RULES = ("exact", "hf")
 NEG_INF = float("-inf")
 
 
+def repeated_ngram_bans(seq: Sequence[int], n: int) -> list[int]:
+    """Tokens that would complete an n-gram already in ``seq`` (n-gram blocking; n <= 0: none).
+
+    The last n-1 tokens of ``seq`` are the prefix; every earlier occurrence of that prefix bans the token
+    that followed it. ``n = 1`` bans every token already produced. Same rule as fairseq's and Hugging
+    Face's ``no_repeat_ngram_size``, applied to the produced tokens only (never the prompt or source).
+    """
+    if n <= 0 or len(seq) < n - 1:
+        return []
+    if n == 1:
+        return sorted(set(seq))
+    prefix = tuple(seq[len(seq) - n + 1:])
+    return sorted({seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == prefix})
+
+
 @dataclass
 class Hypothesis:
     """One finished beam-search output: ``tokens`` without BOS/EOS, ``score`` the length-penalized
@@ -103,12 +118,15 @@ def greedy_search(
     eos_id: int = 3,
     pad_id: int = 0,
     use_cache: bool = True,
+    no_repeat_ngram: int = 0,
 ) -> list[list[int]]:
     """Argmax decoding. src (B, S) ids, src_mask (B, S) bool (default ``src != pad_id``).
 
     Returns one token list per sentence, without BOS and EOS. Sentences that end drop out of the
     batch (their rows are removed from the cache), so the remaining steps cost only the live rows.
     ``use_cache=False`` re-decodes the whole prefix at every step (the reference for cache tests).
+    ``no_repeat_ngram`` n > 0 never lets a sentence repeat one of its own n-grams
+    (:func:`repeated_ngram_bans`).
     """
     if src_mask is None:
         src_mask = src != pad_id
@@ -126,6 +144,8 @@ def greedy_search(
         logits = model.decode(inp, memory, mem_mask, cache)[:, -1].float()  # (B', V)
         if t < min_len:
             logits[:, eos_id] = NEG_INF
+        if no_repeat_ngram > 0:
+            _ban_ngrams(logits, tokens[:, 1:], no_repeat_ngram)
         nxt = logits.argmax(dim=-1)  # (B',)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         ended = (nxt == eos_id).tolist()
@@ -146,6 +166,17 @@ def greedy_search(
             sent = [sent[i] for i in keep]
         t += 1
     return out
+
+
+def _ban_ngrams(scores: Tensor, produced: Tensor, n: int) -> None:
+    """Set to -inf, in place, the entries of scores (R, V) that would repeat an n-gram of the row's
+    produced tokens (R, t)."""
+    if produced.size(1) < max(n - 1, 1):
+        return
+    for r, seq in enumerate(produced.tolist()):
+        banned = repeated_ngram_bans(seq, n)
+        if banned:
+            scores[r, banned] = NEG_INF
 
 
 # Beam search -----------------------------------------------------------------------------------------
@@ -196,6 +227,7 @@ def beam_search(
     bos_id: int = 2,
     eos_id: int = 3,
     pad_id: int = 0,
+    no_repeat_ngram: int = 0,
 ) -> list[list[Hypothesis]]:
     """Batched beam search with a KV cache. src (B, S) ids, src_mask (B, S) bool (default ``src != pad_id``).
 
@@ -217,6 +249,8 @@ def beam_search(
       for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
       ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
       returns the same hypotheses as ``exact``.) Done sentences leave the batch.
+    * ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
+      are set to -inf before the top-k, as fairseq and Hugging Face do).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"unknown length penalty {length_penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
@@ -245,6 +279,8 @@ def beam_search(
         lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
         if t < min_len:
             lprobs[:, eos_id] = NEG_INF
+        if no_repeat_ngram > 0:
+            _ban_ngrams(lprobs, tokens[:, 1:], no_repeat_ngram)
         V = lprobs.size(-1)
         cand = (scores.unsqueeze(-1) + lprobs.view(n, N, V)).view(n, N * V)
         top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
@@ -358,6 +394,7 @@ def sample(
     eos_id: int | None = None,
     use_cache: bool = True,
     context_limit: int | None = None,
+    no_repeat_ngram: int = 0,
 ) -> Iterator[int]:
     """Stream up to ``max_new_tokens`` ids from a language model, one at a time, after ``prompt``
     (a list of ids, a (T,) or a (1, T) tensor; not empty: start it with BOS if the model expects one).
@@ -368,7 +405,8 @@ def sample(
     one call, then one token per step with the cache. The model sees at most ``context_limit`` tokens
     (default: its ``cfg.max_positions``); once the text is longer, each step re-decodes the last
     ``context_limit`` tokens without a cache (absolute positions cannot slide inside a cache), as
-    nanoGPT does.
+    nanoGPT does. ``no_repeat_ngram`` n > 0 forbids repeating an n-gram of the generated tokens (the
+    prompt may be copied from freely).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -382,6 +420,7 @@ def sample(
     cache = model.new_cache() if use_cache else None
     pending = tokens  # (1, t): tokens the cache has not seen yet
     cached = 0
+    produced: list[int] = []
     for _ in range(max_new_tokens):
         if cache is not None and context_limit is not None and cached + pending.size(1) > context_limit:
             cache = None  # past the position table: from here on, slide a window
@@ -391,10 +430,14 @@ def sample(
         else:
             window = tokens if context_limit is None else tokens[:, -context_limit:]
             logits = model.decode(window, None, None, None)[0, -1]
+        banned = repeated_ngram_bans(produced, no_repeat_ngram)
+        if banned:
+            logits = logits.float().index_fill(0, torch.tensor(banned, device=device), NEG_INF)
         tok = _pick(logits, temperature, top_k, top_p, gen)
         if eos_id is not None and tok == eos_id:
             return
         yield tok
+        produced.append(tok)
         pending = torch.tensor([[tok]], dtype=torch.long, device=device)
         tokens = torch.cat([tokens, pending], dim=1)
 

@@ -52,10 +52,12 @@ class DecodeSettings:
     max_len_a: float = 1.0
     max_len_b: float = 50
     max_tokens: int = 4096
+    no_repeat_ngram: int = 0
 
     @classmethod
     def from_config(cls, cfg: Config, beam: int | None = None, alpha: float | None = None,
-                    length_penalty: str | None = None, max_tokens: int | None = None) -> DecodeSettings:
+                    length_penalty: str | None = None, max_tokens: int | None = None,
+                    no_repeat_ngram: int | None = None) -> DecodeSettings:
         """The config's ``decode`` section with the given (non-None) options replacing its values."""
         d = cfg.decode
         s = cls(
@@ -65,6 +67,7 @@ class DecodeSettings:
             max_len_a=d.max_len_a,
             max_len_b=d.max_len_b,
             max_tokens=d.max_tokens if max_tokens is None else max_tokens,
+            no_repeat_ngram=d.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram,
         )
         s.check()
         return s
@@ -74,6 +77,8 @@ class DecodeSettings:
             raise ConfigError(f"beam must be >= 1, got {self.beam}")
         if self.length_penalty not in ("gnmt", "power", "none"):
             raise ConfigError(f"length penalty {self.length_penalty!r}: expected gnmt, power or none")
+        if self.no_repeat_ngram < 0:
+            raise ConfigError(f"no-repeat-ngram must be >= 0 (0: off), got {self.no_repeat_ngram}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 1 <= nbest <= self.beam:
@@ -136,7 +141,8 @@ def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], settings:
         mask = src != PAD_ID
         if settings.beam == 1:
             found = greedy_search(model, src, mask, max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
-                                  bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+                                  bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+                                  no_repeat_ngram=settings.no_repeat_ngram)
             if scores:
                 limits = max_lengths(model, mask, settings.max_len_a, settings.max_len_b)
                 hyps = [[h] for h in _score_tokens(model, src, found, limits, settings.alpha,
@@ -147,7 +153,7 @@ def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], settings:
             hyps = beam_search(model, src, mask, beam=settings.beam, alpha=settings.alpha,
                                length_penalty=settings.length_penalty, max_len_a=settings.max_len_a,
                                max_len_b=settings.max_len_b, nbest=nbest, bos_id=BOS_ID, eos_id=EOS_ID,
-                               pad_id=PAD_ID)
+                               pad_id=PAD_ID, no_repeat_ngram=settings.no_repeat_ngram)
         for i, h in zip(idx, hyps):
             out[i] = h
     return out
@@ -168,9 +174,9 @@ class Translator:
         return max(1, self.cfg.model.max_positions - 1)
 
     def settings(self, beam: int | None = None, alpha: float | None = None, length_penalty: str | None = None,
-                 max_tokens: int | None = None) -> DecodeSettings:
+                 max_tokens: int | None = None, no_repeat_ngram: int | None = None) -> DecodeSettings:
         """The run's decoding defaults with the given options replacing them."""
-        return DecodeSettings.from_config(self.cfg, beam, alpha, length_penalty, max_tokens)
+        return DecodeSettings.from_config(self.cfg, beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
 
     def encode_sources(self, texts: Sequence[str], warn: bool = True) -> tuple[list[list[int] | None], list[int]]:
         """Token ids of each text (None for an empty or whitespace-only one) and the indices of the
@@ -206,19 +212,20 @@ class Translator:
 
     def translate_hypotheses(self, texts: Sequence[str], beam: int | None = None, alpha: float | None = None,
                              length_penalty: str | None = None, nbest: int = 1,
-                             max_tokens: int | None = None) -> list[list[Translation]]:
+                             max_tokens: int | None = None, no_repeat_ngram: int | None = None
+                             ) -> list[list[Translation]]:
         """Up to ``nbest`` :class:`Translation` per text, best first, with scores; [] for an empty text."""
-        settings = self.settings(beam, alpha, length_penalty, max_tokens)
+        settings = self.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
         return self._search(texts, settings, nbest, scores=True)
 
     def translate(self, texts: str | Sequence[str], beam: int | None = None, alpha: float | None = None,
-                  length_penalty: str | None = None, nbest: int = 1,
-                  max_tokens: int | None = None) -> str | list[str] | list[list[str]]:
+                  length_penalty: str | None = None, nbest: int = 1, max_tokens: int | None = None,
+                  no_repeat_ngram: int | None = None) -> str | list[str] | list[list[str]]:
         """Translate a list of texts: one string per text (nbest 1) or a list of up to ``nbest`` strings,
         best first (nbest > 1). A single string in gives a single string (or list) out."""
         if isinstance(texts, str):
-            return self.translate([texts], beam, alpha, length_penalty, nbest, max_tokens)[0]
-        settings = self.settings(beam, alpha, length_penalty, max_tokens)
+            return self.translate([texts], beam, alpha, length_penalty, nbest, max_tokens, no_repeat_ngram)[0]
+        settings = self.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
         found = self._search(texts, settings, nbest, scores=False)
         if nbest == 1:
             return [hyps[0].text if hyps else "" for hyps in found]
@@ -279,7 +286,8 @@ def translate_cli(args: argparse.Namespace) -> int:
         raise ConfigError("--nbest > 1 needs --json (plain output is one line per input line)")
     lines = _read_input(args.input)
     translator = load(args.run, device=args.device)
-    opts = dict(beam=args.beam, alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens)
+    opts = dict(beam=args.beam, alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens,
+                no_repeat_ngram=args.no_repeat_ngram)
     settings = translator.settings(**opts)
     settings.check(nbest)
     if args.json:

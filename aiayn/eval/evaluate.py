@@ -108,7 +108,8 @@ def _write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[s
 def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str | None = None,
                          ref: str | None = None, name: str | None = None, beam: int | None = None,
                          alpha: float | None = None, length_penalty: str | None = None,
-                         max_tokens: int | None = None, device: str = "cpu") -> dict[str, Any]:
+                         max_tokens: int | None = None, device: str = "cpu",
+                         no_repeat_ngram: int | None = None) -> dict[str, Any]:
     """Decode a split (or ``src``, scored against ``ref``), write eval/<name>.json + .hyp; return the record."""
     from aiayn.data.corpus import read_parallel
     from aiayn.decode.translator import _one_line, load
@@ -125,11 +126,12 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
         name = name or _default_name(src)
     _check_name(name)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
-    settings = translator.settings(beam, alpha, length_penalty, max_tokens)
+    settings = translator.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
     _, truncated = translator.encode_sources(sources, warn=False)
     start = time.perf_counter()
     hyps = [_one_line(h) for h in translator.translate(sources, beam=beam, alpha=alpha,
-                                                       length_penalty=length_penalty, max_tokens=max_tokens)]
+                                                       length_penalty=length_penalty, max_tokens=max_tokens,
+                                                       no_repeat_ngram=no_repeat_ngram)]
     wall = time.perf_counter() - start
 
     sb = sacrebleu_scores(hyps, refs)
@@ -190,7 +192,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "cpu
 def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None = None, ref: str | None = None,
                  name: str | None = None, beam: int | None = None, alpha: float | None = None,
                  length_penalty: str | None = None, max_tokens: int | None = None,
-                 device: str = "cpu") -> dict[str, Any]:
+                 device: str = "cpu", no_repeat_ngram: int | None = None) -> dict[str, Any]:
     """Evaluate a run (see the module docstring); dispatches on the run's task."""
     from aiayn.config import load_config
 
@@ -209,7 +211,7 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
         from aiayn.decode.generate import evaluate_summaries
 
         return evaluate_summaries(run_dir, split, beam=beam, alpha=alpha, length_penalty=length_penalty,
-                                  device=device)
+                                  device=device, no_repeat_ngram=no_repeat_ngram)
     if cfg.task == "lm":
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref, "
@@ -219,7 +221,8 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
         raise ConfigError("evaluate needs either --split NAME or --src FILE --ref FILE")
     if split is None and (src is None or ref is None):
         raise ConfigError("--src and --ref go together")
-    return evaluate_translation(run_dir, split, src, ref, name, beam, alpha, length_penalty, max_tokens, device)
+    return evaluate_translation(run_dir, split, src, ref, name, beam, alpha, length_penalty, max_tokens, device,
+                                no_repeat_ngram)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -258,6 +261,6 @@ def summary(result: dict[str, Any]) -> str:
 def evaluate_cli(args: argparse.Namespace) -> int:
     result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, beam=args.beam,
                           alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens,
-                          device=args.device)
+                          device=args.device, no_repeat_ngram=args.no_repeat_ngram)
     print(summary(result))
     return 0
