@@ -74,7 +74,10 @@ def test_cross_attention_matches_torch():
     assert (out - ref_out).abs().max().item() <= 1e-5
 
 
-def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
+def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero(monkeypatch):
+    import aiayn.model.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_EXPLICIT_MAX_KEYS", 0)  # short keys take the fused kernel here too
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.rand(2, 1, 5, 6) > 0.4
@@ -93,6 +96,32 @@ def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
     s = (q[1, 1, 0] @ k[1, 1].T) / math.sqrt(8)
     s[~mask[1, 0, 0]] = float("-inf")
     torch.testing.assert_close(slow[1, 1, 0], torch.softmax(s, -1) @ v[1, 1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_and_explicit_paths_agree_in_values_and_gradients(monkeypatch, causal):
+    """CPU picks the explicit path for short keys and the fused kernel for long ones
+    (CPU_EXPLICIT_MAX_KEYS): both must give the same outputs and gradients, causal flag included."""
+    import aiayn.model.attention as attention
+
+    torch.manual_seed(5)
+    B, H, T, K = 3, 2, 7, 8
+    base = [torch.randn(B, H, T, K) for _ in range(3)]
+    keep = torch.arange(T)[None, :] < torch.tensor([7, 4, 1])[:, None]
+    mask = None if causal else keep[:, None, None, :]
+    results = []
+    for max_keys in (0, 10_000):  # 0: fused everywhere; 10,000: explicit everywhere
+        monkeypatch.setattr(attention, "CPU_EXPLICIT_MAX_KEYS", max_keys)
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for fused, explicit in zip(*results):
+        assert (fused - explicit).abs().max().item() <= 1e-5
+    if causal:  # the flag equals an explicit lower-triangular mask
+        tril = torch.ones(T, T, dtype=torch.bool).tril()
+        ref, _ = scaled_dot_product_attention(*base, tril)
+        assert (results[1][0] - ref).abs().max().item() <= 1e-6
 
 
 # 3. Cached incremental decoding equals teacher-forced decoding ---------------------------------------

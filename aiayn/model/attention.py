@@ -20,17 +20,26 @@ def scaled_dot_product_attention(
     mask: Tensor | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    is_causal: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  (eq. 1).
 
     q: (B, H, Tq, K), k: (B, H, Tk, K), v: (B, H, Tk, K); mask: bool, True = may attend,
     broadcastable to (B, H, Tq, Tk). Returns (output (B, H, Tq, K), probabilities (B, H, Tq, Tk) or None).
+    ``is_causal`` (with ``mask=None`` and Tq == Tk): query i sees keys 0..i, without materializing a mask,
+    so the fused kernels' causal path runs (on CUDA, flash attention, which takes no explicit mask).
 
-    The fast path (``need_weights=False``) calls ``torch.nn.functional.scaled_dot_product_attention``;
-    the explicit path computes the probabilities so they can be returned for visualization. A query
-    row whose keys are all masked gives a zero output on both paths (softmax over nothing is
-    undefined, and NaN would poison the whole batch through the residual stream).
+    Two paths with the same result: PyTorch's fused ``torch.nn.functional.scaled_dot_product_attention``,
+    and the explicit one (matmul, additive -inf mask, softmax, matmul), which also returns the
+    probabilities (``need_weights``, for visualization). A query row whose keys are all masked gives a
+    zero output on both (softmax over nothing is undefined, and NaN would poison the whole batch
+    through the residual stream).
     """
+    if is_causal:
+        if mask is not None or q.size(-2) != k.size(-2):
+            raise ValueError("is_causal needs mask=None and as many queries as keys")
+        if need_weights or not _fused(q, k):  # the explicit path needs the mask itself
+            mask, is_causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril(), False
     empty_rows = None
     if mask is not None:
         empty_rows = ~mask.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
@@ -39,20 +48,38 @@ def scaled_dot_product_attention(
         else:
             # Let empty rows attend everywhere (a finite softmax), then zero their output below.
             mask = mask | empty_rows
-    if not need_weights:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if not need_weights and _fused(q, k):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         probs = None
     else:
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            # Additive 0 / -inf (a small (B|1, 1, Tq|1, Tk) tensor): exactly masked_fill's result, and
+            # faster to differentiate than masked_fill with a broadcast boolean mask.
+            scores = scores + torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
+                ~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if empty_rows is not None:
             probs = probs.masked_fill(empty_rows, 0.0)
         out = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
+        if not need_weights:
+            probs = None
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
     return out, probs
+
+
+# On CPU, up to this many keys the explicit path is faster than the fused kernel for training
+# (forward + backward, measured on the project's 2-core CPU, torch 2.13: 1.4-1.5x at 25-64 keys, even
+# at 128, slower beyond: at 512 causal keys the fused kernel skips the masked half and wins 2x). The
+# fused CPU kernel also ran 2.4x slower once a program called torch.set_num_threads (pytest's conftest
+# does), which the explicit path does not.
+CPU_EXPLICIT_MAX_KEYS = 128
+
+
+def _fused(q: Tensor, k: Tensor) -> bool:
+    """Whether to call PyTorch's fused attention (always off the CPU; on it, for long key sequences)."""
+    return q.device.type != "cpu" or k.size(-2) > CPU_EXPLICIT_MAX_KEYS
 
 
 class KVCache:
@@ -149,10 +176,12 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,
+        causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, Tq, D) queries. ``memory`` None: self-attention over x (plus cached past steps);
         ``memory`` (B, S, D): cross-attention (keys/values cached once when a cache is given).
-        mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk).
+        mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk); ``causal`` in place of a mask:
+        self-attention over x alone (no cached steps), query i sees positions 0..i.
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
         D = self.d_model
         if memory is None:
@@ -169,7 +198,7 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None:
                     cache.cross_k[layer], cache.cross_v[layer] = k, v
         p = self.dropout if self.training else 0.0
-        out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights)
+        out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, is_causal=causal)
         B, _, Tq, _ = out.shape
         out = out.transpose(1, 2).reshape(B, Tq, D)  # concat heads: (B, Tq, D)
         return self.out_proj(out), probs

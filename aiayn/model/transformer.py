@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.model.attention import KVCache
 from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
-from aiayn.model.layers import DecoderLayer, EncoderLayer
+from aiayn.model.layers import DecoderLayer, Dropout, EncoderLayer
 
 
 def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
@@ -39,7 +39,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding) -> None:
         super().__init__()
         self.embed, self.positions = embed, _positions(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         # Pre-LN needs a final LayerNorm (its residual stream is never normalised); post-LN has none.
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
@@ -63,7 +63,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding, cross_attention: bool = True) -> None:
         super().__init__()
         self.embed, self.positions = embed, _positions(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
         V = embed.weight.size(0)
@@ -87,11 +87,13 @@ class Decoder(nn.Module):
         past = cache.length if cache is not None else 0
         T = tgt.size(1)
         x = self.dropout(self.embed(tgt) + self.positions(T, offset=past))
-        self_mask = causal_mask(T, past, tgt.device)
+        # Nothing cached and several steps (training, prefill): the kernel's own causal path, no mask tensor.
+        causal = past == 0 and T > 1
+        self_mask = None if causal else causal_mask(T, past, tgt.device)
         mem_mask = memory_mask[:, None, None, :] if memory_mask is not None else None
         self_probs, cross_probs = [], []
         for i, layer in enumerate(self.layers):
-            x, sp, cp = layer(x, self_mask, memory, mem_mask, cache, i, need_weights)
+            x, sp, cp = layer(x, self_mask, memory, mem_mask, cache, i, need_weights, causal)
             self_probs.append(sp)
             cross_probs.append(cp)
         if self.final_norm is not None:
