@@ -53,7 +53,10 @@ peak (989 TFLOP/s, goal >= 45%) were **not measured**. The scripts measure CPU, 
 def set_threads(n: int | None) -> int:
     """Use ``n`` intra-op threads (None: one per core) and return the number used."""
     n = n or os.cpu_count() or 1
-    torch.set_num_threads(n)
+    # Only when it changes something: on torch 2.13's CPU build an explicit set_num_threads, even to the
+    # default, made the fused attention kernel (HF's and torch.nn's default) 2.4x slower on this machine.
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
     return n
 
 

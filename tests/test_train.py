@@ -309,7 +309,7 @@ def test_learns_to_reverse_words_to_95_percent_exact_match(tmp_path):
     elapsed = time.perf_counter() - t0
     print(f"reverse task: exact match {exact:.3f} in {elapsed:.0f} s")
     assert exact >= 0.95
-    assert elapsed < 180  # measured 123 s on a quiet 2-core CPU (issue target: 2 minutes); slack for CI
+    assert elapsed < 120  # the issue's limit: 2 minutes. Measured 94 s under pytest on a quiet 2-core CPU
     assert math.isfinite(elapsed)
 
 
