@@ -54,7 +54,7 @@ def set_threads(n: int | None) -> int:
     """Use ``n`` intra-op threads (None: one per core) and return the number used."""
     n = n or os.cpu_count() or 1
     # Only when it changes something: on torch 2.13's CPU build an explicit set_num_threads, even to the
-    # default, made the fused attention kernel (HF's and torch.nn's default) 2.4x slower on this machine.
+    # default, made the fused attention kernel (HF's and torch.nn's default) slower (benchmarks.cpu_kernels).
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
     return n

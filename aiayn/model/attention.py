@@ -69,11 +69,11 @@ def scaled_dot_product_attention(
     return out, probs
 
 
-# On CPU, up to this many keys the explicit path is faster than the fused kernel for training
-# (forward + backward, measured on the project's 2-core CPU, torch 2.13: 1.4-1.5x at 25-64 keys, even
-# at 128, slower beyond: at 512 causal keys the fused kernel skips the masked half and wins 2x). The
-# fused CPU kernel also ran 2.4x slower once a program called torch.set_num_threads (pytest's conftest
-# does), which the explicit path does not.
+# On CPU, up to this many keys attention takes the explicit path (`python -m benchmarks.cpu_kernels`,
+# forward + backward on the project's 2-core CPU, torch 2.13): after torch.set_num_threads (pytest's
+# conftest and many programs call it) the fused kernel slows down and the explicit path is 1.2-3x faster
+# up to 64 keys and even at 128; without that call the two are within 0.8-1.5x of each other there. At
+# 512 keys the fused kernel wins 2x either way.
 CPU_EXPLICIT_MAX_KEYS = 128
 
 

@@ -18,9 +18,9 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 class _CpuDropout(torch.autograd.Function):
     """Inverted dropout whose mask comes from ``torch.rand_like``: on CPU, ``bernoulli_`` (what
-    ``F.dropout`` draws with) costs twice as much as uniform draws, and dropout was 17% of a small
-    model's training update (profiled on the tiny reverse-task model). Same distribution: each element
-    is kept with probability 1 - p and scaled by 1 / (1 - p)."""
+    ``F.dropout`` draws with) costs twice as much as uniform draws (`python -m benchmarks.cpu_kernels`),
+    and mask draws were the largest non-matmul cost of a small model's update in a torch.profiler
+    profile. Same distribution: each element is kept with probability 1 - p and scaled by 1 / (1 - p)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
