@@ -35,10 +35,11 @@ def scaled_dot_product_attention(
     zero output on both (softmax over nothing is undefined, and NaN would poison the whole batch
     through the residual stream).
     """
+    fused = not need_weights and _fused(q, k)
     if is_causal:
         if mask is not None or q.size(-2) != k.size(-2):
             raise ValueError("is_causal needs mask=None and as many queries as keys")
-        if need_weights or not _fused(q, k):  # the explicit path needs the mask itself
+        if not fused:  # the explicit path needs the mask itself
             mask, is_causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril(), False
     empty_rows = None
     if mask is not None:
@@ -48,7 +49,7 @@ def scaled_dot_product_attention(
         else:
             # Let empty rows attend everywhere (a finite softmax), then zero their output below.
             mask = mask | empty_rows
-    if not need_weights and _fused(q, k):
+    if fused:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         probs = None
     else:
