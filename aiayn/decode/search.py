@@ -430,7 +430,7 @@ def sample(
         else:
             window = tokens if context_limit is None else tokens[:, -context_limit:]
             logits = model.decode(window, None, None, None)[0, -1]
-        banned = repeated_ngram_bans(produced, no_repeat_ngram) if no_repeat_ngram > 0 else []
+        banned = repeated_ngram_bans(produced, no_repeat_ngram)  # [] at once when blocking is off
         if banned:
             logits = logits.float().index_fill(0, torch.tensor(banned, device=device), NEG_INF)
         tok = _pick(logits, temperature, top_k, top_p, gen)
