@@ -93,15 +93,11 @@ def counted_training_flops(model: torch.nn.Module, batch: Batch) -> int:
     attention through aiayn's explicit path (matmuls the counter sees) whatever the sequence length."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import aiayn.model.attention as attention
+    from aiayn.model.attention import cpu_attention_path
 
     optimizer = build_optimizer(model, TrainConfig())
-    saved, attention.CPU_EXPLICIT_MAX_KEYS = attention.CPU_EXPLICIT_MAX_KEYS, 1 << 30
-    try:
-        with FlopCounterMode(display=False) as counter:
-            train_update(model, optimizer, [batch], LR, LABEL_SMOOTHING, pad_id=0)
-    finally:
-        attention.CPU_EXPLICIT_MAX_KEYS = saved
+    with cpu_attention_path("explicit"), FlopCounterMode(display=False) as counter:
+        train_update(model, optimizer, [batch], LR, LABEL_SMOOTHING, pad_id=0)
     return int(counter.get_total_flops())
 
 

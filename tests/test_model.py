@@ -74,15 +74,15 @@ def test_cross_attention_matches_torch():
     assert (out - ref_out).abs().max().item() <= 1e-5
 
 
-def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero(monkeypatch):
-    import aiayn.model.attention as attention
+def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
+    from aiayn.model.attention import cpu_attention_path
 
-    monkeypatch.setattr(attention, "CPU_EXPLICIT_MAX_KEYS", 0)  # short keys take the fused kernel here too
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.rand(2, 1, 5, 6) > 0.4
     mask[0, 0, 2] = False  # a query row that may attend to nothing
-    fast, none = scaled_dot_product_attention(q, k, v, mask)
+    with cpu_attention_path("fused"):  # short keys take the fused kernel here too
+        fast, none = scaled_dot_product_attention(q, k, v, mask)
     slow, probs = scaled_dot_product_attention(q, k, v, mask, need_weights=True)
     assert none is None
     assert torch.isfinite(fast).all() and torch.isfinite(slow).all()
@@ -98,11 +98,26 @@ def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero(monkey
     torch.testing.assert_close(slow[1, 1, 0], torch.softmax(s, -1) @ v[1, 1])
 
 
+def test_cpu_attention_path_restores_the_length_rule_and_rejects_unknown_paths():
+    import aiayn.model.attention as attention
+
+    before = attention.CPU_EXPLICIT_MAX_KEYS
+    with pytest.raises(RuntimeError), attention.cpu_attention_path("fused"):
+        assert attention.CPU_EXPLICIT_MAX_KEYS < 0
+        raise RuntimeError("boom")
+    assert attention.CPU_EXPLICIT_MAX_KEYS == before
+    with attention.cpu_attention_path("explicit"):
+        assert not attention._fused(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 100_000, 8))
+    assert attention.CPU_EXPLICIT_MAX_KEYS == before
+    with pytest.raises(ValueError, match="unknown attention path"), attention.cpu_attention_path("flash"):
+        pass
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_and_explicit_paths_agree_in_values_and_gradients(monkeypatch, causal):
+def test_fused_and_explicit_paths_agree_in_values_and_gradients(causal):
     """CPU picks the explicit path for short keys and the fused kernel for long ones
     (CPU_EXPLICIT_MAX_KEYS): both must give the same outputs and gradients, causal flag included."""
-    import aiayn.model.attention as attention
+    from aiayn.model.attention import cpu_attention_path
 
     torch.manual_seed(5)
     B, H, T, K = 3, 2, 7, 8
@@ -110,10 +125,10 @@ def test_fused_and_explicit_paths_agree_in_values_and_gradients(monkeypatch, cau
     keep = torch.arange(T)[None, :] < torch.tensor([7, 4, 1])[:, None]
     mask = None if causal else keep[:, None, None, :]
     results = []
-    for max_keys in (0, 10_000):  # 0: fused everywhere; 10,000: explicit everywhere
-        monkeypatch.setattr(attention, "CPU_EXPLICIT_MAX_KEYS", max_keys)
+    for path in ("fused", "explicit"):
         q, k, v = (t.clone().requires_grad_() for t in base)
-        out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        with cpu_attention_path(path):
+            out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
         out.pow(2).sum().backward()
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for fused, explicit in zip(*results):

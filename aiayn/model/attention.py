@@ -7,6 +7,8 @@ Masks are boolean and mean "may attend" (True = keep), broadcastable to (B, H, T
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,22 @@ CPU_EXPLICIT_MAX_KEYS = 128
 def _fused(q: Tensor, k: Tensor) -> bool:
     """Whether to call PyTorch's fused attention (always off the CPU; on it, for long key sequences)."""
     return q.device.type != "cpu" or k.size(-2) > CPU_EXPLICIT_MAX_KEYS
+
+
+@contextmanager
+def cpu_attention_path(path: str) -> Iterator[None]:
+    """Inside the block, attention on CPU takes one path whatever the key length: ``"explicit"``
+    (matmul + softmax, which ``FlopCounterMode`` counts) or ``"fused"`` (PyTorch's kernel); the length
+    rule (``CPU_EXPLICIT_MAX_KEYS``) comes back afterwards, also on an exception. For benchmarks and tests."""
+    global CPU_EXPLICIT_MAX_KEYS
+    limits = {"explicit": 1 << 30, "fused": -1}
+    if path not in limits:
+        raise ValueError(f"unknown attention path {path!r}; expected 'explicit' or 'fused'")
+    saved, CPU_EXPLICIT_MAX_KEYS = CPU_EXPLICIT_MAX_KEYS, limits[path]
+    try:
+        yield
+    finally:
+        CPU_EXPLICIT_MAX_KEYS = saved
 
 
 class KVCache:
