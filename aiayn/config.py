@@ -101,6 +101,9 @@ class DataConfig:
     vocab_size: int = 8000
     shared_vocab: bool = True
     byte_fallback: bool = True
+    # BPE only: the tokenizer lowercases all text it encodes (training data, sources at translate time),
+    # so the model reads and writes lowercase, as the Multi30k literature trains. Off by default.
+    lowercase: bool = False
     tokenizer_sample: int = 2_000_000  # sentences SentencePiece trains on at most
     max_tokens: int = 4096  # token budget of one batch (source or target, the larger)
     max_len: int | None = None  # drop longer pairs; None: the model's max_positions
@@ -112,6 +115,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _choice("data.format", self.format, ("text", "tsv", "jsonl"))
         _choice("data.tokenizer", self.tokenizer, ("bpe", "char"))
+        if self.lowercase and self.tokenizer != "bpe":
+            raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
         if self.max_tokens <= 0:
             raise ConfigError("data.max_tokens must be positive")
 

@@ -37,3 +37,12 @@ def test_full_multi30k_recipe_has_the_size_the_readme_reports() -> None:
     n = count_parameters(build_model(model_cfg, cfg.task))
     assert round(n / 1e6, 2) == 2.35
     assert cfg.train.max_updates == 8000 and cfg.train.average_last == 5 and cfg.model.dropout == 0.3
+
+
+def test_lowercase_is_off_by_default_and_needs_bpe() -> None:
+    from aiayn.config import ConfigError, config_from_dict
+
+    assert config_from_dict({}).data.lowercase is False
+    assert load_config(REPO / "configs" / "multi30k_en_de.yaml", ["data.lowercase=true"]).data.lowercase is True
+    with pytest.raises(ConfigError, match="data.lowercase needs data.tokenizer: bpe"):
+        config_from_dict({"data": {"tokenizer": "char", "lowercase": True}})

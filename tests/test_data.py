@@ -115,6 +115,27 @@ def test_shared_and_separate_pairs_round_trip(corpus, tmp_path):
     assert separate.tgt.encode("Straße") != separate.src.encode("Straße")
 
 
+def test_lowercase_bpe_folds_case_everywhere_and_nothing_else(corpus, tmp_path, bpe):
+    """data.lowercase: the rule lives in the SentencePiece model, so a reloaded tokenizer lowercases too;
+    only case changes (no NFKC, whitespace kept), and the default tokenizer stays lossless."""
+    src, tgt = corpus
+    pair = train_tokenizer_pair(src, tgt, tmp_path / "lc", vocab_size=400, lowercase=True)
+    assert json.loads((tmp_path / "lc" / "tokenizer.json").read_text())["lowercase"] is True
+    loaded = TokenizerPair.load(tmp_path / "lc").src
+    for tok in (pair.src, loaded):
+        assert tok.lowercases
+        for text, low in [("Der Hund läuft über die STRASSE", "der hund läuft über die strasse"),
+                          ("Zwei  Männer\tÄÖÜ", "zwei  männer\täöü"), ("ﬁ x² 🙂 ΣΑ", "ﬁ x² 🙂 σα")]:
+            assert tok.encode(text) == tok.encode(low)
+            assert tok.decode(tok.encode(text)) == low
+    assert not bpe.lowercases  # the default: "A" and "a" are different ids
+    shared = train_tokenizer_pair(src, tgt, tmp_path / "cased", vocab_size=400)
+    assert json.loads((tmp_path / "cased" / "tokenizer.json").read_text())["lowercase"] is False
+    with pytest.raises(DataError, match="lowercase needs a BPE tokenizer"):
+        train_tokenizer(["Abc"], kind="char", lowercase=True)
+    assert shared.src.decode(shared.src.encode("Der Hund")) == "Der Hund"
+
+
 def test_char_tokenizer(tmp_path):
     text = "First Citizen:\nBefore we proceed, hear me speak.\n"
     tok = train_tokenizer([text], tmp_path, kind="char")

@@ -65,7 +65,7 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
         train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
                              vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
                              max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed,
-                             user_defined_symbols=user_defined_symbols)
+                             user_defined_symbols=user_defined_symbols, lowercase=cfg.data.lowercase)
     barrier()
     return TokenizerPair.load(tdir)
 

@@ -7,6 +7,10 @@ BPE models are trained losslessly (no normalization, whitespace kept, byte fallb
 default), so ``decode(encode(x)) == x`` for any text, including scripts never seen in training.
 That departs from SentencePiece's default NFKC normalization: what a user reads back from
 ``translate`` is exactly what the model produced, and cleaning text is left to data preparation.
+The one opt-in exception is ``lowercase=True``: the model file then carries a per-character
+lowercasing rule (every Unicode letter with a lowercase form, nothing else), so every encode - training
+data, evaluation sources, ``translate`` input, exported engines that run the SentencePiece model -
+lowercases, and decode returns lowercase text. The Multi30k literature trains on lowercased text.
 
 On disk (``RUN/tokenizer/``)::
 
@@ -107,6 +111,12 @@ class SentencePieceTokenizer(Tokenizer):
     def id_to_piece(self, i: int) -> str:
         return self.sp.id_to_piece(int(i))
 
+    @property
+    def lowercases(self) -> bool:
+        """Whether encoding lowercases (trained with ``lowercase=True``). Without that rule the model
+        normalizes nothing, so two different strings never share ids."""
+        return self.sp.encode("AZ") == self.sp.encode("az")
+
     def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
         path = Path(directory) / f"{name}{self.suffix}"
         _atomic_write(path, self.model_proto)
@@ -185,6 +195,7 @@ def train_tokenizer(
     name: str = "tokenizer",
     num_threads: int = 2,
     user_defined_symbols: Sequence[str] = (),
+    lowercase: bool = False,
 ) -> Tokenizer:
     """Train a tokenizer on ``texts`` (one sentence each) and save it to ``out_dir`` when given.
 
@@ -193,8 +204,11 @@ def train_tokenizer(
     At most ``max_sentences`` texts are used, a seeded uniform sample, so training is repeatable.
     ``user_defined_symbols`` (BPE only) become single pieces that are never split, e.g. the ``<sep>``
     of summarization as language modelling; a char tokenizer spells them out character by character.
+    ``lowercase`` (BPE only): the model lowercases everything it encodes (see the module docstring).
     """
     if kind == "char":
+        if lowercase:
+            raise DataError("lowercase needs a BPE tokenizer (a char tokenizer has no normalization rule)")
         seen: set[str] = set()
         for t in texts:
             seen.update(t)
@@ -202,7 +216,8 @@ def train_tokenizer(
             raise DataError("cannot train a char tokenizer: the training text is empty")
         tok: Tokenizer = CharTokenizer(seen)
     elif kind == "bpe":
-        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads, user_defined_symbols)
+        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads, user_defined_symbols,
+                         lowercase)
     else:
         raise DataError(f"tokenizer kind {kind!r}: expected bpe or char")
     if out_dir is not None:
@@ -213,7 +228,7 @@ def train_tokenizer(
 
 def _train_bpe(
     texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int,
-    user_defined_symbols: Sequence[str] = (),
+    user_defined_symbols: Sequence[str] = (), lowercase: bool = False,
 ) -> SentencePieceTokenizer:
     symbols = [s for s in dict.fromkeys(user_defined_symbols) if s]
     min_vocab = len(SPECIAL_PIECES) + (N_BYTES if byte_fallback else 0) + len(symbols) + 1
@@ -227,6 +242,7 @@ def _train_bpe(
     if not sample:
         raise DataError("cannot train a BPE tokenizer: the training text is empty")
     writer = io.BytesIO()
+    rules = _lowercase_rules_file() if lowercase else None
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sample),
@@ -245,8 +261,9 @@ def _train_bpe(
             bos_piece=SPECIAL_PIECES[BOS_ID],
             eos_piece=SPECIAL_PIECES[EOS_ID],
             **({"user_defined_symbols": symbols} if symbols else {}),
-            # Lossless: no NFKC, keep repeated/leading whitespace, so decode(encode(x)) == x.
-            normalization_rule_name="identity",
+            # Lossless: no NFKC, keep repeated/leading whitespace, so decode(encode(x)) == x
+            # (or == x lowercased, with the opt-in rule).
+            **({"normalization_rule_tsv": str(rules)} if rules else {"normalization_rule_name": "identity"}),
             remove_extra_whitespaces=False,
             # We sampled above; SentencePiece's own sampling would add a second, unseeded shuffle.
             input_sentence_size=0,
@@ -266,7 +283,30 @@ def _train_bpe(
                 f"need at least {m.group(2)}"
             ) from None
         raise DataError(f"SentencePiece training failed: {msg}") from None
+    finally:
+        if rules is not None:
+            rules.unlink(missing_ok=True)
     return SentencePieceTokenizer(writer.getvalue())
+
+
+def _lowercase_rules_file() -> Path:
+    """A SentencePiece normalization TSV mapping each Unicode character that has a different lowercase
+    form to it (per character: a final capital sigma becomes a plain sigma; no NFKC); the caller deletes it.
+    Lines are ``source code points<TAB>target code points`` in hex, as SentencePiece reads them."""
+    import tempfile
+
+    rows = []
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF:  # surrogates are not characters
+            continue
+        c = chr(cp)
+        low = c.lower()
+        if low != c:
+            rows.append(f"{cp:X}\t{' '.join(f'{ord(x):X}' for x in low)}")
+    fd, name = tempfile.mkstemp(prefix="aiayn-lowercase-", suffix=".tsv")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(rows) + "\n")
+    return Path(name)
 
 
 def _sample(texts: Iterable[str], k: int, seed: int) -> list[str]:
@@ -310,6 +350,7 @@ class TokenizerPair:
             "tgt": tgt_file,
             "src_vocab_size": self.src.vocab_size,
             "tgt_vocab_size": self.tgt.vocab_size,
+            "lowercase": bool(getattr(self.src, "lowercases", False)),
             "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         }
         _atomic_write(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
@@ -343,13 +384,14 @@ def train_tokenizer_pair(
     max_sentences: int = 2_000_000,
     seed: int = 1,
     user_defined_symbols: Sequence[str] = (),
+    lowercase: bool = False,
 ) -> TokenizerPair:
     """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side.
 
     With ``shared``, ``max_sentences`` bounds the source and target texts together.
     """
     kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed,
-              user_defined_symbols=user_defined_symbols)
+              user_defined_symbols=user_defined_symbols, lowercase=lowercase)
     if shared:
         tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
         pair = TokenizerPair(tok, tok)
