@@ -7,6 +7,7 @@ Shapes: B batch, S source length, T target length, D model width, V vocabulary.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import importlib.metadata
@@ -45,6 +46,32 @@ No GPU was lent to the session that produced these tables (the device tool lends
 only), so the bf16 GPU comparisons and the paper-base training MFU against the H100/H200 bf16 dense
 peak (989 TFLOP/s, goal >= 45%) were **not measured**. The scripts measure CPU, fp32.
 """
+
+
+# Command line shared by the training benchmarks -------------------------------------------------------
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The options of the training benchmarks (train_throughput, mfu): which models, on which batches,
+    how many updates, and where the results go."""
+    p.add_argument("--configs", nargs="+", default=["paper-base", "small"], help="model presets (configs/*.yaml)")
+    p.add_argument("--run-dir", help="a run whose tokenizer tokenizes Multi30k train (default: synthetic pairs)")
+    p.add_argument("--pairs", type=int, help="use the first N pairs (default: all 29,000)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="token budget of a batch (as data.max_tokens)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed updates")
+    p.add_argument("--steps", type=int, default=5, help="timed updates")
+    p.add_argument("--dropout", type=float, default=None, help="override the presets' dropout (0.1)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: one per core)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="a seconds-long run on a tiny model (CI)")
+    p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    """``--smoke``: the tiny model, 1 warm-up + 2 timed updates on 200 pairs in 256-token batches."""
+    if args.smoke:
+        args.configs, args.warmup, args.steps = ["smoke"], 1, 2
+        args.max_tokens, args.pairs = 256, args.pairs or 200
 
 
 # Machine, versions, provenance -----------------------------------------------------------------------

@@ -155,27 +155,16 @@ def markdown(result: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.mfu", description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=["paper-base", "small"], help="model presets (configs/*.yaml)")
-    p.add_argument("--run-dir", help="a run whose tokenizer tokenizes Multi30k train (default: synthetic pairs)")
-    p.add_argument("--pairs", type=int, help="use the first N pairs (default: all 29,000)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="token budget of a batch (as data.max_tokens)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed updates")
-    p.add_argument("--steps", type=int, default=5, help="timed updates")
-    p.add_argument("--dropout", type=float, default=None, help="override the presets' dropout (0.1)")
+    common.add_training_args(p)
     p.add_argument("--peak-sizes", type=int, nargs="+", default=list(PEAK_SIZES), help="n of the n x n matmuls")
     p.add_argument("--peak-reps", type=int, default=5)
     p.add_argument("--no-count", dest="count", action="store_false",
                    help="skip the FlopCounterMode check (one extra update per config)")
     p.add_argument("--profile", help="append torch.profiler tables of two updates per config to this file")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: one per core)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--smoke", action="store_true", help="a seconds-long run on a tiny model (CI)")
-    p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
     args = p.parse_args(argv)
+    common.apply_smoke(args)
     if args.smoke:
-        args.configs, args.warmup, args.steps = ["smoke"], 1, 2
-        args.max_tokens, args.pairs = 256, args.pairs or 200
         args.peak_sizes, args.peak_reps = [256], 2
     return args
 
