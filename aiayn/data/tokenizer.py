@@ -49,6 +49,7 @@ class Tokenizer:
     """Text <-> ids. ``encode`` adds no BOS/EOS (the batcher does); ``decode`` drops pad/bos/eos."""
 
     kind: str = ""
+    lowercases: bool = False  # whether encode lowercases (only a BPE model trained with lowercase=True)
 
     @property
     def vocab_size(self) -> int:
@@ -350,7 +351,7 @@ class TokenizerPair:
             "tgt": tgt_file,
             "src_vocab_size": self.src.vocab_size,
             "tgt_vocab_size": self.tgt.vocab_size,
-            "lowercase": bool(getattr(self.src, "lowercases", False)),
+            "lowercase": self.src.lowercases,
             "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         }
         _atomic_write(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
