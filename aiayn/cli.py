@@ -60,6 +60,12 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     return summarize_cli(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from aiayn.train.report import report_cli
+
+    return report_cli(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from aiayn.interop.ctranslate2 import export_run
 
@@ -125,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("--last", type=int, default=5)
     p.set_defaults(func=cmd_average)
+
+    p = sub.add_parser("report", help="what a run did: updates, time, tokens/s, valid NLL, its evaluations")
+    p.add_argument("run", help="run directory, results/ copy of one, or a metrics.jsonl")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
     p.add_argument("run")

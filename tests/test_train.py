@@ -4,7 +4,6 @@ data parallelism through torchrun, and learning a synthetic task end to end."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -313,7 +312,6 @@ def test_learns_to_reverse_words_to_95_percent_exact_match(tmp_path):
     # shared VM (125 s measured in one CI run of 2026-11-21, with nothing of ours running beside it), so a
     # real slow-down (1.6x) still fails while the machine's noise does not.
     assert elapsed < 150
-    assert math.isfinite(elapsed)
 
 
 def test_early_stopping_after_patience_evaluations_without_improvement(tmp_path):

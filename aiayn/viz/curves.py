@@ -38,13 +38,13 @@ def metrics_path(run_or_file: str | Path) -> Path:
     return p
 
 
-def curves_data(run_or_file: str | Path) -> dict[str, Series]:
-    """{key: Series} for each of CURVE_KEYS that occurs. A step logged twice (a resumed run repeats
+def curves_data(run_or_file: str | Path, keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, Series]:
+    """{key: Series} for each of ``keys`` that occurs. A step logged twice (a resumed run repeats
     the steps after its last checkpoint) keeps its last value; a torn last line (training still
     writing) is skipped; any other unreadable line is an error."""
     path = metrics_path(run_or_file)
     lines = path.read_text(encoding="utf-8").splitlines()
-    points: dict[str, dict[int, float]] = {k: {} for k in CURVE_KEYS}
+    points: dict[str, dict[int, float]] = {k: {} for k in keys}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -56,7 +56,7 @@ def curves_data(run_or_file: str | Path) -> dict[str, Series]:
             raise DataError(f"{path}:{n}: not a JSON object") from None
         if not isinstance(rec, dict) or "step" not in rec:
             raise DataError(f"{path}:{n}: expected a JSON object with a 'step'")
-        for k in CURVE_KEYS:
+        for k in keys:
             if isinstance(rec.get(k), (int, float)):
                 points[k][int(rec["step"])] = float(rec[k])
     out = {}
