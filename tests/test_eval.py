@@ -48,9 +48,10 @@ def test_sacrebleu_scores_equal_direct_sacrebleu():
 def test_bleu_lc_tok_ignores_case_and_tokenization():
     # sacreBLEU (cased, 13a) sees a difference; the lowercased Moses-tokenized BLEU of Multi30k papers does not.
     assert sacrebleu.corpus_bleu(["Ein Hund läuft."], [["ein hund läuft ."]]).score < 50
-    score, desc = bleu_lc_tok(["Ein Hund läuft."], ["ein hund läuft ."], "de")
+    score, desc, detail = bleu_lc_tok(["Ein Hund läuft."], ["ein hund läuft ."], "de")
     assert score == pytest.approx(100.0)
     assert "lowercased" in desc and "Moses" in desc and "tok:none" in desc and "lang=de" in desc
+    assert detail.startswith("BLEU = 100.00 100.0/100.0/100.0/100.0 (BP = 1.000 ratio = 1.000 hyp_len = 4 ref_len = 4")
     assert lowercase_moses(['Der Hund "Rex" läuft.'], "de") == ['der hund " rex " läuft .']
     # on tokenized lowercase input it is sacreBLEU with tokenize='none'
     lc = lowercase_moses(HYPS, "de"), lowercase_moses(REFS, "de")
@@ -113,7 +114,9 @@ def test_evaluate_src_ref_writes_json_and_hyp(tiny_run, tmp_path, capsys):
     direct = sacrebleu_scores(hyps, refs)
     assert result["scores"]["bleu"] == pytest.approx(direct["bleu"], abs=1e-4)
     assert result["scores"]["chrf"] == pytest.approx(direct["chrf"], abs=1e-4)
-    assert result["scores"]["bleu_lc_tok"] == pytest.approx(bleu_lc_tok(hyps, refs, "de")[0], abs=1e-4)
+    lc = bleu_lc_tok(hyps, refs, "de")
+    assert result["scores"]["bleu_lc_tok"] == pytest.approx(lc.score, abs=1e-4)
+    assert result["bleu_lc_tok_detail"] == lc.detail
     assert result["signatures"]["bleu"] == direct["bleu_signature"]
     assert result["signatures"]["chrf"] == direct["chrf_signature"]
     assert "Moses" in result["signatures"]["bleu_lc_tok"]

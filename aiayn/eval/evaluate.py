@@ -5,7 +5,7 @@ and write ``RUN/eval/<name>.hyp`` (one line per source line) and ``RUN/eval/<nam
 
     {"name", "task", "data": {"split"} or {"src", "ref"}, "n_sentences",
      "scores": {"bleu", "chrf", "bleu_lc_tok"[, "rouge1", "rouge2", "rougeL"]},
-     "signatures": {"bleu", "chrf", "bleu_lc_tok"}, "bleu_detail",
+     "signatures": {"bleu", "chrf", "bleu_lc_tok"}, "bleu_detail", "bleu_lc_tok_detail",
      "decode": {beam, alpha, length_penalty, max_len_a, max_len_b, max_tokens, device},
      "run": {"path", "weights", "weights_source", "config_task"}, "truncated_lines", "wall_s", "created"}
 
@@ -135,7 +135,7 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
     wall = time.perf_counter() - start
 
     sb = sacrebleu_scores(hyps, refs)
-    lc_score, lc_desc = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
+    lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
     scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
     if cfg.task == "summarization":
         scores.update(rouge_scores(hyps, refs))
@@ -147,6 +147,7 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
         "scores": {k: round(v, 4) for k, v in scores.items()},
         "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
         "bleu_detail": sb["bleu_detail"],
+        "bleu_lc_tok_detail": lc_detail,
         "decode": {**asdict(settings), "device": str(device)},
         "run": _weights_info(run_dir),
         "truncated_lines": [i + 1 for i in truncated],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -58,16 +58,23 @@ def lowercase_moses(texts: Sequence[str], lang: str) -> list[str]:
     return [tok.tokenize(t.lower(), escape=False, return_str=True) for t in texts]
 
 
-def bleu_lc_tok(hyps: Sequence[str], refs: Sequence[str], lang: str) -> tuple[float, str]:
-    """(score, description) of BLEU on lowercased, Moses-tokenized text (see the module docstring).
+class LcTokBleu(NamedTuple):
+    """What :func:`bleu_lc_tok` returns."""
 
-    The description names the procedure and ends with sacreBLEU's signature (``tok:none``).
+    score: float
+    description: str  # the procedure, ending with sacreBLEU's signature (tok:none)
+    detail: str  # sacreBLEU's breakdown: n-gram precisions, brevity penalty, lengths (as multi-bleu prints)
+
+
+def bleu_lc_tok(hyps: Sequence[str], refs: Sequence[str], lang: str) -> LcTokBleu:
+    """(score, description, detail) of BLEU on lowercased, Moses-tokenized text (see the module docstring).
+
     Escaping (``&apos;`` etc.) does not change the score, as it maps tokens to tokens one to one.
     """
     _check(hyps, refs)
     bleu = BLEU(tokenize="none", force=True)  # force: the input is tokenized on purpose
-    score = bleu.corpus_score(lowercase_moses(hyps, lang), [lowercase_moses(refs, lang)]).score
-    return score, f"{BLEU_LC_TOK_DESCRIPTION.format(lang=lang)}; {bleu.get_signature()}"
+    res = bleu.corpus_score(lowercase_moses(hyps, lang), [lowercase_moses(refs, lang)])
+    return LcTokBleu(res.score, f"{BLEU_LC_TOK_DESCRIPTION.format(lang=lang)}; {bleu.get_signature()}", str(res))
 
 
 def rouge_scores(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
