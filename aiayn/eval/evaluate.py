@@ -249,6 +249,7 @@ def summary(result: dict[str, Any]) -> str:
         f"BLEU        {s['bleu']:6.2f}  {sig['bleu']}",
         f"chrF        {s['chrf']:6.2f}  {sig['chrf']}",
         f"BLEU lc-tok {s['bleu_lc_tok']:6.2f}  (lowercased + Moses-tokenized, Multi30k-paper style; not sacreBLEU)",
+        f"            {result['bleu_lc_tok_detail']}",  # precisions and brevity: is the output too short?
     ]
     for k in ("rouge1", "rouge2", "rougeL"):
         if k in s:
