@@ -200,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except _user_errors() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
-            msg = f"{e.filename}: {e.strerror}"
+        if isinstance(e, OSError) and e.filename and e.strerror:
+            msg = f"{e.filename}: {e.strerror}"  # "path: reason", not "[Errno 2] reason: 'path'"
         print(f"aiayn: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
