@@ -16,22 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from aiayn.data.corpus import DataError
 from aiayn.viz.curves import curves_data, metrics_path
 
 REPORT_KEYS = ("epoch", "elapsed_s", "tokens_per_s", "valid_nll")
 
 
-def _eval_files(run: Path) -> list[Path]:
+def _eval_scores(run: Path) -> dict[str, dict[str, float]]:
+    """{file stem: numeric scores} of the evaluation files in ``run/eval`` (or ``run`` itself)."""
     folder = run / "eval" if (run / "eval").is_dir() else run
-    out = []
+    out = {}
     for p in sorted(folder.glob("*.json")):
         try:
             rec = json.loads(p.read_text(encoding="utf-8"))
         except ValueError:
             continue  # not an evaluation file (or one being written)
         if isinstance(rec, dict) and isinstance(rec.get("scores"), dict):
-            out.append(p)
+            out[p.stem] = {k: v for k, v in rec["scores"].items() if isinstance(v, (int, float))}
     return out
 
 
@@ -53,23 +53,19 @@ def run_report(run_or_file: str | Path) -> dict[str, Any]:
     rep["elapsed_s"] = float(el.values[-1]) if el is not None else None
     rep["elapsed_step"] = int(el.steps[-1]) if el is not None else None
     tps = series.get("tokens_per_s")
-    if tps is not None and len(tps):
+    if tps is not None:  # curves_data returns only series that have points
         p25, med, p75 = np.percentile(tps.values, [25, 50, 75])
         rep["tokens_per_s"] = {"median": float(med), "p25": float(p25), "p75": float(p75), "windows": len(tps)}
     else:
         rep["tokens_per_s"] = None
     nll = series.get("valid_nll")
-    if nll is not None and len(nll):
+    if nll is not None:
         b = int(np.argmin(nll.values))
         rep["valid_nll"] = {"last": float(nll.values[-1]), "last_step": int(nll.steps[-1]),
                             "best": float(nll.values[b]), "best_step": int(nll.steps[b])}
     else:
         rep["valid_nll"] = None
-    evals = {}
-    for p in _eval_files(path.parent):
-        rec = json.loads(p.read_text(encoding="utf-8"))
-        evals[p.stem] = {k: v for k, v in rec["scores"].items() if isinstance(v, (int, float))}
-    rep["evals"] = evals
+    rep["evals"] = _eval_scores(path.parent)
     return rep
 
 
@@ -101,9 +97,6 @@ def format_report(rep: dict[str, Any]) -> str:
 
 def report_cli(args) -> int:
     """``aiayn report RUN [--json]``."""
-    run = Path(args.run)
-    if not run.exists():
-        raise DataError(f"{run}: no such run directory or metrics file")
-    rep = run_report(run)
+    rep = run_report(args.run)
     print(json.dumps(rep, indent=2) if args.json else format_report(rep))
     return 0

@@ -32,6 +32,8 @@ CURVE_KEYS = ("train_loss", "train_nll", "valid_loss", "valid_nll", "lr", "valid
 def metrics_path(run_or_file: str | Path) -> Path:
     """RUN/metrics.jsonl for a run directory, or the file itself."""
     p = Path(run_or_file)
+    if not p.exists():
+        raise FileNotFoundError(2, "no such run directory or metrics file", str(p))
     p = p / METRICS_FILE if p.is_dir() else p
     if not p.is_file():
         raise FileNotFoundError(2, "No such file (no metrics.jsonl: has the run logged anything yet?)", str(p))
