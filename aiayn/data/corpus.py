@@ -75,13 +75,17 @@ def read_text(path: str | Path) -> str:
     return text
 
 
+def _n_lines(n: int) -> str:
+    return f"{n} line" if n == 1 else f"{n} lines"
+
+
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
     """Sentence pairs from two line-aligned files (plain or .gz)."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
         raise DataError(
-            f"parallel files differ in length: {src_path} has {len(src)} lines, "
-            f"{tgt_path} has {len(tgt)} lines"
+            f"parallel files differ in length: {src_path} has {_n_lines(len(src))}, "
+            f"{tgt_path} has {_n_lines(len(tgt))}"
         )
     if not src:
         raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines")
