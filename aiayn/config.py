@@ -104,6 +104,10 @@ class DataConfig:
     # BPE only: the tokenizer lowercases all text it encodes (training data, sources at translate time),
     # so the model reads and writes lowercase, as the Multi30k literature trains. Off by default.
     lowercase: bool = False
+    # none | moses: Moses punctuation normalization + tokenization (sacremoses, in src_lang / tgt_lang)
+    # in front of the tokenizer, as the Multi30k literature prepares text before its BPE; decode
+    # detokenizes. Translation only. Off by default: the paper's BPE reads raw text.
+    pretokenize: str = "none"
     tokenizer_sample: int = 2_000_000  # sentences SentencePiece trains on at most
     max_tokens: int = 4096  # token budget of one batch (source or target, the larger)
     max_len: int | None = None  # drop longer pairs; None: the model's max_positions
@@ -117,6 +121,7 @@ class DataConfig:
         _choice("data.tokenizer", self.tokenizer, ("bpe", "char"))
         if self.lowercase and self.tokenizer != "bpe":
             raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
+        _choice("data.pretokenize", self.pretokenize, ("none", "moses"))
         if self.max_tokens <= 0:
             raise ConfigError("data.max_tokens must be positive")
 
@@ -194,6 +199,8 @@ class Config:
 
     def __post_init__(self) -> None:
         _choice("task", self.task, ("translation", "lm", "summarization"))
+        if self.data.pretokenize != "none" and self.task != "translation":
+            raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.config import load_config
+from aiayn.config import ConfigError, config_from_dict, load_config
 from aiayn.model.transformer import build_model, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +39,17 @@ def test_full_multi30k_recipe_has_the_size_the_readme_reports() -> None:
     assert cfg.train.max_updates == 8000 and cfg.train.average_last == 5 and cfg.model.dropout == 0.3
 
 
-def test_lowercase_is_off_by_default_and_needs_bpe() -> None:
-    from aiayn.config import ConfigError, config_from_dict
+def test_pretokenize_is_off_by_default_and_only_for_translation() -> None:
+    assert config_from_dict({}).data.pretokenize == "none"
+    cfg = load_config(REPO / "configs" / "multi30k_en_de.yaml", ["data.pretokenize=moses"])
+    assert cfg.data.pretokenize == "moses"
+    with pytest.raises(ConfigError, match="data.pretokenize='spacy': expected one of none, moses"):
+        config_from_dict({"data": {"pretokenize": "spacy"}})
+    with pytest.raises(ConfigError, match="data.pretokenize='moses' is for translation, not task lm"):
+        config_from_dict({"task": "lm", "data": {"pretokenize": "moses"}})
 
+
+def test_lowercase_is_off_by_default_and_needs_bpe() -> None:
     assert config_from_dict({}).data.lowercase is False
     assert load_config(REPO / "configs" / "multi30k_en_de.yaml", ["data.lowercase=true"]).data.lowercase is True
     with pytest.raises(ConfigError, match="data.lowercase needs data.tokenizer: bpe"):

@@ -32,6 +32,7 @@ from aiayn.data.tokenizer import (
     PAD_ID,
     UNK_ID,
     CharTokenizer,
+    MosesPretokenized,
     TokenizerPair,
     load_tokenizer,
     train_tokenizer,
@@ -113,6 +114,44 @@ def test_shared_and_separate_pairs_round_trip(corpus, tmp_path):
             assert loaded.tgt.encode(t) == pair.tgt.encode(t)
     # Separate vocabularies really differ: German words are single pieces only in the target model.
     assert separate.tgt.encode("Straße") != separate.src.encode("Straße")
+
+
+def test_moses_pretokenized_pair_tokenizes_like_the_literature_and_survives_reloading(corpus, tmp_path):
+    """data.pretokenize=moses: lowercase, normalize punctuation, split it off (per side, in its language),
+    then the shared BPE; decode detokenizes. tokenizer.json records it, so a reloaded pair does the same."""
+    src, tgt = corpus
+    src = [s.capitalize() + ", " + s + "." for s in src]  # punctuation for Moses to split off
+    tgt = [t.capitalize() + "." for t in tgt]
+    pair = train_tokenizer_pair(src, tgt, tmp_path / "moses", vocab_size=400, lowercase=True,
+                                pretokenize="moses", langs=("en", "de"))
+    meta = json.loads((tmp_path / "moses" / "tokenizer.json").read_text())
+    assert (meta["pretokenize"], meta["src_lang"], meta["tgt_lang"]) == ("moses", "en", "de")
+    assert sorted(p.name for p in (tmp_path / "moses").iterdir()) == ["shared.model", "tokenizer.json"]
+    loaded = TokenizerPair.load(tmp_path / "moses")
+    for p in (pair, loaded):
+        assert p.shared and p.pretokenize == "moses" and p.src.lowercases
+        assert isinstance(p.src, MosesPretokenized) and (p.src.lang, p.tgt.lang) == ("en", "de")
+        # What the BPE sees: lowercased, punctuation normalized (the curly quotes) and split off.
+        assert p.src.pretokenize("The dog, «red» runs.") == 'the dog , " red " runs .'
+        assert p.tgt.pretokenize("Der Hund läuft.") == "der hund läuft ."
+        # The comma is its own piece, the word before it keeps no attached punctuation.
+        assert p.src.pieces("Dog, man.")[:3] == p.src.inner.pieces("dog , man .")[:3]
+        # decode detokenizes: the text comes back as plain (lowercased) text, not Moses tokens.
+        assert p.tgt.decode(p.tgt.encode("Der Hund, die Katze.")) == "der hund, die katze."
+        assert p.src.encode("Dog, man.") == pair.src.encode("Dog, man.")
+    # Without the option nothing is pretokenized and files written before it load as "none".
+    plain = train_tokenizer_pair(src, tgt, tmp_path / "plain", vocab_size=400)
+    assert plain.pretokenize == "none"
+    meta = json.loads((tmp_path / "plain" / "tokenizer.json").read_text())
+    del meta["pretokenize"]
+    (tmp_path / "plain" / "tokenizer.json").write_text(json.dumps(meta))
+    assert TokenizerPair.load(tmp_path / "plain").pretokenize == "none"
+    meta["pretokenize"] = "spacy"
+    (tmp_path / "plain" / "tokenizer.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="pretokenize 'spacy'"):
+        TokenizerPair.load(tmp_path / "plain")
+    with pytest.raises(DataError, match="pretokenize 'spacy'"):
+        train_tokenizer_pair(src, tgt, vocab_size=400, pretokenize="spacy")
 
 
 def test_lowercase_bpe_folds_case_everywhere_and_nothing_else(corpus, tmp_path, bpe):

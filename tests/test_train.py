@@ -175,6 +175,49 @@ def test_refuses_to_overwrite_an_existing_run(tmp_path):
     assert before == after
 
 
+def test_moses_pretokenized_run_trains_translates_and_keeps_its_tokenizer(tmp_path):
+    """data.pretokenize=moses end to end: the run's tokenizer says so and translate uses it; a resume whose
+    config disagrees is one line, exit 2, and leaves the run untouched; the CTranslate2 README says how
+    to pretokenize."""
+    pytest.importorskip("ctranslate2")
+    from aiayn.cli import main
+    from aiayn.data.tokenizer import TokenizerPair
+    from aiayn.interop.ctranslate2 import export_run
+
+    run = tmp_path / "run"
+    train(tiny_cfg("train.max_updates=4", "data.pretokenize=moses"), run, progress=False)
+    tok = TokenizerPair.load(run / "tokenizer")
+    assert tok.pretokenize == "moses" and tok.src.pretokenize("one, two.") == "one , two ."
+    src = tmp_path / "src.txt"
+    src.write_text("one, two three.\n")
+    assert main(["translate", str(run), "--input", str(src), "--output", str(tmp_path / "out.txt")]) == 0
+    assert len((tmp_path / "out.txt").read_text().splitlines()) == 1
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    r = _cli("train", str(REPO / "configs" / "tiny_reverse.yaml"), "--run-dir", str(run), "--resume",
+             "--no-progress", *[x for o in TINY_OVERRIDES + ["train.max_updates=8"] for x in ("--set", o)])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pretokenize='moses'" in r.stderr and "data.pretokenize='none'" in r.stderr
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    readme = (export_run(run, tmp_path / "ct2") / "README.txt").read_text()
+    assert 'MosesTokenizer("en")' in readme and 'MosesDetokenizer("de")' in readme
+
+
+def test_a_resume_that_does_not_fit_the_run_changes_nothing(tmp_path):
+    """A resume with another model shape fails on the checkpoint, one line, exit 2; config.yaml is
+    rewritten only after the checkpoint has loaded, so the run still evaluates as it was."""
+    run = tmp_path / "run"
+    train(tiny_cfg("train.max_updates=4"), run, progress=False)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    overrides = TINY_OVERRIDES + ["train.max_updates=8", "model.d_model=48"]
+    r = _cli("train", str(REPO / "configs" / "tiny_reverse.yaml"), "--run-dir", str(run), "--resume",
+             "--no-progress", *[x for o in overrides for x in ("--set", o)])
+    # The data log lines come first (the checkpoint is read after the data is built); then one error line.
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("aiayn: error:") and "has shape" in last, r.stderr
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
 def test_checkpoints_are_safetensors_and_json_written_atomically(tmp_path):
     torch.manual_seed(5)
     model = build_model(model_config("tiny", vocab_size=30))

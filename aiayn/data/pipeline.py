@@ -65,9 +65,14 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
         train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
                              vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
                              max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed,
-                             user_defined_symbols=user_defined_symbols, lowercase=cfg.data.lowercase)
+                             user_defined_symbols=user_defined_symbols, lowercase=cfg.data.lowercase,
+                             pretokenize=cfg.data.pretokenize, langs=(cfg.data.src_lang, cfg.data.tgt_lang))
     barrier()
-    return TokenizerPair.load(tdir)
+    tok = TokenizerPair.load(tdir)
+    if tok.pretokenize != cfg.data.pretokenize:
+        raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
+                          f"says data.pretokenize={cfg.data.pretokenize!r}")
+    return tok
 
 
 def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> None:

@@ -12,9 +12,15 @@ lowercasing rule (every Unicode letter with a lowercase form, nothing else), so 
 data, evaluation sources, ``translate`` input, exported engines that run the SentencePiece model -
 lowercases, and decode returns lowercase text. The Multi30k literature trains on lowercased text.
 
+A second opt-in, ``pretokenize="moses"``, puts the Moses pipeline that the Multi30k literature runs
+before its BPE in front of the model (:class:`MosesPretokenized`: sacremoses punctuation normalization
+and tokenization in the side's language, after lowercasing when the model lowercases); decode
+detokenizes. It lives outside the SentencePiece model, so engines that run only the ``.model`` file
+(CTranslate2) need the same step in front of them (the export's README says so).
+
 On disk (``RUN/tokenizer/``)::
 
-    tokenizer.json                  {"kind", "shared", "src", "tgt", vocab sizes}
+    tokenizer.json                  {"kind", "shared", "src", "tgt", vocab sizes, "pretokenize"}
     shared.model                    one SentencePiece model for both sides, or
     src.model + tgt.model           one per side (char tokenizers: *.json)
 """
@@ -165,6 +171,70 @@ class CharTokenizer(Tokenizer):
         payload = json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
         _atomic_write(path, payload.encode("utf-8"))
         return path
+
+
+PRETOKENIZERS = ("none", "moses")
+
+
+class MosesPretokenized(Tokenizer):
+    """A BPE or char model behind the Moses steps the Multi30k literature prepares its text with
+    (``normalize-punctuation.perl`` then ``tokenizer.perl``, here sacremoses in language ``lang``).
+
+    ``encode(text)`` lowercases first when the inner model lowercases (the literature lowercases
+    before it tokenizes: Moses' non-breaking prefixes are case-sensitive), normalizes punctuation,
+    splits off punctuation with spaces (no XML escaping), then runs the inner model. ``decode`` runs
+    the inner model's decode, then Moses detokenization, so callers get plain text back. Lossy by
+    design: quotes and some spacing are normalized.
+    """
+
+    def __init__(self, inner: Tokenizer, lang: str) -> None:
+        try:
+            from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
+        except ImportError:
+            raise DataError("Moses pretokenization needs sacremoses: pip install 'aiayn[eval]'") from None
+        if isinstance(inner, MosesPretokenized):
+            raise DataError("a tokenizer can be Moses-pretokenized once")
+        self.inner, self.lang = inner, lang
+        self.kind = inner.kind
+        self._norm = MosesPunctNormalizer(lang=lang)
+        self._tok = MosesTokenizer(lang=lang)
+        self._detok = MosesDetokenizer(lang=lang)
+
+    @property
+    def lowercases(self) -> bool:
+        return self.inner.lowercases
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def suffix(self) -> str:
+        return self.inner.suffix
+
+    def pretokenize(self, text: str) -> str:
+        """What the inner model sees: ``text`` lowercased (if the model lowercases), punctuation
+        normalized and Moses-tokenized, tokens joined by single spaces."""
+        if self.lowercases:
+            text = text.lower()
+        return self._tok.tokenize(self._norm.normalize(text), escape=False, return_str=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(self.pretokenize(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._detok.detokenize(self.inner.decode(ids).split())
+
+    def id_to_piece(self, i: int) -> str:
+        return self.inner.id_to_piece(i)
+
+    def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
+        # Only the inner model is a file; that it is Moses-pretokenized is recorded in tokenizer.json.
+        return self.inner.save(directory, name)
+
+
+def _inner(tok: Tokenizer) -> Tokenizer:
+    return tok.inner if isinstance(tok, MosesPretokenized) else tok
 
 
 def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
@@ -334,12 +404,24 @@ class TokenizerPair:
 
     @property
     def shared(self) -> bool:
-        return self.src is self.tgt
+        # Moses-pretokenized sides share one model but tokenize in their own language.
+        return _inner(self.src) is _inner(self.tgt)
+
+    @property
+    def pretokenize(self) -> str:
+        """``"moses"`` when both sides are :class:`MosesPretokenized`, else ``"none"``."""
+        return "moses" if isinstance(self.src, MosesPretokenized) else "none"
 
     def save(self, directory: str | Path) -> Path:
         """Write the model file(s) and ``tokenizer.json`` into ``directory`` (RUN/tokenizer)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.src, MosesPretokenized) != isinstance(self.tgt, MosesPretokenized):
+            raise DataError("both sides of a tokenizer pair must be Moses-pretokenized, or neither")
+        if self.pretokenize == "moses":
+            meta_langs = {"src_lang": self.src.lang, "tgt_lang": self.tgt.lang}
+        else:
+            meta_langs = {}
         if self.shared:
             src_file = tgt_file = self.src.save(d, "shared").name
         else:
@@ -352,6 +434,8 @@ class TokenizerPair:
             "src_vocab_size": self.src.vocab_size,
             "tgt_vocab_size": self.tgt.vocab_size,
             "lowercase": self.src.lowercases,
+            "pretokenize": self.pretokenize,
+            **meta_langs,
             "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         }
         _atomic_write(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
@@ -367,10 +451,16 @@ class TokenizerPair:
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
             src_name, tgt_name = Path(meta["src"]).stem, Path(meta["tgt"]).stem
+            pretokenize = meta.get("pretokenize", "none")  # files written before the option: none
+            if pretokenize not in PRETOKENIZERS:
+                raise ValueError(f"pretokenize {pretokenize!r}, expected one of {', '.join(PRETOKENIZERS)}")
+            langs = (str(meta["src_lang"]), str(meta["tgt_lang"])) if pretokenize == "moses" else None
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{meta_path}: not a valid tokenizer description ({_first_line(e)})") from None
         src = load_tokenizer(d, src_name)
         tgt = src if meta.get("shared") or src_name == tgt_name else load_tokenizer(d, tgt_name)
+        if langs is not None:
+            src, tgt = MosesPretokenized(src, langs[0]), MosesPretokenized(tgt, langs[1])
         return cls(src, tgt)
 
 
@@ -386,23 +476,45 @@ def train_tokenizer_pair(
     seed: int = 1,
     user_defined_symbols: Sequence[str] = (),
     lowercase: bool = False,
+    pretokenize: str = "none",
+    langs: tuple[str, str] = ("en", "de"),
 ) -> TokenizerPair:
     """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side.
 
     With ``shared``, ``max_sentences`` bounds the source and target texts together.
+    ``pretokenize="moses"``: each side's text is Moses-processed in its language of ``langs``
+    (source, target) before the model trains on it, and the pair returned does the same on every encode
+    (:class:`MosesPretokenized`).
     """
+    if pretokenize not in PRETOKENIZERS:
+        raise DataError(f"pretokenize {pretokenize!r}: expected one of {', '.join(PRETOKENIZERS)}")
     kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed,
               user_defined_symbols=user_defined_symbols, lowercase=lowercase)
+    if pretokenize == "moses":
+        # The lowercasing flag only matters for the order (lowercase, then tokenize); a stand-in
+        # that lowercases like the model will.
+        pre = [MosesPretokenized(_Lowercases(lowercase), lang) for lang in langs]
+        src_texts = [pre[0].pretokenize(t) for t in src_texts]
+        tgt_texts = [pre[1].pretokenize(t) for t in tgt_texts]
     if shared:
         tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
-        pair = TokenizerPair(tok, tok)
+        src, tgt = tok, tok
     else:
         src = train_tokenizer(src_texts, max_sentences=max_sentences, **kw)
         tgt = train_tokenizer(tgt_texts, max_sentences=max_sentences, **kw)
-        pair = TokenizerPair(src, tgt)
+    if pretokenize == "moses":
+        src, tgt = MosesPretokenized(src, langs[0]), MosesPretokenized(tgt, langs[1])
+    pair = TokenizerPair(src, tgt)
     if out_dir is not None:
         pair.save(out_dir)
     return pair
+
+
+class _Lowercases(Tokenizer):
+    """A placeholder inner model for pretokenizing training text before the real model exists."""
+
+    def __init__(self, lowercases: bool) -> None:
+        self.lowercases = lowercases
 
 
 def _chain(*parts: Iterable[str]) -> Iterator[str]:

@@ -229,7 +229,7 @@ CTranslate2 export of the aiayn run {run}
 Files: model.bin, config.json and the vocabularies are CTranslate2's; {tok_files}
 are the run's tokenizer ({kind}, {vocab}), copied so that this directory is self-contained.
 
-The source is the tokenizer's pieces WITHOUT </s> (config.json adds it, as aiayn training did);
+{moses_note}The source is the tokenizer's pieces WITHOUT </s> (config.json adds it, as aiayn training did);
 the decoder starts from <s> and stops at </s>.
 
     import ctranslate2, sentencepiece as spm
@@ -247,6 +247,17 @@ To reproduce aiayn's beam_search(length_penalty='power', stop='exact') token for
 also pass patience=1000 (CTranslate2 otherwise stops once beam_size hypotheses have finished),
 return_end_token=True (|Y| counts the EOS step) and
 max_decoding_length=int({a} * (len(pieces) + 1) + {b}) per sentence.
+"""
+
+
+_MOSES_NOTE = """\
+This run's tokenizer is Moses-pretokenized (data.pretokenize: moses): before sp_src.encode, run each
+source line through sacremoses as aiayn did in training, and detokenize the output after sp_tgt.decode:
+    from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
+    line = MosesTokenizer("{src}").tokenize(MosesPunctNormalizer("{src}").normalize(line.lower()), escape=False,
+                                            return_str=True)   # .lower() only if tokenizer.json says lowercase
+    text = MosesDetokenizer("{tgt}").detokenize(sp_tgt.decode(hypothesis).split())
+
 """
 
 
@@ -295,6 +306,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
             d_model=cfg.model.d_model, weights=inference_weights_path(run_dir).name, quant=quantization or "none",
             tok_files=", ".join(tok_files), kind=tok.src.kind, vocab="shared" if tok.shared else "separate",
             src_model=src_model, tgt_model=tgt_model, out=out, example="A sentence to translate.",
+            moses_note=_MOSES_NOTE.format(src=tok.src.lang, tgt=tok.tgt.lang) if tok.pretokenize == "moses" else "",
             beam=d.beam, alpha=d.alpha, lp=d.length_penalty, a=d.max_len_a, b=d.max_len_b,
             lp_note="" if d.length_penalty == "power" else " (not 'power': CTranslate2's beam ranks differently)",
         )

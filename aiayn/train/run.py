@@ -30,11 +30,12 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
     d = init_distributed()
     device = pick_device(cfg.train.device, d)
-    run_dir = prepare_run_dir(cfg, run_dir, resume, d)
-    data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
-    if d.main:  # the vocabulary sizes are now known: record the config the model is built from
-        from aiayn.config import save_config
+    from aiayn.config import save_config
 
+    run_dir = prepare_run_dir(cfg, run_dir, resume, d)
+    existing = resume and (bool(list_checkpoints(run_dir)) or (run_dir / "model.safetensors").exists())
+    data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
+    if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.train.seed)  # same initial weights on every process
     model = build_model(cfg.model, cfg.task)
@@ -49,6 +50,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
     if resume and trainer.resume():
         if d.main:
+            # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed
+            # above and left the run's config.yaml as it was, so the run still evaluates.
+            save_config(cfg, run_dir / "config.yaml")
             log.info("resumed from step %d (epoch %d, update %d of the epoch)", trainer.state.step,
                      trainer.state.epoch, trainer.state.position)
     state = trainer.train()

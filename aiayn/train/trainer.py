@@ -446,6 +446,7 @@ def prepare_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist) -> 
                           "or choose another --run-dir")
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        if not has_run:  # a resumed run's config.yaml is rewritten only once its checkpoint has loaded
+            save_config(cfg, run_dir / "config.yaml")
     d.barrier()
     return run_dir
