@@ -254,11 +254,17 @@ _MOSES_NOTE = """\
 This run's tokenizer is Moses-pretokenized (data.pretokenize: moses): before sp_src.encode, run each
 source line through sacremoses as aiayn did in training, and detokenize the output after sp_tgt.decode:
     from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
-    line = MosesTokenizer("{src}").tokenize(MosesPunctNormalizer("{src}").normalize(line.lower()), escape=False,
-                                            return_str=True)   # .lower() only if tokenizer.json says lowercase
+    line = MosesTokenizer("{src}").tokenize(MosesPunctNormalizer("{src}").normalize(line{lower}), escape=False,
+                                            return_str=True)
     text = MosesDetokenizer("{tgt}").detokenize(sp_tgt.decode(hypothesis).split())
 
 """
+
+
+def _moses_note(tok) -> str:
+    if tok.pretokenize != "moses":
+        return ""
+    return _MOSES_NOTE.format(src=tok.src.lang, tgt=tok.tgt.lang, lower=".lower()" if tok.src.lowercases else "")
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantization: str | None = None,
@@ -306,7 +312,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
             d_model=cfg.model.d_model, weights=inference_weights_path(run_dir).name, quant=quantization or "none",
             tok_files=", ".join(tok_files), kind=tok.src.kind, vocab="shared" if tok.shared else "separate",
             src_model=src_model, tgt_model=tgt_model, out=out, example="A sentence to translate.",
-            moses_note=_MOSES_NOTE.format(src=tok.src.lang, tgt=tok.tgt.lang) if tok.pretokenize == "moses" else "",
+            moses_note=_moses_note(tok),
             beam=d.beam, alpha=d.alpha, lp=d.length_penalty, a=d.max_len_a, b=d.max_len_b,
             lp_note="" if d.length_penalty == "power" else " (not 'power': CTranslate2's beam ranks differently)",
         )

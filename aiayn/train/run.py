@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, load_config
+from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data
 from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import (
@@ -30,10 +30,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
     d = init_distributed()
     device = pick_device(cfg.train.device, d)
-    from aiayn.config import save_config
-
     run_dir = prepare_run_dir(cfg, run_dir, resume, d)
-    existing = resume and (bool(list_checkpoints(run_dir)) or (run_dir / "model.safetensors").exists())
+    existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
     data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
     if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
         save_config(cfg, run_dir / "config.yaml")
