@@ -176,29 +176,46 @@ class CharTokenizer(Tokenizer):
 PRETOKENIZERS = ("none", "moses")
 
 
-class MosesPretokenized(Tokenizer):
-    """A BPE or char model behind the Moses steps the Multi30k literature prepares its text with
-    (``normalize-punctuation.perl`` then ``tokenizer.perl``, here sacremoses in language ``lang``).
+class MosesSteps:
+    """The Moses steps the Multi30k literature prepares its text with (``normalize-punctuation.perl``
+    then ``tokenizer.perl``; here sacremoses in language ``lang``), and the detokenizer that undoes them.
+    ``lowercase``: lowercase first, as the literature does (Moses' non-breaking prefixes are
+    case-sensitive)."""
 
-    ``encode(text)`` lowercases first when the inner model lowercases (the literature lowercases
-    before it tokenizes: Moses' non-breaking prefixes are case-sensitive), normalizes punctuation,
-    splits off punctuation with spaces (no XML escaping), then runs the inner model. ``decode`` runs
-    the inner model's decode, then Moses detokenization, so callers get plain text back. Lossy by
-    design: quotes and some spacing are normalized.
-    """
-
-    def __init__(self, inner: Tokenizer, lang: str) -> None:
+    def __init__(self, lang: str, lowercase: bool) -> None:
         try:
             from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
         except ImportError:
             raise DataError("Moses pretokenization needs sacremoses: pip install 'aiayn[eval]'") from None
+        self.lang, self.lowercase = lang, lowercase
+        self._norm = MosesPunctNormalizer(lang=lang)
+        self._tok = MosesTokenizer(lang=lang)
+        self._detok = MosesDetokenizer(lang=lang)
+
+    def __call__(self, text: str) -> str:
+        """``text`` lowercased (if asked), punctuation normalized and tokenized (no XML escaping),
+        tokens joined by single spaces."""
+        if self.lowercase:
+            text = text.lower()
+        return self._tok.tokenize(self._norm.normalize(text), escape=False, return_str=True)
+
+    def detokenize(self, text: str) -> str:
+        return self._detok.detokenize(text.split())
+
+
+class MosesPretokenized(Tokenizer):
+    """A BPE or char model behind :class:`MosesSteps` in language ``lang``, lowercasing first when the
+    inner model lowercases. ``decode`` runs the inner model's decode, then Moses detokenization, so
+    callers get plain text back. Lossy by design: quotes and some spacing are normalized.
+    """
+
+    def __init__(self, inner: Tokenizer, lang: str) -> None:
         if isinstance(inner, MosesPretokenized):
             raise DataError("a tokenizer can be Moses-pretokenized once")
         self.inner, self.lang = inner, lang
         self.kind = inner.kind
-        self._norm = MosesPunctNormalizer(lang=lang)
-        self._tok = MosesTokenizer(lang=lang)
-        self._detok = MosesDetokenizer(lang=lang)
+        # Asked once: SentencePieceTokenizer.lowercases encodes a probe, too costly per sentence.
+        self.pretokenize = MosesSteps(lang, inner.lowercases)
 
     @property
     def lowercases(self) -> bool:
@@ -212,18 +229,11 @@ class MosesPretokenized(Tokenizer):
     def suffix(self) -> str:
         return self.inner.suffix
 
-    def pretokenize(self, text: str) -> str:
-        """What the inner model sees: ``text`` lowercased (if the model lowercases), punctuation
-        normalized and Moses-tokenized, tokens joined by single spaces."""
-        if self.lowercases:
-            text = text.lower()
-        return self._tok.tokenize(self._norm.normalize(text), escape=False, return_str=True)
-
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(self.pretokenize(text))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._detok.detokenize(self.inner.decode(ids).split())
+        return self.pretokenize.detokenize(self.inner.decode(ids))
 
     def id_to_piece(self, i: int) -> str:
         return self.inner.id_to_piece(i)
@@ -491,11 +501,9 @@ def train_tokenizer_pair(
     kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed,
               user_defined_symbols=user_defined_symbols, lowercase=lowercase)
     if pretokenize == "moses":
-        # The lowercasing flag only matters for the order (lowercase, then tokenize); a stand-in
-        # that lowercases like the model will.
-        pre = [MosesPretokenized(_Lowercases(lowercase), lang) for lang in langs]
-        src_texts = [pre[0].pretokenize(t) for t in src_texts]
-        tgt_texts = [pre[1].pretokenize(t) for t in tgt_texts]
+        src_steps, tgt_steps = MosesSteps(langs[0], lowercase), MosesSteps(langs[1], lowercase)
+        src_texts = [src_steps(t) for t in src_texts]
+        tgt_texts = [tgt_steps(t) for t in tgt_texts]
     if shared:
         tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
         src, tgt = tok, tok
@@ -508,13 +516,6 @@ def train_tokenizer_pair(
     if out_dir is not None:
         pair.save(out_dir)
     return pair
-
-
-class _Lowercases(Tokenizer):
-    """A placeholder inner model for pretokenizing training text before the real model exists."""
-
-    def __init__(self, lowercases: bool) -> None:
-        self.lowercases = lowercases
 
 
 def _chain(*parts: Iterable[str]) -> Iterator[str]:
