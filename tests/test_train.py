@@ -330,7 +330,7 @@ def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path)
 # --- end to end ---------------------------------------------------------------------------------------
 
 
-def test_learns_to_reverse_words_to_95_percent_exact_match(tmp_path):
+def test_learns_to_reverse_words_to_90_percent_exact_match(tmp_path):
     from aiayn.data.synthetic import reverse_split
     from aiayn.decode.search import greedy_search
     from aiayn.run_dir import load_run
