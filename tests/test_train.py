@@ -356,7 +356,7 @@ def test_learns_to_reverse_words_to_90_percent_exact_match(tmp_path):
     print(f"reverse task: exact match {exact:.3f} in {elapsed:.0f} s")
     assert exact >= 0.90  # a model that does not learn scores ~0; the lowest measured above is 94%
     # Measured on quiet 2-core CPUs: 94 s (the CPU of 2026-11-21), 125-140 s (the Zen 3 EPYC of 2026-11-22,
-    # which trains these models ~2x slower per core: BENCHMARKS.md's 'small' 2,660 -> 1,307 tokens/s).
+    # which trained these models 1.2-2x slower, its speed drifting over the session).
     # The ceiling is ~1.5x the slower machine's time, so a real slow-down of the training loop still fails
     # there, while moving between these machines does not.
     assert elapsed < 210
