@@ -14,6 +14,10 @@ from typing import Any
 
 import yaml
 
+# data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
+# SentencePiece. The tokenizer imports this tuple.
+PRETOKENIZERS = ("none", "moses")
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -121,7 +125,7 @@ class DataConfig:
         _choice("data.tokenizer", self.tokenizer, ("bpe", "char"))
         if self.lowercase and self.tokenizer != "bpe":
             raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
-        _choice("data.pretokenize", self.pretokenize, ("none", "moses"))
+        _choice("data.pretokenize", self.pretokenize, PRETOKENIZERS)
         if self.max_tokens <= 0:
             raise ConfigError("data.max_tokens must be positive")
 

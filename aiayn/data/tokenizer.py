@@ -38,6 +38,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from ..config import PRETOKENIZERS
 from .corpus import DataError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -171,9 +172,6 @@ class CharTokenizer(Tokenizer):
         payload = json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
         _atomic_write(path, payload.encode("utf-8"))
         return path
-
-
-PRETOKENIZERS = ("none", "moses")
 
 
 class MosesSteps:
