@@ -12,12 +12,9 @@ import sys
 from collections.abc import Sequence
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from aiayn.config import ConfigError
-    from aiayn.data.corpus import DataError
-    from aiayn.train.checkpoint import CheckpointError
+from aiayn.errors import UserError
 
-    return (ConfigError, DataError, CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError)
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -198,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except _user_errors() as e:
+    except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, OSError) and e.filename and e.strerror:
             msg = f"{e.filename}: {e.strerror}"  # "path: reason", not "[Errno 2] reason: 'path'"

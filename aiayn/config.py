@@ -14,15 +14,13 @@ from typing import Any
 
 import yaml
 
+from aiayn.errors import ConfigError
+
 # data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
 # SentencePiece. The tokenizer imports this tuple.
 PRETOKENIZERS = ("none", "moses")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used: unknown key, wrong type or impossible shape."""
 
 
 @dataclass

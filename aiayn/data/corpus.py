@@ -16,15 +16,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from aiayn.errors import DataError
+
 GZIP_MAGIC = b"\x1f\x8b"
-
-
-class DataError(ValueError):
-    """Unusable input data. ``str()`` is one line for users: what is wrong and where."""
-
-    def __init__(self, message: str) -> None:
-        # One line whatever the caller passed, so the CLI's stderr line is never broken up.
-        super().__init__(" ".join(str(message).split("\n")))
 
 
 def _read_bytes(path: str | Path) -> bytes:

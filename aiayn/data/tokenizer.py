@@ -39,7 +39,8 @@ from pathlib import Path
 import sentencepiece as spm
 
 from ..config import PRETOKENIZERS
-from .corpus import DataError
+from ..errors import DataError
+from ..files import atomic_write_bytes
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")
@@ -127,7 +128,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
         path = Path(directory) / f"{name}{self.suffix}"
-        _atomic_write(path, self.model_proto)
+        atomic_write_bytes(path, self.model_proto)
         return path
 
 
@@ -170,7 +171,7 @@ class CharTokenizer(Tokenizer):
     def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
         path = Path(directory) / f"{name}{self.suffix}"
         payload = json.dumps({"kind": "char", "chars": self.chars}, ensure_ascii=False)
-        _atomic_write(path, payload.encode("utf-8"))
+        atomic_write_bytes(path, payload.encode("utf-8"))
         return path
 
 
@@ -446,7 +447,7 @@ class TokenizerPair:
             **meta_langs,
             "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         }
-        _atomic_write(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        atomic_write_bytes(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
         return d
 
     @classmethod
@@ -519,14 +520,6 @@ def train_tokenizer_pair(
 def _chain(*parts: Iterable[str]) -> Iterator[str]:
     for p in parts:
         yield from p
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Write then rename, so an interrupted save never leaves a half-written model in a run directory.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _first_line(e: BaseException) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.corpus import DataError
+from aiayn.errors import UserError
 from aiayn.data.summarization import (
     is_summary_lm,
     lead_1,
@@ -322,8 +323,6 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", max_new_tokens:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m aiayn.decode.generate rouge (RUN | --lead1) [--split test]``."""
-    from aiayn.cli import _user_errors
-
     p = argparse.ArgumentParser(prog="python -m aiayn.decode.generate", description="ROUGE of summaries on a split")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("rouge", help="ROUGE-1/2/L of a run's summaries (or of lead-1) on a split")
@@ -351,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({k: res[k] for k in ("name", "task", "data", "scores", "decode", "wall_s")
                               if k in res} | ({"lead1": res["lead1"]} if "lead1" in res else {})))
             print(f"wrote {res['json_path']}")
-    except _user_errors() as e:
+    except (UserError, OSError) as e:
         print(f"aiayn: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     return 0

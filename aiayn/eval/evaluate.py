@@ -31,7 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config
+from aiayn.errors import CheckpointError, ConfigError
+from aiayn.files import atomic_write_text
 
 log = logging.getLogger("aiayn.eval")
 
@@ -67,15 +69,6 @@ def _default_name(src: str) -> str:
     return (p.with_suffix("") if p.suffix == ".gz" else p).stem or "eval"
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _weights_info(run_dir: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
@@ -99,9 +92,9 @@ def _write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[s
     out_dir = run_dir / "eval"
     out_dir.mkdir(exist_ok=True)
     if hyps is not None:
-        _atomic_text(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
+        atomic_write_text(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
     path = out_dir / f"{name}.json"
-    _atomic_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     return path
 
 
@@ -200,8 +193,6 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
-        from aiayn.train.checkpoint import CheckpointError
-
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
         raise CheckpointError(f"{run_dir}: {what}")
     cfg = load_config(cfg_path)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,35 +19,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from aiayn.errors import CheckpointError
+from aiayn.files import atomic_write, atomic_write_json
+
 CKPT_RE = re.compile(r"^step_(\d{6,})\.json$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or does not fit the model (one-line message)."""
-
-
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file over ``path`` (same directory)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_json(path: str | Path, data: Any) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-
-    atomic_write(path, write)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -187,7 +159,7 @@ def save_checkpoint(
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_to_files(optimizer)
         atomic_write(opath, lambda tmp: save_file(tensors, tmp))
-    atomic_write_json(jpath, meta)
+    atomic_write_json(jpath, meta, allow_nan=True)  # a diverged run (NaN loss) must still checkpoint
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             for p in reversed(checkpoint_paths(run_dir, old)):  # JSON first: never a half-listed one

@@ -17,7 +17,8 @@ from aiayn.train.checkpoint import (
     list_checkpoints,
     save_weights,
 )
-from aiayn.train.trainer import Trainer, TrainState, init_distributed, pick_device, prepare_run_dir
+from aiayn.device import resolve_device
+from aiayn.train.trainer import Trainer, TrainState, init_distributed, prepare_run_dir
 
 log = logging.getLogger("aiayn.train")
 
@@ -29,7 +30,7 @@ def default_run_dir(config_path: str | Path) -> Path:
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
     d = init_distributed()
-    device = pick_device(cfg.train.device, d)
+    device = resolve_device(cfg.train.device, d.local_rank)
     run_dir = prepare_run_dir(cfg, run_dir, resume, d)
     existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
     data, _tok = build_data(cfg, run_dir, d.main, d.barrier)

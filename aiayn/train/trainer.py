@@ -23,6 +23,7 @@ from torch import nn
 
 from aiayn.config import Config, ConfigError, save_config
 from aiayn.data.batching import Batch
+from aiayn.device import autocast_context, resolve_precision
 from aiayn.train.checkpoint import (
     average_checkpoints,
     checkpoint_paths,
@@ -91,22 +92,6 @@ def init_distributed() -> Dist:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def pick_device(name: str, d: Dist) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def autocast_context(precision: str, device: torch.device):
-    """bf16/fp16 autocast on CUDA; fp32 on CPU for ``auto`` (bf16 matmul is not safe on every CPU)."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext(), precision
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype), precision
 
 
 # --- one update ------------------------------------------------------------------------------------
@@ -285,7 +270,8 @@ class Trainer:
         self.progress = progress
         self.evaluate_extra = evaluate_extra
         self.state = TrainState()
-        self.autocast, self.precision = autocast_context(cfg.train.precision, self.device)
+        self.precision = resolve_precision(cfg.train.precision, self.device, training=True)
+        self.autocast = autocast_context(self.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
 

@@ -1,0 +1,88 @@
+"""Where and in what precision a model runs: the one place that resolves ``--device`` and ``--precision``.
+
+``device="auto"`` (the default of every command and of :func:`aiayn.load`) is CUDA when PyTorch sees a
+GPU, else Apple's MPS where PyTorch offers it, else the CPU. A device that is asked for but not there
+(``cuda`` on a CPU-only PyTorch, ``cuda:3`` on a one-GPU machine, ``bogus``) is a :class:`DeviceError`
+(one line, exit 2) raised before any work starts.
+
+Precision: ``fp32`` everywhere; ``bf16`` / ``fp16`` autocast on CUDA only (bf16 matmul is not safe on
+every CPU: it dies with "Illegal instruction" on some). ``auto`` means bf16 for training on a CUDA
+device that supports it, and fp32 for inference until bf16 decoding is measured to be as good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import torch
+
+from aiayn.errors import DeviceError
+
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_device(name: str | torch.device | None = "auto", local_rank: int = 0) -> torch.device:
+    """The :class:`torch.device` for ``name`` (auto | cpu | cuda | cuda:N | mps), checked to exist here.
+
+    ``local_rank`` picks the GPU of a torchrun process for ``auto`` and a bare ``cuda``."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"device {name!r}: unknown (expected {DEVICE_CHOICES})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this PyTorch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceError(f"device {name!r}: {why} (torch {torch.__version__}); use --device cpu or auto")
+        index = local_rank if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not _mps_available():
+            raise DeviceError(f"device {name!r}: MPS is not available here; use --device cpu or auto")
+        return dev
+    raise DeviceError(f"device {name!r}: not supported (expected {DEVICE_CHOICES})")
+
+
+def resolve_precision(precision: str, device: torch.device, training: bool) -> str:
+    """``fp32``, ``bf16`` or ``fp16`` for ``precision`` (auto | fp32 | bf16 | fp16) on ``device``.
+
+    ``auto``: bf16 when training on a CUDA device that supports it, fp32 otherwise (inference keeps fp32
+    until bf16 decoding is measured to be as good). bf16 / fp16 off CUDA is a :class:`DeviceError`."""
+    if precision not in PRECISIONS:
+        raise DeviceError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    cuda = device.type == "cuda"
+    if precision == "auto":
+        return "bf16" if training and cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision != "fp32" and not cuda:
+        raise DeviceError(f"precision {precision} needs a CUDA device (this runs on {device.type}); use fp32")
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise DeviceError("precision bf16: this GPU does not support bfloat16; use fp16 or fp32")
+    return precision
+
+
+def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
+    """The autocast context of a resolved precision (fp32: a no-op context)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+__all__ = ["DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "resolve_device", "resolve_precision"]
