@@ -11,7 +11,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-
 from aiayn.errors import UserError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, IsADirectoryError, PermissionError)

@@ -41,7 +41,6 @@ from typing import Any
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.corpus import DataError
-from aiayn.errors import UserError
 from aiayn.data.summarization import (
     is_summary_lm,
     lead_1,
@@ -53,6 +52,7 @@ from aiayn.data.summarization import (
 )
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from aiayn.decode.search import sample
+from aiayn.errors import UserError
 
 log = logging.getLogger("aiayn.generate")
 

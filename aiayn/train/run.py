@@ -9,6 +9,7 @@ import torch
 
 from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data
+from aiayn.device import resolve_device
 from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import (
     CheckpointError,
@@ -17,7 +18,6 @@ from aiayn.train.checkpoint import (
     list_checkpoints,
     save_weights,
 )
-from aiayn.device import resolve_device
 from aiayn.train.trainer import Trainer, TrainState, init_distributed, prepare_run_dir
 
 log = logging.getLogger("aiayn.train")
