@@ -20,7 +20,8 @@ from aiayn.errors import ConfigError
 # SentencePiece. The tokenizer imports this tuple.
 PRETOKENIZERS = ("none", "moses")
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass
