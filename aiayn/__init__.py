@@ -1,16 +1,58 @@
-"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017), from training to deployment."""
+"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017), from training to deployment.
 
-from aiayn.config import Config, ModelConfig, load_config, model_config
-from aiayn.model import DecoderOnlyLM, Transformer, build_model
+The public names are imported on first use (PEP 562), so ``import aiayn`` and ``aiayn --help`` do not
+pay for PyTorch until a model is needed.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-__all__ = ["Config", "DecoderOnlyLM", "ModelConfig", "Transformer", "build_model", "load", "load_config",
-           "model_config"]
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+_LAZY = {
+    "Config": "aiayn.config",
+    "DecodeOptions": "aiayn.config",
+    "ModelConfig": "aiayn.config",
+    "load_config": "aiayn.config",
+    "model_config": "aiayn.config",
+    "DecoderOnlyLM": "aiayn.model",
+    "Transformer": "aiayn.model",
+    "build_model": "aiayn.model",
+}
+
+__all__ = ["Config", "DecodeOptions", "DecoderOnlyLM", "ModelConfig", "Transformer", "__version__", "build_model",
+           "load", "load_config", "model_config"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aiayn.config import Config, DecodeOptions, ModelConfig, load_config, model_config  # noqa: F401
+    from aiayn.decode.generate import Generator
+    from aiayn.decode.translator import Translator
+    from aiayn.model import DecoderOnlyLM, Transformer, build_model  # noqa: F401
 
 
-def load(run_dir, device: str = "cpu"):
-    """A translator (or generator, for a language-model run) for a trained run directory."""
-    from aiayn.decode.translator import load as _load
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
 
-    return _load(run_dir, device=device)
+
+def load(run_dir: str | Path, device: str = "auto", precision: str = "auto") -> Translator | Generator:
+    """A trained run, ready to use: a :class:`~aiayn.decode.translator.Translator` for translation and
+    summarization runs, a :class:`~aiayn.decode.generate.Generator` for language models. ``device="auto"``
+    is CUDA when available, else MPS, else CPU; both objects move with ``.to(device)``.
+
+    >>> tr = aiayn.load("runs/demo"); tr.translate(["A dog runs on the beach."])
+    """
+    from aiayn.decode.generate import Generator
+    from aiayn.decode.translator import Translator
+    from aiayn.run_dir import load_run
+
+    run = load_run(run_dir, device, precision=precision)
+    if run.cfg.task == "lm":
+        return Generator(run)
+    return Translator(run.model, run.tokenizers, run.cfg, run.path)

@@ -1,7 +1,8 @@
 """``aiayn`` command line: a thin dispatcher, each subcommand calls one library function.
 
-Bad input (missing file, bad config key, mismatched corpus, broken checkpoint) ends with one line on
-stderr and exit status 2, never a traceback.
+Bad input (missing file, bad config key, mismatched corpus, broken checkpoint, unavailable device) ends
+with one line on stderr and exit status 2, checked before any work starts where it can be. Nothing heavy
+is imported until a subcommand runs, so ``aiayn --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -10,10 +11,21 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from aiayn import __version__
 from aiayn.errors import UserError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+# DecodeOptions fields that the decoding commands take as --flags (one line each in add_decode_options).
+DECODE_FLAGS = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b", "min_len", "nbest", "stop",
+                "no_repeat_ngram", "sample", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "max_tokens")
+
+
+def decode_overrides(args: argparse.Namespace) -> dict:
+    """The decoding options given on the command line (None = the run's value), by DecodeOptions field name."""
+    return {k: getattr(args, k) for k in DECODE_FLAGS if getattr(args, k, None) is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -32,28 +44,112 @@ def cmd_average(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_translate(args: argparse.Namespace) -> int:
-    from aiayn.decode.translator import translate_cli
+def _write_stdout(text: str) -> None:
+    """UTF-8 whatever the locale says, flushed at once (streaming)."""
+    if hasattr(sys.stdout, "buffer"):
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
-    return translate_cli(args)
+
+def _progress(args: argparse.Namespace, path: str | None):
+    """A tqdm bar over the input file's lines on stderr (a terminal, or --progress), else None."""
+    if path in (None, "-") or not (args.progress or (args.progress is None and sys.stderr.isatty())):
+        return None
+    from tqdm.auto import tqdm
+
+    with open(path, "rb") as f:
+        total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return tqdm(total=total, unit="line", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
+    from aiayn.decode.stream import iter_lines, stdin_stream, translate_stream
+    from aiayn.decode.translator import load
+    from aiayn.errors import ConfigError, DataError
+    from aiayn.files import atomic_write
+
+    fmt = "json" if args.json else args.format
+    if args.chunk is not None and args.chunk < 1:
+        raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
+    from_stdin = args.input in (None, "-")
+    if not from_stdin:
+        p = Path(args.input)
+        if not p.is_file():
+            raise DataError(f"{p}: {'is a directory' if p.is_dir() else 'no such file'}")
+    translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
+    opts = translator.options(**decode_overrides(args))
+    source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
+    interactive = from_stdin and sys.stdin.isatty()
+    chunk = args.chunk or (1 if interactive else 2000)
+    if interactive:
+        print("aiayn translate: type a sentence and press Enter (Ctrl-D to end)", file=sys.stderr)
+    bar = _progress(args, args.input)
+    try:
+        lines = iter_lines(source, "<stdin>" if from_stdin else args.input)
+        on_chunk = bar.update if bar is not None else None
+        if args.output in (None, "-"):
+            translate_stream(translator, lines, _write_stdout, opts, fmt, chunk, on_chunk)
+        else:  # streamed into a temporary file, renamed over --output only once everything is written
+            def write(tmp: str) -> None:
+                with open(tmp, "w", encoding="utf-8") as out:
+                    translate_stream(translator, lines, lambda s: (out.write(s), out.flush()), opts, fmt, chunk,
+                                     on_chunk)
+
+            atomic_write(args.output, write)
+    finally:
+        if bar is not None:
+            bar.close()
+        if not from_stdin:
+            source.close()
+    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from aiayn.eval.evaluate import evaluate_cli
+    from aiayn.eval.evaluate import evaluate_run, summary
 
-    return evaluate_cli(args)
+    result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, device=args.device,
+                          precision=args.precision, **decode_overrides(args))
+    print(summary(result))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from aiayn.decode.generate import generate_cli
+    """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
+    from aiayn.decode.generate import generate_text
+    from aiayn.run_dir import load_run
 
-    return generate_cli(args)
+    run = load_run(args.run, args.device, precision=args.precision)
+    opts = run.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **decode_overrides(args)})
+    pieces = generate_text(run, args.prompt, opts, args.slide)
+    _write_stdout(args.prompt)
+    for piece in pieces:
+        if piece:
+            _write_stdout(piece)
+    _write_stdout("\n")
+    return 0
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from aiayn.decode.generate import summarize_cli
+    """One summary line per input document, in order."""
+    from aiayn.decode.generate import read_documents, summarize
+    from aiayn.files import atomic_write_text
+    from aiayn.run_dir import load_run
 
-    return summarize_cli(args)
+    run = load_run(args.run, args.device, precision=args.precision)
+    opts = run.cfg.decode.replace(**decode_overrides(args))
+    field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
+    docs = read_documents(args.input, field)
+    text = "".join(s + "\n" for s in summarize(run, docs, opts, beam=args.beam))
+    if args.output not in (None, "-"):
+        atomic_write_text(args.output, text)
+    else:
+        _write_stdout(text)
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -82,45 +178,74 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _decode_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--beam", type=int, default=None, help="beam size (default: the run's config, paper: 4)")
-    p.add_argument("--alpha", type=float, default=None, help="length penalty alpha (paper: 0.6)")
-    p.add_argument("--length-penalty", choices=["gnmt", "power", "none"], default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="token budget of one decoding batch")
-    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
-                   help="never repeat an n-gram of the output (default: the run's config, 0 = off)")
-    p.add_argument("--device", default="cpu")
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda | cuda:N | mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights' precision (auto: fp32; bf16 / fp16 on CUDA only)")
+
+
+def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
+    """The --flags of DecodeOptions (default None: the run's ``decode`` section), and the device options."""
+    if search:
+        p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's, paper: 4)")
+        p.add_argument("--alpha", type=float, help="length penalty alpha (paper: 0.6)")
+        p.add_argument("--length-penalty", choices=["gnmt", "power", "none"],
+                       help="gnmt: score/((5+|Y|)/6)^alpha (paper); power: score/|Y|^alpha (fairseq, HF)")
+        p.add_argument("--max-len-a", type=float, help="at most a * source length + b decoding steps (paper: 1)")
+        p.add_argument("--max-len-b", type=int, help="(paper: 50)")
+        p.add_argument("--min-len", type=int, help="no EOS before this many tokens")
+        p.add_argument("--nbest", type=int, help="hypotheses per input (at most the beam; sampling: draws)")
+        p.add_argument("--stop", choices=["exact", "hf"], help="beam stopping rule (exact: never early; hf: HF's)")
+        p.add_argument("--sample", action="store_true", default=None,
+                       help="draw tokens (--temperature, --top-k, --top-p, --seed) instead of searching")
+        p.add_argument("--max-tokens", type=int, help="token budget of one decoding batch (default: by device)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set with probability mass >= p")
+    p.add_argument("--seed", type=int, help="seed of the draws (repeatable sampling)")
+    p.add_argument("--no-repeat-ngram", type=int, metavar="N", help="never repeat an n-gram of the output (0: off)")
+    add_device_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of bugs")
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a YAML recipe")
-    p.add_argument("config", help="YAML recipe or preset name in configs/")
+    p.add_argument("config", help="YAML recipe, or a preset name (paper-base, multi30k_en_de_quick, ...)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.warmup=8000")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("translate", help="translate text, one sentence per line")
+    p = sub.add_parser("translate", help="translate text, one sentence per line (streams)",
+                       description="Reads one sentence per line (--input or stdin; interactive on a terminal), "
+                                   "writes one record per line (--output or stdout), chunk by chunk.")
     p.add_argument("run")
     p.add_argument("--input", default=None, help="input file (default stdin)")
-    p.add_argument("--output", default=None, help="output file (default stdout)")
-    p.add_argument("--nbest", type=int, default=1)
-    p.add_argument("--json", action="store_true", help="one JSON object per line with scores and n-best")
-    _decode_options(p)
+    p.add_argument("--output", default=None, help="output file, written atomically (default stdout, streamed)")
+    p.add_argument("--format", choices=["text", "tsv", "json"], default="text",
+                   help="text: best line (nbest N: N lines per input); tsv: line, rank, score, logprob, text; "
+                        "json: one object per input line")
+    p.add_argument("--json", action="store_true", help="same as --format json")
+    p.add_argument("--chunk", type=int, default=None, metavar="LINES",
+                   help="lines read, translated and written at a time (default 2000; 1 on a terminal)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr for an --input file (default: when stderr is a terminal)")
+    add_decode_options(p)
     p.set_defaults(func=cmd_translate)
 
-    p = sub.add_parser("evaluate", help="BLEU/chrF of a translation run, perplexity of a language model")
+    p = sub.add_parser("evaluate", help="BLEU/chrF of a translation run, ROUGE of summaries, perplexity of an LM")
     p.add_argument("run")
     p.add_argument("--split", default=None, help="a split of the run's dataset, e.g. test_2016_flickr")
     p.add_argument("--src", default=None)
     p.add_argument("--ref", default=None)
     p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
-    _decode_options(p)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
+    add_decode_options(p)
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
@@ -136,23 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
     p.add_argument("run")
     p.add_argument("--prompt", default="")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 200)")
     p.add_argument("--slide", action="store_true", help="slide the context window past the model's positions")
-    p.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
-                   help="never repeat an n-gram of the generated text (0 = off)")
-    p.add_argument("--device", default="cpu")
+    add_decode_options(p, search=False)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("summarize", help="summarize documents, one per line (or JSONL with --field)")
+    p = sub.add_parser("summarize", help="summarize documents, one per line (or a .jsonl file's documents)")
     p.add_argument("run")
-    p.add_argument("--input", default=None)
+    p.add_argument("--input", default=None, help="one document per line, or .jsonl rows with a 'document' field")
     p.add_argument("--output", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    _decode_options(p)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="at most this many summary tokens (64)")
+    add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
 
     p = sub.add_parser("export", help="export a run to a production engine")
@@ -178,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--len", type=int, default=8, dest="length")
     p.add_argument("--width", type=int, default=None, help="figure width in pixels")
     p.add_argument("--height", type=int, default=None, help="figure height in pixels")
+    p.add_argument("--device", default="auto", help="attention: where the model runs")
     p.set_defaults(func=cmd_viz)
 
     p = sub.add_parser("demo", help="the main job: train the quick recipe, evaluate, show translations")

@@ -7,6 +7,7 @@ shapes are rejected when the config is built, not deep inside a forward pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,24 +171,79 @@ class TrainConfig:
         self.adam_betas = tuple(self.adam_betas)  # YAML gives a list
 
 
+# Token budget of one decoding batch (source tokens x beam) when neither the options nor the run set one:
+# on a GPU a large batch is what makes decoding fast; on a CPU larger batches stop paying off early.
+DEFAULT_DECODE_TOKENS = {"cpu": 4096, "cuda": 32768, "mps": 8192}
+
+
 @dataclass
-class DecodeConfig:
-    """Inference defaults (paper section 6.1: beam 4, alpha 0.6, max length input + 50)."""
+class DecodeOptions:
+    """How to decode, in one object: the run's ``decode`` section, then per-call overrides from the CLI,
+    the Python API and the server (:meth:`replace`). Defaults are the paper's (section 6.1: beam 4,
+    alpha 0.6, maximum output length input + 50). Adding a decoding option means a field here, its use
+    in :mod:`aiayn.decode.search`, and one CLI line.
+
+    Search: ``sample`` draws each token (``temperature``, then ``top_k``, then ``top_p`` filtering; a
+    generator seeded by ``seed``; temperature 0 is greedy); otherwise ``beam`` 1 is greedy search and
+    ``beam`` > 1 beam search with ``length_penalty`` (gnmt = paper, power = fairseq/HF/CTranslate2)
+    and the ``stop`` rule (exact: never stops before the best hypothesis is certain; hf: Hugging Face's
+    heuristic). ``nbest`` hypotheses per input (beam search: at most ``beam``; sampling: that many draws).
+    """
 
     beam: int = 4
     alpha: float = 0.6
     length_penalty: str = "gnmt"  # gnmt (paper) | power (fairseq, HF, CTranslate2) | none
-    max_len_a: float = 1.0
+    max_len_a: float = 1.0  # at most int(max_len_a * source length + max_len_b) decoding steps (EOS included)
     max_len_b: int = 50
-    max_tokens: int = 4096  # token budget of one decoding batch (source tokens x beam)
+    min_len: int = 0  # EOS is forbidden before this many tokens
+    nbest: int = 1
+    stop: str = "exact"  # exact | hf (beam search's stopping rule)
     no_repeat_ngram: int = 0  # n > 0: no output repeats one of its own n-grams (not in the paper; summaries)
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None  # language models and summaries: tokens to generate (None: the command's)
+    max_tokens: int | None = None  # token budget of one decoding batch; None: by device (DEFAULT_DECODE_TOKENS)
 
     def __post_init__(self) -> None:
         _choice("decode.length_penalty", self.length_penalty, ("gnmt", "power", "none"))
-        if self.beam < 1:
-            raise ConfigError("decode.beam must be >= 1")
-        if self.no_repeat_ngram < 0:
-            raise ConfigError("decode.no_repeat_ngram must be >= 0 (0: off)")
+        _choice("decode.stop", self.stop, ("exact", "hf"))
+        _at_least("decode.beam", self.beam, 1)
+        _finite("decode.alpha", self.alpha)
+        _at_least("decode.max_len_a", self.max_len_a, 0)
+        _at_least("decode.max_len_b", self.max_len_b, 0)
+        _at_least("decode.min_len", self.min_len, 0)
+        _at_least("decode.no_repeat_ngram", self.no_repeat_ngram, 0, "(0: off)")
+        _at_least("decode.nbest", self.nbest, 1)
+        if not self.sample and self.nbest > self.beam:
+            raise ConfigError(f"decode.nbest={self.nbest}: at most the beam size ({self.beam}) hypotheses exist")
+        _at_least("decode.temperature", self.temperature, 0, "(0: greedy)")
+        if self.top_k is not None:
+            _at_least("decode.top_k", self.top_k, 1)
+        if self.top_p is not None and not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"decode.top_p={self.top_p}: expected a number in (0, 1]")
+        if self.max_new_tokens is not None:
+            _at_least("decode.max_new_tokens", self.max_new_tokens, 0)
+        if self.max_tokens is not None:
+            _at_least("decode.max_tokens", self.max_tokens, 1)
+
+    def replace(self, **overrides: Any) -> DecodeOptions:
+        """A validated copy with the given options replacing these; None means "keep this one"."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown decoding option {unknown[0]} (known: {', '.join(sorted(known))})")
+        values = {k: _coerce(v, _DECODE_HINTS[k], f"decode.{k}") for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self, **values)
+
+    def batch_tokens(self, device_type: str) -> int:
+        """The token budget of one decoding batch: ``max_tokens``, or the device's default."""
+        return self.max_tokens or DEFAULT_DECODE_TOKENS.get(device_type, DEFAULT_DECODE_TOKENS["cpu"])
+
+
+DecodeConfig = DecodeOptions  # the config section's name (``decode:`` in a recipe)
 
 
 @dataclass
@@ -198,7 +254,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
 
     def __post_init__(self) -> None:
         _choice("task", self.task, ("translation", "lm", "summarization"))
@@ -209,6 +265,17 @@ class Config:
         d = dataclasses.asdict(self)
         d["train"]["adam_betas"] = list(self.train.adam_betas)
         return d
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={value}: expected a finite number")
+
+
+def _at_least(name: str, value: float, low: float, note: str = "") -> None:
+    _finite(name, value)
+    if value < low:
+        raise ConfigError(f"{name}={value}: must be >= {low}" + (f" {note}" if note else ""))
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
@@ -282,6 +349,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
+
+
+_DECODE_HINTS = typing.get_type_hints(DecodeOptions)
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:

@@ -10,6 +10,7 @@ from torch import nn
 
 from aiayn.config import Config, load_config
 from aiayn.data.tokenizer import TokenizerPair
+from aiayn.device import DTYPES, resolve_device, resolve_precision
 from aiayn.model import build_model
 from aiayn.train.checkpoint import CheckpointError, checkpoint_paths, list_checkpoints, load_weights
 
@@ -36,8 +37,13 @@ def inference_weights_path(run_dir: str | Path) -> Path:
     raise CheckpointError(f"{run_dir}: no model.safetensors and no checkpoints (is it a run directory?)")
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu", weights: str | Path | None = None) -> Run:
-    """Read config, tokenizer and weights of a run; the model is on ``device`` in eval mode."""
+def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: str | Path | None = None,
+             precision: str = "auto") -> Run:
+    """Read config, tokenizer and weights of a run; the model is on ``device`` (auto: CUDA, else MPS, else CPU)
+    in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only).
+    The device and precision are checked before anything is read."""
+    dev = resolve_device(device)
+    dtype = DTYPES[resolve_precision(precision, dev, training=False)]
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
@@ -48,4 +54,4 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", weights: s
     tok = TokenizerPair.load(run_dir / "tokenizer")
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))
-    return Run(run_dir, cfg, model.to(device).eval(), tok)
+    return Run(run_dir, cfg, model.to(device=dev, dtype=dtype).eval(), tok)

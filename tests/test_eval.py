@@ -21,8 +21,8 @@ from aiayn.eval.metrics import (
     perplexity,
     rouge_scores,
     sacrebleu_scores,
-    validation_bleu_fn,
 )
+from aiayn.train.validation import validation_bleu_fn
 
 HYPS = ["Ein Hund läuft über die Wiese.", "Zwei Männer sprechen miteinander.", "Eine Frau liest ein Buch."]
 REFS = ["Ein Hund rennt über die Wiese.", "Zwei Männer reden miteinander.", "Eine Frau liest eine Zeitung."]

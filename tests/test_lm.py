@@ -240,7 +240,6 @@ def _generate(run: Path, capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_generate_cli_streams_the_greedy_continuation(text_lm, capsys, monkeypatch):
-    from aiayn.decode import generate as gen
     from aiayn.decode.search import sample_list
     from aiayn.run_dir import load_run
 
@@ -248,8 +247,8 @@ def test_generate_cli_streams_the_greedy_continuation(text_lm, capsys, monkeypat
     ids = sample_list(run.model, run.tokenizers.src.encode("alpha "), 25, temperature=0.0, eos_id=EOS_ID)
     expected = "alpha " + run.tokenizers.src.decode(ids) + "\n"
     writes: list[str] = []
-    real = gen._write_stdout
-    monkeypatch.setattr(gen, "_write_stdout", lambda s: (writes.append(s), real(s)))
+    real = cli._write_stdout
+    monkeypatch.setattr(cli, "_write_stdout", lambda s: (writes.append(s), real(s)))
     code, out, err = _generate(text_lm, capsys, "--prompt", "alpha ", "--max-new-tokens", "25", "--temperature", "0")
     assert code == 0 and out == expected
     assert len(writes) == len(ids) + 2  # the prompt, one write per token (flushed), the final new line
@@ -270,7 +269,7 @@ def test_generate_refuses_a_prompt_longer_than_the_context_unless_slide(text_lm,
                                "--temperature", "0")
     assert code == 0 and out.startswith(long_prompt) and len(out) == len(long_prompt) + 5 + 1
     code, _, err = _generate(text_lm, capsys, "--prompt", "a", "--top-p", "1.5")
-    assert code == 2 and "--top-p" in err
+    assert code == 2 and "top_p" in err
 
 
 def test_text_stream_holds_back_incomplete_characters(tmp_path):
@@ -324,7 +323,7 @@ def test_summarize_no_repeat_ngram_reaches_the_search(which, request, articles, 
                           "--no-repeat-ngram", "3")) == 1
     assert 3 in seen  # the option is applied by the search (its effect is proven in test_search.py)
     assert cli.main(["summarize", str(run_dir), "--input", str(tmp_path / "in.txt"), "--no-repeat-ngram", "-1"]) == 2
-    assert capsys.readouterr().err.startswith("aiayn: error: --no-repeat-ngram must be >= 0")
+    assert capsys.readouterr().err.startswith("aiayn: error: decode.no_repeat_ngram=-1: must be >= 0")
 
 
 def test_summarize_and_generate_refuse_other_runs(text_lm, summary_lm, summary_seq2seq, tiny_run, tmp_path, capsys):
@@ -341,18 +340,16 @@ def test_summarize_and_generate_refuse_other_runs(text_lm, summary_lm, summary_s
 
 
 def test_rouge_of_a_run_on_its_valid_split(summary_lm, summary_seq2seq):
-    from aiayn.decode.generate import main
-
     for run in (summary_lm, summary_seq2seq):
-        assert main(["rouge", str(run), "--split", "valid", "--max-new-tokens", "12"]) == 0
+        assert cli.main(["evaluate", str(run), "--split", "valid", "--max-new-tokens", "12"]) == 0
         res = json.loads((run / "eval" / "rouge_valid.json").read_text(encoding="utf-8"))
         assert res["data"]["n_documents"] == 20 and set(res["scores"]) == {"rouge1", "rouge2", "rougeL"}
+        assert res["decode"]["max_new_tokens"] == 12
         assert len((run / "eval" / "rouge_valid.hyp").read_text(encoding="utf-8").splitlines()) == 20
-    assert main(["rouge"]) == 2
 
 
 def test_evaluate_with_a_split_scores_summaries_by_rouge(summary_lm, summary_seq2seq, capsys):
-    from aiayn.decode.generate import evaluate_summaries
+    from aiayn.eval.summaries import evaluate_summaries
 
     for run in (summary_lm, summary_seq2seq):
         assert cli.main(["evaluate", str(run), "--split", "valid"]) == 0

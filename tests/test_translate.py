@@ -19,8 +19,8 @@ from aiayn import cli
 from aiayn.config import ConfigError
 from aiayn.data.batching import token_batches
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode.search import beam_search, greedy_search, max_lengths
-from aiayn.decode.translator import Translator, _score_tokens, load
+from aiayn.decode.search import beam_search, greedy_search, max_lengths, score_tokens
+from aiayn.decode.translator import Translator, load
 
 EOS = 3
 
@@ -93,7 +93,8 @@ def test_greedy_equals_direct_greedy_search_and_scores_match_beam(translator, so
         hyps = beam_search(model, src, beam=4, alpha=1.0, length_penalty="power", max_len_a=cfg.max_len_a,
                            max_len_b=cfg.max_len_b, nbest=4)[0]
         limits = max_lengths(model, src != 0, cfg.max_len_a, cfg.max_len_b) * len(hyps)
-        rescored = _score_tokens(model, src.expand(len(hyps), -1), [h.tokens for h in hyps], limits, 1.0, "power")
+        src_n = src.expand(len(hyps), -1)
+        rescored = score_tokens(model, src_n, src_n != 0, [h.tokens for h in hyps], limits, 1.0, "power")
         for h, r in zip(hyps, rescored):
             assert r.tokens == h.tokens
             assert r.logprob == pytest.approx(h.logprob, abs=1e-4)
@@ -117,12 +118,17 @@ def test_truncation_warns_with_the_line_number(translator, sources, caplog):
 
 
 def test_options_and_errors(translator, sources):
-    assert translator.settings().beam == translator.cfg.decode.beam
-    assert translator.settings(beam=2, alpha=0.0, length_penalty="none").length_penalty == "none"
+    assert translator.options().beam == translator.cfg.decode.beam
+    assert translator.options(beam=2, alpha=0.0, length_penalty="none").length_penalty == "none"
+    assert translator.options(beam=None).beam == translator.cfg.decode.beam  # None keeps the run's value
     with pytest.raises(ConfigError, match="nbest"):
         translator.translate(sources[:1], beam=2, nbest=3)
-    with pytest.raises(ConfigError, match="length penalty"):
+    with pytest.raises(ConfigError, match="length_penalty"):
         translator.translate(sources[:1], length_penalty="average")
+    with pytest.raises(ConfigError, match="alpha"):
+        translator.translate(sources[:1], alpha=float("nan"))
+    with pytest.raises(ConfigError, match="unknown decoding option"):
+        translator.translate(sources[:1], bream=3)
     assert isinstance(aiayn.load(translator.path), Translator)
 
 
@@ -182,9 +188,12 @@ def test_cli_subprocess_stdin_warning_on_stderr(tiny_run, translator, sources):
 @pytest.mark.parametrize("argv, message", [
     (["translate", "{tmp}/no_such_run"], "no such run directory"),
     (["translate", "{run}", "--input", "{tmp}/missing.txt"], "missing.txt: no such file"),
-    (["translate", "{run}", "--nbest", "2"], "--nbest > 1 needs --json"),
-    (["translate", "{run}", "--json", "--nbest", "5"], "nbest must be between 1 and the beam size"),
-    (["translate", "{run}", "--beam", "0"], "beam must be >= 1"),
+    (["translate", "{run}", "--json", "--nbest", "5"], "decode.nbest=5: at most the beam size"),
+    (["translate", "{run}", "--beam", "0"], "decode.beam=0: must be >= 1"),
+    (["translate", "{run}", "--alpha", "nan", "--json"], "decode.alpha=nan: expected a finite number"),
+    (["translate", "{run}", "--top-p", "1.5", "--sample"], "decode.top_p=1.5"),
+    (["translate", "{run}", "--device", "bogus"], "device 'bogus': unknown"),
+    (["translate", "{run}", "--chunk", "0"], "--chunk must be >= 1"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "stdin", io.StringIO("alpha\n"))

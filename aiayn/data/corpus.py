@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,7 +55,19 @@ def _decode(data: bytes, path: str | Path) -> str:
 
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 text file (plain or gzip), without their line endings."""
-    text = _decode(_read_bytes(path), path)
+    return _split_lines(_decode(_read_bytes(path), path))
+
+
+def read_stdin_lines() -> list[str]:
+    """The lines of standard input (UTF-8), as :func:`read_lines` reads a file; a closed stdin is a DataError."""
+    stream = sys.stdin
+    if stream is None or stream.closed:
+        raise DataError("no input: standard input is closed (give --input FILE)")
+    raw = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8")
+    return _split_lines(_decode(raw, "<stdin>"))
+
+
+def _split_lines(text: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start an empty one

@@ -15,7 +15,14 @@ import torch
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, collate, lm_batches, lm_blocks, token_batches
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair, train_tokenizer_pair
+from aiayn.data.summarization import (
+    SummaryLMData,
+    is_summary_lm,
+    lm_sequence,
+    separator_ids,
+    summary_pairs,
+)
+from aiayn.data.tokenizer import SpecialIds, TokenizerPair, train_tokenizer_pair
 
 log = logging.getLogger("aiayn.data")
 
@@ -27,8 +34,6 @@ def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
 
         return reverse_split(split)
     if cfg.data.dataset == "xsum" or cfg.task == "summarization":
-        from aiayn.data.summarization import summary_pairs
-
         return summary_pairs(cfg, split)
     from aiayn.data.datasets import config_pairs
 
@@ -82,7 +87,7 @@ def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> None:
         raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
     m.vocab_size = tok.src.vocab_size
     m.tgt_vocab_size = None if tok.shared else tok.tgt.vocab_size
-    m.pad_id = PAD_ID
+    m.pad_id = tok.specials.pad
     m.__post_init__()
 
 
@@ -96,6 +101,7 @@ class TranslationData:
     valid_tgt: list[list[int]]
     max_tokens: int
     seed: int
+    specials: SpecialIds = SpecialIds()  # pad / eos / decoder start of the run's tokenizer
 
     def __post_init__(self) -> None:
         # +1: EOS on the source, BOS (input) / EOS (output) on the target.
@@ -116,9 +122,10 @@ class TranslationData:
             self._valid = [self._collate(self.valid_src, self.valid_tgt, b) for b in idx]
         return self._valid
 
-    @staticmethod
-    def _collate(src: list[list[int]], tgt: list[list[int]], indices: list[int]) -> Batch:
-        return collate([src[i] for i in indices], [tgt[i] for i in indices], indices, PAD_ID, BOS_ID, EOS_ID)
+    def _collate(self, src: list[list[int]], tgt: list[list[int]], indices: list[int]) -> Batch:
+        sp = self.specials
+        return collate([src[i] for i in indices], [tgt[i] for i in indices], indices, sp.pad, sp.decoder_start,
+                       sp.eos)
 
 
 @dataclass
@@ -172,13 +179,49 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
             raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
         out.append(([ids[i][0] for i in kept], [ids[i][1] for i in kept]))
     (src, tgt), (vsrc, vtgt) = out
-    return TranslationData(src, tgt, vsrc, vtgt, cfg.data.max_tokens, cfg.train.seed), tok
+    return TranslationData(src, tgt, vsrc, vtgt, cfg.data.max_tokens, cfg.train.seed, tok.specials), tok
+
+
+def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+                          ) -> tuple[SummaryLMData, TokenizerPair]:
+    """Train (or load) the tokenizer with the separator as one piece, and encode every article."""
+    if cfg.data.block_size > cfg.model.max_positions:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
+                          f"{cfg.model.max_positions}")
+    sep = cfg.data.separator
+    if not sep.strip():
+        raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
+    train, valid = summary_pairs(cfg, "train"), summary_pairs(cfg, "valid")
+    symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
+    texts = [t for pair in train for t in pair] + [sep]  # the char tokenizer must know the separator's characters
+    tok = get_tokenizers(cfg, run_dir, (texts, []), is_main, barrier, user_defined_symbols=symbols)
+    fit_model_to_vocab(cfg, tok)
+    sep_ids = separator_ids(tok.src, sep)
+    out = []
+    for name, pairs in (("train", train), ("valid", valid)):
+        rows, dropped, cut = [], 0, 0
+        for doc, summ in pairs:
+            if not doc or not summ:
+                dropped += 1
+                continue
+            row = lm_sequence(tok.src, doc, summ, sep_ids, cfg.data.block_size)
+            if row is None:
+                dropped += 1
+                continue
+            cut += len(row) < len(tok.src.encode(doc)) + len(sep_ids) + len(tok.src.encode(summ)) + 2
+            rows.append(row)
+        if is_main:
+            log.info("%s: %d document<sep>summary sequences (%d documents cut to fit %d tokens, %d articles "
+                     "dropped: empty, or the summary alone too long)", name, len(rows), cut,
+                     cfg.data.block_size + 1, dropped)
+        if not rows:
+            raise DataError(f"{name}: no usable document/summary pairs")
+        out.append(rows)
+    return SummaryLMData(out[0], out[1], cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
 
 
 def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                   ) -> tuple[LMData, TokenizerPair]:
-    from aiayn.data.summarization import build_summary_lm_data, is_summary_lm
-
     if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
         return build_summary_lm_data(cfg, run_dir, is_main, barrier)
     text = load_lm_text(cfg)

@@ -31,17 +31,13 @@ Decisions, and why:
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config
 from aiayn.data.batching import Batch, pad_batch, token_batches
 from aiayn.data.corpus import DataError
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerPair
-
-log = logging.getLogger("aiayn.data")
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 XSUM_SIZE = 1000
 XSUM_SPLITS = {"train": (0, 800), "valid": (800, 900), "test": (900, 1000)}
@@ -172,44 +168,3 @@ class SummaryLMData:
         if self._valid is None:
             self._valid = self._batches(self.valid, 0, shuffle=False)
         return self._valid
-
-
-def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
-                          ) -> tuple[SummaryLMData, TokenizerPair]:
-    """Train (or load) the tokenizer with the separator as one piece, and encode every article."""
-    from aiayn.data.pipeline import fit_model_to_vocab, get_tokenizers
-
-    if cfg.data.block_size > cfg.model.max_positions:
-        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
-                          f"{cfg.model.max_positions}")
-    sep = cfg.data.separator
-    if not sep.strip():
-        raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
-    train, valid = summary_pairs(cfg, "train"), summary_pairs(cfg, "valid")
-    symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
-    texts = [t for pair in train for t in pair] + [sep]  # the char tokenizer must know the separator's characters
-    tok = get_tokenizers(cfg, run_dir, (texts, []), is_main, barrier, user_defined_symbols=symbols)
-    fit_model_to_vocab(cfg, tok)
-    sep_ids = separator_ids(tok.src, sep)
-    out = []
-    for name, pairs in (("train", train), ("valid", valid)):
-        rows, dropped, cut = [], 0, 0
-        for doc, summ in pairs:
-            if not doc or not summ:
-                dropped += 1
-                continue
-            row = lm_sequence(tok.src, doc, summ, sep_ids, cfg.data.block_size)
-            if row is None:
-                dropped += 1
-                continue
-            cut += len(row) < len(tok.src.encode(doc)) + len(sep_ids) + len(tok.src.encode(summ)) + 2
-            rows.append(row)
-        if is_main:
-            log.info("%s: %d document<sep>summary sequences (%d documents cut to fit %d tokens, %d articles "
-                     "dropped: empty, or the summary alone too long)", name, len(rows), cut,
-                     cfg.data.block_size + 1, dropped)
-        if not rows:
-            raise DataError(f"{name}: no usable document/summary pairs")
-        out.append(rows)
-    return SummaryLMData(out[0], out[1], cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
-

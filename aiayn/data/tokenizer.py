@@ -404,12 +404,36 @@ def _sample(texts: Iterable[str], k: int, seed: int) -> list[str]:
     return [t for _, t in reservoir]
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids a model reserves. aiayn's tokenizers use PAD_ID, UNK_ID, BOS_ID, EOS_ID and start the decoder
+    from BOS; a run imported from another toolkit keeps that toolkit's ids (Marian: eos 0, unk 1, pad last,
+    decoder start = pad). Code that builds model inputs takes them from ``TokenizerPair.specials``."""
+
+    pad: int = PAD_ID
+    unk: int = UNK_ID
+    bos: int = BOS_ID
+    eos: int = EOS_ID
+    decoder_start: int = BOS_ID  # the decoder's first input (teacher forcing and search)
+
+    def to_json(self) -> dict[str, int]:
+        return {"pad": self.pad, "unk": self.unk, "bos": self.bos, "eos": self.eos, "decoder_start": self.decoder_start}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SpecialIds:
+        """Read ``tokenizer.json``'s ``special_ids`` (files written before ``decoder_start``: it is ``bos``)."""
+        ids = {k: int(d[k]) for k in ("pad", "unk", "bos", "eos")}
+        return cls(**ids, decoder_start=int(d.get("decoder_start", ids["bos"])))
+
+
 @dataclass
 class TokenizerPair:
-    """Source and target tokenizers; ``src is tgt`` when the vocabulary is shared."""
+    """Source and target tokenizers; ``src is tgt`` when the vocabulary is shared. ``specials``: the ids
+    the model reserves (aiayn's by default)."""
 
     src: Tokenizer
     tgt: Tokenizer
+    specials: SpecialIds = SpecialIds()
 
     @property
     def shared(self) -> bool:
@@ -445,7 +469,7 @@ class TokenizerPair:
             "lowercase": self.src.lowercases,
             "pretokenize": self.pretokenize,
             **meta_langs,
-            "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+            "special_ids": self.specials.to_json(),
         }
         atomic_write_bytes(d / PAIR_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
         return d
@@ -464,13 +488,14 @@ class TokenizerPair:
             if pretokenize not in PRETOKENIZERS:
                 raise ValueError(f"pretokenize {pretokenize!r}, expected one of {', '.join(PRETOKENIZERS)}")
             langs = (str(meta["src_lang"]), str(meta["tgt_lang"])) if pretokenize == "moses" else None
-        except (ValueError, KeyError, TypeError) as e:
+            specials = SpecialIds.from_json(meta["special_ids"]) if "special_ids" in meta else SpecialIds()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{meta_path}: not a valid tokenizer description ({_first_line(e)})") from None
         src = load_tokenizer(d, src_name)
         tgt = src if meta.get("shared") or src_name == tgt_name else load_tokenizer(d, tgt_name)
         if langs is not None:
             src, tgt = MosesPretokenized(src, langs[0]), MosesPretokenized(tgt, langs[1])
-        return cls(src, tgt)
+        return cls(src, tgt, specials)
 
 
 def train_tokenizer_pair(

@@ -179,6 +179,33 @@ def _ban_ngrams(scores: Tensor, produced: Tensor, n: int) -> None:
             scores[r, banned] = NEG_INF
 
 
+@torch.no_grad()
+def score_tokens(model, src: Tensor, src_mask: Tensor, found: Sequence[Sequence[int]], limits: Sequence[int],
+                 alpha: float, length_penalty: str, bos_id: int = 2, eos_id: int = 3, pad_id: int = 0
+                 ) -> list[Hypothesis]:
+    """Teacher-forced log-probabilities of found outputs (e.g. greedy search's, which tracks none):
+    src (B, S) ids, src_mask (B, S) bool, ``found`` token lists without BOS/EOS.
+
+    A sentence shorter than its step limit ended with EOS (counted in the logprob and in |Y|); one of
+    exactly ``limit`` tokens was cut there (see the module docstring)."""
+    seqs = [list(t) + [eos_id] if len(t) < lim else list(t) for t, lim in zip(found, limits)]
+    width = max(len(q) for q in seqs)
+    tgt_in = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    tgt_out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for b, q in enumerate(seqs):
+        tgt_in[b, : len(q)] = torch.tensor([bos_id] + q[:-1], dtype=torch.long)
+        tgt_out[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+    tgt_in, tgt_out = tgt_in.to(src.device), tgt_out.to(src.device)  # (B, T)
+    memory = model.encode(src, src_mask)
+    lprobs = torch.log_softmax(model.decode(tgt_in, memory, src_mask).float(), dim=-1)  # (B, T, V)
+    tok_lp = lprobs.gather(2, tgt_out.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    lengths = torch.tensor([len(q) for q in seqs], device=src.device)
+    real = torch.arange(width, device=src.device)[None, :] < lengths[:, None]  # (B, T)
+    sums = tok_lp.masked_fill(~real, 0.0).sum(dim=1).tolist()
+    return [Hypothesis(list(t), penalized_score(lp, len(q), alpha, length_penalty), lp)
+            for t, q, lp in zip(found, seqs, sums)]
+
+
 # Beam search -----------------------------------------------------------------------------------------
 
 
@@ -445,3 +472,87 @@ def sample(
 def sample_list(model, prompt: Sequence[int] | Tensor, max_new_tokens: int, **kwargs) -> list[int]:
     """:func:`sample` collected into a list (same arguments)."""
     return list(sample(model, prompt, max_new_tokens, **kwargs))
+
+
+@torch.no_grad()
+def sample_search(
+    model,
+    src: Tensor,
+    src_mask: Tensor | None = None,
+    nbest: int = 1,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    alpha: float = 0.6,
+    length_penalty: str = "gnmt",
+    max_len_a: float = 1.0,
+    max_len_b: float = 50,
+    min_len: int = 0,
+    bos_id: int = 2,
+    eos_id: int = 3,
+    pad_id: int = 0,
+    no_repeat_ngram: int = 0,
+) -> list[list[Hypothesis]]:
+    """Sampling for an encoder-decoder: ``nbest`` independent draws per sentence, best score first.
+
+    src (B, S) ids, src_mask (B, S) bool. Each step draws from softmax(logits / temperature) after top-k
+    then top-p filtering (temperature 0: argmax, so nbest draws are equal); EOS is forbidden before
+    ``min_len`` tokens and n-grams are blocked as in :func:`greedy_search`. One ``torch.Generator``
+    seeded by ``seed`` serves the whole call (None: torch's global RNG), so the same inputs in the same
+    batch give the same draws. ``logprob`` sums the model's own log-probabilities (temperature 1, no
+    filtering) of the drawn tokens, EOS included, and ``score`` is it length-penalized as in beam search.
+    """
+    if temperature < 0 or nbest < 1:
+        raise ValueError(f"need temperature >= 0 and nbest >= 1 (got {temperature}, {nbest})")
+    if src_mask is None:
+        src_mask = src != pad_id
+    device = src.device
+    limits = max_lengths(model, src_mask, max_len_a, max_len_b)
+    rows = torch.arange(src.size(0), device=device).repeat_interleave(nbest)  # draw j of sentence i: i*nbest + j
+    mem_mask = src_mask.index_select(0, rows)
+    memory = model.encode(src, src_mask).index_select(0, rows)  # (B*nbest, S, D)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    R = rows.numel()
+    live = list(range(R))  # original row of each live row
+    tokens = torch.full((R, 1), bos_id, dtype=torch.long, device=device)  # (R', 1 + t)
+    logprob = torch.zeros(R, device=device)  # (R',) summed log-probabilities of the live rows
+    cache = model.new_cache()
+    found: list[Hypothesis | None] = [None] * R
+    t = 0
+    while live:
+        logits = model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1].float()  # (R', V)
+        if t < min_len:
+            logits[:, eos_id] = NEG_INF
+        if no_repeat_ngram > 0:
+            _ban_ngrams(logits, tokens[:, 1:], no_repeat_ngram)
+        lprobs = torch.log_softmax(logits, dim=-1)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1)
+        else:
+            filtered = filter_top_p(filter_top_k(logits / temperature, top_k), top_p)
+            nxt = torch.multinomial(filtered.softmax(dim=-1), 1, generator=gen).squeeze(1)  # (R',)
+        logprob = logprob + lprobs.gather(1, nxt[:, None]).squeeze(1)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        ended, lp = (nxt == eos_id).tolist(), logprob.tolist()
+        keep = []
+        for i, r in enumerate(live):
+            if ended[i] or t + 1 >= limits[r // nbest]:
+                seq = tokens[i, 1:].tolist()
+                seq = seq[:-1] if ended[i] else seq
+                found[r] = Hypothesis(seq, penalized_score(lp[i], t + 1, alpha, length_penalty), lp[i])
+            else:
+                keep.append(i)
+        if len(keep) < len(live):
+            if not keep:
+                break
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
+            tokens, memory, mem_mask, logprob = tokens[idx], memory[idx], mem_mask[idx], logprob[idx]
+            cache.reorder(idx)
+            live = [live[i] for i in keep]
+        t += 1
+    out = []
+    for i in range(src.size(0)):
+        draws = [h for h in found[i * nbest:(i + 1) * nbest] if h is not None]
+        out.append(sorted(draws, key=lambda h: -h.score))  # stable: equal scores keep draw order
+    return out

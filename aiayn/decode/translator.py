@@ -1,21 +1,25 @@
 """Text in, text out: tokenize, batch by length, search on ids, detokenize, restore the input order.
 
-:func:`load` gives a :class:`Translator` for a run directory (``aiayn.load(RUN)`` calls it)::
+``aiayn.load(RUN)`` gives a :class:`Translator` for a translation or summarization run::
 
-    tr = aiayn.load("runs/multi30k")
+    tr = aiayn.load("runs/multi30k")                         # device="auto": the GPU when there is one
     tr.translate(["A dog runs.", "Two men talk."])            # -> ["Ein Hund läuft.", ...]
     tr.translate_hypotheses(["A dog runs."], nbest=4)[0][0]   # -> Translation(text, score, logprob, ...)
+    tr.translate(["A dog runs."], sample=True, top_p=0.9, seed=1)
+
+Decoding options are one :class:`~aiayn.config.DecodeOptions`: the run's ``decode`` section, then what
+the call gives (an ``options`` object and/or keyword overrides; None keeps the run's value).
 
 Conventions (also those of ``aiayn translate``):
 
-* The source fed to the model is ``tokens + [EOS]``; the decoder starts from BOS (as in training).
+* The source fed to the model is ``tokens + [EOS]``; the decoder starts from the run's decoder-start id
+  (BOS for aiayn's own runs), with the run tokenizer's special ids (:class:`~aiayn.data.tokenizer.SpecialIds`).
 * An empty (or whitespace-only) input gives an empty output and is not decoded.
 * A source longer than the model's positions (``model.max_positions``, EOS included) is cut to its
   first ``max_positions - 1`` tokens, with a warning naming its 1-based line (its index + 1).
 * Sentences are sorted by length and cut into batches whose ``source tokens x beam`` (padding and the
-  EOS included) stays within ``max_tokens``; results come back in the input order. Beam 1 is greedy
-  search, beam > 1 :func:`~aiayn.decode.search.beam_search` with the exact stopping rule.
-* Decoding options left as None come from the run's config (``decode`` section).
+  EOS included) stays within the token budget (``max_tokens``, by default chosen by device); results
+  come back in the input order.
 * ``score`` is the length-penalized score the search ranks by, ``logprob`` the summed token
   log-probabilities (the EOS included when the hypothesis ended with one). Greedy search does not
   track them; when they are asked for, one teacher-forced pass over the found tokens computes them.
@@ -23,66 +27,21 @@ Conventions (also those of ``aiayn translate``):
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config, DecodeOptions
 from aiayn.data.batching import pad_batch, token_batches
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerPair
-from aiayn.decode.search import Hypothesis, beam_search, greedy_search, max_lengths, penalized_score
+from aiayn.data.tokenizer import SpecialIds, TokenizerPair
+from aiayn.decode.search import Hypothesis, beam_search, greedy_search, max_lengths, sample_search, score_tokens
+from aiayn.errors import ConfigError
 
 log = logging.getLogger("aiayn.translate")
-
-
-@dataclass
-class DecodeSettings:
-    """How to search: beam (1 = greedy), length penalty, length limit ``int(a * src_len + b)``, batch budget."""
-
-    beam: int = 4
-    alpha: float = 0.6
-    length_penalty: str = "gnmt"
-    max_len_a: float = 1.0
-    max_len_b: float = 50
-    max_tokens: int = 4096
-    no_repeat_ngram: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: Config, beam: int | None = None, alpha: float | None = None,
-                    length_penalty: str | None = None, max_tokens: int | None = None,
-                    no_repeat_ngram: int | None = None) -> DecodeSettings:
-        """The config's ``decode`` section with the given (non-None) options replacing its values."""
-        d = cfg.decode
-        s = cls(
-            beam=d.beam if beam is None else beam,
-            alpha=d.alpha if alpha is None else alpha,
-            length_penalty=d.length_penalty if length_penalty is None else length_penalty,
-            max_len_a=d.max_len_a,
-            max_len_b=d.max_len_b,
-            max_tokens=d.max_tokens if max_tokens is None else max_tokens,
-            no_repeat_ngram=d.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram,
-        )
-        s.check()
-        return s
-
-    def check(self, nbest: int = 1) -> None:
-        if self.beam < 1:
-            raise ConfigError(f"beam must be >= 1, got {self.beam}")
-        if self.length_penalty not in ("gnmt", "power", "none"):
-            raise ConfigError(f"length penalty {self.length_penalty!r}: expected gnmt, power or none")
-        if self.no_repeat_ngram < 0:
-            raise ConfigError(f"no-repeat-ngram must be >= 0 (0: off), got {self.no_repeat_ngram}")
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 1 <= nbest <= self.beam:
-            raise ConfigError(f"nbest must be between 1 and the beam size ({self.beam}), got {nbest}")
 
 
 @dataclass
@@ -96,66 +55,50 @@ class Translation:
     ids: list[int]
 
 
-def _device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
-def _score_tokens(model: nn.Module, src: torch.Tensor, found: list[list[int]], limits: list[int],
-                  alpha: float, length_penalty: str) -> list[Hypothesis]:
-    """Teacher-forced log-probabilities of greedy outputs: src (B, S) with EOS, ``found`` without EOS.
+def search_batch(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, opts: DecodeOptions,
+                 specials: SpecialIds, scores: bool = True) -> list[list[Hypothesis]]:
+    """The hypotheses of one padded batch, best first: src (B, S) ids (EOS included), src_mask (B, S).
 
-    A sentence shorter than its step limit ended with EOS (counted in the logprob and in |Y|); one of
-    exactly ``limit`` tokens was cut there (see :mod:`aiayn.decode.search`).
-    """
-    seqs = [t + [EOS_ID] if len(t) < lim else list(t) for t, lim in zip(found, limits)]
-    tgt_in = pad_batch([[BOS_ID] + s[:-1] for s in seqs], PAD_ID).to(src.device)  # (B, T)
-    tgt_out = pad_batch(seqs, PAD_ID).to(src.device)  # (B, T)
-    lprobs = torch.log_softmax(model(src, tgt_in).float(), dim=-1)  # (B, T, V)
-    tok_lp = lprobs.gather(2, tgt_out.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    mask = torch.zeros_like(tok_lp, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        mask[b, : len(s)] = True
-    sums = tok_lp.masked_fill(~mask, 0.0).sum(dim=1).tolist()
-    return [Hypothesis(list(t), penalized_score(lp, len(s), alpha, length_penalty), lp)
-            for t, s, lp in zip(found, seqs, sums)]
+    ``opts.sample``: :func:`~aiayn.decode.search.sample_search`; beam 1: greedy search (its score and
+    logprob from a teacher-forced pass when ``scores``, else NaN); beam > 1: beam search."""
+    ids = dict(bos_id=specials.decoder_start, eos_id=specials.eos, pad_id=specials.pad)
+    lengths = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
+    if opts.sample:
+        return sample_search(model, src, src_mask, nbest=opts.nbest, temperature=opts.temperature, top_k=opts.top_k,
+                             top_p=opts.top_p, seed=opts.seed, alpha=opts.alpha, length_penalty=opts.length_penalty,
+                             no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
+    if opts.beam == 1:  # nbest is 1: DecodeOptions allows no more hypotheses than the beam
+        found = greedy_search(model, src, src_mask, no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
+        if not scores:
+            return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
+        limits = max_lengths(model, src_mask, opts.max_len_a, opts.max_len_b)
+        return [[h] for h in score_tokens(model, src, src_mask, found, limits, opts.alpha, opts.length_penalty,
+                                          **ids)]
+    return beam_search(model, src, src_mask, beam=opts.beam, alpha=opts.alpha, length_penalty=opts.length_penalty,
+                       nbest=opts.nbest, stop=opts.stop, no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
 
 
-def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], settings: DecodeSettings,
-                   nbest: int = 1, scores: bool = True) -> list[list[Hypothesis]]:
+def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], opts: DecodeOptions,
+                   specials: SpecialIds = SpecialIds(), scores: bool = True) -> list[list[Hypothesis]]:
     """Search every source (ids without EOS) and return its hypotheses, best first, in input order.
 
-    Sources are sorted by length and batched so that ``len(batch) * (longest + 1) * beam <=
-    settings.max_tokens`` (a single longer source forms its own batch). Beam 1 is greedy search; its
-    ``score``/``logprob`` are computed by a teacher-forced pass when ``scores`` (NaN otherwise).
-    The model must be in eval mode.
-    """
-    settings.check(nbest)
-    device = _device(model)
+    Sources are sorted by length and batched so that ``len(batch) * (longest + 1) * rows`` stays within
+    ``opts.batch_tokens(device)`` (rows: the beam, or the draws when sampling; a single longer source
+    forms its own batch). The model must be in eval mode."""
+    device = model_device(model)
     out: list[list[Hypothesis]] = [[] for _ in sources]
     if not sources:
         return out
-    budget = max(1, settings.max_tokens // settings.beam)
+    rows = opts.nbest if opts.sample else opts.beam
+    budget = max(1, opts.batch_tokens(device.type) // rows)
     for idx in token_batches([len(s) for s in sources], None, budget, shuffle=False):
-        src = pad_batch([list(sources[i]) + [EOS_ID] for i in idx], PAD_ID).to(device)  # (B, S)
-        mask = src != PAD_ID
-        if settings.beam == 1:
-            found = greedy_search(model, src, mask, max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
-                                  bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-                                  no_repeat_ngram=settings.no_repeat_ngram)
-            if scores:
-                limits = max_lengths(model, mask, settings.max_len_a, settings.max_len_b)
-                hyps = [[h] for h in _score_tokens(model, src, found, limits, settings.alpha,
-                                                   settings.length_penalty)]
-            else:
-                hyps = [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
-        else:
-            hyps = beam_search(model, src, mask, beam=settings.beam, alpha=settings.alpha,
-                               length_penalty=settings.length_penalty, max_len_a=settings.max_len_a,
-                               max_len_b=settings.max_len_b, nbest=nbest, bos_id=BOS_ID, eos_id=EOS_ID,
-                               pad_id=PAD_ID, no_repeat_ngram=settings.no_repeat_ngram)
-        for i, h in zip(idx, hyps):
-            out[i] = h
+        src = pad_batch([list(sources[i]) + [specials.eos] for i in idx], specials.pad).to(device)  # (B, S)
+        for i, hyps in zip(idx, search_batch(model, src, src != specials.pad, opts, specials, scores)):
+            out[i] = hyps
     return out
 
 
@@ -169,14 +112,24 @@ class Translator:
         self.path = path
 
     @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    def to(self, device: str | torch.device) -> Translator:
+        """Move the model (``"auto"`` resolves as everywhere); returns self."""
+        from aiayn.device import resolve_device
+
+        self.model.to(resolve_device(device))
+        return self
+
+    @property
     def max_source_tokens(self) -> int:
         """Source tokens that fit the model's positions once EOS is appended."""
         return max(1, self.cfg.model.max_positions - 1)
 
-    def settings(self, beam: int | None = None, alpha: float | None = None, length_penalty: str | None = None,
-                 max_tokens: int | None = None, no_repeat_ngram: int | None = None) -> DecodeSettings:
-        """The run's decoding defaults with the given options replacing them."""
-        return DecodeSettings.from_config(self.cfg, beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
+    def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
+        """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
+        return (options or self.cfg.decode).replace(**overrides)
 
     def encode_sources(self, texts: Sequence[str], warn: bool = True) -> tuple[list[list[int] | None], list[int]]:
         """Token ids of each text (None for an empty or whitespace-only one) and the indices of the
@@ -198,11 +151,17 @@ class Translator:
             ids.append(toks)
         return ids, cut
 
-    def _search(self, texts: Sequence[str], settings: DecodeSettings, nbest: int,
-                scores: bool) -> list[list[Translation]]:
-        ids, _ = self.encode_sources(texts)
+    def search(self, texts: Sequence[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1
+               ) -> list[list[Translation]]:
+        """Up to ``opts.nbest`` :class:`Translation` per text, best first; [] for an empty text.
+        ``first_line`` numbers the warnings of cut texts (a stream passes its position)."""
+        ids, cut = self.encode_sources(texts, warn=False)
+        for i in cut:
+            log.warning("line %d: %d source tokens do not fit the model's %d positions (with EOS); translating the "
+                        "first %d", first_line + i, len(self.tokenizers.src.encode(texts[i])),
+                        self.cfg.model.max_positions, self.max_source_tokens)
         todo = [i for i, s in enumerate(ids) if s is not None]
-        found = decode_sources(self.model, [ids[i] for i in todo], settings, nbest, scores)
+        found = decode_sources(self.model, [ids[i] for i in todo], opts, self.tokenizers.specials, scores)
         out: list[list[Translation]] = [[] for _ in texts]
         tgt = self.tokenizers.tgt
         for i, hyps in zip(todo, found):
@@ -210,98 +169,29 @@ class Translator:
                                   list(h.tokens)) for h in hyps]
         return out
 
-    def translate_hypotheses(self, texts: Sequence[str], beam: int | None = None, alpha: float | None = None,
-                             length_penalty: str | None = None, nbest: int = 1,
-                             max_tokens: int | None = None, no_repeat_ngram: int | None = None
+    def translate_hypotheses(self, texts: Sequence[str], options: DecodeOptions | None = None, **overrides
                              ) -> list[list[Translation]]:
         """Up to ``nbest`` :class:`Translation` per text, best first, with scores; [] for an empty text."""
-        settings = self.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
-        return self._search(texts, settings, nbest, scores=True)
+        return self.search(texts, self.options(options, **overrides))
 
-    def translate(self, texts: str | Sequence[str], beam: int | None = None, alpha: float | None = None,
-                  length_penalty: str | None = None, nbest: int = 1, max_tokens: int | None = None,
-                  no_repeat_ngram: int | None = None) -> str | list[str] | list[list[str]]:
+    def translate(self, texts: str | Sequence[str], options: DecodeOptions | None = None, **overrides
+                  ) -> str | list[str] | list[list[str]]:
         """Translate a list of texts: one string per text (nbest 1) or a list of up to ``nbest`` strings,
         best first (nbest > 1). A single string in gives a single string (or list) out."""
         if isinstance(texts, str):
-            return self.translate([texts], beam, alpha, length_penalty, nbest, max_tokens, no_repeat_ngram)[0]
-        settings = self.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
-        found = self._search(texts, settings, nbest, scores=False)
-        if nbest == 1:
+            return self.translate([texts], options, **overrides)[0]
+        opts = self.options(options, **overrides)
+        found = self.search(texts, opts, scores=opts.nbest > 1 or opts.sample)
+        if opts.nbest == 1:
             return [hyps[0].text if hyps else "" for hyps in found]
         return [[h.text for h in hyps] for hyps in found]
 
 
-def load(run_dir: str | Path, device: str | torch.device = "cpu") -> Translator:
-    """A :class:`Translator` for a trained run directory (translation or summarization run)."""
+def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto") -> Translator:
+    """A :class:`Translator` for a trained translation or summarization run directory."""
     from aiayn.run_dir import load_run
 
-    run = load_run(run_dir, device)
+    run = load_run(run_dir, device, precision=precision)
     if run.cfg.task == "lm":
-        raise ConfigError(f"{run_dir} is a language-model run: use `aiayn generate` to continue text")
+        raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
     return Translator(run.model, run.tokenizers, run.cfg, run.path)
-
-
-# Command line ------------------------------------------------------------------------------------------
-
-
-def _read_input(path: str | None) -> list[str]:
-    """Lines of ``path`` (or stdin), without line endings, as :func:`aiayn.data.corpus.read_lines` reads them."""
-    from aiayn.data.corpus import _decode, read_lines
-
-    if path is not None and path != "-":
-        return read_lines(path)
-    stream = sys.stdin
-    raw = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8")
-    lines = _decode(raw, "<stdin>").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
-
-
-def _one_line(text: str) -> str:
-    # A model can emit a newline piece (byte fallback); one output line per input line must hold.
-    return text.replace("\r", " ").replace("\n", " ")
-
-
-def format_json(line: int, src: str, hyps: list[Translation]) -> str:
-    """The ``--json`` record of one input line: {"line", "src", "hyps": [{"text", "score", "logprob", "tokens"}]}."""
-    rec = {"line": line, "src": src,
-           "hyps": [{k: v for k, v in asdict(h).items() if k != "ids"} for h in hyps]}
-    return json.dumps(rec, ensure_ascii=False)
-
-
-def translate_cli(args: argparse.Namespace) -> int:
-    """``aiayn translate``: one output line per input line, in order.
-
-    Plain output: the best translation per line. ``--json``: one JSON object per line
-    ``{"line": n (1-based), "src", "hyps": [{"text", "score", "logprob", "tokens"}, ...]}`` holding
-    ``--nbest`` hypotheses, best first (``hyps`` is empty for an empty line). ``--nbest`` above 1 needs
-    ``--json``, so that the plain output stays one line per input line.
-    """
-    nbest = args.nbest
-    if nbest < 1:
-        raise ConfigError(f"--nbest must be >= 1, got {nbest}")
-    if nbest > 1 and not args.json:
-        raise ConfigError("--nbest > 1 needs --json (plain output is one line per input line)")
-    lines = _read_input(args.input)
-    translator = load(args.run, device=args.device)
-    opts = dict(beam=args.beam, alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens,
-                no_repeat_ngram=args.no_repeat_ngram)
-    settings = translator.settings(**opts)
-    settings.check(nbest)
-    if args.json:
-        found = translator.translate_hypotheses(lines, nbest=nbest, **opts)
-        out = [format_json(i + 1, src, hyps) for i, (src, hyps) in enumerate(zip(lines, found))]
-    else:
-        out = [_one_line(t) for t in translator.translate(lines, **opts)]
-    text = "".join(o + "\n" for o in out)
-    if args.output is not None and args.output != "-":
-        Path(args.output).write_text(text, encoding="utf-8")
-    elif hasattr(sys.stdout, "buffer"):  # UTF-8 whatever the locale says
-        sys.stdout.flush()
-        sys.stdout.buffer.write(text.encode("utf-8"))
-        sys.stdout.buffer.flush()
-    else:
-        sys.stdout.write(text)
-    return 0

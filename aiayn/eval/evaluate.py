@@ -22,18 +22,16 @@ half-written result in the run directory.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import logging
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from aiayn.config import Config
+from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.errors import CheckpointError, ConfigError
-from aiayn.files import atomic_write_text
+from aiayn.eval.results import check_name, check_writable, weights_info, write_result
 
 log = logging.getLogger("aiayn.eval")
 
@@ -58,73 +56,41 @@ def split_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
     return load_pairs(cfg, split)
 
 
-def _check_name(name: str) -> str:
-    if not name or name in (".", "..") or "/" in name or os.sep in name:
-        raise ConfigError(f"--name {name!r}: expected a plain file name (no directories)")
-    return name
-
-
 def _default_name(src: str) -> str:
     p = Path(src)
     return (p.with_suffix("") if p.suffix == ".gz" else p).stem or "eval"
 
 
-def _weights_info(run_dir: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    from aiayn.run_dir import inference_weights_path
-
-    path = inference_weights_path(run_dir)
-    info: dict[str, Any] = {"path": str(run_dir), "weights": str(path.relative_to(run_dir))}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if "source" in meta:
-            info["weights_source"] = meta["source"]
-    except Exception:  # informational only: load_run has already read and validated the file
-        pass
-    return info
-
-
-def _write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[str] | None) -> Path:
-    import json
-
-    out_dir = run_dir / "eval"
-    out_dir.mkdir(exist_ok=True)
-    if hyps is not None:
-        atomic_write_text(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
-    path = out_dir / f"{name}.json"
-    atomic_write_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    return path
-
-
 def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str | None = None,
-                         ref: str | None = None, name: str | None = None, beam: int | None = None,
-                         alpha: float | None = None, length_penalty: str | None = None,
-                         max_tokens: int | None = None, device: str = "cpu",
-                         no_repeat_ngram: int | None = None) -> dict[str, Any]:
-    """Decode a split (or ``src``, scored against ``ref``), write eval/<name>.json + .hyp; return the record."""
+                         ref: str | None = None, name: str | None = None, options: DecodeOptions | None = None,
+                         device: str = "auto", precision: str = "auto", **overrides) -> dict[str, Any]:
+    """Decode a split (or ``src``, scored against ``ref``), write eval/<name>.json + .hyp; return the record.
+
+    Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``. Everything
+    that can fail (the run, the data, the options, a writable ``RUN/eval``) is checked before decoding."""
     from aiayn.data.corpus import read_parallel
-    from aiayn.decode.translator import _one_line, load
+    from aiayn.decode.stream import no_newlines
+    from aiayn.decode.translator import load
     from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
 
     run_dir = Path(run_dir)
-    translator = load(run_dir, device=device)
+    translator = load(run_dir, device=device, precision=precision)
     cfg = translator.cfg
+    opts = translator.options(options, **overrides)
+    if opts.nbest != 1:
+        raise ConfigError("evaluate scores one hypothesis per source: nbest must be 1")
     if split is not None:
         pairs, data_info = split_pairs(cfg, split), {"split": split, "dataset": cfg.data.dataset}
         name = name or split
     else:
         pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
         name = name or _default_name(src)
-    _check_name(name)
+    check_name(name)
+    check_writable(run_dir)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
-    settings = translator.settings(beam, alpha, length_penalty, max_tokens, no_repeat_ngram)
     _, truncated = translator.encode_sources(sources, warn=False)
     start = time.perf_counter()
-    hyps = [_one_line(h) for h in translator.translate(sources, beam=beam, alpha=alpha,
-                                                       length_penalty=length_penalty, max_tokens=max_tokens,
-                                                       no_repeat_ngram=no_repeat_ngram)]
+    hyps = [no_newlines(h) for h in translator.translate(sources, opts)]
     wall = time.perf_counter() - start
 
     sb = sacrebleu_scores(hyps, refs)
@@ -141,17 +107,19 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
         "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
         "bleu_detail": sb["bleu_detail"],
         "bleu_lc_tok_detail": lc_detail,
-        "decode": {**asdict(settings), "device": str(device)},
-        "run": _weights_info(run_dir),
+        "decode": {**asdict(opts), "max_tokens": opts.batch_tokens(translator.device.type),
+                   "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype)},
+        "run": weights_info(run_dir),
         "truncated_lines": [i + 1 for i in truncated],
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    result["json_path"] = str(_write_result(run_dir, name, result, hyps))
+    result["json_path"] = str(write_result(run_dir, name, result, hyps))
     return result
 
 
-def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "cpu") -> dict[str, Any]:
+def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "auto",
+                precision: str = "auto") -> dict[str, Any]:
     """NLL per token (nats) and perplexity of a language-model run's validation text; writes eval/<name>.json."""
     import torch
 
@@ -161,8 +129,9 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "cpu
     from aiayn.train.trainer import evaluate_loss
 
     run_dir = Path(run_dir)
-    run = load_run(run_dir, device)
-    name = _check_name(name or "valid")
+    run = load_run(run_dir, device, precision=precision)
+    name = check_name(name or "valid")
+    check_writable(run_dir)
     data, _ = build_lm_data(run.cfg, run_dir)
     start = time.perf_counter()
     with torch.no_grad():
@@ -175,20 +144,20 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "cpu
         "data": {"split": "valid", "valid_fraction": run.cfg.data.valid_fraction,
                  "block_size": run.cfg.data.block_size, "n_tokens": int(sum(b.ntokens for b in data.valid_batches))},
         "scores": {"nll_per_token": round(nll, 6), "ppl": round(perplexity(nll), 4)},
-        "run": _weights_info(run_dir),
+        "run": weights_info(run_dir),
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    result["json_path"] = str(_write_result(run_dir, name, result, None))
+    result["json_path"] = str(write_result(run_dir, name, result, None))
     return result
 
 
 def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None = None, ref: str | None = None,
-                 name: str | None = None, beam: int | None = None, alpha: float | None = None,
-                 length_penalty: str | None = None, max_tokens: int | None = None,
-                 device: str = "cpu", no_repeat_ngram: int | None = None) -> dict[str, Any]:
-    """Evaluate a run (see the module docstring); dispatches on the run's task."""
-    from aiayn.config import load_config
+                 name: str | None = None, options: DecodeOptions | None = None, device: str = "auto",
+                 precision: str = "auto", **overrides) -> dict[str, Any]:
+    """Evaluate a run (see the module docstring); dispatches on the run's task. Decoding options: the run's
+    ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
+    from aiayn.data.summarization import is_summary_lm
 
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
@@ -196,25 +165,22 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
         raise CheckpointError(f"{run_dir}: {what}")
     cfg = load_config(cfg_path)
-    from aiayn.data.summarization import is_summary_lm
-
+    (options or cfg.decode).replace(**overrides)  # bad options fail here, before any loading
     if split is not None and (cfg.task == "summarization" or is_summary_lm(cfg)):
         # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
-        from aiayn.decode.generate import evaluate_summaries
+        from aiayn.eval.summaries import evaluate_summaries
 
-        return evaluate_summaries(run_dir, split, beam=beam, alpha=alpha, length_penalty=length_penalty,
-                                  device=device, no_repeat_ngram=no_repeat_ngram)
+        return evaluate_summaries(run_dir, split, options, device, precision, **overrides)
     if cfg.task == "lm":
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref, "
                               "--split valid at most")
-        return evaluate_lm(run_dir, name, device)
+        return evaluate_lm(run_dir, name, device, precision)
     if (split is None) == (src is None and ref is None):
         raise ConfigError("evaluate needs either --split NAME or --src FILE --ref FILE")
     if split is None and (src is None or ref is None):
         raise ConfigError("--src and --ref go together")
-    return evaluate_translation(run_dir, split, src, ref, name, beam, alpha, length_penalty, max_tokens, device,
-                                no_repeat_ngram)
+    return evaluate_translation(run_dir, split, src, ref, name, options, device, precision, **overrides)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -249,11 +215,3 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{len(result['truncated_lines'])} source line(s) truncated to the model's positions")
     lines.append(f"wrote {result['json_path']} and {Path(result['json_path']).with_suffix('.hyp')}")
     return "\n".join(lines)
-
-
-def evaluate_cli(args: argparse.Namespace) -> int:
-    result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, beam=args.beam,
-                          alpha=args.alpha, length_penalty=args.length_penalty, max_tokens=args.max_tokens,
-                          device=args.device, no_repeat_ngram=args.no_repeat_ngram)
-    print(summary(result))
-    return 0

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from sacrebleu.metrics import BLEU, CHRF
@@ -103,30 +103,3 @@ def perplexity(nll_per_token: float) -> float:
         return math.exp(nll_per_token)
     except OverflowError:
         return math.inf
-
-
-def validation_bleu_fn(cfg, data, tokenizers) -> Callable[[Any], dict[str, float]]:
-    """For the trainer (``train.eval_bleu``): a function model -> {"valid_bleu": sacreBLEU} that
-    greedy-decodes ``data.valid_src`` (id lists without specials) in length-sorted batches of
-    ``cfg.decode.max_tokens`` and scores the detokenized output against the decoded ``data.valid_tgt``.
-    The model is put in eval mode for the decoding and returned to its previous mode."""
-    from aiayn.decode.translator import DecodeSettings, decode_sources
-
-    settings = DecodeSettings(beam=1, alpha=cfg.decode.alpha, length_penalty=cfg.decode.length_penalty,
-                              max_len_a=cfg.decode.max_len_a, max_len_b=cfg.decode.max_len_b,
-                              max_tokens=cfg.decode.max_tokens)
-    limit = max(1, cfg.model.max_positions - 1)
-    sources = [list(s)[:limit] for s in data.valid_src]
-    refs = [tokenizers.tgt.decode(t) for t in data.valid_tgt]
-
-    def valid_bleu(model) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        try:
-            found = decode_sources(model, sources, settings, scores=False)
-        finally:
-            model.train(was_training)
-        hyps = [tokenizers.tgt.decode(h[0].tokens) for h in found]
-        return {"valid_bleu": BLEU().corpus_score(hyps, [refs]).score}
-
-    return valid_bleu

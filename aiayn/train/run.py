@@ -43,7 +43,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                  count_parameters(model) / 1e6, device, d.world)
     evaluate_extra = None
     if cfg.train.eval_bleu and cfg.task != "lm":
-        from aiayn.eval.metrics import validation_bleu_fn
+        from aiayn.train.validation import validation_bleu_fn
 
         evaluate_extra = validation_bleu_fn(cfg, data, _tok)
     trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)

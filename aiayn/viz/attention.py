@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from aiayn.config import ConfigError
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES
+from aiayn.data.tokenizer import SPECIAL_PIECES
 from aiayn.run_dir import Run, load_run
 
 log = logging.getLogger("aiayn.viz")
@@ -68,13 +68,13 @@ def _maps(kind: str, probs: torch.Tensor, queries: list[str], keys: list[str]) -
 
 
 @torch.no_grad()
-def attention_data(run: Run | str | Path, src: str, tgt: str | None = None) -> AttentionData:
+def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, device: str = "auto") -> AttentionData:
     """Attention probabilities of ``run``'s model for ``src`` (and ``tgt``; None: greedy-decode it).
 
     Translation models give {"encoder", "decoder_self", "cross"}; language models {"decoder_self"} over
-    the tokens of ``src`` (``tgt`` is ignored).
+    the tokens of ``src`` (``tgt`` is ignored). ``device`` is used when ``run`` is a path.
     """
-    run = run if isinstance(run, Run) else load_run(run)
+    run = run if isinstance(run, Run) else load_run(run, device)
     model, tok, cfg = run.model, run.tokenizers, run.cfg
     if not src or not src.strip():
         raise ConfigError("viz attention: --src TEXT is required and must not be empty")
@@ -90,7 +90,8 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None) -> A
         labels = token_labels(tok.src, src_ids)
         return AttentionData({"decoder_self": _maps("decoder_self", probs["decoder_self"], labels, labels)},
                              src, None, False)
-    src_ids = src_ids + [EOS_ID]
+    sp = tok.specials
+    src_ids = src_ids + [sp.eos]
     if len(src_ids) > limit:
         raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens with </s>, the model takes {limit}")
     src_t = torch.tensor([src_ids], device=dev)  # (1, S)
@@ -99,11 +100,11 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None) -> A
         from aiayn.decode.search import greedy_search
 
         tgt_ids = greedy_search(model, src_t, max_len_a=cfg.decode.max_len_a, max_len_b=cfg.decode.max_len_b,
-                                bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)[0]
+                                bos_id=sp.decoder_start, eos_id=sp.eos, pad_id=sp.pad)[0]
         tgt = tok.tgt.decode(tgt_ids)
     else:
         tgt_ids = tok.tgt.encode(tgt)
-    tgt_in = [BOS_ID] + tgt_ids[: limit - 1]
+    tgt_in = [sp.decoder_start] + tgt_ids[: limit - 1]
     probs = model.attention_maps(src_t, torch.tensor([tgt_in], device=dev))
     s_lab, t_lab = token_labels(tok.src, src_ids), token_labels(tok.tgt, tgt_in)
     maps = {

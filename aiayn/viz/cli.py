@@ -38,7 +38,7 @@ def _attention(args: argparse.Namespace) -> list[Path]:
         raise ConfigError("viz attention: give the run directory: aiayn viz attention RUN --src TEXT")
     if args.src is None:
         raise ConfigError("viz attention: --src TEXT is required")
-    data = select(attention_data(args.run, args.src, args.tgt), args.layer, args.head)
+    data = select(attention_data(args.run, args.src, args.tgt, args.device), args.layer, args.head)
     tgt_note = " (the model's greedy translation)" if data.generated else ""
     subtitle = f"{Path(args.run).name}: source {data.src!r}"
     if data.tgt is not None:

@@ -1,0 +1,65 @@
+"""Evaluation records in a run directory: ``RUN/eval/<name>.json`` (+ ``.hyp``), written atomically.
+
+:func:`check_writable` runs *before* any decoding, so a read-only run directory fails in a second with
+one line instead of after minutes of work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from aiayn.errors import CheckpointError, ConfigError
+from aiayn.files import atomic_write_json, atomic_write_text
+
+
+def eval_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "eval"
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a plain file name (the stem of ``eval/<name>.json``)."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise ConfigError(f"--name {name!r}: expected a plain file name (no directories)")
+    return name
+
+
+def check_writable(run_dir: str | Path) -> Path:
+    """Create ``RUN/eval`` if needed and prove a file can be written there; a :class:`CheckpointError`
+    naming the directory and the reason otherwise. Returns the eval directory."""
+    out = eval_dir(run_dir)
+    try:
+        out.mkdir(exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot write the evaluation there ({e.strerror or e})") from None
+    return out
+
+
+def weights_info(run_dir: Path) -> dict[str, Any]:
+    """Which weights the run's inference uses, and where they came from (the file's metadata)."""
+    from safetensors import safe_open
+
+    from aiayn.run_dir import inference_weights_path
+
+    path = inference_weights_path(run_dir)
+    info: dict[str, Any] = {"path": str(run_dir), "weights": str(path.relative_to(run_dir))}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "source" in meta:
+            info["weights_source"] = meta["source"]
+    except Exception:  # informational only: load_run has already read and validated the file
+        pass
+    return info
+
+
+def write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[str] | None) -> Path:
+    """Write ``eval/<name>.hyp`` (one line per hypothesis) then ``eval/<name>.json``; returns the JSON path."""
+    out = check_writable(run_dir)
+    if hyps is not None:
+        atomic_write_text(out / f"{name}.hyp", "".join(h + "\n" for h in hyps))
+    return atomic_write_json(out / f"{name}.json", result, indent=2)

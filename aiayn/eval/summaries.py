@@ -1,0 +1,84 @@
+"""ROUGE of a run's summaries on a split, beside the lead-1 baseline (the document's first sentence).
+
+``aiayn evaluate RUN --split test`` calls :func:`evaluate_summaries` for summarization runs (both kinds:
+a "document <sep> summary" language model and an encoder-decoder); it writes
+``RUN/eval/rouge_<split>.{json,hyp}``. The lead-1 baseline alone::
+
+    python -m aiayn.eval.summaries --lead1 [--split test]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import DecodeOptions
+from aiayn.data.summarization import lead_1, one_line, summary_pairs, xsum_split
+from aiayn.errors import UserError
+from aiayn.eval.metrics import rouge_scores
+from aiayn.eval.results import check_writable, weights_info, write_result
+
+
+def lead1_scores(split: str = "test") -> dict[str, float]:
+    """ROUGE-1/2/L (percent) of the lead-1 baseline on an XSum split: each document's first sentence."""
+    rows = xsum_split(split)
+    return rouge_scores([lead_1(r["document"]) for r in rows], [one_line(r["summary"]) for r in rows])
+
+
+def evaluate_summaries(run_dir: str | Path, split: str = "test", options: DecodeOptions | None = None,
+                       device: str = "auto", precision: str = "auto", **overrides) -> dict[str, Any]:
+    """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
+    ``RUN/eval/rouge_<split>.json`` and ``.hyp``; return the record. Options: the run's ``decode``
+    section, then ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
+    from aiayn.decode.generate import DEFAULT_NEW_TOKENS, summarize
+    from aiayn.run_dir import load_run
+
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, device, precision=precision)
+    opts = (options or run.cfg.decode).replace(**overrides)
+    pairs = summary_pairs(run.cfg, split)
+    check_writable(run_dir)
+    start = time.perf_counter()
+    hyps = summarize(run, [d for d, _ in pairs], opts)
+    wall = time.perf_counter() - start
+    kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else f"encoder-decoder: beam {opts.beam}"
+    max_new = DEFAULT_NEW_TOKENS["summarize"] if opts.max_new_tokens is None else opts.max_new_tokens
+    result: dict[str, Any] = {
+        "name": f"rouge_{split}",
+        "task": run.cfg.task,
+        "data": {"dataset": run.cfg.data.dataset, "split": split, "n_documents": len(pairs)},
+        "scores": {k: round(v, 2) for k, v in rouge_scores(hyps, [s for _, s in pairs]).items()},
+        "decode": {"how": kind, "max_new_tokens": max_new, "no_repeat_ngram": opts.no_repeat_ngram},
+        "run": weights_info(run_dir),
+        "wall_s": round(wall, 3),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if run.cfg.data.dataset == "xsum":
+        result["lead1"] = {k: round(v, 2) for k, v in lead1_scores(split).items()}
+    result["json_path"] = str(write_result(run_dir, result["name"], result, hyps))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m aiayn.eval.summaries --lead1 [--split test]``: ROUGE of the lead-1 baseline on XSum."""
+    p = argparse.ArgumentParser(prog="python -m aiayn.eval.summaries", description="ROUGE of the lead-1 baseline")
+    p.add_argument("--lead1", action="store_true", required=True, help="score the lead-1 baseline (XSum)")
+    p.add_argument("--split", default="test")
+    args = p.parse_args(argv)
+    try:
+        scores = lead1_scores(args.split)
+    except (UserError, OSError) as e:
+        print(f"aiayn: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(json.dumps({"lead1": {"split": args.split, **{k: round(v, 2) for k, v in scores.items()}}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
