@@ -1,0 +1,158 @@
+"""The package's shape: no import circles, dependencies in one direction, a front door that opens fast.
+
+Layers, lowest first (ARCHITECTURE.md): errors/files -> config/device -> model/data -> train -> run_dir ->
+decode/interop -> viz -> eval -> serve -> cli. A module may import its own layer or a lower one, never a higher
+one, not even inside a function. One documented exception: ``aiayn.decode.search`` works on token ids only
+and imports nothing above the config, so training's validation BLEU may use it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "aiayn"
+
+LAYERS = {
+    "aiayn.errors": 0, "aiayn.files": 0,
+    "aiayn.config": 1, "aiayn.device": 1,
+    "aiayn.model": 2, "aiayn.data": 2, "aiayn.decode.search": 2,
+    "aiayn.train": 3,
+    "aiayn.run_dir": 4,
+    "aiayn.decode": 5, "aiayn.interop": 5,
+    "aiayn.viz": 6,
+    "aiayn.eval": 7,
+    "aiayn.serve": 8,
+    "aiayn.cli": 9, "aiayn.demo": 9, "aiayn.__main__": 9, "aiayn": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """aiayn modules ``name`` imports anywhere in its file (module level and inside functions)."""
+    is_pkg = path.name == "__init__.py"
+    base = name if is_pkg else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
+                mod = f"{anchor}.{node.module}" if node.module else anchor
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        for t in targets:
+            if not t.startswith("aiayn"):
+                continue
+            # the longest known module that the name starts with (a submodule or the package itself)
+            while t and t not in known:
+                t = t.rsplit(".", 1)[0] if "." in t else ""
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def layer(name: str) -> int:
+    while name not in LAYERS:
+        name = name.rsplit(".", 1)[0]
+    return LAYERS[name]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    # Under TYPE_CHECKING the package __init__ names classes for annotations only; it imports lazily.
+    return {m: imports_of(m, p, known) for m, p in mods.items()}
+
+
+def test_no_import_circles(graph):
+    # Tarjan's strongly connected components: any component of two or more modules is a circle.
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    # A package __init__ that re-exports its submodules is not a circle with them.
+    circles = [c for c in circles if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
+    assert circles == []
+
+
+def test_dependencies_point_down(graph):
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                    if layer(t) > layer(m) and not t.startswith(m + "."))
+    assert upward == []
+
+
+def test_the_graph_is_not_vacuous(graph):
+    assert "aiayn.config" in graph["aiayn.train.trainer"]
+    assert "aiayn.decode.translator" in graph["aiayn.eval.evaluate"]
+    assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.train.checkpoint")
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = ("import sys, time; t = time.perf_counter(); from aiayn.cli import build_parser; build_parser(); "
+            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == "False"  # the parser alone never pulls PyTorch in
+    best = min(_wall(sys.executable, "-m", "aiayn", "--help") for _ in range(3))
+    assert best < 0.3, f"aiayn --help took {best:.2f} s"
+
+
+def _wall(*cmd: str) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True)
+    return time.perf_counter() - t
+
+
+def test_version_is_one_string(capsys):
+    import importlib.metadata
+
+    import aiayn
+    from aiayn import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"aiayn {aiayn.__version__}"
+    try:
+        assert importlib.metadata.version("aiayn") == aiayn.__version__  # pyproject reads it from the package
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        pytest.skip("aiayn is not installed")
