@@ -395,3 +395,20 @@ def test_configs_load():
     assert (m.n_decoder_layers, m.n_heads, m.d_model, d.block_size, d.batch_size, quick.train.max_updates,
             m.dropout) == (4, 4, 128, 64, 12, 2000, 0.0)  # nanoGPT's CPU recipe
 
+
+
+def test_load_gives_a_generator_for_a_language_model(text_lm, summary_lm, articles):
+    import aiayn
+    from aiayn.decode.generate import Generator
+    from aiayn.decode.search import sample_list
+
+    gen = aiayn.load(text_lm, device="cpu")
+    assert isinstance(gen, Generator) and gen.device.type == "cpu"
+    tok = gen.tokenizers.src
+    ids = sample_list(gen.model, tok.encode("alpha "), 12, temperature=0.0, eos_id=EOS_ID)
+    assert gen.generate("alpha ", max_new_tokens=12) == tok.decode(ids)  # greedy unless sample=True
+    a = gen.generate("kilo", max_new_tokens=15, sample=True, seed=5, top_k=5)
+    assert a == gen.generate("kilo", max_new_tokens=15, sample=True, seed=5, top_k=5) and a
+    summaries = aiayn.load(summary_lm, device="cpu").summarize(["alpha bravo charlie. delta echo."],
+                                                               max_new_tokens=6)
+    assert len(summaries) == 1 and "\n" not in summaries[0]

@@ -1,0 +1,204 @@
+"""Decoding options in one object, sampling for translation, and ``aiayn translate`` streaming chunk by chunk."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aiayn
+from aiayn import cli
+from aiayn.config import DecodeOptions, config_from_dict
+from aiayn.data.synthetic import reverse_split
+from aiayn.decode.search import greedy_search, sample_search
+from aiayn.decode.stream import format_record, iter_lines, translate_stream
+from aiayn.decode.translator import Translation, Translator, load
+from aiayn.errors import ConfigError, DataError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run) -> Translator:
+    return load(tiny_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[str]:
+    return [s for s, _ in reverse_split("test")[:10]]
+
+
+# DecodeOptions ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"beam": 0}, "decode.beam=0: must be >= 1"),
+    ({"alpha": float("nan")}, "decode.alpha=nan: expected a finite number"),
+    ({"alpha": float("inf")}, "decode.alpha=inf"),
+    ({"nbest": 5, "beam": 4}, "decode.nbest=5: at most the beam size"),
+    ({"length_penalty": "avg"}, "decode.length_penalty='avg'"),
+    ({"stop": "early"}, "decode.stop='early'"),
+    ({"top_p": 0.0}, "decode.top_p=0.0"),
+    ({"top_k": 0}, "decode.top_k=0"),
+    ({"temperature": -1.0}, "decode.temperature=-1.0"),
+    ({"max_len_a": -0.5}, "decode.max_len_a=-0.5"),
+    ({"min_len": -1}, "decode.min_len=-1"),
+    ({"max_tokens": 0}, "decode.max_tokens=0"),
+    ({"no_repeat_ngram": -2}, "decode.no_repeat_ngram=-2"),
+])
+def test_decode_options_refuse_bad_values_in_yaml_and_in_calls(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_dict({"decode": values})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DecodeOptions().replace(**values)
+
+
+def test_decode_options_replace_keeps_none_and_checks_names_and_types():
+    base = DecodeOptions(beam=5, alpha=1.0)
+    assert base.replace(beam=None, alpha=None) == base
+    assert base.replace(beam=2).beam == 2 and base.beam == 5  # a copy
+    assert base.replace(nbest=8, sample=True).nbest == 8  # sampling: nbest draws, whatever the beam
+    with pytest.raises(ConfigError, match="unknown decoding option bream"):
+        base.replace(bream=3)
+    with pytest.raises(ConfigError, match="decode.beam: expected an integer"):
+        base.replace(beam="four")
+    assert DecodeOptions().batch_tokens("cpu") == 4096 and DecodeOptions(max_tokens=7).batch_tokens("cuda") == 7
+    assert DecodeOptions().batch_tokens("cuda") > DecodeOptions().batch_tokens("cpu")
+
+
+# Sampling for translation ------------------------------------------------------------------------------------
+
+
+def _src(translator: Translator, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from aiayn.data.batching import pad_batch
+
+    sp = translator.tokenizers.specials
+    src = pad_batch([translator.tokenizers.src.encode(t) + [sp.eos] for t in texts], sp.pad)
+    return src, src != sp.pad
+
+
+def test_sampling_at_temperature_0_or_top_k_1_is_greedy(translator, sources):
+    src, mask = _src(translator, sources)
+    d = translator.cfg.decode
+    greedy = greedy_search(translator.model, src, mask, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
+    for kw in ({"temperature": 0.0}, {"top_k": 1, "temperature": 1.3, "seed": 4}):
+        drawn = sample_search(translator.model, src, mask, nbest=2, max_len_a=d.max_len_a, max_len_b=d.max_len_b,
+                              **kw)
+        assert [[h.tokens for h in hyps] for hyps in drawn] == [[g, g] for g in greedy]
+        assert all(math.isfinite(h.logprob) and h.logprob <= 0 for hyps in drawn for h in hyps)
+
+
+def test_sampling_is_repeatable_with_a_seed_and_varies_without(translator, sources):
+    a = translator.translate(sources, sample=True, nbest=3, seed=7, temperature=1.5)
+    b = translator.translate(sources, sample=True, nbest=3, seed=7, temperature=1.5)
+    c = translator.translate(sources, sample=True, nbest=3, seed=8, temperature=1.5)
+    assert a == b and a != c
+    assert all(len(draws) == 3 for draws in a)
+    assert len({d for draws in a for d in draws}) > len(sources)  # the draws differ, not n copies
+    hyps = translator.translate_hypotheses(sources[:3], sample=True, nbest=3, seed=7, temperature=1.5)
+    assert all(h[i].score >= h[i + 1].score for h in hyps for i in range(len(h) - 1))  # best first
+
+
+def test_sampling_logprob_is_the_models(translator, sources):
+    """A drawn hypothesis' logprob equals the teacher-forced log-probability of its tokens (+ EOS)."""
+    from aiayn.decode.search import max_lengths, score_tokens
+
+    src, mask = _src(translator, sources[:4])
+    d = translator.cfg.decode
+    drawn = sample_search(translator.model, src, mask, nbest=1, seed=3, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
+    limits = max_lengths(translator.model, mask, d.max_len_a, d.max_len_b)
+    again = score_tokens(translator.model, src, mask, [h[0].tokens for h in drawn], limits, d.alpha,
+                         d.length_penalty)
+    for h, r in zip(drawn, again):
+        assert h[0].logprob == pytest.approx(r.logprob, abs=1e-4)
+        assert h[0].score == pytest.approx(r.score, abs=1e-4)
+
+
+# Streaming ------------------------------------------------------------------------------------------------
+
+
+def test_the_stream_writes_each_chunk_before_reading_the_next(translator, sources):
+    read: list[int] = []
+
+    def lines():
+        for i, s in enumerate(sources):
+            read.append(i)
+            yield s
+
+    writes: list[tuple[int, str]] = []
+    opts = translator.options(beam=2)
+    stats = translate_stream(translator, lines(), lambda s: writes.append((len(read), s)), opts, "text", chunk=3)
+    assert stats.lines == len(sources)
+    assert [n for n, _ in writes] == [3, 6, 9, 10]  # output of lines 1-3 written when 3 lines had been read
+    assert "".join(s for _, s in writes) == "".join(t + "\n" for t in translator.translate(sources, beam=2))
+
+
+def test_formats_and_plain_nbest(translator, sources):
+    lines = [sources[0], "", sources[1]]
+    opts = translator.options(beam=3, nbest=3)
+    found = translator.search(lines, opts)
+    text = "".join(format_record("text", i + 1, s, h, 3) for i, (s, h) in enumerate(zip(lines, found)))
+    assert text.split("\n")[:-1] == [h.text for h in found[0]] + [""] * 3 + [h.text for h in found[2]]
+    tsv = "".join(format_record("tsv", i + 1, s, h, 3) for i, (s, h) in enumerate(zip(lines, found)))
+    rows = [r.split("\t") for r in tsv.splitlines()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("1", "3"), ("3", "1"), ("3", "2"), ("3", "3")]
+    assert [r[4] for r in rows] == [h.text for h in found[0] + found[2]]
+    nan = Translation("x", float("nan"), float("-inf"), ["x"], [9])
+    rec = json.loads(format_record("json", 1, "s", [nan], 1))  # never NaN in JSON
+    assert rec["hyps"][0]["score"] is None and rec["hyps"][0]["logprob"] is None
+
+
+def test_cli_nbest_plain_text_is_n_lines_per_input(tiny_run, translator, sources, tmp_path):
+    inp, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    inp.write_text(sources[0] + "\n\n" + sources[1] + "\n", encoding="utf-8")
+    assert cli.main(["translate", str(tiny_run), "--input", str(inp), "--output", str(out), "--beam", "2",
+                     "--nbest", "2", "--chunk", "1", "--device", "cpu"]) == 0
+    got = out.read_text(encoding="utf-8").split("\n")[:-1]
+    want = translator.translate([sources[0], "", sources[1]], beam=2, nbest=2)
+    assert got == want[0] + ["", ""] + want[2]
+
+
+def test_iter_lines_reads_bytes_and_names_a_bad_line():
+    assert list(iter_lines(io.BytesIO("\ufeffa\r\nb\n\nc".encode()))) == ["a", "b", "", "c"]
+    with pytest.raises(DataError, match=r"<stdin>: line 2: not valid UTF-8 \(byte 0xff at column 2\)"):
+        list(iter_lines(io.BytesIO(b"ok\nx\xffy\n")))
+
+
+def test_a_failed_stream_leaves_the_output_file_as_it_was(tiny_run, tmp_path, capsys):
+    inp, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    inp.write_bytes(b"alpha bravo\n" * 3 + b"bad \xff byte\n")
+    out.write_text("precious\n", encoding="utf-8")
+    assert cli.main(["translate", str(tiny_run), "--input", str(inp), "--output", str(out), "--chunk", "1",
+                     "--device", "cpu"]) == 2
+    assert "line 4: not valid UTF-8" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8") == "precious\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+
+
+def test_closed_stdin_is_one_line(tiny_run):
+    r = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(tiny_run), "--device", "cpu"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == ""  # an empty input gives an empty output
+    r = subprocess.run(f"{sys.executable} -m aiayn translate {tiny_run} --device cpu <&-", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "aiayn: error: no input: standard input is closed (give --input FILE)"]
+
+
+# aiayn.load -----------------------------------------------------------------------------------------------
+
+
+def test_load_resolves_auto_to_cpu_here_and_moves(tiny_run):
+    tr = aiayn.load(tiny_run)
+    assert isinstance(tr, Translator) and tr.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert tr.to("cpu").device.type == "cpu"
+    with pytest.raises(aiayn.errors.DeviceError, match="device 'cuda'"):
+        if not torch.cuda.is_available():
+            tr.to("cuda")
+        else:  # pragma: no cover - a GPU machine: check an index that cannot exist instead
+            tr.to("cuda:99")
