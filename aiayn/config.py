@@ -159,9 +159,17 @@ class TrainConfig:
     inference_weights: str = "last"  # which weights model.safetensors holds: last | best | average
     average_last: int = 5  # checkpoints averaged when inference_weights is 'average'
     device: str = "auto"
+    # metrics.jsonl (always) plus optional trackers: tensorboard (RUN/tensorboard), wandb (RUN/wandb, offline
+    # unless WANDB_MODE says otherwise). A tracker whose package is missing is an error, not silence.
+    log_to: list[str] = field(default_factory=lambda: ["jsonl"])
 
     def __post_init__(self) -> None:
         _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
+        for name in self.log_to:
+            _choice("train.log_to", name, ("jsonl", "tensorboard", "wandb"))
+        if "jsonl" not in self.log_to or len(set(self.log_to)) != len(self.log_to):
+            raise ConfigError(f"train.log_to={self.log_to}: must list jsonl (report, curves and resume read "
+                              "metrics.jsonl) and each tracker once")
         _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.inference_weights", self.inference_weights, ("last", "best", "average"))
         if self.accum_steps < 1:
@@ -319,6 +327,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if args and type(None) in args:  # Optional[X]
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # --set train.log_to=tensorboard: one item
+        return [_coerce(v, args[0], where) for v in value]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{where}: expected a list of {len(args)} values")

@@ -37,4 +37,13 @@ class DeviceError(UserError, RuntimeError):
     """A device or precision this machine does not offer (``--device cuda`` without CUDA, bf16 on CPU, ...)."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "one_line"]
+def require(module: str, extra: str, what: str) -> None:
+    """Raise a one-line :class:`ConfigError` when the optional ``module`` is not installed, naming the extra
+    that brings it (``pip install 'aiayn[extra]'``). Call it before any work starts."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{what} needs the {module} package: pip install 'aiayn[{extra}]'")
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "one_line", "require"]

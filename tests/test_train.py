@@ -378,3 +378,48 @@ def read_weights_metadata(path):
 
     with safe_open(str(path), "pt") as f:
         return f.metadata()
+
+
+# Tracking: train.log_to ----------------------------------------------------------------------------------
+
+
+def test_log_to_checks_names_and_refuses_a_missing_tracker(tmp_path, monkeypatch):
+    import importlib.util
+
+    from aiayn.config import ConfigError
+    from aiayn.train.metrics import check_log_backends
+
+    with pytest.raises(ConfigError, match="train.log_to='mlflow'"):
+        tiny_cfg("train.log_to=[jsonl, mlflow]")
+    with pytest.raises(ConfigError, match="must list jsonl"):
+        tiny_cfg("train.log_to=[tensorboard]")
+    assert tiny_cfg("train.log_to=[jsonl, wandb]").train.log_to == ["jsonl", "wandb"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"the wandb package is not installed: pip install 'aiayn\[wandb\]'"):
+        check_log_backends(["jsonl", "wandb"])
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="wandb"):
+        train(tiny_cfg("train.log_to=[jsonl, wandb]", "train.max_updates=2"), run, progress=False)
+    assert not (run / "checkpoints").exists()  # refused before any training
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_trackers_receive_the_metrics(tracker, tmp_path, monkeypatch):
+    """Real packages when installed (wandb offline: no network), else skipped; metrics.jsonl is always written."""
+    pytest.importorskip(tracker)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    train(tiny_cfg(f"train.log_to=[jsonl, {tracker}]", "train.max_updates=4", "train.log_every=2",
+                      "train.eval_every=2", "train.save_every=4"), run, progress=False)
+    assert (run / "metrics.jsonl").read_text(encoding="utf-8").count("train_loss") == 2
+    if tracker == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(run / "tensorboard"))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("train_loss")] == [2, 4]
+    else:
+        files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(files) == 1 and files[0].stat().st_size > 0

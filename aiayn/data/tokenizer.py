@@ -182,10 +182,7 @@ class MosesSteps:
     case-sensitive)."""
 
     def __init__(self, lang: str, lowercase: bool) -> None:
-        try:
-            from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
-        except ImportError:
-            raise DataError("Moses pretokenization needs sacremoses: pip install 'aiayn[eval]'") from None
+        from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer  # a core dependency
         self.lang, self.lowercase = lang, lowercase
         self._norm = MosesPunctNormalizer(lang=lang)
         self._tok = MosesTokenizer(lang=lang)

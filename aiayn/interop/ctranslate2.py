@@ -276,9 +276,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     are one-line :class:`~aiayn.config.ConfigError` / :class:`~aiayn.train.checkpoint.CheckpointError`.
     The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
     """
-    from aiayn.config import ConfigError
+    from aiayn.errors import ConfigError, require
     from aiayn.run_dir import inference_weights_path, load_run
 
+    require("ctranslate2", "ct2", "aiayn export ctranslate2")
     out = Path(out_dir)
     if out.exists() and not force:
         raise ConfigError(f"{out} already exists: choose a new directory or remove it")

@@ -1,17 +1,101 @@
-"""Reading a run's metrics log (RUN/metrics.jsonl, written by the trainer) as series against the update step.
+"""A run's metrics: written by the trainer (:class:`MetricsLog`), read back as series (:func:`curves_data`).
 
-:func:`curves_data` serves ``aiayn report`` and ``aiayn viz curves``.
+``RUN/metrics.jsonl`` holds one JSON object per logged step and per evaluation; ``aiayn report``,
+``aiayn viz curves`` and ``--resume`` read it, so it is always written. ``train.log_to`` adds trackers:
+
+* ``tensorboard``: event files in ``RUN/tensorboard`` (``pip install 'aiayn[tensorboard]'``);
+  ``tensorboard --logdir RUN/tensorboard``.
+* ``wandb``: a Weights & Biases run in ``RUN/wandb`` (``pip install 'aiayn[wandb]'``). It runs offline
+  unless ``WANDB_MODE`` says otherwise (``WANDB_MODE=online`` after ``wandb login``); an offline run is
+  uploaded later with ``wandb sync RUN/wandb/offline-run-*``. A resumed training continues the same run.
+
+A tracker named in ``log_to`` whose package is missing is an error before training starts, never a
+silent no-op (:func:`check_log_backends`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from aiayn.errors import DataError
+from aiayn.errors import ConfigError, DataError
+from aiayn.files import atomic_write_text
+
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_log_backends(names: tuple[str, ...] | list[str]) -> None:
+    """Raise ConfigError naming the extra to install when a tracker's package is missing."""
+    import importlib.util
+
+    for name in names:
+        if name in _PACKAGES and importlib.util.find_spec(_PACKAGES[name]) is None:
+            raise ConfigError(f"train.log_to includes {name} but the {_PACKAGES[name]} package is not installed: "
+                              f"pip install 'aiayn[{name}]'")
+
+
+class MetricsLog:
+    """metrics.jsonl, plus the trackers of ``backends`` (see the module docstring); only ``enabled``
+    (the main process) writes. ``resume_step``: drop what a killed run logged after that checkpoint."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None,
+                 backends: tuple[str, ...] | list[str] = ("jsonl",), cfg: Any = None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        check_log_backends(backends)
+        if resume_step is not None and self.path.exists():
+            keep = [ln for ln in self.path.read_text(encoding="utf-8").splitlines()
+                    if ln.strip() and _step(ln) <= resume_step]
+            atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+        elif self.path.exists():
+            self.path.unlink()
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if "wandb" in backends:
+            import wandb
+
+            run_dir = Path(run_dir).resolve()
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "aiayn"), name=run_dir.name, dir=str(run_dir),
+                id=hashlib.sha1(str(run_dir).encode()).hexdigest()[:16], resume="allow",
+                mode=os.environ.get("WANDB_MODE", "offline"), config=cfg.to_dict() if cfg is not None else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 1 << 62  # a torn or foreign line after the checkpoint: dropped with the rest
 
 METRICS_FILE = "metrics.jsonl"
 

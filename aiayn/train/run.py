@@ -18,6 +18,7 @@ from aiayn.train.checkpoint import (
     list_checkpoints,
     save_weights,
 )
+from aiayn.train.metrics import check_log_backends
 from aiayn.train.trainer import Trainer, TrainState, init_distributed, prepare_run_dir
 
 log = logging.getLogger("aiayn.train")
@@ -29,6 +30,7 @@ def default_run_dir(config_path: str | Path) -> Path:
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
+    check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     d = init_distributed()
     device = resolve_device(cfg.train.device, d.local_rank)
     run_dir = prepare_run_dir(cfg, run_dir, resume, d)

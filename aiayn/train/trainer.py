@@ -7,7 +7,6 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from aiayn.train.checkpoint import (
     set_rng_state,
 )
 from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.metrics import MetricsLog
 from aiayn.train.schedule import build_optimizer, learning_rate
 
 log = logging.getLogger("aiayn.train")
@@ -210,44 +210,6 @@ class TrainState:
                                               "bad_evals", "elapsed_s", "tokens")}
 
 
-class MetricsLog:
-    """metrics.jsonl (one JSON object per log or evaluation) and TensorBoard events if installed."""
-
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        self.enabled = enabled
-        self.tb = None
-        if not enabled:
-            return
-        if resume_step is not None and self.path.exists():
-            # Drop what a killed run logged after its last checkpoint: it is about to be redone.
-            keep = [ln for ln in self.path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-        elif self.path.exists():
-            self.path.unlink()
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except Exception:  # tensorboard is optional
-            self.tb = None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
 class Trainer:
     """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
 
@@ -344,7 +306,7 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state."""
         tc, st = self.cfg.train, self.state
-        metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None)
+        metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None, tc.log_to, self.cfg)
         module = self._train_module()
         module.train()
         bar = None
