@@ -33,7 +33,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # Build from a copy of the tracked files: an in-tree build would reuse (and ship) a stale build/ folder.
     src = tmp / "src"
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True).stdout
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout
     for name in files.decode().split("\0"):
         if name and (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
