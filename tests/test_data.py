@@ -475,3 +475,58 @@ def test_data_dir_missing_and_tampered(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="sha256 mismatch.*replace it"):
         datasets.tinyshakespeare_text()
     assert (tmp_path / "tinyshakespeare" / "input.txt").exists()  # a user's file is never deleted
+
+
+# The tokenized corpus cache ------------------------------------------------------------------------------
+
+
+def test_the_token_cache_is_used_and_invalidated_by_new_text_or_tokenizer(tmp_path, monkeypatch):
+    from aiayn.config import config_from_dict
+    from aiayn.data import pipeline
+    from aiayn.data.tokenizer import SentencePieceTokenizer
+
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(words, k=rng.randint(2, 6))) for _ in range(300)]
+    for split, part in (("train", lines[:250]), ("valid", lines[250:])):
+        (tmp_path / f"{split}.src").write_text("\n".join(part) + "\n", encoding="utf-8")
+        (tmp_path / f"{split}.tgt").write_text("\n".join(" ".join(reversed(x.split())) for x in part) + "\n",
+                                               encoding="utf-8")
+    cfg = lambda: config_from_dict({"data": {"train_src": str(tmp_path / "train.src"),  # noqa: E731
+                                             "train_tgt": str(tmp_path / "train.tgt"),
+                                             "valid_src": str(tmp_path / "valid.src"),
+                                             "valid_tgt": str(tmp_path / "valid.tgt"), "vocab_size": 280},
+                                    "model": {"d_model": 32, "n_heads": 2, "d_ff": 64}})
+    calls = []
+    real = SentencePieceTokenizer.encode
+    monkeypatch.setattr(SentencePieceTokenizer, "encode", lambda self, t: calls.append(t) or real(self, t))
+    run = tmp_path / "run"
+    first, _ = pipeline.build_translation_data(cfg(), run)
+    assert len(calls) == 2 * 300 and len(list((run / "cache").glob("translation-*.safetensors"))) == 1
+    calls.clear()
+    again, _ = pipeline.build_translation_data(cfg(), run)  # --resume, or another DDP rank
+    assert calls == [] and (again.src, again.tgt, again.valid_src, again.valid_tgt) == (
+        first.src, first.tgt, first.valid_src, first.valid_tgt)
+    # new text: encoded again, and the stale cache file replaced
+    (tmp_path / "train.src").write_text("\n".join(lines[:249] + ["golf hotel"]) + "\n", encoding="utf-8")
+    pipeline.build_translation_data(cfg(), run)
+    assert len(calls) == 2 * 300 and len(list((run / "cache").glob("translation-*.safetensors"))) == 1
+    # a new tokenizer (same text): encoded again
+    calls.clear()
+    import shutil
+
+    shutil.rmtree(run / "tokenizer")
+    pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {**cfg().to_dict()["data"],
+                                                                                  "vocab_size": 290}}), run)
+    assert len(calls) >= 2 * 300  # (the tokenizer's own training may encode too)
+    # a damaged cache file is rebuilt, not trusted
+    (path,) = (run / "cache").glob("translation-*.safetensors")
+    path.write_bytes(b"garbage")
+    calls.clear()
+    rebuilt, _ = pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {
+        **cfg().to_dict()["data"], "vocab_size": 290}}), run)
+    assert len(calls) == 2 * 300 and rebuilt.src
+    calls.clear()
+    pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {**cfg().to_dict()["data"],
+                                                                                  "vocab_size": 290}}), run)
+    assert calls == []  # the rebuilt file was written back

@@ -14,6 +14,7 @@ import torch
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
 from aiayn.data.summarization import (
     SummaryLMData,
@@ -163,23 +164,34 @@ class LMData:
 
 def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                            ) -> tuple[TranslationData, TokenizerPair]:
+    """Encoded, cleaned train/valid pairs (from ``RUN/cache`` when the tokenizer and the text are unchanged)."""
     train, valid = load_pairs(cfg, "train"), load_pairs(cfg, "valid")
     tok = get_tokenizers(cfg, run_dir, ([s for s, _ in train], [t for _, t in train]), is_main, barrier)
     fit_model_to_vocab(cfg, tok)
     max_len = cfg.data.max_len or cfg.model.max_positions
-    out = []
-    for name, pairs in (("train", train), ("valid", valid)):
-        ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
-        if cfg.task == "summarization":  # cut long documents (as Translator does at inference), not drop them
-            ids = [(s[: max_len - 1], t) for s, t in ids]
-        kept, stats = clean_pairs(pairs, ids, max_len)
+
+    def encode() -> tuple[dict[str, list[list[int]]], dict]:
+        fields, info = {}, {}
+        for name, pairs in (("train", train), ("valid", valid)):
+            ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
+            if cfg.task == "summarization":  # cut long documents (as Translator does at inference), not drop them
+                ids = [(s[: max_len - 1], t) for s, t in ids]
+            kept, stats = clean_pairs(pairs, ids, max_len)
+            fields[f"{name}_src"], fields[f"{name}_tgt"] = [ids[i][0] for i in kept], [ids[i][1] for i in kept]
+            info[name] = stats
+        return fields, info
+
+    key = fingerprint({"kind": "translation", "task": cfg.task, "max_len": max_len},
+                      (t for pairs in (train, valid) for pair in pairs for t in pair),
+                      tokenizer_files(tokenizer_dir(run_dir)))
+    fields, info = load_or_build(run_dir, "translation", key, encode, is_main, barrier)
+    for name in ("train", "valid"):
         if is_main:
-            log.info("%s: %s", name, describe_clean_stats(stats, max_len))
-        if not kept:
+            log.info("%s: %s", name, describe_clean_stats(info[name], max_len))
+        if not fields[f"{name}_src"]:
             raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
-        out.append(([ids[i][0] for i in kept], [ids[i][1] for i in kept]))
-    (src, tgt), (vsrc, vtgt) = out
-    return TranslationData(src, tgt, vsrc, vtgt, cfg.data.max_tokens, cfg.train.seed, tok.specials), tok
+    return TranslationData(fields["train_src"], fields["train_tgt"], fields["valid_src"], fields["valid_tgt"],
+                           cfg.data.max_tokens, cfg.train.seed, tok.specials), tok
 
 
 def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
@@ -235,9 +247,12 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
         lines = [train_text]
     tok = get_tokenizers(cfg, run_dir, (lines, []), is_main, barrier)
     fit_model_to_vocab(cfg, tok)
-    enc = tok.src.encode
-    train_ids = torch.tensor(enc(train_text), dtype=torch.long)
-    valid_ids = torch.tensor(enc(valid_text), dtype=torch.long)
+    key = fingerprint({"kind": "lm", "split": split}, (train_text, valid_text), tokenizer_files(tokenizer_dir(run_dir)))
+    fields, _ = load_or_build(run_dir, "lm", key, lambda: ({"train": [tok.src.encode(train_text)],
+                                                             "valid": [tok.src.encode(valid_text)]}, {}),
+                              is_main, barrier)
+    train_ids = torch.tensor(fields["train"][0], dtype=torch.long)
+    valid_ids = torch.tensor(fields["valid"][0], dtype=torch.long)
     if is_main:
         log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d)", train_ids.numel(),
                  valid_ids.numel(), tok.src.kind, tok.src.vocab_size)
