@@ -54,3 +54,20 @@ def test_lowercase_is_off_by_default_and_needs_bpe() -> None:
     assert load_config(REPO / "configs" / "multi30k_en_de.yaml", ["data.lowercase=true"]).data.lowercase is True
     with pytest.raises(ConfigError, match="data.lowercase needs data.tokenizer: bpe"):
         config_from_dict({"data": {"tokenizer": "char", "lowercase": True}})
+
+
+def test_every_config_key_is_documented():
+    """docs/configuration.md names every key of every section, so the reference cannot fall behind."""
+    import re
+
+    from aiayn.config import Config
+
+    doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    missing = []
+    for name in ("model", "data", "train", "decode"):
+        part = doc.split(f"## {name}:", 1)
+        body = part[1].split("\n## ", 1)[0] if len(part) == 2 else ""
+        for f in dataclasses.fields(getattr(Config(), name)):
+            if not re.search(rf"`{f.name}`", body):
+                missing.append(f"{name}.{f.name}")
+    assert missing == [] and "`task`" in doc

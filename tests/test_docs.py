@@ -1,0 +1,47 @@
+"""The front door stays true: README within 200 lines, and every relative link in README.md, BENCHMARKS.md
+and docs/*.md points at a file that exists (and at a heading that exists, for #anchors)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200
+    headings = [ln for ln in lines if ln.startswith("## ")]
+    for must in ("## Install", "## Quick start", "## Results"):
+        assert must in headings
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert broken == []
