@@ -81,6 +81,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
         p = Path(args.input)
         if not p.is_file():
             raise DataError(f"{p}: {'is a directory' if p.is_dir() else 'no such file'}")
+    if args.output not in (None, "-") and Path(args.output).is_dir():
+        raise DataError(f"{args.output}: is a directory (--output names the file to write)")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
     opts = translator.options(**decode_overrides(args))
     source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below

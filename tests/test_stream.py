@@ -202,3 +202,27 @@ def test_load_resolves_auto_to_cpu_here_and_moves(tiny_run):
             tr.to("cuda")
         else:  # pragma: no cover - a GPU machine: check an index that cannot exist instead
             tr.to("cuda:99")
+
+
+def test_unwritable_outputs_fail_before_any_decoding(tiny_run, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from aiayn.decode import translator as tr_mod
+
+    calls = []
+    real = tr_mod.decode_sources
+    monkeypatch.setattr(tr_mod, "decode_sources", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = tmp_path / "in.txt"
+    inp.write_text("alpha bravo\n", encoding="utf-8")
+    (tmp_path / "adir").mkdir()
+    assert cli.main(["translate", str(tiny_run), "--input", str(inp), "--output", str(tmp_path / "adir"),
+                     "--device", "cpu"]) == 2
+    assert "adir: is a directory" in capsys.readouterr().err
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    shutil.rmtree(run / "eval", ignore_errors=True)
+    (run / "eval").write_text("not a directory")  # RUN/eval cannot be created: the evaluation has nowhere to go
+    assert cli.main(["evaluate", str(run), "--split", "test", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write the evaluation there" in err[0]
+    assert calls == []  # nothing was decoded

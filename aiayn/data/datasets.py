@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write
 from .corpus import DataError, read_jsonl_rows, read_pairs, read_parallel, read_text
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
@@ -155,13 +155,11 @@ def _verify(path: Path, remote: RemoteFile, delete: bool) -> None:
 
 
 def _download(remote: RemoteFile, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    """Fetch ``remote`` into ``path`` atomically; a failed download or a wrong sha256 leaves nothing behind."""
+
+    def write(tmp: str) -> None:
         try:
-            fetch(remote.url, tmp)
+            fetch(remote.url, Path(tmp))
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = getattr(e, "reason", None) or e
             raise DataError(
@@ -173,9 +171,8 @@ def _download(remote: RemoteFile, path: Path) -> None:
             raise DataError(
                 f"{remote.url}: sha256 mismatch (expected {remote.sha256}, got {got}); the download was deleted"
             )
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(path, write)
 
 
 def multi30k_split(split: str, src_lang: str = "en", tgt_lang: str = "de") -> list[tuple[str, str]]:
