@@ -303,7 +303,12 @@ def read_checkpoint_state(run_dir: str | Path, step: int) -> dict[str, Any]:
         _check_state(meta, step)
     except OSError as e:
         raise CheckpointError(f"{jpath}: cannot read the checkpoint state ({e.strerror or e})") from None
-    except (ValueError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{jpath}: not a valid checkpoint state (not JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{jpath}: not a valid checkpoint state (not UTF-8 text)") from None
+    except (ValueError, TypeError) as e:
         raise CheckpointError(f"{jpath}: not a valid checkpoint state ({_one_line(e)})") from None
     if "optimizer" in meta:
         ids = _param_ids(meta["optimizer"])

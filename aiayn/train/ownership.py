@@ -134,15 +134,15 @@ class RunLock:
     def acquire(self, create: bool = True) -> None:
         if fcntl is None:  # pragma: no cover
             return
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-            self.created = True
-        except FileExistsError:
+        fd = None
+        if create:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                self.created = True
+            except FileExistsError:
+                pass
+        if fd is None:
             fd = os.open(self.path, os.O_RDWR)
-        except OSError:
-            if not create:
-                raise
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -251,8 +251,12 @@ class RunDirectory:
         step = st.steps[-1]
         try:
             meta = read_checkpoint_state(self.path, step)
-            TrainState.from_json(meta.get("train_state"), step)
-        except (CheckpointError, ValueError) as e:
+            try:
+                TrainState.from_json(meta.get("train_state"), step)
+            except ValueError as e:
+                jpath = checkpoint_dir(self.path) / f"step_{step:06d}.json"
+                raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
+        except CheckpointError as e:
             hint = (f"; delete {checkpoint_dir(self.path) / f'step_{step:06d}'}.* to resume from step {st.steps[-2]}"
                     if len(st.steps) > 1 else "")
             raise CheckpointError(f"{e}{hint}") from None
