@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -492,3 +493,21 @@ def test_every_numeric_key_has_its_range(override, message):
 def test_zero_warmup_is_fine_where_the_schedule_does_not_divide_by_it():
     assert load_config(TINY, ["train.schedule=inverse_sqrt", "train.warmup=0"]).train.warmup == 0
     assert load_config(TINY, ["train.schedule=constant", "train.warmup=0", "train.lr=0"]).train.lr == 0.0
+
+
+def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
+    """Only rank 0 checks and locks RUN; it tells the other ranks, so a refusal ends every rank at once
+    (no rank waits forever at a barrier) and RUN is untouched."""
+    before = snapshot(run)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "aiayn", *train_args(run)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    # Rank 0 says why; rank 1 (unless torchrun stops it first) says it follows rank 0. Neither is a bug.
+    refusals = [ln for ln in r.stderr.splitlines() if ln.startswith("aiayn: error:")]
+    assert any("already holds a training run" in ln for ln in refusals), r.stderr[-3000:]
+    assert all("already holds" in ln or "rank 0 refused the run directory" in ln for ln in refusals), refusals
+    assert "aiayn: internal error" not in r.stderr
+    assert re.search(r"exitcode\s*:\s*2\b", r.stderr), r.stderr[-3000:]
+    assert snapshot(run) == before and time.monotonic() - t0 < 120

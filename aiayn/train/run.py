@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data
@@ -20,7 +21,7 @@ from aiayn.train.checkpoint import (
     save_weights,
 )
 from aiayn.train.ownership import locked, own_run_dir
-from aiayn.train.trainer import Trainer, TrainState, init_distributed
+from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
 
 log = logging.getLogger("aiayn.train")
 
@@ -36,9 +37,17 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     d = init_distributed()
+    try:
+        return _train(cfg, Path(run_dir), resume, progress, d)
+    except BaseException:
+        if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
+            dist.destroy_process_group()
+        raise
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist) -> TrainState:
     device = resolve_device(cfg.train.device, d.local_rank)
     resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused before any work
-    run_dir = Path(run_dir)
     with own_run_dir(cfg, run_dir, resume, d, device) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
         data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
