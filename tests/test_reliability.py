@@ -367,8 +367,11 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_only_with_resume(tmp
 
 def test_no_space_left_during_training_is_one_line_and_keeps_the_last_checkpoint(run, capsys):
     """safetensors reports a full disk as SafetensorError("... (os error 28) ..."): one line naming the file,
-    exit 2; the checkpoint before it is intact and loads; no temporary file is left."""
+    exit 2; the checkpoint before it is intact and loads; no temporary file is left. (The run resumed here was
+    killed while appending to metrics.jsonl: the torn line is dropped, not a crash.)"""
     real_save = save_file
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 61, "train_lo')
     kept = {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in _ckpt(run, 60)}
 
     def full_disk(tensors, path, metadata=None):
@@ -384,6 +387,8 @@ def test_no_space_left_during_training_is_one_line_and_keeps_the_last_checkpoint
     assert list_checkpoints(run) == [20, 40, 60]
     assert kept == {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in _ckpt(run, 60)}
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 61 not in steps and steps[-1] == 62
     model = build_model(load_config(run / "config.yaml").model)
     load_checkpoint(run, 60, model, build_optimizer(model, load_config(run / "config.yaml").train))
     with open(run / LOCK) as f:  # the lock was released: a new owner can take it

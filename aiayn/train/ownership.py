@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, load_yaml
-from aiayn.errors import CheckpointError, ConfigError, UserError
+from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import atomic_write_json, check_writable
 from aiayn.train.checkpoint import checkpoint_dir, list_checkpoints, read_checkpoint_state
 from aiayn.train.trainer import Dist, TrainState
@@ -315,12 +315,16 @@ class RunDirectory:
             raise
 
     def _make_dirs(self) -> None:
-        missing = [p for p in [self.path, *self.path.parents] if not p.exists()]
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot create the run directory ({e.strerror or e})") from None
-        self.created_root = missing[-1] if missing else None
+        """Create RUN and its missing parents, remembering the topmost one this process made (no other)."""
+        for d in reversed([p for p in [self.path, *self.path.parents] if not p.exists()]):
+            try:
+                d.mkdir()
+            except FileExistsError:  # made by another process meanwhile: not ours to remove
+                continue
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot create the run directory ({e.strerror or e})") from None
+            if self.created_root is None:
+                self.created_root = d
 
     def started(self) -> None:
         """Training has begun: from now on a failure keeps what is in RUN (it resumes with --resume)."""
@@ -376,7 +380,7 @@ def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist,
         owner = RunDirectory(cfg, run_dir, resume)
         try:
             owner.open()
-        except (UserError, OSError) as e:
+        except Exception as e:  # whatever it is, the other ranks must hear of it (or wait at the broadcast)
             error = e
     if d.world > 1 and not d.broadcast_flag(error is None, device) and error is None:
         error = CheckpointError(f"{run_dir}: rank 0 refused the run directory (its error says why)")
