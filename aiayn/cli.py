@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from aiayn import __version__
-from aiayn.errors import UserError
-
-USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, IsADirectoryError, PermissionError)
+from aiayn.errors import user_error_message
 
 # DecodeOptions fields that the decoding commands take as --flags (one line each in add_decode_options).
 DECODE_FLAGS = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b", "min_len", "nbest", "stop",
@@ -311,20 +310,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The one error boundary of every command: a user-caused error (:func:`aiayn.errors.user_error_message`)
+    is one line ``aiayn: error: <what>: <why>`` and exit 2; anything else is a bug: one line saying so and
+    exit 1, its traceback only with ``-v``."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except USER_ERRORS as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, OSError) and e.filename and e.strerror:
-            msg = f"{e.filename}: {e.strerror}"  # "path: reason", not "[Errno 2] reason: 'path'"
-        print(f"aiayn: error: {msg}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        msg = user_error_message(e)
+        if msg is not None:
+            print(f"aiayn: error: {msg}", file=sys.stderr)
+            return 2
+        if args.verbose:
+            traceback.print_exc()
+        what = " ".join(f"{type(e).__name__}: {e}".split())
+        print(f"aiayn: internal error (a bug in aiayn, please report it): {what[:300]}"
+              f"{'' if args.verbose else '; rerun with -v for the traceback'}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -52,23 +52,23 @@ class ModelConfig:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.d_model <= 0 or self.n_heads <= 0 or self.d_ff <= 0:
-            raise ConfigError("model: d_model, n_heads and d_ff must be positive")
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
+            _at_least(f"model.{name}", getattr(self, name), 1)
+        if self.tgt_vocab_size is not None:
+            _at_least("model.tgt_vocab_size", self.tgt_vocab_size, 1)
+        _at_least("model.n_encoder_layers", self.n_encoder_layers, 0, "(0: no encoder)")
+        _at_least("model.n_decoder_layers", self.n_decoder_layers, 1)
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            _fraction(f"model.{name}", getattr(self, name))
+        _positive("model.layer_norm_eps", self.layer_norm_eps)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model: d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
             )
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"model: sinusoidal positions need an even d_model, got {self.d_model}")
-        if self.vocab_size <= 0 or (self.tgt_vocab_size is not None and self.tgt_vocab_size <= 0):
-            raise ConfigError("model: vocabulary sizes must be positive")
-        if self.n_encoder_layers < 0 or self.n_decoder_layers <= 0:
-            raise ConfigError("model: need at least one decoder layer and no negative layer count")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(f"model: pad_id={self.pad_id} outside the vocabulary")
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model: {name} must be in [0, 1)")
         _choice("model.activation", self.activation, ("relu", "gelu", "swish"))
         _choice("model.positional", self.positional, ("sinusoidal", "learned"))
         _choice("model.positional_layout", self.positional_layout, ("interleaved", "concat"))
@@ -126,8 +126,13 @@ class DataConfig:
         if self.lowercase and self.tokenizer != "bpe":
             raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
         _choice("data.pretokenize", self.pretokenize, PRETOKENIZERS)
-        if self.max_tokens <= 0:
-            raise ConfigError("data.max_tokens must be positive")
+        for name in ("vocab_size", "tokenizer_sample", "max_tokens", "block_size", "batch_size"):
+            _at_least(f"data.{name}", getattr(self, name), 1)
+        if self.max_len is not None:
+            _at_least("data.max_len", self.max_len, 2, "(a token and the EOS / BOS)")
+        _finite("data.valid_fraction", self.valid_fraction)
+        if not 0.0 < self.valid_fraction < 1.0:
+            raise ConfigError(f"data.valid_fraction={self.valid_fraction}: expected a number in (0, 1)")
 
 
 @dataclass
@@ -172,11 +177,28 @@ class TrainConfig:
                               "metrics.jsonl) and each tracker once")
         _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.inference_weights", self.inference_weights, ("last", "best", "average"))
-        if self.accum_steps < 1:
-            raise ConfigError("train.accum_steps must be >= 1")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError("train.label_smoothing must be in [0, 1)")
+        for name in ("max_updates", "accum_steps", "log_every", "eval_every", "save_every", "average_last"):
+            _at_least(f"train.{name}", getattr(self, name), 1)
+        for name in ("max_epochs", "patience"):
+            if getattr(self, name) is not None:
+                _at_least(f"train.{name}", getattr(self, name), 1)
+        for name in ("max_minutes", "clip_norm"):
+            if getattr(self, name) is not None:
+                _positive(f"train.{name}", getattr(self, name))
+        # 0 is a real learning rate: it freezes the weights (the early-stopping test trains with lr 0).
+        _at_least("train.lr", self.lr, 0)
+        _at_least("train.lr_scale", self.lr_scale, 0)
+        # noam divides by warmup^1.5; inverse_sqrt treats 0 as "no warm-up"; constant ignores it
+        _at_least("train.warmup", self.warmup, 1 if self.schedule == "noam" else 0,
+                  "(schedule noam divides by it)" if self.schedule == "noam" else "")
         self.adam_betas = tuple(self.adam_betas)  # YAML gives a list
+        for i, beta in enumerate(self.adam_betas):
+            _fraction(f"train.adam_betas[{i}]", beta)
+        _positive("train.adam_eps", self.adam_eps)
+        _at_least("train.weight_decay", self.weight_decay, 0)
+        _fraction("train.label_smoothing", self.label_smoothing)
+        _at_least("train.seed", self.seed, 0)
+        _at_least("train.keep_last", self.keep_last, 0, "(0: keep every checkpoint)")
 
 
 # Token budget of one decoding batch (source tokens x beam) when neither the options nor the run set one:
@@ -284,6 +306,19 @@ def _at_least(name: str, value: float, low: float, note: str = "") -> None:
     _finite(name, value)
     if value < low:
         raise ConfigError(f"{name}={value}: must be >= {low}" + (f" {note}" if note else ""))
+
+
+def _positive(name: str, value: float) -> None:
+    _finite(name, value)
+    if value <= 0:
+        raise ConfigError(f"{name}={value}: must be > 0")
+
+
+def _fraction(name: str, value: float) -> None:
+    """A probability-like value in [0, 1): dropout, label smoothing, Adam's betas."""
+    _finite(name, value)
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}={value}: expected a number in [0, 1)")
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
@@ -398,9 +433,19 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file; a directory, a binary file, bad UTF-8 or bad YAML is a one-line ConfigError."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory, expected a YAML file")
+    raw = p.read_bytes()  # a missing or unreadable file: OSError naming it, one line at the command line
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        bad = raw[e.start]
+        raise ConfigError(f"{path}: not a YAML file (line {line}: byte 0x{bad:02x} is not valid UTF-8)") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

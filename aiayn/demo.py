@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aiayn.config import CONFIG_DIR, load_config
 from aiayn.train.checkpoint import list_checkpoints
+from aiayn.train.ownership import MARKER
 
 log = logging.getLogger("aiayn.demo")
 
@@ -30,7 +31,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if (run_dir / "model.safetensors").exists():
         print(f"{run_dir} already holds a trained model: evaluating it (delete the folder to train again)")
     else:
-        resume = bool(list_checkpoints(run_dir))
+        # an unfinished run: resumed from its last checkpoint, or restarted if it had none yet (same config)
+        resume = bool(list_checkpoints(run_dir)) or (run_dir / MARKER).exists()
         if resume:
             print(f"{run_dir} holds an unfinished run: resuming it")
         print(f"training {config.name} into {run_dir} (budget: {cfg.train.max_minutes or '-'} minutes, "

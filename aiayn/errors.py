@@ -3,10 +3,12 @@
 Every layer raises a subclass of :class:`UserError` for bad input (a config key, a corpus line, a
 broken checkpoint, a device that is not there); the command line's single error boundary
 (:func:`aiayn.cli.main`) prints ``aiayn: error: <message>`` and exits 2. Anything else is a bug and
-keeps its traceback (shown with ``-v``). This module imports nothing, so every layer can use it.
+keeps its traceback (shown with ``-v``). This module imports nothing of aiayn, so every layer can use it.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 def one_line(message: object) -> str:
@@ -46,4 +48,36 @@ def require(module: str, extra: str, what: str) -> None:
         raise ConfigError(f"{what} needs the {module} package: pip install 'aiayn[{extra}]'")
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "one_line", "require"]
+# OS errors that are the machine's state, not a bug, even when no file name comes with them.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                                errno.EFBIG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EMFILE, errno.ENFILE,
+                                errno.ENOMEM, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST, errno.ENOTEMPTY})
+
+
+def user_error_message(e: BaseException) -> str | None:
+    """The one line ``what: why`` for an error the user (or the machine's state) caused; None for a bug.
+
+    User errors: :class:`UserError` and its kinds; an ``OSError`` naming a file, or one of the environment's
+    (no space, read-only file system, permission, quota, ...); a ``UnicodeDecodeError`` (input that is not
+    UTF-8); running out of (GPU) memory."""
+    if isinstance(e, UserError):
+        return one_line(e) or type(e).__name__
+    if isinstance(e, OSError):
+        why = e.strerror or one_line(e) or type(e).__name__
+        if e.filename is not None:
+            where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+            return one_line(f"{where}: {why}")
+        if e.errno in ENVIRONMENT_ERRNOS:
+            return one_line(why)
+        return None
+    if isinstance(e, UnicodeDecodeError):
+        bad = e.object[e.start : e.start + 1].hex() if isinstance(e.object, (bytes, bytearray)) else "?"
+        return f"input is not valid UTF-8 (byte 0x{bad} at offset {e.start})"
+    if type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError):
+        first = one_line(e).split(". ")[0]
+        return f"out of memory{': ' + first if first else ''} (lower data.max_tokens or --max-tokens)"
+    return None
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "one_line", "require",
+           "user_error_message"]

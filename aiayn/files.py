@@ -3,20 +3,26 @@
 A file is written to a temporary name in the same directory, flushed to disk, given the permissions
 a plain ``open(path, "w")`` would have (``0o666`` minus the umask: ``mkstemp`` creates ``0o600``, which
 would make a run shared with another user unreadable), and renamed over the target. A reader sees
-the old file or the new one, never half of one; a kill leaves at most a ``.NAME.*.tmp`` file, which
-:func:`remove_stale_temporaries` cleans up.
+the old file or the new one, never half of one; a kill leaves at most a ``.NAME.*.tmp`` file (and, inside
+a safetensors write, that library's own ``.tmpXXXXXX``), which :func:`remove_stale_temporaries` cleans up.
+An error while writing names the target file (``OSError.filename``), so the command line can say which
+file could not be written and why ("No space left on device").
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 TMP_SUFFIX = ".tmp"
+# safetensors (>= 0.5) writes through its own temporary, named by Rust's tempfile crate: ".tmp" + 6 characters.
+RUST_TMP_RE = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
 
 def _umask() -> int:
@@ -36,17 +42,22 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     The parent directory is created if needed. On any error the temporary file is removed and
     ``path`` is left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+        os.close(fd)
         write(tmp)
         with open(tmp, "rb+") as f:  # whatever wrote it, its bytes reach the disk before the rename
             os.fsync(f.fileno())
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None or is_temporary(os.path.basename(str(e.filename))):  # the user's name, not ours
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
@@ -73,20 +84,39 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
     return atomic_write_text(path, text + "\n")
 
 
-def remove_stale_temporaries(directory: str | Path) -> list[Path]:
-    """Delete the ``.NAME.*.tmp`` files an interrupted :func:`atomic_write` left in ``directory``.
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary of :func:`atomic_write` (``.NAME.*.tmp``) or of safetensors (``.tmpXXXXXX``)."""
+    return (name.startswith(".") and name.endswith(TMP_SUFFIX)) or bool(RUST_TMP_RE.match(name))
 
-    Only for directories a single writer owns (a run directory under its lock). Returns what was removed."""
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the temporaries (:func:`is_temporary`) an interrupted write left in ``directory``.
+
+    Only for directories a single writer owns (a run directory under its lock), at a moment when that
+    writer has no write in flight. Returns what was removed."""
     directory = Path(directory)
     removed = []
     if not directory.is_dir():
         return removed
     for p in directory.iterdir():
-        if p.name.startswith(".") and p.name.endswith(TMP_SUFFIX) and p.is_file():
+        if is_temporary(p.name) and p.is_file():
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
 
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "default_file_mode",
-           "remove_stale_temporaries"]
+def check_writable(directory: str | Path) -> None:
+    """Raise ``OSError`` (naming ``directory``) unless a file can be created in it: checked before work
+    starts, so that a read-only or full place fails at once instead of after hours of work. The probe
+    file is removed at once (a kill leaves a ``.tmp`` that :func:`remove_stale_temporaries` removes)."""
+    directory = Path(directory)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".aiayn-probe.", suffix=TMP_SUFFIX, dir=directory)
+    except OSError as e:
+        raise OSError(e.errno or errno.EACCES, e.strerror or str(e), str(directory)) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "check_writable",
+           "default_file_mode", "is_temporary", "remove_stale_temporaries"]

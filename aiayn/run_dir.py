@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from aiayn.config import Config, load_config
+from aiayn.config import Config, ConfigError, load_config
 from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import DTYPES, resolve_device, resolve_precision
 from aiayn.model import build_model
@@ -37,6 +37,17 @@ def inference_weights_path(run_dir: str | Path) -> Path:
     raise CheckpointError(f"{run_dir}: no model.safetensors and no checkpoints (is it a run directory?)")
 
 
+def read_run_config(run_dir: str | Path) -> Config:
+    """RUN/config.yaml as a validated config; a file that is not UTF-8, not YAML or not a valid config is a
+    one-line CheckpointError naming it."""
+    cfg_path = Path(run_dir) / "config.yaml"
+    try:
+        return load_config(cfg_path)
+    except ConfigError as e:
+        msg = str(e)
+        raise CheckpointError(msg if msg.startswith(str(cfg_path)) else f"{cfg_path}: {msg}") from None
+
+
 def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: str | Path | None = None,
              precision: str = "auto") -> Run:
     """Read config, tokenizer and weights of a run; the model is on ``device`` (auto: CUDA, else MPS, else CPU)
@@ -50,7 +61,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.exists():
         raise CheckpointError(f"{run_dir}: no config.yaml (is it a run directory?)")
-    cfg = load_config(cfg_path)
+    cfg = read_run_config(run_dir)
     tok = TokenizerPair.load(run_dir / "tokenizer")
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))

@@ -23,6 +23,18 @@ def shared_data_dir() -> Path | None:
     return None
 
 
+# The recipe of the tiny_run fixture: configs/tiny_reverse.yaml with these --set overrides (tests that resume
+# or retrain a copy of the run need the same recipe).
+TINY_RUN_OVERRIDES = [
+    "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0",
+    "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20",
+    "train.log_every=10", "data.max_tokens=512", "decode.max_len_b=5",
+    # Short pieces (most words split in several) make targets long, so after 60 updates the toy model
+    # emits varied non-empty output; with whole-word pieces it would still answer EOS at once.
+    "data.vocab_size=300",
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """A run directory trained for a few seconds on the reverse task: config, tokenizer, checkpoints,
@@ -31,14 +43,7 @@ def tiny_run(tmp_path_factory) -> Path:
     from aiayn.train.run import train
 
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
-    cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", [
-        "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0",
-        "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20",
-        "train.log_every=10", "data.max_tokens=512", "decode.max_len_b=5",
-        # Short pieces (most words split in several) make targets long, so after 60 updates the toy model
-        # emits varied non-empty output; with whole-word pieces it would still answer EOS at once.
-        "data.vocab_size=300",
-    ])
+    cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", TINY_RUN_OVERRIDES)
     train(cfg, run_dir, progress=False)
     return run_dir
 

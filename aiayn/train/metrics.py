@@ -54,7 +54,7 @@ class MetricsLog:
             return
         check_log_backends(backends)
         if resume_step is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text(encoding="utf-8").splitlines()
+            keep = [ln for ln in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
                     if ln.strip() and _step(ln) <= resume_step]
             atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
         elif self.path.exists():

@@ -6,10 +6,12 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data
-from aiayn.device import resolve_device
+from aiayn.device import resolve_device, resolve_precision
+from aiayn.files import check_writable
 from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import (
     CheckpointError,
@@ -19,7 +21,8 @@ from aiayn.train.checkpoint import (
     save_weights,
 )
 from aiayn.train.metrics import check_log_backends
-from aiayn.train.trainer import Trainer, TrainState, init_distributed, prepare_run_dir
+from aiayn.train.ownership import locked, own_run_dir
+from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
 
 log = logging.getLogger("aiayn.train")
 
@@ -29,34 +32,50 @@ def default_run_dir(config_path: str | Path) -> Path:
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
-    """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
+    """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job).
+
+    The device, the run directory (:mod:`aiayn.train.ownership`: new or empty, or ``resume`` of a run whose
+    newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
+    created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     d = init_distributed()
-    device = resolve_device(cfg.train.device, d.local_rank)
-    run_dir = prepare_run_dir(cfg, run_dir, resume, d)
-    existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
-    data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
-    if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
-        save_config(cfg, run_dir / "config.yaml")
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every process
-    model = build_model(cfg.model, cfg.task)
-    if d.main:
-        log.info("model: %s, %.2fM parameters, device %s, %d process(es)", type(model).__name__,
-                 count_parameters(model) / 1e6, device, d.world)
-    evaluate_extra = None
-    if cfg.train.eval_bleu and cfg.task != "lm":
-        from aiayn.train.validation import validation_bleu_fn
+    try:
+        return _train(cfg, Path(run_dir), resume, progress, d)
+    except BaseException:
+        if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
+            dist.destroy_process_group()
+        raise
 
-        evaluate_extra = validation_bleu_fn(cfg, data, _tok)
-    trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
-    if resume and trainer.resume():
-        if d.main:
-            # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed
-            # above and left the run's config.yaml as it was, so the run still evaluates.
+
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist) -> TrainState:
+    device = resolve_device(cfg.train.device, d.local_rank)
+    resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused before any work
+    with own_run_dir(cfg, run_dir, resume, d, device) as owner:
+        existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
+        data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
+        if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")
-            log.info("resumed from step %d (epoch %d, update %d of the epoch)", trainer.state.step,
-                     trainer.state.epoch, trainer.state.position)
-    state = trainer.train()
+        torch.manual_seed(cfg.train.seed)  # same initial weights on every process
+        model = build_model(cfg.model, cfg.task)
+        if d.main:
+            log.info("model: %s, %.2fM parameters, device %s, %d process(es)", type(model).__name__,
+                     count_parameters(model) / 1e6, device, d.world)
+        evaluate_extra = None
+        if cfg.train.eval_bleu and cfg.task != "lm":
+            from aiayn.train.validation import validation_bleu_fn
+
+            evaluate_extra = validation_bleu_fn(cfg, data, _tok)
+        trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
+        if resume and trainer.resume():
+            if d.main:
+                # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed
+                # above and left the run's config.yaml as it was, so the run still evaluates.
+                save_config(cfg, run_dir / "config.yaml")
+                log.info("resumed from step %d (epoch %d, update %d of the epoch)", trainer.state.step,
+                         trainer.state.epoch, trainer.state.position)
+        if owner is not None:
+            owner.started()
+        state = trainer.train()
     if d.main:
         log.info("done: %d updates, %.0f s; run directory %s", state.step, state.elapsed_s, run_dir)
     return state
@@ -69,15 +88,22 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
 
 
 def average_run(run_dir: str | Path, last: int = 5) -> Path:
-    """Average the last ``last`` checkpoints into RUN/model.safetensors (atomically)."""
+    """Average the last ``last`` checkpoints into RUN/model.safetensors (atomically). Refused, with nothing
+    read or written, for --last < 1, a run without checkpoints, a run a training is writing, or a run
+    directory that cannot be written."""
+    if last < 1:
+        raise CheckpointError(f"--last must be at least 1, got {last}")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run directory")
     steps = list_checkpoints(run_dir)
     if not steps:
         raise CheckpointError(f"{run_dir}: no checkpoints to average")
-    if last < 1:
-        raise CheckpointError("--last must be at least 1")
-    chosen = steps[-last:]
-    out = Path(run_dir) / "model.safetensors"
-    avg = average_checkpoints([checkpoint_paths(run_dir, s)[0] for s in chosen])
-    save_weights(avg, out, {"source": f"average of steps {chosen}"})
+    check_writable(run_dir)
+    with locked(run_dir):
+        chosen = steps[-last:]
+        out = run_dir / "model.safetensors"
+        avg = average_checkpoints([checkpoint_paths(run_dir, s)[0] for s in chosen])
+        save_weights(avg, out, {"source": f"average of steps {chosen}"})
     log.info("averaged %d checkpoints (steps %s) into %s", len(chosen), chosen, out)
     return out

@@ -20,14 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiayn.config import Config, ConfigError, save_config
+from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
 from aiayn.device import autocast_context, resolve_precision
+from aiayn.errors import CheckpointError
 from aiayn.train.checkpoint import (
     average_checkpoints,
     checkpoint_paths,
     list_checkpoints,
     load_checkpoint,
+    read_checkpoint_state,
     read_weights,
     save_checkpoint,
     save_weights,
@@ -209,6 +211,32 @@ class TrainState:
         return {k: getattr(self, k) for k in ("step", "epoch", "position", "best_valid", "best_step",
                                               "bad_evals", "elapsed_s", "tokens")}
 
+    @classmethod
+    def from_json(cls, values: Any, step: int) -> TrainState:
+        """The state a checkpoint of ``step`` saved, checked: exactly the keys of :meth:`to_json`, counts
+        non-negative integers, ``step`` the checkpoint's. ValueError says what is wrong."""
+        if not isinstance(values, dict):
+            raise ValueError(f"train_state is {type(values).__name__}, expected an object")
+        keys = cls().to_json()
+        missing, extra = sorted(set(keys) - set(values)), sorted(set(values) - set(keys))
+        if missing or extra:
+            raise ValueError(f"train_state: {'no key' if missing else 'unexpected key'} {(missing or extra)[0]!r}")
+        for k in ("step", "epoch", "position", "bad_evals", "tokens"):
+            if type(values[k]) is not int or values[k] < 0:
+                raise ValueError(f"train_state.{k} is {values[k]!r}, expected a non-negative integer")
+        if values["best_step"] is not None and (type(values["best_step"]) is not int or values["best_step"] < 0):
+            raise ValueError(f"train_state.best_step is {values['best_step']!r}, expected an integer or null")
+        best = values["best_valid"]  # NaN is possible: a diverged run still checkpoints
+        if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+            raise ValueError(f"train_state.best_valid is {best!r}, expected a number or null")
+        elapsed = values["elapsed_s"]
+        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not elapsed >= 0:
+            raise ValueError(f"train_state.elapsed_s is {elapsed!r}, expected seconds >= 0")
+        if values["step"] != step:
+            raise ValueError(f"train_state.step is {values['step']}, the checkpoint's step is {step}")
+        return cls(**values)
+
+
 
 class Trainer:
     """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
@@ -256,9 +284,13 @@ class Trainer:
         steps = list_checkpoints(self.run_dir)
         if not steps:
             return False
+        _, _, jpath = checkpoint_paths(self.run_dir, steps[-1])
+        try:  # checked before the weights are loaded: a damaged state leaves the model as it was
+            state = TrainState.from_json(read_checkpoint_state(self.run_dir, steps[-1]).get("train_state"), steps[-1])
+        except ValueError as e:
+            raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
         meta = load_checkpoint(self.run_dir, steps[-1], self.model, self.optimizer)
-        st = meta["train_state"]
-        self.state = TrainState(**{k: st[k] for k in TrainState().to_json()})
+        self.state = state
         set_rng_state(meta["rng"])
         if self.d.rank > 0:  # rank 0's RNG was saved; give the others their own dropout streams
             torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.state.step * 31 + self.d.rank)
@@ -383,18 +415,3 @@ class Trainer:
         else:
             save_weights(self.model, out, {"source": f"last step {self.state.step}"})
         return out
-
-
-def prepare_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist) -> Path:
-    """Create the run directory, refusing to overwrite an existing run unless resuming it."""
-    run_dir = Path(run_dir)
-    has_run = bool(list_checkpoints(run_dir)) or (run_dir / "model.safetensors").exists()
-    if has_run and not resume:
-        raise ConfigError(f"{run_dir} already holds a training run: pass --resume to continue it "
-                          "or choose another --run-dir")
-    if d.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not has_run:  # a resumed run's config.yaml is rewritten only once its checkpoint has loaded
-            save_config(cfg, run_dir / "config.yaml")
-    d.barrier()
-    return run_dir

@@ -1,0 +1,396 @@
+"""Owning a run directory: every check before the first write, a marker, a lock, and no trace of a failed start.
+
+``aiayn train`` writes into RUN only after it has checked that it may (:meth:`RunDirectory.open`):
+
+- RUN is new or empty: it becomes a run. ``RUN/.aiayn-run.json`` (the marker: when, and from which
+  config, as the config itself and its sha256) is the first file written.
+- RUN holds anything else and ``--resume`` is not given: refused. A folder aiayn did not create (a user's
+  ``config.yaml``, ...) is never written into; a run (even one killed before its first checkpoint) is
+  only continued with ``--resume``.
+- ``--resume``: the newest checkpoint is checked against its schema before any work; a run killed before
+  its first checkpoint restarts only with the config its marker records (its tokenizer was trained for
+  that config); weights without checkpoints (nothing to resume from) are refused, never overwritten.
+
+``RUN/.aiayn-run.lock`` is held with an exclusive ``flock`` by the one process that writes the run (rank 0
+of a torchrun job) for the whole training; a second ``aiayn train`` (or ``aiayn average``) into RUN is
+refused. The lock dies with its process, so a killed run can be resumed at once. If the training fails
+before its first update (bad data, bad config, Ctrl-C while the tokenizer trains), what this process
+created is removed again: the directory itself if it made it, else the files it added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import Config, load_yaml
+from aiayn.errors import CheckpointError, ConfigError
+from aiayn.files import atomic_write_json, check_writable
+from aiayn.train.checkpoint import checkpoint_dir, list_checkpoints, read_checkpoint_state
+from aiayn.train.trainer import Dist, TrainState
+
+try:  # POSIX; on Windows a run directory is not locked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+log = logging.getLogger("aiayn.train")
+
+MARKER = ".aiayn-run.json"
+LOCK = ".aiayn-run.lock"
+# Config keys the trainer sets from the tokenizer (the recipe's values are only requests): not part of the recipe.
+FITTED_KEYS = (("model", "vocab_size"), ("model", "tgt_vocab_size"), ("model", "pad_id"))
+# data keys that decide what the tokenizer is: a resume must not silently reuse a tokenizer made for others.
+TOKENIZER_KEYS = ("tokenizer", "vocab_size", "shared_vocab", "byte_fallback", "lowercase", "pretokenize")
+
+
+def recipe(cfg: Config) -> dict[str, Any]:
+    """The config as the user wrote it: :meth:`Config.to_dict` without the keys fitted to the tokenizer."""
+    d = cfg.to_dict()
+    for section, key in FITTED_KEYS:
+        d[section].pop(key, None)
+    return d
+
+
+def config_hash(cfg: Config) -> str:
+    """sha256 of :func:`recipe` (canonical JSON): equal for the same recipe before and after vocabulary fitting."""
+    text = json.dumps(recipe(cfg), sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> list[str]:
+    """``key: old -> new`` for the keys that differ between two recipes (at most ``limit``)."""
+    a, b = _flat(old), _flat(new)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:limit]] + (["..."] if len(keys) > limit else [])
+
+
+def read_marker(run_dir: Path) -> dict[str, Any] | None:
+    """The marker of a run directory, None when there is none; a damaged one is a CheckpointError."""
+    path = run_dir / MARKER
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_bytes())
+        if not isinstance(marker, dict) or not isinstance(marker.get("config_sha256"), str) \
+                or not isinstance(marker.get("config"), dict):
+            raise ValueError("expected an object with 'config_sha256' and 'config'")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable run marker ({' '.join(str(e).split())})") from None
+    return marker
+
+
+@dataclass
+class DirState:
+    """What a run directory holds, read without writing anything."""
+
+    exists: bool
+    entries: list[str] = field(default_factory=list)  # names in it, our lock file left out
+    marker: dict[str, Any] | None = None
+    steps: list[int] = field(default_factory=list)  # complete checkpoints
+    has_weights: bool = False  # model.safetensors
+
+
+def inspect(run_dir: Path) -> DirState:
+    if not run_dir.exists():
+        return DirState(False)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
+    entries = sorted(n for n in os.listdir(run_dir) if n != LOCK)
+    return DirState(True, entries, read_marker(run_dir), list_checkpoints(run_dir),
+                    (run_dir / "model.safetensors").exists())
+
+
+class RunLock:
+    """The exclusive ``flock`` on RUN/.aiayn-run.lock; :meth:`acquire` fails at once when another process holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self.fd: int | None = None
+        self.created = False
+        self.old: bytes | None = None  # the lock file's content before write_pid
+
+    def acquire(self, create: bool = True) -> None:
+        if fcntl is None:  # pragma: no cover
+            return
+        fd = None
+        if create:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                self.created = True
+            except FileExistsError:
+                pass
+        if fd is None:
+            fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise CheckpointError(f"{self.path.parent}: in use by another aiayn process{who}; wait for it to end "
+                                  "or choose another --run-dir") from None
+        # The path must still name the file we locked: a start that failed meanwhile may have removed it.
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            raise CheckpointError(f"{self.path.parent}: changed while this process started; try again")
+        self.fd = fd
+
+    def write_pid(self) -> None:
+        """The holder's pid into the lock file (for the "in use" message); :meth:`restore` puts the old one back."""
+        if self.fd is not None:
+            self.old = os.pread(self.fd, 64, 0)
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode("ascii"), 0)
+
+    def restore(self) -> None:
+        if self.fd is not None and self.old is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, self.old, 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run's lock (when it has a lock file) for a command that writes into a finished run
+    (``aiayn average``): refused while a training writes into it."""
+    lock = RunLock(Path(run_dir))
+    if lock.path.exists():
+        lock.acquire(create=False)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class RunDirectory:
+    """Rank 0's ownership of a run directory for one training (see the module docstring).
+
+    ``mode`` after :meth:`open`: ``new`` (nothing to resume), ``resume`` (from the newest checkpoint) or
+    ``restart`` (a run killed before its first checkpoint, same config)."""
+
+    def __init__(self, cfg: Config, path: str | Path, resume: bool) -> None:
+        self.cfg, self.path, self.resume = cfg, Path(path), resume
+        self.hash = config_hash(cfg)
+        self.mode = "new"
+        self.lock = RunLock(self.path)
+        self.created_root: Path | None = None  # the topmost directory this process created
+        self.before: set[str] | None = None  # entries of RUN when this process took it over
+        self.is_started = False
+
+    # --- the checks ------------------------------------------------------------------------------
+
+    def _decide(self, st: DirState) -> str:
+        """``new``, ``resume`` or ``restart``, or a one-line refusal (nothing is written here)."""
+        path = self.path
+        if not st.entries:
+            return "new"
+        weights_only = CheckpointError(
+            f"{path} holds model.safetensors but no checkpoints/: nothing to resume from (a restart would "
+            "overwrite the trained weights); train into a new --run-dir")
+        if st.marker is None:
+            if not self.resume:
+                if st.steps or st.has_weights:
+                    raise CheckpointError(f"{path} already holds a training run: pass --resume to continue it "
+                                          "or choose another --run-dir")
+                raise CheckpointError(f"{path}: not empty and not a run directory of aiayn (it holds "
+                                      f"{_listing(st.entries)}); train into a new or empty --run-dir")
+            if st.steps:
+                return "resume"  # a run written before run directories had a marker
+            if st.has_weights:
+                raise weights_only
+            raise CheckpointError(f"{path}: nothing to resume (no checkpoints, and not a run directory of aiayn: "
+                                  f"it holds {_listing(st.entries)})")
+        if not self.resume:
+            raise CheckpointError(f"{path} already holds a training run (started {st.marker.get('created', '?')}): "
+                                  "pass --resume to continue it or choose another --run-dir")
+        if st.steps:
+            return "resume"
+        if st.has_weights:
+            raise weights_only
+        if st.marker["config_sha256"] != self.hash:
+            diff = config_diff(st.marker["config"], recipe(self.cfg))
+            tok = any(k.startswith(f"data.{t}:") for k in diff for t in TOKENIZER_KEYS)
+            why = "; its tokenizer was made for the old values" if tok else ""
+            raise CheckpointError(
+                f"{path} was stopped before its first checkpoint with another config ({', '.join(diff)}){why}: "
+                "--resume restarts it only with the same config; or train into a new --run-dir")
+        return "restart"
+
+    def _check_resumable(self, st: DirState) -> None:
+        """The newest checkpoint's state and the tokenizer keys, checked before any work starts."""
+        step = st.steps[-1]
+        try:
+            meta = read_checkpoint_state(self.path, step)
+            try:
+                TrainState.from_json(meta.get("train_state"), step)
+            except ValueError as e:
+                jpath = checkpoint_dir(self.path) / f"step_{step:06d}.json"
+                raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
+        except CheckpointError as e:
+            hint = (f"; delete {checkpoint_dir(self.path) / f'step_{step:06d}'}.* to resume from step {st.steps[-2]}"
+                    if len(st.steps) > 1 else "")
+            raise CheckpointError(f"{e}{hint}") from None
+        old = self._run_data_section(st)
+        new = self.cfg.data
+        for key in TOKENIZER_KEYS:
+            if key in old and old[key] != getattr(new, key):
+                raise ConfigError(f"{self.path}: the run's tokenizer was made with data.{key}={old[key]!r} but the "
+                                  f"config says data.{key}={getattr(new, key)!r}; resume with the run's value or "
+                                  "train into a new --run-dir")
+
+    def _run_data_section(self, st: DirState) -> dict[str, Any]:
+        if st.marker is not None:
+            return dict(st.marker["config"].get("data") or {})
+        try:  # a run from before markers: its config.yaml says what its tokenizer was made with
+            data = load_yaml(self.path / "config.yaml").get("data")
+        except (ConfigError, OSError):
+            return {}
+        return dict(data) if isinstance(data, dict) else {}
+
+    def _check(self) -> DirState:
+        st = inspect(self.path)
+        self.mode = self._decide(st)
+        if self.mode == "resume":
+            self._check_resumable(st)
+        return st
+
+    # --- taking it over --------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Check, then create and lock RUN and write its marker. Raises a one-line UserError / OSError
+        with nothing written when RUN may not be used."""
+        path = self.path
+        if (path / LOCK).exists():  # a training in progress is the first thing to report
+            self.lock.acquire(create=False)
+        try:
+            st = self._check()
+            if st.exists:
+                check_writable(path)
+                if checkpoint_dir(path).is_dir():
+                    check_writable(checkpoint_dir(path))
+            else:
+                self._make_dirs()
+            if self.lock.fd is None:
+                self.lock.acquire()
+            st = self._check()  # again, under the lock: another process may have got here first
+            self.before = set(st.entries) | ({LOCK} if not self.lock.created else set())
+            if st.marker is None:
+                marker = {"aiayn_run": 1,
+                          "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "config_sha256": self.hash, "config": recipe(self.cfg)}
+                atomic_write_json(path / MARKER, marker, allow_nan=True)
+            self.lock.write_pid()
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def _make_dirs(self) -> None:
+        """Create RUN and its missing parents, remembering the topmost one this process made (no other)."""
+        for d in reversed([p for p in [self.path, *self.path.parents] if not p.exists()]):
+            try:
+                d.mkdir()
+            except FileExistsError:  # made by another process meanwhile: not ours to remove
+                continue
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot create the run directory ({e.strerror or e})") from None
+            if self.created_root is None:
+                self.created_root = d
+
+    def started(self) -> None:
+        """Training has begun: from now on a failure keeps what is in RUN (it resumes with --resume)."""
+        self.is_started = True
+
+    def close(self, failed: bool = False) -> None:
+        """Release the lock; after a failed start, first remove what this process created."""
+        try:
+            if failed and not self.is_started:
+                self._remove_created()
+        finally:
+            self.lock.release()
+
+    def _remove_created(self) -> None:
+        if self.lock.fd is None:  # never owned RUN: another process may be using what this one created
+            for d in [self.path, *self.path.parents] if self.created_root is not None else []:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only while empty
+                if d == self.created_root:
+                    break
+            return
+        if self.created_root is not None:
+            shutil.rmtree(self.created_root, ignore_errors=True)
+            return
+        if self.before is None:  # refused under the lock: only the lock file may be new
+            if self.lock.created:
+                self.lock.path.unlink(missing_ok=True)
+            return
+        if not self.lock.created:  # a failed start leaves the run's files as they were, the lock file's too
+            self.lock.restore()
+        for name in sorted(set(os.listdir(self.path)) - self.before):
+            p = self.path / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _listing(entries: list[str], limit: int = 3) -> str:
+    shown = ", ".join(entries[:limit])
+    return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
+
+
+@contextlib.contextmanager
+def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist,
+                device: torch.device) -> Iterator[RunDirectory | None]:
+    """Rank 0 takes ``run_dir`` over (:class:`RunDirectory`) for the block and yields it; the other ranks of a
+    torchrun job yield None once rank 0 has succeeded (and fail, without writing, when it has not).
+    An exception in the block before :meth:`RunDirectory.started` removes what rank 0 created."""
+    owner: RunDirectory | None = None
+    error: BaseException | None = None
+    if d.main:
+        owner = RunDirectory(cfg, run_dir, resume)
+        try:
+            owner.open()
+        except Exception as e:  # whatever it is, the other ranks must hear of it (or wait at the broadcast)
+            error = e
+    if d.world > 1 and not d.broadcast_flag(error is None, device) and error is None:
+        error = CheckpointError(f"{run_dir}: rank 0 refused the run directory (its error says why)")
+    if error is not None:
+        raise error
+    try:
+        yield owner
+    except BaseException:
+        if owner is not None:
+            owner.close(failed=True)
+        raise
+    if owner is not None:
+        owner.close()
