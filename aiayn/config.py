@@ -20,6 +20,9 @@ from aiayn.errors import ConfigError
 # SentencePiece. The tokenizer imports this tuple.
 PRETOKENIZERS = ("none", "moses")
 
+# train.compile_mode's values (torch.compile's modes).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -118,6 +121,13 @@ class DataConfig:
     batch_size: int = 32  # language modelling: blocks per batch
     separator: str = " <sep> "  # summarization as language modelling: document <sep> summary
     valid_fraction: float = 0.1  # language modelling: last part held out (nanoGPT splits 90/10)
+    # Bounded batch shapes (translation; aiayn.data.batching): S and T of every batch rounded up to a
+    # multiple (8 on GPUs: tensor-core sizes, few distinct shapes; 1: no extra padding, CPU default) ...
+    pad_to_multiple: int = 1
+    # ... and, when set (increasing lengths, e.g. [16, 32, 48, 64, 96, 128]), fixed shapes: a batch
+    # whose longest side fits bucket L becomes (max_tokens // L) x L on both sides, one shape per bucket
+    # (train.compile then compiles one static graph per bucket; CUDA graphs need this).
+    length_buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _choice("data.format", self.format, ("text", "tsv", "jsonl"))
@@ -127,6 +137,17 @@ class DataConfig:
         _choice("data.pretokenize", self.pretokenize, PRETOKENIZERS)
         if self.max_tokens <= 0:
             raise ConfigError("data.max_tokens must be positive")
+        self._check_shape_keys()
+
+    def _check_shape_keys(self) -> None:
+        if self.pad_to_multiple < 1:
+            raise ConfigError("data.pad_to_multiple must be >= 1 (1: no extra padding)")
+        buckets = self.length_buckets
+        if (not isinstance(buckets, (list, tuple))
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+                or list(buckets) != sorted(set(buckets))):
+            raise ConfigError(f"data.length_buckets={buckets!r}: expected a list of increasing positive integers")
+        self.length_buckets = list(buckets)
 
 
 @dataclass
@@ -158,6 +179,9 @@ class TrainConfig:
     inference_weights: str = "last"  # which weights model.safetensors holds: last | best | average
     average_last: int = 5  # checkpoints averaged when inference_weights is 'average'
     device: str = "auto"
+    # torch.compile mode when compile is on: default | reduce-overhead (CUDA graphs: for small,
+    # launch-bound models, with data.length_buckets so shapes repeat) | max-autotune (longer compile)
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
@@ -168,6 +192,7 @@ class TrainConfig:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError("train.label_smoothing must be in [0, 1)")
         self.adam_betas = tuple(self.adam_betas)  # YAML gives a list
+        _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
 
 
 @dataclass

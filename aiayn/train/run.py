@@ -29,7 +29,7 @@ def default_run_dir(config_path: str | Path) -> Path:
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job)."""
-    d = init_distributed()
+    d = init_distributed(cfg.train.device)
     device = resolve_device(cfg.train.device, d.local_rank)
     run_dir = prepare_run_dir(cfg, run_dir, resume, d)
     existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
