@@ -50,7 +50,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         loss_sum = logits.new_zeros((), dtype=torch.float32)
         nll_sum = logits.new_zeros((), dtype=torch.float32)
         for rows in _chunks(logits):
-            lprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # (C, V)
+            # dtype=: the kernel reads bf16 / fp16 logits and computes in fp32, no separate cast
+            lprobs = torch.log_softmax(logits[rows], dim=-1, dtype=torch.float32)  # (C, V)
             nll = -lprobs.gather(1, index[rows]).squeeze(1)  # (C,)
             nll = torch.where(keep[rows], nll, 0.0)
             nll_sum = nll_sum + nll.sum()
@@ -72,7 +73,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         coef = keep.to(torch.float32) * grad_loss.float()  # (N,): d loss_sum / d loss_i
         grad = torch.empty_like(logits)
         for rows in _chunks(logits):
-            p = torch.softmax(logits[rows].float(), dim=-1)  # (C, V)
+            p = torch.softmax(logits[rows], dim=-1, dtype=torch.float32)  # (C, V)
             c = coef[rows].unsqueeze(1)  # (C, 1)
             p.scatter_add_(1, index[rows], torch.full_like(c, -(1.0 - eps)))  # p - (1 - eps) one_hot(y)
             # c * (p - eps / V), one pass, written in the logits' dtype
