@@ -124,7 +124,7 @@ def test_update_section_replaces_only_its_own_block(tmp_path):
     common.update_section(md, "train_throughput", "## train v1")
     common.update_section(md, "mfu", "## mfu v2")
     text = md.read_text()
-    assert text.startswith(common.MD_HEADER.split("\n")[0]) and "No GPU was lent" in text
+    assert text.startswith(common.MD_HEADER.split("\n")[0]) and "benchmarks.run_all --gpu" in text
     assert "mfu v1" not in text and text.index("train v1") < text.index("mfu v2")
 
 
