@@ -71,18 +71,26 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         logits, index, keep = ctx.saved_tensors
         eps, V = ctx.epsilon, logits.size(-1)
         coef = keep.to(torch.float32) * grad_loss.float()  # (N,): d loss_sum / d loss_i
-        grad = torch.empty_like(logits)
-        for rows in _chunks(logits):
+        chunks = _chunks(logits)
+        grad = torch.empty_like(logits) if len(chunks) > 1 else None
+        for rows in chunks:
             p = torch.softmax(logits[rows], dim=-1, dtype=torch.float32)  # (C, V)
             c = coef[rows].unsqueeze(1)  # (C, 1)
             p.scatter_add_(1, index[rows], torch.full_like(c, -(1.0 - eps)))  # p - (1 - eps) one_hot(y)
             # c * (p - eps / V), one pass, written in the logits' dtype
-            torch.addcmul(c * (-eps / V), p, c, out=grad[rows])
+            if grad is None:
+                grad = torch.addcmul(c * (-eps / V), p, c).to(logits.dtype)
+            else:
+                torch.addcmul(c * (-eps / V), p, c, out=grad[rows])
         return grad, None, None, None
 
 
 def _chunks(logits: Tensor) -> list[slice]:
-    """Row slices of at most CHUNK_ELEMENTS elements (at least one row each)."""
+    """Row slices of at most CHUNK_ELEMENTS elements (at least one row each); one slice under
+    torch.compile, which fuses the log-softmax into its row reductions by itself (and would recompile
+    for every batch size: a Python loop over a symbolic row count specializes on it)."""
+    if torch.compiler.is_compiling():
+        return [slice(None)]
     N, V = logits.shape
     step = max(1, CHUNK_ELEMENTS // max(V, 1))
     return [slice(i, min(i + step, N)) for i in range(0, N, step)]
