@@ -9,7 +9,6 @@ and measured by the GPU benchmarks (BENCHMARKS.md, "GPU (not measured yet)").
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -229,11 +228,9 @@ def test_forward_and_loss_have_no_graph_break():
     def forward_and_loss(src, tgt_in, tgt_out):
         return label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, 0.1, 0)
 
-    t0 = time.perf_counter()
     explanation = torch._dynamo.explain(forward_and_loss)(batch.src, batch.tgt_in, batch.tgt_out)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    assert time.perf_counter() - t0 < 60
 
 
 @pytest.mark.slow
