@@ -21,6 +21,9 @@ from aiayn.errors import ConfigError
 # SentencePiece. The tokenizer imports this tuple.
 PRETOKENIZERS = ("none", "moses")
 
+# train.compile_mode's values (torch.compile's modes).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -119,6 +122,13 @@ class DataConfig:
     batch_size: int = 32  # language modelling: blocks per batch
     separator: str = " <sep> "  # summarization as language modelling: document <sep> summary
     valid_fraction: float = 0.1  # language modelling: last part held out (nanoGPT splits 90/10)
+    # Bounded batch shapes (translation; aiayn.data.batching): S and T of every batch rounded up to a
+    # multiple (8 on GPUs: tensor-core sizes, few distinct shapes; 1: no extra padding, CPU default) ...
+    pad_to_multiple: int = 1
+    # ... and, when set (increasing lengths, e.g. [16, 32, 48, 64, 96, 128]), fixed shapes: a batch
+    # whose longest side fits bucket L becomes (max_tokens // L) x L on both sides, one shape per bucket
+    # (train.compile then compiles one static graph per bucket; CUDA graphs need this).
+    length_buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _choice("data.format", self.format, ("text", "tsv", "jsonl"))
@@ -133,6 +143,17 @@ class DataConfig:
         _finite("data.valid_fraction", self.valid_fraction)
         if not 0.0 < self.valid_fraction < 1.0:
             raise ConfigError(f"data.valid_fraction={self.valid_fraction}: expected a number in (0, 1)")
+        self._check_shape_keys()
+
+    def _check_shape_keys(self) -> None:
+        if self.pad_to_multiple < 1:
+            raise ConfigError("data.pad_to_multiple must be >= 1 (1: no extra padding)")
+        buckets = self.length_buckets
+        if (not isinstance(buckets, (list, tuple))
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+                or list(buckets) != sorted(set(buckets))):
+            raise ConfigError(f"data.length_buckets={buckets!r}: expected a list of increasing positive integers")
+        self.length_buckets = list(buckets)
 
 
 @dataclass
@@ -167,6 +188,9 @@ class TrainConfig:
     # metrics.jsonl (always) plus optional trackers: tensorboard (RUN/tensorboard), wandb (RUN/wandb, offline
     # unless WANDB_MODE says otherwise). A tracker whose package is missing is an error, not silence.
     log_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    # torch.compile mode when compile is on: default | reduce-overhead (CUDA graphs: for small,
+    # launch-bound models, with data.length_buckets so shapes repeat) | max-autotune (longer compile)
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
@@ -198,6 +222,7 @@ class TrainConfig:
         _at_least("train.weight_decay", self.weight_decay, 0)
         _fraction("train.label_smoothing", self.label_smoothing)
         _at_least("train.seed", self.seed, 0)
+        _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
         _at_least("train.keep_last", self.keep_last, 0, "(0: keep every checkpoint)")
 
 

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aiayn.data.batching import Batch, collate, token_batches
+from aiayn.data.batching import Batch, batch_shape, collate, token_batches
 from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MD = REPO / "BENCHMARKS.md"
 RESULTS_DIR = REPO / "benchmarks" / "results"
-SECTION_ORDER = ("train_throughput", "translate_speed", "mfu")
+SECTION_ORDER = ("train_throughput", "translate_speed", "mfu", "train_throughput_cuda", "mfu_cuda")
 
 MD_HEADER = """\
 # Benchmarks
@@ -42,9 +42,9 @@ in `benchmarks/results/`. Regenerate everything with `python -m benchmarks.run_a
 
 ## GPU
 
-No GPU was lent to the session that produced these tables (the device tool lends one to some tasks
-only), so the bf16 GPU comparisons and the paper-base training MFU against the H100/H200 bf16 dense
-peak (989 TFLOP/s, goal >= 45%) were **not measured**. The scripts measure CPU, fp32.
+`python -m benchmarks.run_all --gpu` measures training on one CUDA GPU in bf16 (sections
+`train_throughput_cuda` and `mfu_cuda`, added by that command); where they are absent, no GPU number
+has been measured.
 """
 
 
@@ -52,17 +52,26 @@ peak (989 TFLOP/s, goal >= 45%) were **not measured**. The scripts measure CPU, 
 
 
 def add_training_args(p: argparse.ArgumentParser) -> None:
-    """The options of the training benchmarks (train_throughput, mfu): which models, on which batches,
-    how many updates, and where the results go."""
+    """The options of the training benchmarks (train_throughput, mfu): which models, on which batches and
+    device, how many updates, and where the results go."""
     p.add_argument("--configs", nargs="+", default=["paper-base", "small"], help="model presets (configs/*.yaml)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="autocast precision of the forward pass (bf16 / fp16 need CUDA)")
     p.add_argument("--run-dir", help="a run whose tokenizer tokenizes Multi30k train (default: synthetic pairs)")
+    p.add_argument("--lengths", nargs="+", default=["multi30k"], choices=list(LENGTH_DISTRIBUTIONS),
+                   help="length distribution(s) of the synthetic pairs, each measured in turn")
     p.add_argument("--pairs", type=int, help="use the first N pairs (default: all 29,000)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="token budget of a batch (as data.max_tokens)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="token budget of a batch, as data.max_tokens (default: 4096 on CPU, 25000 on CUDA)")
+    p.add_argument("--pad-to-multiple", type=int, default=1,
+                   help="pad batch lengths to a multiple, as data.pad_to_multiple (default: 1, no extra padding)")
     p.add_argument("--warmup", type=int, default=2, help="untimed updates")
     p.add_argument("--steps", type=int, default=5, help="timed updates")
     p.add_argument("--dropout", type=float, default=None, help="override the presets' dropout (0.1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: one per core)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile", help="append torch.profiler tables (top operators / kernels) to this file")
     p.add_argument("--smoke", action="store_true", help="a seconds-long run on a tiny model (CI)")
     p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
 
@@ -72,6 +81,24 @@ def apply_smoke(args: argparse.Namespace) -> None:
     if args.smoke:
         args.configs, args.warmup, args.steps = ["smoke"], 1, 2
         args.max_tokens, args.pairs = 256, args.pairs or 200
+
+
+def resolve_run_device(args: argparse.Namespace) -> torch.device:
+    """Check ``--device`` / ``--precision`` before any work (one clear line if they cannot run here) and
+    fill the device-dependent default of ``--max-tokens``."""
+    from aiayn.device import resolve_device, resolve_precision
+    from aiayn.errors import DeviceError
+
+    try:
+        device = resolve_device(args.device)
+        resolve_precision(args.precision, device, training=True)
+    except DeviceError as e:
+        raise SystemExit(f"benchmark: error: {e}") from None
+    cuda = device.type == "cuda"
+    if args.max_tokens is None:
+        args.max_tokens = 25000 if cuda else 4096  # the paper's per-step budget on GPUs
+    args.device = str(device)
+    return device
 
 
 # Machine, versions, provenance -----------------------------------------------------------------------
@@ -117,6 +144,9 @@ def machine_info(threads: int) -> dict[str, Any]:
         "ctranslate2": package_version("ctranslate2"),
         "aiayn": package_version("aiayn"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda,
+        "gpu_memory_gib": (round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+                           if torch.cuda.is_available() else None),
     }
 
 
@@ -131,8 +161,8 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 
 def provenance(info: dict[str, Any], command: str, date: str) -> str:
     """Markdown lines naming date, command, machine and versions."""
-    versions = ", ".join(f"{k} {info[k]}" for k in ("python", "torch", "transformers", "ctranslate2", "aiayn")
-                         if info.get(k))
+    versions = ", ".join(f"{k} {info[k]}" for k in ("python", "torch", "cuda", "transformers", "ctranslate2",
+                                                     "aiayn") if info.get(k))
     return (
         f"- Date: {date}\n"
         f"- Command: `{command}`\n"
@@ -206,6 +236,21 @@ def update_section(md_path: str | os.PathLike, key: str, body: str) -> Path:
 SYNTHETIC_SRC_MEAN, SYNTHETIC_SRC_SD = 14.3, 4.8
 SYNTHETIC_TGT_RATIO, SYNTHETIC_TGT_SD = 1.04, 0.19
 
+# WMT14 En-De-like lengths (no WMT corpus is used here; these are chosen, not measured on WMT): source
+# lengths log-normal with mean 27 and standard deviation 15 tokens (the figures issue 20 quotes for a 37k
+# BPE), i.e. log-length ~ N(3.161, 0.519), cut to [1, 128]; target = source x N(1.0, 0.2), also within
+# [1, 128]. 200,000 draws (seed 1): source 27.0 +- 15.0 tokens (median 24, 99th percentile 80, 1 in ~2,200
+# at 128), target 27.0 +- 16.1.
+WMT_LOG_MEAN, WMT_LOG_SD, WMT_MAX_LEN = 3.161, 0.519, 128
+WMT_TGT_RATIO, WMT_TGT_SD = 1.0, 0.2
+
+LENGTH_DISTRIBUTIONS = {
+    "multi30k": f"Multi30k's token lengths ({SYNTHETIC_SRC_MEAN} +- {SYNTHETIC_SRC_SD} source tokens, "
+                f"target/source {SYNTHETIC_TGT_RATIO} +- {SYNTHETIC_TGT_SD})",
+    "wmt": f"WMT14 En-De-like lengths (source log-normal, mean 27 +- 15 tokens, at most {WMT_MAX_LEN}; "
+           f"target/source {WMT_TGT_RATIO} +- {WMT_TGT_SD})",
+}
+
 
 def multi30k_token_pairs(run_dir: str | os.PathLike, split: str = "train",
                          limit: int | None = None) -> list[tuple[list[int], list[int]]]:
@@ -221,25 +266,47 @@ def multi30k_token_pairs(run_dir: str | os.PathLike, split: str = "train",
     return [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
 
 
-def synthetic_token_pairs(n: int, vocab_size: int, seed: int = 1,
-                          max_len: int = 64) -> list[tuple[list[int], list[int]]]:
-    """``n`` random pairs whose lengths follow Multi30k's (see the constants above); ids in [4, V)."""
-    lengths, ids = random.Random(seed), random.Random(seed + 1)  # the same lengths whatever the vocabulary
+def synthetic_lengths(n: int, seed: int = 1, lengths: str = "multi30k", max_len: int = 64) -> list[tuple[int, int]]:
+    """``n`` (source, target) lengths from a distribution of :data:`LENGTH_DISTRIBUTIONS`."""
+    rng = random.Random(seed)
     out = []
     for _ in range(n):
-        s = min(max_len, max(2, round(lengths.gauss(SYNTHETIC_SRC_MEAN, SYNTHETIC_SRC_SD))))
-        t = min(max_len, max(2, round(s * lengths.gauss(SYNTHETIC_TGT_RATIO, SYNTHETIC_TGT_SD))))
-        out.append(([ids.randrange(4, vocab_size) for _ in range(s)], [ids.randrange(4, vocab_size) for _ in range(t)]))
+        if lengths == "wmt":
+            s = min(WMT_MAX_LEN, max(1, round(rng.lognormvariate(WMT_LOG_MEAN, WMT_LOG_SD))))
+            t = min(WMT_MAX_LEN, max(1, round(s * rng.gauss(WMT_TGT_RATIO, WMT_TGT_SD))))
+        elif lengths == "multi30k":
+            s = min(max_len, max(2, round(rng.gauss(SYNTHETIC_SRC_MEAN, SYNTHETIC_SRC_SD))))
+            t = min(max_len, max(2, round(s * rng.gauss(SYNTHETIC_TGT_RATIO, SYNTHETIC_TGT_SD))))
+        else:
+            raise ValueError(f"unknown length distribution {lengths!r} (known: {', '.join(LENGTH_DISTRIBUTIONS)})")
+        out.append((s, t))
     return out
 
 
+def synthetic_token_pairs(n: int, vocab_size: int, seed: int = 1, max_len: int = 64,
+                          lengths: str = "multi30k") -> list[tuple[list[int], list[int]]]:
+    """``n`` random pairs whose lengths follow ``lengths`` (see above); ids in [4, V)."""
+    ids = random.Random(seed + 1)  # the same lengths whatever the vocabulary
+    return [([ids.randrange(4, vocab_size) for _ in range(s)], [ids.randrange(4, vocab_size) for _ in range(t)])
+            for s, t in synthetic_lengths(n, seed, lengths, max_len)]
+
+
 def training_batches(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int, count: int,
-                     seed: int = 1) -> list[Batch]:
+                     seed: int = 1, pad_to_multiple: int = 1) -> list[Batch]:
     """``count`` length-bucketed batches of at most ``max_tokens`` (as aiayn training makes them), in a
-    seeded random order; cycles through the epoch if it has fewer batches."""
-    groups = token_batches([len(s) for s, _ in pairs], [len(t) for _, t in pairs], max_tokens, seed=seed)
+    seeded random order; cycles through the epoch if it has fewer batches. ``pad_to_multiple`` > 1 pads
+    S and T as ``data.pad_to_multiple`` does (the budget then counts the padded lengths)."""
+    src_lens, tgt_lens = [len(s) for s, _ in pairs], [len(t) for _, t in pairs]
+    groups = token_batches(src_lens, tgt_lens, max_tokens, seed=seed, pad_to_multiple=pad_to_multiple)
     picked = [groups[i % len(groups)] for i in range(count)]
-    return [collate([pairs[i][0] for i in g], [pairs[i][1] for i in g], g) for g in picked]
+    out = []
+    for g in picked:
+        shape = None
+        if pad_to_multiple > 1:
+            shape = batch_shape([src_lens[i] + 1 for i in g], [tgt_lens[i] + 1 for i in g], max_tokens,
+                                pad_to_multiple)
+        out.append(collate([pairs[i][0] for i in g], [pairs[i][1] for i in g], g, shape=shape))
+    return out
 
 
 def save_batches(batches: Sequence[Batch], path: str | os.PathLike) -> None:

@@ -1,4 +1,4 @@
-"""Benchmark 3: training efficiency, model FLOPs utilization (MFU) of aiayn on CPU, fp32.
+"""Benchmark 3: training efficiency, model FLOPs utilization (MFU) of aiayn: fp32 on CPU, bf16 / fp16 on a GPU.
 
 MFU = (model FLOPs of a training update / seconds per update) / the machine's fp32 matmul peak,
 with both measured in the same run, with the same number of threads.
@@ -20,10 +20,15 @@ shapes gives the FLOPs the hardware executed; ``torch.utils.flop_counter.FlopCou
 those independently (on aiayn's explicit attention path, so that QK^T and PV are matmuls it can
 count; the fused CPU kernel has no FLOP formula): the check compares everything.
 
-The peak is the best of several ``torch.mm`` of two n x n fp32 matrices (n = 2048 and 4096),
-2 n^3 FLOPs each, measured before and after the training timing.
+The peak is the best of several ``torch.mm`` of two n x n matrices (fp32 on CPU, n = 2048 and 4096;
+the run's dtype on a GPU, n = 4096 and 8192), 2 n^3 FLOPs each, measured before and after the training
+timing. On a GPU the MFU is also given against NVIDIA's 989 TFLOP/s dense bf16 datasheet peak (H100/H200),
+the reference of issue 20's goals, and ``--compile`` adds aiayn under ``torch.compile`` (as
+``train.compile: true``). The formula and the peak live in ``benchmarks/flops.py``.
 
     python -m benchmarks.mfu --run-dir runs/multi30k_en_de_quick
+    python -m benchmarks.mfu --device cuda --precision bf16 --configs paper-base paper-big --lengths wmt \\
+        --compile --warmup 5 --steps 20 --profile benchmarks/results/profile_mfu_cuda.txt
     python -m benchmarks.mfu --smoke --md /tmp/B.md --out-json /tmp/m.json
 """
 
@@ -32,91 +37,56 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aiayn.config import ModelConfig, TrainConfig
 from aiayn.data.batching import Batch
+from aiayn.device import DTYPES, configure_cuda
 from aiayn.model.transformer import count_parameters
-from aiayn.train.schedule import build_optimizer
-from aiayn.train.trainer import train_update
-from benchmarks import common
-from benchmarks.train_throughput import LABEL_SMOOTHING, LR, bench_config, build_impl, make_batches, time_training
+from benchmarks import common, flops
+from benchmarks.flops import batch_training_flops, sentence_forward_flops  # noqa: F401  (re-exported)
+from benchmarks.train_throughput import (
+    COMPILED,
+    LABELS,
+    bench_config,
+    build_impl,
+    build_training,
+    make_batches,
+    profile_updates,
+    time_training,
+    updater,
+)
 
 NAME = "mfu"
-PEAK_SIZES = (2048, 4096)
+PEAK_SIZES = flops.CPU_PEAK_SIZES
 
 
-def sentence_forward_flops(cfg: ModelConfig, S: int, T: int, attention: bool = True) -> int:
-    """Forward FLOPs of one sentence pair (S source tokens with EOS, T target positions with BOS);
-    ``attention=False`` leaves out QK^T and PV (the projections, FFN and output layer only)."""
-    D, F, V = cfg.d_model, cfg.d_ff, cfg.target_vocab_size
-    a = 1 if attention else 0
-    enc = S * (4 * D * D + 2 * D * F) + a * 2 * S * S * D
-    dec = T * (6 * D * D + 2 * D * F) + 2 * S * D * D + a * (2 * T * T * D + 2 * T * S * D)
-    return 2 * (cfg.n_encoder_layers * enc + cfg.n_decoder_layers * dec + T * D * V)
+def matmul_peak(sizes: Sequence[int] = PEAK_SIZES, reps: int = 5, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Best ``torch.mm`` FLOP/s over ``reps`` runs per size (:func:`benchmarks.flops.matmul_peak`)."""
+    return flops.matmul_peak(sizes, reps, device, dtype)
 
 
-def batch_training_flops(cfg: ModelConfig, batch: Batch, padded: bool = False, attention: bool = True) -> int:
-    """3 x forward FLOPs of ``batch``: real lengths, or the padded tensor shapes when ``padded``."""
-    if padded:
-        B, S = batch.src.shape
-        return 3 * B * sentence_forward_flops(cfg, S, batch.tgt_in.size(1), attention)
-    src_lens = (batch.src != cfg.pad_id).sum(dim=1).tolist()
-    tgt_lens = (batch.tgt_out != cfg.pad_id).sum(dim=1).tolist()  # = real length of tgt_in (BOS + y)
-    return 3 * sum(sentence_forward_flops(cfg, s, t, attention) for s, t in zip(src_lens, tgt_lens))
-
-
-def matmul_peak(sizes: Sequence[int] = PEAK_SIZES, reps: int = 5) -> dict[str, Any]:
-    """Best fp32 ``torch.mm`` FLOP/s over ``reps`` runs per size (after one warm-up run)."""
-    per_size = {}
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))  # noqa: B023
-        per_size[n] = 2 * n**3 / best
-    return {"flops_per_s": max(per_size.values()), "per_size": per_size, "reps": reps}
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def counted_training_flops(model: torch.nn.Module, batch: Batch) -> int:
-    """FLOPs of one real update on ``batch`` as torch's FlopCounterMode counts them (padded shapes),
-    attention through aiayn's explicit path (matmuls the counter sees) whatever the sequence length."""
+def counted_training_flops(model: torch.nn.Module, batch: Batch, device: torch.device | str = "cpu",
+                           precision: str = "fp32") -> int:
+    """FLOPs of one real update on ``batch`` as torch's FlopCounterMode counts them (padded shapes).
+    On CPU attention takes aiayn's explicit path (matmuls the counter sees) whatever the sequence length;
+    on CUDA the counter has formulas for the fused attention kernels."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from aiayn.model.attention import cpu_attention_path
 
-    optimizer = build_optimizer(model, TrainConfig())
+    update = updater(model, device, precision)
     with cpu_attention_path("explicit"), FlopCounterMode(display=False) as counter:
-        train_update(model, optimizer, [batch], LR, LABEL_SMOOTHING, pad_id=0)
+        update(batch)
     return int(counter.get_total_flops())
 
 
-def profile_update(model: torch.nn.Module, batches: Sequence[Batch], path: Path, title: str) -> None:
-    """Append torch.profiler's table (top 30 operators by self CPU time) of two updates to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    optimizer = build_optimizer(model, TrainConfig())
-    train_update(model, optimizer, [batches[0]], LR, LABEL_SMOOTHING, pad_id=0)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-        for b in batches[:2]:
-            train_update(model, optimizer, [b], LR, LABEL_SMOOTHING, pad_id=0)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(f"== {title}\n{table}\n")
-
-
 def markdown(result: dict[str, Any]) -> str:
+    """The CPU section (the format of the measured CPU numbers in BENCHMARKS.md)."""
     a = result["args"]
     peak = result["peak"]
     lines = [
@@ -138,13 +108,13 @@ def markdown(result: dict[str, Any]) -> str:
     rows, goals = [], []
     for c in result["configs"]:
         rows.append([
-            c["config"], f"{c['parameters'] / 1e6:.1f}M", f"{c['tokens_per_update']:,.0f}",
+            _name(c), f"{c['parameters'] / 1e6:.1f}M", f"{c['tokens_per_update']:,.0f}",
             f"{c['ms_per_update']:,.0f}", f"{c['model_flops_per_update'] / 1e9:,.1f}",
             f"{c['achieved_flops_per_s'] / 1e9:,.1f}", f"{100 * c['mfu']:.1f}%",
             f"{c['executed_flops_per_s'] / 1e9:,.1f}",
             f"{c['counted_over_executed']:.3f}" if c.get("counted_over_executed") else "",
         ])
-        goals.append(f"- {c['config']}: MFU = {common.goal_cell(100 * c['mfu'], 50.0, '%')}")
+        goals.append(f"- {_name(c)}: MFU = {common.goal_cell(100 * c['mfu'], 50.0, '%')}")
     lines.append(common.markdown_table(headers, rows))
     lines.append("Goal (training MFU on CPU >= 50%):\n")
     lines += goals
@@ -153,15 +123,58 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _name(c: dict[str, Any]) -> str:
+    extra = [x for x in (f"{c['lengths']} lengths" if c.get("lengths") == "wmt" else "",
+                         "torch.compile" if c.get("impl") == COMPILED else "") if x]
+    return c["config"] + (f" ({', '.join(extra)})" if extra else "")
+
+
+def markdown_accelerator(result: dict[str, Any]) -> str:
+    """The section of a run on a GPU: MFU against the datasheet peak and the peak measured in the run."""
+    a, peak = result["args"], result["peak"]
+    lines = [
+        f"## Training efficiency (MFU) on {result['machine']['gpu'] or a['device']} ({a['precision']})\n",
+        common.provenance(result["machine"], result["command"], result["date"]),
+        f"- Peaks: the {flops.DATASHEET_PEAK_NAME}; and the best {peak['dtype']} `torch.mm` measured in this run "
+        f"(n = {', '.join(str(n) for n in peak['sizes'])}): {peak['before'] / 1e12:,.0f} TFLOP/s before the "
+        f"training timing, {peak['after'] / 1e12:,.0f} after; the larger, {peak['flops_per_s'] / 1e12:,.0f}, is used.",
+        "- Model FLOPs of an update = 3 x forward matmul FLOPs at the real lengths (`benchmarks/flops.py`); "
+        "*executed* counts the padded shapes; *counted / executed*: torch's `FlopCounterMode` count of one "
+        "padded update (fused attention kernels included) over the formula.",
+        f"- Updates: aiayn `train_update` ({a['precision']} autocast forward, label-smoothed loss, backward, fused "
+        f"Adam), batches of <= {a['max_tokens']} tokens, {a['warmup']} warm-up + {a['steps']} timed; "
+        "peak GPU memory is `torch.cuda.max_memory_allocated` while it trains.\n",
+    ]
+    headers = ["config", "lengths", "implementation", "parameters", "target tokens / update", "ms / update",
+               "target tokens/s", "achieved TFLOP/s", "MFU (989 TFLOP/s)", "MFU (measured peak)",
+               "executed TFLOP/s (padded)", "peak GPU memory (GiB)", "counted / executed"]
+    rows = []
+    for c in result["configs"]:
+        rows.append([
+            c["config"], c["lengths"], LABELS[c["impl"]], f"{c['parameters'] / 1e6:.1f}M",
+            f"{c['tokens_per_update']:,.0f}", f"{c['ms_per_update']:,.1f}", f"{c['tokens_per_s']:,.0f}",
+            f"{c['achieved_flops_per_s'] / 1e12:,.1f}", f"{100 * c['mfu_datasheet']:.1f}%",
+            f"{100 * c['mfu']:.1f}%", f"{c['executed_flops_per_s'] / 1e12:,.1f}",
+            f"{c.get('peak_gpu_memory_gib', 0):,.1f}",
+            f"{c['counted_over_executed']:.3f}" if c.get("counted_over_executed") else "",
+        ])
+    lines.append(common.markdown_table(headers, rows))
+    if a.get("profile"):
+        lines.append(f"\ntorch.profiler tables (top kernels by GPU time) of two updates each: `{a['profile']}`.")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.mfu", description=__doc__.split("\n")[0])
     common.add_training_args(p)
-    p.add_argument("--peak-sizes", type=int, nargs="+", default=list(PEAK_SIZES), help="n of the n x n matmuls")
+    p.add_argument("--compile", action="store_true", help="also aiayn under torch.compile (train.compile)")
+    p.add_argument("--compile-mode", default="default", help="its torch.compile mode (train.compile_mode)")
+    p.add_argument("--peak-sizes", type=int, nargs="+", default=None,
+                   help="n of the n x n matmuls (default: 2048 4096 on CPU, 4096 8192 on CUDA)")
     p.add_argument("--peak-reps", type=int, default=5)
     p.add_argument("--no-count", dest="count", action="store_false",
                    help="skip the FlopCounterMode check (one extra update per config)")
-    p.add_argument("--profile", help="append torch.profiler tables of two updates per config to this file")
-    p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
+    p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}[_cuda].json")
     args = p.parse_args(argv)
     common.apply_smoke(args)
     if args.smoke:
@@ -169,51 +182,84 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def measure(args: argparse.Namespace, preset: str, lengths: str, impl: str, device: torch.device,
+            threads: int) -> dict[str, Any]:
+    """Time ``impl`` on one configuration and length distribution; count and profile it if asked."""
+    cfg = bench_config(preset, args.dropout)
+    batches, data = make_batches(args, cfg.vocab_size, args.warmup + args.steps, lengths)
+    timed = batches[args.warmup:]
+    print(f"[{NAME}] {preset} ({lengths}, {impl}): timing {args.steps} updates ...", file=sys.stderr, flush=True)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, loss_fn = build_training(impl, cfg, args.seed, args.compile_mode)
+    r = time_training(model, batches, args.warmup, args.seed, device, args.precision, loss_fn)
+    model_flops = sum(flops.batch_training_flops(cfg, b) for b in timed)
+    executed = sum(flops.batch_training_flops(cfg, b, padded=True) for b in timed)
+    entry = {
+        "config": preset, "lengths": lengths if not args.run_dir else "Multi30k (tokenized)", "impl": impl,
+        "data": data, "model": dataclasses.asdict(cfg), "parameters": count_parameters(model),
+        "seconds": r["seconds"], "ms_per_update": r["ms_per_update"], "step_seconds": r["step_seconds"],
+        "tokens_per_update": r["target_tokens"] / len(timed), "tokens_per_s": r["tokens_per_s"],
+        "model_flops_per_update": model_flops / len(timed), "achieved_flops_per_s": model_flops / r["seconds"],
+        "executed_flops_per_update": executed / len(timed), "executed_flops_per_s": executed / r["seconds"],
+    }
+    if cuda:
+        entry["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.count and impl == "aiayn":
+        counted = counted_training_flops(build_impl("aiayn", cfg, args.seed), timed[0], device, args.precision)
+        entry["counted_flops_first_update"] = counted
+        entry["counted_over_executed"] = counted / flops.batch_training_flops(cfg, timed[0], True)
+    if args.profile:
+        title = f"{preset} ({lengths}): {LABELS[impl]} train_update, {device}, {args.precision}, {threads} threads"
+        table = profile_updates(updater(model, device, args.precision, loss_fn), timed, device, Path(args.profile),
+                                title)
+        if cuda:
+            print(table, file=sys.stderr)
+    unit, scale = ("TFLOP/s", 1e12) if cuda else ("GFLOP/s", 1e9)
+    print(f"[{NAME}] {preset} ({lengths}, {impl}): {entry['achieved_flops_per_s'] / scale:.1f} {unit}",
+          file=sys.stderr)
+    return entry
+
+
 def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    device = common.resolve_run_device(args)
     threads = common.set_threads(args.threads)
+    accelerator = device.type != "cpu"
+    section = f"{NAME}_{device.type}" if accelerator else NAME
     result: dict[str, Any] = {
-        "benchmark": NAME, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
+        "benchmark": section, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
         "machine": common.machine_info(threads), "args": vars(args), "configs": [],
     }
-    print(f"[{NAME}] measuring the fp32 matmul peak ...", file=sys.stderr, flush=True)
-    before = matmul_peak(args.peak_sizes, args.peak_reps)
+    configure_cuda(device)
+    dtype = DTYPES[args.precision] if accelerator else torch.float32
+    sizes = args.peak_sizes or (flops.CUDA_PEAK_SIZES if accelerator else flops.CPU_PEAK_SIZES)
+    print(f"[{NAME}] measuring the {dtype} matmul peak of {device} ...", file=sys.stderr, flush=True)
+    before = matmul_peak(sizes, args.peak_reps, device, dtype)
+    impls = ["aiayn"] + ([COMPILED] if args.compile else [])
     for preset in args.configs:
-        cfg = bench_config(preset, args.dropout)
-        batches, result["data"] = make_batches(args, cfg.vocab_size, args.warmup + args.steps)
-        timed = batches[args.warmup:]
-        print(f"[{NAME}] {preset}: timing {args.steps} updates ...", file=sys.stderr, flush=True)
-        model = build_impl("aiayn", cfg, args.seed)
-        r = time_training(model, batches, args.warmup, args.seed)
-        model_flops = sum(batch_training_flops(cfg, b) for b in timed)
-        executed = sum(batch_training_flops(cfg, b, padded=True) for b in timed)
-        entry = {
-            "config": preset, "model": dataclasses.asdict(cfg), "parameters": count_parameters(model),
-            "seconds": r["seconds"], "ms_per_update": r["ms_per_update"], "step_seconds": r["step_seconds"],
-            "tokens_per_update": r["target_tokens"] / len(timed), "tokens_per_s": r["tokens_per_s"],
-            "model_flops_per_update": model_flops / len(timed), "achieved_flops_per_s": model_flops / r["seconds"],
-            "executed_flops_per_update": executed / len(timed), "executed_flops_per_s": executed / r["seconds"],
-        }
-        if args.count:
-            counted = counted_training_flops(build_impl("aiayn", cfg, args.seed), timed[0])
-            entry["counted_flops_first_update"] = counted
-            entry["counted_over_executed"] = counted / batch_training_flops(cfg, timed[0], True)
-        if args.profile:
-            profile_update(build_impl("aiayn", cfg, args.seed), timed, Path(args.profile),
-                           f"{preset}: aiayn train_update, {threads} threads")
-        result["configs"].append(entry)
-        print(f"[{NAME}] {preset}: {entry['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s", file=sys.stderr)
-        del model
-    after = matmul_peak(args.peak_sizes, args.peak_reps)
+        for lengths in ([args.lengths[0]] if args.run_dir else args.lengths):
+            for impl in impls:
+                result["configs"].append(measure(args, preset, lengths, impl, device, threads))
+                result["data"] = result["configs"][-1]["data"]
+    after = matmul_peak(sizes, args.peak_reps, device, dtype)
     peak = max(before["flops_per_s"], after["flops_per_s"])
     result["peak"] = {"flops_per_s": peak, "before": before["flops_per_s"], "after": after["flops_per_s"],
-                      "sizes": list(args.peak_sizes), "detail": {"before": before, "after": after}}
+                      "sizes": list(sizes), "dtype": before["dtype"], "detail": {"before": before, "after": after}}
     for entry in result["configs"]:
         entry["mfu"] = entry["achieved_flops_per_s"] / peak
         entry["executed_utilization"] = entry["executed_flops_per_s"] / peak
-    common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
-    common.update_section(args.md, NAME, markdown(result))
+        if accelerator:
+            entry["mfu_datasheet"] = entry["achieved_flops_per_s"] / flops.DATASHEET_PEAK_FLOPS
+            print(f"[{NAME}] {entry['config']} ({entry['lengths']}, {entry['impl']}): MFU "
+                  f"{100 * entry['mfu_datasheet']:.1f}% of 989 TFLOP/s, {100 * entry['mfu']:.1f}% of the measured "
+                  f"{peak / 1e12:.0f} TFLOP/s; peak GPU memory {entry['peak_gpu_memory_gib']:.1f} GiB",
+                  file=sys.stderr)
+    common.write_json(args.out_json or common.RESULTS_DIR / f"{section}.json", result)
+    common.update_section(args.md, section, markdown_accelerator(result) if accelerator else markdown(result))
     return result
 
 

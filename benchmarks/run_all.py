@@ -1,7 +1,13 @@
 """Run the three comparisons one after the other, on one machine, into one BENCHMARKS.md.
 
     python -m benchmarks.run_all                     # the real numbers (about 15 minutes on 2 cores)
+    python -m benchmarks.run_all --gpu               # the GPU comparison: bf16, paper-base and paper-big
     python -m benchmarks.run_all --smoke --md /tmp/B.md --json-dir /tmp/results   # seconds (CI)
+
+``--gpu`` (= ``--device cuda --precision bf16`` with the GPU preset) runs the two training benchmarks on
+one CUDA GPU: aiayn eager and compiled, HF Marian and torch.nn.Transformer, paper-base and paper-big, on
+synthetic pairs with WMT14-like and Multi30k lengths in 25,000-token batches (padded to multiples of 8),
+with torch.profiler's top kernels; translation speed is a CPU benchmark and is left out.
 
 ``--run-dir`` names the trained translation run: benchmark 2 translates with it, and benchmarks 1
 and 3 take their training batches from Multi30k train tokenized with its tokenizer (without one,
@@ -17,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks import common, mfu, train_throughput, translate_speed
 
 BENCHMARKS = {"train_throughput": train_throughput, "translate_speed": translate_speed, "mfu": mfu}
@@ -30,17 +38,39 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="training benchmark: all implementations in one process (memory not comparable)")
     p.add_argument("--smoke", action="store_true", help="seconds-long versions of every benchmark (CI)")
+    p.add_argument("--gpu", action="store_true", help="the GPU comparison (--device cuda --precision bf16 + preset)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (training benchmarks)")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="training benchmarks' autocast precision (default: fp32; bf16 with --gpu)")
     p.add_argument("--md", help="markdown file to update (default: BENCHMARKS.md)")
     p.add_argument("--json-dir", help="where <benchmark>.json go (default: benchmarks/results)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.gpu:
+        args.device = "cuda" if args.device == "cpu" else args.device
+        args.precision = args.precision or "bf16"
+    args.precision = args.precision or "fp32"
+    if args.device != "cpu" and "translate_speed" in args.only:
+        args.only = [b for b in args.only if b != "translate_speed"]  # a CPU benchmark
+    return args
+
+
+# The GPU comparison of issue 20 (what --gpu adds to each training benchmark's command line).
+GPU_PRESET = {
+    "train_throughput": ["--configs", "paper-base", "paper-big", "--impls", "aiayn", "aiayn-compile", "hf-marian",
+                         "torch-nn", "--lengths", "wmt", "multi30k", "--warmup", "5", "--steps", "20",
+                         "--profile", "benchmarks/results/profile_train_throughput_cuda.txt"],
+    "mfu": ["--configs", "paper-base", "paper-big", "--lengths", "wmt", "multi30k", "--compile", "--warmup", "5",
+            "--steps", "20", "--profile", "benchmarks/results/profile_mfu_cuda.txt"],
+}
 
 
 def sub_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The command-line arguments of one benchmark."""
     # Defaults are left out, so that the commands written into BENCHMARKS.md read as one would type them.
     out = ["--md", args.md] if args.md else []
+    kind = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.json_dir:
-        out += ["--out-json", str(Path(args.json_dir) / f"{name}.json")]
+        out += ["--out-json", str(Path(args.json_dir) / (f"{name}_{kind}.json" if kind != "cpu" else f"{name}.json"))]
     if args.threads:
         out += ["--threads", str(args.threads)]
     if args.smoke:
@@ -49,10 +79,14 @@ def sub_argv(name: str, args: argparse.Namespace) -> list[str]:
     if name == "translate_speed":
         if not args.smoke:
             out += ["--run-dir", args.run_dir]
-    elif has_run and not args.smoke:
+    elif has_run and not args.smoke and not args.gpu:  # the GPU preset measures synthetic lengths
         out += ["--run-dir", args.run_dir]
     if name == "train_throughput" and not args.isolate:
         out.append("--no-isolate")
+    if name in GPU_PRESET and (args.device != "cpu" or args.precision != "fp32"):
+        out += ["--device", args.device, "--precision", args.precision]
+        if args.gpu and not args.smoke:
+            out += GPU_PRESET[name]
     return out
 
 

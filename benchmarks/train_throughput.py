@@ -1,4 +1,4 @@
-"""Benchmark 1: training throughput (target tokens/s) and peak memory, fp32 on CPU.
+"""Benchmark 1: training throughput (target tokens/s) and peak memory: fp32 on CPU, or bf16 / fp16 on a GPU.
 
 Three implementations of the same architecture (the paper's post-LN Transformer, shared and tied
 embeddings, sinusoidal positions, ReLU), built from the same initial weights and checked to compute
@@ -9,15 +9,19 @@ the same logits before anything is timed:
 * ``torch-nn``   embeddings + sinusoids + ``torch.nn.Transformer(batch_first=True, norm_first=False)``
                  (final encoder/decoder LayerNorms removed, dropout only where the paper has it)
                  + the tied output projection
+* ``aiayn-compile`` (optional) aiayn.Transformer and its loss under ``torch.compile``, as ``train.compile``
 
 Every update goes through the same code, ``aiayn.train.trainer.train_update``: forward, our
 label-smoothed cross entropy (eps 0.1) on the logits, backward, Adam(0.9, 0.98, 1e-9). So the work
 per update is equal and only the model differs. Each implementation runs W warm-up and N timed
 updates on the same sequence of length-bucketed batches (Multi30k train pairs tokenized with a run's
-tokenizer, or synthetic pairs with Multi30k's lengths), in its own process so that its peak resident
-memory (``ru_maxrss``) is its own.
+tokenizer, or synthetic pairs with Multi30k's or WMT14-like lengths), in its own process so that its peak
+memory (``ru_maxrss``; on CUDA ``torch.cuda.max_memory_allocated``) is its own. On a GPU it also prints
+MFU against the 989 TFLOP/s datasheet peak and against a matmul peak measured in the same run.
 
     python -m benchmarks.train_throughput --run-dir runs/multi30k_en_de_quick
+    python -m benchmarks.train_throughput --device cuda --precision bf16 --configs paper-base paper-big \\
+        --impls aiayn aiayn-compile hf-marian torch-nn --lengths wmt multi30k --warmup 5 --steps 20
     python -m benchmarks.train_throughput --smoke --md /tmp/B.md --out-json /tmp/t.json
 """
 
@@ -32,9 +36,8 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig, TrainConfig, model_config
+from aiayn.config import COMPILE_MODES, Config, ModelConfig, TrainConfig, model_config
 from aiayn.data.batching import Batch
+from aiayn.device import DTYPES, autocast_context, configure_cuda
 from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
+from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.schedule import build_optimizer
-from aiayn.train.trainer import train_update
-from benchmarks import common
+from aiayn.train.trainer import LossFn, batch_to_device, compile_for_training, train_update
+from benchmarks import common, flops
 
 NAME = "train_throughput"
 IMPLS = ("aiayn", "hf-marian", "torch-nn")
@@ -157,20 +162,28 @@ class TorchNNTransformer(nn.Module):
         return m.train(ours.training)
 
 
-def build_impl(impl: str, cfg: ModelConfig, seed: int = 1) -> nn.Module:
+def build_impl(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "default") -> nn.Module:
     """The implementation ``impl`` with the initial weights of ``Transformer(cfg)`` under ``seed``."""
+    return build_training(impl, cfg, seed, compile_mode)[0]
+
+
+def build_training(impl: str, cfg: ModelConfig, seed: int = 1,
+                   compile_mode: str = "default") -> tuple[nn.Module, LossFn]:
+    """``impl`` and the loss it trains with: aiayn's loss for all, compiled with the model for
+    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.trainer.compile_for_training`)."""
     torch.manual_seed(seed)
     ours = Transformer(cfg)
     if impl == "aiayn":
-        return ours
+        return ours, label_smoothed_cross_entropy
     if impl == COMPILED:
-        return torch.compile(ours, dynamic=True)  # batch shapes vary: one graph for all of them
+        return compile_for_training(ours, Config(model=cfg, train=TrainConfig(compile=True,
+                                                                              compile_mode=compile_mode)))
     if impl == "hf-marian":
         from aiayn.interop.marian import to_hf_marian
 
-        return HFMarianSeq2Seq(to_hf_marian(ours), cfg.pad_id)
+        return HFMarianSeq2Seq(to_hf_marian(ours), cfg.pad_id), label_smoothed_cross_entropy
     if impl == "torch-nn":
-        return TorchNNTransformer.from_aiayn(ours)
+        return TorchNNTransformer.from_aiayn(ours), label_smoothed_cross_entropy
     raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS + (COMPILED,))})")
 
 
@@ -190,8 +203,10 @@ def bench_config(preset: str, dropout: float | None = None) -> ModelConfig:
     return model_config(preset, **over)
 
 
-def make_batches(args: argparse.Namespace, vocab_size: int, count: int) -> tuple[list[Batch], str]:
-    """The shared batches and a sentence describing them."""
+def make_batches(args: argparse.Namespace, vocab_size: int, count: int,
+                 lengths: str = "multi30k") -> tuple[list[Batch], str]:
+    """The shared batches and a sentence describing them (``lengths``: the synthetic distribution)."""
+    pad = getattr(args, "pad_to_multiple", None) or 1
     if args.run_dir:
         pairs = common.multi30k_token_pairs(args.run_dir, "train", limit=args.pairs)
         top = max(max(max(s, default=0), max(t, default=0)) for s, t in pairs)
@@ -199,10 +214,11 @@ def make_batches(args: argparse.Namespace, vocab_size: int, count: int) -> tuple
             raise SystemExit(f"the run's tokenizer has ids up to {top}, above the model vocabulary {vocab_size}")
         what = f"Multi30k train pairs tokenized with the tokenizer of `{args.run_dir}`"
     else:
-        pairs = common.synthetic_token_pairs(args.pairs or 29000, vocab_size, seed=args.seed)
-        what = (f"synthetic pairs (random ids) with Multi30k's token lengths ({common.SYNTHETIC_SRC_MEAN} +- "
-                f"{common.SYNTHETIC_SRC_SD} source tokens, target/source {common.SYNTHETIC_TGT_RATIO})")
-    batches = common.training_batches(pairs, args.max_tokens, count, seed=args.seed)
+        pairs = common.synthetic_token_pairs(args.pairs or 29000, vocab_size, seed=args.seed, lengths=lengths)
+        what = f"synthetic pairs (random ids) with {common.LENGTH_DISTRIBUTIONS[lengths]}"
+    if pad > 1:
+        what += f", lengths padded to a multiple of {pad}"
+    batches = common.training_batches(pairs, args.max_tokens, count, seed=args.seed, pad_to_multiple=pad)
     return batches, what
 
 
@@ -223,22 +239,33 @@ def peak_rss_mib() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
-def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed: int = 1) -> dict[str, Any]:
-    """W = ``warmup`` untimed then len(batches) - W timed updates through ``train_update``."""
-    model.train()
+def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str = "fp32",
+            loss_fn: LossFn = label_smoothed_cross_entropy) -> Callable[[Batch], None]:
+    """One training update per call, as aiayn training runs it: the batch copied to the device (pinned,
+    non-blocking on CUDA), autocast forward, the loss, backward, Adam (fused on CUDA), a GradScaler for fp16."""
+    device = torch.device(device)
+    model.to(device).train()
     optimizer = build_optimizer(model, TrainConfig())
-    torch.manual_seed(seed)  # reproducible dropout
+    autocast = autocast_context(precision, device)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     def update(b: Batch) -> None:
-        train_update(model, optimizer, [b], LR, LABEL_SMOOTHING, pad_id=0)
+        train_update(model, optimizer, [batch_to_device(b, device)], LR, LABEL_SMOOTHING, pad_id=0,
+                     autocast=autocast, scaler=scaler, loss_fn=loss_fn)
 
+    return update
+
+
+def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed: int = 1,
+                  device: torch.device | str = "cpu", precision: str = "fp32",
+                  loss_fn: LossFn = label_smoothed_cross_entropy) -> dict[str, Any]:
+    """W = ``warmup`` untimed then len(batches) - W timed updates through ``train_update``."""
+    device = torch.device(device)
+    update = updater(model, device, precision, loss_fn)
+    torch.manual_seed(seed)  # reproducible dropout
     for b in batches[:warmup]:
         update(b)
-    steps = []
-    for b in batches[warmup:]:
-        t0 = time.perf_counter()
-        update(b)
-        steps.append(time.perf_counter() - t0)
+    steps = [flops.timed(lambda b=b: update(b), device) for b in batches[warmup:]]
     timed = batches[warmup:]
     tokens = sum(b.ntokens for b in timed)
     seconds = sum(steps)
@@ -254,42 +281,82 @@ def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed:
     }
 
 
-def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: int, threads: int,
-               seed: int) -> dict[str, Any]:
-    """Build ``impl`` and time it; training memory is the peak RSS minus the RSS before the model is built."""
+def profile_updates(update: Callable[[Batch], None], batches: Sequence[Batch], device: torch.device, path: Path,
+                    title: str, rows: int = 25) -> str:
+    """torch.profiler's table of two updates (after one untimed), the top ``rows`` operators by self
+    device time on CUDA (kernels) or self CPU time; appended to ``path`` and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    update(batches[0])
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        for b in batches[:2]:
+            update(b)
+        flops.synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(f"== {title}\n{table}\n")
+    return table
+
+
+def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: int, threads: int, seed: int,
+               device: str = "cpu", precision: str = "fp32", compile_mode: str = "default",
+               profile: str | None = None) -> dict[str, Any]:
+    """Build ``impl`` and time it; training memory is the peak RSS minus the RSS before the model is built
+    (on CUDA also the peak of GPU memory allocated while it trains)."""
     common.set_threads(threads)
+    dev = torch.device(device)
+    configure_cuda(dev)  # the same attention backends for every implementation
     # One throwaway update of a tiny model of the same kind first, so that library code loaded on first
-    # use (transformers modules, autograd and optimizer paths) is in the baseline, not in the peak.
+    # use (transformers modules, autograd and optimizer paths, CUDA kernels) is in the baseline, not the peak.
     primer_cfg = bench_config("smoke")
     primer_data = common.training_batches(common.synthetic_token_pairs(4, primer_cfg.vocab_size), 64, 1)
-    time_training(build_impl("aiayn" if impl == COMPILED else impl, primer_cfg, seed), primer_data, 0, seed)
+    primer = build_impl("aiayn" if impl == COMPILED else impl, primer_cfg, seed)
+    time_training(primer, primer_data, 0, seed, dev, precision)
+    del primer
     gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
     base = current_rss_mib()
-    model = build_impl(impl, cfg, seed)
-    out = time_training(model, batches, warmup, seed)
+    model, loss_fn = build_training(impl, cfg, seed, compile_mode)
+    out = time_training(model, batches, warmup, seed, dev, precision, loss_fn)
     out.update(impl=impl, rss_before_model_mib=base, peak_rss_mib=peak_rss_mib())
     out["training_memory_mib"] = out["peak_rss_mib"] - base
+    if dev.type == "cuda":
+        out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     if impl == "hf-marian":
         out["hf_attn_implementation"] = getattr(model.hf.config, "_attn_implementation", None)
+    if profile:
+        title = f"{cfg.d_model}x{cfg.n_encoder_layers}+{cfg.n_decoder_layers} {LABELS[impl]}, {device}, {precision}"
+        out["profile"] = profile_updates(updater(model, dev, precision, loss_fn), batches[warmup:], dev,
+                                         Path(profile), title)
     return out
 
 
-def run_isolated(impl: str, cfg: ModelConfig, batches_path: Path, warmup: int, threads: int,
-                 seed: int) -> dict[str, Any]:
-    """:func:`run_worker` in a fresh interpreter, so ``ru_maxrss`` is this implementation's alone."""
+def run_isolated(impl: str, cfg: ModelConfig, batches_path: Path, args: argparse.Namespace,
+                 threads: int) -> dict[str, Any]:
+    """:func:`run_worker` in a fresh interpreter, so ``ru_maxrss`` (and the CUDA state) is this
+    implementation's alone."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path, result = Path(tmp) / "cfg.json", Path(tmp) / "result.json"
         cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
         cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--worker", impl, "--worker-config",
                str(cfg_path), "--worker-batches", str(batches_path), "--worker-result", str(result),
-               "--warmup", str(warmup), "--threads", str(threads), "--seed", str(seed)]
+               "--warmup", str(args.warmup), "--threads", str(threads), "--seed", str(args.seed),
+               "--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode]
+        if args.profile:
+            cmd += ["--profile", args.profile]
         subprocess.run(cmd, check=True, cwd=common.REPO)
         return json.loads(result.read_text())
 
 
 @torch.no_grad()
 def logits_agreement(cfg: ModelConfig, impls: Sequence[str], batch: Batch, seed: int) -> dict[str, float]:
-    """max |logits - aiayn's| per implementation, eval mode, on the first 4 sentences of ``batch``."""
+    """max |logits - aiayn's| per implementation, eval mode, fp32 on CPU, on the first 4 sentences."""
     src, tgt_in = batch.src[:4], batch.tgt_in[:4]
     ref = build_impl("aiayn", cfg, seed).eval()
     out = {}
@@ -308,6 +375,7 @@ def logits_agreement(cfg: ModelConfig, impls: Sequence[str], batch: Batch, seed:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """The CPU section (the table format of the measured CPU numbers in BENCHMARKS.md)."""
     a = result["args"]
     memory = (
         "- Memory: each implementation runs in its own process; *peak RSS* is its `ru_maxrss`, *training "
@@ -337,7 +405,8 @@ def markdown(result: dict[str, Any]) -> str:
             ratio = ours["tokens_per_s"] / r["tokens_per_s"] if ours and impl != "aiayn" else None
             diff = c["logit_diff"].get(impl)
             mem = [f"{r['peak_rss_mib']:,.0f}", f"{r['training_memory_mib']:,.0f}"] if a["isolate"] else ["-", "-"]
-            rows.append([c["config"], LABELS[impl], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_update']:,.0f}", *mem,
+            name = c["config"] + (f" ({c['lengths']} lengths)" if c.get("lengths") == "wmt" else "")
+            rows.append([name, LABELS[impl], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_update']:,.0f}", *mem,
                          f"{ratio:.2f}x" if ratio else "", f"{diff:.1e}" if diff is not None else ""])
         hf = c["results"].get("hf-marian")
         if ours and hf:
@@ -350,13 +419,71 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MFU_GOALS = {"paper-base": 40.0, "paper-big": 50.0}  # % of the datasheet peak, issue 20
+
+
+def markdown_accelerator(result: dict[str, Any]) -> str:
+    """The section of a run on an accelerator: tokens/s, MFU against the datasheet and the measured peak,
+    peak GPU memory, per implementation, configuration and length distribution."""
+    a, peak = result["args"], result["peak"]
+    lines = [
+        f"## Training throughput on {result['machine']['gpu'] or a['device']} ({a['precision']})\n",
+        common.provenance(result["machine"], result["command"], result["date"]),
+        f"- Work: one update = batch copy to the GPU + {a['precision']} autocast forward + label-smoothed "
+        f"cross entropy (eps {LABEL_SMOOTHING}) + backward + Adam (fused), all through "
+        "`aiayn.train.trainer.train_update`; the cuDNN attention backend off for every implementation "
+        "(`aiayn.device.configure_cuda`); `aiayn + torch.compile` compiles the model and the loss as "
+        f"`train.compile: true` does (mode {a['compile_mode']}).",
+        f"- Data: batches of <= {a['max_tokens']} tokens (padded lengths counted), the same batches in the "
+        f"same order for every implementation; {a['warmup']} warm-up + {a['steps']} timed updates.",
+        f"- MFU = model FLOPs (3 x forward matmul FLOPs at the real lengths, `benchmarks/flops.py`) per second "
+        f"over the {flops.DATASHEET_PEAK_NAME}, and over the best {peak['dtype']} `torch.mm` measured in this "
+        f"run ({peak['flops_per_s'] / 1e12:,.0f} TFLOP/s, n = {', '.join(map(str, peak['sizes']))}).",
+        "- Peak GPU memory: `torch.cuda.max_memory_allocated` while the implementation trains, each in its own "
+        "process (model, gradients, Adam state, activations).\n",
+    ]
+    headers = ["config", "lengths", "implementation", "target tokens/s", "ms / update", "peak GPU memory (GiB)",
+               "MFU (989 TFLOP/s)", "MFU (measured peak)", "aiayn / this"]
+    rows, goals = [], []
+    for c in result["configs"]:
+        ours = c["results"].get("aiayn")
+        best = max((c["results"][i] for i in ("aiayn", COMPILED) if i in c["results"]),
+                   key=lambda r: r["tokens_per_s"], default=None)
+        for impl, r in c["results"].items():
+            ratio = best["tokens_per_s"] / r["tokens_per_s"] if best and impl not in ("aiayn", COMPILED) else None
+            rows.append([c["config"], c["lengths"], LABELS[impl], f"{r['tokens_per_s']:,.0f}",
+                         f"{r['ms_per_update']:,.1f}", f"{r.get('peak_gpu_memory_gib', 0):,.1f}",
+                         f"{100 * r['mfu_datasheet']:.1f}%", f"{100 * r['mfu_measured']:.1f}%",
+                         f"{ratio:.2f}x" if ratio else ""])
+        if best and ours:
+            goal = MFU_GOALS.get(c["config"])
+            if goal:
+                goals.append(f"- {c['config']}, {c['lengths']} lengths: best aiayn MFU = "
+                             f"{common.goal_cell(100 * best['mfu_datasheet'], goal, '%')}")
+            for peer in ("hf-marian", "torch-nn"):
+                if peer in c["results"]:
+                    goals.append(f"- {c['config']}, {c['lengths']}: best aiayn / {LABELS[peer]} tokens/s = "
+                                 f"{common.goal_cell(best['tokens_per_s'] / c['results'][peer]['tokens_per_s'], 1.5)}")
+    lines.append(common.markdown_table(headers, rows))
+    if goals:
+        lines.append("Goals (issue 20: paper-big >= 50% and paper-base >= 40% MFU of 989 TFLOP/s on the WMT-like "
+                     "lengths; >= 1.5x HF Marian and torch.nn.Transformer):\n")
+        lines += goals
+    if a.get("profile"):
+        lines.append(f"\ntorch.profiler tables (top kernels by GPU time, two updates per implementation): "
+                     f"`{a['profile']}`.")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.train_throughput", description=__doc__.split("\n")[0])
     common.add_training_args(p)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS) + [COMPILED])
+    p.add_argument("--compile-mode", default="default", choices=list(COMPILE_MODES),
+                   help="torch.compile mode of aiayn-compile (train.compile_mode)")
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every implementation in this process (faster; memory not comparable)")
-    p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
+    p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}[_cuda].json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     p.add_argument("--worker-batches", help=argparse.SUPPRESS)
@@ -366,46 +493,80 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def run_config(args: argparse.Namespace, preset: str, lengths: str, threads: int, peak: float | None) -> dict:
+    """Every implementation of one configuration on one length distribution."""
+    cfg = bench_config(preset, args.dropout)
+    batches, data_what = make_batches(args, cfg.vocab_size, args.warmup + args.steps, lengths)
+    diffs = logits_agreement(cfg, args.impls, batches[0], args.seed)
+    for impl, d in diffs.items():
+        if d > 1e-3:
+            raise SystemExit(f"{impl} does not compute aiayn's logits (max diff {d:.2e}): not the same model")
+    timed = batches[args.warmup:]
+    model_flops = sum(flops.batch_training_flops(cfg, b) for b in timed)
+    entry = {"config": preset, "lengths": lengths, "data": data_what, "model": dataclasses.asdict(cfg),
+             "logit_diff": diffs, "results": {}, "model_flops_timed": model_flops,
+             "mean_batch_target_tokens": sum(b.ntokens for b in batches) / len(batches)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batches.pt"
+        common.save_batches(batches, path)
+        for impl in args.impls:
+            print(f"[{NAME}] {preset} ({lengths}): {impl} ...", file=sys.stderr, flush=True)
+            if args.isolate:
+                r = run_isolated(impl, cfg, path, args, threads)
+            else:
+                r = run_worker(impl, cfg, batches, args.warmup, threads, args.seed, args.device, args.precision,
+                               args.compile_mode, args.profile)
+            achieved = model_flops / r["seconds"]
+            r["mfu_datasheet"] = achieved / flops.DATASHEET_PEAK_FLOPS
+            r["mfu_measured"] = achieved / peak if peak else None
+            mem = f", peak GPU memory {r['peak_gpu_memory_gib']:.1f} GiB" if "peak_gpu_memory_gib" in r else ""
+            mfu = (f", MFU {100 * r['mfu_datasheet']:.1f}% of 989 TFLOP/s, {100 * r['mfu_measured']:.1f}% of the "
+                   f"measured peak" if peak else "")
+            print(f"[{NAME}] {preset} ({lengths}): {impl} {r['tokens_per_s']:,.0f} target tokens/s{mfu}{mem}",
+                  file=sys.stderr)
+            if r.get("profile"):
+                print(r.pop("profile"), file=sys.stderr)
+            entry["results"][impl] = r
+    return entry
+
+
 def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    device = common.resolve_run_device(args)
     threads = common.set_threads(args.threads)
     if args.worker:  # one implementation in a fresh process (see run_isolated)
         cfg = ModelConfig(**json.loads(Path(args.worker_config).read_text()))
-        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args.warmup, threads, args.seed)
+        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args.warmup, threads,
+                         args.seed, args.device, args.precision, args.compile_mode, args.profile)
         common.write_json(args.worker_result, out)
         return out
 
+    accelerator = device.type != "cpu"
+    section = f"{NAME}_{device.type}" if accelerator else NAME
     result: dict[str, Any] = {
-        "benchmark": NAME, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
+        "benchmark": section, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
         "machine": common.machine_info(threads), "args": vars(args), "configs": [],
     }
-    data_what = None
+    peak = None
+    if accelerator:
+        print(f"[{NAME}] measuring the {args.precision} matmul peak of {device} ...", file=sys.stderr, flush=True)
+        dtype = DTYPES[args.precision]
+        measured = flops.matmul_peak(flops.CUDA_PEAK_SIZES if not args.smoke else (256,), 5, device, dtype)
+        result["peak"] = {**measured, "sizes": list(measured["per_size"])}
+        peak = measured["flops_per_s"]
     for preset in args.configs:
-        cfg = bench_config(preset, args.dropout)
-        batches, data_what = make_batches(args, cfg.vocab_size, args.warmup + args.steps)
-        diffs = logits_agreement(cfg, args.impls, batches[0], args.seed)
-        for impl, d in diffs.items():
-            if d > 1e-3:
-                raise SystemExit(f"{impl} does not compute aiayn's logits (max diff {d:.2e}): not the same model")
-        entry = {"config": preset, "model": dataclasses.asdict(cfg), "logit_diff": diffs, "results": {}}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "batches.pt"
-            common.save_batches(batches, path)
-            for impl in args.impls:
-                print(f"[{NAME}] {preset}: {impl} ...", file=sys.stderr, flush=True)
-                if args.isolate:
-                    r = run_isolated(impl, cfg, path, args.warmup, threads, args.seed)
-                else:
-                    r = run_worker(impl, cfg, batches, args.warmup, threads, args.seed)
-                print(f"[{NAME}] {preset}: {impl} {r['tokens_per_s']:,.0f} target tokens/s", file=sys.stderr)
-                entry["results"][impl] = r
-        result["configs"].append(entry)
-        result["mean_batch_target_tokens"] = sum(b.ntokens for b in batches) / len(batches)
-    result["data"] = data_what
-    result["dropout"] = result["configs"][0]["model"]["dropout"] if result["configs"] else None
-    common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
-    common.update_section(args.md, NAME, markdown(result))
+        for lengths in ([None] if args.run_dir else args.lengths):
+            entry = run_config(args, preset, lengths or "multi30k", threads, peak)
+            if args.run_dir:
+                entry["lengths"] = "Multi30k (tokenized)"
+            result["configs"].append(entry)
+    first = result["configs"][0] if result["configs"] else {}
+    result["data"] = first.get("data")
+    result["mean_batch_target_tokens"] = first.get("mean_batch_target_tokens")
+    result["dropout"] = first["model"]["dropout"] if first else None
+    common.write_json(args.out_json or common.RESULTS_DIR / f"{section}.json", result)
+    common.update_section(args.md, section, markdown_accelerator(result) if accelerator else markdown(result))
     return result
 
 

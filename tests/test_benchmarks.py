@@ -124,5 +124,55 @@ def test_update_section_replaces_only_its_own_block(tmp_path):
     common.update_section(md, "train_throughput", "## train v1")
     common.update_section(md, "mfu", "## mfu v2")
     text = md.read_text()
-    assert text.startswith(common.MD_HEADER.split("\n")[0]) and "No GPU was lent" in text
+    assert text.startswith(common.MD_HEADER.split("\n")[0]) and "benchmarks.run_all --gpu" in text
     assert "mfu v1" not in text and text.index("train v1") < text.index("mfu v2")
+
+
+# --- the GPU comparison's pieces, on CPU (issue 20) ------------------------------------------------------
+
+
+def test_training_benchmark_takes_device_precision_lengths_padding_and_profile(tmp_path):
+    profile = tmp_path / "profile.txt"
+    result = train_throughput.main(["--smoke", "--threads", "1", "--no-isolate", "--impls", "aiayn", "--device",
+                                    "cpu", "--precision", "fp32", "--lengths", "wmt", "multi30k",
+                                    "--pad-to-multiple", "8", "--profile", str(profile),
+                                    "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "t.json")])
+    assert [c["lengths"] for c in result["configs"]] == ["wmt", "multi30k"]
+    assert all(_positive(c["results"]["aiayn"]["tokens_per_s"]) for c in result["configs"])
+    assert "padded to a multiple of 8" in result["configs"][0]["data"]
+    assert "aten::" in profile.read_text()  # torch.profiler's operator table
+    # The GPU section's table renders from the same results (its numbers come from a GPU run only).
+    result["peak"] = {"flops_per_s": 1e12, "dtype": "bfloat16", "sizes": [8192]}
+    result["machine"]["gpu"] = "a GPU"
+    for c in result["configs"]:
+        for r in c["results"].values():
+            r.update(mfu_datasheet=0.1, mfu_measured=0.2, peak_gpu_memory_gib=1.5)
+    text = train_throughput.markdown_accelerator(result)
+    assert "MFU (989 TFLOP/s)" in text and "| smoke | wmt | aiayn |" in text and "10.0%" in text
+
+
+def test_gpu_preset_is_one_command_and_cuda_absent_is_one_clear_line(capsys):
+    args = run_all.parse_args(["--gpu"])
+    assert args.only == ["train_throughput", "mfu"]  # translation speed stays a CPU benchmark
+    tt = run_all.sub_argv("train_throughput", args)
+    assert tt[:4] == ["--device", "cuda", "--precision", "bf16"] and "--run-dir" not in tt
+    for flag in ("paper-base", "paper-big", "aiayn-compile", "hf-marian", "torch-nn", "wmt", "multi30k", "--profile"):
+        assert flag in tt
+    assert "--compile" in run_all.sub_argv("mfu", args)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="benchmark: error: device 'cuda'"):
+            mfu.main(["--smoke", "--device", "cuda", "--precision", "bf16"])
+
+
+def test_wmt_like_lengths_have_the_documented_distribution():
+    import statistics
+
+    lengths = common.synthetic_lengths(20000, seed=1, lengths="wmt")
+    src, tgt = [s for s, _ in lengths], [t for _, t in lengths]
+    assert statistics.mean(src) == pytest.approx(27, abs=0.5) and statistics.pstdev(src) == pytest.approx(15, abs=0.7)
+    assert statistics.mean(tgt) == pytest.approx(27, abs=0.7)
+    assert max(src) <= 128 and max(tgt) <= 128 and min(src) >= 1 and statistics.median(src) == 24
+    # the Multi30k pairs are the ones every earlier measurement used (values of the code before issue 20)
+    pairs = common.synthetic_token_pairs(6, 50, seed=1)
+    assert [(len(s), len(t)) for s, t in pairs] == [(20, 26), (15, 13), (9, 9), (9, 7), (15, 16), (17, 15)]
+    assert pairs[0][0][:6] == [7, 9, 9, 27, 14, 46]

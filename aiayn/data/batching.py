@@ -12,6 +12,13 @@ all right-padded with PAD. The paper batches "by approximate sequence length" wi
 source and 25,000 target tokens per batch (section 5.1); like fairseq we bound the padded size:
 ``cost = B * max(S, T)``, the element count of the larger padded tensor, with the +1 above
 included, so ``max_tokens`` is a true bound on memory per batch.
+
+Bounded shapes (for GPUs: no per-shape re-planning or recompilation, tensor-core friendly sizes):
+``pad_to_multiple`` rounds S and T of every batch up to a multiple (8 on GPUs), and ``buckets``
+(increasing lengths) makes the shapes fixed: a batch whose longest side fits bucket L is padded to
+S = T = L and to ``max_tokens // L`` rows (the missing rows all padding), one shape per bucket, as
+CUDA graphs need. The cost of a batch is counted on its padded lengths, so the budget still holds.
+Padding changes no loss and no gradient (padded keys are masked, padded targets ignored).
 """
 
 from __future__ import annotations
@@ -41,6 +48,14 @@ class Batch:
 
         return Batch(move(self.src), move(self.tgt_in), move(self.tgt_out), self.ntokens, self.indices)
 
+    def pin_memory(self) -> Batch:
+        """The same batch in page-locked host memory, so that ``to(cuda, non_blocking=True)`` is a real
+        asynchronous copy (from pageable memory the host waits for it)."""
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return Batch(pin(self.src), pin(self.tgt_in), pin(self.tgt_out), self.ntokens, self.indices)
+
     def __len__(self) -> int:
         return self.tgt_in.size(0)
 
@@ -51,6 +66,27 @@ def _rng(seed: int, epoch: int) -> random.Random:
     return random.Random(f"aiayn:{seed}:{epoch}")
 
 
+def padded_length(length: int, pad_to_multiple: int = 1, buckets: Sequence[int] = ()) -> int:
+    """The padded size of a batch dimension whose longest sequence has ``length`` positions: the
+    smallest bucket that holds it, else ``length`` rounded up to a multiple of ``pad_to_multiple``."""
+    for b in buckets:
+        if length <= b:
+            return b
+    return -(-length // pad_to_multiple) * pad_to_multiple
+
+
+def batch_shape(src_widths: Sequence[int], tgt_widths: Sequence[int], max_tokens: int, pad_to_multiple: int = 1,
+                buckets: Sequence[int] = ()) -> tuple[int | None, int, int]:
+    """(rows, S, T) of the padded tensors of one batch, from its sequences' tensor widths (specials
+    included). rows is None (as many as examples) unless the batch fits a bucket."""
+    S, T = max(src_widths, default=0), max(tgt_widths, default=0)
+    longest = max(S, T)
+    if buckets and longest <= buckets[-1]:
+        L = padded_length(longest, pad_to_multiple, buckets)
+        return max(1, max_tokens // L), L, L
+    return None, padded_length(S, pad_to_multiple), padded_length(T, pad_to_multiple)
+
+
 def token_batches(
     src_lens: Sequence[int],
     tgt_lens: Sequence[int] | None,
@@ -58,6 +94,8 @@ def token_batches(
     seed: int = 1,
     epoch: int = 0,
     shuffle: bool = True,
+    pad_to_multiple: int = 1,
+    buckets: Sequence[int] = (),
 ) -> list[list[int]]:
     """Group example indices into batches of similar length under a token budget.
 
@@ -69,22 +107,28 @@ def token_batches(
     Examples are sorted by length with a random tie-break, cut into batches, and the batch order
     is shuffled: deterministic for a given ``(seed, epoch)``, different across epochs. With
     ``shuffle=False`` ties keep index order and batches stay sorted (shortest first).
-    Every index appears in exactly one batch.
+    Every index appears in exactly one batch. With ``pad_to_multiple`` / ``buckets`` (see the module
+    docstring) the cost counts the padded length, ``padded_length(max length + 1)``.
     """
     n = len(src_lens)
     if tgt_lens is not None and len(tgt_lens) != n:
         raise ValueError(f"token_batches: {n} source lengths but {len(tgt_lens)} target lengths")
     if max_tokens <= 0:
         raise ValueError("token_batches: max_tokens must be positive")
-    cost_len = [s + 1 for s in src_lens] if tgt_lens is None else [
+    if pad_to_multiple < 1 or list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
+        raise ValueError("token_batches: pad_to_multiple must be >= 1 and buckets increasing positive lengths")
+    true_len = [s + 1 for s in src_lens] if tgt_lens is None else [
         max(s, t) + 1 for s, t in zip(src_lens, tgt_lens)
     ]
+    padded = pad_to_multiple > 1 or bool(buckets)
+    cost_len = [padded_length(c, pad_to_multiple, buckets) for c in true_len] if padded else true_len
     order = list(range(n))
     rng = _rng(seed, epoch)
     if shuffle:
         rng.shuffle(order)  # the tie-break: equal lengths come out in a seeded random order
     # Sort by the padded length, then by source length so that source padding is small too.
-    order.sort(key=lambda i: (cost_len[i], src_lens[i]))
+    order.sort(key=(lambda i: (cost_len[i], true_len[i], src_lens[i])) if padded else
+               (lambda i: (cost_len[i], src_lens[i])))
 
     batches: list[list[int]] = []
     cur: list[int] = []
@@ -103,10 +147,16 @@ def token_batches(
     return batches
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> torch.Tensor:
-    """Right-pad id lists into a (B, max_len) long tensor."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID, width: int | None = None,
+              rows: int | None = None) -> torch.Tensor:
+    """Right-pad id lists into a (rows, width) long tensor: by default (B, max_len); a larger ``width``
+    or ``rows`` pads further (extra rows are all ``pad_id``)."""
+    longest = max((len(s) for s in seqs), default=0)
+    width = longest if width is None else width
+    rows = len(seqs) if rows is None else rows
+    if width < longest or rows < len(seqs):
+        raise ValueError(f"pad_batch: {len(seqs)} sequences of up to {longest} ids do not fit ({rows}, {width})")
+    out = torch.full((rows, width), pad_id, dtype=torch.long)
     for b, s in enumerate(seqs):
         if len(s):
             out[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
@@ -120,13 +170,16 @@ def collate(
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
+    shape: tuple[int | None, int, int] | None = None,
 ) -> Batch:
-    """Build a :class:`Batch`: src = x + [EOS], tgt_in = [BOS] + y, tgt_out = y + [EOS], right-padded."""
+    """Build a :class:`Batch`: src = x + [EOS], tgt_in = [BOS] + y, tgt_out = y + [EOS], right-padded
+    to the longest sequence, or to ``shape`` = (rows or None, S, T) from :func:`batch_shape`."""
     if not len(src_ids) == len(tgt_ids) == len(indices):
         raise ValueError("collate: src_ids, tgt_ids and indices must have the same length")
-    src = pad_batch([list(s) + [eos_id] for s in src_ids], pad_id)  # (B, S)
-    tgt_in = pad_batch([[bos_id] + list(t) for t in tgt_ids], pad_id)  # (B, T)
-    tgt_out = pad_batch([list(t) + [eos_id] for t in tgt_ids], pad_id)  # (B, T)
+    rows, S, T = shape if shape is not None else (None, None, None)
+    src = pad_batch([list(s) + [eos_id] for s in src_ids], pad_id, S, rows)  # (B, S)
+    tgt_in = pad_batch([[bos_id] + list(t) for t in tgt_ids], pad_id, T, rows)  # (B, T)
+    tgt_out = pad_batch([list(t) + [eos_id] for t in tgt_ids], pad_id, T, rows)  # (B, T)
     ntokens = int((tgt_out != pad_id).sum())
     return Batch(src, tgt_in, tgt_out, ntokens, list(indices))
 

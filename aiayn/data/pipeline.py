@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from aiayn.config import Config, ConfigError
-from aiayn.data.batching import Batch, collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.batching import Batch, batch_shape, collate, lm_batches, lm_blocks, token_batches
 from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
 from aiayn.data.summarization import (
@@ -103,30 +103,45 @@ class TranslationData:
     max_tokens: int
     seed: int
     specials: SpecialIds = SpecialIds()  # pad / eos / decoder start of the run's tokenizer
+    pad_to_multiple: int = 1  # data.pad_to_multiple
+    buckets: tuple[int, ...] = ()  # data.length_buckets
 
     def __post_init__(self) -> None:
-        # +1: EOS on the source, BOS (input) / EOS (output) on the target.
-        self._src_lens = [len(s) + 1 for s in self.src]
-        self._tgt_lens = [len(t) + 1 for t in self.tgt]
+        self._padded = self.pad_to_multiple > 1 or bool(self.buckets)
+        self._src_lens = self._lengths(self.src)
+        self._tgt_lens = self._lengths(self.tgt)
         self._valid: list[Batch] | None = None
 
+    def _lengths(self, seqs: list[list[int]]) -> list[int]:
+        # token_batches adds the EOS / BOS itself. Unpadded batching counts it twice (+1 here as well):
+        # kept as every run so far was batched. Padded batches must cost exactly what collate builds.
+        extra = 0 if self._padded else 1
+        return [len(s) + extra for s in seqs]
+
+    def _batches(self, src: list[list[int]], tgt: list[list[int]], lens: tuple[list[int], list[int]], epoch: int,
+                 shuffle: bool) -> list[Batch]:
+        idx = token_batches(*lens, self.max_tokens, self.seed, epoch, shuffle=shuffle,
+                            pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
+        return [self._collate(src, tgt, b) for b in idx]
+
     def epoch_batches(self, epoch: int) -> list[Batch]:
-        idx = token_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True)
-        return [self._collate(self.src, self.tgt, b) for b in idx]
+        return self._batches(self.src, self.tgt, (self._src_lens, self._tgt_lens), epoch, shuffle=True)
 
     @property
     def valid_batches(self) -> list[Batch]:
         if self._valid is None:
-            lens_s = [len(s) + 1 for s in self.valid_src]
-            lens_t = [len(t) + 1 for t in self.valid_tgt]
-            idx = token_batches(lens_s, lens_t, self.max_tokens, self.seed, 0, shuffle=False)
-            self._valid = [self._collate(self.valid_src, self.valid_tgt, b) for b in idx]
+            lens = (self._lengths(self.valid_src), self._lengths(self.valid_tgt))
+            self._valid = self._batches(self.valid_src, self.valid_tgt, lens, 0, shuffle=False)
         return self._valid
 
     def _collate(self, src: list[list[int]], tgt: list[list[int]], indices: list[int]) -> Batch:
+        s, t = [src[i] for i in indices], [tgt[i] for i in indices]
+        shape = None
+        if self._padded:  # tensor widths: + EOS on the source, + BOS / EOS on the target
+            shape = batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], self.max_tokens,
+                                self.pad_to_multiple, self.buckets)
         sp = self.specials
-        return collate([src[i] for i in indices], [tgt[i] for i in indices], indices, sp.pad, sp.decoder_start,
-                       sp.eos)
+        return collate(s, t, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
 
 
 @dataclass
@@ -191,7 +206,8 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
         if not fields[f"{name}_src"]:
             raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
     return TranslationData(fields["train_src"], fields["train_tgt"], fields["valid_src"], fields["valid_tgt"],
-                           cfg.data.max_tokens, cfg.train.seed, tok.specials), tok
+                           cfg.data.max_tokens, cfg.train.seed, tok.specials, cfg.data.pad_to_multiple,
+                           tuple(cfg.data.length_buckets)), tok
 
 
 def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None

@@ -45,12 +45,12 @@ def scaled_dot_product_attention(
             mask, is_causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril(), False
     empty_rows = None
     if mask is not None:
+        # Let a query with no key to attend to attend everywhere (a finite softmax), then zero its output.
+        # Always, without asking first whether such a row exists: that question (a Python bool of a device
+        # tensor) made the host wait for the device in every attention call and broke torch.compile's graph.
+        # The masks are small ((B, 1, 1, S) padding, (T, T) causal), and the zeroing is one elementwise op.
         empty_rows = ~mask.any(dim=-1, keepdim=True)  # (B|1, H|1, Tq|1, 1)
-        if not bool(empty_rows.any()):
-            empty_rows = None
-        else:
-            # Let empty rows attend everywhere (a finite softmax), then zero their output below.
-            mask = mask | empty_rows
+        mask = mask | empty_rows
     if fused:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         probs = None
@@ -62,11 +62,11 @@ def scaled_dot_product_attention(
             scores = scores + torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
                 ~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        if empty_rows is not None:
-            probs = probs.masked_fill(empty_rows, 0.0)
         out = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
         if not need_weights:
             probs = None
+        elif empty_rows is not None:
+            probs = probs.masked_fill(empty_rows, 0.0)
     if empty_rows is not None:
         out = out.masked_fill(empty_rows, 0.0)
     return out, probs

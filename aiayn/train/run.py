@@ -38,7 +38,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
-    d = init_distributed()
+    d = init_distributed(cfg.train.device)
     try:
         return _train(cfg, Path(run_dir), resume, progress, d)
     except BaseException:

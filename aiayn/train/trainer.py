@@ -22,8 +22,8 @@ from torch import nn
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
-from aiayn.device import autocast_context, resolve_precision
-from aiayn.errors import CheckpointError
+from aiayn.device import autocast_context, configure_cuda, resolve_device, resolve_precision
+from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import (
     average_checkpoints,
     checkpoint_paths,
@@ -76,6 +76,12 @@ class Dist:
         dist.all_reduce(t)
         return t.tolist()
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over processes (in place; no host synchronization)."""
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
     def broadcast_flag(self, flag: bool, device: torch.device) -> bool:
         """Rank 0's decision, for all (so every process stops at the same update)."""
         if self.world == 1:
@@ -85,15 +91,31 @@ class Dist:
         return bool(t.item())
 
 
-def init_distributed() -> Dist:
-    """Join the process group torchrun set up (WORLD_SIZE > 1), else a single process."""
+def init_distributed(device: str | torch.device = "auto") -> Dist:
+    """Join the process group torchrun set up (WORLD_SIZE > 1), else a single process.
+
+    ``device`` is ``train.device``: NCCL when this process trains on CUDA (its GPU, cuda:LOCAL_RANK, is
+    made current first, so NCCL's communicators and buffers live there rather than all on GPU 0), gloo
+    otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank)
+    check_rank_device(dev, local_rank, world)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def check_rank_device(device: torch.device, local_rank: int, world: int) -> None:
+    """Each of several processes on a machine trains on its own GPU, cuda:LOCAL_RANK (what ``auto`` and a
+    bare ``cuda`` give); ``cuda:N`` would put them all on one GPU."""
+    if world > 1 and device.type == "cuda" and device.index != local_rank:
+        raise DeviceError(f"train.device={device}: with {world} processes each needs its own GPU (process "
+                          f"{local_rank} would use {device}); use auto or cuda")
 
 
 # --- one update ------------------------------------------------------------------------------------
@@ -104,6 +126,17 @@ def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     if batch.src is None:
         return model(batch.tgt_in)
     return model(batch.src, batch.tgt_in)
+
+
+def batch_to_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` on ``device``; to CUDA through page-locked memory with a non-blocking copy, so the host
+    goes on queueing work instead of waiting for the transfer."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, float, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -125,19 +158,27 @@ def train_update(
     dist_info: Dist | None = None,
     autocast=None,
     scaler: torch.amp.GradScaler | None = None,
+    total_tokens: int | None = None,
+    loss_fn: LossFn = label_smoothed_cross_entropy,
 ) -> UpdateStats:
     """One optimizer update over ``micro_batches`` (gradient accumulation).
 
     Every micro-batch's summed loss is divided by the target tokens of the *whole* update (all
     micro-batches, all processes), so k accumulated micro-batches give the same gradient as one batch
     k times larger. DDP averages gradients over processes, so the loss is multiplied by the world size.
+    ``total_tokens``: that count when the caller knows it (the trainer does: every process sees every
+    batch); otherwise it is summed over processes here, one more synchronization when there are several.
+
+    The host waits for the device once per update, at the end, to read the statistics: losses stay
+    device tensors until then, clipping keeps the norm on the device, and a fused optimizer takes the
+    fp16 GradScaler's inf check without reading it back.
     """
     d = dist_info or Dist()
     device = next(model.parameters()).device
-    local_tokens = sum(b.ntokens for b in micro_batches)
-    (total_tokens,) = d.sum([local_tokens], device)
+    if total_tokens is None:
+        (total_tokens,) = d.sum([sum(b.ntokens for b in micro_batches)], device)
     scale = d.world / max(total_tokens, 1.0)
-    loss_sum = nll_sum = 0.0
+    sums = []  # per micro-batch (loss, nll), detached, on the device
     ctx = autocast or contextlib.nullcontext()
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -145,26 +186,28 @@ def train_update(
         with sync:
             with ctx:
                 logits = batch_logits(model, batch)
-            loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id)
+            loss, nll = loss_fn(logits, batch.tgt_out, label_smoothing, pad_id)
             scaled = loss * scale
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_sum += loss.item()
-        nll_sum += nll.item()
+        sums.append(torch.stack([loss.detach(), nll.detach()]))  # a copy: compiled outputs may be reused
     for group in optimizer.param_groups:
         group["lr"] = lr
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = None
     if clip_norm:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, nll_sum = d.sum([loss_sum, nll_sum], device)
-    return UpdateStats(loss_sum, nll_sum, int(total_tokens), grad_norm)
+    stats = d.all_reduce_sum(torch.stack(sums).sum(0))  # (2,): loss, nll over the whole update
+    if grad_norm is not None:  # the same on every process (after DDP's gradient all-reduce)
+        stats = torch.cat([stats, grad_norm.detach().to(stats.dtype).reshape(1)])
+    values = stats.tolist()  # the update's one host-device synchronization
+    return UpdateStats(values[0], values[1], int(total_tokens), values[2] if grad_norm is not None else None)
 
 
 @torch.no_grad()
@@ -177,17 +220,54 @@ def evaluate_loss(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    loss = nll = tokens = 0.0
+    sums = torch.zeros(2, device=device)  # loss, nll: read once at the end
+    tokens = 0
     for batch in batches[d.rank :: d.world]:
-        batch = batch.to(device)
+        batch = batch_to_device(batch, device)
         with autocast or contextlib.nullcontext():
             logits = batch_logits(model, batch)
-        l_, n_ = label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id)
-        loss, nll, tokens = loss + l_.item(), nll + n_.item(), tokens + batch.ntokens
+        sums += torch.stack(label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id))
+        tokens += batch.ntokens
     model.train(was_training)
-    loss, nll, tokens = d.sum([loss, nll, tokens], device)
+    loss, nll = d.all_reduce_sum(sums).tolist()
+    (tokens,) = d.sum([tokens], device)
     per_tok = nll / max(tokens, 1)
     return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
+
+
+def update_token_totals(batches: Sequence[Batch], accum_steps: int, world: int) -> list[int]:
+    """Target tokens of each update of an epoch summed over all processes. Batches are dealt round-robin
+    (process r takes r, r + world, ...), so every process can count what the others hold instead of
+    all-reducing the count before every update."""
+    n_updates = len(batches) // (accum_steps * world)
+    k = accum_steps
+    ranks = [batches[r::world][: n_updates * k] for r in range(world)]
+    return [sum(b.ntokens for mine in ranks for b in mine[i * k : (i + 1) * k]) for i in range(n_updates)]
+
+
+def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
+    """``torch.compile`` of the training module and of the loss (``train.compile_mode``).
+
+    Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks) there
+    are few shapes and each repeats: one static graph per shape (``dynamic=False``: kernels specialized to
+    the sizes, and the fixed shapes CUDA graphs need for ``reduce-overhead``); the recompile limit is
+    raised to the number of buckets. Otherwise token-budget batches change the batch size with almost every
+    update and the lengths with the data: one graph with symbolic batch size and lengths
+    (``dynamic=True``; the model widths stay static, so kernels lose little) instead of a recompile per
+    shape. The model has no graph break (tests/test_engine.py).
+    """
+    from aiayn.data.summarization import is_summary_lm
+
+    tc = cfg.train
+    fixed = bool(cfg.data.length_buckets) if cfg.task != "lm" else not is_summary_lm(cfg)
+    if fixed:
+        limit = len(cfg.data.length_buckets) + 4  # + the shapes of over-long examples and last LM batches
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    elif tc.compile_mode == "reduce-overhead":
+        log.warning("train.compile_mode=reduce-overhead records a CUDA graph per batch shape; set "
+                    "data.length_buckets so that shapes repeat")
+    options = {"mode": None if tc.compile_mode == "default" else tc.compile_mode, "dynamic": not fixed}
+    return torch.compile(module, **options), torch.compile(label_smoothed_cross_entropy, **options)
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -269,15 +349,16 @@ class Trainer:
     def best_path(self) -> Path:
         return self.run_dir / "checkpoints" / "best.safetensors"
 
-    # The module that runs forward/backward: DDP and torch.compile wrap the plain model.
-    def _train_module(self) -> nn.Module:
-        module = self.model
-        if self.cfg.train.compile:
-            module = torch.compile(module)
+    # The module that runs forward/backward, and the loss: DDP and torch.compile wrap the plain ones.
+    def _train_module(self) -> tuple[nn.Module, LossFn]:
+        configure_cuda(self.device)
+        module, loss_fn = self.model, label_smoothed_cross_entropy
         if self.d.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
-        return module
+        if self.cfg.train.compile:
+            module, loss_fn = compile_for_training(module, self.cfg)
+        return module, loss_fn
 
     def resume(self) -> bool:
         """Restore the newest complete checkpoint; False when there is none."""
@@ -303,6 +384,7 @@ class Trainer:
         k, w = self.cfg.train.accum_steps, self.d.world
         n_updates = len(batches) // (k * w)
         mine = batches[self.d.rank :: w][: n_updates * k]
+        self._update_tokens = update_token_totals(batches, k, w)
         return [mine[i * k : (i + 1) * k] for i in range(n_updates)]
 
     def _save(self, keep_last: int) -> None:
@@ -339,7 +421,7 @@ class Trainer:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state."""
         tc, st = self.cfg.train, self.state
         metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None, tc.log_to, self.cfg)
-        module = self._train_module()
+        module, loss_fn = self._train_module()
         module.train()
         bar = None
         if self.progress and self.d.main:
@@ -357,10 +439,11 @@ class Trainer:
                 raise ConfigError("the training data gives no full update: lower data.max_tokens "
                                   "or train.accum_steps, or add data")
             while st.position < len(updates) and not stop:
-                micro = [b.to(self.device) for b in updates[st.position]]
+                micro = [batch_to_device(b, self.device) for b in updates[st.position]]
                 lr = learning_rate(tc, d_model, st.step + 1)
                 stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
-                                     tc.clip_norm, self.d, self.autocast, self.scaler)
+                                     tc.clip_norm, self.d, self.autocast, self.scaler,
+                                     self._update_tokens[st.position], loss_fn)
                 st.step += 1
                 st.position += 1
                 st.tokens += stats.ntokens
@@ -383,8 +466,10 @@ class Trainer:
                         bar.set_postfix(loss=f"{rec['train_loss']:.3f}", lr=f"{lr:.2e}",
                                         tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
                     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
-                out_of_time = tc.max_minutes is not None and st.elapsed_s >= tc.max_minutes * 60
-                stop = st.step >= tc.max_updates or self.d.broadcast_flag(out_of_time, self.device)
+                # Rank 0's clock decides, for all processes (a synchronization: only with a time budget).
+                out_of_time = tc.max_minutes is not None and self.d.broadcast_flag(
+                    st.elapsed_s >= tc.max_minutes * 60, self.device)
+                stop = st.step >= tc.max_updates or out_of_time
                 if st.step % tc.eval_every == 0 or stop:
                     stop = self._evaluate(metrics) or stop
                 if st.step % tc.save_every == 0 or stop:

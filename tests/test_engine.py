@@ -1,0 +1,347 @@
+"""Proofs for the GPU training engine (issue 20), on CPU: every fast path equals the plain one.
+
+Bounded batch shapes leave loss and gradients unchanged; the one-pass loss equals the plain formula and
+PyTorch's cross entropy; an update reads the device once; the model has no torch.compile graph break and
+the compiled model computes what the eager one does; the CUDA choices (SDPA backends, fused Adam, NCCL
+device placement, precision, GradScaler) are made where they should be. CUDA-only paths are skipped here
+and measured by the GPU benchmarks (BENCHMARKS.md, "GPU (not measured yet)").
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from aiayn import build_model, model_config
+from aiayn.config import ConfigError, load_config
+from aiayn.data.batching import batch_shape, collate, padded_length, token_batches
+from aiayn.data.pipeline import TranslationData
+from aiayn.device import configure_cuda, resolve_precision
+from aiayn.errors import DeviceError
+from aiayn.model.attention import cpu_attention_path
+from aiayn.train import loss as loss_module
+from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.schedule import build_optimizer, use_fused_optimizer
+from aiayn.train.trainer import (
+    batch_logits,
+    check_rank_device,
+    compile_for_training,
+    train_update,
+    update_token_totals,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_model(**over):
+    values = dict(vocab_size=40, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=2,
+                  dropout=0.0, max_positions=64)
+    values.update(over)
+    return build_model(model_config("tiny", **values))
+
+
+def pairs(n: int, seed: int = 0, low: int = 1, high: int = 12) -> tuple[list[list[int]], list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def seq() -> list[int]:
+        return torch.randint(4, 40, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+
+    return [seq() for _ in range(n)], [seq() for _ in range(n)]
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss, _ = label_smoothed_cross_entropy(batch_logits(model, batch), batch.tgt_out, 0.1, 0)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+# --- bounded shapes: padding changes nothing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["explicit", "fused"])
+def test_extra_padding_leaves_loss_and_gradients_unchanged(path):
+    torch.manual_seed(0)
+    model = tiny_model().train()
+    src, tgt = pairs(6)
+    plain = collate(src, tgt, list(range(6)))
+    B, S = plain.src.shape
+    # 3 more columns on both sides and 2 all-padding rows (their attention rows have no key at all).
+    padded = collate(src, tgt, list(range(6)), shape=(B + 2, S + 3, plain.tgt_in.size(1) + 5))
+    assert padded.ntokens == plain.ntokens and padded.src[B:].eq(0).all()
+    with cpu_attention_path(path):
+        l0, g0 = loss_and_grads(model, plain)
+        l1, g1 = loss_and_grads(model, padded)
+    assert torch.isfinite(l1) and abs(l1.item() - l0.item()) <= 1e-6 * abs(l0.item())
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert max(g.abs().max().item() for g in g0.values()) > 1e-3  # the gradients are not all zero
+
+
+def test_padded_batches_respect_the_budget_and_bound_the_shapes():
+    src_lens = [int(x) for x in torch.randint(1, 60, (500,), generator=torch.Generator().manual_seed(1))]
+    tgt_lens = [max(1, s + int(d)) for s, d in zip(src_lens, torch.randint(-5, 6, (500,)))]
+    assert token_batches(src_lens, tgt_lens, 512, pad_to_multiple=1) == token_batches(src_lens, tgt_lens, 512)
+    # pad_to_multiple: S and T are multiples of 8 and the padded batch stays within the budget
+    groups = token_batches(src_lens, tgt_lens, 512, pad_to_multiple=8)
+    assert sorted(i for g in groups for i in g) == list(range(500))
+    for g in groups:
+        rows, S, T = batch_shape([src_lens[i] + 1 for i in g], [tgt_lens[i] + 1 for i in g], 512, 8)
+        assert rows is None and S % 8 == 0 and T % 8 == 0 and len(g) * max(S, T) <= 512
+    # buckets: one shape per bucket, rows = budget // L, every example fits its batch
+    buckets = (16, 32, 64)
+    shapes = set()
+    for g in token_batches(src_lens, tgt_lens, 512, pad_to_multiple=8, buckets=buckets):
+        shape = batch_shape([src_lens[i] + 1 for i in g], [tgt_lens[i] + 1 for i in g], 512, 8, buckets)
+        rows, S, T = shape
+        assert S == T in buckets and rows == 512 // S and len(g) <= rows
+        shapes.add(shape)
+    assert len(shapes) == len(buckets)
+    assert [padded_length(n, 8, buckets) for n in (1, 16, 17, 64, 65, 71)] == [16, 16, 32, 64, 72, 72]
+
+
+def test_translation_data_pads_as_configured():
+    src, tgt = pairs(200, seed=2, high=40)
+    data = TranslationData(src, tgt, src[:20], tgt[:20], max_tokens=256, seed=1, pad_to_multiple=8,
+                           buckets=(16, 32, 48))
+    batches = data.epoch_batches(0)
+    assert sorted(i for b in batches for i in b.indices) == list(range(200))
+    assert {tuple(b.src.shape) for b in batches} <= {(16, 16), (8, 32), (5, 48)}
+    for b in batches:
+        assert b.src.shape == b.tgt_in.shape == b.tgt_out.shape
+        assert b.ntokens == sum(len(tgt[i]) + 1 for i in b.indices)
+    assert {tuple(b.src.shape) for b in data.valid_batches} <= {(16, 16), (8, 32), (5, 48)}
+    # the default keeps the batches every run so far was trained on (no padding beyond the longest)
+    plain = TranslationData(src, tgt, src, tgt, max_tokens=256, seed=1).epoch_batches(0)
+    assert all(b.src.size(1) == max(len(src[i]) + 1 for i in b.indices) for b in plain)
+
+
+def test_shape_config_keys_are_checked():
+    cfg = load_config("tiny_reverse", ["data.pad_to_multiple=8", "data.length_buckets=[16, 32]",
+                                       "train.compile_mode=reduce-overhead"])
+    assert (cfg.data.pad_to_multiple, cfg.data.length_buckets, cfg.train.compile_mode) == (8, [16, 32],
+                                                                                            "reduce-overhead")
+    assert load_config("tiny_reverse", ["data.length_buckets=16"]).data.length_buckets == [16]  # one item
+    for bad in ("data.pad_to_multiple=0", "data.length_buckets=[32, 16]", "data.length_buckets=[0, 16]",
+                "train.compile_mode=fast"):
+        with pytest.raises(ConfigError):
+            load_config("tiny_reverse", [bad])
+
+
+# --- the loss ------------------------------------------------------------------------------------------
+
+
+def plain_label_smoothed_cross_entropy(logits, target, epsilon, ignore_index=0):
+    """The formula aiayn used before the one-pass loss: full fp32 log-probabilities, gather, mean."""
+    lprobs = F.log_softmax(logits.float(), dim=-1).reshape(-1, logits.size(-1))
+    target = target.reshape(-1)
+    keep = target != ignore_index
+    nll = -lprobs.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1)
+    loss = (1.0 - epsilon) * nll - epsilon * lprobs.mean(dim=-1)
+    return loss[keep].sum(), nll[keep].sum().detach()
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_rows", [None, 3])  # None: one chunk; 3: several, the last one short
+def test_one_pass_loss_equals_the_plain_formula_and_torch(monkeypatch, epsilon, chunk_rows):
+    V = 37
+    if chunk_rows:
+        monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk_rows * V)
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(4, 5, V)).requires_grad_()
+    target = torch.randint(1, V, (4, 5))
+    target[1, 2:] = 0
+    loss, nll = label_smoothed_cross_entropy(logits, target, epsilon, 0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_loss, ref_nll = plain_label_smoothed_cross_entropy(logits, target, epsilon, 0)
+    (ref_grad,) = torch.autograd.grad(ref_loss, logits)
+    torch_loss = F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=0, label_smoothing=epsilon,
+                                 reduction="sum")
+    assert not nll.requires_grad and loss.dtype == nll.dtype == torch.float32
+    for value, ref in ((loss, ref_loss), (nll, ref_nll), (loss, torch_loss)):
+        assert abs(value.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert grad[1, 2:].abs().max().item() == 0.0  # padding positions get no gradient
+
+
+def test_loss_keeps_no_fp32_vocabulary_sized_tensor_for_backward():
+    logits = torch.randn(6, 50, requires_grad=True)
+    loss, _ = label_smoothed_cross_entropy(logits, torch.randint(1, 50, (6,)), 0.1)
+    saved = [t for t in loss.grad_fn.saved_tensors if t.numel() >= logits.numel()]
+    assert len(saved) == 1 and saved[0].data_ptr() == logits.data_ptr()  # only the logits themselves
+
+
+# --- an asynchronous update ------------------------------------------------------------------------------
+
+
+class _SyncOps(TorchDispatchMode):
+    """Records the operators that make the host wait for the device (scalar reads, data-dependent shapes)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "is_nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(s in str(func) for s in self.SYNCING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_backward_and_update_read_the_device_once(monkeypatch):
+    torch.manual_seed(2)
+    model = tiny_model(dropout=0.1).train()
+    src, tgt = pairs(8, seed=3)
+    batches = [collate(src[:4], tgt[:4], [0, 1, 2, 3]), collate(src[4:], tgt[4:], [4, 5, 6, 7])]
+    batches[0].src[1] = 0  # a source of padding only: its attention rows have nothing to attend to
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # SGD: no optimizer-internal scalar reads
+    with _SyncOps() as mode:
+        stats = train_update(model, opt, batches, lr=0.1, label_smoothing=0.1, clip_norm=1.0)
+    assert mode.seen == []  # no .item(), bool(tensor), masked_select, nonzero in forward, loss, backward, clip
+    assert reads == [torch.Size([3])]  # one read: loss, nll and gradient norm together
+    assert stats.ntokens == sum(b.ntokens for b in batches) and min(stats.loss, stats.nll, stats.grad_norm) > 0
+
+
+def test_update_token_totals_are_what_every_process_would_all_reduce():
+    batches = [SimpleNamespace(ntokens=n) for n in (5, 7, 11, 13, 17, 19, 23, 29, 31)]
+    # 2 processes, 2 micro-batches each: process 0 takes batches 0, 2, 4, 6 and process 1 takes 1, 3, 5, 7
+    assert update_token_totals(batches, 2, 2) == [5 + 11 + 7 + 13, 17 + 23 + 19 + 29]
+    assert update_token_totals(batches, 1, 1) == [b.ntokens for b in batches]
+
+
+# --- torch.compile ----------------------------------------------------------------------------------------
+
+
+def test_forward_and_loss_have_no_graph_break():
+    torch.manual_seed(3)
+    model = tiny_model(dropout=0.1).train()
+    src, tgt = pairs(4, seed=4)
+    batch = collate(src, tgt, list(range(4)), shape=(6, 16, 16))  # padded columns and all-padding rows
+
+    def forward_and_loss(src, tgt_in, tgt_out):
+        return label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, 0.1, 0)
+
+    explanation = torch._dynamo.explain(forward_and_loss)(batch.src, batch.tgt_in, batch.tgt_out)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.slow
+def test_compiled_training_step_equals_eager():
+    """The one inductor compile of the suite (a C++ build of the kernels: ~20-60 s on a 2-core CPU): the
+    compiled model and loss compute the eager values and gradients, and a new batch shape reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])
+    eager = tiny_model(n_decoder_layers=1)
+    compiled_copy = tiny_model(n_decoder_layers=1)
+    compiled_copy.load_state_dict(eager.state_dict())
+    module, loss_fn = compile_for_training(compiled_copy, cfg)
+    src, tgt = pairs(5, seed=5)
+    batch = collate(src, tgt, list(range(5)), shape=(6, 16, 24))
+    results = []
+    for model, plain, fn in ((eager, eager, label_smoothed_cross_entropy), (module, compiled_copy, loss_fn)):
+        loss, nll = fn(batch_logits(model, batch), batch.tgt_out, 0.1, 0)
+        loss.backward()
+        results.append((loss.item(), nll.item(), {k: p.grad for k, p in plain.named_parameters()}))
+    (l0, n0, g0), (l1, n1, g1) = results
+    assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
+    graphs = counters["stats"]["unique_graphs"]
+    other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 24, 16))  # another batch size and lengths
+    loss_fn(batch_logits(module, other), other.tgt_out, 0.1, 0)[0].backward()
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for a new shape
+    torch._dynamo.reset()
+
+
+# --- CUDA choices, checked without a GPU -------------------------------------------------------------------
+
+
+def test_configure_cuda_turns_the_cudnn_attention_backend_off_and_only_on_cuda():
+    backends = torch.backends.cuda
+    saved = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled())
+    try:
+        backends.enable_cudnn_sdp(True)
+        configure_cuda(torch.device("cpu"))
+        assert backends.cudnn_sdp_enabled()
+        configure_cuda(torch.device("cuda", 0))
+        assert not backends.cudnn_sdp_enabled()
+        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
+    finally:
+        backends.enable_cudnn_sdp(saved[0])
+        backends.enable_flash_sdp(saved[1])
+        backends.enable_mem_efficient_sdp(saved[2])
+
+
+def test_adam_is_fused_only_when_every_parameter_is_on_cuda():
+    cuda = SimpleNamespace(device=torch.device("cuda", 0), is_floating_point=lambda: True)
+    cpu = torch.zeros(2, requires_grad=True)
+    assert use_fused_optimizer([cuda, cuda]) and not use_fused_optimizer([cuda, cpu])
+    assert not use_fused_optimizer([]) and not use_fused_optimizer([cpu])
+    opt = build_optimizer(tiny_model(), load_config("tiny_reverse").train)
+    assert not opt.defaults.get("fused")  # CPU keeps the implementation its checkpoints were made with
+
+
+def test_each_torchrun_process_trains_on_its_own_gpu():
+    check_rank_device(torch.device("cuda", 1), local_rank=1, world=2)
+    check_rank_device(torch.device("cpu"), local_rank=1, world=2)
+    check_rank_device(torch.device("cuda", 0), local_rank=0, world=1)
+    with pytest.raises(DeviceError, match="its own GPU"):
+        check_rank_device(torch.device("cuda", 0), local_rank=1, world=2)
+
+
+def test_precision_resolution(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_precision("auto", cpu, training=True) == "fp32"
+    for p in ("bf16", "fp16"):
+        with pytest.raises(DeviceError, match="needs a CUDA device"):
+            resolve_precision(p, cpu, training=True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", cuda, training=True) == "bf16"
+    assert resolve_precision("auto", cuda, training=False) == "fp32"
+    assert resolve_precision("fp16", cuda, training=True) == "fp16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", cuda, training=True) == "fp32"
+    with pytest.raises(DeviceError, match="does not support bfloat16"):
+        resolve_precision("bf16", cuda, training=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
+    """fp16 training's GradScaler path through train_update (scale, unscale, clip, step, update), in fp32 on
+    CPU: the same weights as without a scaler; fused Adam takes the scaler's inf check without a host read."""
+    src, tgt = pairs(6, seed=6)
+    batch = collate(src, tgt, list(range(6)))
+    weights = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        torch.manual_seed(5)
+        model = tiny_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
+        for _ in range(2):
+            train_update(model, opt, [batch], lr=1e-3, label_smoothing=0.1, clip_norm=1.0, scaler=scaler)
+        weights.append(model.state_dict())
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6, msg=k)
+    # An overflow skips the step and halves the scale.
+    torch.manual_seed(5)
+    model, scaler = tiny_model(), torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = torch.optim.Adam(model.parameters(), lr=0.0, fused=fused)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.encoder.layers[0].ffn.fc1.weight[0, 0] = float("inf")
+    before["encoder.layers.0.ffn.fc1.weight"][0, 0] = float("inf")
+    train_update(model, opt, [batch], lr=1e-3, label_smoothing=0.1, scaler=scaler)
+    assert scaler.get_scale() == 2.0**11
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
