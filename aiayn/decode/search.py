@@ -107,6 +107,12 @@ def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> 
 # Greedy ----------------------------------------------------------------------------------------------
 
 
+def _waits_are_free(device: torch.device) -> bool:
+    """Whether reading a value on the host costs nothing here (the CPU: no queue of work to wait for),
+    so a search may ask, e.g., whether anything finished this step, to skip work."""
+    return device.type == "cpu"
+
+
 def _new_cache(model, steps: int):
     """``model.new_cache()`` with room for ``steps`` decoding steps when the cache can reserve it
     (:class:`~aiayn.model.cache.KVCache` preallocates them; a cache without ``reserve`` is used as is)."""
@@ -359,7 +365,7 @@ def beam_search(
                              dtype=torch.float64, device=device)  # (n,) their length-penalty denominators
     finished = _Finished(B, N, max(limits), device)
     beams = torch.arange(N, device=device)
-    on_gpu = device.type != "cpu"
+    free_waits = _waits_are_free(device)
     t = 0  # tokens produced so far by every live beam
     while True:
         n = scores.size(0)
@@ -380,7 +386,7 @@ def beam_search(
         # Finished hypotheses: EOS among the first N candidates, or all first N at the limit.
         lp, eos = top_lp[:, :N], is_eos[:, :N]
         new = (eos | at_limit[:, None]) & (lp > NEG_INF)
-        if on_gpu or bool(new.any()):  # on the CPU, knowing that nothing finished costs no wait
+        if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
             den = length_penalty_denominator(length, alpha, length_penalty)
             penalized = (lp.double() / den).masked_fill(~new, NEG_INF)
             prefix = tokens[:, 1:].view(n, N, t).gather(1, top_beam[:, :N, None].expand(n, N, t))  # (n, N, t)
