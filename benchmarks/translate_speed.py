@@ -368,8 +368,9 @@ def markdown(result: dict[str, Any]) -> str:
         "CTranslate2 the run exported by `export_run` (int8: `quantization='int8'`). bf16 / fp16 rows: aiayn's "
         "and HF's weights cast to that type, CTranslate2 with that compute type.",
         f"- Timed: the search on ids only (tokenization/detokenization outside), after "
-        f"{a['warmup_batches']} warm-up batches; batched = the same length-sorted batches of {a['batch_size']} "
-        "sentences for every engine"
+        f"{a['warmup_batches']} warm-up batches"
+        + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
+        + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
         + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
            "+ 1) x beam)" if budget else "")
         + ". BLEU: sacreBLEU 13a, cased, of each engine's own output.\n",
@@ -414,6 +415,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     p.add_argument("--modes", nargs="+", default=["batch-1", "batched"], choices=list(MODES))
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch in batched mode")
+    p.add_argument("--batch1-limit", type=int, default=None,
+                   help="batch-1 mode translates the first N sentences only (its BLEU is theirs)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="token budget of the 'tokens' mode (default: aiayn translate's for the device)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (power)")
@@ -444,7 +447,7 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device) -> dict[st
     opts = DecodeOptions(beam=4, max_tokens=args.max_tokens)
     args.batch_tokens = opts.batch_tokens(device.type) if "tokens" in args.modes else None
     return {
-        "batch-1": [[i] for i in range(len(task.sources))],
+        "batch-1": [[i] for i in range(min(len(task.sources), args.batch1_limit or len(task.sources)))],
         "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
         "tokens": decode_batches([len(s) for s in task.sources], opts, device.type),
     }
@@ -452,15 +455,18 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device) -> dict[st
 
 def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm: int,
             device: torch.device, label: str) -> dict[str, Any]:
-    """Every engine on the same batches: speed, BLEU, and agreement with aiayn."""
+    """Every engine on the same batches (which may cover only some sources): speed, BLEU of the sources
+    translated, and agreement with aiayn."""
     res: dict[str, Any] = {}
+    done = sorted(i for b in batches for i in b)
     for e, fn in fns.items():
         print(f"[{NAME}] {label}: {e} ...", file=sys.stderr, flush=True)
         outputs, seconds = run_mode(fn, task.sources, batches, warm, device)
+        outputs = [outputs[i] for i in done]
         tokens = sum(len(o) for o in outputs)
         r = {"sentences": len(outputs), "seconds": seconds, "sentences_per_s": len(outputs) / seconds,
              "target_tokens": tokens, "tokens_per_s": tokens / seconds, "batches": len(batches),
-             "bleu": bleu([task.detok(o) for o in outputs], task.refs)}
+             "bleu": bleu([task.detok(o) for o in outputs], [task.refs[i] for i in done])}
         if "aiayn" in res:
             r["same_as_aiayn"] = sum(a == b for a, b in zip(outputs, res["aiayn"]["outputs"]))
         r["outputs"] = outputs

@@ -23,14 +23,17 @@ from benchmarks import translate_speed  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_tokens_mode_uses_the_translators_batches_and_agrees_with_hf(tmp_path):
-    result = translate_speed.main(["--smoke", "--threads", "1", "--modes", "tokens", "--engines", "aiayn", "hf",
-                                   "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "s.json")])
+def test_tokens_and_batch1_modes(tmp_path):
+    """tokens: the translator's batches; batch-1 on the first N sentences; aiayn == generate() in both."""
+    result = translate_speed.main(["--smoke", "--threads", "1", "--modes", "batch-1", "tokens", "--batch1-limit", "3",
+                                   "--engines", "aiayn", "hf", "--md", str(tmp_path / "B.md"),
+                                   "--out-json", str(tmp_path / "s.json")])
     task = translate_speed.smoke_task(8, tmp_path, [])
     want = decode_batches([len(s) for s in task.sources], DecodeOptions(beam=4, max_tokens=192), "cpu")
     assert len(want) > 1
     res = result["modes"]["tokens"]
     assert res["aiayn"]["batches"] == len(want) and res["hf"]["same_as_aiayn"] == 8
+    assert result["modes"]["batch-1"]["hf"]["sentences"] == 3 == result["modes"]["batch-1"]["hf"]["same_as_aiayn"]
     text = (tmp_path / "B.md").read_text()
     assert "token-budget batches of `aiayn translate` (192 tokens" in text and "| tokens | HF generate()" in text
 
