@@ -303,6 +303,11 @@ def test_greedy_equals_the_former_search(kw):
     assert early >= 2 and cut >= 5
 
 
+def test_scores_are_float64_except_on_mps():
+    assert search.score_dtype(torch.device("cpu")) == torch.float64 == search.score_dtype(torch.device("cuda"))
+    assert search.score_dtype(torch.device("mps")) == torch.float32  # MPS has no float64
+
+
 def test_finished_pool_keeps_the_n_best_with_earlier_ties_first():
     """_Finished.offer on tensors == inserting one hypothesis at a time into sorted Python lists."""
     rng = random.Random(0)
@@ -351,6 +356,32 @@ def test_kv_cache_equals_the_cat_cache_through_appends_reorders_and_growth():
     assert ours.length == ref.length == 11
     with pytest.raises(ValueError, match="reorder it first"):
         ours.append_self(0, torch.zeros(2, H, 1, K), torch.zeros(2, H, 1, K))
+
+
+def test_kv_cache_storage_grows_by_doubling_up_to_the_reserve():
+    L, H, K, rows = 2, 2, 4, 3
+    kv = lambda: (torch.zeros(rows, H, 1, K), torch.zeros(rows, H, 1, K))  # noqa: E731
+
+    def steps(cache: KVCache, n: int, reorder: bool) -> set[int]:
+        storages = set()
+        for _ in range(n):
+            for layer in range(L):
+                cache.append_self(layer, *kv())
+            if reorder:
+                cache.reorder(torch.arange(rows), cross=False)
+            storages |= {cache._store.data_ptr(), cache._spare.data_ptr()}
+        return storages
+
+    per_step = L * 2 * rows * H * K
+    cache = KVCache(L, capacity=100)
+    steps(cache, 1, False)
+    assert cache._store.numel() == 64 * per_step  # room for 64 steps first, not the whole reserve
+    assert len(steps(cache, 69, False)) <= 4 and cache._store.numel() == 100 * per_step  # doubled, capped
+    steps(cache, 31, False)
+    assert cache._store.numel() == 200 * per_step  # past the reserve it still doubles
+    small = KVCache(L, capacity=10)
+    storages = steps(small, 40, True)  # beam search: a reorder every step
+    assert len(storages) <= 8 and small.length == 40 and small._buf.size(4) == 41  # compact: room for one more
 
 
 def test_cached_decoding_with_reorders_equals_the_cat_cache(mt):

@@ -107,6 +107,12 @@ def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> 
 # Greedy ----------------------------------------------------------------------------------------------
 
 
+def score_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of penalized scores in beam search: float64, as Python floats are, so a search on the
+    device ranks exactly as the former Python bookkeeping did; float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _waits_are_free(device: torch.device) -> bool:
     """Whether reading a value on the host costs nothing here (the CPU: no queue of work to wait for),
     so a search may ask, e.g., whether anything finished this step, to skip work."""
@@ -237,7 +243,7 @@ class _Finished:
 
     def __init__(self, B: int, N: int, steps: int, device: torch.device) -> None:
         self.N = N
-        self.score = torch.full((B, N), NEG_INF, dtype=torch.float64, device=device)  # -inf: empty slot
+        self.score = torch.full((B, N), NEG_INF, dtype=score_dtype(device), device=device)  # -inf: empty slot
         self.logprob = torch.zeros(B, N, device=device)
         self.length = torch.zeros(B, N, dtype=torch.long, device=device)
         self.tokens = torch.zeros(B, N, steps, dtype=torch.long, device=device)
@@ -249,7 +255,7 @@ class _Finished:
         return self.score[:, -1]
 
     def offer(self, score: Tensor, logprob: Tensor, seqs: Tensor, lengths: Tensor) -> None:
-        """Merge k new hypotheses per sentence: score (n, k) float64 (-inf: not a hypothesis),
+        """Merge k new hypotheses per sentence: score (n, k) of :func:`score_dtype` (-inf: not a hypothesis),
         logprob (n, k), seqs (n, k, w) tokens (the first ``lengths`` (n, k) count), w >= every length."""
         n, w = score.size(0), seqs.size(2)
         both = torch.cat([self.score, score], 1)
@@ -276,8 +282,8 @@ class _Finished:
 
 def _stop_bound(best_live: Tensor, length: int, limit_denominator: Tensor, alpha: float, kind: str,
                 stop: str) -> Tensor:
-    """(n,) float64: upper bound on the penalized score any continuation of a live beam can still finish
-    with; best_live (n,) float64 is the best live summed logprob, ``length`` |Y| of the live beams now.
+    """(n,): upper bound on the penalized score any continuation of a live beam can still finish with;
+    best_live (n,) (:func:`score_dtype`) is the best live summed logprob, ``length`` |Y| of the live beams now.
 
     ``exact``: a continuation finishes with |Y'| in [length+1, limit] and logprob' <= best_live <= 0, so
     its score is at most best_live divided by the largest denominator over that range; the penalties are
@@ -339,7 +345,7 @@ def beam_search(
     written in place, so a step waits for the device once, to learn which sentences are done (n-gram
     blocking adds a transfer of the beams' tokens); the hypotheses come back in one transfer at the end.
     Scores are float32 sums of float32 log-probabilities whatever the model's dtype; penalized scores
-    and the stopping bound are float64, as Python floats were.
+    and the stopping bound are float64, as Python floats were (float32 on MPS, which has no float64).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"unknown length penalty {length_penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
@@ -350,6 +356,7 @@ def beam_search(
     if src_mask is None:
         src_mask = src != pad_id
     device = src.device
+    free_waits, sdt = _waits_are_free(device), score_dtype(device)
     B, N = src.size(0), beam
     limits = max_lengths(model, src_mask, max_len_a, max_len_b)
     memory = model.encode(src, src_mask)  # (B, S, D)
@@ -362,10 +369,9 @@ def beam_search(
     sent = torch.arange(B, device=device)  # (n,) original sentence of each live group of N rows
     limit = torch.tensor(limits, device=device)  # (n,) step limits
     limit_den = torch.tensor([length_penalty_denominator(m, alpha, length_penalty) for m in limits],
-                             dtype=torch.float64, device=device)  # (n,) their length-penalty denominators
+                             dtype=sdt, device=device)  # (n,) their length-penalty denominators
     finished = _Finished(B, N, max(limits), device)
     beams = torch.arange(N, device=device)
-    free_waits = _waits_are_free(device)
     t = 0  # tokens produced so far by every live beam
     while True:
         n = scores.size(0)
@@ -388,7 +394,7 @@ def beam_search(
         new = (eos | at_limit[:, None]) & (lp > NEG_INF)
         if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
             den = length_penalty_denominator(length, alpha, length_penalty)
-            penalized = (lp.double() / den).masked_fill(~new, NEG_INF)
+            penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
             prefix = tokens[:, 1:].view(n, N, t).gather(1, top_beam[:, :N, None].expand(n, N, t))  # (n, N, t)
             finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
 
@@ -400,7 +406,7 @@ def beam_search(
         new_tok = top_tok.gather(1, order)
 
         best_live = new_scores[:, 0]
-        bound = _stop_bound(best_live.double(), length, limit_den, alpha, length_penalty, stop)
+        bound = _stop_bound(best_live.to(sdt), length, limit_den, alpha, length_penalty, stop)
         # done: at the limit, no live beam can produce anything finite, or none can beat a full pool
         done = at_limit | (best_live == NEG_INF) | ((finished.worst > NEG_INF) & (bound <= finished.worst))
         keep = (~done).nonzero().squeeze(1)  # (n',) the step's one wait for the device
