@@ -136,7 +136,7 @@ class Transformer(nn.Module):
         return self.decoder(tgt, memory, memory_mask, cache)[0]
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` with room for ``capacity`` decoding steps (it grows past them)."""
+        """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
         return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
@@ -178,7 +178,7 @@ class DecoderOnlyLM(nn.Module):
         return self.decoder(tokens, None, None, cache)[0]
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` with room for ``capacity`` decoding steps (it grows past them)."""
+        """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
         return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, tokens: Tensor) -> Tensor:
