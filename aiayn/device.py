@@ -97,6 +97,15 @@ def configure_cuda(device: torch.device) -> None:
     torch.backends.cuda.enable_mem_efficient_sdp(True)
 
 
+def move_module(module: torch.nn.Module, device: str | torch.device) -> torch.device:
+    """Move ``module`` to ``device`` (``"auto"`` resolves as everywhere; checked first), with CUDA's speed
+    paths chosen (:func:`configure_cuda`); returns the resolved device."""
+    dev = resolve_device(device)
+    configure_cuda(dev)
+    module.to(dev)
+    return dev
+
+
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
     """The autocast context of a resolved precision (fp32: a no-op context)."""
     if precision == "fp32":
@@ -105,6 +114,6 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "configure_cuda", "resolve_device",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "configure_cuda", "move_module", "resolve_device",
     "resolve_precision",
 ]

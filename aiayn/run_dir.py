@@ -10,7 +10,7 @@ from torch import nn
 
 from aiayn.config import Config, ConfigError, load_config
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import DTYPES, resolve_device, resolve_precision
+from aiayn.device import DTYPES, move_module, resolve_device, resolve_precision
 from aiayn.model import build_model
 from aiayn.train.checkpoint import CheckpointError, checkpoint_paths, list_checkpoints, load_weights
 
@@ -65,4 +65,6 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     tok = TokenizerPair.load(run_dir / "tokenizer")
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))
-    return Run(run_dir, cfg, model.to(device=dev, dtype=dtype).eval(), tok)
+    model.to(dtype=dtype)
+    move_module(model, dev)  # with cuDNN attention off on CUDA: it re-plans for every batch shape (issue 21)
+    return Run(run_dir, cfg, model.eval(), tok)

@@ -1,4 +1,4 @@
-"""Benchmark 2: translation speed, beam 4, the same weights in every engine, fp32 (and int8) on CPU.
+"""Benchmark 2: translation speed, beam 4, the same weights in every engine, on the CPU or a GPU.
 
 Engines, all given one trained run's weights:
 
@@ -10,24 +10,33 @@ Engines, all given one trained run's weights:
                    model converted with aiayn.interop.marian.to_hf_marian. A run trained with the paper's
                    interleaved sinusoids is first re-laid out to Marian's concat layout
                    (benchmarks.common.concat_layout_copy); the logits are checked to agree (< 1e-4).
-* ``ct2-fp32`` / ``ct2-int8``  CTranslate2 ``Translator.translate_batch`` on the run exported with
-                   aiayn.interop.ctranslate2.export_run (int8: exported with quantization='int8').
+* ``ct2-fp32`` / ``ct2-int8`` / ``ct2-bf16`` / ``ct2-fp16``  CTranslate2 ``Translator.translate_batch``
+                   on the run exported with aiayn.interop.ctranslate2.export_run (int8: exported with
+                   quantization='int8'; bf16 / fp16: the fp32 export loaded with that compute type).
                    CTranslate2's own stopping rule (patience 1: stop once 4 hypotheses have finished).
 
 Every engine: beam 4, length penalty score / |Y|^alpha ('power', alpha 0.6, as HF and CTranslate2
 compute it), at most ``--max-len`` decoding steps (EOS included), no minimum length, one best
-hypothesis. Sources are sorted by length once; "batched" feeds every engine the same batches of
-``--batch-size`` sentences in that order, "batch 1" one sentence at a time. Timed: the search on
-token ids (CTranslate2: pieces) only; SentencePiece tokenization and detokenization, the same for
-all engines, are outside. BLEU is sacreBLEU (13a, cased) of each engine's own detokenized output.
+hypothesis. Sources are sorted by length once. Modes: "batch-1" one sentence at a time; "batched"
+the same batches of ``--batch-size`` sentences in that order for every engine; "tokens" the
+token-budget batches ``aiayn translate`` makes on that device (aiayn.decode.translator.decode_batches,
+``--max-tokens`` or the device's default budget), given to every engine. ``--precision fp32 bf16``
+runs every mode once per precision: aiayn's and HF's weights cast to it (as ``aiayn translate
+--precision`` does), CTranslate2 with the matching compute type (fp32: ct2-fp32 and ct2-int8).
+Timed: the search on token ids (CTranslate2: pieces) only, after warm-up batches; SentencePiece
+tokenization and detokenization, the same for all engines, are outside. BLEU is sacreBLEU (13a,
+cased) of each engine's own detokenized output.
 
     python -m benchmarks.translate_speed --run-dir runs/multi30k_en_de_quick
+    python -m benchmarks.translate_speed --run-dir RUN --device cuda --precision fp32 bf16 \
+        --modes batch-1 batched tokens --engines aiayn hf ct2-fp32 ct2-bf16
     python -m benchmarks.translate_speed --smoke --md /tmp/B.md --out-json /tmp/s.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import string
 import sys
 import tempfile
@@ -40,21 +49,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiayn.config import ModelConfig
+from aiayn.config import DecodeOptions, ModelConfig
 from aiayn.data.batching import pad_batch
 from aiayn.decode.search import beam_search
+from aiayn.decode.translator import decode_batches
+from aiayn.device import DTYPES, resolve_device, resolve_precision
+from aiayn.errors import UserError
 from aiayn.model.transformer import Transformer
 from benchmarks import common
 
 NAME = "translate_speed"
-ENGINES = ("aiayn", "aiayn-exact", "hf", "ct2-fp32", "ct2-int8")
+ENGINES = ("aiayn", "aiayn-exact", "hf", "ct2-fp32", "ct2-int8", "ct2-bf16", "ct2-fp16")
+MODES = ("batch-1", "batched", "tokens")
 LABELS = {
     "aiayn": "aiayn (stop=hf)",
     "aiayn-exact": "aiayn (stop=exact)",
     "hf": "HF generate()",
     "ct2-fp32": "CTranslate2 fp32",
     "ct2-int8": "CTranslate2 int8",
+    "ct2-bf16": "CTranslate2 bf16",
+    "ct2-fp16": "CTranslate2 fp16",
 }
+# CTranslate2 engines: compute type, and the --precision pass they belong to.
+CT2 = {"ct2-fp32": ("float32", "fp32"), "ct2-int8": ("int8", "fp32"), "ct2-bf16": ("bfloat16", "bf16"),
+       "ct2-fp16": ("float16", "fp16")}
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
@@ -62,7 +80,7 @@ PAD, UNK, BOS, EOS = 0, 1, 2, 3
 class Task:
     """What every engine translates: a model, its source ids (without EOS), references and vocabulary."""
 
-    model: Transformer
+    model: Transformer  # fp32, on the CPU; each engine copies it where it runs
     sources: list[list[int]]
     refs: list[str]
     pieces: list[str]  # id -> piece of the (shared or target) vocabulary
@@ -73,6 +91,19 @@ class Task:
 
 
 # The task: a trained run on Multi30k, or a random tiny model for --smoke -------------------------------
+
+
+def _ct2_exports(engines: Sequence[str], export: Callable[[Path, str | None], Path], work: Path) -> dict[str, Path]:
+    """CTranslate2 model directories: fp32 (also loaded as bf16 / fp16) and int8."""
+    dirs: dict[str, Path] = {}
+    for e in engines:
+        if e in CT2:
+            quant = "int8" if e == "ct2-int8" else None
+            key = "int8" if quant else "fp32"
+            if key not in dirs:
+                dirs[key] = export(work / f"ct2-{key}", quant)
+            dirs[e] = dirs[key]
+    return {e: d for e, d in dirs.items() if e in CT2}
 
 
 def run_task(run_dir: str, split: str, limit: int | None, work: Path, engines: Sequence[str]) -> Task:
@@ -88,11 +119,7 @@ def run_task(run_dir: str, split: str, limit: int | None, work: Path, engines: S
     tok = run.tokenizers
     cap = run.cfg.model.max_positions - 1
     sources = [tok.src.encode(s)[:cap] for s, _ in pairs]
-    ct2 = {}
-    for e in engines:
-        if e.startswith("ct2-"):
-            quant = None if e == "ct2-fp32" else e.split("-", 1)[1]
-            ct2[e] = export_run(run_dir, work / e, quantization=quant)
+    ct2 = _ct2_exports(engines, lambda out, q: export_run(run_dir, out, quantization=q), work)
     return Task(
         model=run.model.eval(), sources=sources, refs=[t for _, t in pairs],
         pieces=[tok.tgt.id_to_piece(i) for i in range(tok.tgt.vocab_size)],
@@ -125,11 +152,7 @@ def smoke_task(n: int, work: Path, engines: Sequence[str]) -> Task:
     def detok(ids: list[int]) -> str:
         return " ".join(pieces[i][1:] for i in ids)
 
-    ct2 = {}
-    for e in engines:
-        if e.startswith("ct2-"):
-            quant = None if e == "ct2-fp32" else e.split("-", 1)[1]
-            ct2[e] = export_ctranslate2(model, pieces, work / e, quantization=quant)
+    ct2 = _ct2_exports(engines, lambda out, q: export_ctranslate2(model, pieces, out, quantization=q), work)
     return Task(model, sources, [detok(list(reversed(s))) for s in sources], pieces, pieces, detok, ct2,
                 f"a random tiny model (smoke test) on {n} random sources")
 
@@ -137,9 +160,9 @@ def smoke_task(n: int, work: Path, engines: Sequence[str]) -> Task:
 # Engines: each translates a list of sources (ids without EOS) to a list of id lists ----------------------
 
 
-def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str):
+def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str, device: torch.device):
     def translate(batch: list[list[int]]) -> list[list[int]]:
-        src = pad_batch([s + [EOS] for s in batch], PAD)
+        src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
         hyps = beam_search(model, src, src != PAD, beam=4, alpha=alpha, length_penalty="power", max_len_a=0.0,
                            max_len_b=max_len, stop=stop, bos_id=BOS, eos_id=EOS, pad_id=PAD)
         return [h[0].tokens for h in hyps]
@@ -147,9 +170,9 @@ def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str):
     return translate
 
 
-def hf_engine(hf: nn.Module, alpha: float, max_len: int):
+def hf_engine(hf: nn.Module, alpha: float, max_len: int, device: torch.device):
     def translate(batch: list[list[int]]) -> list[list[int]]:
-        src = pad_batch([s + [EOS] for s in batch], PAD)
+        src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
         with torch.no_grad():
             out = hf.generate(
                 src, attention_mask=(src != PAD).long(), num_beams=4, num_return_sequences=1, length_penalty=alpha,
@@ -166,11 +189,12 @@ def hf_engine(hf: nn.Module, alpha: float, max_len: int):
     return translate
 
 
-def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: float, max_len: int):
+def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: float, max_len: int,
+               device: torch.device):
     import ctranslate2
 
-    translator = ctranslate2.Translator(str(path), device="cpu", compute_type=compute_type, inter_threads=1,
-                                        intra_threads=threads)
+    translator = ctranslate2.Translator(str(path), device=device.type, device_index=device.index or 0,
+                                        compute_type=compute_type, inter_threads=1, intra_threads=threads)
     piece_id = {p: i for i, p in enumerate(task.pieces)}
 
     def translate(batch: list[list[int]]) -> list[list[int]]:
@@ -185,28 +209,36 @@ def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: f
             out.append([piece_id[p] for p in (hyp[:-1] if hyp and hyp[-1] == "</s>" else hyp)])
         return out
 
+    translate([task.sources[0]])  # fails here, not in the timing, when the engine cannot run on this device
     return translate
 
 
 # Timing -------------------------------------------------------------------------------------------------
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_mode(translate: Callable, sources: Sequence[list[int]], batches: Sequence[list[int]],
-             warmup_batches: int) -> tuple[list[list[int]], float]:
+             warmup_batches: int, device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], float]:
     """Translate ``batches`` (lists of source indices) after ``warmup_batches`` untimed ones.
     Returns (outputs in source order, seconds)."""
     for idx in batches[:warmup_batches]:
         translate([sources[i] for i in idx])
     out: list[list[int]] = [[] for _ in sources]
+    synchronize(device)
     t0 = time.perf_counter()
     for idx in batches:
         for i, hyp in zip(idx, translate([sources[i] for i in idx])):
             out[i] = hyp
+    synchronize(device)
     return out, time.perf_counter() - t0
 
 
 def profile_search(translate: Callable, sources: Sequence[list[int]], batches: Sequence[list[int]],
-                   path: Path) -> None:
+                   path: Path, device: torch.device = torch.device("cpu")) -> None:
     """Python-level (cProfile, by own time) and operator-level (torch.profiler) tables of one batched pass."""
     import cProfile
     import io
@@ -216,15 +248,17 @@ def profile_search(translate: Callable, sources: Sequence[list[int]], batches: S
 
     prof = cProfile.Profile()
     prof.enable()
-    run_mode(translate, sources, batches, 0)
+    run_mode(translate, sources, batches, 0, device)
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    with profile(activities=[ProfilerActivity.CPU]) as tp:
-        run_mode(translate, sources, batches, 0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as tp:
+        run_mode(translate, sources, batches, 0, device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("== cProfile (aiayn beam search, batched)\n" + text.getvalue() + "\n== torch.profiler\n"
-                    + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n", encoding="utf-8")
+                    + tp.key_averages().table(sort_by=sort, row_limit=30) + "\n", encoding="utf-8")
 
 
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
@@ -233,34 +267,48 @@ def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     return sacrebleu_scores(hyps, refs)["bleu"]
 
 
+def pass_engines(engines: Sequence[str], precision: str) -> list[str]:
+    """The engines of one --precision pass: aiayn and HF at that precision, the CTranslate2 engines of it."""
+    return [e for e in engines if e not in CT2 or CT2[e][1] == precision]
+
+
 def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int, threads: int,
-                  check_batch: Sequence[int]) -> tuple[dict[str, Callable], dict[str, Any]]:
-    """The engines' translate functions, and what was checked while building them."""
+                  check_batch: Sequence[int], device: torch.device = torch.device("cpu"), precision: str = "fp32",
+                  ) -> tuple[dict[str, Callable], dict[str, Any]]:
+    """The engines' translate functions on ``device`` in ``precision``, and what was checked while building
+    them. A CTranslate2 engine that cannot run on a GPU is left out, with the reason in the checks."""
     from aiayn.interop.marian import to_hf_marian
     from benchmarks.train_throughput import HFMarianSeq2Seq
 
+    dtype = DTYPES[precision]
     fns: dict[str, Callable] = {}
     checks: dict[str, Any] = {}
+    ours = copy.deepcopy(task.model).to(device=device, dtype=dtype).eval()  # as load_run(precision=...) casts
     for e in engines:
         if e == "aiayn":
-            fns[e] = aiayn_engine(task.model, alpha, max_len, "hf")
+            fns[e] = aiayn_engine(ours, alpha, max_len, "hf", device)
         elif e == "aiayn-exact":
-            fns[e] = aiayn_engine(task.model, alpha, max_len, "exact")
+            fns[e] = aiayn_engine(ours, alpha, max_len, "exact", device)
         elif e == "hf":
             hf = to_hf_marian(common.concat_layout_copy(task.model)).eval()
             src = pad_batch([task.sources[i] + [EOS] for i in check_batch], PAD)
             g = torch.Generator().manual_seed(0)  # any target ids will do
             tgt = torch.cat([torch.full((len(check_batch), 1), BOS),
                              torch.randint(4, len(task.pieces), (len(check_batch), 12), generator=g)], dim=1)
-            diff = common.max_logit_diff(task.model, HFMarianSeq2Seq(hf), src, tgt)
+            diff = common.max_logit_diff(task.model, HFMarianSeq2Seq(hf), src, tgt)  # fp32, CPU
             if diff > 1e-4:
                 raise SystemExit(f"the Hugging Face model does not compute aiayn's logits (max diff {diff:.2e})")
             checks["hf_max_logit_diff"] = diff
             checks["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
-            fns[e] = hf_engine(hf, alpha, max_len)
-        elif e in ("ct2-fp32", "ct2-int8"):
-            fns[e] = ct2_engine(task.ct2_dirs[e], "float32" if e == "ct2-fp32" else "int8", threads, task,
-                                alpha, max_len)
+            fns[e] = hf_engine(hf.to(device=device, dtype=dtype), alpha, max_len, device)
+        elif e in CT2:
+            try:
+                fns[e] = ct2_engine(task.ct2_dirs[e], CT2[e][0], threads, task, alpha, max_len, device)
+            except (ImportError, RuntimeError, ValueError, OSError) as err:
+                if device.type == "cpu":
+                    raise
+                checks[f"{e}_not_run"] = f"{type(err).__name__}: {err}"
+                print(f"[{NAME}] {e} cannot run on {device}: {err}", file=sys.stderr)
         else:
             raise SystemExit(f"unknown engine {e!r} (known: {', '.join(ENGINES)})")
     return fns, checks
@@ -269,10 +317,46 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int
 # Report -------------------------------------------------------------------------------------------------
 
 
+def section_name(device: torch.device) -> str:
+    """The BENCHMARKS.md section (and JSON name): CPU and GPU tables live side by side."""
+    return NAME if device.type == "cpu" else f"{NAME}_gpu"
+
+
+def _goals(result: dict[str, Any], gpu: bool) -> list[str]:
+    goals = []
+    hf_goal, ct2_goal = (3.0, 1.0) if gpu else (3.0, 0.5)
+    for key, res in result["modes"].items():
+        ours = res.get("aiayn")
+        if not ours:
+            continue
+        mode = key.split()[0]
+        if mode != "batch-1":
+            if "hf" in res:
+                goals.append(f"- {key}: aiayn / HF generate() sentences/s = "
+                             + common.goal_cell(ours["sentences_per_s"] / res["hf"]["sentences_per_s"], hf_goal))
+            for e in ("ct2-fp32", "ct2-bf16", "ct2-fp16"):
+                if e in res:
+                    goals.append(f"- {key}: aiayn / {LABELS[e]} sentences/s = "
+                                 + common.goal_cell(ours["sentences_per_s"] / res[e]["sentences_per_s"], ct2_goal))
+        elif gpu and "hf" in res:
+            goals.append(f"- {key}: aiayn / HF generate() sentences/s = "
+                         + common.goal_cell(ours["sentences_per_s"] / res["hf"]["sentences_per_s"], 2.0))
+        fp32 = result["modes"].get(mode)
+        if key != mode and fp32 and fp32.get("aiayn"):  # a bf16 / fp16 pass against fp32
+            goals.append(f"- {key}: aiayn speed vs fp32 = "
+                         + common.goal_cell(ours["sentences_per_s"] / fp32["aiayn"]["sentences_per_s"], 1.0)
+                         + f"; BLEU {ours['bleu']:.2f} vs {fp32['aiayn']['bleu']:.2f} (goal: within 0.3: "
+                         + ("met" if abs(ours["bleu"] - fp32["aiayn"]["bleu"]) <= 0.3 else "short") + ")")
+    return goals
+
+
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
+    gpu = a.get("device", "cpu") != "cpu"
+    where = (result["machine"].get("gpu") or a.get("device")) if gpu else "CPU"
+    budget = a.get("batch_tokens")
     lines = [
-        "## 2. Translation speed (beam 4, CPU)\n",
+        f"## 2. Translation speed (beam 4, {where})\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Task: {result['task']}.",
         f"- Search: beam 4, length penalty score / |Y|^{a['alpha']} in every engine, at most {a['max_len']} "
@@ -281,14 +365,25 @@ def markdown(result: dict[str, Any]) -> str:
         "`aiayn translate`'s default; CTranslate2 stops once 4 hypotheses have finished (its default).",
         f"- Same weights: HF is the run converted by `to_hf_marian` (after the interleaved -> concat "
         f"re-layout; max |Δlogits| vs aiayn {result['checks'].get('hf_max_logit_diff', float('nan')):.1e}), "
-        "CTranslate2 the run exported by `export_run` (int8: `quantization='int8'`).",
+        "CTranslate2 the run exported by `export_run` (int8: `quantization='int8'`). bf16 / fp16 rows: aiayn's "
+        "and HF's weights cast to that type, CTranslate2 with that compute type.",
         f"- Timed: the search on ids only (tokenization/detokenization outside), after "
-        f"{a['warmup_batches']} warm-up batches; batched = the same length-sorted batches of {a['batch_size']} "
-        "sentences for every engine. BLEU: sacreBLEU 13a, cased, of each engine's own output.\n",
+        f"{a['warmup_batches']} warm-up batches"
+        + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
+        + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
+        + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
+           "+ 1) x beam)" if budget else "")
+        + ". BLEU: sacreBLEU 13a, cased, of each engine's own output.\n",
     ]
+    if gpu:
+        lines.insert(-1, f"- CUDA attention: cuDNN SDPA backend {a.get('cudnn_sdpa', 'off')}; HF attention "
+                         f"implementation {result['checks'].get('hf_attn_implementation')}.")
+    not_run = {k[: -len("_not_run")]: v for k, v in result["checks"].items() if k.endswith("_not_run")}
+    for e, why in not_run.items():
+        lines.insert(-1, f"- {LABELS[e]} not run on this device: {why}")
     headers = ["mode", "engine", "sentences/s", "target tokens/s", "seconds", "BLEU", "= aiayn",
                "aiayn speed-up"]
-    rows, goals = [], []
+    rows = []
     for mode, res in result["modes"].items():
         ours = res.get("aiayn")
         for e, r in res.items():
@@ -297,16 +392,12 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{r['seconds']:.1f}", f"{r['bleu']:.2f}",
                          f"{r['same_as_aiayn']}/{r['sentences']}" if "same_as_aiayn" in r else "",
                          f"{ratio:.2f}x" if ratio else ""])
-        if mode == "batched" and ours:
-            if "hf" in res:
-                goals.append("- batched aiayn / HF generate() sentences/s = "
-                             + common.goal_cell(ours["sentences_per_s"] / res["hf"]["sentences_per_s"], 3.0))
-            if "ct2-fp32" in res:
-                goals.append("- batched aiayn / CTranslate2 fp32 sentences/s = "
-                             + common.goal_cell(ours["sentences_per_s"] / res["ct2-fp32"]["sentences_per_s"], 0.5))
     lines.append(common.markdown_table(headers, rows))
+    goals = _goals(result, gpu)
     if goals:
-        lines.append("Goals (batched beam decoding >= 3x HF generate() and >= 0.5x CTranslate2 fp32):\n")
+        lines.append("Goals (" + ("GPU: batched beam >= 3x HF generate() and >= 1x CTranslate2, batch 1 >= 2x "
+                                  "generate(), bf16 no slower than fp32 with BLEU within 0.3" if gpu else
+                                  "batched beam decoding >= 3x HF generate() and >= 0.5x CTranslate2 fp32") + "):\n")
         lines += goals
     if a.get("profile"):
         lines.append(f"\nProfiles of aiayn's batched pass (cProfile, torch.profiler): `{a['profile']}`.")
@@ -318,32 +409,89 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default="runs/multi30k_en_de_quick", help="a trained translation run")
     p.add_argument("--split", default="test_2016_flickr")
     p.add_argument("--limit", type=int, help="translate the first N sentences only")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default cpu)")
+    p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
+                   help="one pass per precision (bf16 / fp16 on CUDA only)")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    p.add_argument("--modes", nargs="+", default=["batch-1", "batched"], choices=["batch-1", "batched"])
+    p.add_argument("--modes", nargs="+", default=["batch-1", "batched"], choices=list(MODES))
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch in batched mode")
+    p.add_argument("--batch1-limit", type=int, default=None,
+                   help="batch-1 mode translates the first N sentences only (its BLEU is theirs)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="token budget of the 'tokens' mode (default: aiayn translate's for the device)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (power)")
     p.add_argument("--max-len", type=int, default=100, help="decoding steps at most (EOS included)")
     p.add_argument("--warmup-batches", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: one per core)")
+    p.add_argument("--cudnn-sdpa", choices=["on", "off"], default="off",
+                   help="CUDA: PyTorch's cuDNN attention backend for aiayn and HF (default off: it re-plans for "
+                        "every new shape)")
     p.add_argument("--profile", help="write cProfile and torch.profiler tables of aiayn's batched pass here")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a random tiny model (CI)")
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
-    p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
+    p.add_argument("--out-json", default=None, help="default: benchmarks/results/<section>.json")
     args = p.parse_args(argv)
     args.engines = [e for e in ENGINES if e in args.engines]  # aiayn first: the others are compared with it
+    args.modes = [m for m in MODES if m in args.modes]
+    args.precision = [q for q in ("fp32", "bf16", "fp16") if q in args.precision]
     if args.smoke:
         args.limit = args.limit or 8
         args.batch_size, args.max_len, args.warmup_batches = 4, 8, 1
+        args.max_tokens = args.max_tokens or 4 * 4 * 12  # a few token-budget batches of the 8 sources
     return args
+
+
+def plans(task: Task, args: argparse.Namespace, device: torch.device) -> dict[str, list[list[int]]]:
+    """The batches (source indices) of each mode; "tokens": those ``aiayn translate`` makes on ``device``."""
+    order = sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))
+    opts = DecodeOptions(beam=4, max_tokens=args.max_tokens)
+    args.batch_tokens = opts.batch_tokens(device.type) if "tokens" in args.modes else None
+    return {
+        "batch-1": [[i] for i in range(min(len(task.sources), args.batch1_limit or len(task.sources)))],
+        "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
+        "tokens": decode_batches([len(s) for s in task.sources], opts, device.type),
+    }
+
+
+def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm: int,
+            device: torch.device, label: str) -> dict[str, Any]:
+    """Every engine on the same batches (which may cover only some sources): speed, BLEU of the sources
+    translated, and agreement with aiayn."""
+    res: dict[str, Any] = {}
+    done = sorted(i for b in batches for i in b)
+    for e, fn in fns.items():
+        print(f"[{NAME}] {label}: {e} ...", file=sys.stderr, flush=True)
+        outputs, seconds = run_mode(fn, task.sources, batches, warm, device)
+        outputs = [outputs[i] for i in done]
+        tokens = sum(len(o) for o in outputs)
+        r = {"sentences": len(outputs), "seconds": seconds, "sentences_per_s": len(outputs) / seconds,
+             "target_tokens": tokens, "tokens_per_s": tokens / seconds, "batches": len(batches),
+             "bleu": bleu([task.detok(o) for o in outputs], [task.refs[i] for i in done])}
+        if "aiayn" in res:
+            r["same_as_aiayn"] = sum(a == b for a, b in zip(outputs, res["aiayn"]["outputs"]))
+        r["outputs"] = outputs
+        res[e] = r
+        print(f"[{NAME}] {label}: {e} {r['sentences_per_s']:.1f} sentences/s, BLEU {r['bleu']:.2f}", file=sys.stderr)
+    return res
 
 
 def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    try:  # an absent device, or bf16 / fp16 off CUDA: one line, before any work
+        device = resolve_device(args.device)
+        for q in args.precision:
+            resolve_precision(q, device, training=False)
+    except UserError as err:
+        raise SystemExit(f"{NAME}: error: {err}") from None
+    args.device = str(device)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa == "on")
     threads = common.set_threads(args.threads)
     result: dict[str, Any] = {
-        "benchmark": NAME, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
-        "machine": common.machine_info(threads), "args": vars(args), "modes": {},
+        "benchmark": section_name(device), "date": common.utc_now(),
+        "command": command or common.command_line(NAME, argv), "machine": common.machine_info(threads),
+        "args": vars(args), "modes": {}, "checks": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -351,38 +499,24 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
             task = smoke_task(args.limit, work, args.engines)
         else:
             task = run_task(args.run_dir, args.split, args.limit, work, args.engines)
-        order = sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))
-        fns, checks = build_engines(task, args.engines, args.alpha, args.max_len, threads, order[-8:])
-        result["task"], result["checks"] = task.description, checks
-        plans = {
-            "batch-1": [[i] for i in range(len(task.sources))],
-            "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
-        }
-        for mode in args.modes:
-            batches = plans[mode]
-            warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
-            res: dict[str, Any] = {}
-            for e in args.engines:
-                print(f"[{NAME}] {mode}: {e} ...", file=sys.stderr, flush=True)
-                outputs, seconds = run_mode(fns[e], task.sources, batches, warm)
-                tokens = sum(len(o) for o in outputs)
-                r = {"sentences": len(outputs), "seconds": seconds, "sentences_per_s": len(outputs) / seconds,
-                     "target_tokens": tokens, "tokens_per_s": tokens / seconds,
-                     "bleu": bleu([task.detok(o) for o in outputs], task.refs)}
-                if "aiayn" in res:
-                    r["same_as_aiayn"] = sum(a == b for a, b in zip(outputs, res["aiayn"]["outputs"]))
-                r["outputs"] = outputs
-                res[e] = r
-                print(f"[{NAME}] {mode}: {e} {r['sentences_per_s']:.1f} sentences/s, BLEU {r['bleu']:.2f}",
-                      file=sys.stderr)
-            result["modes"][mode] = res
-        if args.profile and "aiayn" in fns:
-            profile_search(fns["aiayn"], task.sources, plans["batched"], Path(args.profile))
+        result["task"] = task.description
+        batches = plans(task, args, device)
+        check = sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))[-8:]  # the longest
+        for q in args.precision:
+            fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha, args.max_len, threads,
+                                        check, device, q)
+            result["checks"].update(checks)
+            for mode in args.modes:
+                warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
+                key = mode if q == "fp32" else f"{mode} {q}"
+                result["modes"][key] = measure(task, fns, batches[mode], warm, device, key)
+            if args.profile and "aiayn" in fns and q == args.precision[0]:
+                profile_search(fns["aiayn"], task.sources, batches["batched"], Path(args.profile), device)
     for res in result["modes"].values():  # token ids are not worth keeping in the JSON
         for r in res.values():
             r.pop("outputs")
-    common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
-    common.update_section(args.md, NAME, markdown(result))
+    common.write_json(args.out_json or common.RESULTS_DIR / f"{section_name(device)}.json", result)
+    common.update_section(args.md, section_name(device), markdown(result))
     return result
 
 

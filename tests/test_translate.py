@@ -16,11 +16,12 @@ import torch
 
 import aiayn
 from aiayn import cli
-from aiayn.config import ConfigError
+from aiayn.config import DEFAULT_DECODE_TOKENS, ConfigError, DecodeOptions
 from aiayn.data.batching import token_batches
 from aiayn.data.synthetic import reverse_split
+from aiayn.decode import translator as translator_module
 from aiayn.decode.search import beam_search, greedy_search, max_lengths, score_tokens
-from aiayn.decode.translator import Translator, load
+from aiayn.decode.translator import Translator, decode_batches, decode_sources, load
 
 EOS = 3
 
@@ -132,6 +133,35 @@ def test_options_and_errors(translator, sources):
     with pytest.raises(ConfigError, match="unknown decoding option"):
         translator.translate(sources[:1], bream=3)
     assert isinstance(aiayn.load(translator.path), Translator)
+
+
+def test_decode_batches_fill_the_device_budget():
+    lengths = [15] * 1500 + [3] * 100  # 16 and 4 tokens with EOS
+    per_device = {d: decode_batches(lengths, DecodeOptions(), d) for d in ("cpu", "cuda", "mps")}
+    for device, batches in per_device.items():
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every source once
+        budget = DEFAULT_DECODE_TOKENS[device] // 4  # source tokens x beam 4
+        assert all(len(b) * (max(lengths[i] for i in b) + 1) <= budget for b in batches)
+    full = {d: max(len(b) for b in batches if lengths[b[0]] == 15) for d, batches in per_device.items()}
+    assert full == {"cpu": 64, "cuda": 512, "mps": 128}  # a GPU gets 8x the CPU's rows
+    assert {len(b) for b in decode_batches([15] * 100, DecodeOptions(max_tokens=640), "cuda")} == {10}
+    sampled = decode_batches([15] * 100, DecodeOptions(sample=True, nbest=2, max_tokens=640), "cpu")
+    assert {len(b) for b in sampled} == {20}  # rows are the draws when sampling
+
+
+def test_decode_sources_searches_the_token_budget_batches(translator, sources, monkeypatch):
+    seen = []
+
+    def record(model, src, src_mask, opts, specials, scores=True):
+        seen.append(sorted(src_mask.sum(1).tolist()))
+        return [[] for _ in range(src.size(0))]
+
+    monkeypatch.setattr(translator_module, "search_batch", record)
+    ids = [translator.tokenizers.src.encode(t) for t in sources]
+    opts = translator.options(max_tokens=4 * 30)
+    decode_sources(translator.model, ids, opts, translator.tokenizers.specials)
+    want = decode_batches([len(x) for x in ids], opts, "cpu")
+    assert len(want) > 2 and seen == [sorted(len(ids[i]) + 1 for i in b) for b in want]
 
 
 # Command line -----------------------------------------------------------------------------------------

@@ -221,9 +221,9 @@ class Generator:
 
     def to(self, device: str | torch.device) -> Generator:
         """Move the model (``"auto"`` resolves as everywhere); returns self."""
-        from aiayn.device import resolve_device
+        from aiayn.device import move_module
 
-        self.model.to(resolve_device(device))
+        move_module(self.model, device)
         return self
 
     def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:

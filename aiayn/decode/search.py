@@ -5,6 +5,7 @@ Nothing here knows about text. The functions drive any model exposing
     memory = model.encode(src (B, S), src_mask (B, S) bool)          -> (B, S, D)
     logits = model.decode(tgt (B, T), memory, memory_mask, cache)    -> (B, T, V)
     cache  = model.new_cache();  cache.reorder(rows: LongTensor)     (select / repeat / drop rows)
+    cache.reserve(steps)                                             (optional: preallocate decoding steps)
 
 With a cache, ``decode`` receives only the tokens it has not seen yet. A decoder-only LM takes
 ``memory=None, memory_mask=None`` (only :func:`sample` uses one).
@@ -106,6 +107,28 @@ def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> 
 # Greedy ----------------------------------------------------------------------------------------------
 
 
+def score_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of penalized scores in beam search: float64, as Python floats are, so a search on the
+    device ranks exactly as the former Python bookkeeping did; float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _waits_are_free(device: torch.device) -> bool:
+    """Whether reading a value on the host costs nothing here (the CPU: no queue of work to wait for),
+    so a search may ask, e.g., whether anything finished this step, to skip work."""
+    return device.type == "cpu"
+
+
+def _new_cache(model, steps: int):
+    """``model.new_cache()`` with room for ``steps`` decoding steps when the cache can reserve it
+    (:class:`~aiayn.model.cache.KVCache` preallocates them; a cache without ``reserve`` is used as is)."""
+    cache = model.new_cache()
+    reserve = getattr(cache, "reserve", None)
+    if reserve is not None:
+        reserve(steps)
+    return cache
+
+
 @torch.no_grad()
 def greedy_search(
     model,
@@ -124,22 +147,26 @@ def greedy_search(
 
     Returns one token list per sentence, without BOS and EOS. Sentences that end drop out of the
     batch (their rows are removed from the cache), so the remaining steps cost only the live rows.
-    ``use_cache=False`` re-decodes the whole prefix at every step (the reference for cache tests).
-    ``no_repeat_ngram`` n > 0 never lets a sentence repeat one of its own n-grams
+    Each step waits for the device once, to learn which rows ended; outputs stay on the device until
+    the end. ``use_cache=False`` re-decodes the whole prefix at every step (the reference for cache
+    tests). ``no_repeat_ngram`` n > 0 never lets a sentence repeat one of its own n-grams
     (:func:`repeated_ngram_bans`).
     """
     if src_mask is None:
         src_mask = src != pad_id
+    device = src.device
     limits = max_lengths(model, src_mask, max_len_a, max_len_b)
     memory = model.encode(src, src_mask)  # (B, S, D)
     mem_mask = src_mask
-    B = src.size(0)
-    sent = list(range(B))  # original sentence of each live row
-    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)  # (B', 1 + t)
-    cache = model.new_cache() if use_cache else None
-    out: list[list[int]] = [[] for _ in range(B)]
+    B, steps = src.size(0), max(limits)
+    sent = torch.arange(B, device=device)  # original sentence of each live row
+    limit = torch.tensor(limits, device=device)  # (B',) step limit of each live row
+    tokens = torch.full((B, 1), bos_id, dtype=torch.long, device=device)  # (B', 1 + t)
+    cache = _new_cache(model, steps) if use_cache else None
+    out = torch.zeros(B, steps, dtype=torch.long, device=device)  # (B, steps) tokens of ended sentences
+    out_len = torch.zeros(B, dtype=torch.long, device=device)
     t = 0  # tokens produced so far by every live row
-    while sent:
+    while True:
         inp = tokens[:, -1:] if cache is not None else tokens
         logits = model.decode(inp, memory, mem_mask, cache)[:, -1].float()  # (B', V)
         if t < min_len:
@@ -148,24 +175,20 @@ def greedy_search(
             _ban_ngrams(logits, tokens[:, 1:], no_repeat_ngram)
         nxt = logits.argmax(dim=-1)  # (B',)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-        ended = (nxt == eos_id).tolist()
-        keep = []
-        for i, s in enumerate(sent):
-            if ended[i] or t + 1 >= limits[s]:
-                seq = tokens[i, 1:].tolist()
-                out[s] = seq[:-1] if ended[i] else seq
-            else:
-                keep.append(i)
-        if len(keep) < len(sent):
-            if not keep:
+        ended = nxt == eos_id
+        keep = (~(ended | (limit <= t + 1))).nonzero().squeeze(1)  # the step's one wait for the device
+        if keep.numel() < sent.numel():
+            # Record every live row (the ended ones are final; the others are overwritten later).
+            out[:, : t + 1].index_copy_(0, sent, tokens[:, 1:])
+            out_len.index_copy_(0, sent, t + 1 - ended.long())  # EOS is not part of the output
+            if keep.numel() == 0:
                 break
-            idx = torch.tensor(keep, dtype=torch.long, device=src.device)
-            tokens, memory, mem_mask = tokens[idx], memory[idx], mem_mask[idx]
+            tokens, memory, mem_mask = tokens[keep], memory[keep], mem_mask[keep]
+            sent, limit = sent[keep], limit[keep]
             if cache is not None:
-                cache.reorder(idx)
-            sent = [sent[i] for i in keep]
+                cache.reorder(keep)
         t += 1
-    return out
+    return [seq[:n] for seq, n in zip(out.tolist(), out_len.tolist())]
 
 
 def _ban_ngrams(scores: Tensor, produced: Tensor, n: int) -> None:
@@ -209,33 +232,72 @@ def score_tokens(model, src: Tensor, src_mask: Tensor, found: Sequence[Sequence[
 # Beam search -----------------------------------------------------------------------------------------
 
 
-def _offer(pool: list[Hypothesis], hyp: Hypothesis, size: int) -> None:
-    """Insert ``hyp`` into ``pool`` (sorted best first, at most ``size``) if it makes the cut."""
-    if len(pool) >= size and hyp.score <= pool[-1].score:
-        return
-    i = len(pool)
-    while i > 0 and pool[i - 1].score < hyp.score:  # after equal scores: earlier hypotheses win ties
-        i -= 1
-    pool.insert(i, hyp)
-    del pool[size:]
+class _Finished:
+    """The N best finished hypotheses of each live sentence, on the device: what the search keeps instead
+    of Python lists, so a step needs no transfer. Rows are the live sentences; ``store`` holds every
+    sentence's pool (written when sentences leave the batch) for the one transfer at the end.
+
+    Order: penalized score, best first; equal scores keep the earlier hypothesis first (an earlier step,
+    or within a step an earlier candidate of the top-k), as inserting one by one after equal scores would.
+    """
+
+    def __init__(self, B: int, N: int, steps: int, device: torch.device) -> None:
+        self.N = N
+        self.score = torch.full((B, N), NEG_INF, dtype=score_dtype(device), device=device)  # -inf: empty slot
+        self.logprob = torch.zeros(B, N, device=device)
+        self.length = torch.zeros(B, N, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(B, N, steps, dtype=torch.long, device=device)
+        self.store = [x.clone() for x in (self.score, self.logprob, self.length, self.tokens)]
+
+    @property
+    def worst(self) -> Tensor:
+        """(n,) the score of the N-th best (-inf while a pool is not full)."""
+        return self.score[:, -1]
+
+    def offer(self, score: Tensor, logprob: Tensor, seqs: Tensor, lengths: Tensor) -> None:
+        """Merge k new hypotheses per sentence: score (n, k) of :func:`score_dtype` (-inf: not a hypothesis),
+        logprob (n, k), seqs (n, k, w) tokens (the first ``lengths`` (n, k) count), w >= every length."""
+        n, w = score.size(0), seqs.size(2)
+        both = torch.cat([self.score, score], 1)
+        order = both.sort(dim=1, descending=True, stable=True).indices[:, : self.N]
+        self.score = both.gather(1, order)
+        self.logprob = torch.cat([self.logprob, logprob], 1).gather(1, order)
+        self.length = torch.cat([self.length, lengths], 1).gather(1, order)
+        both = torch.cat([self.tokens[:, :, :w], seqs], 1)  # (n, N + k, w): pooled tokens end before w
+        self.tokens[:, :, :w] = both.gather(1, order[:, :, None].expand(n, self.N, w))
+
+    def save_and_keep(self, sent: Tensor, keep: Tensor) -> None:
+        """Write the pools of the live sentences ``sent`` (n,) to the store; keep rows ``keep``."""
+        fields = (self.score, self.logprob, self.length, self.tokens)
+        for stored, x in zip(self.store, fields):
+            stored.index_copy_(0, sent, x)
+        self.score, self.logprob, self.length, self.tokens = (x.index_select(0, keep) for x in fields)
+
+    def hypotheses(self, nbest: int) -> list[list[Hypothesis]]:
+        """Every sentence's best ``nbest`` from the store (one transfer)."""
+        score, logprob, length, tokens = (x[:, :nbest].tolist() for x in self.store)
+        return [[Hypothesis(tok[:n], s, lp) for s, lp, n, tok in zip(*row) if s != NEG_INF]
+                for row in zip(score, logprob, length, tokens)]
 
 
-def _best_possible(best_live: float, length: int, limit: int, alpha: float, kind: str, stop: str) -> float:
-    """Upper bound on the penalized score any continuation of a live beam can still finish with.
+def _stop_bound(best_live: Tensor, length: int, limit_denominator: Tensor, alpha: float, kind: str,
+                stop: str) -> Tensor:
+    """(n,): upper bound on the penalized score any continuation of a live beam can still finish with;
+    best_live (n,) (:func:`score_dtype`) is the best live summed logprob, ``length`` |Y| of the live beams now.
 
-    ``length`` is |Y| of the live beams now. ``exact``: a continuation finishes with |Y'| in
-    [length+1, limit] and logprob' <= best_live <= 0, so its score is at most best_live divided by the
-    largest denominator over that range; the penalties are monotone in |Y|, so it sits at an end
-    (alpha >= 0: at ``limit``; alpha < 0: at length+1).
+    ``exact``: a continuation finishes with |Y'| in [length+1, limit] and logprob' <= best_live <= 0, so
+    its score is at most best_live divided by the largest denominator over that range; the penalties are
+    monotone in |Y|, so it sits at an end (alpha >= 0: at the limit, whose denominator is
+    ``limit_denominator`` (n,); alpha < 0: at length+1); the max of both ends also covers a logprob
+    rounded a hair above 0 (log_softmax of p ~ 1). A sentence at its limit is done whatever this says.
     ``hf``: Hugging Face's default heuristic (early_stopping=False) divides by the denominator at the
     *current* length; with alpha > 0 a longer hypothesis can still beat it, so that rule may stop
     before the best hypothesis is found.
     """
     if stop == "hf":
         return best_live / length_penalty_denominator(length, alpha, kind)
-    # max over both ends also covers a logprob rounded a hair above 0 (log_softmax of p ~ 1).
-    ends = (length + 1, max(limit, length + 1))
-    return max(best_live / length_penalty_denominator(n, alpha, kind) for n in ends)
+    return torch.maximum(best_live / length_penalty_denominator(length + 1, alpha, kind),
+                         best_live / limit_denominator)
 
 
 @torch.no_grad()
@@ -271,13 +333,19 @@ def beam_search(
     * Each sentence keeps its N best finished hypotheses by penalized score (see
       :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
       still beat its worst member, judged by ``stop``:
-      ``exact`` (default): a sound upper bound (:func:`_best_possible`), so the result equals running
+      ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
       every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
       for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
       ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
       returns the same hypotheses as ``exact``.) Done sentences leave the batch.
     * ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
       are set to -inf before the top-k, as fairseq and Hugging Face do).
+
+    Built for a GPU: the finished hypotheses stay on the device (:class:`_Finished`) and the cache is
+    written in place, so a step waits for the device once, to learn which sentences are done (n-gram
+    blocking adds a transfer of the beams' tokens); the hypotheses come back in one transfer at the end.
+    Scores are float32 sums of float32 log-probabilities whatever the model's dtype; penalized scores
+    and the stopping bound are float64, as Python floats were (float32 on MPS, which has no float64).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"unknown length penalty {length_penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
@@ -288,20 +356,25 @@ def beam_search(
     if src_mask is None:
         src_mask = src != pad_id
     device = src.device
+    free_waits, sdt = _waits_are_free(device), score_dtype(device)
     B, N = src.size(0), beam
     limits = max_lengths(model, src_mask, max_len_a, max_len_b)
     memory = model.encode(src, src_mask)  # (B, S, D)
     rows = torch.arange(B, device=device).repeat_interleave(N)
     memory, mem_mask = memory.index_select(0, rows), src_mask.index_select(0, rows)  # (B*N, S, D), (B*N, S)
-    cache = model.new_cache()
+    cache = _new_cache(model, max(limits))
     tokens = torch.full((B * N, 1), bos_id, dtype=torch.long, device=device)  # (B*N, 1 + t)
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
     scores[:, 0] = 0.0
-    sent = list(range(B))  # original sentence of each live group of N rows
-    pools: list[list[Hypothesis]] = [[] for _ in range(B)]
+    sent = torch.arange(B, device=device)  # (n,) original sentence of each live group of N rows
+    limit = torch.tensor(limits, device=device)  # (n,) step limits
+    limit_den = torch.tensor([length_penalty_denominator(m, alpha, length_penalty) for m in limits],
+                             dtype=sdt, device=device)  # (n,) their length-penalty denominators
+    finished = _Finished(B, N, max(limits), device)
+    beams = torch.arange(N, device=device)
     t = 0  # tokens produced so far by every live beam
-    while sent:
-        n = len(sent)
+    while True:
+        n = scores.size(0)
         logits = model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1]  # (n*N, V)
         lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
         if t < min_len:
@@ -314,19 +387,16 @@ def beam_search(
         top_beam, top_tok = top_idx // V, top_idx % V
         length = t + 1  # |Y| of every candidate of this step
         is_eos = top_tok == eos_id
+        at_limit = limit <= length  # (n,)
 
         # Finished hypotheses: EOS among the first N candidates, or all first N at the limit.
-        lp_l, beam_l, tok_l, eos_l = top_lp.tolist(), top_beam.tolist(), top_tok.tolist(), is_eos.tolist()
-        for i, s in enumerate(sent):
-            at_limit = length >= limits[s]
-            for j in range(min(N, len(lp_l[i]))):
-                if lp_l[i][j] == NEG_INF:
-                    break  # sorted: only impossible candidates follow
-                if eos_l[i][j] or at_limit:
-                    prefix = tokens[i * N + beam_l[i][j], 1:].tolist()
-                    seq = prefix if eos_l[i][j] else prefix + [tok_l[i][j]]
-                    score = penalized_score(lp_l[i][j], length, alpha, length_penalty)
-                    _offer(pools[s], Hypothesis(seq, score, lp_l[i][j]), N)
+        lp, eos = top_lp[:, :N], is_eos[:, :N]
+        new = (eos | at_limit[:, None]) & (lp > NEG_INF)
+        if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
+            den = length_penalty_denominator(length, alpha, length_penalty)
+            penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
+            prefix = tokens[:, 1:].view(n, N, t).gather(1, top_beam[:, :N, None].expand(n, N, t))  # (n, N, t)
+            finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
 
         # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
         live_lp = top_lp.masked_fill(is_eos, NEG_INF)
@@ -335,37 +405,28 @@ def beam_search(
         src_rows = torch.arange(n, device=device)[:, None] * N + top_beam.gather(1, order)  # (n, N)
         new_tok = top_tok.gather(1, order)
 
-        keep = []
-        best_live = new_scores[:, 0].tolist()
-        for i, s in enumerate(sent):
-            pool = pools[s]
-            done = (
-                length >= limits[s]
-                or best_live[i] == NEG_INF  # no live beam can produce anything finite
-                or (
-                    len(pool) == N
-                    and _best_possible(best_live[i], length, limits[s], alpha, length_penalty, stop)
-                    <= pool[-1].score
-                )
-            )
-            if not done:
-                keep.append(i)
-        if not keep:
-            break
-        k = torch.tensor(keep, dtype=torch.long, device=device)
-        next_rows = src_rows.index_select(0, k).reshape(-1)  # (n'*N,) beam reorder and dropped sentences
-        # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
-        # when a sentence leaves the batch, not on every step's beam reorder.
-        cache.reorder(next_rows, cross=False)
-        if len(keep) < n:
-            sent_rows = (k[:, None] * N + torch.arange(N, device=device)).reshape(-1)
+        best_live = new_scores[:, 0]
+        bound = _stop_bound(best_live.to(sdt), length, limit_den, alpha, length_penalty, stop)
+        # done: at the limit, no live beam can produce anything finite, or none can beat a full pool
+        done = at_limit | (best_live == NEG_INF) | ((finished.worst > NEG_INF) & (bound <= finished.worst))
+        keep = (~done).nonzero().squeeze(1)  # (n',) the step's one wait for the device
+        if keep.numel() < n:
+            finished.save_and_keep(sent, keep)
+            if keep.numel() == 0:
+                break
+            src_rows, new_tok, new_scores = src_rows[keep], new_tok[keep], new_scores[keep]
+            sent, limit, limit_den = sent[keep], limit[keep], limit_den[keep]
+            # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
+            # when a sentence leaves the batch, not on every step's beam reorder.
+            sent_rows = (keep[:, None] * N + beams).reshape(-1)
             cache.reorder_cross(sent_rows)
             memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
-        tokens = torch.cat([tokens[next_rows], new_tok.index_select(0, k).reshape(-1, 1)], dim=1)
-        scores = new_scores.index_select(0, k)
-        sent = [sent[i] for i in keep]
+        next_rows = src_rows.reshape(-1)  # (n'*N,) beam reorder and dropped sentences
+        cache.reorder(next_rows, cross=False)
+        tokens = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1)
+        scores = new_scores
         t += 1
-    return [pool[:nbest] for pool in pools]
+    return finished.hypotheses(nbest)
 
 
 # Sampling --------------------------------------------------------------------------------------------
@@ -444,7 +505,8 @@ def sample(
     if context_limit is None:
         context_limit = getattr(getattr(model, "cfg", None), "max_positions", None)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    cache = model.new_cache() if use_cache else None
+    steps = tokens.size(1) + max_new_tokens
+    cache = _new_cache(model, min(steps, context_limit or steps)) if use_cache else None
     pending = tokens  # (1, t): tokens the cache has not seen yet
     cached = 0
     produced: list[int] = []
@@ -517,7 +579,7 @@ def sample_search(
     live = list(range(R))  # original row of each live row
     tokens = torch.full((R, 1), bos_id, dtype=torch.long, device=device)  # (R', 1 + t)
     logprob = torch.zeros(R, device=device)  # (R',) summed log-probabilities of the live rows
-    cache = model.new_cache()
+    cache = _new_cache(model, max(limits))
     found: list[Hypothesis | None] = [None] * R
     t = 0
     while live:

@@ -82,20 +82,26 @@ def search_batch(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, op
                        nbest=opts.nbest, stop=opts.stop, no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
 
 
+def decode_batches(lengths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
+    """The batches (lists of indices) :func:`decode_sources` searches, for sources of ``lengths`` tokens
+    (without EOS): sorted by length, each within ``len(batch) * (longest + 1) * rows <=
+    opts.batch_tokens(device_type)`` (rows: the beam, or the draws when sampling; a single longer
+    source forms its own batch). The budget is per device (``DEFAULT_DECODE_TOKENS``: a GPU gets
+    batches 8x the CPU's, so the search's matmuls fill it)."""
+    rows = opts.nbest if opts.sample else opts.beam
+    budget = max(1, opts.batch_tokens(device_type) // rows)
+    return token_batches(list(lengths), None, budget, shuffle=False)
+
+
 def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], opts: DecodeOptions,
                    specials: SpecialIds = SpecialIds(), scores: bool = True) -> list[list[Hypothesis]]:
-    """Search every source (ids without EOS) and return its hypotheses, best first, in input order.
-
-    Sources are sorted by length and batched so that ``len(batch) * (longest + 1) * rows`` stays within
-    ``opts.batch_tokens(device)`` (rows: the beam, or the draws when sampling; a single longer source
-    forms its own batch). The model must be in eval mode."""
+    """Search every source (ids without EOS) and return its hypotheses, best first, in input order,
+    in the token-budget batches of :func:`decode_batches`. The model must be in eval mode."""
     device = model_device(model)
     out: list[list[Hypothesis]] = [[] for _ in sources]
     if not sources:
         return out
-    rows = opts.nbest if opts.sample else opts.beam
-    budget = max(1, opts.batch_tokens(device.type) // rows)
-    for idx in token_batches([len(s) for s in sources], None, budget, shuffle=False):
+    for idx in decode_batches([len(s) for s in sources], opts, device.type):
         src = pad_batch([list(sources[i]) + [specials.eos] for i in idx], specials.pad).to(device)  # (B, S)
         for i, hyps in zip(idx, search_batch(model, src, src != specials.pad, opts, specials, scores)):
             out[i] = hyps
@@ -117,9 +123,9 @@ class Translator:
 
     def to(self, device: str | torch.device) -> Translator:
         """Move the model (``"auto"`` resolves as everywhere); returns self."""
-        from aiayn.device import resolve_device
+        from aiayn.device import move_module
 
-        self.model.to(resolve_device(device))
+        move_module(self.model, device)
         return self
 
     @property

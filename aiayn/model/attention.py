@@ -1,4 +1,4 @@
-"""Scaled dot-product attention (eq. 1), multi-head attention (eq. 2) and the KV cache.
+"""Scaled dot-product attention (eq. 1) and multi-head attention (eq. 2); the KV cache: aiayn.model.cache.
 
 Shapes: B batch, H heads, Tq query length, Tk key length, D model width, K head width (D / H).
 Masks are boolean and mean "may attend" (True = keep), broadcastable to (B, H, Tq, Tk).
@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aiayn.model.cache import KVCache
 
 
 def scaled_dot_product_attention(
@@ -99,55 +101,6 @@ def cpu_attention_path(path: str) -> Iterator[None]:
         yield
     finally:
         CPU_EXPLICIT_MAX_KEYS = saved
-
-
-class KVCache:
-    """Keys and values of past decoder steps, one entry per decoder layer.
-
-    Self-attention keys/values grow by one step per call of ``Decoder.forward``; cross-attention
-    keys/values are projected from the encoder memory once per source and then reused.
-    ``reorder(indices)`` selects (and may repeat or drop) batch rows, as beam search needs.
-    Tensors are (B, H, T, K).
-    """
-
-    def __init__(self, n_layers: int) -> None:
-        self.self_k: list[Tensor | None] = [None] * n_layers
-        self.self_v: list[Tensor | None] = [None] * n_layers
-        self.cross_k: list[Tensor | None] = [None] * n_layers
-        self.cross_v: list[Tensor | None] = [None] * n_layers
-
-    @property
-    def length(self) -> int:
-        """Number of target positions already cached."""
-        k = self.self_k[0]
-        return 0 if k is None else k.size(2)
-
-    def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the new steps' (B, H, t, K) keys/values; return all keys/values so far."""
-        if self.self_k[layer] is not None:
-            k = torch.cat([self.self_k[layer], k], dim=2)
-            v = torch.cat([self.self_v[layer], v], dim=2)
-        self.self_k[layer], self.self_v[layer] = k, v
-        return k, v
-
-    def reorder(self, indices: Tensor, cross: bool = True) -> None:
-        """Keep batch rows ``indices`` (LongTensor (B',)) in that order, in every cached tensor.
-
-        ``cross=False`` leaves the cross-attention keys/values alone: beam search reorders beams within a
-        sentence every step, and all beams of a sentence share them, so they only need selecting (with
-        ``reorder_cross``) when a sentence leaves the batch."""
-        self._select((self.self_k, self.self_v) + ((self.cross_k, self.cross_v) if cross else ()), indices)
-
-    def reorder_cross(self, indices: Tensor) -> None:
-        """Keep rows ``indices`` of the cross-attention keys/values only."""
-        self._select((self.cross_k, self.cross_v), indices)
-
-    @staticmethod
-    def _select(stores: tuple, indices: Tensor) -> None:
-        for store in stores:
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t.index_select(0, indices)
 
 
 class MultiHeadAttention(nn.Module):

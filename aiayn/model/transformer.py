@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.model.attention import KVCache
+from aiayn.model.cache import KVCache
 from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
 from aiayn.model.layers import DecoderLayer, Dropout, EncoderLayer
 
@@ -135,8 +135,9 @@ class Transformer(nn.Module):
         memory_mask (B, S) bool. Returns logits (B, T, V)."""
         return self.decoder(tgt, memory, memory_mask, cache)[0]
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.decoder.layers))
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
+        return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) (BOS + target) -> logits (B, T, V)."""
@@ -176,8 +177,9 @@ class DecoderOnlyLM(nn.Module):
         it is accepted so search code can drive both model kinds the same way."""
         return self.decoder(tokens, None, None, cache)[0]
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.decoder.layers))
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
+        return KVCache(len(self.decoder.layers), capacity)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.decode(tokens)

@@ -1,0 +1,88 @@
+"""The GPU parts of benchmarks/translate_speed that a CPU can check: the token-budget mode gives every
+engine the batches ``aiayn translate`` makes, precisions are refused off CUDA before any work, a
+CTranslate2 engine that cannot run on a GPU is reported instead of failing the run, and the GPU table
+states its goals (batched >= 3x generate(), batch 1 >= 2x, bf16 vs fp32). Real numbers: BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
+
+pytest.importorskip("transformers")
+pytest.importorskip("ctranslate2")
+
+from aiayn.config import DecodeOptions  # noqa: E402
+from aiayn.decode.translator import decode_batches  # noqa: E402
+from benchmarks import translate_speed  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_tokens_and_batch1_modes(tmp_path):
+    """tokens: the translator's batches; batch-1 on the first N sentences; aiayn == generate() in both."""
+    result = translate_speed.main(["--smoke", "--threads", "1", "--modes", "batch-1", "tokens", "--batch1-limit", "3",
+                                   "--engines", "aiayn", "hf", "--md", str(tmp_path / "B.md"),
+                                   "--out-json", str(tmp_path / "s.json")])
+    task = translate_speed.smoke_task(8, tmp_path, [])
+    want = decode_batches([len(s) for s in task.sources], DecodeOptions(beam=4, max_tokens=192), "cpu")
+    assert len(want) > 1
+    res = result["modes"]["tokens"]
+    assert res["aiayn"]["batches"] == len(want) and res["hf"]["same_as_aiayn"] == 8
+    assert result["modes"]["batch-1"]["hf"]["sentences"] == 3 == result["modes"]["batch-1"]["hf"]["same_as_aiayn"]
+    text = (tmp_path / "B.md").read_text()
+    assert "token-budget batches of `aiayn translate` (192 tokens" in text and "| tokens | HF generate()" in text
+
+
+def test_half_precision_off_cuda_is_refused_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="bf16 needs a CUDA device"):
+        translate_speed.main(["--smoke", "--precision", "fp32", "bf16", "--md", str(tmp_path / "B.md")])
+    assert not (tmp_path / "B.md").exists()
+
+
+def test_a_ct2_engine_that_cannot_run_on_a_gpu_is_reported(tmp_path, monkeypatch):
+    task = translate_speed.smoke_task(8, tmp_path, ["ct2-fp32", "ct2-bf16"])
+
+    def no_cuda(*a, **k):
+        raise RuntimeError("Library libcublas.so.12 is not found or cannot be loaded")
+
+    monkeypatch.setattr(translate_speed, "ct2_engine", no_cuda)
+    meta = torch.device("meta")  # stands in for a GPU: nothing is computed while engines are built
+    fns, checks = translate_speed.build_engines(task, ["aiayn", "ct2-bf16"], 0.6, 8, 1, [0, 1], meta, "bf16")
+    assert list(fns) == ["aiayn"] and "libcublas.so.12" in checks["ct2-bf16_not_run"]
+    with pytest.raises(RuntimeError):  # on the CPU it is a failure, not a note
+        translate_speed.build_engines(task, ["ct2-fp32"], 0.6, 8, 1, [0, 1], torch.device("cpu"), "fp32")
+    assert translate_speed.pass_engines(translate_speed.ENGINES, "bf16") == ["aiayn", "aiayn-exact", "hf",
+                                                                             "ct2-bf16"]
+
+
+def test_gpu_table_states_its_goals():
+    def r(sps: float, bleu: float, same: int | None = None) -> dict:
+        out = {"sentences": 100, "seconds": 100 / sps, "sentences_per_s": sps, "tokens_per_s": 12 * sps,
+               "bleu": bleu}
+        return out if same is None else {**out, "same_as_aiayn": same}
+
+    result = {
+        "args": {"device": "cuda:0", "alpha": 0.6, "max_len": 100, "warmup_batches": 2, "batch_size": 64,
+                 "batch_tokens": 32768, "cudnn_sdpa": "off"},
+        "machine": {"platform": "Linux", "cpu": "x", "cores": 16, "threads": 16, "gpu": "NVIDIA H100 80GB HBM3",
+                    "python": "3.12", "torch": "2.11"},
+        "command": "python -m benchmarks.translate_speed --device cuda", "date": "today", "task": "t",
+        "checks": {"hf_max_logit_diff": 1e-5, "ct2-fp32_not_run": "ImportError: no ctranslate2"},
+        "modes": {"batch-1": {"aiayn": r(30, 36.0), "hf": r(10, 36.0, 100)},
+                  "batched": {"aiayn": r(900, 36.0), "hf": r(300, 36.0, 100)},
+                  "batched bf16": {"aiayn": r(1000, 35.6), "hf": r(250, 35.6, 97)}},
+    }
+    text = translate_speed.markdown(result)
+    assert text.startswith("## 2. Translation speed (beam 4, NVIDIA H100 80GB HBM3)")
+    assert "CTranslate2 fp32 not run on this device: ImportError: no ctranslate2" in text
+    assert "batch-1: aiayn / HF generate() sentences/s = 3.00x (goal >= 2.00x: met)" in text
+    assert "batched: aiayn / HF generate() sentences/s = 3.00x (goal >= 3.00x: met)" in text
+    assert "batched bf16: aiayn speed vs fp32 = 1.11x (goal >= 1.00x: met); BLEU 35.60 vs 36.00 (goal: within " \
+           "0.3: short)" in text
+    assert translate_speed.section_name(torch.device("cuda", 0)) == "translate_speed_gpu"
+    assert translate_speed.section_name(torch.device("cpu")) == "translate_speed"
