@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from aiayn.train.run import train_from_config
 
     train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=args.resume,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, init_from=args.init_from)
     return 0
 
 
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.warmup=8000")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--init-from", default=None, metavar="RUN",
+                   help="fine-tune RUN: its weights, tokenizer and model section; the rest from CONFIG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
