@@ -257,6 +257,48 @@ def test_aiayn_run_exports_to_generate(tiny_run, tmp_path):
     assert (gen[: gen.index(3)] if 3 in gen else gen) == theirs[0]
 
 
+def separate_vocab_run(d: Path) -> Path:
+    """A run with two vocabularies (data.shared_vocab=false) and a random model: the paper's interleaved
+    sinusoids, separate source/target embeddings, a logits bias raising EOS so outputs end at varied lengths."""
+    from aiayn.config import Config, DataConfig, DecodeOptions, ModelConfig, save_config
+    from aiayn.data.tokenizer import train_tokenizer_pair
+    from aiayn.model import Transformer
+    from aiayn.train.checkpoint import save_weights
+
+    tok = train_tokenizer_pair(EN * 3, DE * 3, d / "tokenizer", shared=False, vocab_size=300)
+    m = ModelConfig(vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, d_model=32, n_heads=4, d_ff=64,
+                    n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, max_positions=64, share_embeddings=False,
+                    tie_output=True, output_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(m).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        model.decoder.output_bias[3] += 1.5
+    save_weights(model, d / "model.safetensors")
+    save_config(Config(model=m, data=DataConfig(shared_vocab=False),
+                       decode=DecodeOptions(length_penalty="power", stop="hf", max_len_b=10)), d / "config.yaml")
+    return d
+
+
+def test_separate_vocabularies_round_trip(tmp_path):
+    run = separate_vocab_run(tmp_path / "run")
+    out = export_hf(run, tmp_path / "hf")
+    assert json.loads((out / "tokenizer_config.json").read_text())["separate_vocabs"] is True
+    tok, hf = MarianTokenizer.from_pretrained(out), MarianMTModel.from_pretrained(out).eval()
+    translator = aiayn.load(run, "cpu")
+    for text in SOURCES:
+        assert tok(text)["input_ids"] == translator.tokenizers.src.encode(text) + [3]
+    ours = translator.translate_hypotheses(SOURCES)
+    theirs = hf_generate(hf, tok, SOURCES, translator.cfg.decode, 64)
+    assert [h[0].ids for h in ours] == theirs and len({len(t) for t in theirs}) > 2
+    assert [h[0].text.strip() for h in ours] == tok.batch_decode([[2] + t for t in theirs], skip_special_tokens=True)
+    back = import_hf(out, tmp_path / "back")  # and into aiayn again: two id spaces, the same outputs
+    pair = TokenizerPair.load(back / "tokenizer")
+    assert not pair.shared and pair.tgt.vocab_size == translator.tokenizers.tgt.vocab_size
+    assert aiayn_ids(back, SOURCES, max_len_a=1.0, max_len_b=10) == theirs
+
+
 # Refusals ----------------------------------------------------------------------------------------------------
 
 
