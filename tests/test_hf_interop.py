@@ -358,3 +358,18 @@ def test_imported_run_exports_to_ctranslate2(imported, tmp_path):
         max_decoding_length=d.max_len_b, min_decoding_length=0, suppress_sequences=[["<pad>"]])
     theirs = [[tok.tgt.vocab.ids[p] for p in r.hypotheses[0] if p != "</s>"] for r in results]
     assert aiayn_ids(imported, SOURCES, stop="exact") == theirs
+
+
+def test_staged_directory_replaces_whole_or_not_at_all(tmp_path):
+    from aiayn.files import staged_directory
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), staged_directory(target) as stage:
+        (stage / "new.txt").write_text("new")
+        raise RuntimeError("export failed half way")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (target / "old.txt").read_text() == "old"
+    with staged_directory(target) as stage:
+        (stage / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in target.iterdir()] == ["new.txt"]
