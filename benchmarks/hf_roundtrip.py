@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     run = Path(args.run_dir)
     sources = [s for s, _ in split_pairs(load_config(run / "config.yaml"), args.split)][: args.limit]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hf-roundtrip-"))
-    result: dict = {"command": common.command_line("benchmarks.hf_roundtrip", sys.argv[1:] if argv is None else argv),
+    result: dict = {"command": common.command_line("hf_roundtrip", sys.argv[1:] if argv is None else argv),
                     "machine": common.machine_info(threads), "run": str(run.resolve()), "split": args.split,
                     "lines": len(sources)}
 
