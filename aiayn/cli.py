@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from aiayn.train.run import train_from_config
 
     train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=args.resume,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, init_from=args.init_from)
     return 0
 
 
@@ -160,10 +160,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from aiayn.interop.ctranslate2 import export_run
+    if args.engine == "hf":
+        from aiayn.interop.hf import export_hf
 
-    out = export_run(args.run, args.out_dir, quantization=args.quantization)
+        out = export_hf(args.run, args.out_dir, force=args.force)
+    else:
+        from aiayn.interop.ctranslate2 import export_run
+
+        out = export_run(args.run, args.out_dir, quantization=args.quantization, force=args.force)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from aiayn.interop.hf import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.run_dir, force=args.force)}")
     return 0
 
 
@@ -219,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.warmup=8000")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--init-from", default=None, metavar="RUN",
+                   help="fine-tune RUN: its weights, tokenizer and model section; the rest from CONFIG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -275,12 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
 
-    p = sub.add_parser("export", help="export a run to a production engine")
-    p.add_argument("engine", choices=["ctranslate2"])
+    p = sub.add_parser("export", help="export a run to CTranslate2 or as a Hugging Face Marian directory")
+    p.add_argument("engine", choices=["ctranslate2", "hf"])
     p.add_argument("run")
     p.add_argument("out_dir")
     p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2)")
+    p.add_argument("--force", action="store_true", help="replace out_dir whatever it holds")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="make a run directory from a Hugging Face Marian (OPUS-MT) directory")
+    p.add_argument("engine", choices=["hf"])
+    p.add_argument("hf_dir")
+    p.add_argument("run_dir")
+    p.add_argument("--force", action="store_true", help="replace run_dir whatever it holds")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask")
     p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask"])

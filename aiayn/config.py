@@ -243,6 +243,8 @@ class DecodeOptions:
     ``beam`` > 1 beam search with ``length_penalty`` (gnmt = paper, power = fairseq/HF/CTranslate2)
     and the ``stop`` rule (exact: never stops before the best hypothesis is certain; hf: Hugging Face's
     heuristic). ``nbest`` hypotheses per input (beam search: at most ``beam``; sampling: that many draws).
+    ``ban_pad``: the pad id's logit is -inf before every softmax (Hugging Face's ``bad_words_ids=[[pad]]``
+    with ``renormalize_logits``, which Marian / OPUS-MT generation configs set; runs imported from them).
     """
 
     beam: int = 4
@@ -254,6 +256,7 @@ class DecodeOptions:
     nbest: int = 1
     stop: str = "exact"  # exact | hf (beam search's stopping rule)
     no_repeat_ngram: int = 0  # n > 0: no output repeats one of its own n-grams (not in the paper; summaries)
+    ban_pad: bool = False  # never produce the pad id (Marian runs: generate's bad_words_ids [[pad]], renormalized)
     sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None

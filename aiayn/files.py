@@ -15,8 +15,10 @@ import errno
 import json
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,5 +120,34 @@ def check_writable(directory: str | Path) -> None:
     os.unlink(probe)
 
 
+@contextmanager
+def staged_directory(path: str | Path) -> Iterator[Path]:
+    """Build a directory out of sight and put it in place whole: yields an empty temporary directory beside
+    ``path``; when the block ends without error it is renamed to ``path`` (what was there is replaced,
+    so callers decide beforehand whether they may). On error the temporary directory is removed and
+    ``path`` is left as it was. A reader sees the old directory or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0o700
+    old = None
+    try:
+        yield tmp
+        if path.exists():  # renamed aside first: rename() cannot replace a non-empty directory
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", suffix=TMP_SUFFIX, dir=path.parent))
+            os.rename(path, old / path.name)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if old is not None:  # put the old directory back before the cleanup below removes it
+                os.rename(old / path.name, path)
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 __all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "check_writable",
-           "default_file_mode", "is_temporary", "remove_stale_temporaries"]
+           "default_file_mode", "is_temporary", "remove_stale_temporaries", "staged_directory"]

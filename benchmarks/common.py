@@ -1,6 +1,7 @@
 """What the benchmark entry points share: the machine and versions they ran on, JSON output, their
-sections of BENCHMARKS.md, the training batches, and the re-layout that lets a model trained with the
-paper's interleaved sinusoids run unchanged as a Hugging Face Marian model.
+sections of BENCHMARKS.md and the training batches (the re-layout
+that lets a model trained with the paper's interleaved sinusoids run as a Hugging Face Marian model is
+aiayn.interop.marian.concat_layout_copy).
 
 Shapes: B batch, S source length, T target length, D model width, V vocabulary.
 """
@@ -8,7 +9,6 @@ Shapes: B batch, S source length, T target length, D model width, V vocabulary.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -24,8 +24,6 @@ import torch
 from torch import Tensor
 
 from aiayn.data.batching import Batch, batch_shape, collate, token_batches
-from aiayn.model.embeddings import sinusoidal_table
-from aiayn.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MD = REPO / "BENCHMARKS.md"
@@ -317,53 +315,6 @@ def save_batches(batches: Sequence[Batch], path: str | os.PathLike) -> None:
 def load_batches(path: str | os.PathLike) -> list[Batch]:
     return [Batch(d["src"], d["tgt_in"], d["tgt_out"], int(d["ntokens"]), [])
             for d in torch.load(path, weights_only=True)]
-
-
-# Interleaved -> concat sinusoid layout ------------------------------------------------------------------
-
-
-def concat_permutation(d_model: int) -> Tensor:
-    """perm such that ``interleaved_table[:, perm] == concat_table``: even dims (sines), then odd (cosines)."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
-
-
-def _relayout(name: str, t: Tensor, perm: Tensor) -> Tensor:
-    # Only axes indexed by the model width D move; the Q/K/V rows of in_proj (per-head structure), the
-    # FFN inner dimension, the attention output before out_proj and the vocabulary stay where they are.
-    if name.endswith(("embed.weight", "output_proj.weight", "in_proj.weight", "fc1.weight")):
-        return t[:, perm]  # D is the input (column) axis
-    if name.endswith(("out_proj.weight", "fc2.weight", "out_proj.bias", "fc2.bias")):
-        return t[perm]  # D is the output axis
-    if ".norm." in name or "final_norm." in name:
-        return t[perm]  # LayerNorm statistics do not depend on the order of the dimensions
-    if name.endswith(("in_proj.bias", "fc1.bias", "output_bias")):
-        return t
-    raise ValueError(f"no re-layout rule for the parameter {name}")
-
-
-@torch.no_grad()
-def concat_layout_copy(model: Transformer) -> Transformer:
-    """A copy of ``model`` with ``positional_layout='concat'`` that computes the same function.
-
-    A model trained with the paper's interleaved sinusoids (sin on even, cos on odd dimensions) equals,
-    up to float rounding, a concat-layout model (all sines, then all cosines: Marian's and CTranslate2's
-    layout) whose every model-width axis is permuted by :func:`concat_permutation`: the embedding
-    columns, the input columns of in_proj / fc1 / the output projection, the output rows of out_proj /
-    fc2 and the LayerNorm parameters. The hidden states are then the old ones permuted, every matmul
-    sums the same products in another order, and the logits agree to float rounding.
-    """
-    cfg = model.cfg
-    if cfg.positional != "sinusoidal":
-        raise ValueError(f"only sinusoidal positions have a layout (model.positional={cfg.positional!r})")
-    out = Transformer(dataclasses.replace(cfg, positional_layout="concat"))
-    if cfg.positional_layout == "concat":
-        out.load_state_dict(model.state_dict())
-        return out.train(model.training)
-    perm = concat_permutation(cfg.d_model)
-    table = sinusoidal_table(8, cfg.d_model, "interleaved")
-    assert torch.equal(table[:, perm], sinusoidal_table(8, cfg.d_model, "concat"))
-    out.load_state_dict({k: _relayout(k, v, perm) for k, v in model.state_dict().items()}, strict=True)
-    return out.train(model.training)
 
 
 @torch.no_grad()

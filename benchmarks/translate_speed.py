@@ -9,7 +9,7 @@ Engines, all given one trained run's weights:
 * ``hf``           Hugging Face ``MarianMTModel.generate()`` (early_stopping=False, its default), the
                    model converted with aiayn.interop.marian.to_hf_marian. A run trained with the paper's
                    interleaved sinusoids is first re-laid out to Marian's concat layout
-                   (benchmarks.common.concat_layout_copy); the logits are checked to agree (< 1e-4).
+                   (aiayn.interop.marian.concat_layout_copy); the logits are checked to agree (< 1e-4).
 * ``ct2-fp32`` / ``ct2-int8`` / ``ct2-bf16`` / ``ct2-fp16``  CTranslate2 ``Translator.translate_batch``
                    on the run exported with aiayn.interop.ctranslate2.export_run (int8: exported with
                    quantization='int8'; bf16 / fp16: the fp32 export loaded with that compute type).
@@ -277,7 +277,7 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int
                   ) -> tuple[dict[str, Callable], dict[str, Any]]:
     """The engines' translate functions on ``device`` in ``precision``, and what was checked while building
     them. A CTranslate2 engine that cannot run on a GPU is left out, with the reason in the checks."""
-    from aiayn.interop.marian import to_hf_marian
+    from aiayn.interop.marian import concat_layout_copy, to_hf_marian
     from benchmarks.train_throughput import HFMarianSeq2Seq
 
     dtype = DTYPES[precision]
@@ -290,7 +290,7 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int
         elif e == "aiayn-exact":
             fns[e] = aiayn_engine(ours, alpha, max_len, "exact", device)
         elif e == "hf":
-            hf = to_hf_marian(common.concat_layout_copy(task.model)).eval()
+            hf = to_hf_marian(concat_layout_copy(task.model)).eval()
             src = pad_batch([task.sources[i] + [EOS] for i in check_batch], PAD)
             g = torch.Generator().manual_seed(0)  # any target ids will do
             tgt = torch.cat([torch.full((len(check_batch), 1), BOS),

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")
 
 from aiayn.config import ModelConfig  # noqa: E402
+from aiayn.interop.marian import concat_layout_copy  # noqa: E402
 from aiayn.model.transformer import Transformer  # noqa: E402
 from benchmarks import common, mfu, run_all, train_throughput  # noqa: E402
 
@@ -85,7 +86,7 @@ def test_concat_layout_copy_computes_the_same_function():
     model = Transformer(cfg).eval()
     for p in model.parameters():
         p.add_(0.1 * torch.randn_like(p))
-    copy = common.concat_layout_copy(model)
+    copy = concat_layout_copy(model)
     assert copy.cfg.positional_layout == "concat"
     src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
     src[0, 5:] = 0

@@ -1,7 +1,8 @@
 """Tokenizers: SentencePiece BPE (the paper's byte-pair encoding, section 5.1) and characters.
 
-Every tokenizer uses the same special ids, so the model, the batcher and the search code can
-rely on them without asking the tokenizer: PAD_ID=0, UNK_ID=1, BOS_ID=2, EOS_ID=3.
+The tokenizers trained here use the same special ids: PAD_ID=0, UNK_ID=1, BOS_ID=2, EOS_ID=3. A run
+imported from Marian keeps Marian's ids; code that builds model inputs reads them from
+``TokenizerPair.specials`` (:class:`SpecialIds`).
 
 BPE models are trained losslessly (no normalization, whitespace kept, byte fallback on by
 default), so ``decode(encode(x)) == x`` for any text, including scripts never seen in training.
@@ -22,7 +23,9 @@ On disk (``RUN/tokenizer/``)::
 
     tokenizer.json                  {"kind", "shared", "src", "tgt", vocab sizes, "pretokenize"}
     shared.model                    one SentencePiece model for both sides, or
-    src.model + tgt.model           one per side (char tokenizers: *.json)
+    src.model + tgt.model           one per side (char tokenizers: *.json), or
+    source.spm + target.spm + vocab.json   a Marian / OPUS-MT tokenizer (:mod:`.marian_tokenizer`), whose
+                                    special ids are Marian's (``special_ids`` in tokenizer.json)
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import sentencepiece as spm
 from ..config import PRETOKENIZERS
 from ..errors import DataError
 from ..files import atomic_write_bytes
+from .marian_tokenizer import MarianPieces, load_marian_pair, save_marian_pair
+from .tokenizer_base import Tokenizer, first_line
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")
@@ -51,44 +56,6 @@ UNK_TEXT = "\u2047"  # what SentencePiece prints for an unknown piece: ⁇
 # (4192) so that long documents (XSum) still count, while bounding memory.
 _MAX_SENTENCE_BYTES = 16384
 PAIR_FILE = "tokenizer.json"
-
-
-class Tokenizer:
-    """Text <-> ids. ``encode`` adds no BOS/EOS (the batcher does); ``decode`` drops pad/bos/eos."""
-
-    kind: str = ""
-    lowercases: bool = False  # whether encode lowercases (only a BPE model trained with lowercase=True)
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
-
-    def pieces(self, text: str) -> list[str]:
-        """The pieces ``encode`` would produce, as strings (for inspection and attention plots)."""
-        return [self.id_to_piece(i) for i in self.encode(text)]
-
-    def id_to_piece(self, i: int) -> str:
-        raise NotImplementedError
-
-    @property
-    def suffix(self) -> str:
-        """File suffix of the saved model: ``.model`` (SentencePiece) or ``.json`` (char)."""
-        raise NotImplementedError
-
-    def save(self, directory: str | Path, name: str = "tokenizer") -> Path:
-        """Write ``directory/name.model`` (BPE) or ``directory/name.json`` (char); return the path."""
-        raise NotImplementedError
-
-    @staticmethod
-    def load(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
-        """Load what :meth:`save` wrote, whichever kind it is."""
-        return load_tokenizer(directory, name)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -251,13 +218,13 @@ def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
         try:
             return SentencePieceTokenizer(model.read_bytes())
         except (RuntimeError, OSError) as e:
-            raise DataError(f"{model}: not a readable SentencePiece model ({_first_line(e)})") from None
+            raise DataError(f"{model}: not a readable SentencePiece model ({first_line(e)})") from None
     if chars.is_file():
         try:
             data = json.loads(chars.read_text(encoding="utf-8"))
             return CharTokenizer(data["chars"])
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{chars}: not a char tokenizer file ({_first_line(e)})") from None
+            raise DataError(f"{chars}: not a char tokenizer file ({first_line(e)})") from None
     raise DataError(f"no tokenizer {name} in {directory} (expected {model.name} or {chars.name})")
 
 
@@ -350,7 +317,7 @@ def _train_bpe(
             minloglevel=2,
         )
     except RuntimeError as e:
-        msg = _first_line(e)
+        msg = first_line(e)
         m = re.search(r"required_chars\. (\d+) vs (\d+)", msg)
         if m:
             # character_coverage=1.0 keeps every character, so the corpus alphabet must fit.
@@ -434,8 +401,10 @@ class TokenizerPair:
 
     @property
     def shared(self) -> bool:
-        # Moses-pretokenized sides share one model but tokenize in their own language.
-        return _inner(self.src) is _inner(self.tgt)
+        """One id space for both sides (one vocabulary: the model may share its embeddings). Moses-pretokenized
+        sides share one model but tokenize in their own language; Marian's two SentencePiece models map
+        through one vocab.json."""
+        return _inner(self.src).same_ids(_inner(self.tgt))
 
     @property
     def pretokenize(self) -> str:
@@ -452,15 +421,17 @@ class TokenizerPair:
             meta_langs = {"src_lang": self.src.lang, "tgt_lang": self.tgt.lang}
         else:
             meta_langs = {}
-        if self.shared:
-            src_file = tgt_file = self.src.save(d, "shared").name
+        if isinstance(self.src, MarianPieces):
+            files = save_marian_pair(self.src, self.tgt, d)
+        elif self.shared:
+            name = self.src.save(d, "shared").name
+            files = {"src": name, "tgt": name}
         else:
-            src_file, tgt_file = self.src.save(d, "src").name, self.tgt.save(d, "tgt").name
+            files = {"src": self.src.save(d, "src").name, "tgt": self.tgt.save(d, "tgt").name}
         meta = {
             "kind": self.src.kind,
             "shared": self.shared,
-            "src": src_file,
-            "tgt": tgt_file,
+            **files,
             "src_vocab_size": self.src.vocab_size,
             "tgt_vocab_size": self.tgt.vocab_size,
             "lowercase": self.src.lowercases,
@@ -487,7 +458,9 @@ class TokenizerPair:
             langs = (str(meta["src_lang"]), str(meta["tgt_lang"])) if pretokenize == "moses" else None
             specials = SpecialIds.from_json(meta["special_ids"]) if "special_ids" in meta else SpecialIds()
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{meta_path}: not a valid tokenizer description ({_first_line(e)})") from None
+            raise DataError(f"{meta_path}: not a valid tokenizer description ({first_line(e)})") from None
+        if meta.get("kind") == MarianPieces.kind:
+            return cls(*load_marian_pair(d, meta), specials)
         src = load_tokenizer(d, src_name)
         tgt = src if meta.get("shared") or src_name == tgt_name else load_tokenizer(d, tgt_name)
         if langs is not None:
@@ -542,8 +515,3 @@ def train_tokenizer_pair(
 def _chain(*parts: Iterable[str]) -> Iterator[str]:
     for p in parts:
         yield from p
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__

@@ -104,6 +104,29 @@ def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> 
     return out
 
 
+class BannedTokens:
+    """``model`` whose decoder logits of ``ids`` are -inf before any softmax: those tokens are never produced
+    and the probabilities renormalize over the others, as Hugging Face's ``bad_words_ids`` (single tokens)
+    with ``renormalize_logits=True`` (Marian checkpoints ban their pad id so). Every search function drives it."""
+
+    def __init__(self, model, ids: Sequence[int]) -> None:
+        self.model, self.cfg = model, getattr(model, "cfg", None)
+        self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+    def encode(self, *args, **kwargs) -> Tensor:
+        return self.model.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs) -> Tensor:
+        logits = self.model.decode(*args, **kwargs)  # (B, T, V)
+        return logits.index_fill(-1, self.ids.to(logits.device), NEG_INF)
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def parameters(self):
+        return self.model.parameters()
+
+
 # Greedy ----------------------------------------------------------------------------------------------
 
 

@@ -38,7 +38,15 @@ from torch import nn
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.batching import pad_batch, token_batches
 from aiayn.data.tokenizer import SpecialIds, TokenizerPair
-from aiayn.decode.search import Hypothesis, beam_search, greedy_search, max_lengths, sample_search, score_tokens
+from aiayn.decode.search import (
+    BannedTokens,
+    Hypothesis,
+    beam_search,
+    greedy_search,
+    max_lengths,
+    sample_search,
+    score_tokens,
+)
 from aiayn.errors import ConfigError
 
 log = logging.getLogger("aiayn.translate")
@@ -66,6 +74,8 @@ def search_batch(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, op
     ``opts.sample``: :func:`~aiayn.decode.search.sample_search`; beam 1: greedy search (its score and
     logprob from a teacher-forced pass when ``scores``, else NaN); beam > 1: beam search."""
     ids = dict(bos_id=specials.decoder_start, eos_id=specials.eos, pad_id=specials.pad)
+    if opts.ban_pad:
+        model = BannedTokens(model, [specials.pad])
     lengths = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
     if opts.sample:
         return sample_search(model, src, src_mask, nbest=opts.nbest, temperature=opts.temperature, top_k=opts.top_k,

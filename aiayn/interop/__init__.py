@@ -1,1 +1,1 @@
-"""Weight interop: Hugging Face Marian, CTranslate2 export."""
+"""Interop: Hugging Face Marian weights (marian) and model directories in and out (hf), CTranslate2 export."""

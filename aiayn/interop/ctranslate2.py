@@ -229,8 +229,8 @@ CTranslate2 export of the aiayn run {run}
 Files: model.bin, config.json and the vocabularies are CTranslate2's; {tok_files}
 are the run's tokenizer ({kind}, {vocab}), copied so that this directory is self-contained.
 
-{moses_note}The source is the tokenizer's pieces WITHOUT </s> (config.json adds it, as aiayn training did);
-the decoder starts from <s> and stops at </s>.
+{moses_note}The source is the tokenizer's pieces WITHOUT {eos} (config.json adds it, as aiayn training did);
+the decoder starts from {start} and stops at {eos}.{marian_note}
 
     import ctranslate2, sentencepiece as spm
     sp_src = spm.SentencePieceProcessor(model_file="{src_model}")
@@ -259,6 +259,13 @@ source line through sacremoses as aiayn did in training, and detokenize the outp
     text = MosesDetokenizer("{tgt}").detokenize(sp_tgt.decode(hypothesis).split())
 
 """
+
+
+_MARIAN_NOTE = """
+This run came from a Hugging Face Marian directory: its pieces map to ids by name (vocab.json), as here.
+MarianTokenizer also reads a leading >>lang<< code and special-token strings in the text as single tokens,
+which plain sp_src.encode does not; the run bans {pad!r} while decoding (decode.ban_pad): pass
+suppress_sequences=[[{pad!r}]] to translate_batch."""
 
 
 def _moses_note(tok) -> str:
@@ -293,8 +300,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     if stage.exists():
         shutil.rmtree(stage)
     try:
+        sp = tok.specials  # aiayn's ids, or those of an imported Marian run (eos 0, decoder start = pad)
         try:
-            export_ctranslate2(run.model, vocab, stage, tgt_vocab, quantization=quantization)
+            export_ctranslate2(run.model, vocab, stage, tgt_vocab, quantization=quantization, unk_id=sp.unk,
+                               bos_id=sp.decoder_start, eos_id=sp.eos)
         except ValueError as e:  # a bad quantization name, or a vocabulary that does not fit
             raise ConfigError(f"cannot export {run_dir}: {str(e).splitlines()[0]}") from None
         tdir = Path(run_dir) / "tokenizer"
@@ -306,14 +315,17 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
         cfg, d = run.cfg, run.cfg.decode
         src_model = str(out / ("shared.model" if tok.shared else "src.model"))
         tgt_model = str(out / ("shared.model" if tok.shared else "tgt.model"))
-        if tok.src.kind != "bpe":
+        if tok.src.kind == "marian":  # pieces of source.spm / target.spm; CTranslate2 maps them by name, as vocab.json
+            src_model, tgt_model = str(out / "source.spm"), str(out / "target.spm")
+        elif tok.src.kind != "bpe":
             src_model = tgt_model = "(a char tokenizer: split the text into characters instead of spm)"
         readme = _README.format(
             run=Path(run_dir).resolve(), layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
             d_model=cfg.model.d_model, weights=inference_weights_path(run_dir).name, quant=quantization or "none",
             tok_files=", ".join(tok_files), kind=tok.src.kind, vocab="shared" if tok.shared else "separate",
             src_model=src_model, tgt_model=tgt_model, out=out, example="A sentence to translate.",
-            moses_note=_moses_note(tok),
+            moses_note=_moses_note(tok), eos=vocab[sp.eos], start=vocab[sp.decoder_start],
+            marian_note=_MARIAN_NOTE.format(pad=vocab[sp.pad]) if tok.src.kind == "marian" else "",
             beam=d.beam, alpha=d.alpha, lp=d.length_penalty, a=d.max_len_a, b=d.max_len_b,
             lp_note="" if d.length_penalty == "power" else " (not 'power': CTranslate2's beam ranks differently)",
         )

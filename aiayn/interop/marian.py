@@ -23,11 +23,15 @@ Special tokens are a convention, not a weight: Marian checkpoints start decoding
 ``decoder_start_token_id`` to our BOS so ``generate`` reproduces our decoding; a model converted
 with :func:`from_hf_marian` must be decoded from the Marian config's ``decoder_start_token_id``.
 
+A model trained with the paper's interleaved sinusoids is first re-laid out to Marian's concat layout
+by :func:`concat_layout_copy` (a permutation of the model-width axis, computing the same function).
+
 ``transformers`` is imported inside the functions, so aiayn works without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -287,3 +291,52 @@ def to_hf_marian(model: Transformer, bos_id: int = BOS_ID, eos_id: int = EOS_ID)
         for chunk, t in zip(chunks, theirs):
             t.copy_(chunk)
     return hf.train(model.training)
+
+
+# Interleaved -> concat sinusoid layout ----------------------------------------------------------------
+
+
+def concat_permutation(d_model: int) -> Tensor:
+    """perm such that ``interleaved_table[:, perm] == concat_table``: even dims (sines), then odd (cosines)."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def _relayout(name: str, t: Tensor, perm: Tensor) -> Tensor:
+    # Only axes indexed by the model width D move; the Q/K/V rows of in_proj (per-head structure), the
+    # FFN inner dimension, the attention output before out_proj and the vocabulary stay where they are.
+    if name.endswith(("embed.weight", "output_proj.weight", "in_proj.weight", "fc1.weight")):
+        return t[:, perm]  # D is the input (column) axis
+    if name.endswith(("out_proj.weight", "fc2.weight", "out_proj.bias", "fc2.bias")):
+        return t[perm]  # D is the output axis
+    if ".norm." in name or "final_norm." in name:
+        return t[perm]  # LayerNorm statistics do not depend on the order of the dimensions
+    if name.endswith(("in_proj.bias", "fc1.bias", "output_bias")):
+        return t
+    raise ValueError(f"no re-layout rule for the parameter {name}")
+
+
+@torch.no_grad()
+def concat_layout_copy(model: Transformer) -> Transformer:
+    """A copy of ``model`` with ``positional_layout='concat'`` that computes the same function.
+
+    A model trained with the paper's interleaved sinusoids (sin on even, cos on odd dimensions) equals,
+    up to float rounding, a concat-layout model (all sines, then all cosines: Marian's and CTranslate2's
+    layout) whose every model-width axis is permuted by :func:`concat_permutation`: the embedding
+    columns, the input columns of in_proj / fc1 / the output projection, the output rows of out_proj /
+    fc2 and the LayerNorm parameters. Every weight is moved, none is changed; the hidden states are the
+    old ones permuted and every matmul sums the same products in another order, so the logits agree to
+    float rounding (not bit for bit). A concat-layout model comes back as an exact copy.
+    """
+    cfg = model.cfg
+    if cfg.positional != "sinusoidal":
+        raise ValueError(f"only sinusoidal positions have a layout (model.positional={cfg.positional!r})")
+    out = Transformer(dataclasses.replace(cfg, positional_layout="concat"))
+    if cfg.positional_layout == "concat":
+        out.load_state_dict(model.state_dict())
+        return out.train(model.training)
+    perm = concat_permutation(cfg.d_model)
+    table = sinusoidal_table(8, cfg.d_model, "interleaved")
+    if not torch.equal(table[:, perm], sinusoidal_table(8, cfg.d_model, "concat")):  # pragma: no cover
+        raise RuntimeError("the interleaved and concat sinusoid tables are not permutations of each other")
+    out.load_state_dict({k: _relayout(k, v, perm) for k, v in model.state_dict().items()}, strict=True)
+    return out.train(model.training)

@@ -18,8 +18,10 @@ from aiayn.train.checkpoint import (
     average_checkpoints,
     checkpoint_paths,
     list_checkpoints,
+    load_weights,
     save_weights,
 )
+from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
 from aiayn.train.ownership import locked, own_run_dir
 from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
@@ -31,8 +33,10 @@ def default_run_dir(config_path: str | Path) -> Path:
     return Path("runs") / Path(config_path).stem
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainState:
-    """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job).
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          init_from: str | Path | None = None) -> TrainState:
+    """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job). ``init_from``: a run
+    whose weights, tokenizer and model section start the training (fine-tuning; :mod:`aiayn.train.init_from`).
 
     The device, the run directory (:mod:`aiayn.train.ownership`: new or empty, or ``resume`` of a run whose
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
@@ -40,23 +44,29 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     d = init_distributed(cfg.train.device)
     try:
-        return _train(cfg, Path(run_dir), resume, progress, d)
+        return _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
         raise
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist) -> TrainState:
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
+           init_from: str | Path | None) -> TrainState:
     device = resolve_device(cfg.train.device, d.local_rank)
     resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused before any work
+    init = adopt_init_run(cfg, init_from) if init_from is not None else None  # before the config is checked/saved
     with own_run_dir(cfg, run_dir, resume, d, device) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
+        if init is not None and d.main and not existing:  # build_data then loads this tokenizer, trains none
+            copy_init_tokenizer(init, run_dir)
         data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
         if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")
         torch.manual_seed(cfg.train.seed)  # same initial weights on every process
         model = build_model(cfg.model, cfg.task)
+        if init is not None and not existing:
+            load_weights(model, init.weights)
         if d.main:
             log.info("model: %s, %.2fM parameters, device %s, %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, d.world)
@@ -82,9 +92,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist) ->
 
 
 def train_from_config(config: str | Path, run_dir: str | Path | None = None, overrides: list[str] | None = None,
-                      resume: bool = False, progress: bool = True) -> TrainState:
+                      resume: bool = False, progress: bool = True, init_from: str | Path | None = None) -> TrainState:
     cfg = load_config(config, overrides)
-    return train(cfg, run_dir or default_run_dir(config), resume, progress)
+    return train(cfg, run_dir or default_run_dir(config), resume, progress, init_from)
 
 
 def average_run(run_dir: str | Path, last: int = 5) -> Path:

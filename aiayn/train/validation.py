@@ -16,7 +16,7 @@ from sacrebleu.metrics import BLEU
 from aiayn.config import Config
 from aiayn.data.batching import pad_batch, token_batches
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.decode.search import greedy_search
+from aiayn.decode.search import BannedTokens, greedy_search
 
 
 def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair) -> Callable[[Any], dict[str, float]]:
@@ -33,10 +33,11 @@ def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair) -> Cal
         found: list[list[int]] = [[] for _ in sources]
         was_training = model.training
         model.eval()
+        searched = BannedTokens(model, [sp.pad]) if dec.ban_pad else model
         try:
             for idx in token_batches([len(s) for s in sources], None, dec.batch_tokens(device.type), shuffle=False):
                 src = pad_batch([sources[i] + [sp.eos] for i in idx], sp.pad).to(device)
-                out = greedy_search(model, src, src != sp.pad, max_len_a=dec.max_len_a, max_len_b=dec.max_len_b,
+                out = greedy_search(searched, src, src != sp.pad, max_len_a=dec.max_len_a, max_len_b=dec.max_len_b,
                                     bos_id=sp.decoder_start, eos_id=sp.eos, pad_id=sp.pad)
                 for i, toks in zip(idx, out):
                     found[i] = toks
