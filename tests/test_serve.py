@@ -24,6 +24,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
+from aiayn.serve.schemas import Limits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
 from benchmarks import serve_load  # noqa: E402
@@ -338,3 +339,45 @@ def test_load_smoke(tiny_run, tmp_path):
     text = md.read_text(encoding="utf-8")
     assert "<!-- BEGIN serve_load -->" in text and "python -m benchmarks.serve_load" in text
     assert json.loads(out.read_text())["phases"][0]["requests"] == result["phases"][0]["requests"]
+
+
+@pytest.fixture(scope="module")
+def lm_client(tmp_path_factory):
+    """A language-model server on an untrained char LM (the API contract, not the text, is under test)."""
+    import torch
+
+    from aiayn.config import config_from_dict
+    from aiayn.data.tokenizer import CharTokenizer, TokenizerPair
+    from aiayn.decode.generate import Generator
+    from aiayn.model import build_model
+    from aiayn.run_dir import Run
+
+    tok = CharTokenizer("abcdefghij \n")
+    cfg = config_from_dict({"task": "lm", "data": {"tokenizer": "char", "block_size": 24},
+                            "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_decoder_layers": 2, "dropout": 0.0,
+                                      "max_positions": 24, "vocab_size": tok.vocab_size}})
+    torch.manual_seed(0)
+    run = Run(tmp_path_factory.mktemp("lm"), cfg, build_model(cfg.model, "lm").eval(), TokenizerPair(tok, tok))
+    gen = Generator(run)
+    with TestClient(create_app(gen, limits=Limits(max_new_tokens=20))) as c:
+        yield c, gen
+
+
+def test_generate_on_a_language_model(lm_client):
+    c, gen = lm_client
+    r = _post(c, "/v1/generate", {"prompt": "abc", "temperature": 0, "max_new_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == gen.generate("abc", max_new_tokens=8, sample=False)
+    drawn = [_post(c, "/v1/generate", {"prompt": "ab", "seed": 3, "max_new_tokens": 6}).json()["text"] for _ in "12"]
+    assert drawn[0] == drawn[1] == gen.generate("ab", sample=True, temperature=1.0, seed=3, max_new_tokens=6)
+    for body, code, word in (({"prompt": 3}, "bad_type", "prompt"), ({"prompt": "a", "top_p": 2.0}, "out_of_range",
+                             "top_p"), ({"prompt": "a", "max_new_tokens": 21}, "out_of_range", "max_new_tokens"),
+                             ({"prompt": "a", "beam": 2}, "unknown_field", "beam"),
+                             ({"prompt": "abcdefghij" * 3}, "invalid_request", "prompt")):  # longer than the context
+        r = _post(c, "/v1/generate", body)
+        assert r.status_code == 422 and r.json()["error"]["code"] == code and word in r.json()["error"]["message"]
+    r = _post(c, "/v1/translate", {"text": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task" and "language-model" in r.text
+    d = _post(c, "/v1/attention", {"text": "abc"}).json()
+    assert list(d["attention"]) == ["decoder_self"] and d["attention"]["decoder_self"]["queries"] == ["a", "b", "c"]
+    assert c.get("/v1/model").json()["task"] == "lm"

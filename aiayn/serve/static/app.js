@@ -3,7 +3,7 @@
 // this server. Each cell carries data-row, data-col and data-weight (the browser test reads them).
 "use strict";
 
-const KIND_ORDER = ["encoder", "decoder_self", "cross"];
+const KIND_ORDER = ["cross", "encoder", "decoder_self"];  // the alignment first
 const AXES = {  // [rows (queries), columns (keys)] per kind
   encoder: ["source", "source"],
   decoder_self: ["decoder input", "decoder input"],
@@ -75,7 +75,7 @@ function heatmap(kind, kindData, layer, head) {
   const W = matrix(kindData, layer, head);
   const { queries, keys, title } = kindData;
   const axes = state.task === "lm" ? LM_AXES : AXES[kind];
-  const cell = Math.max(12, Math.min(28, Math.floor(520 / Math.max(keys.length, queries.length))));
+  const cell = Math.max(9, Math.min(28, Math.floor(480 / Math.max(keys.length, queries.length))));
   const left = 16 + 7 * Math.max(...queries.map((t) => short(t).length));
   const top = 16 + 7 * Math.max(...keys.map((t) => short(t).length));
   const width = left + cell * keys.length + 10;
@@ -131,6 +131,7 @@ function heatmap(kind, kindData, layer, head) {
 function render() {
   const box = $("maps");
   box.textContent = "";
+  $("tooltip").hidden = true;  // its cell is gone
   if (!state.data) return;
   const layer = Number($("layer").value);
   const head = $("head").value;
