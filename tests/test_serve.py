@@ -381,3 +381,9 @@ def test_generate_on_a_language_model(lm_client):
     d = _post(c, "/v1/attention", {"text": "abc"}).json()
     assert list(d["attention"]) == ["decoder_self"] and d["attention"]["decoder_self"]["queries"] == ["a", "b", "c"]
     assert c.get("/v1/model").json()["task"] == "lm"
+
+
+def test_attention_refuses_a_sentence_longer_than_the_model(client):
+    r = _post(client, "/v1/attention", {"text": "a b " * 100})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "line_too_long"
+    assert _post(client, "/v1/attention", {"text": "a b"}).status_code == 200

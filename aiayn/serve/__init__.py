@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import logging
 import signal
 import socket
@@ -71,6 +72,8 @@ def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str =
     server = uvicorn.Server(config)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    if not ipaddress.ip_address(bound_host).is_loopback:
+        log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model", bound_host)
     print(f"aiayn serve: {model.cfg.task} run {run_dir} on {model.device}: http://{shown}:{bound_port}/ "
           "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
     # uvicorn catches SIGTERM / SIGINT, shuts down gracefully, then re-raises the signal to whatever handler

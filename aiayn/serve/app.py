@@ -204,6 +204,9 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         body = parse_body(await read_body(request, limits), limits)
         text, target = attention_request(body, limits)
         run = svc.run
+        n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - (svc.task != "lm")
+        if n > room:
+            raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
         [payload] = await svc.batcher.run(None, [text], 1, lambda items: [attention_json(run, items[0], target)])
         return Response(payload, media_type="application/json")
 
