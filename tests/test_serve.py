@@ -216,7 +216,7 @@ def test_concurrent_requests_share_model_calls_and_give_the_same_answers(transla
 
 
 def test_full_queue_gives_503_then_serves(translator):
-    app = create_app(translator, max_wait_ms=300.0, max_queue=1, max_batch_tokens=100_000)
+    app = create_app(translator, max_wait_ms=1000.0, max_queue=1, max_batch_tokens=100_000)
     with TestClient(app) as c:
         first = threading.Thread(target=lambda: results.append(_post(c, "/v1/translate", {"text": ["a b"]})))
         results: list = []
@@ -254,17 +254,18 @@ def test_batcher_groups_by_key_and_budget():
 
 
 def test_batcher_queue_bound_cancel_and_close():
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
     ran = []
 
     def run(items):
+        entered.set()
         gate.wait(5)
         ran.extend(items)
         return list(items)
 
     b = Batcher(max_batch_tokens=10, max_wait_ms=0, max_queue=2)
     b.submit(Job(None, ["busy"], 1, run))
-    time.sleep(0.1)  # the worker took it: the queue is empty again
+    assert entered.wait(5)  # the worker runs it: the queue is empty again
     kept = b.submit(Job("g", ["kept"], 1, run))
     gone = b.submit(Job("g2", ["cancelled"], 1, run))
     with pytest.raises(QueueFull):
