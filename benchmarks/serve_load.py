@@ -154,6 +154,7 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
     """``clients`` clients for ``duration`` seconds (at most ``max_requests`` requests); the numbers."""
     with closing(connect(url)) as conn:
         before = request(conn, "GET", "/health")[1]
+    load_before = os.getloadavg()[0]
     results: list[tuple[float, int]] = []
     memory: list[tuple[float, float]] = []
     lock, budget = threading.Lock(), [max_requests]
@@ -173,6 +174,7 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
     elapsed = time.monotonic() - start
     with closing(connect(url)) as conn:
         after = request(conn, "GET", "/health")[1]
+    load_after = os.getloadavg()[0]
     ok = sorted(lat for lat, s in results if s == 200)
     statuses = Counter(s for _, s in results)
     calls = after["calls"] - before["calls"]
@@ -195,6 +197,7 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
                     "max": max(m for _, m in memory) if memory else None,
                     "second_half_growth": round(half[-1] - half[0], 1) if len(half) > 1 else None},
         "rss_series": memory,
+        "load_average_1min": [round(load_before, 2), round(load_after, 2)],  # the machine's, clients included
     }
 
 
@@ -210,10 +213,11 @@ def markdown(result: dict[str, Any]) -> str:
         rows.append([p["clients"], p["seconds"], p["requests"], p["requests_per_s"], lat["p50"], lat["p90"],
                      lat["p99"], lat["max"], p["requests_per_call"], p["errors_5xx"],
                      sum(v for k, v in p["errors"].items() if k.startswith("4")),
-                     f"{mem['start']} / {mem['max']} / {mem['end']}", mem["second_half_growth"]])
+                     f"{mem['start']} / {mem['max']} / {mem['end']}", mem["second_half_growth"],
+                     " / ".join(map(str, p["load_average_1min"]))])
     table = markdown_table(["clients", "seconds", "requests", "sentences/s", "p50 ms", "p90 ms", "p99 ms", "max ms",
                             "requests per model call", "5xx", "4xx", "server RSS MiB start / max / end",
-                            "RSS growth, 2nd half (MiB)"], rows)
+                            "RSS growth, 2nd half (MiB)", "load avg before / after"], rows)
     return (
         "## 4. Serving under load (`aiayn serve`, loopback, CPU)\n\n"
         + provenance(result["machine"], result["command"], result["date"])
@@ -224,7 +228,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"- Shutdown: SIGTERM after the last phase, exit status {result['exit_status']} (0 = graceful).\n\n"
         + table
         + "\nGoals: zero 5xx in every phase; memory flat (RSS growth over the second half of a phase within a "
-        "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests.\n"
+        "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests. The load "
+        "average (1 minute, whole machine, the clients included) says how much else ran on the cores.\n"
     )
 
 
