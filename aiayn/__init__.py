@@ -48,11 +48,6 @@ def load(run_dir: str | Path, device: str = "auto", precision: str = "auto") -> 
 
     >>> tr = aiayn.load("runs/demo"); tr.translate(["A dog runs on the beach."])
     """
-    from aiayn.decode.generate import Generator
-    from aiayn.decode.translator import Translator
-    from aiayn.run_dir import load_run
+    from aiayn.decode.generate import load_for_task
 
-    run = load_run(run_dir, device, precision=precision)
-    if run.cfg.task == "lm":
-        return Generator(run)
-    return Translator(run.model, run.tokenizers, run.cfg, run.path)
+    return load_for_task(run_dir, device, precision)

@@ -185,6 +185,12 @@ def cmd_viz(args: argparse.Namespace) -> int:
     return viz_cli(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiayn.serve import serve_cli
+
+    return serve_cli(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from aiayn.demo import run_demo
 
@@ -322,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=None, help="figure height in pixels")
     p.add_argument("--device", default="auto", help="attention: where the model runs")
     p.set_defaults(func=cmd_viz)
+
+    p = sub.add_parser("serve", help="HTTP API (translate, generate, attention) and an attention explorer page")
+    from aiayn.serve import add_serve_options  # stdlib only: --help stays fast
+
+    add_serve_options(p)
+    add_device_options(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job: train the quick recipe, evaluate, show translations")
     p.add_argument("--run-dir", default=None)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +40,9 @@ from aiayn.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from aiayn.decode.search import sample
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
+
+if TYPE_CHECKING:
+    from aiayn.decode.translator import Translator
 
 log = logging.getLogger("aiayn.generate")
 
@@ -242,3 +247,16 @@ class Generator:
 
     def summarize(self, documents: Sequence[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
         return summarize(self.run, documents, options, **overrides)
+
+
+def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto"
+                  ) -> Translator | Generator:
+    """A trained run, ready to use (what ``aiayn.load`` returns): a :class:`~aiayn.decode.translator.Translator`
+    for translation and summarization runs, a :class:`Generator` for language models."""
+    from aiayn.decode.translator import Translator
+    from aiayn.run_dir import load_run
+
+    run = load_run(run_dir, device, precision=precision)
+    if run.cfg.task == "lm":
+        return Generator(run)
+    return Translator(run.model, run.tokenizers, run.cfg, run.path)

@@ -1,0 +1,117 @@
+"""``aiayn serve RUN``: a translation / generation HTTP server and an attention explorer page.
+
+Needs the optional ``serve`` extra (Starlette, uvicorn): ``pip install 'aiayn[serve]'``. Endpoints are
+listed in :mod:`aiayn.serve.app`, request limits and error codes in :mod:`aiayn.serve.schemas`, the
+dynamic batching in :mod:`aiayn.serve.batcher`; docs/serve.md shows them with curl.
+
+It binds 127.0.0.1 unless ``--host`` says otherwise. SIGTERM or Ctrl-C stop it gracefully: no new
+connection is taken, the requests in flight are answered, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import ipaddress
+import logging
+import signal
+import socket
+import sys
+
+from aiayn.errors import ConfigError, UserError
+
+log = logging.getLogger("aiayn.serve")
+
+INSTALL_HINT = "pip install 'aiayn[serve]'"
+
+
+def require_extra() -> None:
+    """A one-line :class:`UserError` when Starlette or uvicorn is missing."""
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"aiayn serve needs {' and '.join(missing)} (the serve extra): {INSTALL_HINT}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one), or a one-line error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto", precision: str = "auto",
+          max_batch_tokens: int | None = None, max_wait_ms: float = 10.0, max_queue: int = 256,
+          limits=None, access_log: bool = False) -> int:
+    """Load the run, bind, serve until SIGTERM / Ctrl-C, then finish the requests in flight. Returns 0."""
+    require_extra()
+    import uvicorn
+
+    from aiayn.decode.generate import load_for_task
+    from aiayn.serve.app import create_app, warm_up
+
+    if max_wait_ms < 0 or (max_batch_tokens is not None and max_batch_tokens < 1) or max_queue < 1:
+        raise ConfigError("--max-wait-ms must be >= 0, --max-batch-tokens and --max-queue >= 1")
+    model = load_for_task(run_dir, device, precision)  # a bad run or device fails here, before binding
+    warm_up(model)
+    sock = listen(host, port)
+    app = create_app(model, max_batch_tokens, max_wait_ms, max_queue, limits)
+    config = uvicorn.Config(app, log_config=None, access_log=access_log, timeout_graceful_shutdown=60,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    if not ipaddress.ip_address(bound_host).is_loopback:
+        log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model", bound_host)
+    print(f"aiayn serve: {model.cfg.task} run {run_dir} on {model.device}: http://{shown}:{bound_port}/ "
+          "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
+    # uvicorn catches SIGTERM / SIGINT, shuts down gracefully, then re-raises the signal to whatever handler
+    # was there before: a no-op one, so that a requested stop ends with status 0, not as killed by a signal.
+    stopped = []
+    previous = {sig: signal.signal(sig, lambda s, f: stopped.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if not server.started:
+        raise UserError(f"aiayn serve: the server did not start on {host}:{bound_port} (see the log above)")
+    log.info("aiayn serve: stopped")
+    return 0
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    """The serve subcommand's own flags (the device flags come from the CLI's add_device_options)."""
+    p.add_argument("run", help="run directory (translation, summarization or language model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="source tokens x beam merged into one model call (default: the device's decoding budget)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0,
+                   help="how long a request waits for others to share its model call (default 10)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; then 503 (default 256)")
+    p.add_argument("--max-sentences", type=int, default=64, help="sentences per translate request (default 64)")
+    p.add_argument("--max-beam", type=int, default=16, help="largest beam (and nbest) a request may ask (16)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def serve_cli(args: argparse.Namespace) -> int:
+    """``aiayn serve`` from parsed arguments."""
+    require_extra()
+    from aiayn.serve.schemas import Limits
+
+    limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
+    return serve(args.run, args.host, args.port, args.device, args.precision, args.max_batch_tokens,
+                 args.max_wait_ms, args.max_queue, limits, args.access_log)

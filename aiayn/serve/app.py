@@ -1,0 +1,244 @@
+"""The ASGI application of ``aiayn serve`` (Starlette): JSON endpoints, the attention explorer page.
+
+==========================  ========================================================================
+``GET /``                   the attention explorer page (static/, served by the package, no CDN)
+``GET /health``             {"status": "ok", "queued", "jobs", "calls", "items"} (batcher counters)
+``GET /v1/model``           task, run, device, precision, parameters, config, limits, batching
+``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
+``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
+``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
+==========================  ========================================================================
+
+Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`): a bad
+request gets its 4xx, a full queue 503, a failing model 500, and the server goes on serving.
+All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from aiayn.decode.generate import Generator
+from aiayn.decode.translator import Translation, Translator
+from aiayn.errors import UserError, one_line
+from aiayn.model.transformer import count_parameters
+from aiayn.run_dir import Run
+from aiayn.serve.batcher import Batcher, Closed, QueueFull
+from aiayn.serve.schemas import ApiError, Limits, attention_request, generate_request, parse_body, translate_request
+from aiayn.viz.attention import KINDS, attention_data
+
+log = logging.getLogger("aiayn.serve")
+
+STATIC = Path(__file__).resolve().parent / "static"
+TASK_NAMES = {"translation": "translation", "summarization": "summarization", "lm": "language-model (task lm)"}
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclasses.dataclass
+class Service:
+    """What the routes share: the loaded model, its batcher and the request limits."""
+
+    model: Translator | Generator
+    batcher: Batcher
+    limits: Limits
+
+    @property
+    def task(self) -> str:
+        return self.model.cfg.task
+
+    @property
+    def run(self) -> Run:
+        m = self.model
+        return m.run if isinstance(m, Generator) else Run(m.path, m.cfg, m.model, m.tokenizers)
+
+    def need(self, endpoint: str, *tasks: str) -> None:
+        if self.task not in tasks:
+            other = "/v1/generate" if self.task == "lm" else "/v1/translate"
+            wanted = " or ".join(TASK_NAMES[t] for t in tasks)
+            raise ApiError(400, "wrong_task", f"{endpoint} needs a {wanted} run; this server runs a "
+                                              f"{TASK_NAMES[self.task]} run (use {other})")
+
+
+def _number(x: float) -> float | None:
+    """JSON has no NaN: a score that was not computed is null."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _hypothesis(t: Translation) -> dict[str, Any]:
+    return {"text": t.text, "score": _number(t.score), "logprob": _number(t.logprob), "tokens": t.tokens}
+
+
+def translation_json(hyps: list[Translation]) -> dict[str, Any]:
+    """One input's result: the best hypothesis' fields, and all of them best first under ``nbest``."""
+    if not hyps:  # an empty input line: an empty output, as `aiayn translate` writes
+        return {"text": "", "score": None, "logprob": None, "tokens": [], "nbest": []}
+    return {**_hypothesis(hyps[0]), "nbest": [_hypothesis(h) for h in hyps]}
+
+
+def attention_json(run: Run, text: str, target: str | None) -> bytes:
+    """The response body of /v1/attention, rendered on the worker thread (it can be large)."""
+    data = attention_data(run, text, target)
+    kinds = {}
+    for kind, m in data.maps.items():
+        L, H, Q, K = m.weights.shape
+        kinds[kind] = {"title": KINDS[kind], "layers": L, "heads": H, "queries": m.queries, "keys": m.keys,
+                       "weights": np.round(m.weights, 5).tolist()}  # (L, H, Q, K), each row sums to 1
+    body = {"task": run.cfg.task, "source": data.src, "target": data.tgt, "generated": data.generated,
+            "attention": kinds}
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refused (413) as soon as it passes ``limits.max_body_bytes``."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"request body is {declared} bytes, the limit is "
+                                              f"{limits.max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise ApiError(413, "body_too_large", f"request body is over the limit of {limits.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_errors(handler: Handler) -> Handler:
+    """Turn whatever a route raises into a JSON error: ApiError as it says, a user error (bad options
+    the model rejects) 422, a full queue 503, shutdown 503, anything else 500 (logged)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            err = e
+        except UserError as e:
+            err = ApiError(422, "invalid_request", str(e))
+        except QueueFull as e:
+            err = ApiError(503, "queue_full", f"{e}: retry later")
+        except Closed as e:
+            err = ApiError(503, "shutting_down", str(e))
+        except Exception as e:  # the model failed: answer, log, keep serving
+            log.error("%s %s failed: %s: %s", request.method, request.url.path, type(e).__name__, e)
+            err = ApiError(500, "model_error", one_line(f"{type(e).__name__}: {e}"))
+        headers = {"Retry-After": "1"} if err.status == 503 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    return wrapped
+
+
+def create_app(model: Translator | Generator, max_batch_tokens: int | None = None, max_wait_ms: float = 10.0,
+               max_queue: int = 256, limits: Limits | None = None) -> Starlette:
+    """The server for a loaded model (``aiayn.load(RUN)``). ``max_batch_tokens`` (default: the device's
+    decoding budget) bounds the source tokens x beam merged into one model call; ``max_wait_ms`` is how
+    long the first request of a call waits for others; ``max_queue`` requests wait at most."""
+    limits = limits or Limits()
+    budget = max_batch_tokens or model.cfg.decode.batch_tokens(model.device.type)
+    svc = Service(model, Batcher(budget, max_wait_ms, max_queue), limits)
+    started = time.time()
+
+    async def index(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def health(request: Request) -> Response:
+        s = svc.batcher.stats
+        return JSONResponse({"status": "ok", "queued": svc.batcher.queued, "jobs": s.jobs, "calls": s.calls,
+                             "items": s.items, "uptime_s": round(time.time() - started, 3)})
+
+    async def model_info(request: Request) -> Response:
+        m = svc.model
+        return JSONResponse({
+            "task": svc.task, "run": str(m.path), "device": str(m.device),
+            "precision": str(next(m.model.parameters()).dtype).removeprefix("torch."),
+            "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
+            "limits": dataclasses.asdict(limits),
+            "batching": {"max_batch_tokens": budget, "max_wait_ms": max_wait_ms, "max_queue": max_queue},
+        })
+
+    async def translate(request: Request) -> Response:
+        body = parse_body(await read_body(request, limits), limits)
+        svc.need("/v1/translate", "translation", "summarization")
+        tr: Translator = svc.model
+        texts, opts = translate_request(body, tr.cfg.decode, limits)
+        opts = opts.replace(max_tokens=budget)
+        cost = 0
+        for i, text in enumerate(texts):
+            n = len(tr.tokenizers.src.encode(text)) if text.strip() else 0
+            if n > tr.max_source_tokens:
+                raise ApiError(413, "line_too_long", f"text[{i}]: {n} tokens, the model takes at most "
+                                                     f"{tr.max_source_tokens} (its positions, less the EOS)")
+            cost += n + 1 if n else 0
+        cost *= opts.nbest if opts.sample else opts.beam
+        # Seeded draws must not depend on who else is in the batch: such requests run alone.
+        group = None if opts.sample and opts.seed is not None else ("translate", dataclasses.astuple(opts))
+        found = await svc.batcher.run(group, texts, max(cost, 1), lambda items: tr.search(items, opts, scores=True))
+        return JSONResponse({"translations": [translation_json(h) for h in found],
+                             "options": dataclasses.asdict(opts)})
+
+    async def generate(request: Request) -> Response:
+        body = parse_body(await read_body(request, limits), limits)
+        svc.need("/v1/generate", "lm")
+        gen: Generator = svc.model
+        prompt, opts = generate_request(body, gen.cfg.decode, limits)
+        [text] = await svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])
+        return JSONResponse({"prompt": prompt, "text": text, "options": dataclasses.asdict(opts)})
+
+    async def attention(request: Request) -> Response:
+        body = parse_body(await read_body(request, limits), limits)
+        text, target = attention_request(body, limits)
+        run = svc.run
+        n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - (svc.task != "lm")
+        if n > room:
+            raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
+        [payload] = await svc.batcher.run(None, [text], 1, lambda items: [attention_json(run, items[0], target)])
+        return Response(payload, media_type="application/json")
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse({"error": {"code": code, "message": msg}}, status_code=exc.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        # uvicorn has already waited for the requests in flight; finish anything still queued.
+        svc.batcher.close(timeout=60)
+
+    routes = [
+        Route("/", json_errors(index)),
+        Route("/health", json_errors(health)),
+        Route("/v1/model", json_errors(model_info)),
+        Route("/v1/translate", json_errors(translate), methods=["POST"]),
+        Route("/v1/generate", json_errors(generate), methods=["POST"]),
+        Route("/v1/attention", json_errors(attention), methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app.state.service = svc
+    return app
+
+
+@torch.no_grad()
+def warm_up(model: Translator | Generator) -> None:
+    """One tiny call so that the first user does not pay for lazy initialisation."""
+    if isinstance(model, Translator):
+        model.search(["warm up"], model.options(beam=1, nbest=1), scores=False)
+    else:
+        model.generate("", max_new_tokens=1)

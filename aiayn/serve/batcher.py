@@ -1,0 +1,174 @@
+"""Dynamic batching: requests that arrive close together share one model call, on one worker thread.
+
+The event loop only enqueues a :class:`Job` and awaits its future; the model runs on the batcher's
+single worker thread, so a long decode never blocks the loop (health checks, new requests and
+the page stay responsive) and the model is never entered by two threads at once.
+
+Grouping rule. Jobs carry a ``group``; jobs with the same non-None group (a translate request's
+decoding options) can be merged: their items are concatenated, the group's function runs once, and
+each job gets back its own slice of the results, in order. The worker takes the oldest job, then
+waits up to ``max_wait_ms`` after that job's arrival for more jobs of its group, until their summed
+``cost`` (source tokens x beam) reaches ``max_batch_tokens``. A job with group None (generation,
+attention maps) runs alone. Jobs of other groups keep their place in the queue for the next round.
+
+Backpressure: at most ``max_queue`` jobs wait; one more raises :class:`QueueFull` (the server answers
+503). :meth:`Batcher.close` stops taking jobs and lets the worker finish every queued one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiayn.errors import UserError
+
+log = logging.getLogger("aiayn.serve")
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` jobs already."""
+
+
+class Closed(Exception):
+    """The batcher is shutting down and takes no new job."""
+
+
+@dataclass(eq=False)
+class Job:
+    """Some items to run through ``run`` (merged items in, one result per item out, same order)."""
+
+    group: Hashable | None
+    items: Sequence[Any]
+    cost: int
+    run: Callable[[list[Any]], list[Any]]
+    future: Future = field(default_factory=Future)
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Stats:
+    """Counters for /health and the tests: jobs taken, model calls made, items run, largest call."""
+
+    jobs: int = 0
+    calls: int = 0
+    items: int = 0
+    largest_call: int = 0  # jobs merged into one call, at most
+
+
+class Batcher:
+    """One worker thread that runs queued jobs, merging those of a group (see the module docstring)."""
+
+    def __init__(self, max_batch_tokens: int = 4096, max_wait_ms: float = 10.0, max_queue: int = 256) -> None:
+        if max_batch_tokens < 1 or max_wait_ms < 0 or max_queue < 1:
+            raise ValueError("max_batch_tokens and max_queue must be >= 1, max_wait_ms >= 0")
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.stats = Stats()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running = 0
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="aiayn-serve-model", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting or running now."""
+        with self._cond:
+            return len(self._pending) + self._running
+
+    def submit(self, job: Job) -> Future:
+        """Queue ``job`` (from any thread); its future gets the list of results or the model's exception."""
+        with self._cond:
+            if self._closing:
+                raise Closed("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    async def run(self, group: Hashable | None, items: Sequence[Any], cost: int,
+                  fn: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """Queue a job and await its results (on the event loop)."""
+        return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn)))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new job, finish the queued ones, stop the worker (waits up to ``timeout`` seconds)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # The worker thread ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return  # closing, and nothing left to do
+                jobs = self._take()
+                self._running = len(jobs)
+            try:
+                if jobs:
+                    self._run(jobs)
+            finally:
+                with self._cond:
+                    self._running = 0
+
+    def _take(self) -> list[Job]:
+        """The oldest job and those of its group that fit the budget, waiting for more until its deadline
+        (called with the lock held; waiting releases it). Cancelled jobs are dropped."""
+        first = self._pending[0]
+        chosen = [first]
+        if first.group is not None:
+            deadline = first.arrived + self.max_wait
+            while True:
+                chosen, cost, full = [], 0, False
+                for job in self._pending:
+                    if job.group != first.group:
+                        continue
+                    if chosen and cost + job.cost > self.max_batch_tokens:
+                        full = True
+                        break
+                    chosen.append(job)
+                    cost += job.cost
+                left = deadline - time.monotonic()
+                if full or cost >= self.max_batch_tokens or left <= 0 or self._closing:
+                    break
+                self._cond.wait(left)
+        for job in chosen:
+            self._pending.remove(job)
+        # A client that went away cancelled its future: do not spend the model on it.
+        return [job for job in chosen if job.future.set_running_or_notify_cancel()]
+
+    def _run(self, jobs: list[Job]) -> None:
+        items = [x for job in jobs for x in job.items]
+        self.stats.jobs += len(jobs)
+        self.stats.calls += 1
+        self.stats.items += len(items)
+        self.stats.largest_call = max(self.stats.largest_call, len(jobs))
+        try:
+            results = jobs[0].run(items)
+            if len(results) != len(items):
+                raise RuntimeError(f"batch function returned {len(results)} results for {len(items)} items")
+        except Exception as e:  # the model failed: every request of the call gets the error, the worker goes on
+            if not isinstance(e, UserError):
+                log.exception("model call failed (%d requests, %d items)", len(jobs), len(items))
+            for job in jobs:
+                job.future.set_exception(e)
+            return
+        start = 0
+        for job in jobs:
+            job.future.set_result(results[start : start + len(job.items)])
+            start += len(job.items)

@@ -1,0 +1,241 @@
+// aiayn attention explorer: asks the server for a translation (or an LM continuation) and its attention
+// probabilities, and draws one token-aligned SVG heatmap per attention kind. No library, no network beyond
+// this server. Each cell carries data-row, data-col and data-weight (the browser test reads them).
+"use strict";
+
+const KIND_ORDER = ["cross", "encoder", "decoder_self"];  // the alignment first
+const AXES = {  // [rows (queries), columns (keys)] per kind
+  encoder: ["source", "source"],
+  decoder_self: ["decoder input", "decoder input"],
+  cross: ["decoder input (target)", "source"],
+};
+const LM_AXES = ["token", "token"];
+const VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"];
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+const state = { task: null, data: null, active: {} };
+const $ = (id) => document.getElementById(id);
+
+async function api(path, body) {
+  const init = body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  };
+  const res = await fetch(path, init);
+  const json = await res.json().catch(() => null);
+  if (!res.ok) {
+    const msg = json && json.error ? `${json.error.code}: ${json.error.message}` : `HTTP ${res.status}`;
+    throw new Error(msg);
+  }
+  return json;
+}
+
+function color(w) {
+  const x = Math.min(1, Math.max(0, w)) * (VIRIDIS.length - 1);
+  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+  const t = x - i;
+  const a = VIRIDIS[i], b = VIRIDIS[i + 1];
+  const ch = (s, k) => parseInt(s.slice(1 + 2 * k, 3 + 2 * k), 16);
+  const mix = [0, 1, 2].map((k) => Math.round(ch(a, k) + t * (ch(b, k) - ch(a, k))));
+  return `rgb(${mix.join(",")})`;
+}
+
+function el(name, attrs, text) {
+  const node = document.createElementNS(SVG_NS, name);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function short(tok) {
+  return tok.length > 14 ? tok.slice(0, 13) + "\u2026" : tok;
+}
+
+// The (Q x K) matrix of one layer and one head, or the mean over heads (rows still sum to 1).
+function matrix(kindData, layer, head) {
+  const l = Math.min(layer, kindData.layers - 1);
+  const heads = kindData.weights[l];
+  if (head !== "avg") return heads[Math.min(Number(head), kindData.heads - 1)];
+  return heads[0].map((row, q) => row.map((_, k) => heads.reduce((s, h) => s + h[q][k], 0) / heads.length));
+}
+
+function showCell(svg, q, k) {
+  const m = svg._map;
+  const rect = svg.querySelector(`rect[data-row="${q}"][data-col="${k}"]`);
+  svg.querySelectorAll("rect.active").forEach((r) => r.classList.remove("active"));
+  if (!rect) return;
+  rect.classList.add("active");
+  state.active[svg.dataset.kind] = [q, k];
+  const w = Number(rect.dataset.weight);
+  $("cell-info").textContent =
+    `${m.title}: query "${m.queries[q]}" (row ${q}) \u2192 key "${m.keys[k]}" (column ${k}): ${w.toFixed(4)}`;
+  return rect;
+}
+
+function heatmap(kind, kindData, layer, head) {
+  const W = matrix(kindData, layer, head);
+  const { queries, keys, title } = kindData;
+  const axes = state.task === "lm" ? LM_AXES : AXES[kind];
+  const cell = Math.max(9, Math.min(28, Math.floor(480 / Math.max(keys.length, queries.length))));
+  const left = 16 + 7 * Math.max(...queries.map((t) => short(t).length));
+  const top = 16 + 7 * Math.max(...keys.map((t) => short(t).length));
+  const width = left + cell * keys.length + 10;
+  const height = top + cell * queries.length + 10;
+  const headName = head === "avg" ? "average of the heads" : `head ${head}`;
+  const svg = el("svg", {
+    width, height, viewBox: `0 0 ${width} ${height}`, role: "img", tabindex: "0",
+    "data-kind": kind, "data-layer": String(layer), "data-head": String(head),
+    "aria-label": `${title}, layer ${layer}, ${headName}: ${queries.length} ${axes[0]} tokens (rows) by ` +
+      `${keys.length} ${axes[1]} tokens (columns). Use the arrow keys to read the weights.`,
+  });
+  keys.forEach((t, k) => {
+    const x = left + k * cell + cell / 2, y = top - 6;
+    svg.appendChild(el("text", { x, y, transform: `rotate(-60 ${x} ${y})`, "text-anchor": "start" }, short(t)));
+  });
+  queries.forEach((t, q) => {
+    svg.appendChild(el("text", { x: left - 6, y: top + q * cell + cell / 2 + 4, "text-anchor": "end" }, short(t)));
+  });
+  W.forEach((row, q) => row.forEach((w, k) => {
+    svg.appendChild(el("rect", {
+      class: "cell", x: left + k * cell, y: top + q * cell, width: cell, height: cell, fill: color(w),
+      "data-row": q, "data-col": k, "data-weight": String(w),
+    }));
+  }));
+  svg._map = { title, queries, keys };
+  svg.addEventListener("mousemove", (ev) => {
+    const r = ev.target;
+    const tip = $("tooltip");
+    if (!r.classList || !r.classList.contains("cell")) { tip.hidden = true; return; }
+    showCell(svg, Number(r.dataset.row), Number(r.dataset.col));
+    tip.textContent = `${queries[r.dataset.row]} \u2192 ${keys[r.dataset.col]}: ${Number(r.dataset.weight).toFixed(4)}`;
+    tip.style.left = `${ev.clientX + 12}px`;
+    tip.style.top = `${ev.clientY + 12}px`;
+    tip.hidden = false;
+  });
+  svg.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+  svg.addEventListener("focus", () => {
+    const [q, k] = state.active[kind] || [0, 0];
+    showCell(svg, q, k);
+  });
+  svg.addEventListener("keydown", (ev) => {
+    const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+    if (!(ev.key in moves)) return;
+    ev.preventDefault();
+    const [q, k] = state.active[kind] || [0, 0];
+    const nq = Math.max(0, Math.min(queries.length - 1, q + moves[ev.key][0]));
+    const nk = Math.max(0, Math.min(keys.length - 1, k + moves[ev.key][1]));
+    showCell(svg, nq, nk);
+  });
+  return svg;
+}
+
+function render() {
+  const box = $("maps");
+  box.textContent = "";
+  $("tooltip").hidden = true;  // its cell is gone
+  if (!state.data) return;
+  const layer = Number($("layer").value);
+  const head = $("head").value;
+  const grid = document.createElement("div");
+  grid.className = "maps-grid";
+  for (const kind of KIND_ORDER) {
+    const kindData = state.data.attention[kind];
+    if (!kindData) continue;
+    const fig = document.createElement("figure");
+    fig.className = "map";
+    fig.id = `map-${kind}`;
+    const cap = document.createElement("figcaption");
+    const axes = state.task === "lm" ? LM_AXES : AXES[kind];
+    cap.innerHTML = `<h3></h3><span class="axis-note"></span>`;
+    cap.querySelector("h3").textContent = kindData.title;
+    cap.querySelector("span").textContent = `rows: ${axes[0]} (queries), columns: ${axes[1]} (keys)`;
+    fig.appendChild(cap);
+    fig.appendChild(heatmap(kind, kindData, layer, head));
+    grid.appendChild(fig);
+  }
+  box.appendChild(grid);
+}
+
+function fillSelects(data) {
+  const kinds = Object.values(data.attention);
+  const layers = Math.max(...kinds.map((k) => k.layers));
+  const heads = Math.max(...kinds.map((k) => k.heads));
+  const layer = $("layer"), head = $("head");
+  const keepLayer = layer.value, keepHead = head.value;
+  layer.textContent = "";
+  head.textContent = "";
+  for (let l = 0; l < layers; l++) layer.add(new Option(`layer ${l}`, String(l)));
+  head.add(new Option("average of the heads", "avg"));
+  for (let h = 0; h < heads; h++) head.add(new Option(`head ${h}`, String(h)));
+  layer.value = keepLayer && Number(keepLayer) < layers ? keepLayer : String(layers - 1);
+  head.value = keepHead && (keepHead === "avg" || Number(keepHead) < heads) ? keepHead : "0";
+  layer.disabled = head.disabled = false;
+}
+
+async function run(ev) {
+  ev.preventDefault();
+  const src = $("src").value;
+  const button = $("submit");
+  const out = $("output");
+  $("error").hidden = true;
+  if (!src.trim()) return;
+  button.disabled = true;
+  out.dataset.state = "busy";
+  out.textContent = "\u2026";
+  try {
+    let attentionBody;
+    if (state.task === "lm") {
+      const n = Number($("new-tokens").value) || 40;
+      const g = await api("/v1/generate", { prompt: src, temperature: 0, max_new_tokens: n });
+      out.textContent = src + g.text;
+      attentionBody = { text: src + g.text };
+    } else {
+      const beam = Number($("beam").value) || 1;
+      const t = await api("/v1/translate", { text: [src], beam, nbest: 1 });
+      out.textContent = t.translations[0].text;
+      attentionBody = { text: src, target: t.translations[0].text };
+    }
+    state.data = await api("/v1/attention", attentionBody);
+    state.active = {};
+    fillSelects(state.data);
+    render();
+    out.dataset.state = "done";
+  } catch (err) {
+    out.dataset.state = "error";
+    out.textContent = "\u2014";
+    $("error").textContent = err.message;
+    $("error").hidden = false;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+async function init() {
+  $("query-form").addEventListener("submit", run);
+  $("src").addEventListener("keydown", (ev) => {  // Enter submits, Shift+Enter is a new line
+    if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("query-form").requestSubmit(); }
+  });
+  $("layer").addEventListener("change", render);
+  $("head").addEventListener("change", render);
+  try {
+    const m = await api("/v1/model");
+    state.task = m.task;
+    const millions = (m.parameters / 1e6).toFixed(2);
+    $("model-info").textContent = `${m.task} model, ${millions}M parameters, ${m.config.model.n_heads} heads, ` +
+      `on ${m.device} (${m.run})`;
+    if (m.task === "lm") {
+      $("src-label").textContent = "Prompt";
+      $("submit").textContent = "Continue";
+      $("beam-field").hidden = true;
+      $("new-tokens-field").hidden = false;
+    } else if (m.task === "summarization") {
+      $("src-label").textContent = "Document";
+      $("submit").textContent = "Summarize";
+    }
+    document.body.dataset.ready = "true";
+  } catch (err) {
+    $("error").textContent = `cannot read /v1/model: ${err.message}`;
+    $("error").hidden = false;
+  }
+}
+
+init();

@@ -1,0 +1,291 @@
+"""Load test of ``aiayn serve`` on loopback: N concurrent clients for a fixed time against one server.
+
+    python -m benchmarks.serve_load --run runs/multi30k_en_de_quick            # 1 and 8 clients, 60 s each
+    python -m benchmarks.serve_load --run RUN --smoke --md /tmp/B.md            # seconds (CI)
+
+The server is a subprocess (``aiayn serve RUN --port 0``, 127.0.0.1 only). Each client is a thread
+with one keep-alive connection that posts one sentence at a time (Multi30k test sources when
+``$AIAYN_DATA_DIR`` has them, else synthetic sentences) and waits for the answer. Bounded twice: by
+``--duration`` seconds per phase and by ``--max-requests`` per phase. Reported per phase: requests,
+sentences/s, latency p50/p90/p99/max, errors by status (goal: zero 5xx), mean requests per model call
+(the dynamic batching at work, from /health), and the server's resident memory sampled every second
+(goal: flat: the growth over the second half of a phase stays within a few MiB). At the end the
+server gets SIGTERM and must exit 0. Writes the ``serve_load`` section of BENCHMARKS.md and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# The server ---------------------------------------------------------------------------------------------
+
+
+def start_server(run: str | os.PathLike, *extra: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str, list]:
+    """``python -m aiayn serve RUN --port 0 --device cpu EXTRA...`` as a subprocess; returns the process,
+    its base URL (``http://127.0.0.1:PORT``) once it listens, and the list its stderr lines go to."""
+    cmd = [sys.executable, "-m", "aiayn", "serve", str(run), "--port", "0", "--device", "cpu", *extra]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, encoding="utf-8", errors="replace")
+    lines: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def drain() -> None:  # read stderr to the end, so that the server never blocks on a full pipe
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            m = re.search(r"(http://[^/\s]+)/", line)
+            if m and not url:
+                url.append(m.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not found.wait(timeout) or not url:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("aiayn serve did not start:\n" + "\n".join(lines[-20:]))
+    return proc, url[0], lines
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM, then the exit status (killed after ``timeout`` seconds: status -9)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return -9
+
+
+def request(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request on a keep-alive connection: (status, decoded JSON or None)."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, None
+
+
+def connect(url: str, timeout: float = 120.0) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process (Linux /proc), MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+# The clients --------------------------------------------------------------------------------------------
+
+
+def sentences(run: str | os.PathLike, limit: int = 1000) -> tuple[list[str], str]:
+    """Source sentences to send: Multi30k test_2016_flickr of the run's source language, else synthetic."""
+    try:
+        from aiayn.config import load_config
+        from aiayn.data.datasets import multi30k_split
+
+        data = load_config(Path(run) / "config.yaml").data
+        if data.dataset == "multi30k" and os.environ.get("AIAYN_DATA_DIR"):
+            pairs = multi30k_split("test_2016_flickr", data.src_lang, data.tgt_lang)[:limit]
+            return [s for s, _ in pairs], f"Multi30k test_2016_flickr {data.src_lang} ({len(pairs)} sentences)"
+    except Exception:  # no data here: synthetic sentences still load the server the same way
+        pass
+    words = "a man woman dog child runs walks on the street with red ball in park two people".split()
+    out = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(4 + i % 9)) for i in range(limit)]
+    return out, f"synthetic word sequences ({limit})"
+
+
+def client(url: str, texts: Sequence[str], offset: int, stride: int, options: dict, deadline: float,
+           budget: list[int], lock: threading.Lock, out: list) -> None:
+    """Post one sentence at a time until the deadline or the shared request budget runs out."""
+    conn = connect(url)
+    i = offset
+    try:
+        while time.monotonic() < deadline:
+            with lock:
+                if budget[0] <= 0:
+                    return
+                budget[0] -= 1
+            t0 = time.perf_counter()
+            try:
+                status, _ = request(conn, "POST", "/v1/translate", {"text": [texts[i % len(texts)]], **options})
+            except (OSError, http.client.HTTPException):
+                status = 0  # connection failure
+                conn.close()
+                conn = connect(url)
+            out.append((time.perf_counter() - t0, status))
+            i += stride
+    finally:
+        conn.close()
+
+
+def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: float, max_requests: int,
+          options: dict) -> dict[str, Any]:
+    """``clients`` clients for ``duration`` seconds (at most ``max_requests`` requests); the numbers."""
+    with closing(connect(url)) as conn:
+        before = request(conn, "GET", "/health")[1]
+    load_before = os.getloadavg()[0]
+    results: list[tuple[float, int]] = []
+    memory: list[tuple[float, float]] = []
+    lock, budget = threading.Lock(), [max_requests]
+    start = time.monotonic()
+    deadline = start + duration
+    threads = [threading.Thread(target=client, args=(url, texts, k, clients, options, deadline, budget, lock,
+                                                     results)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        rss = rss_mib(pid)
+        if rss is not None:
+            memory.append((round(time.monotonic() - start, 1), round(rss, 1)))
+        time.sleep(min(1.0, max(0.05, duration / 20)))
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - start
+    with closing(connect(url)) as conn:
+        after = request(conn, "GET", "/health")[1]
+    load_after = os.getloadavg()[0]
+    ok = sorted(lat for lat, s in results if s == 200)
+    statuses = Counter(s for _, s in results)
+    calls = after["calls"] - before["calls"]
+
+    def pct(p: float) -> float | None:
+        return round(1000 * ok[min(len(ok) - 1, int(p / 100 * len(ok)))], 1) if ok else None
+
+    half = [m for t, m in memory if t >= elapsed / 2]
+    return {
+        "clients": clients, "seconds": round(elapsed, 1), "requests": len(results), "ok": len(ok),
+        "errors": {str(k): v for k, v in sorted(statuses.items()) if k != 200},
+        "errors_5xx": sum(v for k, v in statuses.items() if k >= 500 or k == 0),
+        "requests_per_s": round(len(ok) / elapsed, 2),
+        "latency_ms": {"p50": pct(50), "p90": pct(90), "p99": pct(99),
+                       "max": round(1000 * ok[-1], 1) if ok else None,
+                       "mean": round(1000 * statistics.fmean(ok), 1) if ok else None},
+        "model_calls": calls,
+        "requests_per_call": round((after["jobs"] - before["jobs"]) / calls, 2) if calls else None,
+        "rss_mib": {"start": memory[0][1] if memory else None, "end": memory[-1][1] if memory else None,
+                    "max": max(m for _, m in memory) if memory else None,
+                    "second_half_growth": round(half[-1] - half[0], 1) if len(half) > 1 else None},
+        "rss_series": memory,
+        "load_average_1min": [round(load_before, 2), round(load_after, 2)],  # the machine's, clients included
+    }
+
+
+# Report -------------------------------------------------------------------------------------------------
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from benchmarks.common import markdown_table, provenance
+
+    rows = []
+    for p in result["phases"]:
+        lat, mem = p["latency_ms"], p["rss_mib"]
+        rows.append([p["clients"], p["seconds"], p["requests"], p["requests_per_s"], lat["p50"], lat["p90"],
+                     lat["p99"], lat["max"], p["requests_per_call"], p["errors_5xx"],
+                     sum(v for k, v in p["errors"].items() if k.startswith("4")),
+                     f"{mem['start']} / {mem['max']} / {mem['end']}", mem["second_half_growth"],
+                     " / ".join(map(str, p["load_average_1min"]))])
+    table = markdown_table(["clients", "seconds", "requests", "sentences/s", "p50 ms", "p90 ms", "p99 ms", "max ms",
+                            "requests per model call", "5xx", "4xx", "server RSS MiB start / max / end",
+                            "RSS growth, 2nd half (MiB)", "load avg before / after"], rows)
+    return (
+        "## 4. Serving under load (`aiayn serve`, loopback, CPU)\n\n"
+        + provenance(result["machine"], result["command"], result["date"])
+        + f"\n- Run: `{result['run']}` ({result['parameters'] / 1e6:.2f}M parameters); inputs: {result['inputs']}; "
+        f"each request is one sentence, options {json.dumps(result['options'])}.\n"
+        f"- Server: `{result['server_command']}`; clients are threads on the same machine, each with one "
+        "keep-alive connection, sending the next request when the last is answered.\n"
+        f"- Shutdown: SIGTERM after the last phase, exit status {result['exit_status']} (0 = graceful).\n\n"
+        + table
+        + "\nGoals: zero 5xx in every phase; memory flat (RSS growth over the second half of a phase within a "
+        "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests. The load "
+        "average (1 minute, whole machine, the clients included) says how much else ran on the cores.\n"
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n")[0])
+    p.add_argument("--run", default="runs/multi30k_en_de_quick", help="a trained translation run")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients, one phase each")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--max-requests", type=int, default=100_000, help="requests per phase at most")
+    p.add_argument("--beam", type=int, default=None, help="beam of every request (default: the run's)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
+    p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
+    p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"), help="markdown file whose section is rewritten")
+    p.add_argument("--out-json", default=str(REPO / "benchmarks" / "results" / "serve_load.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from benchmarks.common import command_line, machine_info, update_section, utc_now, write_json
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.smoke:
+        args.clients, args.duration, args.max_requests = [1, 4], 2.0, 400
+    texts, inputs = sentences(args.run)
+    options = {} if args.beam is None else {"beam": args.beam}
+    extra = ["--max-wait-ms", str(args.max_wait_ms)]
+    proc, url, log_lines = start_server(args.run, *extra)
+    try:
+        with closing(connect(url)) as conn:
+            info = request(conn, "GET", "/v1/model")[1]
+            for t in texts[:4]:  # warm-up, not counted
+                request(conn, "POST", "/v1/translate", {"text": [t], **options})
+        phases = []
+        for n in args.clients:
+            phases.append(phase(url, proc.pid, texts, n, args.duration, args.max_requests, options))
+            p = phases[-1]
+            print(f"{n} clients: {p['requests_per_s']} sentences/s, p50 {p['latency_ms']['p50']} ms, "
+                  f"p99 {p['latency_ms']['p99']} ms, {p['errors_5xx']} 5xx, {p['requests_per_call']} requests/call, "
+                  f"RSS {p['rss_mib']}", file=sys.stderr, flush=True)
+    finally:
+        status = stop_server(proc)
+    if status != 0:
+        print("\n".join(log_lines[-20:]), file=sys.stderr)
+    md_argv = [a for a in argv if a not in ("--md", args.md, "--out-json", args.out_json)]
+    result = {
+        "date": utc_now(), "command": command_line("serve_load", md_argv), "machine": machine_info(os.cpu_count() or 1),
+        "run": str(args.run), "parameters": info["parameters"], "inputs": inputs,
+        "options": {"beam": info["config"]["decode"]["beam"], **options},
+        "server_command": f"aiayn serve {args.run} --port 0 --device cpu " + " ".join(extra),
+        "exit_status": status, "phases": phases,
+    }
+    write_json(args.out_json, result)
+    update_section(args.md, "serve_load", markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""``aiayn serve``: the API on the tiny trained run through an in-process client (Starlette's TestClient),
+the dynamic batcher on its own, SIGTERM on a real server process, and the load test's --smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+import aiayn  # noqa: E402
+from aiayn.serve.app import create_app  # noqa: E402
+from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
+from aiayn.serve.schemas import Limits  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
+from benchmarks import serve_load  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SENTENCES = ["a b c d", "hello world", "", "the cat sat on the mat", "x y", "one two three four five six"]
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run):
+    return aiayn.load(tiny_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(translator):
+    with TestClient(create_app(translator, max_wait_ms=2.0)) as c:
+        yield c
+
+
+def _post(client, path, body):
+    return client.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+def test_translate_keeps_order_and_equals_translator(client, translator):
+    r = _post(client, "/v1/translate", {"text": SENTENCES, "beam": 2})
+    assert r.status_code == 200, r.text
+    got = [t["text"] for t in r.json()["translations"]]
+    assert got == translator.translate(SENTENCES, beam=2)
+    assert got[2] == "" and r.json()["translations"][2]["nbest"] == []
+    assert any(got)  # the toy model does answer something
+    # one at a time gives the same as all together
+    for s, text in zip(SENTENCES, got):
+        assert _post(client, "/v1/translate", {"text": [s], "beam": 2}).json()["translations"][0]["text"] == text
+
+
+def test_nbest_is_sorted_and_matches_translator(client, translator):
+    r = _post(client, "/v1/translate", {"text": ["a b c d", "x y"], "beam": 3, "nbest": 3})
+    assert r.status_code == 200, r.text
+    want = translator.translate_hypotheses(["a b c d", "x y"], beam=3, nbest=3)
+    for item, hyps in zip(r.json()["translations"], want):
+        assert [h["text"] for h in item["nbest"]] == [h.text for h in hyps]
+        scores = [h["score"] for h in item["nbest"]]
+        assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+        assert item["text"] == item["nbest"][0]["text"] and item["score"] == pytest.approx(hyps[0].score)
+        assert item["tokens"] == hyps[0].tokens
+
+
+def test_same_output_as_aiayn_translate(client, tiny_run, tmp_path, capsys):
+    from aiayn.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    assert main(["translate", str(tiny_run), "--input", str(src), "--output", str(out), "--beam", "2",
+                 "--device", "cpu"]) == 0
+    served = [t["text"] for t in _post(client, "/v1/translate", {"text": SENTENCES, "beam": 2}).json()["translations"]]
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == served
+
+
+BIG = b'{"text": ["' + b"a" * (1 << 20) + b'"]}'
+BAD_REQUESTS = [  # (body, status, code, a word the message must contain)
+    (b'{"text": ', 400, "bad_json", "JSON"),
+    (b'["a"]', 400, "bad_json", "object"),
+    (b'{"text": ["caf\xe9"]}', 400, "invalid_utf8", "UTF-8"),
+    (BIG, 413, "body_too_large", "limit"),
+    ({}, 422, "missing_field", "text"),
+    ({"txt": ["a"]}, 422, "unknown_field", "txt"),
+    ({"text": 5}, 422, "bad_type", "text"),
+    ({"text": ["a", 7]}, 422, "bad_type", "text[1]"),
+    ({"text": ["a"], "beam": "4"}, 422, "bad_type", "beam"),
+    ({"text": ["a"], "beam": True}, 422, "bad_type", "beam"),
+    ({"text": ["a"], "beam": 2.5}, 422, "bad_type", "beam"),
+    ({"text": ["a"], "beam": 0}, 422, "out_of_range", "beam"),
+    ({"text": ["a"], "beam": 17}, 422, "out_of_range", "beam"),
+    ({"text": ["a"], "beam": 2, "nbest": 3}, 422, "out_of_range", "nbest"),
+    ({"text": ["a"], "nbest": 0}, 422, "out_of_range", "nbest"),
+    (b'{"text": ["a"], "alpha": NaN}', 422, "out_of_range", "alpha"),
+    ({"text": ["a"], "length_penalty": "loud"}, 422, "out_of_range", "length_penalty"),
+    ({"text": ["a"], "max_tokens": 9}, 422, "unknown_field", "max_tokens"),
+    ({"text": ["a"] * 65}, 413, "too_many_sentences", "65"),
+    ({"text": ["a" * 2001]}, 413, "line_too_long", "text[0]"),
+    ({"text": ["ok", "a b " * 200]}, 413, "line_too_long", "text[1]"),  # over the model's 64 positions
+]
+
+
+@pytest.mark.parametrize("body,status,code,word", BAD_REQUESTS, ids=[c for _, _, c, _ in BAD_REQUESTS])
+def test_bad_request_gets_its_4xx_and_the_server_goes_on(client, body, status, code, word):
+    r = _post(client, "/v1/translate", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and word in err["message"] and "\n" not in err["message"]
+    ok = _post(client, "/v1/translate", {"text": ["a b"]})
+    assert ok.status_code == 200 and len(ok.json()["translations"]) == 1
+
+
+def test_other_endpoints_refuse_bad_requests(client):
+    r = _post(client, "/v1/generate", {"prompt": "a"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task" and "translation" in r.text
+    r = _post(client, "/v1/attention", {"text": "  "})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "out_of_range"
+    r = _post(client, "/v1/attention", {"text": "a", "target": 3})
+    assert r.status_code == 422 and "target" in r.json()["error"]["message"]
+    r = client.get("/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = client.get("/v1/translate")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_model_error_gives_500_then_serves(client, translator, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(translator, "search", broken)
+    r = _post(client, "/v1/translate", {"text": ["a b"]})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"code": "model_error", "message": "RuntimeError: CUDA out of memory (simulated)"}
+    monkeypatch.undo()
+    assert _post(client, "/v1/translate", {"text": ["a b"]}).status_code == 200
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_health_and_model(client, translator):
+    from aiayn.model.transformer import count_parameters
+
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["calls"] >= 1 and h["jobs"] >= h["calls"]
+    m = client.get("/v1/model").json()
+    assert m["task"] == "translation" and m["device"] == "cpu" and m["precision"] == "float32"
+    assert m["parameters"] == count_parameters(translator.model)
+    assert m["config"]["model"]["n_heads"] == 2 and m["limits"]["max_sentences"] == 64
+
+
+def test_attention_maps(client, translator):
+    r = _post(client, "/v1/attention", {"text": "a b c"})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["generated"] and d["target"] == translator.translate("a b c", beam=1)
+    cfg = translator.cfg.model
+    src_toks = translator.tokenizers.src.pieces("a b c") + ["</s>"]
+    for kind, layers in (("encoder", cfg.n_encoder_layers), ("decoder_self", cfg.n_decoder_layers),
+                         ("cross", cfg.n_decoder_layers)):
+        k = d["attention"][kind]
+        w = k["weights"]
+        assert (k["layers"], k["heads"]) == (layers, cfg.n_heads) == (len(w), len(w[0]))
+        assert len(w[0][0]) == len(k["queries"]) and len(w[0][0][0]) == len(k["keys"])
+        for row in (r for layer in w for head in layer for r in head):
+            assert sum(row) == pytest.approx(1.0, abs=1e-4)
+    assert d["attention"]["cross"]["keys"] == src_toks == d["attention"]["encoder"]["queries"]
+    # A given target: the decoder's queries are <s> + its pieces.
+    d = _post(client, "/v1/attention", {"text": "a b c", "target": "c b a"}).json()
+    assert not d["generated"]
+    assert d["attention"]["cross"]["queries"] == ["<s>"] + translator.tokenizers.tgt.pieces("c b a")
+
+
+def test_page_and_static_files_are_served_without_cdn(client):
+    html = client.get("/")
+    assert html.status_code == 200 and "text/html" in html.headers["content-type"]
+    assert 'id="maps"' in html.text and '<label for="src"' in html.text and 'src="/static/app.js"' in html.text
+    for path in re.findall(r'(?:src|href)="([^"]+)"', html.text):
+        assert path.startswith("/static/"), path  # nothing from elsewhere
+        assert client.get(path).status_code == 200
+    js = client.get("/static/app.js").text
+    assert set(re.findall(r"https?://[^\s\"'`]+", js)) == {"http://www.w3.org/2000/svg"}  # the SVG namespace only
+    assert "data-weight" in js and "aria-label" in js
+
+
+def test_concurrent_requests_share_model_calls_and_give_the_same_answers(translator):
+    app = create_app(translator, max_wait_ms=400.0, max_batch_tokens=100_000)
+    calls = []
+    real = translator.search
+
+    def counting(texts, opts, scores=True):
+        calls.append(len(texts))
+        return real(texts, opts, scores)
+
+    texts = [s for s in SENTENCES if s] + ["b a", "c c c"]
+    bodies = [{"text": [t], "beam": 2} for t in texts] + [{"text": [t], "beam": 1} for t in texts[:3]]
+    with TestClient(app) as c, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(translator, "search", counting)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            responses = list(pool.map(lambda b: _post(c, "/v1/translate", b), bodies))
+        stats = app.state.service.batcher.stats
+    assert all(r.status_code == 200 for r in responses)
+    assert 2 <= len(calls) < len(bodies) and stats.calls == len(calls) and stats.largest_call > 1
+    for b, r in zip(bodies, responses):  # beam 2 and beam 1 requests never share a call, and answer as alone
+        assert r.json()["translations"][0]["text"] == translator.translate(b["text"], beam=b["beam"])[0]
+        assert r.json()["options"]["beam"] == b["beam"]
+
+
+def test_full_queue_gives_503_then_serves(translator):
+    app = create_app(translator, max_wait_ms=1000.0, max_queue=1, max_batch_tokens=100_000)
+    with TestClient(app) as c:
+        first = threading.Thread(target=lambda: results.append(_post(c, "/v1/translate", {"text": ["a b"]})))
+        results: list = []
+        first.start()
+        deadline = time.monotonic() + 10
+        while app.state.service.batcher.queued < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        r = _post(c, "/v1/translate", {"text": ["a b"], "beam": 1})  # the one queue slot is taken
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
+        first.join()
+        assert results[0].status_code == 200
+        assert _post(c, "/v1/translate", {"text": ["a b"]}).status_code == 200
+
+
+def test_batcher_groups_by_key_and_budget():
+    seen = []
+    gate = threading.Event()
+
+    def run(items):
+        gate.wait(5)
+        seen.append(list(items))
+        return [x * 10 for x in items]
+
+    b = Batcher(max_batch_tokens=5, max_wait_ms=50, max_queue=10)
+    blocker = b.submit(Job(None, [0], 1, run))  # holds the worker while the others queue up
+    jobs = [Job("g", [1], 2, run), Job("h", [2], 1, run), Job("g", [3, 4], 2, run), Job("g", [5], 2, run)]
+    futures = [b.submit(j) for j in jobs]
+    gate.set()
+    assert [f.result(5) for f in futures] == [[10], [20], [30, 40], [50]]
+    assert blocker.result(5) == [0]
+    # g's first two jobs fill the budget (2 + 2 <= 5 < 6); h waits its turn; the last g job runs next.
+    assert seen == [[0], [1, 3, 4], [2], [5]]
+    assert b.stats.calls == 4 and b.stats.jobs == 5 and b.stats.largest_call == 2
+    b.close(5)
+
+
+def test_batcher_queue_bound_cancel_and_close():
+    gate, entered = threading.Event(), threading.Event()
+    ran = []
+
+    def run(items):
+        entered.set()
+        gate.wait(5)
+        ran.extend(items)
+        return list(items)
+
+    b = Batcher(max_batch_tokens=10, max_wait_ms=0, max_queue=2)
+    b.submit(Job(None, ["busy"], 1, run))
+    assert entered.wait(5)  # the worker runs it: the queue is empty again
+    kept = b.submit(Job("g", ["kept"], 1, run))
+    gone = b.submit(Job("g2", ["cancelled"], 1, run))
+    with pytest.raises(QueueFull):
+        b.submit(Job("g", ["over"], 1, run))
+    assert gone.cancel()
+    gate.set()
+    b.close(5)  # finishes what is queued
+    assert kept.result(0) == ["kept"] and ran == ["busy", "kept"]
+
+
+def test_missing_extra_is_one_line(monkeypatch, tiny_run, capsys):
+    from aiayn.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", str(tiny_run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'aiayn[serve]'" in err and "uvicorn" in err
+
+
+def test_port_in_use_is_a_one_line_error():
+    from aiayn.errors import ConfigError
+    from aiayn.serve import listen
+
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+        listen("127.0.0.1", port)
+    sock.close()
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_run):
+    # --max-wait-ms 1500: a lone request waits 1.5 s for company before its model call, so it is surely in
+    # flight when SIGTERM comes.
+    proc, url, log = serve_load.start_server(tiny_run, "--max-wait-ms", "1500")
+    try:
+        with closing(serve_load.connect(url)) as conn:
+            assert serve_load.request(conn, "GET", "/health")[0] == 200
+        answer: list = []
+
+        def ask() -> None:
+            with closing(serve_load.connect(url)) as conn:
+                answer.append(serve_load.request(conn, "POST", "/v1/translate", {"text": ["a b c", "x y"]}))
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with closing(serve_load.connect(url)) as conn:
+                if serve_load.request(conn, "GET", "/health")[1]["queued"] >= 1:
+                    break
+            time.sleep(0.02)
+        status = serve_load.stop_server(proc, timeout=30)
+        t.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert status == 0, "\n".join(log)
+    assert answer and answer[0][0] == 200 and len(answer[0][1]["translations"]) == 2
+    assert any("Shutting down" in line for line in log)
+
+
+def test_load_smoke(tiny_run, tmp_path):
+    md, out = tmp_path / "B.md", tmp_path / "serve_load.json"
+    result = serve_load.main(["--run", str(tiny_run), "--smoke", "--md", str(md), "--out-json", str(out)])
+    assert result["exit_status"] == 0
+    assert [p["clients"] for p in result["phases"]] == [1, 4]
+    for p in result["phases"]:
+        assert p["ok"] > 0 and p["errors_5xx"] == 0 and p["errors"] == {}
+        assert p["latency_ms"]["p50"] <= p["latency_ms"]["p99"] <= p["latency_ms"]["max"]
+        assert p["rss_mib"]["max"] > 0
+    text = md.read_text(encoding="utf-8")
+    assert "<!-- BEGIN serve_load -->" in text and "python -m benchmarks.serve_load" in text
+    assert json.loads(out.read_text())["phases"][0]["requests"] == result["phases"][0]["requests"]
+
+
+@pytest.fixture(scope="module")
+def lm_client(tmp_path_factory):
+    """A language-model server on an untrained char LM (the API contract, not the text, is under test)."""
+    import torch
+
+    from aiayn.config import config_from_dict
+    from aiayn.data.tokenizer import CharTokenizer, TokenizerPair
+    from aiayn.decode.generate import Generator
+    from aiayn.model import build_model
+    from aiayn.run_dir import Run
+
+    tok = CharTokenizer("abcdefghij \n")
+    cfg = config_from_dict({"task": "lm", "data": {"tokenizer": "char", "block_size": 24},
+                            "model": {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_decoder_layers": 2, "dropout": 0.0,
+                                      "max_positions": 24, "vocab_size": tok.vocab_size}})
+    torch.manual_seed(0)
+    run = Run(tmp_path_factory.mktemp("lm"), cfg, build_model(cfg.model, "lm").eval(), TokenizerPair(tok, tok))
+    gen = Generator(run)
+    with TestClient(create_app(gen, limits=Limits(max_new_tokens=20))) as c:
+        yield c, gen
+
+
+def test_generate_on_a_language_model(lm_client):
+    c, gen = lm_client
+    r = _post(c, "/v1/generate", {"prompt": "abc", "temperature": 0, "max_new_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == gen.generate("abc", max_new_tokens=8, sample=False)
+    drawn = [_post(c, "/v1/generate", {"prompt": "ab", "seed": 3, "max_new_tokens": 6}).json()["text"] for _ in "12"]
+    assert drawn[0] == drawn[1] == gen.generate("ab", sample=True, temperature=1.0, seed=3, max_new_tokens=6)
+    for body, code, word in (({"prompt": 3}, "bad_type", "prompt"), ({"prompt": "a", "top_p": 2.0}, "out_of_range",
+                             "top_p"), ({"prompt": "a", "max_new_tokens": 21}, "out_of_range", "max_new_tokens"),
+                             ({"prompt": "a", "beam": 2}, "unknown_field", "beam"),
+                             ({"prompt": "abcdefghij" * 3}, "invalid_request", "prompt")):  # longer than the context
+        r = _post(c, "/v1/generate", body)
+        assert r.status_code == 422 and r.json()["error"]["code"] == code and word in r.json()["error"]["message"]
+    r = _post(c, "/v1/translate", {"text": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task" and "language-model" in r.text
+    d = _post(c, "/v1/attention", {"text": "abc"}).json()
+    assert list(d["attention"]) == ["decoder_self"] and d["attention"]["decoder_self"]["queries"] == ["a", "b", "c"]
+    assert c.get("/v1/model").json()["task"] == "lm"
+
+
+def test_attention_refuses_a_sentence_longer_than_the_model(client):
+    r = _post(client, "/v1/attention", {"text": "a b " * 100})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "line_too_long"
+    assert _post(client, "/v1/attention", {"text": "a b"}).status_code == 200
