@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aiayn import __version__
-from aiayn.errors import user_error_message
+from aiayn.errors import ConfigError, user_error_message
 
 # DecodeOptions fields that the decoding commands take as --flags (one line each in add_decode_options).
 DECODE_FLAGS = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b", "min_len", "nbest", "stop",
@@ -163,6 +163,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.engine == "hf":
         from aiayn.interop.hf import export_hf
 
+        if args.quantization:
+            raise ConfigError("--quantization is for CTranslate2 exports; a Hugging Face export keeps the run's "
+                              "fp32 weights")
         out = export_hf(args.run, args.out_dir, force=args.force)
     else:
         from aiayn.interop.ctranslate2 import export_run
