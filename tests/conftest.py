@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
 
 # Two cores on CI: one intra-op thread per test process keeps timings predictable.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

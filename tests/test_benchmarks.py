@@ -6,13 +6,9 @@ see benchmarks/README.md. Nothing is written to the repository's BENCHMARKS.md."
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
 
 pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")

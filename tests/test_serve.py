@@ -6,12 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 
@@ -25,8 +23,6 @@ import aiayn  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
 from aiayn.serve.schemas import Limits  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
 from benchmarks import serve_load  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,13 +5,8 @@ states its goals (batched >= 3x generate(), batch 1 >= 2x, bf16 vs fp32). Real n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not an installed package
 
 pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")

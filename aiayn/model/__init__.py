@@ -1,6 +1,7 @@
 """The Transformer of "Attention Is All You Need", section 3, one named module per idea."""
 
-from aiayn.model.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
+from aiayn.model.attention import MultiHeadAttention, scaled_dot_product_attention
+from aiayn.model.cache import KVCache
 from aiayn.model.embeddings import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
