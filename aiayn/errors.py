@@ -16,6 +16,12 @@ def one_line(message: object) -> str:
     return " ".join(str(message).split("\n")).strip()
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class UserError(Exception):
     """Base class of the errors a user can fix; ``str()`` is one line: what is wrong and where."""
 
@@ -79,5 +85,5 @@ def user_error_message(e: BaseException) -> str | None:
     return None
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "one_line", "require",
-           "user_error_message"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "first_line", "one_line",
+           "require", "user_error_message"]

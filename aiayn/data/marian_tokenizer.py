@@ -33,9 +33,11 @@ from typing import Any
 
 import sentencepiece as spm
 
+from aiayn.errors import first_line
+
 from ..errors import DataError
 from ..files import atomic_write_bytes
-from .tokenizer_base import Tokenizer, first_line
+from .tokenizer_base import Tokenizer
 
 SPIECE_UNDERLINE = "\u2581"  # ▁
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"

@@ -41,11 +41,13 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from aiayn.errors import first_line
+
 from ..config import PRETOKENIZERS
 from ..errors import DataError
 from ..files import atomic_write_bytes
 from .marian_tokenizer import MarianPieces, load_marian_pair, save_marian_pair
-from .tokenizer_base import Tokenizer, first_line
+from .tokenizer_base import Tokenizer
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")

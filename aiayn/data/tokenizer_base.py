@@ -45,7 +45,3 @@ class Tokenizer:
         return self is other
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none)."""
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__

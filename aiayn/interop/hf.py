@@ -43,10 +43,9 @@ from aiayn.data.marian_tokenizer import (
     save_marian_pair,
 )
 from aiayn.data.tokenizer import SentencePieceTokenizer, SpecialIds, TokenizerPair
-from aiayn.data.tokenizer_base import first_line
-from aiayn.errors import CheckpointError, ConfigError, DataError
+from aiayn.errors import CheckpointError, ConfigError, DataError, first_line, require
 from aiayn.files import atomic_write_bytes, atomic_write_json, atomic_write_text, staged_directory
-from aiayn.interop.marian import check_marian_compatible, concat_layout_copy, from_hf_marian, to_hf_marian
+from aiayn.interop.marian import concat_layout_copy, from_hf_marian, to_hf_marian
 from aiayn.model.transformer import Transformer
 from aiayn.train.checkpoint import save_weights
 
@@ -133,14 +132,14 @@ def read_hf_weights(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
 
 
 @torch.no_grad()
-def load_hf_marian(hf_dir: str | Path) -> MarianMTModel:
-    """A ``MarianMTModel`` (eval mode) built from ``hf_dir``'s config.json and weights, never running code
-    from the directory. Tied tensors missing from the file are filled by the tie; the sinusoid tables are
-    recomputed when absent; any other missing or unexpected tensor is refused."""
+def load_hf_marian(hf_dir: str | Path, raw: dict[str, Any] | None = None) -> MarianMTModel:
+    """A ``MarianMTModel`` (eval mode) built from ``hf_dir``'s config.json (``raw``, when already read) and
+    weights, never running code from the directory. Tied tensors missing from the file are filled by the tie;
+    the sinusoid tables are recomputed when absent; any other missing or unexpected tensor is refused."""
     from transformers import MarianConfig, MarianMTModel
 
     d = Path(hf_dir)
-    raw = _marian_config_json(d)
+    raw = _marian_config_json(d) if raw is None else raw
     state, where = read_hf_weights(d)
     try:
         hf = MarianMTModel(MarianConfig.from_dict(raw)).eval()
@@ -157,15 +156,15 @@ def load_hf_marian(hf_dir: str | Path) -> MarianMTModel:
     return hf
 
 
-def generation_config_of(hf_dir: str | Path) -> GenerationConfig:
+def generation_config_of(hf_dir: str | Path, raw: dict[str, Any] | None = None) -> GenerationConfig:
     """What ``from_pretrained`` gives ``generate()``: generation_config.json, else the generation keys of
-    config.json (older directories keep num_beams, bad_words_ids, max_length there)."""
+    config.json (``raw``, when already read; older directories keep num_beams, bad_words_ids, max_length there)."""
     from transformers import GenerationConfig
 
     d = Path(hf_dir)
     if (d / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(str(d))
-    return GenerationConfig.from_model_config(_read_json(d / "config.json"))
+    return GenerationConfig.from_model_config(_read_json(d / "config.json") if raw is None else raw)
 
 
 def decode_options_from(g: GenerationConfig, pad_id: int) -> tuple[DecodeOptions, list[str]]:
@@ -252,11 +251,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> P
     Built beside RUN_DIR and renamed into place, so a failure leaves nothing behind."""
     from aiayn.run_dir import load_run
 
+    require("transformers", "hf", "aiayn import hf")
     src_dir, out = Path(hf_dir), Path(run_dir)
     _check_fresh(out, force, "run directory")
     raw = _marian_config_json(src_dir)
     try:
-        model = from_hf_marian(load_hf_marian(src_dir)).eval()
+        model = from_hf_marian(load_hf_marian(src_dir, raw)).eval()
     except ValueError as e:
         raise ConfigError(f"{src_dir}: cannot convert to aiayn: {first_line(e)}") from None
     cfg_m = model.cfg
@@ -268,7 +268,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> P
                         f"config.json's ({eos}, {pad})")
     specials = SpecialIds(pad=int(pad), unk=int(mt.unk_token_id), bos=int(start), eos=int(eos),
                           decoder_start=int(start))
-    opts, notes = decode_options_from(generation_config_of(src_dir), specials.pad)
+    opts, notes = decode_options_from(generation_config_of(src_dir, raw), specials.pad)
     for line in notes:
         log.warning("%s: %s", src_dir, line)
     langs = (mt.source_lang or "src", mt.target_lang or "tgt")
@@ -388,8 +388,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     earlier export unless ``force``; it is built beside OUT_DIR and renamed into place."""
     from aiayn.run_dir import load_run
 
+    require("transformers", "hf", "aiayn export hf")
     out = Path(out_dir)
-    if out.exists() and not (force or is_earlier_export(out)):
+    if not is_earlier_export(out):
         _check_fresh(out, force, "directory")
     run = load_run(run_dir, "cpu", precision="fp32")
     if not isinstance(run.model, Transformer):
@@ -402,7 +403,6 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         raise ConfigError(f"{run_dir}: a {tok.src.kind} tokenizer has no SentencePiece model for MarianTokenizer")
     try:
         model = concat_layout_copy(run.model) if run.cfg.model.positional == "sinusoidal" else run.model
-        check_marian_compatible(model.cfg)
         hf = to_hf_marian(model, bos_id=sp.decoder_start, eos_id=sp.eos)
     except ValueError as e:
         raise ConfigError(f"cannot export {run_dir} as a Marian model: {first_line(e)}") from None
