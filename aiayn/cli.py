@@ -69,7 +69,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
     from aiayn.decode.stream import iter_lines, stdin_stream, translate_stream
     from aiayn.decode.translator import load
-    from aiayn.errors import ConfigError, DataError
+    from aiayn.errors import DataError
     from aiayn.files import atomic_write
 
     fmt = "json" if args.json else args.format
@@ -97,9 +97,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
             translate_stream(translator, lines, _write_stdout, opts, fmt, chunk, on_chunk)
         else:  # streamed into a temporary file, renamed over --output only once everything is written
             def write(tmp: str) -> None:
-                with open(tmp, "w", encoding="utf-8") as out:
-                    translate_stream(translator, lines, lambda s: (out.write(s), out.flush()), opts, fmt, chunk,
-                                     on_chunk)
+                with open(tmp, "w", encoding="utf-8") as out:  # hidden until renamed: no flush per chunk
+                    translate_stream(translator, lines, out.write, opts, fmt, chunk, on_chunk)
 
             atomic_write(args.output, write)
     finally:
@@ -145,6 +144,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     opts = run.cfg.decode.replace(**decode_overrides(args))
     field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
     docs = read_documents(args.input, field)
+    # beam also on its own: summarize() refuses an explicit --beam for a language-model summarizer (greedy only)
     text = "".join(s + "\n" for s in summarize(run, docs, opts, beam=args.beam))
     if args.output not in (None, "-"):
         atomic_write_text(args.output, text)

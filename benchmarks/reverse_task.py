@@ -30,6 +30,7 @@ def exact_match(run_dir: str | Path, overrides: Sequence[str] = TEST_OVERRIDES) 
     """Train ``configs/tiny_reverse.yaml`` with ``overrides`` into ``run_dir`` and return the share of test
     sequences whose greedy output is exactly the reversed input."""
     from aiayn.config import load_config
+    from aiayn.data.batching import pad_batch
     from aiayn.data.synthetic import reverse_split
     from aiayn.decode.search import greedy_search
     from aiayn.run_dir import load_run
@@ -41,9 +42,7 @@ def exact_match(run_dir: str | Path, overrides: Sequence[str] = TEST_OVERRIDES) 
     pairs = reverse_split("test")
     tok, sp = run.tokenizers, run.tokenizers.specials
     ids = [tok.src.encode(s) + [sp.eos] for s, _ in pairs]
-    src = torch.full((len(ids), max(map(len, ids))), sp.pad, dtype=torch.long)
-    for i, x in enumerate(ids):
-        src[i, : len(x)] = torch.tensor(x)
+    src = pad_batch(ids, sp.pad)  # (B, S)
     with torch.no_grad():
         out = greedy_search(run.model, src, max_len_a=1.0, max_len_b=10, bos_id=sp.decoder_start, eos_id=sp.eos,
                             pad_id=sp.pad)

@@ -32,16 +32,18 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 # The server ---------------------------------------------------------------------------------------------
+
+
+def server_args(run: str | os.PathLike, *extra: str) -> list[str]:
+    """The ``aiayn`` arguments of the server under test: ``serve RUN --port 0 --device cpu EXTRA...``."""
+    return ["serve", str(run), "--port", "0", "--device", "cpu", *extra]
 
 
 def start_server(run: str | os.PathLike, *extra: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str, list]:
     """``python -m aiayn serve RUN --port 0 --device cpu EXTRA...`` as a subprocess; returns the process,
     its base URL (``http://127.0.0.1:PORT``) once it listens, and the list its stderr lines go to."""
-    cmd = [sys.executable, "-m", "aiayn", "serve", str(run), "--port", "0", "--device", "cpu", *extra]
+    cmd = [sys.executable, "-m", "aiayn", *server_args(run, *extra)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, encoding="utf-8", errors="replace")
     lines: list[str] = []
@@ -234,6 +236,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    from benchmarks.common import DEFAULT_MD, RESULTS_DIR
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n")[0])
     p.add_argument("--run", default="runs/multi30k_en_de_quick", help="a trained translation run")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients, one phase each")
@@ -242,8 +246,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=None, help="beam of every request (default: the run's)")
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
-    p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"), help="markdown file whose section is rewritten")
-    p.add_argument("--out-json", default=str(REPO / "benchmarks" / "results" / "serve_load.json"))
+    p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
+    p.add_argument("--out-json", default=str(RESULTS_DIR / "serve_load.json"))
     return p.parse_args(argv)
 
 
@@ -279,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "date": utc_now(), "command": command_line("serve_load", md_argv), "machine": machine_info(os.cpu_count() or 1),
         "run": str(args.run), "parameters": info["parameters"], "inputs": inputs,
         "options": {"beam": info["config"]["decode"]["beam"], **options},
-        "server_command": f"aiayn serve {args.run} --port 0 --device cpu " + " ".join(extra),
+        "server_command": " ".join(["aiayn", *server_args(args.run, *extra)]),
         "exit_status": status, "phases": phases,
     }
     write_json(args.out_json, result)

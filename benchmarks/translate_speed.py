@@ -57,6 +57,7 @@ from aiayn.device import DTYPES, resolve_device, resolve_precision
 from aiayn.errors import UserError
 from aiayn.model.transformer import Transformer
 from benchmarks import common
+from benchmarks.flops import synchronize
 
 NAME = "translate_speed"
 ENGINES = ("aiayn", "aiayn-exact", "hf", "ct2-fp32", "ct2-int8", "ct2-bf16", "ct2-fp16")
@@ -214,11 +215,6 @@ def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: f
 
 
 # Timing -------------------------------------------------------------------------------------------------
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_mode(translate: Callable, sources: Sequence[list[int]], batches: Sequence[list[int]],
@@ -441,9 +437,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def plans(task: Task, args: argparse.Namespace, device: torch.device) -> dict[str, list[list[int]]]:
-    """The batches (source indices) of each mode; "tokens": those ``aiayn translate`` makes on ``device``."""
-    order = sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))
+def by_length(task: Task) -> list[int]:
+    """Source indices, shortest first (ties by index)."""
+    return sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))
+
+
+def plans(task: Task, args: argparse.Namespace, device: torch.device, order: list[int]) -> dict[str, list[list[int]]]:
+    """The batches (source indices) of each mode, ``order`` the sources by length; "tokens": those
+    ``aiayn translate`` makes on ``device``."""
     opts = DecodeOptions(beam=4, max_tokens=args.max_tokens)
     args.batch_tokens = opts.batch_tokens(device.type) if "tokens" in args.modes else None
     return {
@@ -500,8 +501,9 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
         else:
             task = run_task(args.run_dir, args.split, args.limit, work, args.engines)
         result["task"] = task.description
-        batches = plans(task, args, device)
-        check = sorted(range(len(task.sources)), key=lambda i: (len(task.sources[i]), i))[-8:]  # the longest
+        order = by_length(task)
+        batches = plans(task, args, device, order)
+        check = order[-8:]  # the longest
         for q in args.precision:
             fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha, args.max_len, threads,
                                         check, device, q)

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor, nn
 
+from aiayn.errors import first_line
+from aiayn.files import staged_directory
 from aiayn.model.transformer import Transformer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -206,19 +208,9 @@ def export_ctranslate2(
         model, vocab, tgt_vocab, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id, add_source_eos=add_source_eos
     )
     spec.optimize(quantization=quantization)  # also validates the quantization name
-    # Build next to the target and swap in, so a failed save never leaves half a model behind.
-    tmp = out.with_name(out.name + ".tmp-export")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        spec.save(str(tmp))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    # Built next to the target and swapped in, so a failed save never leaves half a model behind.
+    with staged_directory(out) as stage:
+        spec.save(str(stage))
     return out
 
 
@@ -296,16 +288,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     tok = run.tokenizers
     vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
     tgt_vocab = None if tok.shared else [tok.tgt.id_to_piece(i) for i in range(tok.tgt.vocab_size)]
-    stage = out.with_name(out.name + ".tmp-run-export")
-    if stage.exists():
-        shutil.rmtree(stage)
+    sp = tok.specials  # aiayn's ids, or those of an imported Marian run (eos 0, decoder start = pad)
     try:
-        sp = tok.specials  # aiayn's ids, or those of an imported Marian run (eos 0, decoder start = pad)
-        try:
-            export_ctranslate2(run.model, vocab, stage, tgt_vocab, quantization=quantization, unk_id=sp.unk,
-                               bos_id=sp.decoder_start, eos_id=sp.eos)
-        except ValueError as e:  # a bad quantization name, or a vocabulary that does not fit
-            raise ConfigError(f"cannot export {run_dir}: {str(e).splitlines()[0]}") from None
+        spec = ctranslate2_spec(run.model, vocab, tgt_vocab, unk_id=sp.unk, bos_id=sp.decoder_start, eos_id=sp.eos)
+        spec.optimize(quantization=quantization)
+    except ValueError as e:  # a bad quantization name, or a vocabulary that does not fit
+        raise ConfigError(f"cannot export {run_dir}: {first_line(e)}") from None
+    with staged_directory(out) as stage:
+        spec.save(str(stage))
         tdir = Path(run_dir) / "tokenizer"
         tok_files = sorted(p.name for p in tdir.iterdir() if p.is_file() and not p.name.startswith("."))
         for name in tok_files:
@@ -330,10 +320,4 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
             lp_note="" if d.length_penalty == "power" else " (not 'power': CTranslate2's beam ranks differently)",
         )
         (stage / "README.txt").write_text(readme, encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
     return out

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiayn.train.metrics import CURVE_KEYS, METRICS_FILE, Series, curves_data, metrics_path
+from aiayn.train.metrics import Series, curves_data
 
-__all__ = ["CURVE_KEYS", "METRICS_FILE", "Series", "curves_data", "metrics_path", "plot_curves"]
+__all__ = ["curves_data", "plot_curves"]  # curves_data: re-exported for the viz command
 
 
 def plot_curves(curves: dict[str, Series], out: str | Path, title: str = "", width: int | None = None,
