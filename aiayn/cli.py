@@ -67,7 +67,8 @@ def _progress(args: argparse.Namespace, path: str | None):
 
 def cmd_translate(args: argparse.Namespace) -> int:
     """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
-    from aiayn.decode.stream import iter_lines, stdin_stream, translate_stream
+    from aiayn.data.corpus import stdin_stream
+    from aiayn.decode.stream import iter_lines, translate_stream
     from aiayn.decode.translator import load
     from aiayn.errors import DataError
     from aiayn.files import atomic_write

@@ -15,7 +15,7 @@ import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from aiayn.errors import DataError
 
@@ -58,12 +58,20 @@ def read_lines(path: str | Path) -> list[str]:
     return _split_lines(_decode(_read_bytes(path), path))
 
 
-def read_stdin_lines() -> list[str]:
-    """The lines of standard input (UTF-8), as :func:`read_lines` reads a file; a closed stdin is a DataError."""
+def stdin_stream() -> IO:
+    """Standard input as bytes when possible; a :class:`DataError` when it is closed (``<&-``)."""
     stream = sys.stdin
     if stream is None or stream.closed:
         raise DataError("no input: standard input is closed (give --input FILE)")
-    raw = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8")
+    return getattr(stream, "buffer", stream)
+
+
+def read_stdin_lines() -> list[str]:
+    """The lines of standard input (UTF-8), as :func:`read_lines` reads a file; a closed stdin is a DataError."""
+    stream = stdin_stream()
+    raw = stream.read()
+    if isinstance(raw, str):  # a text stream without a binary buffer
+        raw = raw.encode("utf-8")
     return _split_lines(_decode(raw, "<stdin>"))
 
 

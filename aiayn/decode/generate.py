@@ -88,7 +88,8 @@ class TextStream:
         return text[len(self.shown):] if text.startswith(self.shown) else ""
 
 
-def _new_tokens(opts: DecodeOptions, command: str) -> int:
+def new_token_limit(opts: DecodeOptions, command: str) -> int:
+    """Tokens to generate: ``opts.max_new_tokens``, or the default of ``command`` ("generate", "summarize")."""
     return DEFAULT_NEW_TOKENS[command] if opts.max_new_tokens is None else opts.max_new_tokens
 
 
@@ -110,7 +111,7 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
         raise ConfigError(f"the prompt is {len(ids)} tokens but the model reads {ctx} at once (its training "
                           f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
     temperature = opts.temperature if opts.sample else 0.0
-    tokens = sample(run.model, ids, _new_tokens(opts, "generate"), temperature=temperature, top_k=opts.top_k,
+    tokens = sample(run.model, ids, new_token_limit(opts, "generate"), temperature=temperature, top_k=opts.top_k,
                     top_p=opts.top_p, seed=opts.seed, eos_id=EOS_ID, context_limit=ctx,
                     no_repeat_ngram=opts.no_repeat_ngram)
 
@@ -133,7 +134,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
     ctx = lm_context(cfg)
     sep = separator_ids(tok, cfg.data.separator)
     stops = (cfg.data.separator.strip(), "\n")  # a second separator or a new line ends the summary too
-    max_new = _new_tokens(opts, "summarize")
+    max_new = new_token_limit(opts, "summarize")
     reserve = min(max_new, ctx // 4)
     out = []
     for doc in documents:
@@ -161,8 +162,8 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
     from aiayn.decode.translator import Translator, decode_sources
 
     tr = Translator(run.model, run.tokenizers, run.cfg, run.path)
-    opts = opts.replace(max_len_a=0.0, max_len_b=_new_tokens(opts, "summarize"))
-    ids, cut = tr.encode_sources([one_line(d) for d in documents], warn=False)
+    opts = opts.replace(max_len_a=0.0, max_len_b=new_token_limit(opts, "summarize"))
+    ids, cut = tr.encode_sources([one_line(d) for d in documents])
     if cut:
         log.info("%d of %d documents cut to the model's %d source tokens", len(cut), len(documents),
                  tr.max_source_tokens)

@@ -118,7 +118,9 @@ class BannedTokens:
 
     def decode(self, *args, **kwargs) -> Tensor:
         logits = self.model.decode(*args, **kwargs)  # (B, T, V)
-        return logits.index_fill(-1, self.ids.to(logits.device), NEG_INF)
+        if self.ids.device != logits.device:  # move the ids once, not on every step
+            self.ids = self.ids.to(logits.device)
+        return logits.index_fill(-1, self.ids, NEG_INF)
 
     def new_cache(self):
         return self.model.new_cache()
@@ -234,14 +236,12 @@ def score_tokens(model, src: Tensor, src_mask: Tensor, found: Sequence[Sequence[
 
     A sentence shorter than its step limit ended with EOS (counted in the logprob and in |Y|); one of
     exactly ``limit`` tokens was cut there (see the module docstring)."""
+    from aiayn.data.batching import pad_batch  # the same layer as this module (see tests/test_structure.py)
+
     seqs = [list(t) + [eos_id] if len(t) < lim else list(t) for t, lim in zip(found, limits)]
     width = max(len(q) for q in seqs)
-    tgt_in = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    tgt_out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for b, q in enumerate(seqs):
-        tgt_in[b, : len(q)] = torch.tensor([bos_id] + q[:-1], dtype=torch.long)
-        tgt_out[b, : len(q)] = torch.tensor(q, dtype=torch.long)
-    tgt_in, tgt_out = tgt_in.to(src.device), tgt_out.to(src.device)  # (B, T)
+    tgt_in = pad_batch([[bos_id] + q[:-1] for q in seqs], pad_id).to(src.device)  # (B, T)
+    tgt_out = pad_batch(seqs, pad_id).to(src.device)  # (B, T)
     memory = model.encode(src, src_mask)
     lprobs = torch.log_softmax(model.decode(tgt_in, memory, src_mask).float(), dim=-1)  # (B, T, V)
     tok_lp = lprobs.gather(2, tgt_out.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -395,6 +395,7 @@ def beam_search(
                              dtype=sdt, device=device)  # (n,) their length-penalty denominators
     finished = _Finished(B, N, max(limits), device)
     beams = torch.arange(N, device=device)
+    offsets = torch.arange(B, device=device)[:, None] * N  # (B, 1) first row of each group; live rows are 0..n-1
     t = 0  # tokens produced so far by every live beam
     while True:
         n = scores.size(0)
@@ -425,7 +426,7 @@ def beam_search(
         live_lp = top_lp.masked_fill(is_eos, NEG_INF)
         order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
         new_scores = live_lp.gather(1, order)
-        src_rows = torch.arange(n, device=device)[:, None] * N + top_beam.gather(1, order)  # (n, N)
+        src_rows = offsets[:n] + top_beam.gather(1, order)  # (n, N)
         new_tok = top_tok.gather(1, order)
 
         best_live = new_scores[:, 0]

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from aiayn.config import DecodeOptions
 from aiayn.decode.translator import Translation, Translator
@@ -35,15 +34,20 @@ def no_newlines(text: str) -> str:
     return text.replace("\r", " ").replace("\n", " ")
 
 
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN: a score that is not a finite number (or was not computed) is null."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def hypothesis_json(h: Translation) -> dict[str, Any]:
+    """One hypothesis as JSON: ``{"text", "score", "logprob", "tokens"}`` (``aiayn translate --format json``
+    and ``aiayn serve`` write the same)."""
+    return {"text": h.text, "score": _finite(h.score), "logprob": _finite(h.logprob), "tokens": h.tokens}
 
 
 def format_json(line: int, src: str, hyps: list[Translation]) -> str:
     """The ``json`` record of one input line (see the module docstring)."""
-    rec = {"line": line, "src": src,
-           "hyps": [{"text": h.text, "score": _finite(h.score), "logprob": _finite(h.logprob), "tokens": h.tokens}
-                    for h in hyps]}
+    rec = {"line": line, "src": src, "hyps": [hypothesis_json(h) for h in hyps]}
     return json.dumps(rec, ensure_ascii=False, allow_nan=False)
 
 
@@ -73,14 +77,6 @@ def iter_lines(stream: IO, name: str = "<stdin>") -> Iterator[str]:
         if raw.endswith("\n"):
             raw = raw[:-1]
         yield raw[:-1] if raw.endswith("\r") else raw
-
-
-def stdin_stream() -> IO:
-    """Standard input as bytes when possible; a :class:`DataError` when it is closed (``<&-``)."""
-    stream = sys.stdin
-    if stream is None or stream.closed:
-        raise DataError("no input: standard input is closed (give --input FILE)")
-    return getattr(stream, "buffer", stream)
 
 
 def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:

@@ -147,9 +147,11 @@ class Translator:
         """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
         return (options or self.cfg.decode).replace(**overrides)
 
-    def encode_sources(self, texts: Sequence[str], warn: bool = True) -> tuple[list[list[int] | None], list[int]]:
+    def encode_sources(self, texts: Sequence[str], first_line: int | None = None
+                       ) -> tuple[list[list[int] | None], list[int]]:
         """Token ids of each text (None for an empty or whitespace-only one) and the indices of the
-        texts cut to :attr:`max_source_tokens`; ``warn`` logs one warning per cut text."""
+        texts cut to :attr:`max_source_tokens`. With ``first_line`` (the line number of ``texts[0]``),
+        one warning per cut text is logged; None logs nothing."""
         ids: list[list[int] | None] = []
         cut: list[int] = []
         limit = self.max_source_tokens
@@ -160,9 +162,10 @@ class Translator:
             toks = self.tokenizers.src.encode(text)
             if len(toks) > limit:
                 cut.append(i)
-                if warn:
+                if first_line is not None:
                     log.warning("line %d: %d source tokens do not fit the model's %d positions (with EOS); "
-                                "translating the first %d", i + 1, len(toks), self.cfg.model.max_positions, limit)
+                                "translating the first %d", first_line + i, len(toks), self.cfg.model.max_positions,
+                                limit)
                 toks = toks[:limit]
             ids.append(toks)
         return ids, cut
@@ -171,11 +174,7 @@ class Translator:
                ) -> list[list[Translation]]:
         """Up to ``opts.nbest`` :class:`Translation` per text, best first; [] for an empty text.
         ``first_line`` numbers the warnings of cut texts (a stream passes its position)."""
-        ids, cut = self.encode_sources(texts, warn=False)
-        for i in cut:
-            log.warning("line %d: %d source tokens do not fit the model's %d positions (with EOS); translating the "
-                        "first %d", first_line + i, len(self.tokenizers.src.encode(texts[i])),
-                        self.cfg.model.max_positions, self.max_source_tokens)
+        ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
         found = decode_sources(self.model, [ids[i] for i in todo], opts, self.tokenizers.specials, scores)
         out: list[list[Translation]] = [[] for _ in texts]

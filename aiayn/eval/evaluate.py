@@ -88,7 +88,7 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
     check_name(name)
     check_writable(run_dir)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
-    _, truncated = translator.encode_sources(sources, warn=False)
+    _, truncated = translator.encode_sources(sources)
     start = time.perf_counter()
     hyps = [no_newlines(h) for h in translator.translate(sources, opts)]
     wall = time.perf_counter() - start

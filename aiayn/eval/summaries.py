@@ -20,7 +20,7 @@ from typing import Any
 
 from aiayn.config import DecodeOptions
 from aiayn.data.summarization import lead_1, one_line, summary_pairs, xsum_split
-from aiayn.errors import UserError
+from aiayn.errors import UserError, first_line
 from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, weights_info, write_result
 
@@ -36,7 +36,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
     ``RUN/eval/rouge_<split>.json`` and ``.hyp``; return the record. Options: the run's ``decode``
     section, then ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
-    from aiayn.decode.generate import DEFAULT_NEW_TOKENS, summarize
+    from aiayn.decode.generate import new_token_limit, summarize
     from aiayn.run_dir import load_run
 
     run_dir = Path(run_dir)
@@ -48,7 +48,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     hyps = summarize(run, [d for d, _ in pairs], opts)
     wall = time.perf_counter() - start
     kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else f"encoder-decoder: beam {opts.beam}"
-    max_new = DEFAULT_NEW_TOKENS["summarize"] if opts.max_new_tokens is None else opts.max_new_tokens
+    max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
         "name": f"rouge_{split}",
         "task": run.cfg.task,
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         scores = lead1_scores(args.split)
     except (UserError, OSError) as e:
-        print(f"aiayn: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"aiayn: error: {first_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps({"lead1": {"split": args.split, **{k: round(v, 2) for k, v in scores.items()}}}))
     return 0

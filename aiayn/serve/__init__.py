@@ -11,25 +11,15 @@ connection is taken, the requests in flight are answered, then the process exits
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import ipaddress
 import logging
 import signal
 import socket
 import sys
 
-from aiayn.errors import ConfigError, UserError
+from aiayn.errors import ConfigError, UserError, require
 
 log = logging.getLogger("aiayn.serve")
-
-INSTALL_HINT = "pip install 'aiayn[serve]'"
-
-
-def require_extra() -> None:
-    """A one-line :class:`UserError` when Starlette or uvicorn is missing."""
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"aiayn serve needs {' and '.join(missing)} (the serve extra): {INSTALL_HINT}")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -55,7 +45,8 @@ def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str =
           max_batch_tokens: int | None = None, max_wait_ms: float = 10.0, max_queue: int = 256,
           limits=None, access_log: bool = False) -> int:
     """Load the run, bind, serve until SIGTERM / Ctrl-C, then finish the requests in flight. Returns 0."""
-    require_extra()
+    require("starlette", "serve", "aiayn serve")
+    require("uvicorn", "serve", "aiayn serve")
     import uvicorn
 
     from aiayn.decode.generate import load_for_task
@@ -109,7 +100,6 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 
 def serve_cli(args: argparse.Namespace) -> int:
     """``aiayn serve`` from parsed arguments."""
-    require_extra()
     from aiayn.serve.schemas import Limits
 
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from aiayn.decode.generate import Generator
+from aiayn.decode.stream import hypothesis_json
 from aiayn.decode.translator import Translation, Translator
 from aiayn.errors import UserError, one_line
 from aiayn.model.transformer import count_parameters
@@ -76,20 +76,11 @@ class Service:
                                               f"{TASK_NAMES[self.task]} run (use {other})")
 
 
-def _number(x: float) -> float | None:
-    """JSON has no NaN: a score that was not computed is null."""
-    return None if x is None or not math.isfinite(x) else float(x)
-
-
-def _hypothesis(t: Translation) -> dict[str, Any]:
-    return {"text": t.text, "score": _number(t.score), "logprob": _number(t.logprob), "tokens": t.tokens}
-
-
 def translation_json(hyps: list[Translation]) -> dict[str, Any]:
     """One input's result: the best hypothesis' fields, and all of them best first under ``nbest``."""
     if not hyps:  # an empty input line: an empty output, as `aiayn translate` writes
         return {"text": "", "score": None, "logprob": None, "tokens": [], "nbest": []}
-    return {**_hypothesis(hyps[0]), "nbest": [_hypothesis(h) for h in hyps]}
+    return {**hypothesis_json(hyps[0]), "nbest": [hypothesis_json(h) for h in hyps]}
 
 
 def attention_json(run: Run, text: str, target: str | None) -> bytes:

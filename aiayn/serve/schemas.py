@@ -31,10 +31,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from aiayn.config import DecodeOptions
+from aiayn.config import DECODE_HINTS, DecodeOptions
 from aiayn.errors import ConfigError
 
-_HINTS = typing.get_type_hints(DecodeOptions)
 # Options a client may set per request; max_tokens is the server's batch budget.
 CLIENT_OPTIONS = tuple(f.name for f in dataclasses.fields(DecodeOptions) if f.name != "max_tokens")
 GENERATE_OPTIONS = ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram")
@@ -132,7 +131,7 @@ def decode_options(base: DecodeOptions, body: dict[str, Any], names: typing.Iter
     """``base`` with the request's options among ``names`` applied, then checked."""
     given = {k: body[k] for k in names if k in body}
     for k, v in given.items():
-        _check_type(k, v, _HINTS[k])
+        _check_type(k, v, DECODE_HINTS[k])
     try:
         opts = base.replace(**given)
     except ConfigError as e:
