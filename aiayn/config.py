@@ -24,6 +24,9 @@ PRETOKENIZERS = ("none", "moses")
 # train.compile_mode's values (torch.compile's modes).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
+# train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics), each the name of its package.
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
+
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -195,7 +198,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
         for name in self.log_to:
-            _choice("train.log_to", name, ("jsonl", "tensorboard", "wandb"))
+            _choice("train.log_to", name, LOG_BACKENDS)
         if "jsonl" not in self.log_to or len(set(self.log_to)) != len(self.log_to):
             raise ConfigError(f"train.log_to={self.log_to}: must list jsonl (report, curves and resume read "
                               "metrics.jsonl) and each tracker once")
@@ -293,7 +296,7 @@ class DecodeOptions:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ConfigError(f"unknown decoding option {unknown[0]} (known: {', '.join(sorted(known))})")
-        values = {k: _coerce(v, _DECODE_HINTS[k], f"decode.{k}") for k, v in overrides.items() if v is not None}
+        values = {k: _coerce(v, DECODE_HINTS[k], f"decode.{k}") for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, **values)
 
     def batch_tokens(self, device_type: str) -> int:
@@ -426,7 +429,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-_DECODE_HINTS = typing.get_type_hints(DecodeOptions)
+DECODE_HINTS = typing.get_type_hints(DecodeOptions)
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:

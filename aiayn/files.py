@@ -25,6 +25,8 @@ from typing import Any
 TMP_SUFFIX = ".tmp"
 # safetensors (>= 0.5) writes through its own temporary, named by Rust's tempfile crate: ".tmp" + 6 characters.
 RUST_TMP_RE = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+# safetensors reports an I/O failure as SafetensorError("... No space left on device (os error 28) ...").
+OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
 
 
 def _umask() -> int:
@@ -84,6 +86,29 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
     (ValueError: they are not JSON) unless ``allow_nan`` (internal state files that only aiayn reads)."""
     text = json.dumps(data, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
     return atomic_write_text(path, text + "\n")
+
+
+def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None,
+                             save_file: Callable[..., None] | None = None) -> Path:
+    """Write ``tensors`` to ``path`` atomically with safetensors' ``save_file`` (or the function given, of its
+    signature), its I/O failures ("No space left on device (os error 28)", raised as SafetensorError) turned
+    into the OSError they are, naming ``path``, so the command line reports them as one line."""
+    if save_file is None:
+        from safetensors.torch import save_file
+
+    def write(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except Exception as e:
+            from safetensors import SafetensorError
+
+            m = OS_ERROR_RE.search(str(e)) if isinstance(e, SafetensorError) else None
+            if m is None:
+                raise
+            code = int(m.group(1))
+            raise OSError(code, os.strerror(code), tmp) from None
+
+    return atomic_write(path, write)
 
 
 def is_temporary(name: str) -> bool:
@@ -149,5 +174,5 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "check_writable",
-           "default_file_mode", "is_temporary", "remove_stale_temporaries", "staged_directory"]
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_safetensors", "atomic_write_text",
+           "check_writable", "default_file_mode", "is_temporary", "remove_stale_temporaries", "staged_directory"]

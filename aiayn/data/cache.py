@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from aiayn.files import atomic_write
+from aiayn.files import atomic_write_safetensors
 
 log = logging.getLogger("aiayn.data")
 
@@ -103,7 +103,7 @@ def load_or_build(run_dir: str | Path, kind: str, key: str, build: Callable[[], 
     if is_main and found is None:
         found = build()
         meta = {"info": json.dumps(found[1]), "key": key}
-        atomic_write(path, lambda tmp: save_file(_pack(found[0]), tmp, metadata=meta))
+        atomic_write_safetensors(path, _pack(found[0]), meta)
         for old in cache_dir(run_dir).glob(f"{kind}-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)

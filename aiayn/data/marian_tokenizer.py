@@ -36,7 +36,7 @@ import sentencepiece as spm
 from aiayn.errors import first_line
 
 from ..errors import DataError
-from ..files import atomic_write_bytes
+from ..files import atomic_write_bytes, atomic_write_json
 from .tokenizer_base import Tokenizer
 
 SPIECE_UNDERLINE = "\u2581"  # ▁
@@ -194,10 +194,6 @@ class MarianPieces(Tokenizer):
         return path
 
 
-def _write_json(path: Path, data: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
-
-
 def save_marian_pair(src: MarianPieces, tgt: MarianPieces, directory: Path) -> dict[str, Any]:
     """Write source.spm, target.spm, vocab.json (and target_vocab.json) into ``directory``; return the
     entries of ``tokenizer.json`` that describe them."""
@@ -205,10 +201,10 @@ def save_marian_pair(src: MarianPieces, tgt: MarianPieces, directory: Path) -> d
         raise DataError("a Marian source tokenizer needs a Marian target tokenizer")
     src.save(directory, Path(SOURCE_SPM).stem)
     tgt.save(directory, Path(TARGET_SPM).stem)
-    _write_json(directory / VOCAB, src.vocab.ids)
+    atomic_write_json(directory / VOCAB, src.vocab.ids, indent=2)
     shared = src.same_ids(tgt)
     if not shared:
-        _write_json(directory / TARGET_VOCAB, tgt.vocab.ids)
+        atomic_write_json(directory / TARGET_VOCAB, tgt.vocab.ids, indent=2)
     return {"src": SOURCE_SPM, "tgt": TARGET_SPM, "vocab": VOCAB, "target_vocab": None if shared else TARGET_VOCAB,
             "marian": src.rules.to_json()}
 

@@ -19,7 +19,7 @@ from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
 from aiayn.data.summarization import (
     SummaryLMData,
     is_summary_lm,
-    lm_sequence,
+    lm_sequence_ids,
     separator_ids,
     summary_pairs,
 )
@@ -81,8 +81,13 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
     return tok
 
 
+# The model keys fit_model_to_vocab sets from the tokenizer, whatever a recipe says (not part of the recipe).
+FITTED_KEYS = ("vocab_size", "tgt_vocab_size", "pad_id")
+
+
 def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> None:
-    """Set the model's vocabulary sizes from the tokenizer (the recipe's numbers are only requests)."""
+    """Set the model's vocabulary sizes from the tokenizer (the recipe's numbers are only requests):
+    the keys :data:`FITTED_KEYS`."""
     m = cfg.model
     if not tok.shared and m.share_embeddings:
         raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
@@ -232,11 +237,12 @@ def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barr
             if not doc or not summ:
                 dropped += 1
                 continue
-            row = lm_sequence(tok.src, doc, summ, sep_ids, cfg.data.block_size)
+            doc_ids, summ_ids = tok.src.encode(doc), tok.src.encode(summ)
+            row = lm_sequence_ids(doc_ids, summ_ids, sep_ids, cfg.data.block_size)
             if row is None:
                 dropped += 1
                 continue
-            cut += len(row) < len(tok.src.encode(doc)) + len(sep_ids) + len(tok.src.encode(summ)) + 2
+            cut += len(row) < len(doc_ids) + len(sep_ids) + len(summ_ids) + 2
             rows.append(row)
         if is_main:
             log.info("%s: %d document<sep>summary sequences (%d documents cut to fit %d tokens, %d articles "

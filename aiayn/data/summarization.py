@@ -121,11 +121,16 @@ def lm_sequence(tok: Tokenizer, document: str, summary: str, sep_ids: list[int],
     """``[BOS] + document + separator + summary + [EOS]`` in at most ``block_size + 1`` ids (a block's
     input and target), cutting the end of the document when it is too long; None when the summary
     alone does not fit."""
-    doc, summ = tok.encode(document), tok.encode(summary)
-    room = block_size + 1 - (2 + len(sep_ids) + len(summ))
+    return lm_sequence_ids(tok.encode(document), tok.encode(summary), sep_ids, block_size)
+
+
+def lm_sequence_ids(doc_ids: list[int], summ_ids: list[int], sep_ids: list[int], block_size: int
+                    ) -> list[int] | None:
+    """:func:`lm_sequence` of a document and a summary already encoded."""
+    room = block_size + 1 - (2 + len(sep_ids) + len(summ_ids))
     if room < 1:
         return None
-    return [BOS_ID] + doc[:room] + sep_ids + summ + [EOS_ID]
+    return [BOS_ID] + doc_ids[:room] + sep_ids + summ_ids + [EOS_ID]
 
 
 def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -> list[int]:

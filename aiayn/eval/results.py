@@ -7,12 +7,12 @@ one line instead of after minutes of work.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import atomic_write_json, atomic_write_text
+from aiayn.files import check_writable as check_directory_writable
 
 
 def eval_dir(run_dir: str | Path) -> Path:
@@ -32,8 +32,7 @@ def check_writable(run_dir: str | Path) -> Path:
     out = eval_dir(run_dir)
     try:
         out.mkdir(exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
+        check_directory_writable(out)
     except OSError as e:
         raise CheckpointError(f"{out}: cannot write the evaluation there ({e.strerror or e})") from None
     return out

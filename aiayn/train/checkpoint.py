@@ -16,8 +16,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from aiayn.errors import CheckpointError
-from aiayn.files import atomic_write, atomic_write_json, remove_stale_temporaries
+from aiayn.errors import CheckpointError, one_line
+from aiayn.files import atomic_write_json, atomic_write_safetensors, remove_stale_temporaries
 
 CKPT_RE = re.compile(r"^step_(\d{6,})\.json$")
 # The files of a checkpoint that are written before its JSON (weights, optimizer tensors).
@@ -37,38 +37,27 @@ REQUIRED_KEYS = ("step", "rng")
 OPTIONAL_KEYS = ("optimizer", "train_state", "world_size")
 # Per-parameter state of the optimizers aiayn builds (Adam, AdamW; amsgrad adds max_exp_avg_sq).
 OPTIMIZER_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], tmp: str, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file, with its I/O failures ("No space left on device (os error 28)", raised as
-    SafetensorError) turned into the OSError they are, so the command line reports them as one line."""
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-    except SafetensorError as e:
-        m = OS_ERROR_RE.search(str(e))
-        if m is None:
-            raise
-        code = int(m.group(1))
-        raise OSError(code, os.strerror(code), tmp) from None
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each shared tensor stored once (under its first name), contiguous, on CPU."""
-    out: dict[str, torch.Tensor] = {}
+def _stored_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict's (name, tensor) pairs with each shared tensor once (under its first name), uncopied."""
     seen: set[int] = set()  # storage addresses: tied parameters share one
     for name, t in model.state_dict().items():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            out[name] = t.detach().to("cpu").contiguous()
-    return out
+            yield name, t
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor stored once (under its first name), contiguous, on CPU."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in _stored_tensors(model)}
 
 
 def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """Write model weights (a module or a tensor dict from :func:`model_tensors`) atomically."""
     tensors = model_tensors(model) if isinstance(model, nn.Module) else model
     meta = {k: str(v) for k, v in (metadata or {}).items()}
-    atomic_write(path, lambda tmp: _save_safetensors(tensors, tmp, meta))
+    atomic_write_safetensors(path, tensors, meta, save_file)  # this module's save_file: tests replace it
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -84,8 +73,8 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str
     """CheckpointError unless ``tensors`` fit ``model``: every tensor it needs (tied aliases may be missing),
     nothing else, each of the model's shape."""
     expected = {name: t.shape for name, t in model.state_dict().items()}
-    needed = model_tensors(model)
-    missing = sorted(set(needed) - set(tensors))
+    needed = {name for name, _ in _stored_tensors(model)}
+    missing = sorted(needed - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
@@ -96,11 +85,10 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str
                 f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name])}")
 
 
-def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor], where: str | None = None) -> None:
-    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error.
-    ``where`` names the weights in messages when ``path`` is a tensor dict."""
+def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -> None:
+    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error."""
     tensors = path if isinstance(path, dict) else read_weights(path)
-    check_weights(model, tensors, where or ("weights" if isinstance(path, dict) else str(path)))
+    check_weights(model, tensors, "weights" if isinstance(path, dict) else str(path))
     model.load_state_dict(tensors, strict=False)
 
 
@@ -218,7 +206,7 @@ def save_checkpoint(
     meta: dict[str, Any] = {"step": step, "rng": rng_state(), **state}
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_to_files(optimizer)
-        atomic_write(opath, lambda tmp: _save_safetensors(tensors, tmp))
+        atomic_write_safetensors(opath, tensors, save_file=save_file)
     atomic_write_json(jpath, meta, allow_nan=True)  # a diverged run (NaN loss) must still checkpoint
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -309,24 +297,20 @@ def read_checkpoint_state(run_dir: str | Path, step: int) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise CheckpointError(f"{jpath}: not a valid checkpoint state (not UTF-8 text)") from None
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{jpath}: not a valid checkpoint state ({_one_line(e)})") from None
+        raise CheckpointError(f"{jpath}: not a valid checkpoint state ({one_line(e)})") from None
     if "optimizer" in meta:
         ids = _param_ids(meta["optimizer"])
         try:
             with safe_open(str(opath), "pt") as f:
                 names = list(f.keys())
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{opath}: not a readable optimizer file ({_one_line(e)})") from None
+            raise CheckpointError(f"{opath}: not a readable optimizer file ({one_line(e)})") from None
         try:
             for name in names:
                 _state_name(name, ids)
         except ValueError as e:
             raise CheckpointError(f"{opath}: {e}") from None
     return meta
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def _check_optimizer_fits(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
@@ -371,7 +355,7 @@ def load_checkpoint(
         try:
             optimizer_from_files(optimizer, tensors, meta["optimizer"])
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{opath}: does not fit the optimizer ({_one_line(e)})") from None
+            raise CheckpointError(f"{opath}: does not fit the optimizer ({one_line(e)})") from None
     return meta
 
 

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiayn.config import Config, DecodeOptions, ModelConfig, load_config
-from aiayn.data.pipeline import tokenizer_dir
+from aiayn.data.cache import tokenizer_files
+from aiayn.data.pipeline import FITTED_KEYS, tokenizer_dir
+from aiayn.data.tokenizer import PAIR_FILE  # written last: its presence marks a complete tokenizer directory
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import atomic_write_bytes
-
-# Set from the tokenizer by fit_model_to_vocab, whatever a recipe says.
-_FROM_TOKENIZER = ("vocab_size", "tgt_vocab_size", "pad_id")
-_TOKENIZER_META = "tokenizer.json"  # written last: its presence marks a complete tokenizer directory
 
 
 @dataclass
@@ -41,7 +39,7 @@ def _contradictions(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
     out = []
     for f in dataclasses.fields(ModelConfig):
         mine, base, init = getattr(ours, f.name), getattr(default, f.name), getattr(theirs, f.name)
-        if f.name not in _FROM_TOKENIZER and mine != base and mine != init:
+        if f.name not in FITTED_KEYS and mine != base and mine != init:
             out.append(f"model.{f.name}={mine!r} (the run has {init!r})")
     return out
 
@@ -64,8 +62,8 @@ def adopt_init_run(cfg: Config, init_from: str | Path) -> InitFrom:
     if not weights.is_file():
         raise CheckpointError(f"--init-from {run}: no model.safetensors (finish or `aiayn average` the run first)")
     tok = tokenizer_dir(run)
-    if not (tok / _TOKENIZER_META).is_file():
-        raise CheckpointError(f"--init-from {run}: no tokenizer/{_TOKENIZER_META}")
+    if not (tok / PAIR_FILE).is_file():
+        raise CheckpointError(f"--init-from {run}: no tokenizer/{PAIR_FILE}")
     init_cfg = load_config(run / "config.yaml")
     if init_cfg.task != cfg.task or cfg.task == "lm":
         raise ConfigError(f"--init-from {run}: a {init_cfg.task} run cannot start a {cfg.task} training"
@@ -83,9 +81,8 @@ def copy_init_tokenizer(init: InitFrom, run_dir: Path) -> None:
     """Copy RUN's tokenizer files into ``run_dir/tokenizer`` byte for byte (tokenizer.json last). A tokenizer
     already there (a resumed run) must be the same files."""
     dest = tokenizer_dir(run_dir)
-    files = sorted((p for p in init.tokenizer.iterdir() if p.is_file() and not p.name.startswith(".")),
-                   key=lambda p: p.name == _TOKENIZER_META)
-    if (dest / _TOKENIZER_META).is_file():
+    files = sorted(tokenizer_files(init.tokenizer), key=lambda p: p.name == PAIR_FILE)
+    if (dest / PAIR_FILE).is_file():
         differ = [p.name for p in files if not (dest / p.name).is_file() or (dest / p.name).read_bytes()
                   != p.read_bytes()]
         if differ:

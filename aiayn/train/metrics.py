@@ -24,26 +24,25 @@ from typing import Any
 
 import numpy as np
 
+from aiayn.config import LOG_BACKENDS
 from aiayn.errors import ConfigError, DataError
 from aiayn.files import atomic_write_text
-
-LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check_log_backends(names: tuple[str, ...] | list[str]) -> None:
     """Raise ConfigError naming the extra to install when a tracker's package is missing."""
     import importlib.util
 
-    for name in names:
-        if name in _PACKAGES and importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise ConfigError(f"train.log_to includes {name} but the {_PACKAGES[name]} package is not installed: "
+    for name in names:  # a tracker's package has its name
+        if name in LOG_BACKENDS and name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"train.log_to includes {name} but the {name} package is not installed: "
                               f"pip install 'aiayn[{name}]'")
 
 
 class MetricsLog:
     """metrics.jsonl, plus the trackers of ``backends`` (see the module docstring); only ``enabled``
-    (the main process) writes. ``resume_step``: drop what a killed run logged after that checkpoint."""
+    (the main process) writes. ``resume_step``: drop what a killed run logged after that checkpoint.
+    The trackers' packages are checked before training starts (:func:`check_log_backends`)."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None,
                  backends: tuple[str, ...] | list[str] = ("jsonl",), cfg: Any = None) -> None:
@@ -52,7 +51,6 @@ class MetricsLog:
         self.tb = self.wandb = None
         if not enabled:
             return
-        check_log_backends(backends)
         if resume_step is not None and self.path.exists():
             keep = [ln for ln in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
                     if ln.strip() and _step(ln) <= resume_step]

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, load_yaml
-from aiayn.errors import CheckpointError, ConfigError
+from aiayn.data.pipeline import FITTED_KEYS
+from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import atomic_write_json, check_writable
 from aiayn.train.checkpoint import checkpoint_dir, list_checkpoints, read_checkpoint_state
 from aiayn.train.trainer import Dist, TrainState
@@ -49,17 +50,15 @@ log = logging.getLogger("aiayn.train")
 
 MARKER = ".aiayn-run.json"
 LOCK = ".aiayn-run.lock"
-# Config keys the trainer sets from the tokenizer (the recipe's values are only requests): not part of the recipe.
-FITTED_KEYS = (("model", "vocab_size"), ("model", "tgt_vocab_size"), ("model", "pad_id"))
 # data keys that decide what the tokenizer is: a resume must not silently reuse a tokenizer made for others.
 TOKENIZER_KEYS = ("tokenizer", "vocab_size", "shared_vocab", "byte_fallback", "lowercase", "pretokenize")
 
 
 def recipe(cfg: Config) -> dict[str, Any]:
-    """The config as the user wrote it: :meth:`Config.to_dict` without the keys fitted to the tokenizer."""
+    """The config as the user wrote it: :meth:`Config.to_dict` without the model keys fitted to the tokenizer."""
     d = cfg.to_dict()
-    for section, key in FITTED_KEYS:
-        d[section].pop(key, None)
+    for key in FITTED_KEYS:
+        d["model"].pop(key, None)
     return d
 
 
@@ -97,7 +96,7 @@ def read_marker(run_dir: Path) -> dict[str, Any] | None:
                 or not isinstance(marker.get("config"), dict):
             raise ValueError("expected an object with 'config_sha256' and 'config'")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable run marker ({' '.join(str(e).split())})") from None
+        raise CheckpointError(f"{path}: not a readable run marker ({one_line(e)})") from None
     return marker
 
 
