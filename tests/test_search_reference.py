@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SUM_TOL  # tests/ is on sys.path under pytest
 from torch import Tensor
 
 from aiayn import build_model, model_config
@@ -245,7 +246,7 @@ def same(got: list[list[Hypothesis]], want: list[list[Hypothesis]], exact: bool)
         if exact:
             assert flat(got, f) == flat(want, f)
         else:
-            assert flat(got, f) == pytest.approx(flat(want, f), abs=1e-5)
+            assert flat(got, f) == pytest.approx(flat(want, f), **SUM_TOL)
 
 
 BEAM_CASES = [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -128,19 +127,15 @@ def test_the_graph_is_not_vacuous(graph):
     assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.train.checkpoint")
 
 
-def test_help_is_fast_and_imports_no_torch():
-    code = ("import sys, time; t = time.perf_counter(); from aiayn.cli import build_parser; build_parser(); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[1] == "False"  # the parser alone never pulls PyTorch in
-    best = min(_wall(sys.executable, "-m", "aiayn", "--help") for _ in range(3))
-    assert best < 0.3, f"aiayn --help took {best:.2f} s"
-
-
-def _wall(*cmd: str) -> float:
-    t = time.perf_counter()
-    subprocess.run(cmd, capture_output=True, check=True)
-    return time.perf_counter() - t
+def test_help_imports_no_torch():
+    """`aiayn --help` and the parser never import PyTorch, which is what keeps them fast (the time itself is
+    measured by ``python -m benchmarks.cli_startup``, not asserted here: a busy machine would fail it)."""
+    code = ("import sys; from aiayn.cli import build_parser; build_parser(); print('torch' in sys.modules); "
+            "from aiayn.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.split()[0] == "False" and "usage:" in r.stdout
+    assert r.stderr.strip() == "False"  # the parser alone never pulls PyTorch in, nor does printing the help
 
 
 def test_version_is_one_string(capsys):
