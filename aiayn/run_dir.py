@@ -11,8 +11,9 @@ from torch import nn
 from aiayn.config import Config, ConfigError, load_config
 from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import DTYPES, move_module, resolve_device, resolve_precision
+from aiayn.errors import CheckpointError
 from aiayn.model import build_model
-from aiayn.train.checkpoint import CheckpointError, checkpoint_paths, list_checkpoints, load_weights
+from aiayn.weights import inference_weights_path, load_weights
 
 
 @dataclass
@@ -23,18 +24,6 @@ class Run:
     cfg: Config
     model: nn.Module
     tokenizers: TokenizerPair
-
-
-def inference_weights_path(run_dir: str | Path) -> Path:
-    """model.safetensors, or the newest checkpoint when training has not finished yet."""
-    run_dir = Path(run_dir)
-    final = run_dir / "model.safetensors"
-    if final.exists():
-        return final
-    steps = list_checkpoints(run_dir)
-    if steps:
-        return checkpoint_paths(run_dir, steps[-1])[0]
-    raise CheckpointError(f"{run_dir}: no model.safetensors and no checkpoints (is it a run directory?)")
 
 
 def read_run_config(run_dir: str | Path) -> Config:

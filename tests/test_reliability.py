@@ -37,9 +37,10 @@ from aiayn import build_model, model_config
 from aiayn.cli import main
 from aiayn.config import ConfigError, load_config
 from aiayn.files import atomic_write_bytes, default_file_mode
-from aiayn.train.checkpoint import checkpoint_paths, list_checkpoints, load_checkpoint, save_checkpoint
+from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.ownership import LOCK, MARKER
 from aiayn.train.schedule import build_optimizer
+from aiayn.weights import checkpoint_paths, list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -380,7 +381,7 @@ def test_no_space_left_during_training_is_one_line_and_keeps_the_last_checkpoint
                                   f'path "{os.path.dirname(path)}/.tmpAb12Cd"')
         return real_save(tensors, path, metadata=metadata)
 
-    with mock.patch("aiayn.train.checkpoint.save_file", full_disk):
+    with mock.patch("aiayn.weights.save_file", full_disk):
         code, err = run_cli(capsys, train_args(run, "train.max_updates=62", "train.save_every=2", resume=True))
     assert code == 2, err
     assert err == [f"aiayn: error: {run / 'checkpoints' / 'step_000062.safetensors'}: No space left on device"]

@@ -1,9 +1,9 @@
 """The package's shape: no import circles, dependencies in one direction, a front door that opens fast.
 
-Layers, lowest first (ARCHITECTURE.md): errors/files -> config/device -> model/data -> train -> run_dir ->
-decode/interop -> viz -> eval -> serve -> cli. A module may import its own layer or a lower one, never a higher
-one, not even inside a function. One documented exception: ``aiayn.decode.search`` works on token ids only
-and imports nothing above the config, so training's validation BLEU may use it.
+Layers, lowest first (docs/architecture.md): errors/files -> config/device -> weights/engine -> model/data ->
+search -> train -> run_dir -> decode -> interop/viz/eval -> serve -> cli. A module may import its own layer or
+a lower one, never a higher one, not even inside a function; no exception. Inference (run_dir, decode,
+interop, serve) never imports the training code: it opens weight files through aiayn.weights.
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ PKG = Path(__file__).resolve().parent.parent / "aiayn"
 LAYERS = {
     "aiayn.errors": 0, "aiayn.files": 0,
     "aiayn.config": 1, "aiayn.device": 1,
-    "aiayn.model": 2, "aiayn.data": 2, "aiayn.decode.search": 2,
-    "aiayn.train": 3,
-    "aiayn.run_dir": 4,
-    "aiayn.decode": 5, "aiayn.interop": 5,
-    "aiayn.viz": 6,
-    "aiayn.eval": 7,
-    "aiayn.serve": 8,
-    "aiayn.cli": 9, "aiayn.demo": 9, "aiayn.__main__": 9, "aiayn": 9,
+    "aiayn.weights": 2, "aiayn.engine": 2,
+    "aiayn.model": 3, "aiayn.data": 3,
+    "aiayn.search": 4,
+    "aiayn.train": 5,
+    "aiayn.run_dir": 6,
+    "aiayn.decode": 7,
+    "aiayn.interop": 8, "aiayn.viz": 8, "aiayn.eval": 8,
+    "aiayn.serve": 9,
+    "aiayn.cli": 10, "aiayn.demo": 10, "aiayn.__main__": 10, "aiayn": 10,
 }
+# Packages that must not reach the training code although it sits below them: loading, decoding, exporting
+# and serving a run need its weight files (aiayn.weights), not the trainer.
+INFERENCE = ("aiayn.run_dir", "aiayn.decode", "aiayn.interop", "aiayn.serve")
 
 
 def module_name(path: Path) -> str:
@@ -82,14 +86,36 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_import_circles(graph):
-    # Tarjan's strongly connected components: any component of two or more modules is a circle.
-    index, low, stack, on, circles = {}, {}, [], set(), []
+    circles = circles_of(graph)
+    # A package __init__ that re-exports its submodules is not a circle with them.
+    circles = [c for c in circles if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
+    assert circles == []
+
+
+def test_dependencies_point_down(graph):
+    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                    if layer(t) > layer(m) and not t.startswith(m + "."))
+    assert upward == []
+
+
+def package(name: str) -> str:
+    """The top-level unit of a module: aiayn.train.trainer -> aiayn.train; aiayn.config -> aiayn.config."""
+    return ".".join(name.split(".")[:2])
+
+
+def circles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more nodes (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -104,27 +130,36 @@ def test_no_import_circles(graph):
                 if w == v:
                     break
             if len(comp) > 1:
-                circles.append(sorted(comp))
+                out.append(sorted(comp))
 
     sys.setrecursionlimit(10_000)
     for v in graph:
         if v not in index:
             visit(v)
-    # A package __init__ that re-exports its submodules is not a circle with them.
-    circles = [c for c in circles if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
-    assert circles == []
+    return out
 
 
-def test_dependencies_point_down(graph):
-    upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
-                    if layer(t) > layer(m) and not t.startswith(m + "."))
-    assert upward == []
+def test_no_import_circles_between_packages(graph):
+    packages: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        if m == "aiayn":  # the front door imports (lazily) from everything; nothing imports it back
+            continue
+        packages.setdefault(package(m), set()).update(package(t) for t in targets if package(t) != package(m))
+    assert circles_of(packages) == []
 
 
-def test_the_graph_is_not_vacuous(graph):
+def test_inference_never_imports_the_training_code(graph):
+    reached = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                     if package(m) in INFERENCE and package(t) == "aiayn.train")
+    assert reached == []
+
+
+def test_every_module_has_a_layer_and_the_graph_is_not_vacuous(graph):
+    assert all(layer(m) >= 0 for m in graph)  # a new package must be placed in LAYERS (layer() raises else)
     assert "aiayn.config" in graph["aiayn.train.trainer"]
     assert "aiayn.decode.translator" in graph["aiayn.eval.evaluate"]
-    assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.train.checkpoint")
+    assert "aiayn.weights" in graph["aiayn.run_dir"]
+    assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.weights")
 
 
 def test_help_imports_no_torch():

@@ -17,18 +17,12 @@ import torch.nn.functional as F
 from aiayn import build_model, model_config
 from aiayn.config import load_config
 from aiayn.data.batching import collate
-from aiayn.train.checkpoint import (
-    average_checkpoints,
-    checkpoint_paths,
-    list_checkpoints,
-    load_checkpoint,
-    read_weights,
-    save_checkpoint,
-)
+from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.run import average_run, train
 from aiayn.train.schedule import build_optimizer, inverse_sqrt_lr, noam_lr
 from aiayn.train.trainer import train_update
+from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_OVERRIDES = [
@@ -245,7 +239,7 @@ def test_checkpoint_averaging_is_the_elementwise_mean(tmp_path):
         torch.manual_seed(seed)
         models.append(build_model(model_config("tiny", vocab_size=30)))
         save_checkpoint(tmp_path, seed, models[-1], None, {"train_state": {}})
-    avg = average_checkpoints([checkpoint_paths(tmp_path, s)[0] for s in (6, 7, 8)])
+    avg = average_weights([checkpoint_paths(tmp_path, s)[0] for s in (6, 7, 8)])
     name = "encoder.layers.0.ffn.fc1.weight"
     expected = sum(m.state_dict()[name] for m in models) / 3
     torch.testing.assert_close(avg[name], expected)

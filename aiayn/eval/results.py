@@ -42,7 +42,7 @@ def weights_info(run_dir: Path) -> dict[str, Any]:
     """Which weights the run's inference uses, and where they came from (the file's metadata)."""
     from safetensors import safe_open
 
-    from aiayn.run_dir import inference_weights_path
+    from aiayn.weights import inference_weights_path
 
     path = inference_weights_path(run_dir)
     info: dict[str, Any] = {"path": str(run_dir), "weights": str(path.relative_to(run_dir))}

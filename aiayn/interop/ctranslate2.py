@@ -272,11 +272,12 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     tokenizer files into ``out_dir`` and write a README.txt there; return ``out_dir``.
 
     User errors (not a run, a language-model run, ``out_dir`` already there, a bad quantization name)
-    are one-line :class:`~aiayn.config.ConfigError` / :class:`~aiayn.train.checkpoint.CheckpointError`.
+    are one-line :class:`~aiayn.config.ConfigError` / :class:`~aiayn.errors.CheckpointError`.
     The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
     """
     from aiayn.errors import ConfigError, require
-    from aiayn.run_dir import inference_weights_path, load_run
+    from aiayn.run_dir import load_run
+    from aiayn.weights import inference_weights_path
 
     require("ctranslate2", "ct2", "aiayn export ctranslate2")
     out = Path(out_dir)

@@ -47,7 +47,7 @@ from aiayn.errors import CheckpointError, ConfigError, DataError, first_line, re
 from aiayn.files import atomic_write_bytes, atomic_write_json, atomic_write_text, staged_directory
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, to_hf_marian
 from aiayn.model.transformer import Transformer
-from aiayn.train.checkpoint import save_weights
+from aiayn.weights import save_weights
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import GenerationConfig, MarianMTModel

@@ -16,80 +16,30 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from aiayn.errors import CheckpointError, one_line
-from aiayn.files import atomic_write_json, atomic_write_safetensors, remove_stale_temporaries
+from aiayn.files import atomic_write_json, remove_stale_temporaries
+from aiayn.weights import (
+    CKPT_DATA_RE,
+    check_weights,
+    checkpoint_dir,
+    checkpoint_paths,
+    list_checkpoints,
+    read_weights,
+    save_weights,
+)
 
-CKPT_RE = re.compile(r"^step_(\d{6,})\.json$")
-# The files of a checkpoint that are written before its JSON (weights, optimizer tensors).
-CKPT_DATA_RE = re.compile(r"^step_(\d{6,})\.(optim\.)?safetensors$")
 # The keys of a checkpoint's JSON: required ones, and those the trainer adds (train_state, world_size).
 REQUIRED_KEYS = ("step", "rng")
 OPTIONAL_KEYS = ("optimizer", "train_state", "world_size")
 # Per-parameter state of the optimizers aiayn builds (Adam, AdamW; amsgrad adds max_exp_avg_sq).
 OPTIMIZER_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def _stored_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The state dict's (name, tensor) pairs with each shared tensor once (under its first name), uncopied."""
-    seen: set[int] = set()  # storage addresses: tied parameters share one
-    for name, t in model.state_dict().items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            yield name, t
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each shared tensor stored once (under its first name), contiguous, on CPU."""
-    return {name: t.detach().to("cpu").contiguous() for name, t in _stored_tensors(model)}
-
-
-def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
-    """Write model weights (a module or a tensor dict from :func:`model_tensors`) atomically."""
-    tensors = model_tensors(model) if isinstance(model, nn.Module) else model
-    meta = {k: str(v) for k, v in (metadata or {}).items()}
-    atomic_write_safetensors(path, tensors, meta, save_file)  # this module's save_file: tests replace it
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such weights file") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """CheckpointError unless ``tensors`` fit ``model``: every tensor it needs (tied aliases may be missing),
-    nothing else, each of the model's shape."""
-    expected = {name: t.shape for name, t in model.state_dict().items()}
-    needed = {name for name, _ in _stored_tensors(model)}
-    missing = sorted(needed - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"{where}: does not fit the model ({what})")
-    for name, t in tensors.items():
-        if expected[name] != t.shape:
-            raise CheckpointError(
-                f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name])}")
-
-
-def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -> None:
-    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error."""
-    tensors = path if isinstance(path, dict) else read_weights(path)
-    check_weights(model, tensors, "weights" if isinstance(path, dict) else str(path))
-    model.load_state_dict(tensors, strict=False)
 
 
 def _rng_to_json(state: torch.Tensor) -> str:
@@ -170,28 +120,6 @@ def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, to
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[int]:
-    """Steps of the complete checkpoints in ``run_dir`` (those whose JSON exists), ascending."""
-    d = checkpoint_dir(run_dir)
-    if not d.is_dir():
-        return []
-    steps = []
-    for p in d.iterdir():
-        m = CKPT_RE.match(p.name)
-        if m and (d / f"step_{m.group(1)}.safetensors").exists():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def checkpoint_paths(run_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
-    base = checkpoint_dir(run_dir) / f"step_{step:06d}"
-    return Path(f"{base}.safetensors"), Path(f"{base}.optim.safetensors"), Path(f"{base}.json")
-
-
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -206,7 +134,7 @@ def save_checkpoint(
     meta: dict[str, Any] = {"step": step, "rng": rng_state(), **state}
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_to_files(optimizer)
-        atomic_write_safetensors(opath, tensors, save_file=save_file)
+        save_weights(tensors, opath)
     atomic_write_json(jpath, meta, allow_nan=True)  # a diverged run (NaN loss) must still checkpoint
     if keep_last:
         for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -357,19 +285,3 @@ def load_checkpoint(
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"{opath}: does not fit the optimizer ({one_line(e)})") from None
     return meta
-
-
-def average_checkpoints(paths: list[str | Path]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of several weight files (section 6.1: "averaging the last 5 checkpoints")."""
-    if not paths:
-        raise CheckpointError("no checkpoints to average")
-    total: dict[str, torch.Tensor] = {}
-    for p in paths:
-        tensors = read_weights(p)
-        if total and set(tensors) != set(total):
-            raise CheckpointError(f"{p}: holds different tensors than {paths[0]}")
-        for k, t in tensors.items():
-            acc = t.to(torch.float64)
-            total[k] = total[k] + acc if k in total else acc
-    first = read_weights(paths[0])
-    return {k: (v / len(paths)).to(first[k].dtype) for k, v in total.items()}

@@ -38,8 +38,9 @@ from aiayn.config import Config, load_yaml
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import atomic_write_json, check_writable
-from aiayn.train.checkpoint import checkpoint_dir, list_checkpoints, read_checkpoint_state
+from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.trainer import Dist, TrainState
+from aiayn.weights import checkpoint_dir, list_checkpoints
 
 try:  # POSIX; on Windows a run directory is not locked
     import fcntl

@@ -11,20 +11,14 @@ import torch.distributed as dist
 from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data
 from aiayn.device import resolve_device, resolve_precision
+from aiayn.errors import CheckpointError
 from aiayn.files import check_writable
 from aiayn.model import build_model, count_parameters
-from aiayn.train.checkpoint import (
-    CheckpointError,
-    average_checkpoints,
-    checkpoint_paths,
-    list_checkpoints,
-    load_weights,
-    save_weights,
-)
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
 from aiayn.train.ownership import locked, own_run_dir
 from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
+from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, load_weights, save_weights
 
 log = logging.getLogger("aiayn.train")
 
@@ -113,7 +107,7 @@ def average_run(run_dir: str | Path, last: int = 5) -> Path:
     with locked(run_dir):
         chosen = steps[-last:]
         out = run_dir / "model.safetensors"
-        avg = average_checkpoints([checkpoint_paths(run_dir, s)[0] for s in chosen])
+        avg = average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen])
         save_weights(avg, out, {"source": f"average of steps {chosen}"})
     log.info("averaged %d checkpoints (steps %s) into %s", len(chosen), chosen, out)
     return out

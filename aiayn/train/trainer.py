@@ -24,20 +24,17 @@ from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
 from aiayn.device import autocast_context, configure_cuda, resolve_device, resolve_precision
 from aiayn.errors import CheckpointError, DeviceError
-from aiayn.train.checkpoint import (
-    average_checkpoints,
-    checkpoint_paths,
-    list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_state,
-    read_weights,
-    save_checkpoint,
-    save_weights,
-    set_rng_state,
-)
+from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.schedule import build_optimizer, learning_rate
+from aiayn.weights import (
+    average_weights,
+    checkpoint_paths,
+    list_checkpoints,
+    read_weights,
+    save_weights,
+)
 
 log = logging.getLogger("aiayn.train")
 
@@ -494,7 +491,7 @@ class Trainer:
         steps = list_checkpoints(self.run_dir)
         if tc.inference_weights == "average":
             paths = [checkpoint_paths(self.run_dir, s)[0] for s in steps[-tc.average_last :]]
-            save_weights(average_checkpoints(paths), out, {"source": f"average of steps {steps[-tc.average_last:]}"})
+            save_weights(average_weights(paths), out, {"source": f"average of steps {steps[-tc.average_last:]}"})
         elif tc.inference_weights == "best" and self.best_path.exists():
             save_weights(read_weights(self.best_path), out, {"source": f"best step {self.state.best_step}"})
         else:

@@ -1,0 +1,144 @@
+"""Weight files: save, read, check and load a model's tensors (safetensors, never pickle), average them, and
+find which file a run's inference uses.
+
+A run directory holds ``model.safetensors`` (the weights inference uses: last, best or averaged) and
+``checkpoints/step_NNNNNN.{safetensors,optim.safetensors,json}``; a checkpoint counts once its JSON exists
+(it is written last). This module knows the file names and the weights; the optimizer and training state
+inside a checkpoint are :mod:`aiayn.train.checkpoint`'s. It sits low in the package (errors and files below
+it), so that loading a run for inference, exporting or serving it never imports the training code.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from aiayn.errors import CheckpointError
+from aiayn.files import atomic_write_safetensors
+
+FINAL_WEIGHTS = "model.safetensors"
+# A complete checkpoint: its JSON, written after its weights.
+CKPT_RE = re.compile(r"^step_(\d{6,})\.json$")
+# The files of a checkpoint that are written before its JSON (weights, optimizer tensors).
+CKPT_DATA_RE = re.compile(r"^step_(\d{6,})\.(optim\.)?safetensors$")
+
+
+# Checkpoint file names -----------------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_paths(run_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
+    """The weights, optimizer and JSON files of checkpoint ``step``."""
+    base = checkpoint_dir(run_dir) / f"step_{step:06d}"
+    return Path(f"{base}.safetensors"), Path(f"{base}.optim.safetensors"), Path(f"{base}.json")
+
+
+def list_checkpoints(run_dir: str | Path) -> list[int]:
+    """Steps of the complete checkpoints in ``run_dir`` (those whose JSON and weights exist), ascending."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    steps = []
+    for p in d.iterdir():
+        m = CKPT_RE.match(p.name)
+        if m and (d / f"step_{m.group(1)}.safetensors").exists():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def inference_weights_path(run_dir: str | Path) -> Path:
+    """The weights a run's inference uses: model.safetensors, or the newest checkpoint while training has
+    not finished yet."""
+    run_dir = Path(run_dir)
+    final = run_dir / FINAL_WEIGHTS
+    if final.exists():
+        return final
+    steps = list_checkpoints(run_dir)
+    if steps:
+        return checkpoint_paths(run_dir, steps[-1])[0]
+    raise CheckpointError(f"{run_dir}: no {FINAL_WEIGHTS} and no checkpoints (is it a run directory?)")
+
+
+# Tensors -------------------------------------------------------------------------------------------------
+
+
+def _stored_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict's (name, tensor) pairs with each shared tensor once (under its first name), uncopied."""
+    seen: set[int] = set()  # storage addresses: tied parameters share one
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            yield name, t
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor stored once (under its first name), contiguous, on CPU."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in _stored_tensors(model)}
+
+
+def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """Write model weights (a module or a tensor dict from :func:`model_tensors`) atomically."""
+    tensors = model_tensors(model) if isinstance(model, nn.Module) else model
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    atomic_write_safetensors(path, tensors, meta, save_file)  # this module's save_file: tests replace it
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a missing or unreadable file is a one-line CheckpointError."""
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such weights file") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """CheckpointError unless ``tensors`` fit ``model``: every tensor it needs (tied aliases may be missing),
+    nothing else, each of the model's shape."""
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    needed = {name for name, _ in _stored_tensors(model)}
+    missing = sorted(needed - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{where}: does not fit the model ({what})")
+    for name, t in tensors.items():
+        if expected[name] != t.shape:
+            raise CheckpointError(
+                f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name])}")
+
+
+def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -> None:
+    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error
+    (checked before anything is loaded)."""
+    tensors = path if isinstance(path, dict) else read_weights(path)
+    check_weights(model, tensors, "weights" if isinstance(path, dict) else str(path))
+    model.load_state_dict(tensors, strict=False)
+
+
+def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of several weight files (section 6.1: "averaging the last 5 checkpoints"), summed in
+    float64 and returned in the first file's dtypes."""
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for p in paths:
+        tensors = read_weights(p)
+        if total and set(tensors) != set(total):
+            raise CheckpointError(f"{p}: holds different tensors than {paths[0]}")
+        for k, t in tensors.items():
+            dtypes.setdefault(k, t.dtype)
+            acc = t.to(torch.float64)
+            total[k] = total[k] + acc if k in total else acc
+    return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
