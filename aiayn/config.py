@@ -1,7 +1,9 @@
 """Typed configuration: model, data, training and decoding sections, YAML presets, ``--set`` overrides.
 
 Unknown keys are an error (a typo in a recipe must not be silently ignored), and impossible model
-shapes are rejected when the config is built, not deep inside a forward pass.
+shapes are rejected when the config is built, not deep inside a forward pass. A config is resolved once
+and read-only after (frozen dataclasses): what training learns later (the model fitted to the tokenizer's
+vocabulary, a run to start from) comes back as a new config (``dataclasses.replace``), never a mutation.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of the Transformer (paper section 3). Defaults are paper-base (Table 3)."""
 
@@ -93,7 +95,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where the text comes from and how it becomes batches."""
 
@@ -156,10 +158,10 @@ class DataConfig:
                 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
                 or list(buckets) != sorted(set(buckets))):
             raise ConfigError(f"data.length_buckets={buckets!r}: expected a list of increasing positive integers")
-        self.length_buckets = list(buckets)
+        object.__setattr__(self, "length_buckets", list(buckets))  # frozen: set once, while building
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation (paper section 5.3-5.4) and the loop around it."""
 
@@ -218,7 +220,7 @@ class TrainConfig:
         # noam divides by warmup^1.5; inverse_sqrt treats 0 as "no warm-up"; constant ignores it
         _at_least("train.warmup", self.warmup, 1 if self.schedule == "noam" else 0,
                   "(schedule noam divides by it)" if self.schedule == "noam" else "")
-        self.adam_betas = tuple(self.adam_betas)  # YAML gives a list
+        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))  # YAML gives a list
         for i, beta in enumerate(self.adam_betas):
             _fraction(f"train.adam_betas[{i}]", beta)
         _positive("train.adam_eps", self.adam_eps)
@@ -234,7 +236,7 @@ class TrainConfig:
 DEFAULT_DECODE_TOKENS = {"cpu": 4096, "cuda": 32768, "mps": 8192}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeOptions:
     """How to decode, in one object: the run's ``decode`` section, then per-call overrides from the CLI,
     the Python API and the server (:meth:`replace`). Defaults are the paper's (section 6.1: beam 4,
@@ -307,7 +309,7 @@ class DecodeOptions:
 DecodeConfig = DecodeOptions  # the config section's name (``decode:`` in a recipe)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """The whole recipe: ``task`` picks encoder-decoder translation or a decoder-only LM."""
 
@@ -321,6 +323,8 @@ class Config:
         _choice("task", self.task, ("translation", "lm", "summarization"))
         if self.data.pretokenize != "none" and self.task != "translation":
             raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
+        if not self.data.shared_vocab and self.model.share_embeddings and self.task != "lm":
+            raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

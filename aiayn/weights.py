@@ -88,7 +88,9 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """Write model weights (a module or a tensor dict from :func:`model_tensors`) atomically."""
     tensors = model_tensors(model) if isinstance(model, nn.Module) else model
-    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    # No metadata is None, not {}: safetensors writes an unreadable header for {} with no tensors (the optimizer
+    # file of a checkpoint taken before the first update).
+    meta = {k: str(v) for k, v in metadata.items()} if metadata else None
     atomic_write_safetensors(path, tensors, meta, save_file)  # this module's save_file: tests replace it
 
 

@@ -6,6 +6,7 @@ Every drop (empty line, too long) is counted in the log, never silent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,16 +86,14 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
 FITTED_KEYS = ("vocab_size", "tgt_vocab_size", "pad_id")
 
 
-def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> None:
-    """Set the model's vocabulary sizes from the tokenizer (the recipe's numbers are only requests):
-    the keys :data:`FITTED_KEYS`."""
-    m = cfg.model
-    if not tok.shared and m.share_embeddings:
+def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> Config:
+    """``cfg`` with the model's vocabulary sizes and pad id taken from the tokenizer (the recipe's numbers are
+    only requests): the keys :data:`FITTED_KEYS`. A new config; ``cfg`` is not changed."""
+    if not tok.shared and cfg.model.share_embeddings:
         raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
-    m.vocab_size = tok.src.vocab_size
-    m.tgt_vocab_size = None if tok.shared else tok.tgt.vocab_size
-    m.pad_id = tok.specials.pad
-    m.__post_init__()
+    model = dataclasses.replace(cfg.model, vocab_size=tok.src.vocab_size,
+                                tgt_vocab_size=None if tok.shared else tok.tgt.vocab_size, pad_id=tok.specials.pad)
+    return dataclasses.replace(cfg, model=model)
 
 
 @dataclass
@@ -187,7 +186,7 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
     """Encoded, cleaned train/valid pairs (from ``RUN/cache`` when the tokenizer and the text are unchanged)."""
     train, valid = load_pairs(cfg, "train"), load_pairs(cfg, "valid")
     tok = get_tokenizers(cfg, run_dir, ([s for s, _ in train], [t for _, t in train]), is_main, barrier)
-    fit_model_to_vocab(cfg, tok)
+    fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take, before any encoding
     max_len = cfg.data.max_len or cfg.model.max_positions
 
     def encode() -> tuple[dict[str, list[list[int]]], dict]:
@@ -228,7 +227,6 @@ def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barr
     symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
     texts = [t for pair in train for t in pair] + [sep]  # the char tokenizer must know the separator's characters
     tok = get_tokenizers(cfg, run_dir, (texts, []), is_main, barrier, user_defined_symbols=symbols)
-    fit_model_to_vocab(cfg, tok)
     sep_ids = separator_ids(tok.src, sep)
     out = []
     for name, pairs in (("train", train), ("valid", valid)):
@@ -268,7 +266,6 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
     if cfg.data.tokenizer == "char":  # every character of the stream, the newline included (not UNK)
         lines = [train_text]
     tok = get_tokenizers(cfg, run_dir, (lines, []), is_main, barrier)
-    fit_model_to_vocab(cfg, tok)
     key = fingerprint({"kind": "lm", "split": split}, (train_text, valid_text), tokenizer_files(tokenizer_dir(run_dir)))
     fields, _ = load_or_build(run_dir, "lm", key, lambda: ({"train": [tok.src.encode(train_text)],
                                                              "valid": [tok.src.encode(valid_text)]}, {}),

@@ -52,9 +52,10 @@ def _merged_decode(ours: DecodeOptions, theirs: DecodeOptions) -> DecodeOptions:
     return dataclasses.replace(theirs, **changed)
 
 
-def adopt_init_run(cfg: Config, init_from: str | Path) -> InitFrom:
-    """Check ``init_from`` and make ``cfg`` train its model: RUN's model section (refusing a CONFIG model
-    section that contradicts it) and decode settings (see the module docstring). Changes ``cfg`` in place."""
+def adopt_init_run(cfg: Config, init_from: str | Path) -> tuple[Config, InitFrom]:
+    """Check ``init_from`` and return the config that trains its model: RUN's model section (refusing a CONFIG
+    model section that contradicts it) and decode settings (see the module docstring), with the run's files.
+    ``cfg`` itself is not changed."""
     run = Path(init_from)
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"--init-from {run}: no config.yaml (not a run directory)")
@@ -72,9 +73,8 @@ def adopt_init_run(cfg: Config, init_from: str | Path) -> InitFrom:
     if bad:
         raise ConfigError(f"--init-from {run}: the config's {bad[0]}; the model comes from the run, so drop "
                           f"that key from the config's model section")
-    cfg.model = dataclasses.replace(init_cfg.model)
-    cfg.decode = _merged_decode(cfg.decode, init_cfg.decode)
-    return InitFrom(run, weights, tok)
+    adopted = dataclasses.replace(cfg, model=init_cfg.model, decode=_merged_decode(cfg.decode, init_cfg.decode))
+    return adopted, InitFrom(run, weights, tok)
 
 
 def copy_init_tokenizer(init: InitFrom, run_dir: Path) -> None:

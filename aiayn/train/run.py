@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import Config, load_config, save_config
-from aiayn.data.pipeline import build_data
+from aiayn.data.pipeline import build_data, fit_model_to_vocab
 from aiayn.device import resolve_device, resolve_precision
 from aiayn.errors import CheckpointError
 from aiayn.files import check_writable
@@ -49,12 +49,15 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = resolve_device(cfg.train.device, d.local_rank)
     resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused before any work
-    init = adopt_init_run(cfg, init_from) if init_from is not None else None  # before the config is checked/saved
+    init = None
+    if init_from is not None:  # before the config is checked and saved
+        cfg, init = adopt_init_run(cfg, init_from)
     with own_run_dir(cfg, run_dir, resume, d, device) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
         if init is not None and d.main and not existing:  # build_data then loads this tokenizer, trains none
             copy_init_tokenizer(init, run_dir)
-        data, _tok = build_data(cfg, run_dir, d.main, d.barrier)
+        data, tok = build_data(cfg, run_dir, d.main, d.barrier)
+        cfg = fit_model_to_vocab(cfg, tok)
         if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")
         torch.manual_seed(cfg.train.seed)  # same initial weights on every process
@@ -68,7 +71,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         if cfg.train.eval_bleu and cfg.task != "lm":
             from aiayn.train.validation import validation_bleu_fn
 
-            evaluate_extra = validation_bleu_fn(cfg, data, _tok)
+            evaluate_extra = validation_bleu_fn(cfg, data, tok)
         trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
         if resume and trainer.resume():
             if d.main:
