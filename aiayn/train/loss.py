@@ -96,9 +96,4 @@ def _chunks(logits: Tensor) -> list[slice]:
     return [slice(i, min(i + step, N)) for i in range(0, N, step)]
 
 
-def token_count(target: Tensor, ignore_index: int = 0) -> int:
-    """Number of non-padding target tokens."""
-    return int((target != ignore_index).sum())
-
-
-__all__ = ["label_smoothed_cross_entropy", "token_count"]
+__all__ = ["label_smoothed_cross_entropy"]
