@@ -240,8 +240,9 @@ DEFAULT_DECODE_TOKENS = {"cpu": 4096, "cuda": 32768, "mps": 8192}
 class DecodeOptions:
     """How to decode, in one object: the run's ``decode`` section, then per-call overrides from the CLI,
     the Python API and the server (:meth:`replace`). Defaults are the paper's (section 6.1: beam 4,
-    alpha 0.6, maximum output length input + 50). Adding a decoding option means a field here, its use
-    in :mod:`aiayn.decode.search`, and one CLI line.
+    alpha 0.6, maximum output length input + 50). The searches read it inside one
+    :class:`aiayn.search.SearchSpec`; adding a decoding option means a field here, its step in
+    :mod:`aiayn.search.processing`, and one CLI line.
 
     Search: ``sample`` draws each token (``temperature``, then ``top_k``, then ``top_p`` filtering; a
     generator seeded by ``seed``; temperature 0 is greedy); otherwise ``beam`` 1 is greedy search and

@@ -32,8 +32,8 @@ def exact_match(run_dir: str | Path, overrides: Sequence[str] = TEST_OVERRIDES) 
     from aiayn.config import load_config
     from aiayn.data.batching import pad_batch
     from aiayn.data.synthetic import reverse_split
-    from aiayn.decode.search import greedy_search
     from aiayn.run_dir import load_run
+    from aiayn.search import SearchSpec, greedy_search
     from aiayn.train.run import train
 
     cfg = load_config("tiny_reverse", list(overrides))
@@ -44,8 +44,7 @@ def exact_match(run_dir: str | Path, overrides: Sequence[str] = TEST_OVERRIDES) 
     ids = [tok.src.encode(s) + [sp.eos] for s, _ in pairs]
     src = pad_batch(ids, sp.pad)  # (B, S)
     with torch.no_grad():
-        out = greedy_search(run.model, src, max_len_a=1.0, max_len_b=10, bos_id=sp.decoder_start, eos_id=sp.eos,
-                            pad_id=sp.pad)
+        out = greedy_search(run.model, src, spec=SearchSpec.of(sp, beam=1, max_len_a=1.0, max_len_b=10))
     return sum(tok.tgt.decode(o) == t for o, (_, t) in zip(out, pairs)) / len(pairs)
 
 

@@ -2,7 +2,7 @@
 
 Engines, all given one trained run's weights:
 
-* ``aiayn``        aiayn.decode.search.beam_search, stop='hf' (Hugging Face's stopping rule, so its
+* ``aiayn``        aiayn.search.beam_search, stop='hf' (Hugging Face's stopping rule, so its
                    output must equal ``generate()``'s token for token)
 * ``aiayn-exact``  the same with stop='exact' (the default of ``aiayn translate``: never stops before
                    the best hypothesis is certain, so it may run more steps)
@@ -19,7 +19,7 @@ Every engine: beam 4, length penalty score / |Y|^alpha ('power', alpha 0.6, as H
 compute it), at most ``--max-len`` decoding steps (EOS included), no minimum length, one best
 hypothesis. Sources are sorted by length once. Modes: "batch-1" one sentence at a time; "batched"
 the same batches of ``--batch-size`` sentences in that order for every engine; "tokens" the
-token-budget batches ``aiayn translate`` makes on that device (aiayn.decode.translator.decode_batches,
+token-budget batches ``aiayn translate`` makes on that device (aiayn.search.decode_batches,
 ``--max-tokens`` or the device's default budget), given to every engine. ``--precision fp32 bf16``
 runs every mode once per precision: aiayn's and HF's weights cast to it (as ``aiayn translate
 --precision`` does), CTranslate2 with the matching compute type (fp32: ct2-fp32 and ct2-int8).
@@ -51,11 +51,11 @@ from torch import nn
 
 from aiayn.config import DecodeOptions, ModelConfig
 from aiayn.data.batching import pad_batch
-from aiayn.decode.search import beam_search
-from aiayn.decode.translator import decode_batches
+from aiayn.data.tokenizer import SpecialIds
 from aiayn.device import DTYPES, resolve_device, resolve_precision
 from aiayn.errors import UserError
 from aiayn.model.transformer import Transformer
+from aiayn.search import SearchSpec, beam_search, decode_batches
 from benchmarks import common
 from benchmarks.flops import synchronize
 
@@ -162,10 +162,12 @@ def smoke_task(n: int, work: Path, engines: Sequence[str]) -> Task:
 
 
 def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str, device: torch.device):
+    spec = SearchSpec.of(SpecialIds(pad=PAD, bos=BOS, eos=EOS, decoder_start=BOS), beam=4, alpha=alpha,
+                         length_penalty="power", max_len_a=0.0, max_len_b=max_len, stop=stop)
+
     def translate(batch: list[list[int]]) -> list[list[int]]:
         src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
-        hyps = beam_search(model, src, src != PAD, beam=4, alpha=alpha, length_penalty="power", max_len_a=0.0,
-                           max_len_b=max_len, stop=stop, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+        hyps = beam_search(model, src, src != PAD, spec)
         return [h[0].tokens for h in hyps]
 
     return translate

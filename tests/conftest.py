@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiayn.data.tokenizer import SpecialIds
+from aiayn.search import SearchSpec
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
 
@@ -29,6 +32,15 @@ def shared_data_dir() -> Path | None:
 # terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
 # is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).
 SUM_TOL = dict(rel=1e-5, abs=1e-6)
+
+
+# An EOS id that no model produces: a language model's sample() then runs to its max_new_tokens.
+NO_EOS = -1
+
+
+def spec_of(bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, **options) -> SearchSpec:
+    """A SearchSpec from decoding options and the special ids by name (``bos_id`` is the decoder's start)."""
+    return SearchSpec.of(SpecialIds(pad=pad_id, bos=bos_id, eos=eos_id, decoder_start=bos_id), **options)
 
 
 # The recipe of the tiny_run fixture: configs/tiny_reverse.yaml with these --set overrides (tests that resume

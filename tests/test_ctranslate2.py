@@ -14,13 +14,14 @@ import string
 
 import pytest
 import torch
+from conftest import spec_of  # tests/ is on sys.path under pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from aiayn.config import ModelConfig  # noqa: E402
-from aiayn.decode.search import beam_search  # noqa: E402
 from aiayn.interop.ctranslate2 import export_ctranslate2  # noqa: E402
 from aiayn.model import DecoderOnlyLM, Transformer  # noqa: E402
+from aiayn.search import beam_search  # noqa: E402
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -184,10 +185,8 @@ def test_beam_search_matches_aiayn_beam_search(exported, alpha):
         return_scores=True,
     )
     for s, r in zip(SOURCES, results):
-        ours = beam_search(
-            model, src_tensor(s), beam=4, alpha=alpha, length_penalty="power", nbest=4,
-            max_len_a=0.0, max_len_b=MAX_LEN, stop="exact",
-        )[0]
+        ours = beam_search(model, src_tensor(s), spec=spec_of(beam=4, alpha=alpha, length_penalty="power", nbest=4,
+                                                              max_len_a=0.0, max_len_b=MAX_LEN, stop="exact"))[0]
         theirs = [as_ids(h[:-1] if h and h[-1] == "</s>" else h, pieces) for h in r.hypotheses]
         assert theirs == [h.tokens for h in ours]
         for score, h in zip(r.scores, ours):
@@ -253,8 +252,8 @@ def test_ct2_default_early_stop_can_miss_the_best_hypothesis(tmp_path):
     )
     missed = 0
     for s, r in zip(SOURCES, results):
-        best = beam_search(model, src_tensor(s), beam=4, alpha=1.0, length_penalty="power",
-                           max_len_a=0.0, max_len_b=MAX_LEN)[0][0]
+        best = beam_search(model, src_tensor(s), spec=spec_of(beam=4, alpha=1.0, length_penalty="power",
+                                                              max_len_a=0.0, max_len_b=MAX_LEN))[0][0]
         assert best.score >= r.scores[0] - TOL
         missed += best.score > r.scores[0] + TOL
     assert missed > 0

@@ -205,3 +205,38 @@ def test_lm_perplexity_on_the_validation_text(lm_run, capsys):
     assert result["scores"]["nll_per_token"] == pytest.approx(nll, abs=1e-5)
     assert result["scores"]["ppl"] == pytest.approx(math.exp(nll), rel=1e-4)
     assert cli.main(["evaluate", str(lm_run / "run"), "--split", "test"]) == 2
+
+
+def test_translator_validation_bleu_and_explorer_decode_alike_ban_pad_included(tiny_run):
+    """The three consumers of the id-level decoding (aiayn translate, training's validation BLEU, the attention
+    explorer) go through search.decode_ids: with decode.ban_pad on a model whose pad logit would win every
+    step, all three give the same non-pad greedy output."""
+    import dataclasses
+
+    from aiayn.decode.translator import Translator
+    from aiayn.run_dir import Run, load_run
+    from aiayn.search import SearchSpec, greedy_search
+    from aiayn.viz.attention import attention_data
+
+    run = load_run(tiny_run, device="cpu")
+    pad = run.tokenizers.specials.pad
+    bias = torch.zeros(run.model.decoder.output_proj.weight.size(0))
+    bias[pad] = 100.0  # without the ban, pad wins every step
+    run.model.decoder.output_bias = torch.nn.Parameter(bias)
+    cfg = dataclasses.replace(run.cfg, decode=run.cfg.decode.replace(ban_pad=True))
+    tok = run.tokenizers
+    pairs = reverse_split("valid")[:8]
+    src = torch.tensor([tok.src.encode(pairs[0][0]) + [tok.specials.eos]])
+    unbanned = greedy_search(run.model, src, spec=SearchSpec(cfg.decode.replace(ban_pad=False), tok.specials))[0]
+    assert unbanned and set(unbanned) == {pad}  # the ban matters on this model
+
+    translator = Translator(run.model, tok, cfg, run.path)
+    found = translator.translate_hypotheses([s for s, _ in pairs], beam=1)
+    assert all(h[0].ids and pad not in h[0].ids for h in found)
+    hyps = [h[0].text for h in found]
+    data = SimpleNamespace(valid_src=[tok.src.encode(s) for s, _ in pairs],
+                           valid_tgt=[tok.tgt.encode(t) for _, t in pairs])
+    assert validation_bleu_fn(cfg, data, tok)(run.model) == {
+        "valid_bleu": sacrebleu.corpus_bleu(hyps, [[tok.tgt.decode(t) for t in data.valid_tgt]]).score}
+    shown = attention_data(Run(run.path, cfg, run.model, tok), pairs[0][0])
+    assert shown.generated and shown.tgt == hyps[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import spec_of  # tests/ is on sys.path under pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 spm = pytest.importorskip("sentencepiece")
@@ -13,9 +14,9 @@ spm = pytest.importorskip("sentencepiece")
 from aiayn import cli  # noqa: E402
 from aiayn.config import ConfigError  # noqa: E402
 from aiayn.data.synthetic import reverse_split  # noqa: E402
-from aiayn.decode.search import beam_search  # noqa: E402
 from aiayn.decode.translator import load  # noqa: E402
 from aiayn.interop.ctranslate2 import export_run  # noqa: E402
+from aiayn.search import beam_search  # noqa: E402
 
 EOS = 3
 
@@ -54,8 +55,9 @@ def test_ct2_beam_equals_aiayn_beam_search(tiny_run, exported):
             [pieces], beam_size=4, num_hypotheses=4, length_penalty=alpha, patience=1000.0,
             return_end_token=True, max_decoding_length=limit, min_decoding_length=0, return_scores=True,
         )[0]
-        ours = beam_search(model, torch.tensor([ids + [EOS]]), beam=4, alpha=alpha, length_penalty="power",
-                           nbest=4, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, stop="exact")[0]
+        spec = spec_of(beam=4, alpha=alpha, length_penalty="power", nbest=4, max_len_a=cfg.max_len_a,
+                       max_len_b=cfg.max_len_b, stop="exact")
+        ours = beam_search(model, torch.tensor([ids + [EOS]]), spec=spec)[0]
         theirs = [[sp.piece_to_id(p) for p in (h[:-1] if h and h[-1] == "</s>" else h)] for h in r.hypotheses]
         assert theirs == [h.tokens for h in ours]
         assert r.scores == pytest.approx([h.score for h in ours], abs=1e-4)

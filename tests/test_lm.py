@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import shared_data_dir  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import NO_EOS, shared_data_dir, spec_of  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from aiayn import cli
 from aiayn.config import config_from_dict
@@ -218,17 +218,17 @@ def test_xsum_split_and_lead1(monkeypatch):
 
 
 def test_cached_and_uncached_greedy_generation_agree(text_lm):
-    from aiayn.decode.search import sample_list
     from aiayn.run_dir import load_run
+    from aiayn.search import sample_list
 
     run = load_run(text_lm)
     tok = run.tokenizers.src
     for prompt in ("alpha ", "kilo lima mike\n", "x"):
         ids = tok.encode(prompt)
-        kw = dict(temperature=0.0, context_limit=32)
+        greedy = spec_of(eos_id=NO_EOS)  # temperature 0: not sampling
         # 40 new tokens from a short prompt: the cached steps, then past the 32-token context (sliding)
-        cached = sample_list(run.model, ids, 40, use_cache=True, **kw)
-        uncached = sample_list(run.model, ids, 40, use_cache=False, **kw)
+        cached = sample_list(run.model, ids, greedy, 40, context_limit=32, use_cache=True)
+        uncached = sample_list(run.model, ids, greedy, 40, context_limit=32, use_cache=False)
         assert cached == uncached and len(cached) == 40
     assert len(set(cached)) > 3  # the toy model says something, not one repeated character
 
@@ -240,11 +240,11 @@ def _generate(run: Path, capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_generate_cli_streams_the_greedy_continuation(text_lm, capsys, monkeypatch):
-    from aiayn.decode.search import sample_list
     from aiayn.run_dir import load_run
+    from aiayn.search import sample_list
 
     run = load_run(text_lm)
-    ids = sample_list(run.model, run.tokenizers.src.encode("alpha "), 25, temperature=0.0, eos_id=EOS_ID)
+    ids = sample_list(run.model, run.tokenizers.src.encode("alpha "), spec_of(eos_id=EOS_ID), 25)
     expected = "alpha " + run.tokenizers.src.decode(ids) + "\n"
     writes: list[str] = []
     real = cli._write_stdout
@@ -309,7 +309,7 @@ def test_summarize_command(which, request, articles, tmp_path):
 
 @pytest.mark.parametrize("which", ["summary_lm", "summary_seq2seq"])
 def test_summarize_no_repeat_ngram_reaches_the_search(which, request, articles, tmp_path, capsys, monkeypatch):
-    import aiayn.decode.search as search
+    import aiayn.search.processing as search
 
     run_dir = request.getfixturevalue(which)
     seen: list[int] = []
@@ -400,12 +400,12 @@ def test_configs_load():
 def test_load_gives_a_generator_for_a_language_model(text_lm, summary_lm, articles):
     import aiayn
     from aiayn.decode.generate import Generator
-    from aiayn.decode.search import sample_list
+    from aiayn.search import sample_list
 
     gen = aiayn.load(text_lm, device="cpu")
     assert isinstance(gen, Generator) and gen.device.type == "cpu"
     tok = gen.tokenizers.src
-    ids = sample_list(gen.model, tok.encode("alpha "), 12, temperature=0.0, eos_id=EOS_ID)
+    ids = sample_list(gen.model, tok.encode("alpha "), spec_of(eos_id=EOS_ID), 12)
     assert gen.generate("alpha ", max_new_tokens=12) == tok.decode(ids)  # greedy unless sample=True
     a = gen.generate("kilo", max_new_tokens=15, sample=True, seed=5, top_k=5)
     assert a == gen.generate("kilo", max_new_tokens=15, sample=True, seed=5, top_k=5) and a

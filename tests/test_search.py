@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
-from conftest import SUM_TOL  # tests/ is on sys.path under pytest
+from conftest import NO_EOS, SUM_TOL, spec_of  # tests/ is on sys.path under pytest
 
 from aiayn import build_model, model_config
-from aiayn.decode.search import (
+from aiayn.search import (
     Hypothesis,
     beam_search,
     filter_top_k,
@@ -20,13 +20,22 @@ from aiayn.decode.search import (
     greedy_search,
     length_penalty_denominator,
     repeated_ngram_bans,
-    sample,
-    sample_list,
 )
+from aiayn.search import sample as sample_stream
 
 PAD, BOS, EOS = 0, 2, 3
 A, B, C = 4, 5, 6  # ordinary tokens of the stub vocabulary
 V_STUB = 8
+
+
+def sample(model, prompt, max_new_tokens, use_cache=True, context_limit=None, eos_id=NO_EOS, **options):
+    """The language-model token stream with its options as keywords (a sampling spec; temperature 0: greedy)."""
+    spec = spec_of(eos_id=eos_id, sample=True, **options)
+    return sample_stream(model, prompt, spec, max_new_tokens, context_limit=context_limit, use_cache=use_cache)
+
+
+def sample_list(*args, **kwargs) -> list[int]:
+    return list(sample(*args, **kwargs))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +110,7 @@ def stub_src(*ks: int) -> torch.Tensor:
 def hyps(model, src, **kw) -> list[list[Hypothesis]]:
     kw.setdefault("max_len_a", 0.0)
     kw.setdefault("max_len_b", 10)
-    return beam_search(model, src, nbest=kw.pop("nbest", kw.get("beam", 4)), **kw)
+    return beam_search(model, src, spec=spec_of(nbest=kw.pop("nbest", kw.get("beam", 4)), **kw))
 
 
 def check(got: list[Hypothesis], expected: list[tuple[list[int], float, float]]) -> None:
@@ -148,7 +157,7 @@ SCRIPT_3 = {
 
 def test_case1_greedy_and_beam2_differ():
     m = StubModel(SCRIPT_1)
-    assert greedy_search(m, stub_src(0), max_len_a=0, max_len_b=10) == [[A]]
+    assert greedy_search(m, stub_src(0), spec=spec_of(max_len_a=0, max_len_b=10)) == [[A]]
     # Beam 2. Step 1 (|Y| = 1): A .5, B .4 live; EOS (.1) ranks 3rd > N = 2, so it is dropped.
     # Step 2 (|Y| = 2): B EOS .36, A EOS .20 (both in the first 2: finished), A C .175, A B .125 live.
     # none: best live ln .175 <= worst finished ln .20: stop.
@@ -179,7 +188,7 @@ def test_case1_greedy_and_beam2_differ():
 
 def test_case2_beam3_finished_hypothesis_is_not_beaten_by_a_live_one_that_cannot_improve():
     m = StubModel(SCRIPT_2)
-    assert greedy_search(m, stub_src(0), max_len_a=0, max_len_b=10) == [[A, C]]
+    assert greedy_search(m, stub_src(0), spec=spec_of(max_len_a=0, max_len_b=10)) == [[A, C]]
     # Beam 3. Step 1: A .5, EOS .3, B .2 in the first 3 -> [] finished (|Y| = 1, ln .3); A, B live.
     # Step 2: A C .40, B EOS .18, A EOS .10, B C .02 -> [B], [A] finished; A C, B C live.
     #   The pool is full, but live A C (ln .40) is above every finished logprob: go on.
@@ -249,9 +258,9 @@ def test_max_len_is_per_sentence_and_cut_hypotheses_are_finalized():
     never_ends = StubModel({}, default={A: 0.5, B: 0.5 - 1e-3, EOS: 1e-3})
     src = torch.tensor([[4, 9, 0, 0, 0], [4, 9, 9, 9, 9]])  # real lengths 2 and 5 (pad 0)
     # int(0.5 * 2 + 2) = 3 and int(0.5 * 5 + 2) = 4 decoding steps.
-    assert greedy_search(never_ends, src, max_len_a=0.5, max_len_b=2) == [[A] * 3, [A] * 4]
-    out = beam_search(never_ends, src, beam=2, alpha=1.0, length_penalty="power", max_len_a=0.5, max_len_b=2,
-                      nbest=2)
+    assert greedy_search(never_ends, src, spec=spec_of(max_len_a=0.5, max_len_b=2)) == [[A] * 3, [A] * 4]
+    out = beam_search(never_ends, src, spec=spec_of(beam=2, alpha=1.0, length_penalty="power", max_len_a=0.5,
+                                                    max_len_b=2, nbest=2))
     # Unfinished beams are finalized at the limit without EOS, |Y| = max_len.
     assert out[0][0].tokens == [A] * 3 and out[1][0].tokens == [A] * 4
     assert out[0][0].score == pytest.approx(3 * ln(0.5) / 3, abs=1e-4)
@@ -260,8 +269,8 @@ def test_max_len_is_per_sentence_and_cut_hypotheses_are_finalized():
     assert out[0][1].score == pytest.approx((2 * ln(0.5) + ln(0.499)) / 3, abs=1e-4)
     # min_len: EOS is forbidden until min_len tokens exist.
     eager = StubModel({}, default={EOS: 0.9, A: 0.1})
-    assert greedy_search(eager, stub_src(0), max_len_b=10, min_len=2) == [[A, A]]
-    assert beam_search(eager, stub_src(0), beam=2, max_len_b=10, min_len=2)[0][0].tokens == [A, A]
+    assert greedy_search(eager, stub_src(0), spec=spec_of(max_len_b=10, min_len=2)) == [[A, A]]
+    assert beam_search(eager, stub_src(0), spec=spec_of(beam=2, max_len_b=10, min_len=2))[0][0].tokens == [A, A]
 
 
 # 2. The exact stopping rule equals running to max_len (brute force) --------------------------------
@@ -303,8 +312,8 @@ def test_exact_stop_equals_brute_force(kind, alpha):
     for seed in range(6):
         for beam in (1, 2, 3, 4):
             m = StubModel(random_script(seed))
-            got = beam_search(m, stub_src(0), beam=beam, alpha=alpha, length_penalty=kind, max_len_a=0,
-                              max_len_b=max_len, nbest=beam)[0]
+            got = beam_search(m, stub_src(0), spec=spec_of(beam=beam, alpha=alpha, length_penalty=kind, max_len_a=0,
+                                                           max_len_b=max_len, nbest=beam))[0]
             want = reference_beam(random_script(seed), beam, alpha, kind, max_len)
             assert [h.tokens for h in got] == [w[0] for w in want], (seed, beam)
             assert [h.score for h in got] == pytest.approx([w[1] for w in want], abs=1e-5)
@@ -331,23 +340,23 @@ def tiny_mt():
 
 def test_greedy_batch_of_32_equals_one_at_a_time_and_uncached(tiny_mt):
     m, src, lengths = tiny_mt
-    batched = greedy_search(m, src, max_len_a=1.0, max_len_b=5)
+    batched = greedy_search(m, src, spec=spec_of(max_len_a=1.0, max_len_b=5))
     limits = [n + 5 for n in lengths.tolist()]
     assert any(len(o) < lim for o, lim in zip(batched, limits)), "no sentence ended by EOS"
     assert any(len(o) == lim for o, lim in zip(batched, limits)), "no sentence cut at max_len"
     for i, n in enumerate(lengths.tolist()):
-        assert greedy_search(m, src[i : i + 1, :n], max_len_a=1.0, max_len_b=5) == [batched[i]]
-    assert greedy_search(m, src, max_len_a=1.0, max_len_b=5, use_cache=False) == batched
+        assert greedy_search(m, src[i : i + 1, :n], spec=spec_of(max_len_a=1.0, max_len_b=5)) == [batched[i]]
+    assert greedy_search(m, src, spec=spec_of(max_len_a=1.0, max_len_b=5), use_cache=False) == batched
 
 
 @pytest.mark.parametrize("kind", ["gnmt", "power"])
 def test_beam_batch_of_32_equals_one_at_a_time(tiny_mt, kind):
     m, src, lengths = tiny_mt
     kw = dict(beam=4, alpha=0.6, length_penalty=kind, max_len_a=1.0, max_len_b=5, nbest=2)
-    batched = beam_search(m, src, **kw)
+    batched = beam_search(m, src, spec=spec_of(**kw))
     assert len({len(h[0].tokens) for h in batched}) > 3  # varied lengths: some end early
     for i, n in enumerate(lengths.tolist()):
-        alone = beam_search(m, src[i : i + 1, :n], **kw)[0]
+        alone = beam_search(m, src[i : i + 1, :n], spec=spec_of(**kw))[0]
         assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], **SUM_TOL)
         assert [h.logprob for h in alone] == pytest.approx([h.logprob for h in batched[i]], **SUM_TOL)
@@ -355,8 +364,9 @@ def test_beam_batch_of_32_equals_one_at_a_time(tiny_mt, kind):
 
 def test_beam_1_equals_greedy(tiny_mt):
     m, src, _ = tiny_mt
-    greedy = greedy_search(m, src, max_len_b=5)
-    assert [h[0].tokens for h in beam_search(m, src, beam=1, max_len_b=5, length_penalty="none")] == greedy
+    greedy = greedy_search(m, src, spec=spec_of(max_len_b=5))
+    assert [h[0].tokens for h in beam_search(m, src, spec=spec_of(beam=1, max_len_b=5,
+                                                                  length_penalty="none"))] == greedy
 
 
 @pytest.fixture(scope="module")
@@ -427,9 +437,9 @@ def stutter(prefix: tuple[int, ...]) -> dict[int, float]:
 def test_no_repeat_ngram_in_greedy_beam_and_sampling(n):
     m = StubModel(stutter)
     src = stub_src(0)
-    plain = greedy_search(m, src, max_len_a=0, max_len_b=10)[0]
+    plain = greedy_search(m, src, spec=spec_of(max_len_a=0, max_len_b=10))[0]
     assert plain[:4] == [A, B, A, B]  # without blocking it stutters
-    greedy = greedy_search(m, src, max_len_a=0, max_len_b=10, no_repeat_ngram=n)[0]
+    greedy = greedy_search(m, src, spec=spec_of(max_len_a=0, max_len_b=10, no_repeat_ngram=n))[0]
     assert not has_repeated_ngram(greedy, n) and greedy != plain
     beams = hyps(m, src, beam=3, no_repeat_ngram=n)[0]
     assert beams and all(not has_repeated_ngram(h.tokens, n) for h in beams)
@@ -442,9 +452,10 @@ def test_no_repeat_ngram_in_greedy_beam_and_sampling(n):
 
 def test_no_repeat_ngram_zero_changes_nothing(tiny_mt):
     m, src, _ = tiny_mt
-    assert greedy_search(m, src, max_len_b=8, no_repeat_ngram=0) == greedy_search(m, src, max_len_b=8)
-    a = [h[0].tokens for h in beam_search(m, src, beam=4, max_len_b=8)]
-    assert [h[0].tokens for h in beam_search(m, src, beam=4, max_len_b=8, no_repeat_ngram=0)] == a
+    assert greedy_search(m, src, spec=spec_of(max_len_b=8, no_repeat_ngram=0)) == greedy_search(m, src,
+                                              spec=spec_of(max_len_b=8))
+    a = [h[0].tokens for h in beam_search(m, src, spec=spec_of(beam=4, max_len_b=8))]
+    assert [h[0].tokens for h in beam_search(m, src, spec=spec_of(beam=4, max_len_b=8, no_repeat_ngram=0))] == a
 
 
 # 4. Sampling ------------------------------------------------------------------------------------------
@@ -505,12 +516,12 @@ def test_filter_top_k():
 
 def test_bad_arguments_are_refused():
     m = StubModel(SCRIPT_1)
-    with pytest.raises(ValueError, match="length penalty"):
-        beam_search(m, stub_src(0), length_penalty="wu")
+    with pytest.raises(ValueError, match="length_penalty"):
+        beam_search(m, stub_src(0), spec=spec_of(length_penalty="wu"))
     with pytest.raises(ValueError, match="stop"):
-        beam_search(m, stub_src(0), stop="never")
+        beam_search(m, stub_src(0), spec=spec_of(stop="never"))
     with pytest.raises(ValueError, match="nbest"):
-        beam_search(m, stub_src(0), beam=2, nbest=3)
+        beam_search(m, stub_src(0), spec=spec_of(beam=2, nbest=3))
     with pytest.raises(ValueError, match="temperature"):
         next(sample(m, [BOS], 3, temperature=-1))
 
@@ -567,7 +578,7 @@ MARIAN_IDS = dict(bos_id=0, eos_id=EOS, pad_id=0, max_len_a=0.0, max_len_b=L_HF)
 def test_greedy_equals_hf_generate(marian):
     hf, ours, src = marian
     want = [hf_tokens(s) for s in hf_generate(hf, src, num_beams=1).sequences]
-    assert greedy_search(ours, src, **MARIAN_IDS) == want
+    assert greedy_search(ours, src, spec=spec_of(**MARIAN_IDS)) == want
     assert any(0 < len(w) < L_HF for w in want) and any(len(w) == L_HF for w in want)
 
 
@@ -577,7 +588,8 @@ def test_beam_equals_hf_generate(marian, early_stopping, stop):
     out = hf_generate(hf, src, num_beams=4, num_return_sequences=4, length_penalty=1.0,
                       early_stopping=early_stopping)
     want = [hf_tokens(s) for s in out.sequences]
-    got = beam_search(ours, src, beam=4, alpha=1.0, length_penalty="power", nbest=4, stop=stop, **MARIAN_IDS)
+    got = beam_search(ours, src, spec=spec_of(beam=4, alpha=1.0, length_penalty="power", nbest=4, stop=stop,
+                                              **MARIAN_IDS))
     assert [h.tokens for hs in got for h in hs] == want
     assert [h.score for hs in got for h in hs] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
     best = want[::4]
@@ -588,6 +600,35 @@ def test_hf_heuristic_and_exact_stop_differ_on_this_model(marian):
     # So the two tests above pin two different behaviours, each to its Hugging Face counterpart.
     hf, ours, src = marian
     kw = dict(beam=4, alpha=1.0, length_penalty="power", nbest=4, **MARIAN_IDS)
-    heuristic = beam_search(ours, src, stop="hf", **kw)
-    exact = beam_search(ours, src, stop="exact", **kw)
+    heuristic = beam_search(ours, src, spec=spec_of(stop="hf", **kw))
+    exact = beam_search(ours, src, spec=spec_of(stop="exact", **kw))
     assert [[h.tokens for h in hs] for hs in heuristic] != [[h.tokens for h in hs] for hs in exact]
+
+
+# 6. The per-step logits processing, step by step ----------------------------------------------------------
+
+
+def test_logits_processing_steps_on_hand_made_logits():
+    from aiayn.search import LogitsProcessor
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    inf = float("-inf")
+    # ban: only with ban_pad, the pad id (here 1) at -inf, a new tensor; nothing else changes
+    plain = LogitsProcessor(spec_of(pad_id=1), torch.device("cpu"))
+    assert plain.ban(logits) is logits
+    banned = LogitsProcessor(spec_of(pad_id=1, ban_pad=True), torch.device("cpu")).ban(logits)
+    assert banned[:, 1].tolist() == [inf, inf] and torch.equal(banned[:, [0, 2, 3, 4, 5]], logits[:, [0, 2, 3, 4, 5]])
+    # min_len: EOS (3) at -inf while fewer than min_len tokens exist, in place
+    proc = LogitsProcessor(spec_of(min_len=2), torch.device("cpu"))
+    produced = torch.tensor([[4], [5]])
+    assert proc.constrain(logits.clone(), produced, 1)[:, 3].tolist() == [inf, inf]
+    assert torch.equal(proc.constrain(logits.clone(), produced, 2), logits)
+    # n-gram blocking (n = 2): each row's own bigrams, after its last token
+    proc = LogitsProcessor(spec_of(no_repeat_ngram=2), torch.device("cpu"))
+    out = proc.constrain(logits.clone(), torch.tensor([[4, 5, 4], [4, 2, 0]]), 3)
+    assert out[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, inf] and torch.equal(out[1], logits[1])
+    # sampling filters: temperature, then top-k, then top-p
+    proc = LogitsProcessor(spec_of(sample=True, temperature=2.0, top_k=3), torch.device("cpu"))
+    assert proc.filtered(logits)[0].tolist() == [inf, inf, inf, 1.5, 2.0, 2.5]
+    proc = LogitsProcessor(spec_of(sample=True, top_p=0.5), torch.device("cpu"))
+    assert torch.isfinite(proc.filtered(logits)).sum(1).tolist() == [1, 1]  # the top token alone holds 0.63

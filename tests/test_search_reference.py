@@ -12,24 +12,25 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SUM_TOL  # tests/ is on sys.path under pytest
+from conftest import SUM_TOL, spec_of  # tests/ is on sys.path under pytest
 from torch import Tensor
 
 from aiayn import build_model, model_config
-from aiayn.decode import search
-from aiayn.decode.search import (
+from aiayn.model.cache import KVCache
+from aiayn.search import (
     NEG_INF,
     Hypothesis,
-    _Finished,
     beam_search,
     greedy_search,
     length_penalty_denominator,
-    max_lengths,
     penalized_score,
     repeated_ngram_bans,
+    sample_search,
     score_tokens,
 )
-from aiayn.model.cache import KVCache
+from aiayn.search import beam as search_beam
+from aiayn.search import common as search_common
+from aiayn.search.beam import _Finished
 
 PAD, BOS, EOS = 0, 2, 3
 
@@ -37,6 +38,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # The former implementations (the reference) -------------------------------------------------------------
+
+
+def max_lengths(model, src_mask: Tensor, max_len_a: float, max_len_b: float) -> list[int]:
+    """The former step limits: int(a * src_len + b), at least 1, at most the model's positions."""
+    cap = model.cfg.max_positions
+    return [max(1, min(int(max_len_a * n + max_len_b), cap)) for n in src_mask.sum(dim=1).tolist()]
 
 
 class CatKVCache:
@@ -262,7 +269,7 @@ BEAM_CASES = [
 def test_beam_equals_the_former_search_with_the_former_cache_and_without_cache(mt, case):
     m, src = mt
     kw = dict(beam=4, max_len_a=0.5, max_len_b=6, **case)
-    got = beam_search(m, src, **kw)
+    got = beam_search(m, src, spec=spec_of(**kw))
     early, cut = ended_early_and_cut([hs[0].tokens for hs in got], src)
     assert early >= 5 and cut >= 5  # sentences leave the batch at varied steps
     same(got, reference_beam(m, src, **kw), exact=False)
@@ -291,13 +298,13 @@ def test_beam_equals_the_former_search_bit_for_bit_on_a_scripted_model(mt):
 
     for kind, alpha, stop in (("gnmt", 0.6, "exact"), ("power", 1.0, "hf"), ("none", 0.0, "exact")):
         kw = dict(beam=4, alpha=alpha, length_penalty=kind, stop=stop, nbest=4, max_len_a=0.5, max_len_b=6)
-        same(beam_search(Scripted(), src, **kw), reference_beam(Scripted(), src, **kw), exact=True)
+        same(beam_search(Scripted(), src, spec=spec_of(**kw)), reference_beam(Scripted(), src, **kw), exact=True)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(min_len=2, no_repeat_ngram=2)])
 def test_greedy_equals_the_former_search(kw):
     m, src = random_mt(3.0)
-    got = greedy_search(m, src, max_len_a=0.5, max_len_b=6, **kw)
+    got = greedy_search(m, src, spec=spec_of(max_len_a=0.5, max_len_b=6, **kw))
     assert got == reference_greedy(m, src, max_len_a=0.5, max_len_b=6, **kw)
     assert got == reference_greedy(m, src, max_len_a=0.5, max_len_b=6, cache=None, **kw)
     early, cut = ended_early_and_cut(got, src)
@@ -305,8 +312,9 @@ def test_greedy_equals_the_former_search(kw):
 
 
 def test_scores_are_float64_except_on_mps():
-    assert search.score_dtype(torch.device("cpu")) == torch.float64 == search.score_dtype(torch.device("cuda"))
-    assert search.score_dtype(torch.device("mps")) == torch.float32  # MPS has no float64
+    dtype = search_common.score_dtype
+    assert dtype(torch.device("cpu")) == torch.float64 == dtype(torch.device("cuda"))
+    assert search_common.score_dtype(torch.device("mps")) == torch.float32  # MPS has no float64
 
 
 def test_finished_pool_keeps_the_n_best_with_earlier_ties_first():
@@ -406,12 +414,12 @@ def test_cached_decoding_with_reorders_equals_the_cat_cache(mt):
 # One wait for the device per step ------------------------------------------------------------------------
 
 
-def test_beam_and_greedy_wait_for_the_device_once_per_step(mt, monkeypatch):
+def test_beam_greedy_and_sampling_wait_for_the_device_once_per_step(mt, monkeypatch):
     """As on a GPU (no free host reads): the search's only transfer inside its loop is one ``nonzero``
     per step, and the model's forward passes read nothing back (attention masks empty rows without asking
     whether there are any)."""
     m, src = mt
-    monkeypatch.setattr(search, "_waits_are_free", lambda device: False)
+    monkeypatch.setattr(search_beam, "waits_are_free", lambda device: False)
     calls: dict[str, int] = {}
     state = {"steps": 0, "in_model": False}
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
@@ -436,8 +444,9 @@ def test_beam_and_greedy_wait_for_the_device_once_per_step(mt, monkeypatch):
 
     monkeypatch.setattr(m, "decode", in_model(m.decode, True))
     monkeypatch.setattr(m, "encode", in_model(m.encode, False))
-    for run in (lambda: beam_search(m, src, beam=4, max_len_b=6, nbest=2),
-                lambda: greedy_search(m, src, max_len_b=6)):
+    for run in (lambda: beam_search(m, src, spec=spec_of(beam=4, max_len_b=6, nbest=2)),
+                lambda: greedy_search(m, src, spec=spec_of(max_len_b=6)),
+                lambda: sample_search(m, src, spec=spec_of(sample=True, nbest=2, max_len_b=6, seed=1))):
         calls.clear()
         state["steps"] = 0
         run()
@@ -479,23 +488,23 @@ def test_half_precision_model_decodes_with_fp32_scores(mt, fp16_ok):
         calls.append((x.dtype, dtype))
         return log_softmax(x, dim=dim, dtype=dtype, **k)
 
-    search.F.log_softmax = spy
+    search_beam.F.log_softmax = spy
     try:
-        half = beam_search(m16, src, **kw)
+        half = beam_search(m16, src, spec=spec_of(**kw))
     finally:
-        search.F.log_softmax = log_softmax
+        search_beam.F.log_softmax = log_softmax
     assert calls and all(c == (torch.float16, torch.float32) for c in calls)  # fp16 logits, fp32 log-softmax
-    full = beam_search(m32, src, **kw)
+    full = beam_search(m32, src, spec=spec_of(**kw))
     assert sum(a[0].tokens == b[0].tokens for a, b in zip(half, full)) >= 0.75 * len(full)
     # the scores are fp32 sums: equal to a teacher-forced fp32 pass over the fp16 model's logits
-    limits = max_lengths(m16, src != PAD, 0.5, 6)
-    rescored = score_tokens(m16, src, src != PAD, [h[0].tokens for h in half], limits, 0.6, "power")
+    rescored = score_tokens(m16, src, src != PAD, [h[0].tokens for h in half], spec_of(**kw))
     assert [h[0].logprob for h in half] == pytest.approx([r.logprob for r in rescored], abs=2e-2)
     cache = m16.new_cache()
     m16.decode(torch.full((2, 1), BOS), m16.encode(src[:2], src[:2] != PAD), src[:2] != PAD, cache)
     assert cache.self_kv(0)[0].dtype == torch.float16  # the cache stores the model's dtype
-    greedy16 = greedy_search(m16, src, max_len_a=0.5, max_len_b=6)
-    assert sum(a == b for a, b in zip(greedy16, greedy_search(m32, src, max_len_a=0.5, max_len_b=6))) >= 18
+    greedy16 = greedy_search(m16, src, spec=spec_of(max_len_a=0.5, max_len_b=6))
+    assert sum(a == b for a, b in zip(greedy16, greedy_search(m32, src, spec=spec_of(max_len_a=0.5,
+                                                                                     max_len_b=6)))) >= 18
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -506,10 +515,11 @@ def test_cuda_search_equals_cpu_search(mt, dtype):
     gpu.load_state_dict(m.state_dict())
     gpu = gpu.to("cuda", dtype)
     kw = dict(beam=4, alpha=0.6, length_penalty="power", max_len_a=0.5, max_len_b=6, nbest=2)
-    got = beam_search(gpu, src.cuda(), **kw)
-    want = beam_search(m, src, **kw)
+    got = beam_search(gpu, src.cuda(), spec=spec_of(**kw))
+    want = beam_search(m, src, spec=spec_of(**kw))
     if dtype == torch.float32:
         same(got, want, exact=False)
-        assert greedy_search(gpu, src.cuda(), max_len_b=6) == greedy_search(m, src, max_len_b=6)
+        assert greedy_search(gpu, src.cuda(), spec=spec_of(max_len_b=6)) == greedy_search(m, src,
+                                                           spec=spec_of(max_len_b=6))
     else:
         assert sum(a[0].tokens == b[0].tokens for a, b in zip(got, want)) >= 0.75 * len(want)

@@ -10,15 +10,16 @@ import sys
 
 import pytest
 import torch
+from conftest import spec_of  # tests/ is on sys.path under pytest
 
 import aiayn
 from aiayn import cli
 from aiayn.config import DecodeOptions, config_from_dict
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode.search import greedy_search, sample_search
 from aiayn.decode.stream import format_record, iter_lines, translate_stream
 from aiayn.decode.translator import Translation, Translator, load
 from aiayn.errors import ConfigError, DataError
+from aiayn.search import greedy_search, sample_search
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,10 +86,10 @@ def _src(translator: Translator, texts: list[str]) -> tuple[torch.Tensor, torch.
 def test_sampling_at_temperature_0_or_top_k_1_is_greedy(translator, sources):
     src, mask = _src(translator, sources)
     d = translator.cfg.decode
-    greedy = greedy_search(translator.model, src, mask, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
+    greedy = greedy_search(translator.model, src, mask, spec=spec_of(max_len_a=d.max_len_a, max_len_b=d.max_len_b))
     for kw in ({"temperature": 0.0}, {"top_k": 1, "temperature": 1.3, "seed": 4}):
-        drawn = sample_search(translator.model, src, mask, nbest=2, max_len_a=d.max_len_a, max_len_b=d.max_len_b,
-                              **kw)
+        drawn = sample_search(translator.model, src, mask, spec=spec_of(nbest=2, max_len_a=d.max_len_a,
+                                                                        max_len_b=d.max_len_b, **kw))
         assert [[h.tokens for h in hyps] for hyps in drawn] == [[g, g] for g in greedy]
         assert all(math.isfinite(h.logprob) and h.logprob <= 0 for hyps in drawn for h in hyps)
 
@@ -106,14 +107,14 @@ def test_sampling_is_repeatable_with_a_seed_and_varies_without(translator, sourc
 
 def test_sampling_logprob_is_the_models(translator, sources):
     """A drawn hypothesis' logprob equals the teacher-forced log-probability of its tokens (+ EOS)."""
-    from aiayn.decode.search import max_lengths, score_tokens
+    from aiayn.search import score_tokens
 
     src, mask = _src(translator, sources[:4])
     d = translator.cfg.decode
-    drawn = sample_search(translator.model, src, mask, nbest=1, seed=3, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
-    limits = max_lengths(translator.model, mask, d.max_len_a, d.max_len_b)
-    again = score_tokens(translator.model, src, mask, [h[0].tokens for h in drawn], limits, d.alpha,
-                         d.length_penalty)
+    drawn = sample_search(translator.model, src, mask, spec=spec_of(nbest=1, seed=3, max_len_a=d.max_len_a,
+                                                                    max_len_b=d.max_len_b))
+    spec = spec_of(alpha=d.alpha, length_penalty=d.length_penalty, max_len_a=d.max_len_a, max_len_b=d.max_len_b)
+    again = score_tokens(translator.model, src, mask, [h[0].tokens for h in drawn], spec)
     for h, r in zip(drawn, again):
         assert h[0].logprob == pytest.approx(r.logprob, abs=1e-4)
         assert h[0].score == pytest.approx(r.score, abs=1e-4)
@@ -210,8 +211,8 @@ def test_unwritable_outputs_fail_before_any_decoding(tiny_run, tmp_path, capsys,
     from aiayn.decode import translator as tr_mod
 
     calls = []
-    real = tr_mod.decode_sources
-    monkeypatch.setattr(tr_mod, "decode_sources", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tr_mod.decode_ids
+    monkeypatch.setattr(tr_mod, "decode_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
     inp = tmp_path / "in.txt"
     inp.write_text("alpha bravo\n", encoding="utf-8")
     (tmp_path / "adir").mkdir()

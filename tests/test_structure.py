@@ -162,6 +162,20 @@ def test_every_module_has_a_layer_and_the_graph_is_not_vacuous(graph):
     assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.weights")
 
 
+def test_search_and_decoding_functions_take_at_most_8_parameters():
+    """Options travel as one object (DecodeOptions, SearchSpec), not as long parameter lists."""
+    wide = []
+    for path in [*(PKG / "search").rglob("*.py"), *(PKG / "decode").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                n = len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+                if n > 8:
+                    wide.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({n})")
+    assert wide == []
+
+
 def test_help_imports_no_torch():
     """`aiayn --help` and the parser never import PyTorch, which is what keeps them fast (the time itself is
     measured by ``python -m benchmarks.cli_startup``, not asserted here: a busy machine would fail it)."""

@@ -13,15 +13,16 @@ import sys
 
 import pytest
 import torch
+from conftest import spec_of  # tests/ is on sys.path under pytest
 
 import aiayn
 from aiayn import cli
 from aiayn.config import DEFAULT_DECODE_TOKENS, ConfigError, DecodeOptions
 from aiayn.data.batching import token_batches
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode import translator as translator_module
-from aiayn.decode.search import beam_search, greedy_search, max_lengths, score_tokens
-from aiayn.decode.translator import Translator, decode_batches, decode_sources, load
+from aiayn.decode.translator import Translator, load
+from aiayn.search import SearchSpec, beam_search, decode_batches, decode_ids, greedy_search, score_tokens
+from aiayn.search import sources as sources_module
 
 EOS = 3
 
@@ -69,8 +70,9 @@ def test_translate_equals_direct_beam_search(translator, sources):
     found = translator.translate_hypotheses(sources, nbest=3, max_tokens=200)
     for text, hyps in zip(sources, found):
         src = torch.tensor([tok.src.encode(text) + [EOS]])
-        ours = beam_search(model, src, beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty,
-                           max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, nbest=3)[0]
+        spec = spec_of(beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a,
+                       max_len_b=cfg.max_len_b, nbest=3)
+        ours = beam_search(model, src, spec=spec)[0]
         assert [h.ids for h in hyps] == [h.tokens for h in ours]
         # batched (padded) vs alone: the same tokens, floats equal up to rounding
         assert [h.score for h in hyps] == pytest.approx([h.score for h in ours], abs=1e-4)
@@ -88,16 +90,17 @@ def test_greedy_equals_direct_greedy_search_and_scores_match_beam(translator, so
     found = translator.translate_hypotheses(sources, beam=1, length_penalty="power", alpha=1.0)
     for text, hyps in zip(sources, found):
         src = torch.tensor([tok.src.encode(text) + [EOS]])
-        assert [h.ids for h in hyps] == greedy_search(model, src, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+        assert [h.ids for h in hyps] == greedy_search(model, src, spec=spec_of(max_len_a=cfg.max_len_a,
+                                                                               max_len_b=cfg.max_len_b))
     # The teacher-forced score of greedy outputs follows the search's conventions: re-scoring beam
     # hypotheses (ended by EOS or cut at the limit) gives back their logprob and penalized score.
     for text in sources[:4]:
         src = torch.tensor([tok.src.encode(text) + [EOS]])
-        hyps = beam_search(model, src, beam=4, alpha=1.0, length_penalty="power", max_len_a=cfg.max_len_a,
-                           max_len_b=cfg.max_len_b, nbest=4)[0]
-        limits = max_lengths(model, src != 0, cfg.max_len_a, cfg.max_len_b) * len(hyps)
-        src_n = src.expand(len(hyps), -1)
-        rescored = score_tokens(model, src_n, src_n != 0, [h.tokens for h in hyps], limits, 1.0, "power")
+        hyps = beam_search(model, src, spec=spec_of(beam=4, alpha=1.0, length_penalty="power",
+                                                    max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, nbest=4))[0]
+        src_n = src.expand(len(hyps), -1)  # the same source, hence the same step limit, for every hypothesis
+        spec = spec_of(alpha=1.0, length_penalty="power", max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+        rescored = score_tokens(model, src_n, src_n != 0, [h.tokens for h in hyps], spec)
         for h, r in zip(hyps, rescored):
             assert r.tokens == h.tokens
             assert r.logprob == pytest.approx(h.logprob, abs=1e-4)
@@ -115,8 +118,9 @@ def test_truncation_warns_with_the_line_number(translator, sources, caplog):
     # The cut source decodes exactly like its first `limit` ids given to the search directly.
     cfg, tok = translator.cfg.decode, translator.tokenizers
     src = torch.tensor([tok.src.encode(line)[:limit] + [EOS]])
-    best = beam_search(translator.model, src, beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty,
-                       max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)[0][0]
+    spec = spec_of(beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a,
+                   max_len_b=cfg.max_len_b)
+    best = beam_search(translator.model, src, spec=spec)[0][0]
     assert out[1] == tok.tgt.decode(best.tokens)
 
 
@@ -149,17 +153,17 @@ def test_decode_batches_fill_the_device_budget():
     assert {len(b) for b in sampled} == {20}  # rows are the draws when sampling
 
 
-def test_decode_sources_searches_the_token_budget_batches(translator, sources, monkeypatch):
+def test_decode_ids_searches_the_token_budget_batches(translator, sources, monkeypatch):
     seen = []
 
-    def record(model, src, src_mask, opts, specials, scores=True):
+    def record(model, src, src_mask, spec, scores=True):
         seen.append(sorted(src_mask.sum(1).tolist()))
         return [[] for _ in range(src.size(0))]
 
-    monkeypatch.setattr(translator_module, "search_batch", record)
+    monkeypatch.setattr(sources_module, "search_batch", record)
     ids = [translator.tokenizers.src.encode(t) for t in sources]
     opts = translator.options(max_tokens=4 * 30)
-    decode_sources(translator.model, ids, opts, translator.tokenizers.specials)
+    decode_ids(translator.model, ids, SearchSpec(opts, translator.tokenizers.specials))
     want = decode_batches([len(x) for x in ids], opts, "cpu")
     assert len(want) > 2 and seen == [sorted(len(ids[i]) + 1 for i in b) for b in want]
 

@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import spec_of  # noqa: E402  (tests/ is on sys.path under pytest)
 from PIL import Image  # noqa: E402
 
 from aiayn.cli import main  # noqa: E402
@@ -160,13 +161,14 @@ def test_attention_rows_sum_to_one_and_decoder_is_causal(tiny_run):
 
 
 def test_attention_without_target_uses_the_models_translation(tiny_run):
-    from aiayn.decode.search import greedy_search
     from aiayn.run_dir import load_run
+    from aiayn.search import greedy_search
 
     run = load_run(tiny_run)
     data = attention_data(run, SRC)
     src = torch.tensor([run.tokenizers.src.encode(SRC) + [3]])
-    ids = greedy_search(run.model, src, max_len_a=run.cfg.decode.max_len_a, max_len_b=run.cfg.decode.max_len_b)[0]
+    ids = greedy_search(run.model, src, spec=spec_of(max_len_a=run.cfg.decode.max_len_a,
+                                                     max_len_b=run.cfg.decode.max_len_b))[0]
     assert data.generated and data.tgt == run.tokenizers.tgt.decode(ids)
     assert data.maps["decoder_self"].weights.shape[-1] == len(ids) + 1
 

@@ -1,7 +1,7 @@
 """Language-model generation and summaries: ``aiayn generate``, ``aiayn summarize``, and :class:`Generator`.
 
 ``aiayn generate RUN --prompt TEXT`` continues the prompt with a language-model run and prints each
-token as it is produced (:func:`generate_text`): KV-cached decoding (:func:`aiayn.decode.search.sample`),
+token as it is produced (:func:`generate_text`): KV-cached decoding (:func:`aiayn.search.sample`),
 temperature 0 for greedy, top-k / top-p filtering, a seed for repeatable draws. The model's context is
 the block length it was trained on (``data.block_size``, at most ``model.max_positions``). A prompt
 that leaves no room for one new token in it is refused, unless ``slide`` asks to keep only its last
@@ -36,10 +36,10 @@ import torch
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.summarization import is_summary_lm, lm_prompt, one_line, separator_ids
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
-from aiayn.decode.search import sample
+from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
+from aiayn.search import SearchSpec, decode_ids, model_device, sample
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -110,10 +110,8 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
     if len(ids) + 1 > ctx and not slide:
         raise ConfigError(f"the prompt is {len(ids)} tokens but the model reads {ctx} at once (its training "
                           f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
-    temperature = opts.temperature if opts.sample else 0.0
-    tokens = sample(run.model, ids, new_token_limit(opts, "generate"), temperature=temperature, top_k=opts.top_k,
-                    top_p=opts.top_p, seed=opts.seed, eos_id=EOS_ID, context_limit=ctx,
-                    no_repeat_ngram=opts.no_repeat_ngram)
+    tokens = sample(run.model, ids, SearchSpec(opts, run.tokenizers.specials), new_token_limit(opts, "generate"),
+                    context_limit=ctx)
 
     def stream() -> Iterator[str]:
         text = TextStream(tok, ids)
@@ -136,6 +134,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
     stops = (cfg.data.separator.strip(), "\n")  # a second separator or a new line ends the summary too
     max_new = new_token_limit(opts, "summarize")
     reserve = min(max_new, ctx // 4)
+    spec = SearchSpec(opts.replace(sample=False), run.tokenizers.specials)  # greedy
     out = []
     for doc in documents:
         doc = one_line(doc)
@@ -144,8 +143,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
             continue
         found: list[int] = []
         text = ""
-        for t in sample(run.model, lm_prompt(tok, doc, sep, ctx - reserve), max_new, temperature=0.0,
-                        eos_id=EOS_ID, context_limit=ctx, no_repeat_ngram=opts.no_repeat_ngram):
+        for t in sample(run.model, lm_prompt(tok, doc, sep, ctx - reserve), spec, max_new, context_limit=ctx):
             found.append(t)
             text = tok.decode(found)
             if any(s in text for s in stops):
@@ -159,7 +157,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
 def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -> list[str]:
     """Summaries from an encoder-decoder run: documents cut to its positions, the options' search, at most
     ``opts.max_new_tokens`` (default 64) summary tokens."""
-    from aiayn.decode.translator import Translator, decode_sources
+    from aiayn.decode.translator import Translator
 
     tr = Translator(run.model, run.tokenizers, run.cfg, run.path)
     opts = opts.replace(max_len_a=0.0, max_len_b=new_token_limit(opts, "summarize"))
@@ -168,7 +166,7 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
         log.info("%d of %d documents cut to the model's %d source tokens", len(cut), len(documents),
                  tr.max_source_tokens)
     todo = [i for i, s in enumerate(ids) if s is not None]
-    found = decode_sources(run.model, [ids[i] for i in todo], opts, run.tokenizers.specials, scores=False)
+    found = decode_ids(run.model, [ids[i] for i in todo], SearchSpec(opts, run.tokenizers.specials), scores=False)
     out = [""] * len(documents)
     for i, hyps in zip(todo, found):
         out[i] = one_line(run.tokenizers.tgt.decode(hyps[0].tokens))
@@ -223,7 +221,7 @@ class Generator:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return model_device(self.model)
 
     def to(self, device: str | torch.device) -> Generator:
         """Move the model (``"auto"`` resolves as everywhere); returns self."""

@@ -36,18 +36,9 @@ import torch
 from torch import nn
 
 from aiayn.config import Config, DecodeOptions
-from aiayn.data.batching import pad_batch, token_batches
-from aiayn.data.tokenizer import SpecialIds, TokenizerPair
-from aiayn.decode.search import (
-    BannedTokens,
-    Hypothesis,
-    beam_search,
-    greedy_search,
-    max_lengths,
-    sample_search,
-    score_tokens,
-)
+from aiayn.data.tokenizer import TokenizerPair
 from aiayn.errors import ConfigError
+from aiayn.search import SearchSpec, decode_ids, model_device
 
 log = logging.getLogger("aiayn.translate")
 
@@ -61,61 +52,6 @@ class Translation:
     logprob: float
     tokens: list[str]
     ids: list[int]
-
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def search_batch(model: nn.Module, src: torch.Tensor, src_mask: torch.Tensor, opts: DecodeOptions,
-                 specials: SpecialIds, scores: bool = True) -> list[list[Hypothesis]]:
-    """The hypotheses of one padded batch, best first: src (B, S) ids (EOS included), src_mask (B, S).
-
-    ``opts.sample``: :func:`~aiayn.decode.search.sample_search`; beam 1: greedy search (its score and
-    logprob from a teacher-forced pass when ``scores``, else NaN); beam > 1: beam search."""
-    ids = dict(bos_id=specials.decoder_start, eos_id=specials.eos, pad_id=specials.pad)
-    if opts.ban_pad:
-        model = BannedTokens(model, [specials.pad])
-    lengths = dict(max_len_a=opts.max_len_a, max_len_b=opts.max_len_b, min_len=opts.min_len)
-    if opts.sample:
-        return sample_search(model, src, src_mask, nbest=opts.nbest, temperature=opts.temperature, top_k=opts.top_k,
-                             top_p=opts.top_p, seed=opts.seed, alpha=opts.alpha, length_penalty=opts.length_penalty,
-                             no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
-    if opts.beam == 1:  # nbest is 1: DecodeOptions allows no more hypotheses than the beam
-        found = greedy_search(model, src, src_mask, no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
-        if not scores:
-            return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
-        limits = max_lengths(model, src_mask, opts.max_len_a, opts.max_len_b)
-        return [[h] for h in score_tokens(model, src, src_mask, found, limits, opts.alpha, opts.length_penalty,
-                                          **ids)]
-    return beam_search(model, src, src_mask, beam=opts.beam, alpha=opts.alpha, length_penalty=opts.length_penalty,
-                       nbest=opts.nbest, stop=opts.stop, no_repeat_ngram=opts.no_repeat_ngram, **lengths, **ids)
-
-
-def decode_batches(lengths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
-    """The batches (lists of indices) :func:`decode_sources` searches, for sources of ``lengths`` tokens
-    (without EOS): sorted by length, each within ``len(batch) * (longest + 1) * rows <=
-    opts.batch_tokens(device_type)`` (rows: the beam, or the draws when sampling; a single longer
-    source forms its own batch). The budget is per device (``DEFAULT_DECODE_TOKENS``: a GPU gets
-    batches 8x the CPU's, so the search's matmuls fill it)."""
-    rows = opts.nbest if opts.sample else opts.beam
-    budget = max(1, opts.batch_tokens(device_type) // rows)
-    return token_batches(list(lengths), None, budget, shuffle=False)
-
-
-def decode_sources(model: nn.Module, sources: Sequence[Sequence[int]], opts: DecodeOptions,
-                   specials: SpecialIds = SpecialIds(), scores: bool = True) -> list[list[Hypothesis]]:
-    """Search every source (ids without EOS) and return its hypotheses, best first, in input order,
-    in the token-budget batches of :func:`decode_batches`. The model must be in eval mode."""
-    device = model_device(model)
-    out: list[list[Hypothesis]] = [[] for _ in sources]
-    if not sources:
-        return out
-    for idx in decode_batches([len(s) for s in sources], opts, device.type):
-        src = pad_batch([list(sources[i]) + [specials.eos] for i in idx], specials.pad).to(device)  # (B, S)
-        for i, hyps in zip(idx, search_batch(model, src, src != specials.pad, opts, specials, scores)):
-            out[i] = hyps
-    return out
 
 
 class Translator:
@@ -176,7 +112,7 @@ class Translator:
         ``first_line`` numbers the warnings of cut texts (a stream passes its position)."""
         ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
-        found = decode_sources(self.model, [ids[i] for i in todo], opts, self.tokenizers.specials, scores)
+        found = decode_ids(self.model, [ids[i] for i in todo], SearchSpec(opts, self.tokenizers.specials), scores)
         out: list[list[Translation]] = [[] for _ in texts]
         tgt = self.tokenizers.tgt
         for i, hyps in zip(todo, found):

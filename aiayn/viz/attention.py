@@ -18,6 +18,7 @@ import torch
 from aiayn.config import ConfigError
 from aiayn.data.tokenizer import SPECIAL_PIECES
 from aiayn.run_dir import Run, load_run
+from aiayn.search import SearchSpec, decode_ids, model_device
 
 log = logging.getLogger("aiayn.viz")
 
@@ -80,7 +81,7 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, devi
         raise ConfigError("viz attention: --src TEXT is required and must not be empty")
     src_ids = tok.src.encode(src)
     limit = cfg.model.max_positions
-    dev = next(model.parameters()).device
+    dev = model_device(model)
     if cfg.task == "lm":
         if tgt is not None:
             log.warning("viz attention: %s is a language model; --tgt is ignored", run.path)
@@ -96,11 +97,9 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, devi
         raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens with </s>, the model takes {limit}")
     src_t = torch.tensor([src_ids], device=dev)  # (1, S)
     generated = tgt is None
-    if generated:
-        from aiayn.decode.search import greedy_search
-
-        tgt_ids = greedy_search(model, src_t, max_len_a=cfg.decode.max_len_a, max_len_b=cfg.decode.max_len_b,
-                                bos_id=sp.decoder_start, eos_id=sp.eos, pad_id=sp.pad)[0]
+    if generated:  # what `aiayn translate --beam 1` gives (the same decoding: banned ids, limits, n-grams)
+        spec = SearchSpec(cfg.decode.replace(beam=1, nbest=1, sample=False), sp)
+        tgt_ids = decode_ids(model, [src_ids[:-1]], spec, scores=False)[0][0].tokens
         tgt = tok.tgt.decode(tgt_ids)
     else:
         tgt_ids = tok.tgt.encode(tgt)

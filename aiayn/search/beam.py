@@ -1,0 +1,212 @@
+"""Batched beam search with a KV cache and length penalties by name.
+
+Shapes: B batch (sentences), n live sentences, N beam size, S source length, t tokens produced, V vocabulary;
+rows are sentence-major: row = sentence * N + beam.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.search.common import (
+    LENGTH_PENALTIES,
+    NEG_INF,
+    STOP_RULES,
+    Hypothesis,
+    length_penalty_denominator,
+    new_cache,
+    score_dtype,
+    waits_are_free,
+)
+from aiayn.search.processing import LogitsProcessor
+from aiayn.search.spec import SearchSpec, max_lengths
+
+
+class _Finished:
+    """The N best finished hypotheses of each live sentence, on the device: what the search keeps instead
+    of Python lists, so a step needs no transfer. Rows are the live sentences; ``store`` holds every
+    sentence's pool (written when sentences leave the batch) for the one transfer at the end.
+
+    Order: penalized score, best first; equal scores keep the earlier hypothesis first (an earlier step,
+    or within a step an earlier candidate of the top-k), as inserting one by one after equal scores would.
+    """
+
+    def __init__(self, B: int, N: int, steps: int, device: torch.device) -> None:
+        self.N = N
+        self.score = torch.full((B, N), NEG_INF, dtype=score_dtype(device), device=device)  # -inf: empty slot
+        self.logprob = torch.zeros(B, N, device=device)
+        self.length = torch.zeros(B, N, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(B, N, steps, dtype=torch.long, device=device)
+        self.store = [x.clone() for x in (self.score, self.logprob, self.length, self.tokens)]
+
+    @property
+    def worst(self) -> Tensor:
+        """(n,) the score of the N-th best (-inf while a pool is not full)."""
+        return self.score[:, -1]
+
+    def offer(self, score: Tensor, logprob: Tensor, seqs: Tensor, lengths: Tensor) -> None:
+        """Merge k new hypotheses per sentence: score (n, k) of :func:`score_dtype` (-inf: not a hypothesis),
+        logprob (n, k), seqs (n, k, w) tokens (the first ``lengths`` (n, k) count), w >= every length."""
+        n, w = score.size(0), seqs.size(2)
+        both = torch.cat([self.score, score], 1)
+        order = both.sort(dim=1, descending=True, stable=True).indices[:, : self.N]
+        self.score = both.gather(1, order)
+        self.logprob = torch.cat([self.logprob, logprob], 1).gather(1, order)
+        self.length = torch.cat([self.length, lengths], 1).gather(1, order)
+        both = torch.cat([self.tokens[:, :, :w], seqs], 1)  # (n, N + k, w): pooled tokens end before w
+        self.tokens[:, :, :w] = both.gather(1, order[:, :, None].expand(n, self.N, w))
+
+    def save_and_keep(self, sent: Tensor, keep: Tensor) -> None:
+        """Write the pools of the live sentences ``sent`` (n,) to the store; keep rows ``keep``."""
+        fields = (self.score, self.logprob, self.length, self.tokens)
+        for stored, x in zip(self.store, fields):
+            stored.index_copy_(0, sent, x)
+        self.score, self.logprob, self.length, self.tokens = (x.index_select(0, keep) for x in fields)
+
+    def hypotheses(self, nbest: int) -> list[list[Hypothesis]]:
+        """Every sentence's best ``nbest`` from the store (one transfer)."""
+        score, logprob, length, tokens = (x[:, :nbest].tolist() for x in self.store)
+        return [[Hypothesis(tok[:n], s, lp) for s, lp, n, tok in zip(*row) if s != NEG_INF]
+                for row in zip(score, logprob, length, tokens)]
+
+
+def _stop_bound(best_live: Tensor, length: int, limit_denominator: Tensor, spec: SearchSpec) -> Tensor:
+    """(n,): upper bound on the penalized score any continuation of a live beam can still finish with;
+    best_live (n,) (:func:`score_dtype`) is the best live summed logprob, ``length`` |Y| of the live beams now.
+
+    ``exact``: a continuation finishes with |Y'| in [length+1, limit] and logprob' <= best_live <= 0, so
+    its score is at most best_live divided by the largest denominator over that range; the penalties are
+    monotone in |Y|, so it sits at an end (alpha >= 0: at the limit, whose denominator is
+    ``limit_denominator`` (n,); alpha < 0: at length+1); the max of both ends also covers a logprob
+    rounded a hair above 0 (log_softmax of p ~ 1). A sentence at its limit is done whatever this says.
+    ``hf``: Hugging Face's default heuristic (early_stopping=False) divides by the denominator at the
+    *current* length; with alpha > 0 a longer hypothesis can still beat it, so that rule may stop
+    before the best hypothesis is found.
+    """
+    alpha, kind = spec.options.alpha, spec.options.length_penalty
+    if spec.options.stop == "hf":
+        return best_live / length_penalty_denominator(length, alpha, kind)
+    return torch.maximum(best_live / length_penalty_denominator(length + 1, alpha, kind),
+                         best_live / limit_denominator)
+
+
+def _check(spec: SearchSpec) -> None:
+    o = spec.options
+    if o.length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"unknown length penalty {o.length_penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
+    if o.stop not in STOP_RULES:
+        raise ValueError(f"unknown stop rule {o.stop!r}; expected one of {', '.join(STOP_RULES)}")
+    if o.beam < 1 or not 1 <= o.nbest <= o.beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam (got beam={o.beam}, nbest={o.nbest})")
+
+
+@torch.no_grad()
+def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
+                spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
+    """Batched beam search with a KV cache. src (B, S) ids, src_mask (B, S) bool (default ``src != spec.pad``).
+
+    Returns, per sentence, up to ``nbest`` finished :class:`Hypothesis`, best (highest penalized score) first.
+    The spec's options: ``beam`` N, ``nbest``, ``alpha`` and ``length_penalty``, ``stop``, the lengths,
+    ``min_len``, ``no_repeat_ngram``, ``ban_pad``. The rules are those of fairseq and Hugging Face, so results
+    can be compared:
+
+    * The encoder runs once; memory, its mask and the cache hold B*N rows, and the cache is reordered
+      with ``cache.reorder`` after every step. At the first step only beam 0 of each sentence is live
+      (the others start at -inf) so N copies of the same prefix are not expanded.
+    * Each step keeps the 2N best (beam, token) candidates by summed logprob. A candidate ending in
+      EOS among the first N of them becomes a finished hypothesis (EOS candidates ranked lower are
+      dropped); the N best non-EOS candidates are the next live beams. At a sentence's max_len the
+      first N candidates are all finalized, EOS or not.
+    * Each sentence keeps its N best finished hypotheses by penalized score (see
+      :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
+      still beat its worst member, judged by ``stop``:
+      ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
+      every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
+      for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
+      ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
+      returns the same hypotheses as ``exact``.) Done sentences leave the batch.
+    * ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
+      are set to -inf before the top-k, as fairseq and Hugging Face do).
+
+    Built for a GPU: the finished hypotheses stay on the device (:class:`_Finished`) and the cache is
+    written in place, so a step waits for the device once, to learn which sentences are done (n-gram
+    blocking adds a transfer of the beams' tokens); the hypotheses come back in one transfer at the end.
+    Scores are float32 sums of float32 log-probabilities whatever the model's dtype; penalized scores
+    and the stopping bound are float64, as Python floats were (float32 on MPS, which has no float64).
+    """
+    _check(spec)
+    o = spec.options
+    if src_mask is None:
+        src_mask = src != spec.pad
+    device = src.device
+    process = LogitsProcessor(spec, device)
+    free_waits, sdt = waits_are_free(device), score_dtype(device)
+    B, N = src.size(0), o.beam
+    limits = max_lengths(model, src_mask, spec)
+    memory = model.encode(src, src_mask)  # (B, S, D)
+    rows = torch.arange(B, device=device).repeat_interleave(N)
+    memory, mem_mask = memory.index_select(0, rows), src_mask.index_select(0, rows)  # (B*N, S, D), (B*N, S)
+    cache = new_cache(model, max(limits))
+    tokens = torch.full((B * N, 1), spec.bos, dtype=torch.long, device=device)  # (B*N, 1 + t)
+    scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
+    scores[:, 0] = 0.0
+    sent = torch.arange(B, device=device)  # (n,) original sentence of each live group of N rows
+    limit = torch.tensor(limits, device=device)  # (n,) step limits
+    limit_den = torch.tensor([length_penalty_denominator(m, o.alpha, o.length_penalty) for m in limits],
+                             dtype=sdt, device=device)  # (n,) their length-penalty denominators
+    finished = _Finished(B, N, max(limits), device)
+    beams = torch.arange(N, device=device)
+    offsets = torch.arange(B, device=device)[:, None] * N  # (B, 1) first row of each group; live rows are 0..n-1
+    t = 0  # tokens produced so far by every live beam
+    while True:
+        n = scores.size(0)
+        logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (n*N, V)
+        lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
+        V = lprobs.size(-1)
+        cand = (scores.unsqueeze(-1) + lprobs.view(n, N, V)).view(n, N * V)
+        top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+        top_beam, top_tok = top_idx // V, top_idx % V
+        length = t + 1  # |Y| of every candidate of this step
+        is_eos = top_tok == spec.eos
+        at_limit = limit <= length  # (n,)
+
+        # Finished hypotheses: EOS among the first N candidates, or all first N at the limit.
+        lp, eos = top_lp[:, :N], is_eos[:, :N]
+        new = (eos | at_limit[:, None]) & (lp > NEG_INF)
+        if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
+            den = length_penalty_denominator(length, o.alpha, o.length_penalty)
+            penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
+            prefix = tokens[:, 1:].view(n, N, t).gather(1, top_beam[:, :N, None].expand(n, N, t))  # (n, N, t)
+            finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
+
+        # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
+        live_lp = top_lp.masked_fill(is_eos, NEG_INF)
+        order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
+        new_scores = live_lp.gather(1, order)
+        src_rows = offsets[:n] + top_beam.gather(1, order)  # (n, N)
+        new_tok = top_tok.gather(1, order)
+
+        best_live = new_scores[:, 0]
+        bound = _stop_bound(best_live.to(sdt), length, limit_den, spec)
+        # done: at the limit, no live beam can produce anything finite, or none can beat a full pool
+        done = at_limit | (best_live == NEG_INF) | ((finished.worst > NEG_INF) & (bound <= finished.worst))
+        keep = (~done).nonzero().squeeze(1)  # (n',) the step's one wait for the device
+        if keep.numel() < n:
+            finished.save_and_keep(sent, keep)
+            if keep.numel() == 0:
+                break
+            src_rows, new_tok, new_scores = src_rows[keep], new_tok[keep], new_scores[keep]
+            sent, limit, limit_den = sent[keep], limit[keep], limit_den[keep]
+            # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
+            # when a sentence leaves the batch, not on every step's beam reorder.
+            sent_rows = (keep[:, None] * N + beams).reshape(-1)
+            cache.reorder_cross(sent_rows)
+            memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
+        next_rows = src_rows.reshape(-1)  # (n'*N,) beam reorder and dropped sentences
+        cache.reorder(next_rows, cross=False)
+        tokens = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1)
+        scores = new_scores
+        t += 1
+    return finished.hypotheses(o.nbest)

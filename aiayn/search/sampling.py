@@ -1,0 +1,145 @@
+"""Sampling: independent draws per source sentence for an encoder-decoder (:func:`sample_search`), and the
+token stream of a language model (:func:`sample`).
+
+Shapes: B batch, R = B * nbest rows (draw j of sentence i is row i * nbest + j), S source length, t tokens
+produced, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.search.common import Hypothesis, model_device, new_cache, penalized_score
+from aiayn.search.processing import LogitsProcessor
+from aiayn.search.spec import SearchSpec, max_lengths
+
+
+def _draw(process: LogitsProcessor, logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:
+    """Token ids (R,) from logits (R, V): argmax at temperature 0, else a draw after the filters."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(process.filtered(logits).softmax(dim=-1), 1, generator=gen).squeeze(1)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """One generator for the whole call, seeded (None: torch's global RNG)."""
+    return torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+
+
+@torch.no_grad()
+def sample_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
+                  spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
+    """Sampling for an encoder-decoder: ``nbest`` independent draws per sentence, best score first.
+
+    src (B, S) ids, src_mask (B, S) bool. Each step draws from softmax(logits / temperature) after top-k then
+    top-p filtering (temperature 0: argmax, so nbest draws are equal); EOS is forbidden before ``min_len``
+    tokens and n-grams are blocked as in greedy search. One ``torch.Generator`` seeded by ``seed`` serves the
+    whole call (None: torch's global RNG), so the same inputs in the same batch give the same draws.
+    ``logprob`` sums the model's own log-probabilities (temperature 1, no filtering) of the drawn tokens, EOS
+    included, and ``score`` is it length-penalized as in beam search. As greedy search, each step waits for
+    the device once (which rows ended); the draws come back in one transfer at the end.
+    """
+    o = spec.options
+    if o.temperature < 0 or o.nbest < 1:
+        raise ValueError(f"need temperature >= 0 and nbest >= 1 (got {o.temperature}, {o.nbest})")
+    if src_mask is None:
+        src_mask = src != spec.pad
+    device = src.device
+    process = LogitsProcessor(spec, device)
+    limits = max_lengths(model, src_mask, spec)
+    rows = torch.arange(src.size(0), device=device).repeat_interleave(o.nbest)
+    mem_mask = src_mask.index_select(0, rows)
+    memory = model.encode(src, src_mask).index_select(0, rows)  # (R, S, D)
+    gen = _generator(o.seed, device)
+    R, steps = rows.numel(), max(limits)
+    live = torch.arange(R, device=device)  # original row of each live row
+    limit = torch.tensor(limits, device=device).repeat_interleave(o.nbest)  # (R',) step limit of each live row
+    tokens = torch.full((R, 1), spec.bos, dtype=torch.long, device=device)  # (R', 1 + t)
+    logprob = torch.zeros(R, device=device)  # (R',) summed log-probabilities of the live rows
+    cache = new_cache(model, steps)
+    out = torch.zeros(R, steps, dtype=torch.long, device=device)  # tokens of ended rows
+    out_len = torch.zeros(R, dtype=torch.long, device=device)  # their lengths without EOS
+    out_steps = torch.zeros(R, dtype=torch.long, device=device)  # their |Y| (EOS counted)
+    out_lp = torch.zeros(R, device=device)
+    t = 0
+    while True:
+        logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1]).float()  # (R', V)
+        process.constrain(logits, tokens[:, 1:], t)
+        lprobs = torch.log_softmax(logits, dim=-1)
+        nxt = _draw(process, logits, o.temperature, gen)  # (R',)
+        logprob = logprob + lprobs.gather(1, nxt[:, None]).squeeze(1)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        ended = nxt == spec.eos
+        keep = (~(ended | (limit <= t + 1))).nonzero().squeeze(1)  # the step's one wait for the device
+        if keep.numel() < live.numel():
+            # Record every live row (the ended ones are final; the others are overwritten later).
+            out[:, : t + 1].index_copy_(0, live, tokens[:, 1:])
+            out_len.index_copy_(0, live, t + 1 - ended.long())
+            out_steps.index_copy_(0, live, torch.full_like(live, t + 1))
+            out_lp.index_copy_(0, live, logprob)
+            if keep.numel() == 0:
+                break
+            tokens, memory, mem_mask, logprob = tokens[keep], memory[keep], mem_mask[keep], logprob[keep]
+            live, limit = live[keep], limit[keep]
+            cache.reorder(keep)
+        t += 1
+    draws = [Hypothesis(seq[:n], penalized_score(lp, y, o.alpha, o.length_penalty), lp)
+             for seq, n, y, lp in zip(out.tolist(), out_len.tolist(), out_steps.tolist(), out_lp.tolist())]
+    # best score first; a stable sort keeps the draw order of equal scores
+    return [sorted(draws[i * o.nbest:(i + 1) * o.nbest], key=lambda h: -h.score) for i in range(src.size(0))]
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSpec, max_new_tokens: int,
+           context_limit: int | None = None, use_cache: bool = True) -> Iterator[int]:
+    """Stream up to ``max_new_tokens`` ids from a language model, one at a time, after ``prompt`` (a list of
+    ids, a (T,) or a (1, T) tensor; not empty: start it with BOS if the model expects one).
+
+    The spec's ``temperature`` (0 unless ``options.sample``: greedy), then top-k, then top-p filtering, then a
+    draw with a ``torch.Generator`` seeded by ``seed`` (None: torch's global RNG). Generation stops after the
+    spec's EOS, which is not yielded. The prompt is prefilled in one call, then one token per step with the
+    cache. The model sees at most ``context_limit`` tokens (default: its ``cfg.max_positions``); once the text
+    is longer, each step re-decodes the last ``context_limit`` tokens without a cache (absolute positions
+    cannot slide inside a cache), as nanoGPT does. ``no_repeat_ngram`` n > 0 forbids repeating an n-gram of
+    the generated tokens (the prompt may be copied from freely); ``min_len`` forbids EOS before that many.
+    """
+    device = model_device(model)
+    process = LogitsProcessor(spec, device)
+    tokens = torch.as_tensor(prompt, dtype=torch.long, device=device).reshape(1, -1)  # (1, T)
+    if tokens.size(1) == 0:
+        raise ValueError("sample needs a non-empty prompt (e.g. [bos_id])")
+    if context_limit is None:
+        context_limit = getattr(getattr(model, "cfg", None), "max_positions", None)
+    gen = _generator(spec.options.seed, device)
+    steps = tokens.size(1) + max_new_tokens
+    cache = new_cache(model, min(steps, context_limit or steps)) if use_cache else None
+    pending = tokens  # (1, t): tokens the cache has not seen yet
+    cached = 0
+    produced: list[int] = []
+    for _ in range(max_new_tokens):
+        if cache is not None and context_limit is not None and cached + pending.size(1) > context_limit:
+            cache = None  # past the position table: from here on, slide a window
+        if cache is not None:
+            logits = model.decode(pending, None, None, cache)[:, -1]  # (1, V)
+            cached += pending.size(1)
+        else:
+            window = tokens if context_limit is None else tokens[:, -context_limit:]
+            logits = model.decode(window, None, None, None)[:, -1]
+        logits = process.constrain(process.ban(logits).float(), torch.tensor([produced], dtype=torch.long),
+                                   len(produced))
+        tok = int(_draw(process, logits, spec.temperature, gen))
+        if tok == spec.eos:
+            return
+        yield tok
+        produced.append(tok)
+        pending = torch.tensor([[tok]], dtype=torch.long, device=device)
+        tokens = torch.cat([tokens, pending], dim=1)
+
+
+def sample_list(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSpec, max_new_tokens: int,
+                **kwargs) -> list[int]:
+    """:func:`sample` collected into a list (same arguments)."""
+    return list(sample(model, prompt, spec, max_new_tokens, **kwargs))

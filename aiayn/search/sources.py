@@ -1,0 +1,62 @@
+"""The one id-level "decode these sources": token-budget batches sorted by length, the search the options
+name, results in input order. The translator, training's validation BLEU and the attention explorer all
+decode through :func:`decode_ids`, so they agree (banned ids, lengths, n-gram blocking included).
+
+Shapes: B batch, S source length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from aiayn.config import DecodeOptions
+from aiayn.data.batching import pad_batch, token_batches
+from aiayn.search.beam import beam_search
+from aiayn.search.common import Hypothesis, model_device
+from aiayn.search.greedy import greedy_search, score_tokens
+from aiayn.search.sampling import sample_search
+from aiayn.search.spec import SearchSpec
+
+
+def search_batch(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool = True
+                 ) -> list[list[Hypothesis]]:
+    """The hypotheses of one padded batch, best first: src (B, S) ids (EOS included), src_mask (B, S).
+
+    ``options.sample``: :func:`~aiayn.search.sampling.sample_search`; beam 1: greedy search (its score and
+    logprob from a teacher-forced pass when ``scores``, else NaN); beam > 1: beam search."""
+    if spec.options.sample:
+        return sample_search(model, src, src_mask, spec)
+    if spec.options.beam == 1:  # nbest is 1: DecodeOptions allows no more hypotheses than the beam
+        found = greedy_search(model, src, src_mask, spec)
+        if not scores:
+            return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
+        return [[h] for h in score_tokens(model, src, src_mask, found, spec)]
+    return beam_search(model, src, src_mask, spec)
+
+
+def decode_batches(lengths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
+    """The batches (lists of indices) :func:`decode_ids` searches, for sources of ``lengths`` tokens (without
+    EOS): sorted by length, each within ``len(batch) * (longest + 1) * rows <= opts.batch_tokens(device_type)``
+    (rows: the beam, or the draws when sampling; a single longer source forms its own batch). The budget is
+    per device (``DEFAULT_DECODE_TOKENS``: a GPU gets batches 8x the CPU's, so the search's matmuls fill it)."""
+    rows = opts.nbest if opts.sample else opts.beam
+    budget = max(1, opts.batch_tokens(device_type) // rows)
+    return token_batches(list(lengths), None, budget, shuffle=False)
+
+
+def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchSpec, scores: bool = True
+               ) -> list[list[Hypothesis]]:
+    """Search every source (ids without EOS; the spec's EOS is appended) and return its hypotheses, best first,
+    in input order, in the token-budget batches of :func:`decode_batches`. The model must be in eval mode.
+    ``scores=False`` spares greedy search the teacher-forced pass that scores its outputs."""
+    device = model_device(model)
+    out: list[list[Hypothesis]] = [[] for _ in sources]
+    if not sources:
+        return out
+    for idx in decode_batches([len(s) for s in sources], spec.options, device.type):
+        src = pad_batch([list(sources[i]) + [spec.eos] for i in idx], spec.pad).to(device)  # (B, S)
+        for i, hyps in zip(idx, search_batch(model, src, src != spec.pad, spec, scores)):
+            out[i] = hyps
+    return out
