@@ -51,7 +51,7 @@ class ModelConfig:
     norm_first: bool = False  # False: post-LN as the paper; True: pre-LN + final LayerNorm
     layer_norm_eps: float = 1e-5
     positional: str = "sinusoidal"  # sinusoidal (paper) | learned (Table 3 row E)
-    positional_layout: str = "interleaved"  # interleaved (eq. 4-5) | concat (sin half | cos half)
+    positional_layout: str = "interleaved"  # interleaved (section 3.5) | concat (sin half | cos half)
     max_positions: int = 1024
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
     share_embeddings: bool = True  # one matrix for source and target embeddings

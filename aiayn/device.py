@@ -78,30 +78,10 @@ def resolve_precision(precision: str, device: torch.device, training: bool) -> s
     return precision
 
 
-def configure_cuda(device: torch.device) -> None:
-    """Choose the speed paths of CUDA once per process, before the first forward pass (training and
-    inference); nothing happens on other devices.
-
-    Scaled dot-product attention: flash and memory-efficient attention on, the cuDNN backend off.
-    cuDNN builds a new execution plan for every new (batch, length) shape, and token-budget batches have
-    a new shape almost every update: on an H100 (torch 2.11, issue 20) ``aten::_cudnn_attention_forward``
-    cost 60-70 ms of host time per call for ~1 ms of GPU work, and turning the backend off alone made
-    eager training of paper-base 6x faster. The math backend stays on as the fallback for inputs the
-    fused kernels refuse (PyTorch picks it last). TF32 matmuls are left as PyTorch sets them (off), so
-    ``precision: fp32`` means fp32; bf16 / fp16 autocast is the fast path.
-    """
-    if device.type != "cuda":
-        return
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_flash_sdp(True)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
-
-
 def move_module(module: torch.nn.Module, device: str | torch.device) -> torch.device:
-    """Move ``module`` to ``device`` (``"auto"`` resolves as everywhere; checked first), with CUDA's speed
-    paths chosen (:func:`configure_cuda`); returns the resolved device."""
+    """Move ``module`` to ``device`` (``"auto"`` resolves as everywhere; checked first); returns the resolved
+    device."""
     dev = resolve_device(device)
-    configure_cuda(dev)
     module.to(dev)
     return dev
 
@@ -114,6 +94,5 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "configure_cuda", "move_module", "resolve_device",
-    "resolve_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "move_module", "resolve_device", "resolve_precision",
 ]

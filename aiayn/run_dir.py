@@ -10,7 +10,8 @@ from torch import nn
 
 from aiayn.config import Config, ConfigError, load_config
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import DTYPES, move_module, resolve_device, resolve_precision
+from aiayn.device import DTYPES, resolve_device, resolve_precision
+from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
 from aiayn.weights import inference_weights_path, load_weights
@@ -55,5 +56,5 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))
     model.to(dtype=dtype)
-    move_module(model, dev)  # with cuDNN attention off on CUDA: it re-plans for every batch shape (issue 21)
+    prepare_model(model, dev, training=False)
     return Run(run_dir, cfg, model.eval(), tok)

@@ -33,7 +33,7 @@ def main() -> None:
     if args.set_threads:
         torch.set_num_threads(args.set_threads)
     print(f"threads {torch.get_num_threads()} (set explicitly: {bool(args.set_threads)})")
-    from aiayn.model.attention import cpu_attention_path, scaled_dot_product_attention
+    from aiayn.model.attention import scaled_dot_product_attention
 
     for B, H, T, K in SHAPES:
         q, k, v = (torch.randn(B, H, T, K, requires_grad=True) for _ in range(3))
@@ -44,9 +44,9 @@ def main() -> None:
             mask = None if causal else (torch.arange(T)[None, :] < lengths[:, None])[:, None, None]
             times = {}
             for name in ("fused", "explicit"):
-                with cpu_attention_path(name):
-                    times[name] = bench(lambda q=q, k=k, v=v, m=mask, c=causal, g=g: torch.autograd.backward(
-                        scaled_dot_product_attention(q, k, v, m, is_causal=c)[0], g))
+                times[name] = bench(lambda q=q, k=k, v=v, m=mask, c=causal, g=g, f=name == "fused":
+                                    torch.autograd.backward(scaled_dot_product_attention(q, k, v, m, is_causal=c,
+                                                                                         fused=f)[0], g))
             row.append(f"{'causal' if causal else 'padding'}: fused {times['fused']:.2f} ms, explicit "
                        f"{times['explicit']:.2f} ms ({times['fused'] / times['explicit']:.2f}x)")
         print(f"attention fwd+bwd {(B, H, T, K)}  " + " | ".join(row))

@@ -35,6 +35,7 @@ the reference of issue 20's goals, and ``--compile`` adds aiayn under ``torch.co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -44,7 +45,8 @@ from typing import Any
 import torch
 
 from aiayn.data.batching import Batch
-from aiayn.device import DTYPES, configure_cuda
+from aiayn.device import DTYPES
+from aiayn.engine import attention_path, kernels
 from aiayn.model.transformer import count_parameters
 from benchmarks import common, flops
 from benchmarks.flops import batch_training_flops, sentence_forward_flops  # noqa: F401  (re-exported)
@@ -77,10 +79,9 @@ def counted_training_flops(model: torch.nn.Module, batch: Batch, device: torch.d
     on CUDA the counter has formulas for the fused attention kernels."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from aiayn.model.attention import cpu_attention_path
-
     update = updater(model, device, precision)
-    with cpu_attention_path("explicit"), FlopCounterMode(display=False) as counter:
+    explicit = attention_path(model, "explicit") if device.type == "cpu" else contextlib.nullcontext()
+    with explicit, FlopCounterMode(display=False) as counter:
         update(batch)
     return int(counter.get_total_flops())
 
@@ -193,8 +194,9 @@ def measure(args: argparse.Namespace, preset: str, lengths: str, impl: str, devi
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, loss_fn = build_training(impl, cfg, args.seed, args.compile_mode)
-    r = time_training(model, batches, args.warmup, args.seed, device, args.precision, loss_fn)
+    model, loss_fn = build_training(impl, cfg, args.seed, args.compile_mode, device)
+    with kernels(device):
+        r = time_training(model, batches, args.warmup, args.seed, device, args.precision, loss_fn)
     model_flops = sum(flops.batch_training_flops(cfg, b) for b in timed)
     executed = sum(flops.batch_training_flops(cfg, b, padded=True) for b in timed)
     entry = {
@@ -234,7 +236,6 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
         "benchmark": section, "date": common.utc_now(), "command": command or common.command_line(NAME, argv),
         "machine": common.machine_info(threads), "args": vars(args), "configs": [],
     }
-    configure_cuda(device)
     dtype = DTYPES[args.precision] if accelerator else torch.float32
     sizes = args.peak_sizes or (flops.CUDA_PEAK_SIZES if accelerator else flops.CPU_PEAK_SIZES)
     print(f"[{NAME}] measuring the {dtype} matmul peak of {device} ...", file=sys.stderr, flush=True)

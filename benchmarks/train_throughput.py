@@ -47,7 +47,8 @@ from torch import Tensor, nn
 
 from aiayn.config import COMPILE_MODES, Config, ModelConfig, TrainConfig, model_config
 from aiayn.data.batching import Batch
-from aiayn.device import DTYPES, autocast_context, configure_cuda
+from aiayn.device import DTYPES, autocast_context
+from aiayn.engine import kernels, prepare_model
 from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 from aiayn.train.loss import label_smoothed_cross_entropy
@@ -167,12 +168,15 @@ def build_impl(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "
     return build_training(impl, cfg, seed, compile_mode)[0]
 
 
-def build_training(impl: str, cfg: ModelConfig, seed: int = 1,
-                   compile_mode: str = "default") -> tuple[nn.Module, LossFn]:
-    """``impl`` and the loss it trains with: aiayn's loss for all, compiled with the model for
-    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.trainer.compile_for_training`)."""
+def build_training(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "default",
+                   device: str | torch.device = "cpu") -> tuple[nn.Module, LossFn]:
+    """``impl`` on ``device`` and the loss it trains with: aiayn's loss for all, compiled with the model for
+    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.trainer.compile_for_training`).
+    aiayn's model gets the engine's training choices for the device, as the trainer gives it."""
     torch.manual_seed(seed)
     ours = Transformer(cfg)
+    if impl in ("aiayn", COMPILED):
+        prepare_model(ours, device, training=True)
     if impl == "aiayn":
         return ours, label_smoothed_cross_entropy
     if impl == COMPILED:
@@ -309,7 +313,6 @@ def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: in
     (on CUDA also the peak of GPU memory allocated while it trains)."""
     common.set_threads(threads)
     dev = torch.device(device)
-    configure_cuda(dev)  # the same attention backends for every implementation
     # One throwaway update of a tiny model of the same kind first, so that library code loaded on first
     # use (transformers modules, autograd and optimizer paths, CUDA kernels) is in the baseline, not the peak.
     primer_cfg = bench_config("smoke")
@@ -322,8 +325,9 @@ def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: in
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     base = current_rss_mib()
-    model, loss_fn = build_training(impl, cfg, seed, compile_mode)
-    out = time_training(model, batches, warmup, seed, dev, precision, loss_fn)
+    model, loss_fn = build_training(impl, cfg, seed, compile_mode, dev)
+    with kernels(dev):  # the same attention backends for every implementation
+        out = time_training(model, batches, warmup, seed, dev, precision, loss_fn)
     out.update(impl=impl, rss_before_model_mib=base, peak_rss_mib=peak_rss_mib())
     out["training_memory_mib"] = out["peak_rss_mib"] - base
     if dev.type == "cuda":
@@ -432,7 +436,7 @@ def markdown_accelerator(result: dict[str, Any]) -> str:
         f"- Work: one update = batch copy to the GPU + {a['precision']} autocast forward + label-smoothed "
         f"cross entropy (eps {LABEL_SMOOTHING}) + backward + Adam (fused), all through "
         "`aiayn.train.trainer.train_update`; the cuDNN attention backend off for every implementation "
-        "(`aiayn.device.configure_cuda`); `aiayn + torch.compile` compiles the model and the loss as "
+        "(`aiayn.engine.kernels`); `aiayn + torch.compile` compiles the model and the loss as "
         f"`train.compile: true` does (mode {a['compile_mode']}).",
         f"- Data: batches of <= {a['max_tokens']} tokens (padded lengths counted), the same batches in the "
         f"same order for every implementation; {a['warmup']} warm-up + {a['steps']} timed updates.",

@@ -20,12 +20,12 @@ from aiayn import build_model, model_config
 from aiayn.config import ConfigError, load_config
 from aiayn.data.batching import batch_shape, collate, padded_length, token_batches
 from aiayn.data.pipeline import TranslationData
-from aiayn.device import configure_cuda, resolve_precision
+from aiayn.device import resolve_precision
+from aiayn.engine import attention_path, kernels, use_fused_optimizer
 from aiayn.errors import DeviceError
-from aiayn.model.attention import cpu_attention_path
 from aiayn.train import loss as loss_module
 from aiayn.train.loss import label_smoothed_cross_entropy
-from aiayn.train.schedule import build_optimizer, use_fused_optimizer
+from aiayn.train.schedule import build_optimizer
 from aiayn.train.trainer import (
     batch_logits,
     check_rank_device,
@@ -73,7 +73,7 @@ def test_extra_padding_leaves_loss_and_gradients_unchanged(path):
     # 3 more columns on both sides and 2 all-padding rows (their attention rows have no key at all).
     padded = collate(src, tgt, list(range(6)), shape=(B + 2, S + 3, plain.tgt_in.size(1) + 5))
     assert padded.ntokens == plain.ntokens and padded.src[B:].eq(0).all()
-    with cpu_attention_path(path):
+    with attention_path(model, path):
         l0, g0 = loss_and_grads(model, plain)
         l1, g1 = loss_and_grads(model, padded)
     assert torch.isfinite(l1) and abs(l1.item() - l0.item()) <= 1e-6 * abs(l0.item())
@@ -268,20 +268,20 @@ def test_compiled_training_step_equals_eager():
 # --- CUDA choices, checked without a GPU -------------------------------------------------------------------
 
 
-def test_configure_cuda_turns_the_cudnn_attention_backend_off_and_only_on_cuda():
+def test_kernels_turn_the_cudnn_attention_backend_off_inside_the_block_only_and_only_on_cuda():
     backends = torch.backends.cuda
-    saved = (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled())
-    try:
-        backends.enable_cudnn_sdp(True)
-        configure_cuda(torch.device("cpu"))
-        assert backends.cudnn_sdp_enabled()
-        configure_cuda(torch.device("cuda", 0))
-        assert not backends.cudnn_sdp_enabled()
-        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
-    finally:
-        backends.enable_cudnn_sdp(saved[0])
-        backends.enable_flash_sdp(saved[1])
-        backends.enable_mem_efficient_sdp(saved[2])
+    flags = lambda: (backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(),  # noqa: E731
+                     backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled())
+    before = flags()
+    assert before[0]  # PyTorch's default: cuDNN attention allowed
+    with kernels(torch.device("cpu")):
+        assert flags() == before
+    with kernels(torch.device("cuda", 0)):
+        assert flags() == (False, True, True, True)
+    assert flags() == before
+    with pytest.raises(RuntimeError, match="boom"), kernels(torch.device("cuda", 0)):
+        raise RuntimeError("boom")
+    assert flags() == before  # restored on an exception too
 
 
 def test_adam_is_fused_only_when_every_parameter_is_on_cuda():
@@ -345,3 +345,108 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
     assert scaler.get_scale() == 2.0**11
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# --- the engine's choices: explicit, local, equal to the plain path -----------------------------------------
+
+
+def test_loading_a_run_changes_no_process_wide_torch_setting(tiny_run):
+    from aiayn.run_dir import load_run
+
+    backends = torch.backends
+
+    def settings():
+        return (backends.cuda.cudnn_sdp_enabled(), backends.cuda.flash_sdp_enabled(),
+                backends.cuda.mem_efficient_sdp_enabled(), backends.cuda.math_sdp_enabled(),
+                backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+                torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype())
+
+    before = settings()
+    run = load_run(tiny_run, device="cpu")
+    import aiayn
+
+    tr = aiayn.load(tiny_run, device="cpu")
+    tr.translate(["alpha bravo"], beam=2)
+    assert settings() == before and run.model is not None
+
+
+def test_a_prepared_model_takes_the_explicit_path_for_short_keys_and_the_fused_kernel_for_long_ones(monkeypatch):
+    from aiayn.engine import prepare_model
+    from aiayn.model import attention
+
+    calls = []
+    fused = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(a[1].size(-2)) or fused(*a, **k))
+    model = prepare_model(tiny_model(max_positions=512), "cpu", training=False).eval()
+    with torch.no_grad():
+        model(torch.randint(4, 40, (1, 100)), torch.randint(4, 40, (1, 100)))  # 100 keys: explicit
+        assert calls == []
+        model(torch.randint(4, 40, (1, 300)), torch.randint(4, 40, (1, 20)))  # 300 source keys: fused
+        assert sorted(set(calls)) == [300]  # encoder self-attention and cross-attention; the decoder's 20 not
+        calls.clear()
+        model.to("cpu")  # the choice is per device type and survives a move
+        with attention_path(model, "fused"):
+            model(torch.randint(4, 40, (1, 10)), torch.randint(4, 40, (1, 10)))
+        assert calls and set(calls) == {10}
+        calls.clear()
+        model(torch.randint(4, 40, (1, 10)), torch.randint(4, 40, (1, 10)))
+        assert calls == []  # restored
+
+
+class FormerCpuDropout(torch.autograd.Function):
+    """The CPU dropout the model carried before the engine owned it (frozen copy: the reference)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        scaled_mask = (torch.rand_like(x) >= p).to(x.dtype).mul_(1.0 / (1.0 - p))
+        ctx.save_for_backward(scaled_mask)
+        return x * scaled_mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scaled_mask,) = ctx.saved_tensors
+        return grad * scaled_mask, None
+
+
+def test_training_on_cpu_draws_the_former_dropout_masks():
+    from aiayn.engine import CpuDropout, prepare_model
+
+    x = torch.randn(6, 9, 16, requires_grad=True)
+    torch.manual_seed(11)
+    ours = CpuDropout(0.3).train()(x)
+    ours.sum().backward()
+    g_ours = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(11)
+    former = FormerCpuDropout.apply(x, 0.3)
+    former.sum().backward()
+    assert torch.equal(ours, former) and torch.equal(g_ours, x.grad)
+    assert torch.equal(CpuDropout(0.3).eval()(x), x)  # eval: the identity
+    model = prepare_model(tiny_model(dropout=0.1), "cpu", training=True)
+    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert kinds == {CpuDropout}  # every dropout of a model trained on CPU
+    assert {type(m) for m in tiny_model(dropout=0.1).modules() if isinstance(m, torch.nn.Dropout)} == {torch.nn.Dropout}
+
+
+def test_the_empty_row_fix_up_is_computed_once_per_decoder_call(monkeypatch):
+    """A query row with no key gets a zero output; finding such rows is one reduction per encoder or decoder
+    call (the key-padding mask is shared by every layer), none for the causal self-attention."""
+    model = tiny_model(n_decoder_layers=3).eval()
+    src = torch.randint(4, 40, (2, 7))
+    mask = src != 0
+    memory = model.encode(src, mask)
+    cache = model.new_cache()
+    counts = {"any": 0}
+    real_any = torch.Tensor.any
+
+    def counted(self, *a, **k):
+        counts["any"] += 1
+        return real_any(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "any", counted)
+    tok = torch.full((2, 1), 2)
+    with torch.no_grad():
+        for _ in range(4):
+            model.decode(tok, memory, mask, cache)
+    assert counts["any"] == 4  # one per step for 3 layers of cross-attention, none for self-attention

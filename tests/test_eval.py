@@ -230,7 +230,7 @@ def test_translator_validation_bleu_and_explorer_decode_alike_ban_pad_included(t
     unbanned = greedy_search(run.model, src, spec=SearchSpec(cfg.decode.replace(ban_pad=False), tok.specials))[0]
     assert unbanned and set(unbanned) == {pad}  # the ban matters on this model
 
-    translator = Translator(run.model, tok, cfg, run.path)
+    translator = Translator(Run(run.path, cfg, run.model, tok))
     found = translator.translate_hypotheses([s for s, _ in pairs], beam=1)
     assert all(h[0].ids and pad not in h[0].ids for h in found)
     hyps = [h[0].text for h in found]

@@ -75,14 +75,11 @@ def test_cross_attention_matches_torch():
 
 
 def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
-    from aiayn.model.attention import cpu_attention_path
-
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.rand(2, 1, 5, 6) > 0.4
     mask[0, 0, 2] = False  # a query row that may attend to nothing
-    with cpu_attention_path("fused"):  # short keys take the fused kernel here too
-        fast, none = scaled_dot_product_attention(q, k, v, mask)
+    fast, none = scaled_dot_product_attention(q, k, v, mask, fused=True)
     slow, probs = scaled_dot_product_attention(q, k, v, mask, need_weights=True)
     assert none is None
     assert torch.isfinite(fast).all() and torch.isfinite(slow).all()
@@ -98,37 +95,37 @@ def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
     torch.testing.assert_close(slow[1, 1, 0], torch.softmax(s, -1) @ v[1, 1])
 
 
-def test_cpu_attention_path_restores_the_length_rule_and_rejects_unknown_paths():
-    import aiayn.model.attention as attention
+def test_attention_path_restores_the_length_rule_and_rejects_unknown_paths():
+    from aiayn.engine import ATTENTION_RULE, attention_path
 
-    before = attention.CPU_EXPLICIT_MAX_KEYS
-    with pytest.raises(RuntimeError), attention.cpu_attention_path("fused"):
-        assert attention.CPU_EXPLICIT_MAX_KEYS < 0
+    model = build_model(model_config("tiny", vocab_size=50))
+    rules = lambda: {id(m): m.explicit_max_keys for m in model.modules() if isinstance(m, MultiHeadAttention)}  # noqa: E731
+    before = rules()
+    assert len(before) == 6 and all(r == ATTENTION_RULE for r in before.values())  # build_model set the rule
+    with pytest.raises(RuntimeError), attention_path(model, "fused"):
+        assert all(r == {} for r in rules().values())
         raise RuntimeError("boom")
-    assert attention.CPU_EXPLICIT_MAX_KEYS == before
-    with attention.cpu_attention_path("explicit"):
-        assert not attention._fused(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 100_000, 8))
-    assert attention.CPU_EXPLICIT_MAX_KEYS == before
-    with pytest.raises(ValueError, match="unknown attention path"), attention.cpu_attention_path("flash"):
+    assert rules() == before
+    with attention_path(model, "explicit"):
+        assert all(r["cpu"] >= 100_000 for r in rules().values())
+    assert rules() == before
+    with pytest.raises(ValueError, match="unknown attention path"), attention_path(model, "flash"):
         pass
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_and_explicit_paths_agree_in_values_and_gradients(causal):
     """CPU picks the explicit path for short keys and the fused kernel for long ones
-    (CPU_EXPLICIT_MAX_KEYS): both must give the same outputs and gradients, causal flag included."""
-    from aiayn.model.attention import cpu_attention_path
-
+    (aiayn.engine.ATTENTION_RULE): both must give the same outputs and gradients, causal flag included."""
     torch.manual_seed(5)
     B, H, T, K = 3, 2, 7, 8
     base = [torch.randn(B, H, T, K) for _ in range(3)]
     keep = torch.arange(T)[None, :] < torch.tensor([7, 4, 1])[:, None]
     mask = None if causal else keep[:, None, None, :]
     results = []
-    for path in ("fused", "explicit"):
+    for fused in (True, False):
         q, k, v = (t.clone().requires_grad_() for t in base)
-        with cpu_attention_path(path):
-            out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        out, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal, fused=fused)
         out.pow(2).sum().backward()
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for fused, explicit in zip(*results):

@@ -37,6 +37,8 @@ import torch
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.summarization import is_summary_lm, lm_prompt, one_line, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
+from aiayn.decode.loaded import LoadedRun
+from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
 from aiayn.search import SearchSpec, decode_ids, model_device, sample
@@ -115,7 +117,12 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
 
     def stream() -> Iterator[str]:
         text = TextStream(tok, ids)
-        for t in tokens:
+        device = model_device(run.model)
+        while True:
+            with kernels(device):  # per token: nothing is held while the caller has the stream
+                t = next(tokens, None)
+            if t is None:
+                break
             yield text.add(t)
         yield text.finish()
 
@@ -159,7 +166,7 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
     ``opts.max_new_tokens`` (default 64) summary tokens."""
     from aiayn.decode.translator import Translator
 
-    tr = Translator(run.model, run.tokenizers, run.cfg, run.path)
+    tr = Translator(run)
     opts = opts.replace(max_len_a=0.0, max_len_b=new_token_limit(opts, "summarize"))
     ids, cut = tr.encode_sources([one_line(d) for d in documents])
     if cut:
@@ -186,10 +193,10 @@ def summarize(run: Run, documents: Sequence[str], options: DecodeOptions | None 
         if overrides.get("beam") not in (None, 1) or opts.sample:
             raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
                               "needs an encoder-decoder (task: summarization) run")
-        return summarize_lm(run, documents, opts)
-    if run.cfg.task != "summarization":
+    elif run.cfg.task != "summarization":
         raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
-    return summarize_seq2seq(run, documents, opts)
+    with kernels(model_device(run.model)):
+        return summarize_lm(run, documents, opts) if run.cfg.task == "lm" else summarize_seq2seq(run, documents, opts)
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -207,7 +214,7 @@ def read_documents(path: str | None, field: str = "document") -> list[str]:
     return read_stdin_lines() if path in (None, "-") else read_lines(path)
 
 
-class Generator:
+class Generator(LoadedRun):
     """A language-model run with its tokenizer and decoding defaults (what ``aiayn.load`` returns for one).
 
     ``generate(prompt)`` returns the continuation; ``stream(prompt)`` yields it piece by piece;
@@ -216,23 +223,7 @@ class Generator:
     def __init__(self, run: Run) -> None:
         if run.cfg.task != "lm":
             raise ConfigError(f"{run.path} is a {run.cfg.task} run, not a language model")
-        self.run = run
-        self.model, self.tokenizers, self.cfg, self.path = run.model, run.tokenizers, run.cfg, run.path
-
-    @property
-    def device(self) -> torch.device:
-        return model_device(self.model)
-
-    def to(self, device: str | torch.device) -> Generator:
-        """Move the model (``"auto"`` resolves as everywhere); returns self."""
-        from aiayn.device import move_module
-
-        move_module(self.model, device)
-        return self
-
-    def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
-        """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
-        return (options or self.cfg.decode).replace(**overrides)
+        super().__init__(run)
 
     def stream(self, prompt: str = "", options: DecodeOptions | None = None, slide: bool = False,
                **overrides) -> Iterator[str]:
@@ -256,6 +247,4 @@ def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", prec
     from aiayn.run_dir import load_run
 
     run = load_run(run_dir, device, precision=precision)
-    if run.cfg.task == "lm":
-        return Generator(run)
-    return Translator(run.model, run.tokenizers, run.cfg, run.path)
+    return Generator(run) if run.cfg.task == "lm" else Translator(run)

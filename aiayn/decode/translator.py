@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from aiayn.config import Config, DecodeOptions
-from aiayn.data.tokenizer import TokenizerPair
+from aiayn.config import DecodeOptions
+from aiayn.decode.loaded import LoadedRun
 from aiayn.errors import ConfigError
-from aiayn.search import SearchSpec, decode_ids, model_device
+from aiayn.search import SearchSpec, decode_ids
 
 log = logging.getLogger("aiayn.translate")
 
@@ -54,34 +53,13 @@ class Translation:
     ids: list[int]
 
 
-class Translator:
-    """A translation (or summarization) model with its tokenizers and decoding defaults."""
-
-    def __init__(self, model: nn.Module, tokenizers: TokenizerPair, cfg: Config, path: Path | None = None) -> None:
-        self.model = model.eval()
-        self.tokenizers = tokenizers
-        self.cfg = cfg
-        self.path = path
-
-    @property
-    def device(self) -> torch.device:
-        return model_device(self.model)
-
-    def to(self, device: str | torch.device) -> Translator:
-        """Move the model (``"auto"`` resolves as everywhere); returns self."""
-        from aiayn.device import move_module
-
-        move_module(self.model, device)
-        return self
+class Translator(LoadedRun):
+    """A translation (or summarization) run: its model with its tokenizers and decoding defaults."""
 
     @property
     def max_source_tokens(self) -> int:
         """Source tokens that fit the model's positions once EOS is appended."""
         return max(1, self.cfg.model.max_positions - 1)
-
-    def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
-        """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
-        return (options or self.cfg.decode).replace(**overrides)
 
     def encode_sources(self, texts: Sequence[str], first_line: int | None = None
                        ) -> tuple[list[list[int] | None], list[int]]:
@@ -112,7 +90,8 @@ class Translator:
         ``first_line`` numbers the warnings of cut texts (a stream passes its position)."""
         ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
-        found = decode_ids(self.model, [ids[i] for i in todo], SearchSpec(opts, self.tokenizers.specials), scores)
+        with self.kernels():
+            found = decode_ids(self.model, [ids[i] for i in todo], SearchSpec(opts, self.tokenizers.specials), scores)
         out: list[list[Translation]] = [[] for _ in texts]
         tgt = self.tokenizers.tgt
         for i, hyps in zip(todo, found):
@@ -145,4 +124,4 @@ def load(run_dir: str | Path, device: str | torch.device = "auto", precision: st
     run = load_run(run_dir, device, precision=precision)
     if run.cfg.task == "lm":
         raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
-    return Translator(run.model, run.tokenizers, run.cfg, run.path)
+    return Translator(run)

@@ -11,7 +11,7 @@ The spec is filled weight for weight, like CTranslate2's own converters do for f
 
 Positions are written out as an explicit table (our sinusoids in either layout, or the learned
 vectors), because CTranslate2's built-in sinusoid is tensor2tensor's (positions from 1, a different
-frequency spacing), not eq. 4-5. ``pre_norm`` follows ``norm_first`` (CTranslate2's pre-norm
+frequency spacing), not section 3.5's. ``pre_norm`` follows ``norm_first`` (CTranslate2's pre-norm
 stack ends with a LayerNorm, like ours), ``scale_embeddings`` the sqrt(D) flag, and the LayerNorm
 epsilon is stored in ``config.json``.
 

@@ -34,9 +34,9 @@ class TokenEmbedding(nn.Module):
 
 
 def sinusoidal_table(n_positions: int, d_model: int, layout: str = "interleaved") -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D))  (eq. 4-5).
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D))  (section 3.5).
 
-    ``interleaved``: sin on even and cos on odd dimensions, exactly as eq. 4-5.
+    ``interleaved``: sin on even and cos on odd dimensions, exactly as section 3.5 writes them.
     ``concat``: the same D/2 frequencies with all sines first, then all cosines, as tensor2tensor,
     fairseq and Marian lay them out (needed to load their weights). Returns (n_positions, D).
     """

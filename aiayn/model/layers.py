@@ -1,4 +1,4 @@
-"""Position-wise feed-forward network (eq. 3) and the encoder / decoder layers (section 3.1).
+"""Position-wise feed-forward network (eq. 2) and the encoder / decoder layers (section 3.1).
 
 Each sub-layer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper), or, with
 ``norm_first``, x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, the common later variant).
@@ -7,53 +7,23 @@ Shapes: B batch, S source length, T target length, D model width.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.model.attention import KVCache, MultiHeadAttention
+from aiayn.model.attention import AttentionMask, KVCache, MultiHeadAttention
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 
-class _CpuDropout(torch.autograd.Function):
-    """Inverted dropout whose mask comes from ``torch.rand_like``: on CPU, ``bernoulli_`` (what
-    ``F.dropout`` draws with) costs twice as much as uniform draws (`python -m benchmarks.cpu_kernels`),
-    and mask draws were the largest non-matmul cost of a small model's update in a torch.profiler
-    profile. Same distribution: each element is kept with probability 1 - p and scaled by 1 / (1 - p)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
-        scaled_mask = (torch.rand_like(x) >= p).to(x.dtype).mul_(1.0 / (1.0 - p))
-        ctx.save_for_backward(scaled_mask)
-        return x * scaled_mask
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        (scaled_mask,) = ctx.saved_tensors
-        return grad * scaled_mask, None
-
-
-class Dropout(nn.Dropout):
-    """``nn.Dropout`` with a faster CPU path (:class:`_CpuDropout`); CUDA keeps PyTorch's fused kernel."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if x.device.type != "cpu" or self.p >= 1.0 or self.inplace:
-            return F.dropout(x, self.p, True, self.inplace)
-        return _CpuDropout.apply(x, self.p)
-
-
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2  (eq. 3); gelu or swish in place of ReLU as options."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2  (eq. 2); gelu or swish in place of ReLU as options."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.activation = ACTIVATIONS[activation]
-        self.dropout = Dropout(dropout)  # activation dropout: not in the paper, default 0
+        self.dropout = nn.Dropout(dropout)  # activation dropout: not in the paper, default 0
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
             nn.init.zeros_(fc.bias)
@@ -69,7 +39,7 @@ class SublayerConnection(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm_first: bool, eps: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
@@ -91,8 +61,9 @@ class EncoderLayer(nn.Module):
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        """x (B, S, D); mask (B, 1, 1, S) True for real tokens. Returns (B, S, D) and attention probs."""
+    def forward(self, x: Tensor, mask: AttentionMask | None, need_weights: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """x (B, S, D); mask: the key padding, (B, 1, 1, S). Returns (B, S, D) and attention probs."""
         x, probs = self.sub_attn(x, lambda h: self.self_attn(h, mask=mask, need_weights=need_weights))
         x, _ = self.sub_ffn(x, lambda h: (self.ffn(h), None))
         return x, probs
@@ -114,9 +85,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        self_mask: Tensor | None,
+        self_mask: AttentionMask | None,
         memory: Tensor | None = None,
-        memory_mask: Tensor | None = None,
+        memory_mask: AttentionMask | None = None,
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,

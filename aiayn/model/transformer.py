@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.engine import use_attention
+from aiayn.model.attention import AttentionMask, padding_mask
 from aiayn.model.cache import KVCache
 from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
-from aiayn.model.layers import DecoderLayer, Dropout, EncoderLayer
+from aiayn.model.layers import DecoderLayer, EncoderLayer
 
 
 def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
@@ -39,7 +41,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding) -> None:
         super().__init__()
         self.embed, self.positions = embed, _positions(cfg)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         # Pre-LN needs a final LayerNorm (its residual stream is never normalised); post-LN has none.
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
@@ -47,7 +49,7 @@ class Encoder(nn.Module):
     def forward(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         """src (B, S) ids, src_mask (B, S) bool -> memory (B, S, D), per-layer attention probs."""
         x = self.dropout(self.embed(src) + self.positions(src.size(1)))
-        attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S): every query sees the real keys
+        attn_mask = padding_mask(src_mask)  # (B, 1, 1, S): every query sees the real keys; once for all layers
         probs = []
         for layer in self.layers:
             x, p = layer(x, attn_mask, need_weights)
@@ -63,7 +65,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding, cross_attention: bool = True) -> None:
         super().__init__()
         self.embed, self.positions = embed, _positions(cfg)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
         V = embed.weight.size(0)
@@ -89,8 +91,9 @@ class Decoder(nn.Module):
         x = self.dropout(self.embed(tgt) + self.positions(T, offset=past))
         # Nothing cached and several steps (training, prefill): the kernel's own causal path, no mask tensor.
         causal = past == 0 and T > 1
-        self_mask = None if causal else causal_mask(T, past, tgt.device)
-        mem_mask = memory_mask[:, None, None, :] if memory_mask is not None else None
+        steps = None if causal else causal_mask(T, past, tgt.device)
+        self_mask = AttentionMask(steps, None) if steps is not None else None  # a causal row always has a key
+        mem_mask = padding_mask(memory_mask) if memory_mask is not None else None  # once for all layers
         self_probs, cross_probs = [], []
         for i, layer in enumerate(self.layers):
             x, sp, cp = layer(x, self_mask, memory, mem_mask, cache, i, need_weights, causal)
@@ -192,8 +195,9 @@ class DecoderOnlyLM(nn.Module):
 
 
 def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
-    """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``."""
-    return DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg)
+    """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``, with the
+    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`)."""
+    return use_attention(DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg))
 
 
 def count_parameters(model: nn.Module) -> int:

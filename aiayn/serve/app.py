@@ -65,8 +65,7 @@ class Service:
 
     @property
     def run(self) -> Run:
-        m = self.model
-        return m.run if isinstance(m, Generator) else Run(m.path, m.cfg, m.model, m.tokenizers)
+        return self.model.run
 
     def need(self, endpoint: str, *tasks: str) -> None:
         if self.task not in tasks:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from aiayn.config import Config, load_config, save_config
 from aiayn.data.pipeline import build_data, fit_model_to_vocab
-from aiayn.device import resolve_device, resolve_precision
+from aiayn.device import resolve_precision
 from aiayn.errors import CheckpointError
 from aiayn.files import check_writable
 from aiayn.model import build_model, count_parameters
@@ -47,8 +47,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
-    device = resolve_device(cfg.train.device, d.local_rank)
-    resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused before any work
+    device = d.device
+    precision = resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused here
     init = None
     if init_from is not None:  # before the config is checked and saved
         cfg, init = adopt_init_run(cfg, init_from)
@@ -72,7 +72,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
             from aiayn.train.validation import validation_bleu_fn
 
             evaluate_extra = validation_bleu_fn(cfg, data, tok)
-        trainer = Trainer(cfg, model, data, run_dir, d, device, progress, evaluate_extra)
+        trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra)
         if resume and trainer.resume():
             if d.main:
                 # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import aiayn.engine as engine
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
-from aiayn.device import autocast_context, configure_cuda, resolve_device, resolve_precision
+from aiayn.device import autocast_context, resolve_device
 from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.loss import label_smoothed_cross_entropy
@@ -53,9 +54,12 @@ class TrainData(Protocol):
 
 @dataclass
 class Dist:
+    """Where this process trains: its rank among ``world`` processes, and its device (resolved once)."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def main(self) -> bool:
@@ -89,22 +93,22 @@ class Dist:
 
 
 def init_distributed(device: str | torch.device = "auto") -> Dist:
-    """Join the process group torchrun set up (WORLD_SIZE > 1), else a single process.
+    """This process's place: the process group torchrun set up (WORLD_SIZE > 1), else a single process, and
+    its device, resolved once from ``train.device`` (a torchrun process gets its own GPU, cuda:LOCAL_RANK).
 
-    ``device`` is ``train.device``: NCCL when this process trains on CUDA (its GPU, cuda:LOCAL_RANK, is
-    made current first, so NCCL's communicators and buffers live there rather than all on GPU 0), gloo
-    otherwise."""
+    NCCL when this process trains on CUDA (its GPU is made current first, so NCCL's communicators and buffers
+    live there rather than all on GPU 0), gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
+    if world <= 1:
+        return Dist(device=dev)
     check_rank_device(dev, local_rank, world)
     if not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
 def check_rank_device(device: torch.device, local_rank: int, world: int) -> None:
@@ -243,28 +247,17 @@ def update_token_totals(batches: Sequence[Batch], accum_steps: int, world: int) 
 
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
-    """``torch.compile`` of the training module and of the loss (``train.compile_mode``).
-
-    Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks) there
-    are few shapes and each repeats: one static graph per shape (``dynamic=False``: kernels specialized to
-    the sizes, and the fixed shapes CUDA graphs need for ``reduce-overhead``); the recompile limit is
-    raised to the number of buckets. Otherwise token-budget batches change the batch size with almost every
-    update and the lengths with the data: one graph with symbolic batch size and lengths
-    (``dynamic=True``; the model widths stay static, so kernels lose little) instead of a recompile per
-    shape. The model has no graph break (tests/test_engine.py).
-    """
+    """``torch.compile`` of the training module and of the loss (:func:`aiayn.engine.compile_for_training`),
+    with what the config says of the batch shapes: fixed with ``data.length_buckets`` (one shape per bucket, plus
+    those of over-long examples and last LM batches) or language-model blocks, token-budget shapes otherwise."""
     from aiayn.data.summarization import is_summary_lm
 
-    tc = cfg.train
     fixed = bool(cfg.data.length_buckets) if cfg.task != "lm" else not is_summary_lm(cfg)
-    if fixed:
-        limit = len(cfg.data.length_buckets) + 4  # + the shapes of over-long examples and last LM batches
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    elif tc.compile_mode == "reduce-overhead":
+    if not fixed and cfg.train.compile_mode == "reduce-overhead":
         log.warning("train.compile_mode=reduce-overhead records a CUDA graph per batch shape; set "
                     "data.length_buckets so that shapes repeat")
-    options = {"mode": None if tc.compile_mode == "default" else tc.compile_mode, "dynamic": not fixed}
-    return torch.compile(module, **options), torch.compile(label_smoothed_cross_entropy, **options)
+    return engine.compile_for_training(module, label_smoothed_cross_entropy, fixed, len(cfg.data.length_buckets) + 4,
+                                       cfg.train.compile_mode)
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -325,19 +318,21 @@ class Trainer:
         data: TrainData,
         run_dir: str | Path,
         dist_info: Dist | None = None,
-        device: torch.device | None = None,
+        precision: str = "fp32",
         progress: bool = True,
         evaluate_extra: Callable[[nn.Module], dict[str, float]] | None = None,
     ) -> None:
+        """``dist_info``: the process and its device (:func:`init_distributed`); ``precision``: the resolved
+        ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.resolve_precision`)."""
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.d = dist_info or Dist()
-        self.device = device or torch.device("cpu")
-        self.model = model.to(self.device)
+        self.device = self.d.device
+        self.model = engine.prepare_model(model, self.device, training=True)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.progress = progress
         self.evaluate_extra = evaluate_extra
         self.state = TrainState()
-        self.precision = resolve_precision(cfg.train.precision, self.device, training=True)
+        self.precision = precision
         self.autocast = autocast_context(self.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
@@ -348,7 +343,6 @@ class Trainer:
 
     # The module that runs forward/backward, and the loss: DDP and torch.compile wrap the plain ones.
     def _train_module(self) -> tuple[nn.Module, LossFn]:
-        configure_cuda(self.device)
         module, loss_fn = self.model, label_smoothed_cross_entropy
         if self.d.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -415,7 +409,12 @@ class Trainer:
         return tc.patience is not None and st.bad_evals >= tc.patience
 
     def train(self) -> TrainState:
-        """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state."""
+        """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
+        runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
+        with engine.kernels(self.device):
+            return self._train()
+
+    def _train(self) -> TrainState:
         tc, st = self.cfg.train, self.state
         metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None, tc.log_to, self.cfg)
         module, loss_fn = self._train_module()

@@ -17,7 +17,7 @@ from aiayn.viz.common import heatmap, new_figure, save_figure, suptitle
 
 # Name -> (figure label, why it is (not) used), in the order the comparison shows them.
 ENCODINGS: dict[str, tuple[str, str]] = {
-    "sinusoidal": ("sinusoidal (eq. 4-5)", "bounded; PE_i \u00b7 PE_j depends on |i - j| only"),
+    "sinusoidal": ("sinusoidal (section 3.5)", "bounded; PE_i \u00b7 PE_j depends on |i - j| only"),
     "index": ("raw index: PE[pos] = pos", "unbounded; PE_i \u00b7 PE_j grows with i \u00d7 j"),
     "normalized": ("index / length: pos / (P - 1)", "in [0, 1], but a position's code changes with the length"),
     "binary": ("binary code: bits of pos as \u00b11", "PE_i \u00b7 PE_j jumps at multiples of powers of two"),

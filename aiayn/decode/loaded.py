@@ -1,0 +1,57 @@
+"""What the :class:`~aiayn.decode.translator.Translator` and the :class:`~aiayn.decode.generate.Generator` share:
+a trained run in memory, its device, and its decoding options with per-call overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from aiayn.config import Config, DecodeOptions
+from aiayn.data.tokenizer import TokenizerPair
+from aiayn.engine import kernels, prepare_model
+from aiayn.run_dir import Run
+from aiayn.search import model_device
+
+
+class LoadedRun:
+    """A :class:`~aiayn.run_dir.Run` ready to decode: its model in eval mode, tokenizers, config and directory.
+    Decoding runs inside the engine's kernel choice for the model's device (:meth:`kernels`)."""
+
+    def __init__(self, run: Run) -> None:
+        run.model.eval()
+        self.run = run
+
+    @property
+    def model(self) -> nn.Module:
+        return self.run.model
+
+    @property
+    def tokenizers(self) -> TokenizerPair:
+        return self.run.tokenizers
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def path(self) -> Path:
+        return self.run.path
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    def to(self, device: str | torch.device) -> LoadedRun:
+        """Move the model (``"auto"`` resolves as everywhere), with the engine's choices for it; returns self."""
+        prepare_model(self.model, device, training=False)
+        return self
+
+    def kernels(self):
+        """A context that runs decoding with the engine's kernel choice for the model's device."""
+        return kernels(self.device)
+
+    def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
+        """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
+        return (options or self.cfg.decode).replace(**overrides)
