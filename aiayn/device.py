@@ -78,6 +78,12 @@ def resolve_precision(precision: str, device: torch.device, training: bool) -> s
     return precision
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's parameters (the CPU for a model without any, e.g. a scripted stub)."""
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return p.device if p is not None else torch.device("cpu")
+
+
 def move_module(module: torch.nn.Module, device: str | torch.device) -> torch.device:
     """Move ``module`` to ``device`` (``"auto"`` resolves as everywhere; checked first); returns the resolved
     device."""
@@ -94,5 +100,6 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "move_module", "resolve_device", "resolve_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "model_device", "move_module", "resolve_device",
+    "resolve_precision",
 ]

@@ -177,7 +177,7 @@ def test_separator_format_bpe_one_piece(tmp_path):
 
 def test_summary_lm_rows_one_article_each(articles, tmp_path):
     from aiayn.data.pipeline import build_data
-    from aiayn.data.summarization import one_line
+    from aiayn.data.summarization import collapse_whitespace
 
     cfg = config_from_dict({"task": "lm", "model": {**TINY, "n_decoder_layers": 1, "max_positions": 40},
                             "data": {**_summary_data(articles), "block_size": 40, "batch_size": 8}})
@@ -188,7 +188,7 @@ def test_summary_lm_rows_one_article_each(articles, tmp_path):
     assert 50 < len(rows) < 200 and len(data.train) == len(rows)
     for row, ids in zip(rows, data.train):
         text = tok.src.decode(ids)
-        doc, summ = one_line(row["document"]), row["summary"]
+        doc, summ = collapse_whitespace(row["document"]), row["summary"]
         assert len(ids) <= 41 and ids[0] == BOS_ID and ids[-1] == EOS_ID
         assert text.endswith(" <sep> " + summ) and doc.startswith(text[: -len(" <sep> " + summ)])
     batches = data.epoch_batches(0)

@@ -43,7 +43,7 @@ XSUM_SIZE = 1000
 XSUM_SPLITS = {"train": (0, 800), "valid": (800, 900), "test": (900, 1000)}
 
 
-def one_line(text: str) -> str:
+def collapse_whitespace(text: str) -> str:
     """``text`` with every whitespace run (newlines included) replaced by one space, stripped."""
     return " ".join(text.split())
 
@@ -63,7 +63,7 @@ def xsum_split(split: str) -> list[dict]:
 
 def xsum_pairs(split: str) -> list[tuple[str, str]]:
     """(document, summary) pairs of an XSum split, each put on one line."""
-    return [(one_line(r["document"]), one_line(r["summary"])) for r in xsum_split(split)]
+    return [(collapse_whitespace(r["document"]), collapse_whitespace(r["summary"])) for r in xsum_split(split)]
 
 
 def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
@@ -82,7 +82,8 @@ def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
         raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
     from aiayn.data.corpus import read_pairs
 
-    return [(one_line(a), one_line(b)) for a, b in read_pairs(d.format, src, tgt, d.src_field, d.tgt_field)]
+    pairs = read_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
+    return [(collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs]
 
 
 def is_summary_lm(cfg: Config) -> bool:
@@ -95,8 +96,8 @@ def lead_1(document: str) -> str:
     text without line breaks is cut after the first ``.``, ``!`` or ``?`` followed by a space)."""
     for line in document.splitlines():
         if line.strip():
-            return one_line(line)
-    text = one_line(document)
+            return collapse_whitespace(line)
+    text = collapse_whitespace(document)
     return re.split(r"(?<=[.!?])\s+", text, maxsplit=1)[0] if text else ""
 
 

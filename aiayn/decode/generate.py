@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from aiayn.config import Config, DecodeOptions
-from aiayn.data.summarization import is_summary_lm, lm_prompt, one_line, separator_ids
+from aiayn.data.summarization import collapse_whitespace, is_summary_lm, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
 from aiayn.decode.loaded import LoadedRun
+from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, decode_ids, model_device, sample
+from aiayn.search import SearchSpec, decode_ids, sample
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -144,7 +145,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
     spec = SearchSpec(opts.replace(sample=False), run.tokenizers.specials)  # greedy
     out = []
     for doc in documents:
-        doc = one_line(doc)
+        doc = collapse_whitespace(doc)
         if not doc:
             out.append("")
             continue
@@ -157,7 +158,7 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
                 break
         for s in stops:
             text = text.split(s)[0]
-        out.append(one_line(text))
+        out.append(collapse_whitespace(text))
     return out
 
 
@@ -168,7 +169,7 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
 
     tr = Translator(run)
     opts = opts.replace(max_len_a=0.0, max_len_b=new_token_limit(opts, "summarize"))
-    ids, cut = tr.encode_sources([one_line(d) for d in documents])
+    ids, cut = tr.encode_sources([collapse_whitespace(d) for d in documents])
     if cut:
         log.info("%d of %d documents cut to the model's %d source tokens", len(cut), len(documents),
                  tr.max_source_tokens)
@@ -176,7 +177,7 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
     found = decode_ids(run.model, [ids[i] for i in todo], SearchSpec(opts, run.tokenizers.specials), scores=False)
     out = [""] * len(documents)
     for i, hyps in zip(todo, found):
-        out[i] = one_line(run.tokenizers.tgt.decode(hyps[0].tokens))
+        out[i] = collapse_whitespace(run.tokenizers.tgt.decode(hyps[0].tokens))
     return out
 
 

@@ -10,9 +10,9 @@ from torch import nn
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.tokenizer import TokenizerPair
+from aiayn.device import model_device
 from aiayn.engine import kernels, prepare_model
 from aiayn.run_dir import Run
-from aiayn.search import model_device
 
 
 class LoadedRun:

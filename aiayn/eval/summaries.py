@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import DecodeOptions
-from aiayn.data.summarization import lead_1, one_line, summary_pairs, xsum_split
+from aiayn.data.summarization import collapse_whitespace, lead_1, summary_pairs, xsum_split
 from aiayn.errors import UserError, first_line
 from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, weights_info, write_result
@@ -28,7 +28,7 @@ from aiayn.eval.results import check_writable, weights_info, write_result
 def lead1_scores(split: str = "test") -> dict[str, float]:
     """ROUGE-1/2/L (percent) of the lead-1 baseline on an XSum split: each document's first sentence."""
     rows = xsum_split(split)
-    return rouge_scores([lead_1(r["document"]) for r in rows], [one_line(r["summary"]) for r in rows])
+    return rouge_scores([lead_1(r["document"]) for r in rows], [collapse_whitespace(r["summary"]) for r in rows])
 
 
 def evaluate_summaries(run_dir: str | Path, split: str = "test", options: DecodeOptions | None = None,

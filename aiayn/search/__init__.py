@@ -35,6 +35,7 @@ Conventions shared by every search:
 Models are not switched to eval mode here: callers decode with ``model.eval()`` (dropout off).
 """
 
+from aiayn.device import model_device
 from aiayn.search.beam import beam_search
 from aiayn.search.common import (
     LENGTH_PENALTIES,
@@ -42,7 +43,6 @@ from aiayn.search.common import (
     STOP_RULES,
     Hypothesis,
     length_penalty_denominator,
-    model_device,
     penalized_score,
 )
 from aiayn.search.greedy import greedy_search, score_tokens

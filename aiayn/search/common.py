@@ -54,12 +54,6 @@ def waits_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device of a model's parameters (the CPU for a model without any, e.g. a scripted stub)."""
-    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return p.device if p is not None else torch.device("cpu")
-
-
 def new_cache(model: nn.Module, steps: int):
     """``model.new_cache()`` with room for ``steps`` decoding steps when the cache can reserve it
     (:class:`~aiayn.model.cache.KVCache` preallocates them; a cache without ``reserve`` is used as is)."""

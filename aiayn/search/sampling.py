@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from aiayn.search.common import Hypothesis, model_device, new_cache, penalized_score
+from aiayn.device import model_device
+from aiayn.search.common import Hypothesis, new_cache, penalized_score
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.spec import SearchSpec, max_lengths
 

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
 from aiayn.data.batching import pad_batch, token_batches
+from aiayn.device import model_device
 from aiayn.search.beam import beam_search
-from aiayn.search.common import Hypothesis, model_device
+from aiayn.search.common import Hypothesis
 from aiayn.search.greedy import greedy_search, score_tokens
 from aiayn.search.sampling import sample_search
 from aiayn.search.spec import SearchSpec

@@ -23,7 +23,7 @@ from torch import nn
 import aiayn.engine as engine
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
-from aiayn.device import autocast_context, resolve_device
+from aiayn.device import autocast_context, model_device, resolve_device
 from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.loss import label_smoothed_cross_entropy
@@ -175,7 +175,7 @@ def train_update(
     fp16 GradScaler's inf check without reading it back.
     """
     d = dist_info or Dist()
-    device = next(model.parameters()).device
+    device = model_device(model)
     if total_tokens is None:
         (total_tokens,) = d.sum([sum(b.ntokens for b in micro_batches)], device)
     scale = d.world / max(total_tokens, 1.0)
@@ -218,7 +218,7 @@ def evaluate_loss(
 ) -> dict[str, float]:
     """Validation loss, NLL per token and perplexity (exp of NLL per token), sharded over processes."""
     d = dist_info or Dist()
-    device = next(model.parameters()).device
+    device = model_device(model)
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, device=device)  # loss, nll: read once at the end
