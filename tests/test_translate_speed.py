@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("ctranslate2")
 
 from aiayn.config import DecodeOptions  # noqa: E402
-from aiayn.decode.translator import decode_batches  # noqa: E402
+from aiayn.search import decode_batches  # noqa: E402
 from benchmarks import translate_speed  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
