@@ -22,13 +22,18 @@ from aiayn.errors import DataError
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _read_bytes(path: str | Path) -> bytes:
-    """The file's bytes, gunzipped when it is gzip (by content, whatever its name)."""
+def _check_file(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file")
     if p.is_dir():
         raise DataError(f"{p}: is a directory, expected a file")
+    return p
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    """The file's bytes, gunzipped when it is gzip (by content, whatever its name)."""
+    p = _check_file(path)
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -53,9 +58,35 @@ def _decode(data: bytes, path: str | Path) -> str:
     return text[1:] if text.startswith("\ufeff") else text  # drop a byte-order mark
 
 
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file (plain or gzip, by content), without their line endings, streamed: memory
+    does not grow with the file. Invalid UTF-8 is an error naming the line and column (never replaced)."""
+    p = _check_file(path)
+    try:
+        with open(p, "rb") as f:
+            gz = f.read(2) == GZIP_MAGIC
+        with (gzip.open(p, "rb") if gz else open(p, "rb")) as f:
+            for n, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
+                line = raw[:-1] if raw.endswith(b"\n") else raw
+                if line.endswith(b"\r"):
+                    line = line[:-1]
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{p}: line {n}: not valid UTF-8 (byte 0x{line[e.start:e.start + 1].hex()} at "
+                                    f"column {e.start + 1})") from None
+                yield text[1:] if n == 1 and text.startswith("\ufeff") else text  # drop a byte-order mark
+    except OSError as e:
+        if gz and not isinstance(e, FileNotFoundError):
+            raise DataError(f"{p}: not a valid gzip file ({e})") from None
+        raise DataError(f"{p}: cannot read ({e.strerror or e})") from None
+    except (EOFError, zlib.error) as e:
+        raise DataError(f"{p}: not a valid gzip file ({e})") from None
+
+
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 text file (plain or gzip), without their line endings."""
-    return _split_lines(_decode(_read_bytes(path), path))
+    return list(iter_lines(path))
 
 
 def stdin_stream() -> IO:
@@ -94,53 +125,71 @@ def _n_lines(n: int) -> str:
     return f"{n} line" if n == 1 else f"{n} lines"
 
 
+def iter_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[str, str]]:
+    """Sentence pairs from two line-aligned files (plain or .gz), streamed; files of different lengths are an
+    error naming both counts (found when the shorter one ends)."""
+    src, tgt = iter_lines(src_path), iter_lines(tgt_path)
+    n = 0
+    for s in src:
+        t = next(tgt, None)
+        if t is None:
+            raise DataError(f"parallel files differ in length: {src_path} has {_n_lines(n + 1 + sum(1 for _ in src))}, "
+                            f"{tgt_path} has {_n_lines(n)}")
+        n += 1
+        yield s, t
+    rest = sum(1 for _ in tgt)
+    if rest:
+        raise DataError(f"parallel files differ in length: {src_path} has {_n_lines(n)}, "
+                        f"{tgt_path} has {_n_lines(n + rest)}")
+
+
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
     """Sentence pairs from two line-aligned files (plain or .gz)."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise DataError(
-            f"parallel files differ in length: {src_path} has {_n_lines(len(src))}, "
-            f"{tgt_path} has {_n_lines(len(tgt))}"
-        )
-    if not src:
+    pairs = list(iter_parallel(src_path, tgt_path))
+    if not pairs:
         raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines")
-    return list(zip(src, tgt))
+    return pairs
 
 
-def read_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
-    """Sentence pairs from a tab-separated file (plain or .gz).
+def iter_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
+    """Sentence pairs from a tab-separated file (plain or .gz), streamed.
 
     Columns are named by a header row, or, when both fields are column indices ("0", "1", ...),
     the file has no header and columns are taken by position. Fields are split on tabs only:
     no CSV quoting, as in the TSV files MT corpora ship (a quote is just a character).
     """
-    lines = read_lines(path)
+    lines = iter_lines(path)
     by_index = src_field.isdigit() and tgt_field.isdigit()
     if by_index:
-        cols, first = (int(src_field), int(tgt_field)), 0
+        cols, first = (int(src_field), int(tgt_field)), 1
     else:
-        if not lines:
+        header_line = next(lines, None)
+        if header_line is None:
             raise DataError(f"empty corpus: {path} has no lines")
-        header = lines[0].split("\t")
+        header = header_line.split("\t")
         for f in (src_field, tgt_field):
             if f not in header:
                 raise DataError(f"{path}: no column {f!r} in the header row (columns: {', '.join(header)})")
-        cols, first = (header.index(src_field), header.index(tgt_field)), 1
+        cols, first = (header.index(src_field), header.index(tgt_field)), 2
     need = max(cols) + 1
-    pairs = []
-    for n, line in enumerate(lines[first:], start=first + 1):
+    for n, line in enumerate(lines, start=first):
         parts = line.split("\t")
         if len(parts) < need:
             raise DataError(f"{path}: line {n}: {len(parts)} columns, expected at least {need}")
-        pairs.append((parts[cols[0]], parts[cols[1]]))
+        yield parts[cols[0]], parts[cols[1]]
+
+
+def read_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
+    """Sentence pairs from a tab-separated file (plain or .gz): :func:`iter_tsv`, collected."""
+    pairs = list(iter_tsv(path, src_field, tgt_field))
     if not pairs:
         raise DataError(f"empty corpus: {path} has no rows")
     return pairs
 
 
 def _jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line_number, object)`` for each non-blank line of a JSON-lines file (plain or .gz)."""
-    for n, line in enumerate(read_lines(path), start=1):
+    """``(line_number, object)`` for each non-blank line of a JSON-lines file (plain or .gz), streamed."""
+    for n, line in enumerate(iter_lines(path), start=1):
         if not line.strip():
             continue
         try:
@@ -160,19 +209,39 @@ def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
-    """Pairs ``(row[src_field], row[tgt_field])`` from a JSON-lines file; both must be strings."""
-    pairs = []
+def iter_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
+    """Pairs ``(row[src_field], row[tgt_field])`` from a JSON-lines file, streamed; both must be strings."""
     for n, row in _jsonl_objects(path):
         for f in (src_field, tgt_field):
             if f not in row:
                 raise DataError(f"{path}: line {n}: no field {f!r} (fields: {', '.join(map(str, row))})")
             if not isinstance(row[f], str):
                 raise DataError(f"{path}: line {n}: field {f!r} is {type(row[f]).__name__}, expected a string")
-        pairs.append((row[src_field], row[tgt_field]))
+        yield row[src_field], row[tgt_field]
+
+
+def read_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
+    """:func:`iter_jsonl`, collected."""
+    pairs = list(iter_jsonl(path, src_field, tgt_field))
     if not pairs:
         raise DataError(f"empty corpus: {path} has no rows")
     return pairs
+
+
+def iter_pairs(
+    fmt: str, src_path: str | Path, tgt_path: str | Path | None = None, src_field: str = "src",
+    tgt_field: str = "tgt",
+) -> Iterator[tuple[str, str]]:
+    """Dispatch on ``data.format``, streamed: ``text`` needs both paths; ``tsv`` / ``jsonl`` read ``src_path``."""
+    if fmt == "text":
+        if tgt_path is None:
+            raise DataError(f"format text needs a target file beside {src_path}")
+        return iter_parallel(src_path, tgt_path)
+    if fmt == "tsv":
+        return iter_tsv(src_path, src_field, tgt_field)
+    if fmt == "jsonl":
+        return iter_jsonl(src_path, src_field, tgt_field)
+    raise DataError(f"data format {fmt!r}: expected text, tsv or jsonl")
 
 
 def read_pairs(
