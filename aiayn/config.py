@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from aiayn.errors import ConfigError
+from aiayn.errors import ConfigError, first_line
 
 # data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
 # SentencePiece. The tokenizer imports this tuple.
@@ -31,6 +32,49 @@ LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+# The largest value of every size and count, one table for the recipes, the command line (--set, the decoding
+# flags) and the server (whose requests go through DecodeOptions): past these a value is a typo or an attack,
+# not a model. The lower bounds sit beside each field's check; a model whose weights would not fit in this
+# machine's memory is refused as well (ModelConfig). docs/configuration.md lists them (a test keeps it true).
+COUNT = 2**62  # updates, steps, epochs, checkpoints: far beyond any real run, and within a 64-bit integer
+SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
+MIN_TEMPERATURE = 1e-3  # a positive temperature below this divides logits into inf (0 means greedy)
+LIMITS: dict[str, float] = {
+    "model.vocab_size": 2**24, "model.tgt_vocab_size": 2**24, "model.d_model": 65536, "model.n_heads": 4096,
+    "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
+    "model.pad_id": 2**24, "data.vocab_size": 2**24, "data.tokenizer_sample": 2**40, "data.max_tokens": 2**31,
+    "data.max_len": 2**20, "data.block_size": 2**20, "data.batch_size": 2**20, "data.pad_to_multiple": 4096,
+    "train.max_updates": COUNT, "train.max_epochs": COUNT, "train.max_minutes": 1e9, "train.warmup": COUNT,
+    "train.accum_steps": 2**20, "train.seed": SEED, "train.log_every": COUNT, "train.eval_every": COUNT,
+    "train.save_every": COUNT, "train.keep_last": COUNT, "train.patience": COUNT, "train.average_last": 2**20,
+    "train.threads": 4096, "train.useful_updates": COUNT, "train.lr": 1e3, "train.lr_scale": 1e6,
+    "train.clip_norm": 1e12, "train.weight_decay": 1e3,
+    "decode.beam": 1024, "decode.nbest": 1024, "decode.alpha": 1e3, "decode.max_len_a": 1e3, "decode.max_len_b": 2**20,
+    "decode.min_len": 2**20, "decode.no_repeat_ngram": 2**20, "decode.temperature": 1e4, "decode.top_k": 2**24,
+    "decode.seed": SEED, "decode.max_new_tokens": 2**20, "decode.max_tokens": 2**31,
+}
+
+
+def _check_limits(section: str, obj: Any) -> None:
+    """Every field of ``section`` that has a ceiling in :data:`LIMITS` is within it (a one-line ConfigError)."""
+    for key, ceiling in LIMITS.items():
+        sec, _, name = key.partition(".")
+        value = getattr(obj, name) if sec == section else None
+        if value is not None and not isinstance(value, bool) and abs(value) > ceiling:
+            digits = str(value) if isinstance(value, int) else ""
+            shown = f"{value:.3g}" if isinstance(value, float) else (
+                f"{digits[:12]}... ({len(digits)} digits)" if len(digits) > 24 else digits)
+            raise ConfigError(f"{key}={shown}: must be at most {ceiling:g}" if isinstance(ceiling, float)
+                              else f"{key}={shown}: must be at most {ceiling:,}")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of memory this machine has (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
 
 
 @dataclass(frozen=True)
@@ -60,6 +104,7 @@ class ModelConfig:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
+        _check_limits("model", self)
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
             _at_least(f"model.{name}", getattr(self, name), 1)
         if self.tgt_vocab_size is not None:
@@ -85,6 +130,23 @@ class ModelConfig:
                 "model: share_embeddings needs one vocabulary "
                 f"(vocab_size={self.vocab_size}, tgt_vocab_size={self.tgt_vocab_size})"
             )
+        need, have = self.memory_bytes(), _physical_memory()
+        if have is not None and need > have:
+            raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
+                              f"fp32 (d_model={self.d_model}, max_positions={self.max_positions}, vocabulary "
+                              f"{self.vocab_size}, {self.n_encoder_layers}+{self.n_decoder_layers} layers), more "
+                              f"than this machine's {have / 2**30:,.1f} GiB")
+
+    def memory_bytes(self) -> int:
+        """fp32 bytes of the model's parameters and position tables (an estimate made before building it)."""
+        D, F, P, H = self.d_model, self.d_ff, self.max_positions, self.n_heads
+        Vt = self.target_vocab_size
+        embed = self.vocab_size * D + (0 if self.share_embeddings else Vt * D) + (0 if self.tie_output else Vt * D)
+        attention = 4 * D * D + 4 * D
+        ffn = 2 * D * F + F + D
+        layers = self.n_encoder_layers * (attention + ffn) + self.n_decoder_layers * (2 * attention + ffn)
+        positions = 2 * P * D  # one table (or learned matrix) each for the encoder and the decoder
+        return 4 * (embed + layers + positions + H)
 
     @property
     def target_vocab_size(self) -> int:
@@ -136,6 +198,7 @@ class DataConfig:
     length_buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_limits("data", self)
         _choice("data.format", self.format, ("text", "tsv", "jsonl"))
         _choice("data.tokenizer", self.tokenizer, ("bpe", "char"))
         if self.lowercase and self.tokenizer != "bpe":
@@ -196,8 +259,16 @@ class TrainConfig:
     # torch.compile mode when compile is on: default | reduce-overhead (CUDA graphs: for small,
     # launch-bound models, with data.length_buckets so shapes repeat) | max-autotune (longer compile)
     compile_mode: str = "default"
+    # CPU threads of the training process (None: chosen for the machine and the model, aiayn.engine.cpu_threads)
+    threads: int | None = None
+    # What the recipe's updates gave, measured (docs/results.md): (updates, validation BLEU) points, for the
+    # estimate a run prints once its speed is known; and the updates below which its model is not useful
+    # (train, translate and evaluate say so). Neither changes the training.
+    reference_bleu: list[tuple[int, float]] = field(default_factory=list)
+    useful_updates: int | None = None
 
     def __post_init__(self) -> None:
+        _check_limits("train", self)
         _choice("train.schedule", self.schedule, ("noam", "inverse_sqrt", "constant"))
         for name in self.log_to:
             _choice("train.log_to", name, LOG_BACKENDS)
@@ -228,6 +299,11 @@ class TrainConfig:
         _fraction("train.label_smoothing", self.label_smoothing)
         _at_least("train.seed", self.seed, 0)
         _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
+        for name in ("threads", "useful_updates"):
+            if getattr(self, name) is not None:
+                _at_least(f"train.{name}", getattr(self, name), 1)
+        if [u for u, _ in self.reference_bleu] != sorted({u for u, _ in self.reference_bleu}):
+            raise ConfigError("train.reference_bleu: expected [updates, BLEU] pairs with increasing updates")
         _at_least("train.keep_last", self.keep_last, 0, "(0: keep every checkpoint)")
 
 
@@ -272,6 +348,7 @@ class DecodeOptions:
     max_tokens: int | None = None  # token budget of one decoding batch; None: by device (DEFAULT_DECODE_TOKENS)
 
     def __post_init__(self) -> None:
+        _check_limits("decode", self)
         _choice("decode.length_penalty", self.length_penalty, ("gnmt", "power", "none"))
         _choice("decode.stop", self.stop, ("exact", "hf"))
         _at_least("decode.beam", self.beam, 1)
@@ -284,8 +361,13 @@ class DecodeOptions:
         if not self.sample and self.nbest > self.beam:
             raise ConfigError(f"decode.nbest={self.nbest}: at most the beam size ({self.beam}) hypotheses exist")
         _at_least("decode.temperature", self.temperature, 0, "(0: greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"decode.temperature={self.temperature:g}: 0 (greedy) or at least {MIN_TEMPERATURE:g} "
+                              "(a smaller one overflows the logits)")
         if self.top_k is not None:
             _at_least("decode.top_k", self.top_k, 1)
+        if self.seed is not None:
+            _at_least("decode.seed", self.seed, 0)
         if self.top_p is not None and not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ConfigError(f"decode.top_p={self.top_p}: expected a number in (0, 1]")
         if self.max_new_tokens is not None:
@@ -328,9 +410,16 @@ class Config:
             raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["train"]["adam_betas"] = list(self.train.adam_betas)
-        return d
+        """Nested plain dicts and lists (YAML and JSON have no tuples)."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _finite(name: str, value: float) -> None:
@@ -468,6 +557,20 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
 
 
+def _parse_yaml(text: str, where: str) -> Any:
+    """YAML text as Python values; what PyYAML cannot read, and what it reads into a crash (nesting deeper than the
+    interpreter's stack, an integer longer than Python converts), is one ConfigError naming ``where``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a config") from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion", ...
+        why = "an integer too long to be a setting" if "digits" in str(e) else first_line(e)
+        raise ConfigError(f"{where}: holds {why}") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML file; a directory, a binary file, bad UTF-8 or bad YAML is a one-line ConfigError."""
     p = Path(path)
@@ -480,10 +583,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         line = raw.count(b"\n", 0, e.start) + 1
         bad = raw[e.start]
         raise ConfigError(f"{path}: not a YAML file (line {line}: byte 0x{bad:02x} is not valid UTF-8)") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    data = _parse_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
@@ -507,8 +607,10 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {item!r}: expected key.sub=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
+            value = _parse_yaml(raw, f"--set {key}")
+        except ConfigError as e:
+            if "not valid YAML" not in str(e):
+                raise
             value = raw
         node: dict[str, Any] = {}
         cur = node
@@ -525,12 +627,27 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
     values = load_yaml(resolve_config_path(path))
     base = values.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected the name or path of a config to extend, got {base!r:.60}")
     if base is not None:
         base_values = load_yaml(resolve_config_path(base))
         base_values.pop("base", None)
         values = _merge(base_values, values)
     values = apply_overrides(values, overrides or [])
     return config_from_dict(values)
+
+
+def read_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
+    """RUN/config.yaml (with ``overrides``) as a validated config; a file that is not UTF-8, not YAML or not a
+    valid config is a one-line CheckpointError naming it."""
+    from aiayn.errors import CheckpointError
+
+    cfg_path = Path(run_dir) / "config.yaml"
+    try:
+        return load_config(cfg_path, overrides)
+    except ConfigError as e:
+        msg = str(e)
+        raise CheckpointError(msg if msg.startswith(str(cfg_path)) else f"{cfg_path}: {msg}") from None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

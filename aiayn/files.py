@@ -11,18 +11,29 @@ file could not be written and why ("No space left on device").
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from aiayn.errors import CheckpointError, ConfigError
+
+try:  # POSIX; on Windows a run directory is not locked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
 TMP_SUFFIX = ".tmp"
+# A run directory's marker (written first by the training that owns it) and lock (held while one writes it).
+MARKER = ".aiayn-run.json"
+LOCK = ".aiayn-run.lock"
 # safetensors (>= 0.5) writes through its own temporary, named by Rust's tempfile crate: ".tmp" + 6 characters.
 RUST_TMP_RE = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 # safetensors reports an I/O failure as SafetensorError("... No space left on device (os error 28) ...").
@@ -148,8 +159,9 @@ def check_writable(directory: str | Path) -> None:
 @contextmanager
 def staged_directory(path: str | Path) -> Iterator[Path]:
     """Build a directory out of sight and put it in place whole: yields an empty temporary directory beside
-    ``path``; when the block ends without error it is renamed to ``path`` (what was there is replaced,
-    so callers decide beforehand whether they may). On error the temporary directory is removed and
+    ``path``; when the block ends without error its files get plain permissions (as :func:`atomic_write`
+    gives) and it is renamed to ``path`` (what was there is replaced, so callers decide beforehand whether
+    they may, :func:`check_output_dir`). On error the temporary directory is removed and
     ``path`` is left as it was. A reader sees the old directory or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +170,11 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
     old = None
     try:
         yield tmp
+        # What third-party writers put there (safetensors writes 0600) gets a plain file's mode, as ours do.
+        file_mode, dir_mode = default_file_mode(), 0o777 & ~_umask()
+        for sub in tmp.rglob("*"):
+            if not sub.is_symlink():
+                os.chmod(sub, dir_mode if sub.is_dir() else file_mode)
         if path.exists():  # renamed aside first: rename() cannot replace a non-empty directory
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", suffix=TMP_SUFFIX, dir=path.parent))
             os.rename(path, old / path.name)
@@ -174,5 +191,121 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_safetensors", "atomic_write_text",
-           "check_writable", "default_file_mode", "is_temporary", "remove_stale_temporaries", "staged_directory"]
+class RunLock:
+    """The exclusive ``flock`` on RUN/.aiayn-run.lock; :meth:`acquire` fails at once when another process holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self.fd: int | None = None
+        self.created = False
+        self.old: bytes | None = None  # the lock file's content before write_pid
+
+    def acquire(self, create: bool = True) -> None:
+        if fcntl is None:  # pragma: no cover
+            return
+        fd = None
+        if create:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                self.created = True
+            except FileExistsError:
+                pass
+        if fd is None:
+            fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise CheckpointError(f"{self.path.parent}: in use by another aiayn process{who}; wait for it to end "
+                                  "or choose another --run-dir") from None
+        # The path must still name the file we locked: a start that failed meanwhile may have removed it.
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            raise CheckpointError(f"{self.path.parent}: changed while this process started; try again")
+        self.fd = fd
+
+    def write_pid(self) -> None:
+        """The holder's pid into the lock file (for the "in use" message); :meth:`restore` puts the old one back."""
+        if self.fd is not None:
+            self.old = os.pread(self.fd, 64, 0)
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode("ascii"), 0)
+
+    def restore(self) -> None:
+        if self.fd is not None and self.old is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, self.old, 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run's lock (when it has a lock file) for a command that writes into a finished run
+    (``aiayn average``): refused while a training writes into it."""
+    lock = RunLock(Path(run_dir))
+    if lock.path.exists():
+        lock.acquire(create=False)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def lock_holder(directory: str | Path) -> str | None:
+    """The pid (as written in it) of a live process holding ``directory``'s run lock, "?" when one holds it
+    without a pid, None when nobody does (or there is no lock file)."""
+    path = Path(directory) / LOCK
+    if fcntl is None or not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return holder if holder.isdigit() else "?"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
+    """Refuse, before anything is read or written, an output directory that would destroy an input or a run in
+    use: the same directory as an input (symlinks resolved), one inside an input, one that contains an input;
+    an existing non-empty directory without ``force``; with ``force``, a directory a live process holds (a
+    training's run lock). One-line ConfigError naming both paths."""
+    out = Path(out)
+    target = out.resolve()
+    for given in inputs:
+        src = Path(given).resolve()
+        if target == src:
+            raise ConfigError(f"{out}: is the input {given} itself; write to another directory")
+        if src in target.parents:
+            raise ConfigError(f"{out}: is inside the input {given}; write outside it")
+        if target in src.parents:
+            raise ConfigError(f"{out}: contains the input {given}; --force would delete it: write elsewhere")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise ConfigError(f"{out} already exists and is not empty: choose a new directory or pass --force")
+    holder = lock_holder(out)
+    if holder is not None:
+        who = f"pid {holder}" if holder != "?" else "another process"
+        raise ConfigError(f"{out}: a run in use ({who} holds its lock): --force never replaces it; wait for it "
+                          "to end or choose another directory")
+
+
+__all__ = ["LOCK", "MARKER", "RunLock", "atomic_write", "atomic_write_bytes", "atomic_write_json",
+           "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable", "default_file_mode",
+           "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]

@@ -36,9 +36,8 @@ from safetensors.torch import load_file, save_file
 from aiayn import build_model, model_config
 from aiayn.cli import main
 from aiayn.config import ConfigError, load_config
-from aiayn.files import atomic_write_bytes, default_file_mode
+from aiayn.files import LOCK, MARKER, atomic_write_bytes, default_file_mode
 from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
-from aiayn.train.ownership import LOCK, MARKER
 from aiayn.train.schedule import build_optimizer
 from aiayn.weights import checkpoint_paths, list_checkpoints
 

@@ -37,12 +37,13 @@ def translator(tiny_run):
 
 @pytest.fixture(scope="module")
 def client(translator):
-    with TestClient(create_app(translator, max_wait_ms=2.0)) as c:
+    with TestClient(create_app(translator, max_wait_ms=2.0), base_url="http://localhost") as c:
         yield c
 
 
-def _post(client, path, body):
-    return client.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+def _post(client, path, body, content_type="application/json", **headers):
+    headers = {"Content-Type": content_type, **headers} if content_type else headers
+    return client.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode(), headers=headers)
 
 
 def test_translate_keeps_order_and_equals_translator(client, translator):
@@ -199,7 +200,7 @@ def test_concurrent_requests_share_model_calls_and_give_the_same_answers(transla
 
     texts = [s for s in SENTENCES if s] + ["b a", "c c c"]
     bodies = [{"text": [t], "beam": 2} for t in texts] + [{"text": [t], "beam": 1} for t in texts[:3]]
-    with TestClient(app) as c, pytest.MonkeyPatch.context() as mp:
+    with TestClient(app, base_url="http://localhost") as c, pytest.MonkeyPatch.context() as mp:
         mp.setattr(translator, "search", counting)
         with ThreadPoolExecutor(len(bodies)) as pool:
             responses = list(pool.map(lambda b: _post(c, "/v1/translate", b), bodies))
@@ -213,7 +214,7 @@ def test_concurrent_requests_share_model_calls_and_give_the_same_answers(transla
 
 def test_full_queue_gives_503_then_serves(translator):
     app = create_app(translator, max_wait_ms=1000.0, max_queue=1, max_batch_tokens=100_000)
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         first = threading.Thread(target=lambda: results.append(_post(c, "/v1/translate", {"text": ["a b"]})))
         results: list = []
         first.start()
@@ -356,7 +357,7 @@ def lm_client(tmp_path_factory):
     torch.manual_seed(0)
     run = Run(tmp_path_factory.mktemp("lm"), cfg, build_model(cfg.model, "lm").eval(), TokenizerPair(tok, tok))
     gen = Generator(run)
-    with TestClient(create_app(gen, limits=Limits(max_new_tokens=20))) as c:
+    with TestClient(create_app(gen, limits=Limits(max_new_tokens=20)), base_url="http://localhost") as c:
         yield c, gen
 
 

@@ -55,6 +55,11 @@ class MarianVocab:
             raise DataError("vocab.json is empty")
         if max(self.ids.values()) >= self.size or min(self.ids.values()) < 0:
             raise DataError(f"vocab.json has ids outside the model's {self.size} embeddings")
+        named = set(self.ids.values())
+        if len(named) < self.size:  # the model could produce an id with no piece: it would decode to nothing
+            missing = next(i for i in range(self.size) if i not in named)
+            raise DataError(f"vocab.json names {len(named)} of the model's {self.size} ids (none for id {missing}): "
+                            "it does not belong to this model")
         self.pieces = {i: p for p, i in self.ids.items()}  # as MarianTokenizer inverts it: the last piece wins
 
 

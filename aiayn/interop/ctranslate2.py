@@ -34,7 +34,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from aiayn.errors import first_line
-from aiayn.files import staged_directory
+from aiayn.files import check_output_dir, locked, staged_directory
 from aiayn.model.transformer import Transformer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -281,8 +281,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
 
     require("ctranslate2", "ct2", "aiayn export ctranslate2")
     out = Path(out_dir)
-    if out.exists() and not force:
-        raise ConfigError(f"{out} already exists: choose a new directory or remove it")
+    check_output_dir(out, [run_dir], force)
     run = load_run(run_dir, "cpu")
     if not isinstance(run.model, Transformer):
         raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models export to CTranslate2")
@@ -295,7 +294,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
         spec.optimize(quantization=quantization)
     except ValueError as e:  # a bad quantization name, or a vocabulary that does not fit
         raise ConfigError(f"cannot export {run_dir}: {first_line(e)}") from None
-    with staged_directory(out) as stage:
+    with locked(out), staged_directory(out) as stage:
         spec.save(str(stage))
         tdir = Path(run_dir) / "tokenizer"
         tok_files = sorted(p.name for p in tdir.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -304,17 +303,19 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
                 raise ConfigError(f"tokenizer file {name} would overwrite a CTranslate2 file")
             shutil.copy2(tdir / name, stage / name)
         cfg, d = run.cfg, run.cfg.decode
-        src_model = str(out / ("shared.model" if tok.shared else "src.model"))
-        tgt_model = str(out / ("shared.model" if tok.shared else "tgt.model"))
+        # Paths relative to the directory that holds the export: no path of this machine goes into the file.
+        here = Path(out.name)
+        src_model = str(here / ("shared.model" if tok.shared else "src.model"))
+        tgt_model = str(here / ("shared.model" if tok.shared else "tgt.model"))
         if tok.src.kind == "marian":  # pieces of source.spm / target.spm; CTranslate2 maps them by name, as vocab.json
-            src_model, tgt_model = str(out / "source.spm"), str(out / "target.spm")
+            src_model, tgt_model = str(here / "source.spm"), str(here / "target.spm")
         elif tok.src.kind != "bpe":
             src_model = tgt_model = "(a char tokenizer: split the text into characters instead of spm)"
         readme = _README.format(
-            run=Path(run_dir).resolve(), layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
+            run=Path(run_dir).resolve().name, layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
             d_model=cfg.model.d_model, weights=inference_weights_path(run_dir).name, quant=quantization or "none",
             tok_files=", ".join(tok_files), kind=tok.src.kind, vocab="shared" if tok.shared else "separate",
-            src_model=src_model, tgt_model=tgt_model, out=out, example="A sentence to translate.",
+            src_model=src_model, tgt_model=tgt_model, out=here, example="A sentence to translate.",
             moses_note=_moses_note(tok), eos=vocab[sp.eos], start=vocab[sp.decoder_start],
             marian_note=_MARIAN_NOTE.format(pad=vocab[sp.pad]) if tok.src.kind == "marian" else "",
             beam=d.beam, alpha=d.alpha, lp=d.length_penalty, a=d.max_len_a, b=d.max_len_b,

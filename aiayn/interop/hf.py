@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,15 @@ from aiayn.data.marian_tokenizer import (
 )
 from aiayn.data.tokenizer import SentencePieceTokenizer, SpecialIds, TokenizerPair
 from aiayn.errors import CheckpointError, ConfigError, DataError, first_line, require
-from aiayn.files import atomic_write_bytes, atomic_write_json, atomic_write_text, staged_directory
-from aiayn.interop.marian import concat_layout_copy, from_hf_marian, to_hf_marian
+from aiayn.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    check_output_dir,
+    locked,
+    staged_directory,
+)
+from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
 from aiayn.model.transformer import Transformer
 from aiayn.weights import save_weights
 
@@ -86,13 +94,60 @@ def _marian_config_json(hf_dir: Path) -> dict[str, Any]:
     kind = raw.get("model_type") if isinstance(raw, dict) else None
     if kind != "marian":
         raise ConfigError(f"{hf_dir}: model_type={kind!r}, not a Marian model (only MarianMTModel directories import)")
+    _check_types(raw, _CONFIG_TYPES, hf_dir / "config.json")
     return raw
 
 
+# The config.json and generation_config.json fields aiayn reads, with the JSON types they must have: a wrong
+# type is refused in one line naming the file, before transformers or torch see it.
+_INT, _NUM, _BOOL = (int,), (int, float), (bool,)
+_CONFIG_TYPES = {
+    **dict.fromkeys(("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                     "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
+                     "pad_token_id", "eos_token_id", "decoder_start_token_id", "decoder_vocab_size", "bos_token_id"),
+                    _INT),
+    **dict.fromkeys(("dropout", "attention_dropout", "activation_dropout", "init_std"), _NUM),
+    **dict.fromkeys(("scale_embedding", "share_encoder_decoder_embeddings", "tie_word_embeddings"), _BOOL),
+    "activation_function": (str,),
+}
+_GENERATION_TYPES = {
+    **dict.fromkeys(("num_beams", "max_length", "max_new_tokens", "min_length", "min_new_tokens", "top_k",
+                     "no_repeat_ngram_size", "num_return_sequences", "decoder_start_token_id", "pad_token_id",
+                     "bos_token_id", "forced_eos_token_id"), _INT),
+    **dict.fromkeys(("length_penalty", "temperature", "top_p"), _NUM),
+    **dict.fromkeys(("do_sample", "renormalize_logits"), _BOOL),
+    "early_stopping": (bool, str),
+    "bad_words_ids": (list,),
+    "eos_token_id": (int, list),
+}
+
+
+def _check_types(data: Any, types: dict[str, tuple[type, ...]], where: Path) -> None:
+    """Each field of ``types`` that ``data`` holds (and is not null) has one of its JSON types."""
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    for key, allowed in types.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, allowed) or (is_bool and bool not in allowed):
+            names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string",
+                                 list: "a list"}[t] for t in allowed)
+            raise ConfigError(f"{where}: {key}={value!r:.40}: expected {names}")
+
+
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A pytorch_model.bin, through torch.load(weights_only=True) and nothing else."""
+    """A pytorch_model.bin, through torch.load(weights_only=True) and nothing else: a file that is not a PyTorch
+    zip archive (a raw pickle) is refused before torch sees it, and torch's warnings never reach the terminal."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            raise CheckpointError(f"{path}: refused: not a PyTorch zip archive (a raw pickle may run code); "
+                                  "convert it to safetensors with a tool you trust")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - untrusted input: every failure is the same refusal
         raise CheckpointError(f"{path}: refused: torch.load(weights_only=True) cannot read it ({first_line(e)}); "
                               "a file that needs more may run code - convert it to safetensors with a tool you "
@@ -121,7 +176,11 @@ def read_hf_weights(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
             return read(d / name), d / name
         index = d / f"{name}.index.json"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map", {})
+            data = _read_json(index)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: expected an object with a 'weight_map' of tensor names to shard "
+                                      "file names")
             state: dict[str, torch.Tensor] = {}
             for shard in sorted(set(weight_map.values())):
                 if Path(shard).name != shard:
@@ -140,6 +199,10 @@ def load_hf_marian(hf_dir: str | Path, raw: dict[str, Any] | None = None) -> Mar
 
     d = Path(hf_dir)
     raw = _marian_config_json(d) if raw is None else raw
+    try:  # aiayn's limits (sizes, this machine's memory) before anything is allocated
+        model_config_from_marian(MarianConfig.from_dict(raw))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{d / 'config.json'}: {first_line(e)}") from None
     state, where = read_hf_weights(d)
     try:
         hf = MarianMTModel(MarianConfig.from_dict(raw)).eval()
@@ -162,8 +225,16 @@ def generation_config_of(hf_dir: str | Path, raw: dict[str, Any] | None = None) 
     from transformers import GenerationConfig
 
     d = Path(hf_dir)
-    if (d / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(str(d))
+    path = d / "generation_config.json"
+    if path.is_file():
+        data = _read_json(path)
+        _check_types(data, _GENERATION_TYPES, path)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return GenerationConfig.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{path}: not a valid generation config ({first_line(e)})") from None
     return GenerationConfig.from_model_config(_read_json(d / "config.json") if raw is None else raw)
 
 
@@ -239,11 +310,6 @@ def _marian_tokenizer_pair(hf_dir: Path, sizes: tuple[int, int]) -> tuple[Marian
             MarianPieces(tgt_proto, tgt_vocab, rules, decode_proto, TARGET_SPM), mt)
 
 
-def _check_fresh(out: Path, force: bool, what: str) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConfigError(f"{out} already exists and is not empty: choose a new {what} or pass --force")
-
-
 def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> Path:
     """``aiayn import hf HF_DIR RUN_DIR``: a run directory (config.yaml, tokenizer/, model.safetensors) from a
     Hugging Face Marian directory; ``aiayn translate RUN_DIR`` then gives ``generate()``'s output and
@@ -253,7 +319,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> P
 
     require("transformers", "hf", "aiayn import hf")
     src_dir, out = Path(hf_dir), Path(run_dir)
-    _check_fresh(out, force, "run directory")
+    check_output_dir(out, [src_dir], force)
     raw = _marian_config_json(src_dir)
     try:
         model = from_hf_marian(load_hf_marian(src_dir, raw)).eval()
@@ -275,10 +341,10 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> P
     data = DataConfig(src_lang=langs[0], tgt_lang=langs[1], vocab_size=len(src_tok.vocab.ids),
                       shared_vocab=src_tok.same_ids(tgt_tok))
     cfg = Config(task="translation", model=cfg_m, data=data, decode=opts)
-    with staged_directory(out) as stage:
+    with locked(out), staged_directory(out) as stage:  # a training that starts meanwhile is refused
         save_config(cfg, stage / "config.yaml")
         TokenizerPair(src_tok, tgt_tok, specials).save(stage / "tokenizer")
-        save_weights(model, stage / "model.safetensors", {"source": f"imported from {src_dir.resolve()}"})
+        save_weights(model, stage / "model.safetensors", {"source": f"imported from {src_dir.resolve().name}"})
         load_run(stage, "cpu")  # what was written loads back as a run
     log.info("imported %s into %s (%s, vocabulary %d, eos %d, pad %d, decoder start %d)", src_dir, out,
              f"{cfg_m.n_encoder_layers}+{cfg_m.n_decoder_layers} layers, d_model {cfg_m.d_model}",
@@ -369,6 +435,8 @@ print(tok.batch_decode(model.generate(**batch), skip_special_tokens=True))
 `generate()` with this generation config (beam {beam}, length penalty |Y|^{alpha}) gives the tokens of
 `aiayn translate RUN --beam {beam} --length-penalty power --stop hf` when it is given aiayn's length limit per
 sentence, `max_length = int({a} * (source tokens + 1) + {b}) + 1` (the config holds the model's limit).
+Use `generate()` as above: transformers 5 has no `pipeline("translation")` (transformers 4's translation
+pipeline runs this same `generate()`).
 """
 
 
@@ -390,8 +458,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
 
     require("transformers", "hf", "aiayn export hf")
     out = Path(out_dir)
-    if not is_earlier_export(out):
-        _check_fresh(out, force, "directory")
+    check_output_dir(out, [run_dir], force or is_earlier_export(out))
     run = load_run(run_dir, "cpu", precision="fp32")
     if not isinstance(run.model, Transformer):
         raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models are Marian models")
@@ -411,10 +478,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         log.warning("%s decodes with the GNMT length penalty, which Hugging Face lacks: generate() ranks with "
                     "|Y|^%s, as `aiayn translate --length-penalty power --stop hf`", run_dir, dec.alpha)
     hf.generation_config = generation_config_for(dec, sp, run.cfg.model.max_positions)
-    with staged_directory(out) as stage:
+    with locked(out), staged_directory(out) as stage:
         hf.save_pretrained(str(stage))
         _write_tokenizer(tok, run.cfg, stage)
-        card = _CARD.format(tag=EXPORT_TAG, name=out.name, run=Path(run_dir).resolve(),
+        card = _CARD.format(tag=EXPORT_TAG, name=out.name, run=Path(run_dir).resolve().name,
                             layers=f"{model.cfg.n_encoder_layers}+{model.cfg.n_decoder_layers}",
                             d_model=model.cfg.d_model, vocab=model.cfg.vocab_size, example="A dog runs on the beach.",
                             beam=dec.beam, alpha=dec.alpha, a=dec.max_len_a, b=dec.max_len_b)

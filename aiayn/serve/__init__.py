@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import re
 import signal
 import socket
 import sys
+from dataclasses import dataclass, field
 
 from aiayn.errors import ConfigError, UserError, require
+from aiayn.serve.batcher import check_batching
+from aiayn.serve.schemas import Limits
 
 log = logging.getLogger("aiayn.serve")
 
@@ -41,9 +45,43 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto", precision: str = "auto",
-          max_batch_tokens: int | None = None, max_wait_ms: float = 10.0, max_queue: int = 256,
-          limits=None, access_log: bool = False) -> int:
+@dataclass(frozen=True)
+class ServeOptions:
+    """How ``aiayn serve`` runs, checked when built (before the run is loaded or a port is bound)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free one, printed at start
+    device: str = "auto"
+    precision: str = "auto"
+    max_batch_tokens: int | None = None  # default: the device's decoding budget
+    max_wait_ms: float = 10.0
+    max_queue: int = 256
+    limits: Limits = field(default_factory=Limits)
+    access_log: bool = False
+    allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
+    cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
+        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
+        if self.cors is not None and not re.fullmatch(r"https?://[^/\s]+", self.cors):
+            raise ConfigError(f"--cors {self.cors!r}: expected an origin, e.g. https://example.org (no path)")
+        for name in self.allow_hosts:
+            if not name or "/" in name or " " in name:
+                raise ConfigError(f"--allow-host {name!r}: expected a host name or address (or * for any)")
+
+    def access(self, bound_host: str):
+        """Who may call the server: the loopback names, the bound address when it is not a wildcard, and what
+        ``--allow-host`` adds (:class:`aiayn.serve.app.Access`)."""
+        from aiayn.serve.app import LOOPBACK_NAMES, Access
+
+        bound = [] if ipaddress.ip_address(bound_host).is_unspecified else [bound_host.lower()]
+        extra = [h.lower().strip("[]") for h in self.allow_hosts]
+        return Access(tuple(dict.fromkeys([*LOOPBACK_NAMES, self.host.lower(), *bound, *extra])), self.cors)
+
+
+def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     """Load the run, bind, serve until SIGTERM / Ctrl-C, then finish the requests in flight. Returns 0."""
     require("starlette", "serve", "aiayn serve")
     require("uvicorn", "serve", "aiayn serve")
@@ -52,16 +90,15 @@ def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str =
     from aiayn.decode.generate import load_for_task
     from aiayn.serve.app import create_app, warm_up
 
-    if max_wait_ms < 0 or (max_batch_tokens is not None and max_batch_tokens < 1) or max_queue < 1:
-        raise ConfigError("--max-wait-ms must be >= 0, --max-batch-tokens and --max-queue >= 1")
-    model = load_for_task(run_dir, device, precision)  # a bad run or device fails here, before binding
+    o = options or ServeOptions()
+    model = load_for_task(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
     warm_up(model)
-    sock = listen(host, port)
-    app = create_app(model, max_batch_tokens, max_wait_ms, max_queue, limits)
-    config = uvicorn.Config(app, log_config=None, access_log=access_log, timeout_graceful_shutdown=60,
+    sock = listen(o.host, o.port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host))
+    config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
     server = uvicorn.Server(config)
-    bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     if not ipaddress.ip_address(bound_host).is_loopback:
         log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model", bound_host)
@@ -78,7 +115,7 @@ def serve(run_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str =
             signal.signal(sig, handler)
         sock.close()
     if not server.started:
-        raise UserError(f"aiayn serve: the server did not start on {host}:{bound_port} (see the log above)")
+        raise UserError(f"aiayn serve: the server did not start on {o.host}:{bound_port} (see the log above)")
     log.info("aiayn serve: stopped")
     return 0
 
@@ -96,12 +133,16 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sentences", type=int, default=64, help="sentences per translate request (default 64)")
     p.add_argument("--max-beam", type=int, default=16, help="largest beam (and nbest) a request may ask (16)")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (default: the loopback names and the "
+                        "bound address only; * for any: then any web page can reach a server on this machine)")
+    p.add_argument("--cors", default=None, metavar="ORIGIN",
+                   help="let pages of ORIGIN (e.g. https://example.org) call the API from a browser (default: none)")
 
 
 def serve_cli(args: argparse.Namespace) -> int:
     """``aiayn serve`` from parsed arguments."""
-    from aiayn.serve.schemas import Limits
-
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
-    return serve(args.run, args.host, args.port, args.device, args.precision, args.max_batch_tokens,
-                 args.max_wait_ms, args.max_queue, limits, args.access_log)
+    options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
+                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors)
+    return serve(args.run, options)

@@ -12,6 +12,11 @@
 Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`): a bad
 request gets its 4xx, a full queue 503, a failing model 500, and the server goes on serving.
 All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
+
+Who may call it (:class:`Access`): a request whose ``Host`` header names none of the allowed hosts is refused
+(403 ``host_not_allowed``): a page on another site that rebinds its DNS name to this machine cannot use the
+server. A POST must say ``Content-Type: application/json`` (else 415): browsers then ask before sending one
+from another origin, and no CORS header answers them unless ``--cors ORIGIN`` names that origin.
 """
 
 from __future__ import annotations
@@ -49,6 +54,90 @@ log = logging.getLogger("aiayn.serve")
 STATIC = Path(__file__).resolve().parent / "static"
 TASK_NAMES = {"translation": "translation", "summarization": "summarization", "lm": "language-model (task lm)"}
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """``hosts``: the names a request's Host header may give (the loopback names, the bound address, and what
+    ``--allow-host`` adds; ``"*"`` allows any); ``cors``: the one other origin whose pages may call the API
+    (None: none)."""
+
+    hosts: tuple[str, ...] = LOOPBACK_NAMES
+    cors: str | None = None
+
+    def allows(self, host_header: str) -> bool:
+        """Whether a Host header ("name", "name:port", "[::1]:port") names an allowed host."""
+        if "*" in self.hosts:
+            return True
+        name = host_header.strip().lower()
+        if name.startswith("["):  # [IPv6]:port
+            name = name[1:].split("]", 1)[0]
+        elif name.count(":") == 1:
+            name = name.split(":", 1)[0]
+        return name in self.hosts
+
+
+def _refusal(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware in front of every route: the Host allow-list, the JSON content type of a POST, CORS."""
+
+    def __init__(self, app, access: Access) -> None:
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        host = request.headers.get("host", "")
+        origin = request.headers.get("origin")
+        cors = self.access.cors is not None and origin == self.access.cors
+        extra = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if cors else {}
+        refusal = None
+        if not self.access.allows(host):
+            refusal = _refusal(403, "host_not_allowed", f"Host {host!r} is not one this server answers to "
+                                                        "(aiayn serve --allow-host NAME adds one)")
+        elif request.method == "OPTIONS":
+            if cors:
+                refusal = Response(status_code=204, headers={**extra, "Access-Control-Allow-Methods": "GET, POST",
+                                                             "Access-Control-Allow-Headers": "Content-Type",
+                                                             "Access-Control-Max-Age": "600"})
+            else:
+                refusal = _refusal(403, "cors_not_allowed", f"origin {origin!r} may not call this server "
+                                                            "(aiayn serve --cors ORIGIN allows one)")
+        elif request.method == "POST":
+            ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                refusal = _refusal(415, "unsupported_media_type", f"Content-Type {ctype or 'none'!r}: send "
+                                                                  "application/json", extra)
+            elif origin is not None and not cors and not _same_origin(origin, host):
+                refusal = _refusal(403, "cors_not_allowed", f"origin {origin!r} may not call this server "
+                                                            "(aiayn serve --cors ORIGIN allows one)")
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if not extra:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      *((k.lower().encode(), v.encode()) for k, v in extra.items())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether ``origin`` (scheme://host[:port]) is this server's own page (what its Host header says)."""
+    return origin.split("://", 1)[-1].lower() == host.strip().lower()
 
 
 @dataclasses.dataclass
@@ -89,6 +178,7 @@ def attention_json(run: Run, text: str, target: str | None) -> bytes:
     for kind, m in data.maps.items():
         L, H, Q, K = m.weights.shape
         kinds[kind] = {"title": KINDS[kind], "layers": L, "heads": H, "queries": m.queries, "keys": m.keys,
+                       "predicts": m.predicts,  # decoder rows: the token each step predicts (None: encoder)
                        "weights": np.round(m.weights, 5).tolist()}  # (L, H, Q, K), each row sums to 1
     body = {"task": run.cfg.task, "source": data.src, "target": data.tgt, "generated": data.generated,
             "attention": kinds}
@@ -135,11 +225,14 @@ def json_errors(handler: Handler) -> Handler:
 
 
 def create_app(model: Translator | Generator, max_batch_tokens: int | None = None, max_wait_ms: float = 10.0,
-               max_queue: int = 256, limits: Limits | None = None) -> Starlette:
+               max_queue: int = 256, limits: Limits | None = None, access: Access | None = None):
     """The server for a loaded model (``aiayn.load(RUN)``). ``max_batch_tokens`` (default: the device's
     decoding budget) bounds the source tokens x beam merged into one model call; ``max_wait_ms`` is how
-    long the first request of a call waits for others; ``max_queue`` requests wait at most."""
+    long the first request of a call waits for others; ``max_queue`` requests wait at most; ``access``: who
+    may call it (default: loopback names only, no CORS). Returns the ASGI app (its ``state.service`` is the
+    loaded model, batcher and limits)."""
     limits = limits or Limits()
+    access = access or Access()
     budget = max_batch_tokens or model.cfg.decode.batch_tokens(model.device.type)
     svc = Service(model, Batcher(budget, max_wait_ms, max_queue), limits)
     started = time.time()
@@ -158,7 +251,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
             "task": svc.task, "run": str(m.path), "device": str(m.device),
             "precision": str(next(m.model.parameters()).dtype).removeprefix("torch."),
             "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
-            "limits": dataclasses.asdict(limits),
+            "limits": {**dataclasses.asdict(limits), "attention_tokens": m.cfg.model.max_positions},
             "batching": {"max_batch_tokens": budget, "max_wait_ms": max_wait_ms, "max_queue": max_queue},
         })
 
@@ -197,6 +290,11 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - (svc.task != "lm")
         if n > room:
             raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
+        if target is not None and svc.task != "lm":
+            m, steps = len(run.tokenizers.tgt.encode(target)), run.cfg.model.max_positions - 1
+            if m > steps:  # the whole target or nothing: a map of its first positions would mislead
+                raise ApiError(413, "line_too_long", f"target: {m} tokens, the decoder reads at most {steps} "
+                                                     "after its start token (the model's positions)")
         [payload] = await svc.batcher.run(None, [text], 1, lambda items: [attention_json(run, items[0], target)])
         return Response(payload, media_type="application/json")
 
@@ -222,7 +320,9 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
     app.state.service = svc
-    return app
+    guarded = Guard(app, access)
+    guarded.state = app.state  # tests and tools reach the service through it
+    return guarded
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiayn.errors import UserError
+from aiayn.errors import ConfigError, UserError
 
 log = logging.getLogger("aiayn.serve")
 
@@ -62,12 +63,25 @@ class Stats:
     largest_call: int = 0  # jobs merged into one call, at most
 
 
+MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share its model call
+
+
+def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: int) -> None:
+    """The batcher's settings, as ``aiayn serve`` flags: a one-line ConfigError for one out of range (a wait that
+    is NaN would make every request wait forever, an infinite one would stop the model's thread)."""
+    if not (math.isfinite(max_wait_ms) and 0 <= max_wait_ms <= MAX_WAIT_MS):
+        raise ConfigError(f"--max-wait-ms {max_wait_ms}: expected a number of milliseconds in [0, {MAX_WAIT_MS:g}]")
+    if max_batch_tokens is not None and not 1 <= max_batch_tokens <= 2**31:
+        raise ConfigError(f"--max-batch-tokens {max_batch_tokens}: expected 1-{2**31}")
+    if not 1 <= max_queue <= 1_000_000:
+        raise ConfigError(f"--max-queue {max_queue}: expected 1-1000000")
+
+
 class Batcher:
     """One worker thread that runs queued jobs, merging those of a group (see the module docstring)."""
 
     def __init__(self, max_batch_tokens: int = 4096, max_wait_ms: float = 10.0, max_queue: int = 256) -> None:
-        if max_batch_tokens < 1 or max_wait_ms < 0 or max_queue < 1:
-            raise ValueError("max_batch_tokens and max_queue must be >= 1, max_wait_ms >= 0")
+        check_batching(max_batch_tokens, max_wait_ms, max_queue)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue

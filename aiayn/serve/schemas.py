@@ -5,7 +5,11 @@ message that names the field (and the line, for a list of texts):
 
 =====  ======================  =====================================================================
 400    invalid_utf8            the body is not UTF-8
-400    bad_json                the body is not JSON, or not a JSON object
+400    bad_json                the body is not JSON, not a JSON object, nested too deeply or holds a
+                               number too long to read
+403    host_not_allowed        the Host header names no host this server answers to (``--allow-host``)
+403    cors_not_allowed        a page of another origin (``--cors ORIGIN`` allows one)
+415    unsupported_media_type  a POST whose Content-Type is not application/json
 400    wrong_task              the endpoint needs another kind of run (names the run's task)
 413    body_too_large          more than ``Limits.max_body_bytes``
 413    too_many_sentences      more texts than ``Limits.max_sentences``
@@ -81,6 +85,10 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ApiError(400, "bad_json", f"request body is not JSON: {e.msg} at line {e.lineno} column {e.colno}"
                        ) from None
+    except RecursionError:
+        raise ApiError(400, "bad_json", "request body is nested too deeply") from None
+    except ValueError:  # an integer longer than Python converts ("Exceeds the limit (4300 digits)")
+        raise ApiError(400, "bad_json", "request body holds a number too long to read") from None
     if not isinstance(body, dict):
         raise ApiError(400, "bad_json", f"request body must be a JSON object, got {_json_type(body)}")
     return body

@@ -37,20 +37,13 @@ import torch
 from aiayn.config import Config, load_yaml
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
-from aiayn.files import atomic_write_json, check_writable
+from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
 from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.trainer import Dist, TrainState
 from aiayn.weights import checkpoint_dir, list_checkpoints
 
-try:  # POSIX; on Windows a run directory is not locked
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None
-
 log = logging.getLogger("aiayn.train")
 
-MARKER = ".aiayn-run.json"
-LOCK = ".aiayn-run.lock"
 # data keys that decide what the tokenizer is: a resume must not silently reuse a tokenizer made for others.
 TOKENIZER_KEYS = ("tokenizer", "vocab_size", "shared_vocab", "byte_fallback", "lowercase", "pretokenize")
 
@@ -120,76 +113,6 @@ def inspect(run_dir: Path) -> DirState:
     entries = sorted(n for n in os.listdir(run_dir) if n != LOCK)
     return DirState(True, entries, read_marker(run_dir), list_checkpoints(run_dir),
                     (run_dir / "model.safetensors").exists())
-
-
-class RunLock:
-    """The exclusive ``flock`` on RUN/.aiayn-run.lock; :meth:`acquire` fails at once when another process holds it."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK
-        self.fd: int | None = None
-        self.created = False
-        self.old: bytes | None = None  # the lock file's content before write_pid
-
-    def acquire(self, create: bool = True) -> None:
-        if fcntl is None:  # pragma: no cover
-            return
-        fd = None
-        if create:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-                self.created = True
-            except FileExistsError:
-                pass
-        if fd is None:
-            fd = os.open(self.path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            os.close(fd)
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise CheckpointError(f"{self.path.parent}: in use by another aiayn process{who}; wait for it to end "
-                                  "or choose another --run-dir") from None
-        # The path must still name the file we locked: a start that failed meanwhile may have removed it.
-        try:
-            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
-            os.close(fd)
-            raise CheckpointError(f"{self.path.parent}: changed while this process started; try again")
-        self.fd = fd
-
-    def write_pid(self) -> None:
-        """The holder's pid into the lock file (for the "in use" message); :meth:`restore` puts the old one back."""
-        if self.fd is not None:
-            self.old = os.pread(self.fd, 64, 0)
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, f"{os.getpid()}\n".encode("ascii"), 0)
-
-    def restore(self) -> None:
-        if self.fd is not None and self.old is not None:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, self.old, 0)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor releases the flock
-            self.fd = None
-
-
-@contextlib.contextmanager
-def locked(run_dir: str | Path) -> Iterator[None]:
-    """Hold the run's lock (when it has a lock file) for a command that writes into a finished run
-    (``aiayn average``): refused while a training writes into it."""
-    lock = RunLock(Path(run_dir))
-    if lock.path.exists():
-        lock.acquire(create=False)
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 class RunDirectory:

@@ -43,6 +43,7 @@ class AttentionMaps:
     keys: list[str]
     layers: list[int]
     heads: list[int]
+    predicts: list[str] | None = None  # decoder rows: the token each step predicts (the next input, or </s>)
 
 
 @dataclass
@@ -64,9 +65,10 @@ def token_labels(tok, ids: list[int]) -> list[str]:
     return out
 
 
-def _maps(kind: str, probs: torch.Tensor, queries: list[str], keys: list[str]) -> AttentionMaps:
+def _maps(kind: str, probs: torch.Tensor, queries: list[str], keys: list[str],
+          predicts: list[str] | None = None) -> AttentionMaps:
     w = probs[:, 0].double().cpu().numpy()  # (L, 1, H, Q, K) -> (L, H, Q, K)
-    return AttentionMaps(kind, w, queries, keys, list(range(w.shape[0])), list(range(w.shape[1])))
+    return AttentionMaps(kind, w, queries, keys, list(range(w.shape[0])), list(range(w.shape[1])), predicts)
 
 
 @torch.no_grad()
@@ -90,7 +92,8 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, devi
             raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens, the model takes {limit}")
         probs = model.attention_maps(torch.tensor([src_ids], device=dev))
         labels = token_labels(tok.src, src_ids)
-        return AttentionData({"decoder_self": _maps("decoder_self", probs["decoder_self"], labels, labels)},
+        nxt = labels[1:] + ["\u2026"]  # the last step predicts a token the text does not hold yet
+        return AttentionData({"decoder_self": _maps("decoder_self", probs["decoder_self"], labels, labels, nxt)},
                              src, None, False)
     sp = tok.specials
     src_ids = src_ids + [sp.eos]
@@ -104,13 +107,17 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, devi
         tgt = tok.tgt.decode(tgt_ids)
     else:
         tgt_ids = tok.tgt.encode(tgt)
-    tgt_in = [sp.decoder_start] + tgt_ids[: limit - 1]
+    if not generated and len(tgt_ids) > limit - 1:  # the whole target or nothing: part of it would mislead
+        raise ConfigError(f"viz attention: the target has {len(tgt_ids)} tokens, the decoder reads at most "
+                          f"{limit - 1} after its start token")
+    tgt_in = [sp.decoder_start] + tgt_ids[: limit - 1]  # a generated one stops at the model's positions anyway
     probs = model.attention_maps(src_t, torch.tensor([tgt_in], device=dev))
     s_lab, t_lab = token_labels(tok.src, src_ids), token_labels(tok.tgt, tgt_in)
+    nxt = token_labels(tok.tgt, tgt_in[1:] + [sp.eos])  # each step predicts the next input; the last, </s>
     maps = {
         "encoder": _maps("encoder", probs["encoder"], s_lab, s_lab),
-        "decoder_self": _maps("decoder_self", probs["decoder_self"], t_lab, t_lab),
-        "cross": _maps("cross", probs["cross"], t_lab, s_lab),
+        "decoder_self": _maps("decoder_self", probs["decoder_self"], t_lab, t_lab, nxt),
+        "cross": _maps("cross", probs["cross"], t_lab, s_lab, nxt),
     }
     return AttentionData(maps, src, tgt, generated)
 

@@ -1,15 +1,17 @@
 // aiayn attention explorer: asks the server for a translation (or an LM continuation) and its attention
-// probabilities, and draws one token-aligned SVG heatmap per attention kind. No library, no network beyond
-// this server. Each cell carries data-row, data-col and data-weight (the browser test reads them).
+// probabilities, and draws one token-aligned SVG heatmap per attention kind, and a small map of every layer and
+// head ("model view"). No library, no network beyond this server. Each cell carries data-row, data-col and
+// data-weight (the browser test reads them).
 "use strict";
 
 const KIND_ORDER = ["cross", "encoder", "decoder_self"];  // the alignment first
 const AXES = {  // [rows (queries), columns (keys)] per kind
   encoder: ["source", "source"],
-  decoder_self: ["decoder input", "decoder input"],
-  cross: ["decoder input (target)", "source"],
+  decoder_self: ["decoder input \u2192 the token it predicts", "decoder input"],
+  cross: ["decoder input \u2192 the token it predicts", "source"],
 };
-const LM_AXES = ["token", "token"];
+const LM_AXES = ["token \u2192 the token it predicts", "token"];
+const MIN_CELL = 14;  // px: labels stay readable; a long map scrolls instead of shrinking
 const VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -46,8 +48,20 @@ function el(name, attrs, text) {
   return node;
 }
 
+// A token as a label: new lines, tabs and spaces as visible symbols (a character model's tokens).
+function visible(tok) {
+  return tok.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/^ $/, "\u2423");
+}
+
 function short(tok) {
-  return tok.length > 14 ? tok.slice(0, 13) + "\u2026" : tok;
+  const t = visible(tok);
+  return t.length > 14 ? t.slice(0, 13) + "\u2026" : t;
+}
+
+// Row labels: the query token, and for the decoder the token its step predicts ("<s> \u2192 \u2581Ein").
+function rowLabels(kindData) {
+  const p = kindData.predicts;
+  return kindData.queries.map((t, q) => (p ? `${short(t)} \u2192 ${short(p[q])}` : short(t)));
 }
 
 // The (Q x K) matrix of one layer and one head, or the mean over heads (rows still sum to 1).
@@ -73,10 +87,11 @@ function showCell(svg, q, k) {
 
 function heatmap(kind, kindData, layer, head) {
   const W = matrix(kindData, layer, head);
-  const { queries, keys, title } = kindData;
+  const { keys, title } = kindData;
+  const queries = rowLabels(kindData);
   const axes = state.task === "lm" ? LM_AXES : AXES[kind];
-  const cell = Math.max(9, Math.min(28, Math.floor(480 / Math.max(keys.length, queries.length))));
-  const left = 16 + 7 * Math.max(...queries.map((t) => short(t).length));
+  const cell = Math.max(MIN_CELL, Math.min(28, Math.floor(480 / Math.max(keys.length, queries.length))));
+  const left = 16 + 7 * Math.max(...queries.map((t) => t.length));
   const top = 16 + 7 * Math.max(...keys.map((t) => short(t).length));
   const width = left + cell * keys.length + 10;
   const height = top + cell * queries.length + 10;
@@ -92,7 +107,7 @@ function heatmap(kind, kindData, layer, head) {
     svg.appendChild(el("text", { x, y, transform: `rotate(-60 ${x} ${y})`, "text-anchor": "start" }, short(t)));
   });
   queries.forEach((t, q) => {
-    svg.appendChild(el("text", { x: left - 6, y: top + q * cell + cell / 2 + 4, "text-anchor": "end" }, short(t)));
+    svg.appendChild(el("text", { x: left - 6, y: top + q * cell + cell / 2 + 4, "text-anchor": "end" }, t));
   });
   W.forEach((row, q) => row.forEach((w, k) => {
     svg.appendChild(el("rect", {
@@ -100,13 +115,13 @@ function heatmap(kind, kindData, layer, head) {
       "data-row": q, "data-col": k, "data-weight": String(w),
     }));
   }));
-  svg._map = { title, queries, keys };
+  svg._map = { title, queries, keys: keys.map(visible) };
   svg.addEventListener("mousemove", (ev) => {
     const r = ev.target;
     const tip = $("tooltip");
     if (!r.classList || !r.classList.contains("cell")) { tip.hidden = true; return; }
     showCell(svg, Number(r.dataset.row), Number(r.dataset.col));
-    tip.textContent = `${queries[r.dataset.row]} \u2192 ${keys[r.dataset.col]}: ${Number(r.dataset.weight).toFixed(4)}`;
+    tip.textContent = `${queries[r.dataset.row]} : ${visible(keys[r.dataset.col])}: ${Number(r.dataset.weight).toFixed(4)}`;
     tip.style.left = `${ev.clientX + 12}px`;
     tip.style.top = `${ev.clientY + 12}px`;
     tip.hidden = false;
@@ -132,6 +147,7 @@ function render() {
   const box = $("maps");
   box.textContent = "";
   $("tooltip").hidden = true;  // its cell is gone
+  renderModelView();
   if (!state.data) return;
   const layer = Number($("layer").value);
   const head = $("head").value;
@@ -149,10 +165,77 @@ function render() {
     cap.querySelector("h3").textContent = kindData.title;
     cap.querySelector("span").textContent = `rows: ${axes[0]} (queries), columns: ${axes[1]} (keys)`;
     fig.appendChild(cap);
-    fig.appendChild(heatmap(kind, kindData, layer, head));
+    const scroll = document.createElement("div");
+    scroll.className = "map-scroll";
+    scroll.appendChild(heatmap(kind, kindData, layer, head));
+    fig.appendChild(scroll);
     grid.appendChild(fig);
   }
   box.appendChild(grid);
+}
+
+// A small picture of one layer and head: a canvas, a few pixels per cell, no labels.
+function thumbnail(kindData, layer, head) {
+  const W = kindData.weights[layer][head];
+  const s = Math.max(2, Math.min(6, Math.floor(96 / Math.max(kindData.keys.length, kindData.queries.length))));
+  const canvas = document.createElement("canvas");
+  canvas.width = s * kindData.keys.length;
+  canvas.height = s * kindData.queries.length;
+  const ctx = canvas.getContext("2d");
+  W.forEach((row, q) => row.forEach((w, k) => { ctx.fillStyle = color(w); ctx.fillRect(k * s, q * s, s, s); }));
+  return canvas;
+}
+
+// Every layer (rows) and head (columns) of each kind; a click shows that map large.
+function renderModelView() {
+  const box = $("model-view");
+  box.textContent = "";
+  if (!state.data) return;
+  const layer = $("layer").value, head = $("head").value;
+  for (const kind of KIND_ORDER) {
+    const kindData = state.data.attention[kind];
+    if (!kindData) continue;
+    const fig = document.createElement("figure");
+    fig.className = "model-view";
+    fig.dataset.kind = kind;
+    const cap = document.createElement("figcaption");
+    cap.textContent = kindData.title;
+    fig.appendChild(cap);
+    const table = document.createElement("table");
+    const top = table.insertRow();
+    top.appendChild(document.createElement("th"));
+    for (let h = 0; h < kindData.heads; h++) {
+      const th = document.createElement("th");
+      th.textContent = `head ${h}`;
+      top.appendChild(th);
+    }
+    for (let l = 0; l < kindData.layers; l++) {
+      const tr = table.insertRow();
+      const th = document.createElement("th");
+      th.textContent = `layer ${l}`;
+      tr.appendChild(th);
+      for (let h = 0; h < kindData.heads; h++) {
+        const button = document.createElement("button");
+        button.type = "button";
+        button.className = "thumb";
+        button.dataset.kind = kind;
+        button.dataset.layer = String(l);
+        button.dataset.head = String(h);
+        button.setAttribute("aria-pressed", String(String(l) === layer && String(h) === head));
+        button.setAttribute("aria-label", `${kindData.title}, layer ${l}, head ${h}: show it large`);
+        button.appendChild(thumbnail(kindData, l, h));
+        button.addEventListener("click", () => {
+          $("layer").value = String(l);
+          $("head").value = String(h);
+          render();
+          $(`map-${kind}`).scrollIntoView({ block: "nearest" });
+        });
+        tr.insertCell().appendChild(button);
+      }
+    }
+    fig.appendChild(table);
+    box.appendChild(fig);
+  }
 }
 
 function fillSelects(data) {
@@ -181,6 +264,10 @@ async function run(ev) {
   button.disabled = true;
   out.dataset.state = "busy";
   out.textContent = "\u2026";
+  state.data = null;  // the previous sentence's maps go: what is on screen always belongs to the output above
+  $("layer").disabled = $("head").disabled = true;
+  render();
+  $("cell-info").textContent = "";
   try {
     let attentionBody;
     if (state.task === "lm") {
@@ -220,8 +307,9 @@ async function init() {
     const m = await api("/v1/model");
     state.task = m.task;
     const millions = (m.parameters / 1e6).toFixed(2);
-    $("model-info").textContent = `${m.task} model, ${millions}M parameters, ${m.config.model.n_heads} heads, ` +
-      `on ${m.device} (${m.run})`;
+    const name = String(m.run).split(/[\\/]/).filter(Boolean).pop();  // the run's name, not a path of the server
+    $("model-info").textContent = `${m.task} model ${name}: ${millions}M parameters, ${m.config.model.n_heads} ` +
+      `heads, on ${m.device}`;
     if (m.task === "lm") {
       $("src-label").textContent = "Prompt";
       $("submit").textContent = "Continue";
