@@ -1,8 +1,12 @@
 # Two commands: `make demo` (the main job) and `make test`. Both set up .venv/ on a fresh clone.
 # `make test-browser` also installs Debian's chromium + chromedriver (apt) and selenium, then drives the
 # attention explorer page of `aiayn serve` in headless Chromium (tests/test_browser.py).
-# torch==2.13.0 is installed first so that no CUDA wheels are pulled on a CPU machine.
+# PyTorch is installed first, pinned, from TORCH_INDEX when it is set: pip's default index gives the CUDA
+# build on Linux x86-64 (about 2 GB with its nvidia-* packages); `make TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# gives the CPU-only wheel (about 200 MB). Then the package, editable, with the test and serve extras.
 PYTHON ?= python3
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -11,11 +15,12 @@ export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/dat
 .PHONY: setup demo test test-browser lint clean
 
 setup: $(STAMP)
+	@echo "aiayn is installed in $(VENV): activate it with 'source $(VENV)/bin/activate' to run 'aiayn ...'"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(PY) -m pip install -q -e ".[dev,serve]"
 	touch $(STAMP)
 

@@ -28,9 +28,21 @@ def decode_overrides(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from aiayn.train.run import train_from_config
+    from aiayn.train.run import resume_run, train_from_config
 
-    train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=args.resume,
+    if args.threads is not None:
+        args.set = [*args.set, f"train.threads={args.threads}"]
+    if isinstance(args.resume, str):  # --resume RUN: the run's own config
+        if args.config is not None or args.init_from is not None:
+            raise ConfigError("--resume RUN takes the run's own config: give no CONFIG and no --init-from "
+                              "(or resume a recipe's run: aiayn train CONFIG --run-dir RUN --resume)")
+        if args.run_dir is not None and Path(args.run_dir) != Path(args.resume):
+            raise ConfigError(f"--resume {args.resume} and --run-dir {args.run_dir} name two directories")
+        resume_run(args.resume, args.set, progress=not args.no_progress)
+        return 0
+    if args.config is None:
+        raise ConfigError("aiayn train needs a CONFIG (a YAML recipe or a preset), or --resume RUN")
+    train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=bool(args.resume),
                       progress=not args.no_progress, init_from=args.init_from)
     return 0
 
@@ -55,14 +67,15 @@ def _write_stdout(text: str) -> None:
 
 
 def _progress(args: argparse.Namespace, path: str | None):
-    """A tqdm bar over the input file's lines on stderr (a terminal, or --progress), else None."""
+    """Progress over the input file's lines on stderr (a terminal, or --progress: then plain lines when stderr
+    is not a terminal), else None."""
     if path in (None, "-") or not (args.progress or (args.progress is None and sys.stderr.isatty())):
         return None
-    from tqdm.auto import tqdm
+    from aiayn.progress import ItemProgress
 
     with open(path, "rb") as f:
         total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    return tqdm(total=total, unit="line", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    return ItemProgress(total, "line", "translate")
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
@@ -201,10 +214,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+THREADS_HELP = "CPU threads (default: the cores not busy with other work; 1 is faster on a busy machine)"
+
+
 def add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda | cuda:N | mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="weights' precision (auto: fp32; bf16 / fp16 on CUDA only)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    """The CPU threads of an inference command (training chooses its own: train.threads)."""
+    if args.command != "train" and hasattr(args, "threads"):
+        if args.threads is not None and args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        from aiayn.engine import cpu_threads, set_cpu_threads
+
+        set_cpu_threads(cpu_threads(args.threads))
 
 
 def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
@@ -236,14 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a model from a YAML recipe")
-    p.add_argument("config", help="YAML recipe, or a preset name (paper-base, multi30k_en_de_quick, ...)")
+    p = sub.add_parser("train", help="train a model from a YAML recipe (or continue a run: --resume RUN)")
+    p.add_argument("config", nargs="?", help="YAML recipe, or a preset name (paper-base, multi30k_en_de_quick, ...)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.warmup=8000")
-    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
+                   help="continue from the run's last checkpoint; --resume RUN alone uses RUN's own config "
+                        "(a --set then may change only when it stops, what it logs, where it runs)")
     p.add_argument("--init-from", default=None, metavar="RUN",
                    help="fine-tune RUN: its weights, tokenizer and model section; the rest from CONFIG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (plain lines: loss, speed, ETA)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("translate", help="translate text, one sentence per line (streams)",
@@ -259,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, metavar="LINES",
                    help="lines read, translated and written at a time (default 2000; 1 on a terminal)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr for an --input file (default: when stderr is a terminal)")
+                   help="progress on stderr for an --input file: a bar on a terminal, plain lines otherwise "
+                        "(default: when stderr is a terminal)")
     add_decode_options(p)
     p.set_defaults(func=cmd_translate)
 
@@ -356,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        _set_threads(args)
         return args.func(args)
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)

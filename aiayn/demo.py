@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from aiayn.config import CONFIG_DIR, load_config
-from aiayn.train.ownership import MARKER
+from aiayn.files import MARKER
 from aiayn.weights import list_checkpoints
 
 log = logging.getLogger("aiayn.demo")

@@ -17,6 +17,8 @@ Shapes: B batch, T length, D model width.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -168,6 +170,71 @@ def compile_for_training(module: nn.Module, loss_fn, fixed_shapes: bool, n_shape
     return torch.compile(module, **options), torch.compile(loss_fn, **options)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, all) CPU seconds since boot of the cores this process may run on, from /proc/stat's per-core lines
+    (Linux); None elsewhere."""
+    try:
+        mine = os.sched_getaffinity(0)
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
+    except (AttributeError, OSError):
+        return None
+    busy = total = 0
+    for name, *values in lines:
+        if int(name[3:]) in mine:
+            fields = [int(x) for x in values[:8]]
+            idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+            busy, total = busy + sum(fields) - idle, total + sum(fields)
+    hz = os.sysconf("SC_CLK_TCK")
+    return (busy / hz, total / hz) if total else None
+
+
+def busy_cores(interval_s: float = 0.3) -> float:
+    """How many of this process's cores other processes keep busy now: their busy CPU time over ``interval_s``
+    minus this process's own; the 1-minute load average where /proc/stat is missing. Sampled now rather than
+    averaged over the last minute, which would count the run that just ended (or this process's own tokenizer
+    training) as other work."""
+    first, own0 = _cpu_times(), os.times()
+    if first is None:
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):  # pragma: no cover - no load average (Windows)
+            return 0.0
+    time.sleep(interval_s)
+    second, own1 = _cpu_times(), os.times()
+    if second is None or second[1] <= first[1]:
+        return 0.0
+    own = (own1.user + own1.system) - (own0.user + own0.system)
+    cores = (second[1] - first[1]) / interval_s  # the cores' CPU seconds per second
+    return cores * max(0.0, (second[0] - first[0]) - own) / (second[1] - first[1])
+
+
+def cpu_threads(requested: int | None = None) -> int:
+    """The intra-op thread count for this process: ``requested``; else ``OMP_NUM_THREADS`` when the environment
+    sets it (torchrun, a job scheduler); else the cores not busy with other work right now (:func:`busy_cores`),
+    at least 1.
+
+    PyTorch's threads spin while they wait for work, so on a shared machine more threads than free cores make a
+    run several times slower, not faster; on a quiet machine every core helps, for the 0.8M-parameter character
+    LM as for the 7.6M Multi30k recipe, so the choice depends on the free cores, not on the model's size
+    (``python -m benchmarks.threads``: BENCHMARKS.md, 1 against 2 threads, quiet and loaded)."""
+    if requested is not None:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = usable_cores()
+    return max(1, min(cores, round(cores - busy_cores())))
+
+
 def set_cpu_threads(threads: int | None) -> int:
     """Set PyTorch's intra-op CPU threads to ``threads`` (None: leave PyTorch's choice); return the count in use."""
     if threads is not None:
@@ -178,6 +245,6 @@ def set_cpu_threads(threads: int | None) -> int:
 
 
 __all__ = [
-    "ATTENTION_RULE", "CpuDropout", "attention_path", "compile_for_training", "kernels", "prepare_model",
-    "set_cpu_threads", "use_attention", "use_fused_optimizer",
+    "ATTENTION_RULE", "CpuDropout", "attention_path", "compile_for_training", "cpu_threads", "kernels",
+    "busy_cores", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention", "use_fused_optimizer",
 ]

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from aiayn.config import Config, ConfigError, load_config
+from aiayn.config import Config, read_run_config
 from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import DTYPES, resolve_device, resolve_precision
 from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
-from aiayn.weights import inference_weights_path, load_weights
+from aiayn.weights import inference_weights_path, list_checkpoints, load_weights
+
+log = logging.getLogger("aiayn")
 
 
 @dataclass
@@ -25,17 +28,6 @@ class Run:
     cfg: Config
     model: nn.Module
     tokenizers: TokenizerPair
-
-
-def read_run_config(run_dir: str | Path) -> Config:
-    """RUN/config.yaml as a validated config; a file that is not UTF-8, not YAML or not a valid config is a
-    one-line CheckpointError naming it."""
-    cfg_path = Path(run_dir) / "config.yaml"
-    try:
-        return load_config(cfg_path)
-    except ConfigError as e:
-        msg = str(e)
-        raise CheckpointError(msg if msg.startswith(str(cfg_path)) else f"{cfg_path}: {msg}") from None
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: str | Path | None = None,
@@ -57,4 +49,23 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     load_weights(model, weights or inference_weights_path(run_dir))
     model.to(dtype=dtype)
     prepare_model(model, dev, training=False)
+    warn_if_undertrained(run_dir, cfg)
     return Run(run_dir, cfg, model.eval(), tok)
+
+
+def trained_updates(run_dir: str | Path) -> int | None:
+    """The updates of a run's newest checkpoint (None for a run without any, e.g. one imported from HF)."""
+    steps = list_checkpoints(run_dir)
+    return steps[-1] if steps else None
+
+
+def warn_if_undertrained(run_dir: Path, cfg: Config) -> bool:
+    """One warning when the run trained fewer updates than its recipe needs to be useful
+    (``train.useful_updates``, measured: docs/results.md); returns whether it did."""
+    useful, done = cfg.train.useful_updates, trained_updates(run_dir)
+    if useful is None or done is None or done >= useful:
+        return False
+    log.warning("%s trained for %s updates, fewer than the %s its recipe needs to be useful: expect poor output "
+                "(continue it with: aiayn train --resume %s --set train.max_minutes=...)", run_dir, f"{done:,}",
+                f"{useful:,}", run_dir)
+    return True

@@ -162,3 +162,50 @@ def test_errors_show_on_the_page(server, browser):
     err = browser.find_element(By.ID, "error")
     assert err.get_attribute("role") == "alert" and err.is_displayed()
     assert err.text == "line_too_long: text[0]: 2002 characters, the limit is 2000"
+
+
+def test_the_page_explains_itself_and_shows_every_head(server, browser):
+    """The labels say what a row is (decoder: input -> the token it predicts), the legend says what the marks
+    mean, the model view holds one small map per layer and head (a click shows it large), and an error clears
+    the previous sentence's maps."""
+    wait = WebDriverWait(browser, 60)
+    browser.get(server + "/")
+    wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true")
+    legend = browser.find_element(By.ID, "token-legend").text
+    assert "\u2581" in legend and "predict" in legend and "\u21b5" in legend
+    assert "/" not in browser.find_element(By.ID, "model-info").text  # the run's name, no path of the server
+    box = browser.find_element(By.ID, "src")
+    box.clear()
+    box.send_keys(SENTENCE)
+    browser.find_element(By.ID, "submit").click()
+    wait.until(lambda d: d.find_element(By.ID, "output").get_attribute("data-state") == "done")
+    maps = _api(server, "/v1/attention", {"text": SENTENCE,
+                                          "target": _api(server, "/v1/translate", {"text": [SENTENCE], "beam": 4})
+                                          ["translations"][0]["text"]})["attention"]
+    cross = maps["cross"]
+    assert cross["predicts"] == cross["queries"][1:] + ["</s>"] and maps["encoder"]["predicts"] is None
+    rows = browser.execute_script(
+        "return Array.from(document.querySelectorAll(\"svg[data-kind='cross'] > text[text-anchor='end']\"))"
+        ".map(t => t.textContent);")
+    assert len(rows) == len(cross["queries"]) and all(" \u2192 " in r for r in rows)
+    assert rows[0].startswith("<s> \u2192 ") and rows[-1].endswith("\u2192 </s>")
+
+    # The model view: layers x heads thumbnails per kind; a click shows that layer and head large.
+    L, H = cross["layers"], cross["heads"]
+    thumbs = browser.find_elements(By.CSS_SELECTOR, "button.thumb[data-kind='cross']")
+    assert len(thumbs) == L * H
+    target = browser.find_element(By.CSS_SELECTOR,
+                                  f"button.thumb[data-kind='cross'][data-layer='0'][data-head='{H - 1}']")
+    browser.execute_script("arguments[0].click()", target)
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"svg[data-kind='cross'][data-head='{H - 1}']")))
+    big = browser.find_element(By.CSS_SELECTOR, "svg[data-kind='cross']")
+    assert big.get_attribute("data-layer") == "0"
+    assert _cells(browser, "cross")[0, 0] == pytest.approx(cross["weights"][0][H - 1][0][0])
+    pressed = browser.find_element(By.CSS_SELECTOR, "button.thumb[data-kind='cross'][aria-pressed='true']")
+    assert (pressed.get_attribute("data-layer"), pressed.get_attribute("data-head")) == ("0", str(H - 1))
+
+    # An error: the old maps are gone with it.
+    browser.execute_script("arguments[0].value = 'a '.repeat(1001)", browser.find_element(By.ID, "src"))
+    browser.find_element(By.ID, "submit").click()
+    wait.until(lambda d: d.find_element(By.ID, "output").get_attribute("data-state") == "error")
+    assert browser.find_elements(By.CSS_SELECTOR, "#maps svg, #model-view button.thumb") == []

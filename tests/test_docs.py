@@ -45,3 +45,39 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(target)
     assert broken == []
+
+
+def test_every_config_key_is_documented():
+    """docs/configuration.md names every key of every section (a new key without a line there fails)."""
+    import dataclasses
+    import typing
+
+    from aiayn.config import Config
+
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    starts = {m.group(1): m.start() for m in re.finditer(r"^## (\w+):", text, flags=re.M)}
+    missing = []
+    for name, section in typing.get_type_hints(Config).items():
+        if not dataclasses.is_dataclass(section):
+            continue
+        end = min([v for v in starts.values() if v > starts[name]] + [len(text)])
+        body = text[starts[name]:end]
+        missing += [f"{name}.{f.name}" for f in dataclasses.fields(section) if f"`{f.name}`" not in body]
+    assert missing == []
+
+
+def test_every_limit_is_documented():
+    from aiayn.config import LIMITS
+
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    section = text[text.index("## Limits"):]
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([^|]+) \|$", section, flags=re.M))
+    want = {k: (f"{v:,}" if isinstance(v, int) else f"{v:g}") for k, v in LIMITS.items()}
+    assert rows == want
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_pages_name_no_path_of_the_machine_they_were_written_on(page):
+    # a path under a user's or a build machine's home tells a reader nothing and leaks where it was made
+    found = re.findall(r"(?<![\w.~])/(?:work|home|Users|root)/[^\s`)\"']*", page.read_text(encoding="utf-8"))
+    assert found == []

@@ -4,6 +4,8 @@ returns exactly aiayn's beam search (length_penalty='power', exact stop) on the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import spec_of  # tests/ is on sys.path under pytest
@@ -83,3 +85,21 @@ def test_export_refusals_and_cli(tiny_run, exported, tmp_path, capsys):
     sp = spm.SentencePieceProcessor(model_file=str(out / "shared.model"))
     r = ct2.translate_batch([sp.encode("alpha bravo charlie", out_type=str)], beam_size=2, max_decoding_length=8)
     assert len(r[0].hypotheses[0]) <= 8
+
+
+def test_exports_carry_no_path_of_this_machine(tiny_run, exported, tmp_path):
+    """The files an export writes are published with the model: none may hold the absolute path of the run,
+    of the export or of the user's home (the model card and README name the run by its directory name)."""
+    from aiayn.cli import main
+
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    assert main(["export", "hf", str(tiny_run), str(hf)]) == 0
+    needles = {str(tiny_run.resolve()), str(tiny_run), str(exported.resolve().parent), str(hf.resolve()),
+               str(Path.home())}
+    for directory in (exported, hf):
+        for f in directory.iterdir():
+            data = f.read_bytes()
+            found = [n for n in needles if n.encode() in data]
+            assert not found, (f.name, found)
+    assert tiny_run.name in (hf / "README.md").read_text() and tiny_run.name in (exported / "README.txt").read_text()

@@ -28,7 +28,7 @@ Conventions (also those of ``aiayn translate``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +84,18 @@ class Translator(LoadedRun):
             ids.append(toks)
         return ids, cut
 
-    def search(self, texts: Sequence[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1
-               ) -> list[list[Translation]]:
+    def search(self, texts: Sequence[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1,
+               progress: Callable[[int], None] | None = None) -> list[list[Translation]]:
         """Up to ``opts.nbest`` :class:`Translation` per text, best first; [] for an empty text.
-        ``first_line`` numbers the warnings of cut texts (a stream passes its position)."""
+        ``first_line`` numbers the warnings of cut texts (a stream passes its position); ``progress`` is called
+        with the number of texts each batch decoded (empty texts count at the start)."""
         ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
+        if progress is not None and len(todo) < len(texts):
+            progress(len(texts) - len(todo))
+        spec = SearchSpec(opts, self.tokenizers.specials)
         with self.kernels():
-            found = decode_ids(self.model, [ids[i] for i in todo], SearchSpec(opts, self.tokenizers.specials), scores)
+            found = decode_ids(self.model, [ids[i] for i in todo], spec, scores, progress)
         out: list[list[Translation]] = [[] for _ in texts]
         tgt = self.tokenizers.tgt
         for i, hyps in zip(todo, found):

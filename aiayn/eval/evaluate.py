@@ -72,6 +72,7 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
     from aiayn.decode.stream import no_newlines
     from aiayn.decode.translator import load
     from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
+    from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
     translator = load(run_dir, device=device, precision=precision)
@@ -90,7 +91,10 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     _, truncated = translator.encode_sources(sources)
     start = time.perf_counter()
-    hyps = [no_newlines(h) for h in translator.translate(sources, opts)]
+    progress = ItemProgress(len(sources), "sentence", f"evaluate {name}")
+    found = translator.search(sources, opts, scores=opts.sample, progress=progress.update)  # as translate() does
+    progress.close()
+    hyps = [no_newlines(h[0].text if h else "") for h in found]
     wall = time.perf_counter() - start
 
     sb = sacrebleu_scores(hyps, refs)

@@ -7,7 +7,7 @@ Shapes: B batch, S source length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor, nn
 
@@ -47,11 +47,12 @@ def decode_batches(lengths: Sequence[int], opts: DecodeOptions, device_type: str
     return token_batches(list(lengths), None, budget, shuffle=False)
 
 
-def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchSpec, scores: bool = True
-               ) -> list[list[Hypothesis]]:
+def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchSpec, scores: bool = True,
+               progress: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Search every source (ids without EOS; the spec's EOS is appended) and return its hypotheses, best first,
     in input order, in the token-budget batches of :func:`decode_batches`. The model must be in eval mode.
-    ``scores=False`` spares greedy search the teacher-forced pass that scores its outputs."""
+    ``scores=False`` spares greedy search the teacher-forced pass that scores its outputs; ``progress`` is
+    called with the number of sources each batch decoded."""
     device = model_device(model)
     out: list[list[Hypothesis]] = [[] for _ in sources]
     if not sources:
@@ -60,4 +61,6 @@ def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchS
         src = pad_batch([list(sources[i]) + [spec.eos] for i in idx], spec.pad).to(device)  # (B, S)
         for i, hyps in zip(idx, search_batch(model, src, src != spec.pad, spec, scores)):
             out[i] = hyps
+        if progress is not None:
+            progress(len(idx))
     return out

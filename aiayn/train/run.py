@@ -8,15 +8,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aiayn.config import Config, load_config, save_config
+from aiayn.config import Config, load_config, read_run_config, save_config
 from aiayn.data.pipeline import build_data, fit_model_to_vocab
 from aiayn.device import resolve_precision
-from aiayn.errors import CheckpointError
-from aiayn.files import check_writable
+from aiayn.engine import cpu_threads, set_cpu_threads
+from aiayn.errors import CheckpointError, ConfigError
+from aiayn.files import check_writable, locked
 from aiayn.model import build_model, count_parameters
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
-from aiayn.train.ownership import locked, own_run_dir
+from aiayn.train.ownership import own_run_dir
 from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, load_weights, save_weights
 
@@ -37,18 +38,22 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     d = init_distributed(cfg.train.device)
+    threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
         return _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
         raise
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
     precision = resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused here
+    threads = set_cpu_threads(cpu_threads(cfg.train.threads)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
         cfg, init = adopt_init_run(cfg, init_from)
@@ -65,8 +70,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         if init is not None and not existing:
             load_weights(model, init.weights)
         if d.main:
-            log.info("model: %s, %.2fM parameters, device %s, %d process(es)", type(model).__name__,
-                     count_parameters(model) / 1e6, device, d.world)
+            log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
+                     count_parameters(model) / 1e6, device, threads, d.world)
         evaluate_extra = None
         if cfg.train.eval_bleu and cfg.task != "lm":
             from aiayn.train.validation import validation_bleu_fn
@@ -92,6 +97,30 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
                       resume: bool = False, progress: bool = True, init_from: str | Path | None = None) -> TrainState:
     cfg = load_config(config, overrides)
     return train(cfg, run_dir or default_run_dir(config), resume, progress, init_from)
+
+
+# What a resumed run may change: when and how it stops, what it logs and keeps, where it runs, how it decodes.
+# Everything else (the model, the data, the optimizer and its schedule) is the run's: changing it would make a
+# run that is neither the old one nor a new one.
+RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "train.patience", "train.log_every",
+               "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
+               "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
+               "train.compile", "train.compile_mode", "decode.")
+
+
+def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> TrainState:
+    """``aiayn train --resume RUN``: continue RUN with its own config.yaml; ``overrides`` may change only the
+    keys of :data:`RESUME_KEYS` (e.g. more updates or minutes), checked before anything is read or written."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise CheckpointError(f"{run_dir}: not a run directory (no config.yaml); to resume a run of a recipe: "
+                              "aiayn train CONFIG --run-dir RUN --resume")
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_KEYS):
+            raise ConfigError(f"--set {key}: a resumed run keeps its model, data and optimizer; on --resume RUN only "
+                              f"these may change: {', '.join(RESUME_KEYS)}")
+    return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)
 
 
 def average_run(run_dir: str | Path, last: int = 5) -> Path:

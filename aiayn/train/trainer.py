@@ -28,6 +28,7 @@ from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.metrics import MetricsLog
+from aiayn.train.progress import Progress
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.weights import (
     average_weights,
@@ -419,11 +420,7 @@ class Trainer:
         metrics = MetricsLog(self.run_dir, self.d.main, st.step if st.step else None, tc.log_to, self.cfg)
         module, loss_fn = self._train_module()
         module.train()
-        bar = None
-        if self.progress and self.d.main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=tc.max_updates, initial=st.step, unit="upd", dynamic_ncols=True, mininterval=1.0)
+        progress = Progress(tc, st.step, st.elapsed_s, show=self.d.main, bar=self.progress)
         d_model = self.cfg.model.d_model
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
         start = time.perf_counter() - st.elapsed_s
@@ -448,8 +445,7 @@ class Trainer:
                 window["nll"] += stats.nll
                 window["tokens"] += stats.ntokens
                 window["updates"] += 1
-                if bar is not None:
-                    bar.update(1)
+                progress.update(st.step, st.elapsed_s)
                 if st.step % tc.log_every == 0 or st.step == tc.max_updates:
                     dt = time.perf_counter() - window["t0"]
                     rec = {"step": st.step, "epoch": st.epoch, "lr": lr,
@@ -458,9 +454,7 @@ class Trainer:
                            "tokens_per_s": round(window["tokens"] / max(dt, 1e-9), 1),
                            "elapsed_s": round(st.elapsed_s, 2)}
                     metrics.write(rec)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{rec['train_loss']:.3f}", lr=f"{lr:.2e}",
-                                        tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+                    progress.record(rec)
                     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
                 # Rank 0's clock decides, for all processes (a synchronization: only with a time budget).
                 out_of_time = tc.max_minutes is not None and self.d.broadcast_flag(
@@ -476,8 +470,7 @@ class Trainer:
         if last_saved != st.step:  # max_epochs reached between saves
             self._evaluate(metrics)
             self._save(tc.keep_last)
-        if bar is not None:
-            bar.close()
+        progress.close(st.step)
         metrics.close()
         if self.d.main:
             self.write_inference_weights()

@@ -1,0 +1,147 @@
+"""The first hour of a newcomer: what training says while it runs and when it ends, resuming a run with its own
+config, the thread count, evaluation progress, and the warning an undertrained run gives."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.cli import main
+from aiayn.config import load_config
+from aiayn.train.progress import Progress, expected_bleu, final_step
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "configs" / "tiny_reverse.yaml")
+SMALL = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "train.warmup=10", "data.max_tokens=256",
+         "train.log_every=2", "train.eval_every=4", "train.save_every=4", "decode.max_len_b=5"]
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def test_expected_bleu_interpolates_the_recipes_measured_points():
+    points = [(100, 2.0), (300, 10.0), (600, 25.0)]
+    assert expected_bleu(points, 50) is None  # before the first point: unknown
+    assert expected_bleu(points, 200) == pytest.approx(6.0)
+    assert expected_bleu(points, 600) == 25.0 and expected_bleu(points, 5000) == 25.0
+    assert expected_bleu([], 100) is None
+
+
+def test_the_run_ends_at_the_limit_that_comes_first():
+    tc = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30"]).train
+    assert final_step(tc, step=100, elapsed_s=60.0, rate=2.0) == 100 + int(2.0 * (1800 - 60))  # the clock
+    assert final_step(tc, step=100, elapsed_s=60.0, rate=20.0) == 3000  # max_updates
+    assert final_step(load_config(TINY).train, 10, 5.0, 0.01) == 900  # no time cap: max_updates
+
+
+def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(caplog):
+    tc = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30", "train.useful_updates=1000",
+                            "train.reference_bleu=[[300, 10.0], [1200, 30.0]]"]).train
+    progress = Progress(tc, step=0, elapsed_s=0.0, show=True, bar=False)
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        out = progress.project(step=20, elapsed_s=40.0)  # 0.5 updates/s: 900 updates in 30 minutes
+    assert out["final_step"] == 20 + int(0.5 * 1760) and out["expected_bleu"] == pytest.approx(
+        10.0 + 20.0 * (out["final_step"] - 300) / 900)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("0.50 updates/s: this run will stop after about 900 updates (train.max_minutes=30)" in m
+               and "validation BLEU after 900 updates was about 23" in m for m in messages), messages
+    assert any(r.levelno == logging.WARNING and "fewer than the 1,000 this recipe needs" in r.getMessage()
+               and "--threads 1" in r.getMessage() for r in caplog.records)
+
+
+def test_no_progress_still_logs_the_loss_in_plain_lines(tmp_path, caplog):
+    from aiayn.train.run import train
+
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        train(load_config(TINY, SMALL + ["train.max_updates=4"]), tmp_path / "run", progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 2 and lines[0].startswith("step 2/4 loss ") and "tokens/s" in lines[0]
+    assert all("\r" not in r.getMessage() for r in caplog.records)
+
+
+def test_resume_run_uses_its_own_config_and_allows_only_safe_changes(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(SMALL + ["train.max_updates=4"])]) == 0
+    assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.max_updates=8"]) == 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert max(steps) == 8 and load_config(run / "config.yaml").model.d_model == 32  # the run's own model
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "model.d_model=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--set model.d_model: a resumed run keeps its model, data and optimizer" in err[0]
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert main(["train"]) == 2 and "needs a CONFIG" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_threads_default_to_the_free_cores_and_the_option_sets_them(monkeypatch, tmp_path):
+    from aiayn import engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(engine, "busy_cores", lambda: 0.1)
+    assert engine.cpu_threads() == 2  # a quiet machine: every core
+    monkeypatch.setattr(engine, "busy_cores", lambda: 1.2)
+    assert engine.cpu_threads() == 1  # one core busy with other work
+    monkeypatch.setattr(engine, "busy_cores", lambda: 7.0)
+    assert engine.cpu_threads() == 1 and engine.cpu_threads(2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert engine.cpu_threads() == 3
+    before = torch.get_num_threads()
+    from aiayn.train.run import train
+
+    state = train(load_config(TINY, SMALL + ["train.max_updates=2", "train.threads=1"]), tmp_path / "r",
+                  progress=False)
+    assert state.step == 2 and torch.get_num_threads() == before  # train() restores the caller's setting
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="busy_cores samples /proc/stat (Linux)")
+def test_busy_cores_sees_another_process_spinning():
+    import subprocess
+    import sys
+    import time
+
+    from aiayn import engine
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        # the spinning process holds a core (more on a busy machine: a lower bound only)
+        assert engine.busy_cores(0.5) > 0.5
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def test_an_undertrained_run_says_so_at_the_end_and_when_used(tmp_path, caplog, capsys):
+    run = tmp_path / "run"
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress",
+                     *sets(SMALL + ["train.max_updates=4", "train.useful_updates=600"])]) == 0
+    assert any("stopped after 4 updates, fewer than the 600" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    src = tmp_path / "in.txt"
+    src.write_text("alpha bravo\n")
+    with caplog.at_level(logging.WARNING):
+        assert main(["translate", str(run), "--input", str(src), "--device", "cpu"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "trained for 4 updates" in r.getMessage()]
+    assert len(warned) == 1 and "aiayn train --resume" in warned[0]
+
+
+def test_evaluate_reports_progress_in_plain_lines_off_a_terminal(tiny_run, tmp_path, caplog, monkeypatch):
+    from aiayn import progress
+
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)  # a line after every batch
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        assert main(["evaluate", str(run), "--split", "test", "--beam", "1", "--max-tokens", "64"]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluate test: ")]
+    assert len(lines) >= 2 and "sentences" in lines[-1] and "/s" in lines[-1]
