@@ -35,7 +35,7 @@ def test_expected_bleu_interpolates_the_recipes_measured_points():
 
 def test_the_run_ends_at_the_limit_that_comes_first():
     tc = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30"]).train
-    assert final_step(tc, step=100, elapsed_s=60.0, rate=2.0) == 100 + int(2.0 * (1800 - 60))  # the clock
+    assert final_step(tc, step=100, elapsed_s=60.0, rate=1.0) == 100 + int(1.0 * (1800 - 60))  # the clock
     assert final_step(tc, step=100, elapsed_s=60.0, rate=20.0) == 3000  # max_updates
     assert final_step(load_config(TINY).train, 10, 5.0, 0.01) == 900  # no time cap: max_updates
 

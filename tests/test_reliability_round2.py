@@ -77,11 +77,11 @@ def test_force_never_replaces_a_run_a_training_holds(run, tmp_path, capsys):
     hf = tmp_path / "hf"
     assert main(["export", "hf", str(run), str(hf)]) == 0
     target = Path(shutil.copytree(run, tmp_path / "busy"))
-    before = snapshot(target)
     with open(target / LOCK, "r+") as f:  # what a live training holds
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         f.write("4242\n")
         f.flush()
+        before = snapshot(target)
         line = one_line(capsys, ["import", "hf", str(hf), str(target), "--force"])
         assert "a run in use (pid 4242 holds its lock)" in line
         assert "a run in use" in one_line(capsys, ["export", "hf", str(run), str(target), "--force"])
