@@ -47,6 +47,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from aiayn.config import load_config
+    from aiayn.data.pipeline import prepare_corpus
+
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    cfg = load_config(args.config, args.set)
+    store = prepare_corpus(cfg, args.out, workers=args.workers)
+    for name, info in store.manifest["splits"].items():
+        print(f"{name}: {info['pairs']:,} pairs, {info['src_tokens']:,} source + {info['tgt_tokens']:,} target "
+              f"tokens ({store.manifest['dtype']})")
+    sets = "".join(f" --set {x}" for x in args.set)
+    print(f"train from it: aiayn train {args.config}{sets} --set data.prepared={args.out}")
+    return 0
+
+
 def cmd_average(args: argparse.Namespace) -> int:
     from aiayn.train.run import average_run
 
@@ -303,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
     add_decode_options(p)
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("prepare", help="tokenize a translation corpus once into a memory-mapped store",
+                       description="Trains the tokenizer on a sample and encodes the train and valid pairs into DIR "
+                                   "(flat token arrays + offsets); train from it with --set data.prepared=DIR.")
+    p.add_argument("config", help="YAML recipe, or a preset name")
+    p.add_argument("--out", required=True, metavar="DIR", help="the store's directory (new, empty, or a store)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override, e.g. data.vocab_size=32000")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "
+                   "for a corpus of 32 MB or more, else 1)")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
     p.add_argument("run")

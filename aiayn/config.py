@@ -44,6 +44,7 @@ LIMITS: dict[str, float] = {
     "model.vocab_size": 2**24, "model.tgt_vocab_size": 2**24, "model.d_model": 65536, "model.n_heads": 4096,
     "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
     "model.pad_id": 2**24, "data.vocab_size": 2**24, "data.tokenizer_sample": 2**40, "data.max_tokens": 2**31,
+    "data.update_tokens": 2**40,
     "data.max_len": 2**20, "data.block_size": 2**20, "data.batch_size": 2**20, "data.pad_to_multiple": 4096,
     "train.max_updates": COUNT, "train.max_epochs": COUNT, "train.max_minutes": 1e9, "train.warmup": COUNT,
     "train.accum_steps": 2**20, "train.seed": SEED, "train.log_every": COUNT, "train.eval_every": COUNT,
@@ -183,7 +184,15 @@ class DataConfig:
     # detokenizes. Translation only. Off by default: the paper's BPE reads raw text.
     pretokenize: str = "none"
     tokenizer_sample: int = 2_000_000  # sentences SentencePiece trains on at most
-    max_tokens: int = 4096  # token budget of one batch (source or target, the larger)
+    max_tokens: int = 4096  # token budget of one batch (source or target, the larger) of one process
+    # The paper's batch size: the token budget of one update over all processes and accumulation steps (translation
+    # and summarization). When set, each batch gets update_tokens // (processes x train.accum_steps) and max_tokens
+    # is not used, so 8 GPUs train with the same batch as 1 GPU with accum_steps 8.
+    update_tokens: int | None = None
+    # A directory holding the corpus tokenized once into memory-mapped arrays (aiayn prepare CONFIG --out DIR;
+    # translation). Training then reads batches from it lazily: memory independent of the corpus size. When it
+    # holds nothing yet, or a store of other inputs or settings, the training prepares it first.
+    prepared: str | None = None
     max_len: int | None = None  # drop longer pairs; None: the model's max_positions
     block_size: int = 256  # language modelling: tokens per training block
     batch_size: int = 32  # language modelling: blocks per batch
@@ -208,6 +217,8 @@ class DataConfig:
             _at_least(f"data.{name}", getattr(self, name), 1)
         if self.max_len is not None:
             _at_least("data.max_len", self.max_len, 2, "(a token and the EOS / BOS)")
+        if self.update_tokens is not None:
+            _at_least("data.update_tokens", self.update_tokens, 1)
         _finite("data.valid_fraction", self.valid_fraction)
         if not 0.0 < self.valid_fraction < 1.0:
             raise ConfigError(f"data.valid_fraction={self.valid_fraction}: expected a number in (0, 1)")

@@ -13,13 +13,14 @@ LINE_EVERY_S = 30.0  # off a terminal, at most one progress line this often
 
 
 class ItemProgress:
-    """``update(n)`` after each n items done; ``close()`` at the end (a last line with the rate)."""
+    """``update(n)`` after each n items done; ``close()`` at the end (a last line with the rate). ``total`` None:
+    a stream of unknown length (the count and the rate, no ETA)."""
 
-    def __init__(self, total: int, unit: str, what: str, show: bool = True) -> None:
+    def __init__(self, total: int | None, unit: str, what: str, show: bool = True) -> None:
         self.total, self.unit, self.what = total, unit, what
         self.done, self.t0 = 0, time.perf_counter()
         self.last = self.t0
-        self.show = show and total > 0
+        self.show = show and (total is None or total > 0)
         self.bar = None
         if self.show and sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -32,11 +33,14 @@ class ItemProgress:
             self.bar.update(n)
             return
         now = time.perf_counter()
-        if self.show and now - self.last >= LINE_EVERY_S and self.done < self.total:
+        if self.show and now - self.last >= LINE_EVERY_S and (self.total is None or self.done < self.total):
             self.last = now
             rate = self.done / (now - self.t0)
-            log.info("%s: %s/%s %ss (%.1f/s, about %.0f s left)", self.what, f"{self.done:,}", f"{self.total:,}",
-                     self.unit, rate, (self.total - self.done) / max(rate, 1e-9))
+            if self.total is None:
+                log.info("%s: %s %ss (%.1f/s)", self.what, f"{self.done:,}", self.unit, rate)
+            else:
+                log.info("%s: %s/%s %ss (%.1f/s, about %.0f s left)", self.what, f"{self.done:,}",
+                         f"{self.total:,}", self.unit, rate, (self.total - self.done) / max(rate, 1e-9))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -530,3 +530,46 @@ def test_the_token_cache_is_used_and_invalidated_by_new_text_or_tokenizer(tmp_pa
     pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {**cfg().to_dict()["data"],
                                                                                   "vocab_size": 290}}), run)
     assert calls == []  # the rebuilt file was written back
+
+
+def _reference_token_batches(src_lens, tgt_lens, max_tokens, seed, epoch, shuffle, pad_to_multiple, buckets):
+    """token_batches as first written (Python's sort and a running maximum): the batches every earlier run was
+    trained on, which the faster planning must reproduce exactly."""
+    from aiayn.data.batching import _rng, padded_length
+
+    true_len = [s + 1 for s in src_lens] if tgt_lens is None else [max(s, t) + 1 for s, t in zip(src_lens, tgt_lens)]
+    padded = pad_to_multiple > 1 or bool(buckets)
+    cost_len = [padded_length(c, pad_to_multiple, buckets) for c in true_len] if padded else true_len
+    order = list(range(len(src_lens)))
+    rng = _rng(seed, epoch)
+    if shuffle:
+        rng.shuffle(order)
+    order.sort(key=(lambda i: (cost_len[i], true_len[i], src_lens[i])) if padded else
+               (lambda i: (cost_len[i], src_lens[i])))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        new_max = max(cur_max, cost_len[i])
+        if cur and (len(cur) + 1) * new_max > max_tokens:
+            batches.append(cur)
+            cur, new_max = [], cost_len[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def test_token_batches_plans_exactly_the_batches_of_the_reference_algorithm():
+    rng = random.Random(5)
+    for trial in range(150):
+        n = rng.randint(0, 300)
+        src = [rng.randint(0, 60) for _ in range(n)]
+        tgt = None if trial % 5 == 0 else [rng.randint(0, 60) for _ in range(n)]
+        args = (rng.choice([1, 50, 200, 1000]), trial, trial % 3, rng.random() < 0.8, rng.choice([1, 1, 8]),
+                rng.choice([(), (), (16, 32, 48), (8, 64)]))
+        want = _reference_token_batches(src, tgt, *args)
+        got = token_batches(src, tgt, args[0], args[1], args[2], shuffle=args[3], pad_to_multiple=args[4],
+                            buckets=args[5])
+        assert got == want, (trial, args)

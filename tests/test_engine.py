@@ -113,7 +113,7 @@ def test_translation_data_pads_as_configured():
     assert {tuple(b.src.shape) for b in batches} <= {(16, 16), (8, 32), (5, 48)}
     for b in batches:
         assert b.src.shape == b.tgt_in.shape == b.tgt_out.shape
-        assert b.ntokens == sum(len(tgt[i]) + 1 for i in b.indices)
+        assert b.ntokens == sum(len(tgt[i]) + 1 for i in b.indices) == data.plan_tokens(b.indices)
     assert {tuple(b.src.shape) for b in data.valid_batches} <= {(16, 16), (8, 32), (5, 48)}
     # the default keeps the batches every run so far was trained on (no padding beyond the longest)
     plain = TranslationData(src, tgt, src, tgt, max_tokens=256, seed=1).epoch_batches(0)
@@ -211,10 +211,10 @@ def test_forward_backward_and_update_read_the_device_once(monkeypatch):
 
 
 def test_update_token_totals_are_what_every_process_would_all_reduce():
-    batches = [SimpleNamespace(ntokens=n) for n in (5, 7, 11, 13, 17, 19, 23, 29, 31)]
+    tokens = [5, 7, 11, 13, 17, 19, 23, 29, 31]  # of the planned batches, in plan order
     # 2 processes, 2 micro-batches each: process 0 takes batches 0, 2, 4, 6 and process 1 takes 1, 3, 5, 7
-    assert update_token_totals(batches, 2, 2) == [5 + 11 + 7 + 13, 17 + 23 + 19 + 29]
-    assert update_token_totals(batches, 1, 1) == [b.ntokens for b in batches]
+    assert update_token_totals(tokens, 2, 2) == [5 + 11 + 7 + 13, 17 + 23 + 19 + 29]
+    assert update_token_totals(tokens, 1, 1) == tokens
 
 
 # --- torch.compile ----------------------------------------------------------------------------------------

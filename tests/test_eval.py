@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,35 @@ def test_validation_bleu_fn_equals_greedy_translation(tiny_run):
     model.eval()
     hyps = translator.translate([s for s, _ in pairs], beam=1)
     assert got == {"valid_bleu": sacrebleu.corpus_bleu(hyps, [[t for _, t in pairs]]).score}
+
+
+def _bleu_on_rank(rank: int, world: int, init_file: str, run: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        translator = load(run)
+        tok = translator.tokenizers
+        pairs = reverse_split("valid")[:23]  # not a multiple of the world: the shares differ in size
+        data = SimpleNamespace(valid_src=[tok.src.encode(s) for s, _ in pairs],
+                               valid_tgt=[tok.tgt.encode(t) for _, t in pairs])
+        got = validation_bleu_fn(translator.cfg, data, tok)(translator.model, SimpleNamespace(rank=rank, world=world))
+        Path(f"{out}.{rank}").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_validation_bleu_is_shared_out_over_processes_and_equals_one_process(tiny_run, tmp_path):
+    torch.multiprocessing.spawn(_bleu_on_rank, args=(2, str(tmp_path / "init"), str(tiny_run), str(tmp_path / "bleu")),
+                                nprocs=2, join=True)
+    translator = load(tiny_run)
+    tok = translator.tokenizers
+    pairs = reverse_split("valid")[:23]
+    data = SimpleNamespace(valid_src=[tok.src.encode(s) for s, _ in pairs],
+                           valid_tgt=[tok.tgt.encode(t) for _, t in pairs])
+    one = validation_bleu_fn(translator.cfg, data, tok)(translator.model)
+    for rank in (0, 1):  # every process gets the score of all the sentences
+        assert json.loads((tmp_path / f"bleu.{rank}").read_text()) == one
 
 
 # aiayn evaluate ----------------------------------------------------------------------------------------

@@ -294,8 +294,10 @@ def test_bad_training_input_is_one_clear_line(tmp_path, case):
 
 def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path):
     """gloo DDP with 2 ranks (each batch 1 micro-batch) = 1 process with accum_steps 2: rank r takes
-    batches r, r+2, ... so both see the same micro-batches per update; only rank 0 writes."""
-    common = ["train.max_updates=4", "model.dropout=0.0", "train.save_every=2", "train.eval_every=2"]
+    batches r, r+2, ... so both see the same micro-batches per update; only rank 0 writes. The batch size is
+    data.update_tokens, the paper's tokens per update: both split it into batches of 256 tokens."""
+    common = ["train.max_updates=4", "model.dropout=0.0", "train.save_every=2", "train.eval_every=2",
+              "data.update_tokens=512", "data.max_tokens=100000"]
     single = tiny_cfg(*common, "train.accum_steps=2")
     train(single, tmp_path / "single", progress=False)
     cfg_args = [a for o in TINY_OVERRIDES + common for a in ("--set", o)]
@@ -306,6 +308,7 @@ def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path)
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 process(es)" in r.stderr
+    assert "an update: 2 process(es) x 1 batch(es) = at most 512 tokens (data.update_tokens)" in r.stderr
     a = read_weights(tmp_path / "single" / "model.safetensors")
     b = read_weights(tmp_path / "ddp" / "model.safetensors")
     # Equal in exact arithmetic; the all-reduce and the accumulation sum in another order (a few ulps).

@@ -27,6 +27,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -58,6 +59,22 @@ class Batch:
 
     def __len__(self) -> int:
         return self.tgt_in.size(0)
+
+
+class EagerPlan:
+    """The planning interface of training data (``epoch_plan``, ``plan_tokens``, ``collate_plan``) for data
+    whose whole epoch of batches is cheap to build at once (language-model blocks): the plan is the batches."""
+
+    def epoch_plan(self, epoch: int) -> list[Batch]:
+        return self.epoch_batches(epoch)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def plan_tokens(batch: Batch) -> int:
+        return batch.ntokens
+
+    @staticmethod
+    def collate_plan(batch: Batch) -> Batch:
+        return batch
 
 
 def _rng(seed: int, epoch: int) -> random.Random:
@@ -117,34 +134,44 @@ def token_batches(
         raise ValueError("token_batches: max_tokens must be positive")
     if pad_to_multiple < 1 or list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
         raise ValueError("token_batches: pad_to_multiple must be >= 1 and buckets increasing positive lengths")
-    true_len = [s + 1 for s in src_lens] if tgt_lens is None else [
-        max(s, t) + 1 for s, t in zip(src_lens, tgt_lens)
-    ]
+    src = np.asarray(src_lens, dtype=np.int64)
+    true_len = src + 1 if tgt_lens is None else np.maximum(src, np.asarray(tgt_lens, dtype=np.int64)) + 1
     padded = pad_to_multiple > 1 or bool(buckets)
-    cost_len = [padded_length(c, pad_to_multiple, buckets) for c in true_len] if padded else true_len
+    cost_len = _padded_lengths(true_len, pad_to_multiple, buckets) if padded else true_len
     order = list(range(n))
     rng = _rng(seed, epoch)
     if shuffle:
         rng.shuffle(order)  # the tie-break: equal lengths come out in a seeded random order
-    # Sort by the padded length, then by source length so that source padding is small too.
-    order.sort(key=(lambda i: (cost_len[i], true_len[i], src_lens[i])) if padded else
-               (lambda i: (cost_len[i], src_lens[i])))
+    # Sort by the padded length, then by source length so that source padding is small too. A stable sort of
+    # the shuffled order (np.lexsort is stable; its last key is the primary one): the order Python's
+    # list.sort with the same keys gives, in a fraction of the time on millions of pairs.
+    o = np.asarray(order, dtype=np.int64)
+    keys = (src[o], true_len[o], cost_len[o]) if padded else (src[o], cost_len[o])
+    order = o[np.lexsort(keys)].tolist()
+    costs = cost_len[order].tolist()  # non-decreasing: a batch's longest member is its newest
 
     batches: list[list[int]] = []
     cur: list[int] = []
-    cur_max = 0
-    for i in order:
-        new_max = max(cur_max, cost_len[i])
-        if cur and (len(cur) + 1) * new_max > max_tokens:
+    for i, c in zip(order, costs):
+        if cur and (len(cur) + 1) * c > max_tokens:
             batches.append(cur)
-            cur, new_max = [], cost_len[i]
+            cur = []
         cur.append(i)
-        cur_max = new_max
     if cur:
         batches.append(cur)
     if shuffle:
         rng.shuffle(batches)
     return batches
+
+
+def _padded_lengths(lengths: np.ndarray, pad_to_multiple: int, buckets: Sequence[int]) -> np.ndarray:
+    """:func:`padded_length` of every length at once."""
+    rounded = -(-lengths // pad_to_multiple) * pad_to_multiple
+    if not buckets:
+        return rounded
+    b = np.asarray(buckets, dtype=np.int64)
+    k = np.searchsorted(b, lengths, side="left")  # the first bucket >= length
+    return np.where(k < len(b), b[np.minimum(k, len(b) - 1)], rounded)
 
 
 def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID, width: int | None = None,

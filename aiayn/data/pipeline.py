@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aiayn.config import Config, ConfigError
-from aiayn.data.batching import Batch, batch_shape, collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.batching import Batch, EagerPlan, batch_shape, collate, lm_batches, lm_blocks, token_batches
 from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
 from aiayn.data.summarization import (
@@ -96,14 +98,21 @@ def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
+def _sizes(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """The length of every id list: from a prepared store's offsets without reading its ids, else one by one."""
+    lengths = getattr(seqs, "lengths", None)
+    return lengths().tolist() if lengths is not None else [len(s) for s in seqs]
+
+
 @dataclass
 class TranslationData:
-    """Encoded training/validation pairs; batches by token budget, reshuffled per epoch."""
+    """Encoded training/validation pairs (id lists, or the memory-mapped sides of a prepared store); batches by
+    token budget, reshuffled per epoch."""
 
-    src: list[list[int]]
-    tgt: list[list[int]]
-    valid_src: list[list[int]]
-    valid_tgt: list[list[int]]
+    src: Sequence[Sequence[int]]
+    tgt: Sequence[Sequence[int]]
+    valid_src: Sequence[Sequence[int]]
+    valid_tgt: Sequence[Sequence[int]]
     max_tokens: int
     seed: int
     specials: SpecialIds = SpecialIds()  # pad / eos / decoder start of the run's tokenizer
@@ -114,22 +123,39 @@ class TranslationData:
         self._padded = self.pad_to_multiple > 1 or bool(self.buckets)
         self._src_lens = self._lengths(self.src)
         self._tgt_lens = self._lengths(self.tgt)
+        self._tgt_tokens = [n + 1 for n in _sizes(self.tgt)]  # tgt_out's non-pad tokens: y and EOS
         self._valid: list[Batch] | None = None
 
-    def _lengths(self, seqs: list[list[int]]) -> list[int]:
+    def _lengths(self, seqs: Sequence[Sequence[int]]) -> list[int]:
         # token_batches adds the EOS / BOS itself. Unpadded batching counts it twice (+1 here as well):
         # kept as every run so far was batched. Padded batches must cost exactly what collate builds.
         extra = 0 if self._padded else 1
-        return [len(s) + extra for s in seqs]
+        return [n + extra for n in _sizes(seqs)]
 
-    def _batches(self, src: list[list[int]], tgt: list[list[int]], lens: tuple[list[int], list[int]], epoch: int,
-                 shuffle: bool) -> list[Batch]:
+    def _batches(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
+                 lens: tuple[list[int], list[int]], epoch: int, shuffle: bool) -> list[Batch]:
         idx = token_batches(*lens, self.max_tokens, self.seed, epoch, shuffle=shuffle,
                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
         return [self._collate(src, tgt, b) for b in idx]
 
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        """The epoch's training batches as example indices, in training order: planned from the lengths alone,
+        so an epoch starts in seconds whatever the corpus; a process collates only the batches it trains on
+        (:meth:`collate_plan`), when it needs them."""
+        return token_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True,
+                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
+
+    def plan_tokens(self, indices: list[int]) -> int:
+        """The target tokens (each target and its EOS) of a planned batch: its ``Batch.ntokens``, uncollated."""
+        return sum(self._tgt_tokens[i] for i in indices)
+
+    def collate_plan(self, indices: list[int]) -> Batch:
+        """The batch of a planned index list."""
+        return self._collate(self.src, self.tgt, indices)
+
     def epoch_batches(self, epoch: int) -> list[Batch]:
-        return self._batches(self.src, self.tgt, (self._src_lens, self._tgt_lens), epoch, shuffle=True)
+        """Every batch of an epoch, collated (the plan's order)."""
+        return [self.collate_plan(b) for b in self.epoch_plan(epoch)]
 
     @property
     def valid_batches(self) -> list[Batch]:
@@ -138,7 +164,8 @@ class TranslationData:
             self._valid = self._batches(self.valid_src, self.valid_tgt, lens, 0, shuffle=False)
         return self._valid
 
-    def _collate(self, src: list[list[int]], tgt: list[list[int]], indices: list[int]) -> Batch:
+    def _collate(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
+                 indices: list[int]) -> Batch:
         s, t = [src[i] for i in indices], [tgt[i] for i in indices]
         shape = None
         if self._padded:  # tensor widths: + EOS on the source, + BOS / EOS on the target
@@ -149,7 +176,7 @@ class TranslationData:
 
 
 @dataclass
-class LMData:
+class LMData(EagerPlan):
     """A token stream cut into contiguous blocks (new offsets and order every epoch)."""
 
     train_ids: torch.Tensor  # (N,)
@@ -181,9 +208,102 @@ class LMData:
         return self._valid
 
 
-def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+def batch_budget(cfg: Config, world: int = 1) -> int:
+    """The token budget of one batch of one process: ``data.update_tokens`` shared out over the ``world``
+    processes and ``train.accum_steps`` accumulation steps of an update, else ``data.max_tokens``."""
+    d, k = cfg.data, cfg.train.accum_steps
+    if d.update_tokens is None:
+        return d.max_tokens
+    budget = d.update_tokens // (world * k)
+    if budget < 1:
+        raise ConfigError(f"data.update_tokens={d.update_tokens} is fewer than one token per batch for {world} "
+                          f"process(es) x {k} accumulation step(s)")
+    return budget
+
+
+def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str, str]]]], dict[str, str]]:
+    """The train and valid pairs of a translation config as streams (a function giving a fresh iterator each
+    call: corpus files are read line by line, never whole), and what they are read from: each file's sha256, or a
+    known dataset's name, split and languages (its download is checked against its published sha256)."""
+    d = cfg.data
+    if cfg.task != "translation" or d.dataset not in (None, "multi30k"):
+        raise ConfigError("data.prepared: a prepared corpus is for translation from files or data.dataset: multi30k")
+    if d.dataset == "multi30k":
+        from aiayn.data.datasets import config_pairs
+
+        def known(split: str) -> Callable[[], Iterator[tuple[str, str]]]:
+            return lambda: iter(config_pairs(d, split))
+
+        langs = f"{d.src_lang}-{d.tgt_lang}"
+        splits = ("train", "valid")
+        return {s: known(s) for s in splits}, {f"multi30k/{s}/{langs}": "published" for s in splits}
+    from aiayn.data.corpus import iter_pairs
+    from aiayn.data.store import file_sha256
+
+    sources, inputs = {}, {}
+    for split in ("train", "valid"):
+        src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
+        if src is None:
+            raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+        sources[split] = (lambda s=src, t=tgt: iter_pairs(d.format, s, t, d.src_field, d.tgt_field))
+        for path in (src, tgt):
+            if path is not None:
+                inputs[str(path)] = file_sha256(Path(path))
+    return sources, inputs
+
+
+def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None):
+    """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs into the store ``out``
+    (:func:`aiayn.data.store.prepare`; reused as it is when its inputs and settings are unchanged)."""
+    from aiayn.data.store import prepare
+
+    sources, inputs = pair_sources(cfg)
+    return prepare(cfg, out, sources, inputs, workers=workers)
+
+
+def build_prepared_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
+                        ) -> tuple[TranslationData, TokenizerPair]:
+    """Translation data read lazily from the prepared store ``data.prepared`` (prepared first, by the main
+    process, when it holds nothing or a store of other inputs or settings); its tokenizer becomes the run's."""
+    from aiayn.data.store import open_store, tokenizer_matches
+
+    budget = batch_budget(cfg, world)
+    out, tdir = Path(cfg.data.prepared), tokenizer_dir(run_dir)
+    if is_main:
+        store = prepare_corpus(cfg, out)
+        if not (tdir / "tokenizer.json").exists():
+            shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
+        elif not tokenizer_matches(tdir, store.tokenizer_dir):
+            raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
+    barrier()
+    store = open_store(out)
+    tok = TokenizerPair.load(tdir)
+    fit_model_to_vocab(cfg, tok)
+    train, valid = store.splits["train"], store.splits["valid"]
+    if is_main:
+        for name, info in store.manifest["splits"].items():
+            log.info("%s: %s pairs prepared in %s (%s source + %s target tokens; dropped %d empty, %d too long)",
+                     name, f"{info['pairs']:,}", out, f"{info['src_tokens']:,}", f"{info['tgt_tokens']:,}",
+                     info["stats"]["empty"], info["stats"]["too_long"])
+        _log_budget(cfg, budget, world)
+    return TranslationData(train.src, train.tgt, valid.src, valid.tgt, budget, cfg.train.seed, tok.specials,
+                           cfg.data.pad_to_multiple, tuple(cfg.data.length_buckets)), tok
+
+
+def _log_budget(cfg: Config, budget: int, world: int) -> None:
+    k = cfg.train.accum_steps
+    log.info("batches of at most %s tokens; an update: %d process(es) x %d batch(es) = at most %s tokens%s",
+             f"{budget:,}", world, k, f"{budget * world * k:,}",
+             " (data.update_tokens)" if cfg.data.update_tokens is not None else "")
+
+
+def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
                            ) -> tuple[TranslationData, TokenizerPair]:
-    """Encoded, cleaned train/valid pairs (from ``RUN/cache`` when the tokenizer and the text are unchanged)."""
+    """Encoded, cleaned train/valid pairs (from ``RUN/cache`` when the tokenizer and the text are unchanged),
+    batched by :func:`batch_budget` for ``world`` processes; from a prepared store when ``data.prepared``."""
+    if cfg.data.prepared is not None:
+        return build_prepared_data(cfg, run_dir, is_main, barrier, world)
+    budget = batch_budget(cfg, world)  # refused before any reading
     train, valid = load_pairs(cfg, "train"), load_pairs(cfg, "valid")
     tok = get_tokenizers(cfg, run_dir, ([s for s, _ in train], [t for _, t in train]), is_main, barrier)
     fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take, before any encoding
@@ -209,8 +329,10 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
             log.info("%s: %s", name, describe_clean_stats(info[name], max_len))
         if not fields[f"{name}_src"]:
             raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
+    if is_main:
+        _log_budget(cfg, budget, world)
     return TranslationData(fields["train_src"], fields["train_tgt"], fields["valid_src"], fields["valid_tgt"],
-                           cfg.data.max_tokens, cfg.train.seed, tok.specials, cfg.data.pad_to_multiple,
+                           budget, cfg.train.seed, tok.specials, cfg.data.pad_to_multiple,
                            tuple(cfg.data.length_buckets)), tok
 
 
@@ -281,8 +403,8 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
     return LMData(train_ids, valid_ids, cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
 
 
-def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None):
-    """Task dispatch: (TrainData, TokenizerPair)."""
+def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1):
+    """Task dispatch: (TrainData, TokenizerPair) for one of ``world`` processes."""
     if cfg.task == "lm":
         return build_lm_data(cfg, run_dir, is_main, barrier)
-    return build_translation_data(cfg, run_dir, is_main, barrier)
+    return build_translation_data(cfg, run_dir, is_main, barrier, world)

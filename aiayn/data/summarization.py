@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 
 from aiayn.config import Config
-from aiayn.data.batching import Batch, pad_batch, token_batches
+from aiayn.data.batching import Batch, EagerPlan, pad_batch, token_batches
 from aiayn.data.corpus import DataError
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -141,7 +141,7 @@ def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -
 
 
 @dataclass
-class SummaryLMData:
+class SummaryLMData(EagerPlan):
     """One padded row per article; batches of similar length within ``batch_size * (block_size + 1)``
     tokens, in a new order every epoch. Rows are right-padded: with causal attention the padding only
     follows the real tokens, and the loss ignores it."""

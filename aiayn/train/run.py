@@ -61,7 +61,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
         if init is not None and d.main and not existing:  # build_data then loads this tokenizer, trains none
             copy_init_tokenizer(init, run_dir)
-        data, tok = build_data(cfg, run_dir, d.main, d.barrier)
+        data, tok = build_data(cfg, run_dir, d.main, d.barrier, d.world)
         cfg = fit_model_to_vocab(cfg, tok)
         if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")

@@ -6,6 +6,7 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -23,6 +24,7 @@ from torch import nn
 import aiayn.engine as engine
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
+from aiayn.data.loader import Prefetcher
 from aiayn.device import autocast_context, model_device, resolve_device
 from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
@@ -40,11 +42,18 @@ from aiayn.weights import (
 
 log = logging.getLogger("aiayn.train")
 
+PREFETCH_UPDATES = 2  # updates collated ahead of the step by the loader thread
+
 
 class TrainData(Protocol):
-    """What the loop needs from a task's data: deterministic epochs of batches, and validation batches."""
+    """What the loop needs from a task's data: a deterministic plan of each epoch's batches (cheap: no tensors),
+    the target tokens of a planned batch, the batch itself on demand, and the validation batches."""
 
-    def epoch_batches(self, epoch: int) -> list[Batch]: ...
+    def epoch_plan(self, epoch: int) -> Sequence[Any]: ...
+
+    def plan_tokens(self, item: Any) -> int: ...
+
+    def collate_plan(self, item: Any) -> Batch: ...
 
     @property
     def valid_batches(self) -> list[Batch]: ...
@@ -132,9 +141,11 @@ def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def batch_to_device(batch: Batch, device: torch.device) -> Batch:
     """``batch`` on ``device``; to CUDA through page-locked memory with a non-blocking copy, so the host
-    goes on queueing work instead of waiting for the transfer."""
+    goes on queueing work instead of waiting for the transfer (a batch the prefetcher already pinned is not
+    copied again)."""
     if device.type == "cuda":
-        return batch.pin_memory().to(device, non_blocking=True)
+        pinned = batch if batch.tgt_in.is_pinned() else batch.pin_memory()
+        return pinned.to(device, non_blocking=True)
     return batch.to(device)
 
 
@@ -237,14 +248,14 @@ def evaluate_loss(
     return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
 
 
-def update_token_totals(batches: Sequence[Batch], accum_steps: int, world: int) -> list[int]:
-    """Target tokens of each update of an epoch summed over all processes. Batches are dealt round-robin
-    (process r takes r, r + world, ...), so every process can count what the others hold instead of
-    all-reducing the count before every update."""
-    n_updates = len(batches) // (accum_steps * world)
+def update_token_totals(tokens: Sequence[int], accum_steps: int, world: int) -> list[int]:
+    """Target tokens of each update of an epoch summed over all processes, from the target tokens of each
+    planned batch. Batches are dealt round-robin (process r takes r, r + world, ...), so every process can
+    count what the others hold instead of all-reducing the count before every update."""
+    n_updates = len(tokens) // (accum_steps * world)
     k = accum_steps
-    ranks = [batches[r::world][: n_updates * k] for r in range(world)]
-    return [sum(b.ntokens for mine in ranks for b in mine[i * k : (i + 1) * k]) for i in range(n_updates)]
+    ranks = [tokens[r::world][: n_updates * k] for r in range(world)]
+    return [sum(n for mine in ranks for n in mine[i * k : (i + 1) * k]) for i in range(n_updates)]
 
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
@@ -321,7 +332,7 @@ class Trainer:
         dist_info: Dist | None = None,
         precision: str = "fp32",
         progress: bool = True,
-        evaluate_extra: Callable[[nn.Module], dict[str, float]] | None = None,
+        evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None,
     ) -> None:
         """``dist_info``: the process and its device (:func:`init_distributed`); ``precision``: the resolved
         ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.resolve_precision`)."""
@@ -337,6 +348,8 @@ class Trainer:
         self.autocast = autocast_context(self.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
+        self._planner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._planned: dict[int, concurrent.futures.Future] = {}
 
     @property
     def best_path(self) -> Path:
@@ -369,15 +382,29 @@ class Trainer:
             torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.state.step * 31 + self.d.rank)
         return True
 
-    def epoch_updates(self, epoch: int) -> list[list[Batch]]:
-        """This process's updates of an epoch: batches dealt round-robin, grouped by accum_steps.
-        Every process gets the same number of updates (a remainder is left for the next epoch's shuffle)."""
-        batches = self.data.epoch_batches(epoch)
+    def epoch_updates(self, epoch: int) -> list[list[Any]]:
+        """This process's updates of an epoch, as planned batches (collated when trained on): the plan's batches
+        dealt round-robin, grouped by accum_steps. Every process gets the same number of updates (a remainder
+        is left for the next epoch's shuffle) and collates only its own."""
+        ahead = self._planned.pop(epoch, None)
+        plan, tokens = ahead.result() if ahead is not None else self._plan(epoch)
+        if self._planner is not None:  # the next epoch is planned while this one trains: no pause between them
+            self._planned = {epoch + 1: self._planner.submit(self._plan, epoch + 1)}
         k, w = self.cfg.train.accum_steps, self.d.world
-        n_updates = len(batches) // (k * w)
-        mine = batches[self.d.rank :: w][: n_updates * k]
-        self._update_tokens = update_token_totals(batches, k, w)
+        n_updates = len(plan) // (k * w)
+        mine = plan[self.d.rank :: w][: n_updates * k]
+        self._update_tokens = update_token_totals(tokens, k, w)
         return [mine[i * k : (i + 1) * k] for i in range(n_updates)]
+
+    def _plan(self, epoch: int) -> tuple[Sequence[Any], list[int]]:
+        """An epoch's plan and the target tokens of each planned batch."""
+        plan = self.data.epoch_plan(epoch)
+        return plan, [self.data.plan_tokens(p) for p in plan]
+
+    def _collate_update(self, update: list[Any]) -> list[Batch]:
+        """The batches of one planned update, in page-locked memory for a GPU (run by the prefetch thread)."""
+        batches = [self.data.collate_plan(p) for p in update]
+        return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
 
     def _save(self, keep_last: int) -> None:
         if self.d.main:
@@ -391,8 +418,10 @@ class Trainer:
         tc = self.cfg.train
         result = evaluate_loss(self.model, self.data.valid_batches, tc.label_smoothing, self.pad_id,
                                self.d, self.autocast)
-        if self.evaluate_extra is not None and self.d.main:
-            result.update(self.evaluate_extra(self.model))
+        if self.evaluate_extra is not None:  # every process decodes its share (validation BLEU)
+            with self.autocast:
+                extra = self.evaluate_extra(self.model, self.d)
+            result.update(extra)
         st = self.state
         improved = st.best_valid is None or result["valid_nll"] < st.best_valid - 1e-6
         if improved:
@@ -412,8 +441,15 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
         runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
-        with engine.kernels(self.device):
-            return self._train()
+        with engine.kernels(self.device), concurrent.futures.ThreadPoolExecutor(1, "aiayn-plan") as planner:
+            self._planner = planner
+            try:
+                return self._train()
+            finally:
+                self._planner = None
+                for ahead in self._planned.values():
+                    ahead.cancel()
+                self._planned = {}
 
     def _train(self) -> TrainState:
         tc, st = self.cfg.train, self.state
@@ -431,40 +467,42 @@ class Trainer:
             if not updates:
                 raise ConfigError("the training data gives no full update: lower data.max_tokens "
                                   "or train.accum_steps, or add data")
-            while st.position < len(updates) and not stop:
-                micro = [batch_to_device(b, self.device) for b in updates[st.position]]
-                lr = learning_rate(tc, d_model, st.step + 1)
-                stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
-                                     tc.clip_norm, self.d, self.autocast, self.scaler,
-                                     self._update_tokens[st.position], loss_fn)
-                st.step += 1
-                st.position += 1
-                st.tokens += stats.ntokens
-                st.elapsed_s = time.perf_counter() - start
-                window["loss"] += stats.loss
-                window["nll"] += stats.nll
-                window["tokens"] += stats.ntokens
-                window["updates"] += 1
-                progress.update(st.step, st.elapsed_s)
-                if st.step % tc.log_every == 0 or st.step == tc.max_updates:
-                    dt = time.perf_counter() - window["t0"]
-                    rec = {"step": st.step, "epoch": st.epoch, "lr": lr,
-                           "train_loss": round(window["loss"] / max(window["tokens"], 1), 5),
-                           "train_nll": round(window["nll"] / max(window["tokens"], 1), 5),
-                           "tokens_per_s": round(window["tokens"] / max(dt, 1e-9), 1),
-                           "elapsed_s": round(st.elapsed_s, 2)}
-                    metrics.write(rec)
-                    progress.record(rec)
-                    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
-                # Rank 0's clock decides, for all processes (a synchronization: only with a time budget).
-                out_of_time = tc.max_minutes is not None and self.d.broadcast_flag(
-                    st.elapsed_s >= tc.max_minutes * 60, self.device)
-                stop = st.step >= tc.max_updates or out_of_time
-                if st.step % tc.eval_every == 0 or stop:
-                    stop = self._evaluate(metrics) or stop
-                if st.step % tc.save_every == 0 or stop:
-                    self._save(tc.keep_last)
-                    last_saved = st.step
+            with Prefetcher(updates, self._collate_update, start=st.position, depth=PREFETCH_UPDATES) as loader:
+                while st.position < len(updates) and not stop:
+                    micro = [batch_to_device(b, self.device) for b in loader.next()]
+                    lr = learning_rate(tc, d_model, st.step + 1)
+                    stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
+                                         tc.clip_norm, self.d, self.autocast, self.scaler,
+                                         self._update_tokens[st.position], loss_fn)
+                    st.step += 1
+                    st.position += 1
+                    st.tokens += stats.ntokens
+                    st.elapsed_s = time.perf_counter() - start
+                    window["loss"] += stats.loss
+                    window["nll"] += stats.nll
+                    window["tokens"] += stats.ntokens
+                    window["updates"] += 1
+                    progress.update(st.step, st.elapsed_s)
+                    if st.step % tc.log_every == 0 or st.step == tc.max_updates:
+                        dt = time.perf_counter() - window["t0"]
+                        rec = {"step": st.step, "epoch": st.epoch, "lr": lr,
+                               "train_loss": round(window["loss"] / max(window["tokens"], 1), 5),
+                               "train_nll": round(window["nll"] / max(window["tokens"], 1), 5),
+                               "tokens_per_s": round(window["tokens"] / max(dt, 1e-9), 1),
+                               "tokens_per_update": round(window["tokens"] / max(window["updates"], 1)),
+                               "elapsed_s": round(st.elapsed_s, 2)}
+                        metrics.write(rec)
+                        progress.record(rec)
+                        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
+                    # Rank 0's clock decides, for all processes (a synchronization: only with a time budget).
+                    out_of_time = tc.max_minutes is not None and self.d.broadcast_flag(
+                        st.elapsed_s >= tc.max_minutes * 60, self.device)
+                    stop = st.step >= tc.max_updates or out_of_time
+                    if st.step % tc.eval_every == 0 or stop:
+                        stop = self._evaluate(metrics) or stop
+                    if st.step % tc.save_every == 0 or stop:
+                        self._save(tc.keep_last)
+                        last_saved = st.step
             if st.position >= len(updates):
                 st.epoch, st.position = st.epoch + 1, 0
         if last_saved != st.step:  # max_epochs reached between saves

@@ -17,23 +17,41 @@ from aiayn.data.tokenizer import TokenizerPair
 from aiayn.search import SearchSpec, decode_ids
 
 
-def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair) -> Callable[[Any], dict[str, float]]:
-    """A function model -> {"valid_bleu": sacreBLEU} that greedy-decodes ``data.valid_src`` (id lists without
-    specials) and scores the detokenized output against the decoded ``data.valid_tgt``. The model is put in
-    eval mode for the decoding and returned to its previous mode."""
+def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
+                       ) -> Callable[..., dict[str, float]]:
+    """A function ``(model, dist=None) -> {"valid_bleu": sacreBLEU}`` that greedy-decodes ``data.valid_src`` (id
+    lists without specials) and scores the detokenized output against the decoded ``data.valid_tgt``. With a
+    :class:`~aiayn.train.trainer.Dist` of several processes each decodes every world-th sentence and the
+    hypotheses are gathered, so no process waits on the others inside a collective while one decodes them all
+    (every process gets the score). The model is put in eval mode for the decoding and returned to its previous
+    mode; the caller's autocast applies."""
     spec = SearchSpec(cfg.decode.replace(beam=1, nbest=1, sample=False), tokenizers.specials)
     limit = max(1, cfg.model.max_positions - 1)
     sources = [list(s)[:limit] for s in data.valid_src]
     refs = [tokenizers.tgt.decode(t) for t in data.valid_tgt]
 
-    def valid_bleu(model) -> dict[str, float]:
+    def valid_bleu(model, dist: Any = None) -> dict[str, float]:
+        rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
         was_training = model.training
         model.eval()
         try:
-            found = decode_ids(model, sources, spec, scores=False)
+            found = decode_ids(model, sources[rank::world], spec, scores=False)
         finally:
             model.train(was_training)
-        hyps = [tokenizers.tgt.decode(h[0].tokens) for h in found]
+        mine = [tokenizers.tgt.decode(h[0].tokens) for h in found]
+        hyps = mine if world == 1 else _gather_strided(mine, world, len(sources))
         return {"valid_bleu": BLEU().corpus_score(hyps, [refs]).score}
 
     return valid_bleu
+
+
+def _gather_strided(mine: list[str], world: int, n: int) -> list[str]:
+    """Every process's ``items[rank::world]`` put back in order on every process (one all-gather)."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    out: list[str] = [""] * n
+    for rank, part in enumerate(parts):
+        out[rank::world] = part
+    return out

@@ -1,0 +1,197 @@
+"""The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back memory-mapped; a changed input
+or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from aiayn.config import load_config
+from aiayn.data.corpus import iter_parallel
+from aiayn.data.pipeline import prepare_corpus
+from aiayn.data.store import MANIFEST, open_store
+from aiayn.data.synthetic import reverse_pairs
+from aiayn.data.tokenizer import TokenizerPair
+from aiayn.errors import DataError
+
+
+def write_pairs(tmp_path, name: str, n: int, seed: int, gz: bool = False):
+    pairs = reverse_pairs(n, seed)
+    pairs[3] = ("", "")  # an empty pair: dropped and counted
+    paths = []
+    for k, side in enumerate(("src", "tgt")):
+        p = tmp_path / (f"{name}.{side}" + (".gz" if gz else ""))
+        data = "".join(pair[k] + "\n" for pair in pairs).encode()
+        p.write_bytes(gzip.compress(data) if gz else data)
+        paths.append(p)
+    return paths
+
+
+def file_config(train, valid, overrides=()):
+    return load_config("tiny_reverse", ["data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                                        f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}", *overrides])
+
+
+def make(tmp_path, out, seed=0, overrides=(), gz=False):
+    train = write_pairs(tmp_path, f"train{seed}", 1500, seed, gz)
+    valid = write_pairs(tmp_path, f"valid{seed}", 60, seed + 100, gz)
+    return prepare_corpus(file_config(train, valid, overrides), out, workers=1), train, valid
+
+
+def test_the_store_holds_the_tokenizers_ids_memory_mapped(tmp_path):
+    store, train, _ = make(tmp_path, tmp_path / "store", gz=True)
+    tok = TokenizerPair.load(store.tokenizer_dir)
+    split = store.splits["train"]
+    assert len(split) == 1499 and store.manifest["splits"]["train"]["stats"]["empty"] == 1
+    assert isinstance(split.src.ids, np.memmap) and split.src.ids.dtype == np.uint16
+    pairs = [(s, t) for s, t in iter_parallel(*train) if s.strip() and t.strip()]
+    src, tgt = split.pairs([0, 1, 1498])
+    assert src == [tok.src.encode(pairs[i][0]) for i in (0, 1, 1498)]
+    assert tgt == [tok.tgt.encode(pairs[i][1]) for i in (0, 1, 1498)]
+    assert split.tgt.lengths().tolist() == [len(tok.tgt.encode(t)) for _, t in pairs]
+    reopened = open_store(tmp_path / "store")
+    assert reopened.splits["valid"].pairs([5]) == store.splits["valid"].pairs([5])
+
+
+def test_a_changed_input_or_setting_is_prepared_again_and_an_incomplete_store_rebuilt(tmp_path):
+    out = tmp_path / "store"
+    first, _, _ = make(tmp_path, out)
+    key = first.manifest["key"]
+    mtime = (out / MANIFEST).stat().st_mtime_ns
+    again, _, _ = make(tmp_path, out)  # same inputs and settings: opened as it is
+    assert again.manifest["key"] == key and (out / MANIFEST).stat().st_mtime_ns == mtime
+    other, _, _ = make(tmp_path, out, seed=1)  # other text
+    assert other.manifest["key"] != key
+    longer, _, _ = make(tmp_path, out, seed=1, overrides=["data.vocab_size=500"])  # another setting
+    assert longer.manifest["key"] not in (key, other.manifest["key"])
+    (out / MANIFEST).unlink()  # as if preparing had been killed before its last write
+    with pytest.raises(DataError, match="not a prepared corpus"):
+        open_store(out)
+    rebuilt, _, _ = make(tmp_path, out, seed=1, overrides=["data.vocab_size=500"])
+    assert rebuilt.manifest["key"] == longer.manifest["key"]
+
+
+def test_a_truncated_file_and_a_foreign_directory_are_refused(tmp_path):
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    data = (out / "train.src.bin").read_bytes()
+    (out / "train.src.bin").write_bytes(data[:-4])
+    with pytest.raises(DataError, match="does not match its manifest"):
+        open_store(out)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match="not a prepared corpus"):
+        make(tmp_path, foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert json.loads((out / MANIFEST).read_text())["dtype"] == "uint16"
+
+
+# --- training from a prepared store ----------------------------------------------------------------------
+
+
+def test_prepared_data_plans_and_collates_the_batches_of_the_in_memory_path(tmp_path):
+    from aiayn.data.pipeline import build_translation_data
+
+    train = write_pairs(tmp_path, "train", 1500, 0)
+    valid = write_pairs(tmp_path, "valid", 60, 100)
+    plain, tok = build_translation_data(file_config(train, valid), tmp_path / "plain")
+    lazy, tok2 = build_translation_data(file_config(train, valid, [f"data.prepared={tmp_path / 'store'}"]),
+                                        tmp_path / "lazy")
+    assert tok2.src.vocab_size == tok.src.vocab_size
+    assert (tmp_path / "lazy" / "tokenizer" / "tokenizer.json").is_file()  # the store's tokenizer is the run's
+    for epoch in (0, 1):
+        assert lazy.epoch_plan(epoch) == plain.epoch_plan(epoch)
+    for a, b in zip(lazy.epoch_batches(0)[:5], plain.epoch_batches(0)[:5]):
+        assert torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in) and torch.equal(a.tgt_out, b.tgt_out)
+        assert a.ntokens == b.ntokens == lazy.plan_tokens(a.indices)
+    assert [v.indices for v in lazy.valid_batches] == [v.indices for v in plain.valid_batches]
+
+
+def test_a_run_trained_from_a_prepared_store_equals_the_in_memory_run_and_resumes_bit_exactly(tmp_path):
+    from aiayn.train.run import train
+    from aiayn.weights import read_weights
+
+    train_files = write_pairs(tmp_path, "train", 1500, 0)
+    valid = write_pairs(tmp_path, "valid", 60, 100)
+    small = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
+             "model.n_decoder_layers=1", "data.max_tokens=512", "train.eval_every=3", "train.save_every=3",
+             "train.log_every=3"]
+    prepared = [f"data.prepared={tmp_path / 'store'}"]
+    train(file_config(train_files, valid, [*small, "train.max_updates=6"]), tmp_path / "plain", progress=False)
+    train(file_config(train_files, valid, [*small, *prepared, "train.max_updates=6"]), tmp_path / "lazy",
+          progress=False)
+    train(file_config(train_files, valid, [*small, *prepared, "train.max_updates=3"]), tmp_path / "resumed",
+          progress=False)
+    train(file_config(train_files, valid, [*small, *prepared, "train.max_updates=6"]), tmp_path / "resumed",
+          resume=True, progress=False)
+    want = read_weights(tmp_path / "plain" / "model.safetensors")
+    for run in ("lazy", "resumed"):
+        got = read_weights(tmp_path / run / "model.safetensors")
+        assert all(torch.equal(got[k], want[k]) for k in want), run
+
+
+def test_update_tokens_is_the_budget_of_a_whole_update():
+    from aiayn.data.pipeline import batch_budget
+    from aiayn.errors import ConfigError
+
+    cfg = load_config("paper-base")
+    assert cfg.data.update_tokens == 25000
+    assert batch_budget(cfg, world=1) == 25000 and batch_budget(cfg, world=8) == 3125
+    assert batch_budget(load_config("paper-base", ["train.accum_steps=4"]), world=2) == 3125
+    assert batch_budget(load_config("tiny_reverse"), world=8) == 2048  # max_tokens: per process, as before
+    with pytest.raises(ConfigError, match="fewer than one token per batch"):
+        batch_budget(load_config("paper-base", ["data.update_tokens=3"]), world=8)
+
+
+def test_the_prefetcher_yields_in_order_from_its_start_and_raises_where_building_failed():
+    from aiayn.data.loader import Prefetcher
+
+    with Prefetcher(list(range(10)), lambda x: x * x, start=3) as p:
+        assert list(p) == [x * x for x in range(3, 10)]
+
+    def build(x):
+        if x == 4:
+            raise ValueError("bad item 4")
+        return x
+
+    with Prefetcher(list(range(10)), build) as p:
+        assert [p.next() for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="bad item 4"):
+            p.next()
+    with Prefetcher(list(range(1000)), lambda x: x, depth=1) as p:  # left early: close() stops the thread
+        assert p.next() == 0
+    assert not p._thread.is_alive()
+
+
+def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_only_their_own(tmp_path):
+    from aiayn.data.pipeline import build_translation_data, fit_model_to_vocab
+    from aiayn.model import build_model
+    from aiayn.train.trainer import Dist, Trainer
+
+    train_files, valid = write_pairs(tmp_path, "train", 1500, 0), write_pairs(tmp_path, "valid", 60, 100)
+    cfg = file_config(train_files, valid, ["model.d_model=32", "model.d_ff=64", "model.n_heads=2",
+                                           "data.max_tokens=512", "train.accum_steps=2",
+                                           f"data.prepared={tmp_path / 'store'}"])
+    data, tok = build_translation_data(cfg, tmp_path / "run", world=2)
+    cfg = fit_model_to_vocab(cfg, tok)
+    collated = {0: [], 1: []}
+    shares = {}
+    for rank in (0, 1):
+        trainer = Trainer(cfg, build_model(cfg.model, cfg.task), data, tmp_path / f"r{rank}", Dist(rank=rank, world=2))
+        updates = trainer.epoch_updates(0)
+        original = data.collate_plan
+        data.collate_plan = lambda p, r=rank, f=original: (collated[r].append(p), f(p))[1]
+        try:
+            shares[rank] = [i for u in updates for b in trainer._collate_update(u) for i in b.indices]
+        finally:
+            data.collate_plan = original
+        assert collated[rank] == [p for u in updates for p in u]  # only its own planned batches
+    plan = data.epoch_plan(0)
+    assert not set(shares[0]) & set(shares[1])
+    left = [i for b in plan[len(plan) // 4 * 4:] for i in b]  # the remainder waits for the next epoch's shuffle
+    assert sorted(shares[0] + shares[1] + left) == list(range(len(data.src)))
