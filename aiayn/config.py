@@ -39,7 +39,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # machine's memory is refused as well (ModelConfig). docs/configuration.md lists them (a test keeps it true).
 COUNT = 2**62  # updates, steps, epochs, checkpoints: far beyond any real run, and within a 64-bit integer
 SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
-MIN_TEMPERATURE = 1e-3  # a positive temperature below this divides logits into inf (0 means greedy)
+MIN_TEMPERATURE = 1e-6  # logits / a smaller temperature can overflow fp32 (1e-320 gives inf); 0 means greedy
 LIMITS: dict[str, float] = {
     "model.vocab_size": 2**24, "model.tgt_vocab_size": 2**24, "model.d_model": 65536, "model.n_heads": 4096,
     "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
@@ -62,6 +62,8 @@ def _check_limits(section: str, obj: Any) -> None:
     for key, ceiling in LIMITS.items():
         sec, _, name = key.partition(".")
         value = getattr(obj, name) if sec == section else None
+        if isinstance(value, float) and not math.isfinite(value):
+            _finite(key, value)  # inf / nan: said as such, not as "over the ceiling"
         if value is not None and not isinstance(value, bool) and abs(value) > ceiling:
             digits = str(value) if isinstance(value, int) else ""
             shown = f"{value:.3g}" if isinstance(value, float) else (

@@ -173,3 +173,13 @@ def test_wmt_like_lengths_have_the_documented_distribution():
     pairs = common.synthetic_token_pairs(6, 50, seed=1)
     assert [(len(s), len(t)) for s, t in pairs] == [(20, 26), (15, 13), (9, 9), (9, 7), (15, 16), (17, 15)]
     assert pairs[0][0][:6] == [7, 9, 9, 27, 14, 46]
+
+
+def test_data_scale_smoke_prepares_trains_and_measures(tmp_path):
+    from benchmarks import data_scale
+
+    result = data_scale.main(["--smoke", "--out-json", str(tmp_path / "d.json")])
+    (row,) = result["rows"]
+    assert row["pairs"] == 2000 and row["store_mb"] > 0 and row["text_mb"] > 0
+    assert row["train_peak_rss_mb"] > 0 and row["first_update_s"] >= 0 and row["loader_collate_tokens_per_s"] > 0
+    assert "| 2,000 |" in data_scale.markdown(result)
