@@ -13,10 +13,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from aiayn.config import Config, ConfigError
-from aiayn.data.batching import Batch, EagerPlan, batch_shape, collate, lm_batches, lm_blocks, token_batches
+from aiayn.data.batching import (
+    Batch,
+    EagerPlan,
+    batch_shape,
+    collate,
+    lm_batches,
+    lm_blocks,
+    plan_batches,
+    token_batches,
+)
 from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
 from aiayn.data.summarization import (
@@ -98,10 +108,11 @@ def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-def _sizes(seqs: Sequence[Sequence[int]]) -> list[int]:
-    """The length of every id list: from a prepared store's offsets without reading its ids, else one by one."""
+def _sizes(seqs: Sequence[Sequence[int]]) -> np.ndarray:
+    """(N,) int32: the length of every id list, from a prepared store's offsets without reading its ids, else
+    one by one."""
     lengths = getattr(seqs, "lengths", None)
-    return lengths().tolist() if lengths is not None else [len(s) for s in seqs]
+    return lengths() if lengths is not None else np.fromiter((len(s) for s in seqs), np.int32, len(seqs))
 
 
 @dataclass
@@ -123,35 +134,35 @@ class TranslationData:
         self._padded = self.pad_to_multiple > 1 or bool(self.buckets)
         self._src_lens = self._lengths(self.src)
         self._tgt_lens = self._lengths(self.tgt)
-        self._tgt_tokens = [n + 1 for n in _sizes(self.tgt)]  # tgt_out's non-pad tokens: y and EOS
+        self._tgt_tokens = _sizes(self.tgt) + 1  # tgt_out's non-pad tokens: y and EOS
         self._valid: list[Batch] | None = None
 
-    def _lengths(self, seqs: Sequence[Sequence[int]]) -> list[int]:
+    def _lengths(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         # token_batches adds the EOS / BOS itself. Unpadded batching counts it twice (+1 here as well):
         # kept as every run so far was batched. Padded batches must cost exactly what collate builds.
-        extra = 0 if self._padded else 1
-        return [n + extra for n in _sizes(seqs)]
+        return _sizes(seqs) + (0 if self._padded else 1)
 
     def _batches(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
-                 lens: tuple[list[int], list[int]], epoch: int, shuffle: bool) -> list[Batch]:
+                 lens: tuple[np.ndarray, np.ndarray], epoch: int, shuffle: bool) -> list[Batch]:
         idx = token_batches(*lens, self.max_tokens, self.seed, epoch, shuffle=shuffle,
                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
         return [self._collate(src, tgt, b) for b in idx]
 
-    def epoch_plan(self, epoch: int) -> list[list[int]]:
-        """The epoch's training batches as example indices, in training order: planned from the lengths alone,
-        so an epoch starts in seconds whatever the corpus; a process collates only the batches it trains on
-        (:meth:`collate_plan`), when it needs them."""
-        return token_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True,
-                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
+    def epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's training batches as arrays of example indices, in training order (the batches of
+        :func:`~aiayn.data.batching.token_batches`): planned from the lengths alone, so an epoch starts in
+        seconds whatever the corpus; a process collates only the batches it trains on (:meth:`collate_plan`),
+        when it needs them."""
+        return plan_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True,
+                            pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
 
-    def plan_tokens(self, indices: list[int]) -> int:
+    def plan_tokens(self, indices: np.ndarray) -> int:
         """The target tokens (each target and its EOS) of a planned batch: its ``Batch.ntokens``, uncollated."""
-        return sum(self._tgt_tokens[i] for i in indices)
+        return int(self._tgt_tokens[indices].sum())
 
-    def collate_plan(self, indices: list[int]) -> Batch:
-        """The batch of a planned index list."""
-        return self._collate(self.src, self.tgt, indices)
+    def collate_plan(self, indices: np.ndarray) -> Batch:
+        """The batch of a planned index array."""
+        return self._collate(self.src, self.tgt, np.asarray(indices).tolist())
 
     def epoch_batches(self, epoch: int) -> list[Batch]:
         """Every batch of an epoch, collated (the plan's order)."""
