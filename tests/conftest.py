@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Trainings that are compared bit for bit (resume, kill -9, prepared vs in-memory) must run with the same thread
+# count; aiayn's default follows the machine's load at each start (aiayn.engine.cpu_threads), so the suite, and
+# every process it starts, fixes it to the cores, as PyTorch's own default is. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                             else os.cpu_count() or 1))
+
+import torch  # noqa: E402
 
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.search import SearchSpec

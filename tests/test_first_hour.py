@@ -145,3 +145,18 @@ def test_evaluate_reports_progress_in_plain_lines_off_a_terminal(tiny_run, tmp_p
         assert main(["evaluate", str(run), "--split", "test", "--beam", "1", "--max-tokens", "64"]) == 0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluate test: ")]
     assert len(lines) >= 2 and "sentences" in lines[-1] and "/s" in lines[-1]
+
+
+def test_a_resumed_run_keeps_the_thread_count_it_was_trained_with(tmp_path, monkeypatch):
+    from aiayn import engine
+    from aiayn.train.run import _run_threads, train
+
+    run = tmp_path / "run"
+    train(load_config(TINY, SMALL + ["train.max_updates=4", "train.threads=1"]), run, progress=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(engine, "busy_cores", lambda *a: 0.0)  # a quiet 2-core machine: a new run takes 2
+    free = load_config(TINY, SMALL + ["train.max_updates=6"])
+    assert _run_threads(free, run, resume=True) == 1  # float sums depend on it: the resume stays bit-identical
+    assert _run_threads(free, run, resume=False) == 2
+    assert _run_threads(load_config(TINY, SMALL + ["train.threads=2"]), run, resume=True) == 2  # asked for

@@ -15,6 +15,7 @@ from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import check_writable, locked
 from aiayn.model import build_model, count_parameters
+from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
 from aiayn.train.ownership import own_run_dir
@@ -49,11 +50,24 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         torch.set_num_threads(threads)
 
 
+def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
+    """The CPU threads of a training: train.threads; on a resume without it, the count the run's newest
+    checkpoint was trained with (float sums depend on it: the same count keeps a resume bit-identical); else
+    the machine's free cores (:func:`aiayn.engine.cpu_threads`)."""
+    if cfg.train.threads is None and resume:
+        steps = list_checkpoints(run_dir)
+        if steps:
+            recorded = read_checkpoint_state(run_dir, steps[-1]).get("cpu_threads")
+            if recorded is not None:
+                return recorded
+    return cpu_threads(cfg.train.threads)
+
+
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
     precision = resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused here
-    threads = set_cpu_threads(cpu_threads(cfg.train.threads)) if device.type == "cpu" else torch.get_num_threads()
+    threads = set_cpu_threads(_run_threads(cfg, run_dir, resume)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
         cfg, init = adopt_init_run(cfg, init_from)

@@ -409,7 +409,8 @@ class Trainer:
     def _save(self, keep_last: int) -> None:
         if self.d.main:
             save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
-                            {"train_state": self.state.to_json(), "world_size": self.d.world},
+                            {"train_state": self.state.to_json(), "world_size": self.d.world,
+                             "cpu_threads": torch.get_num_threads()},
                             keep_last=keep_last)
         self.d.barrier()
 
