@@ -7,14 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-# Trainings that are compared bit for bit (resume, kill -9, prepared vs in-memory) must run with the same thread
-# count; aiayn's default follows the machine's load at each start (aiayn.engine.cpu_threads), so the suite, and
-# every process it starts, fixes it to the cores, as PyTorch's own default is. Set before torch is imported.
-os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                             else os.cpu_count() or 1))
-
-import torch  # noqa: E402
+import torch
 
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.search import SearchSpec
@@ -54,7 +47,7 @@ def spec_of(bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, **options) -> Sea
 # or retrain a copy of the run need the same recipe).
 TINY_RUN_OVERRIDES = [
     "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0",
-    "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20",
+    "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20", "train.threads=1",
     "train.log_every=10", "data.max_tokens=512", "decode.max_len_b=5",
     # Short pieces (most words split in several) make targets long, so after 60 updates the toy model
     # emits varied non-empty output; with whole-word pieces it would still answer EOS at once.

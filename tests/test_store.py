@@ -120,7 +120,7 @@ def test_a_run_trained_from_a_prepared_store_equals_the_in_memory_run_and_resume
     valid = write_pairs(tmp_path, "valid", 60, 100)
     small = ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
              "model.n_decoder_layers=1", "data.max_tokens=512", "train.eval_every=3", "train.save_every=3",
-             "train.log_every=3"]
+             "train.log_every=3", "train.threads=1"]
     prepared = [f"data.prepared={tmp_path / 'store'}"]
     train(file_config(train_files, valid, [*small, "train.max_updates=6"]), tmp_path / "plain", progress=False)
     train(file_config(train_files, valid, [*small, *prepared, "train.max_updates=6"]), tmp_path / "lazy",

@@ -27,7 +27,7 @@ from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, r
 REPO = Path(__file__).resolve().parent.parent
 TINY_OVERRIDES = [
     "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "train.warmup=10", "train.log_every=2",
-    "train.eval_every=4", "train.save_every=4", "data.max_tokens=256", "train.keep_last=10",
+    "train.eval_every=4", "train.save_every=4", "data.max_tokens=256", "train.keep_last=10", "train.threads=1",
 ]
 
 

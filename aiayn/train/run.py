@@ -57,7 +57,10 @@ def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
     if cfg.train.threads is None and resume:
         steps = list_checkpoints(run_dir)
         if steps:
-            recorded = read_checkpoint_state(run_dir, steps[-1]).get("cpu_threads")
+            try:
+                recorded = read_checkpoint_state(run_dir, steps[-1]).get("cpu_threads")
+            except CheckpointError:  # the resume itself says what is wrong with it, and what to do
+                recorded = None
             if recorded is not None:
                 return recorded
     return cpu_threads(cfg.train.threads)
