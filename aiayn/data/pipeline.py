@@ -249,7 +249,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
         splits = ("train", "valid")
         return {s: known(s) for s in splits}, {f"multi30k/{s}/{langs}": "published" for s in splits}
     from aiayn.data.corpus import iter_pairs
-    from aiayn.data.store import file_sha256
+    from aiayn.data.datasets import sha256_file
 
     sources, inputs = {}, {}
     for split in ("train", "valid"):
@@ -259,7 +259,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
         sources[split] = (lambda s=src, t=tgt: iter_pairs(d.format, s, t, d.src_field, d.tgt_field))
         for path in (src, tgt):
             if path is not None:
-                inputs[str(path)] = file_sha256(Path(path))
+                inputs[str(path)] = sha256_file(path)
     return sources, inputs
 
 

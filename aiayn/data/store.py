@@ -31,13 +31,15 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiayn.config import Config
+from aiayn.data.corpus import clean_pairs
+from aiayn.data.datasets import sha256_file
 from aiayn.errors import DataError
 from aiayn.files import atomic_write_json
 from aiayn.progress import ItemProgress
@@ -103,15 +105,6 @@ class Store:
 # What a store depends on -----------------------------------------------------------------------------------
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes (read in 1 MiB blocks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def settings(cfg: Config) -> dict[str, Any]:
     """The config values the prepared ids depend on (the tokenizer's training, the filtering, the cutting)."""
     d = cfg.data
@@ -127,7 +120,7 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None) -> st
 
     parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
     if tokenizer is not None:
-        parts["tokenizer"] = {p.name: file_sha256(p) for p in tokenizer_files(tokenizer)}
+        parts["tokenizer"] = {p.name: sha256_file(p) for p in tokenizer_files(tokenizer)}
         parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -137,7 +130,7 @@ def tokenizer_matches(a: Path, b: Path) -> bool:
     from aiayn.data.cache import tokenizer_files
 
     def digest(d: Path) -> dict[str, str]:
-        return {p.name: file_sha256(p) for p in tokenizer_files(d)}
+        return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
     return digest(a) == digest(b)
 
@@ -228,29 +221,20 @@ def _init_worker(tokenizer_dir: str, max_len: int, cut_source: bool) -> None:
 
 
 def _encode(pairs: list[tuple[str, str]]) -> dict[str, Any]:
-    """Encode and filter a chunk of pairs (in a worker, or in this process): the kept pairs' ids back to back and
-    their lengths per side, and what was dropped (an empty side; a side longer than max_len with its EOS/BOS)."""
+    """Encode and filter a chunk of pairs (in a worker, or in this process) as the in-memory path does
+    (:func:`aiayn.data.corpus.clean_pairs`): the kept pairs' ids back to back, their lengths per side, and the
+    counts of what was dropped."""
     tok, max_len, cut = _WORKER["tok"], _WORKER["max_len"], _WORKER["cut"]
-    out: dict[str, Any] = {"src": [], "tgt": [], "src_lens": [], "tgt_lens": [], "empty": 0, "too_long": 0}
-    for s, t in pairs:
-        if not s.strip() or not t.strip():
-            out["empty"] += 1
-            continue
-        s_ids, t_ids = tok.src.encode(s), tok.tgt.encode(t)
-        if cut:  # summarization: a long document is cut (as the translator does at inference), not dropped
-            s_ids = s_ids[: max_len - 1]
-        if max(len(s_ids), len(t_ids)) + 1 > max_len:
-            out["too_long"] += 1
-            continue
-        out["src"].extend(s_ids)
-        out["tgt"].extend(t_ids)
-        out["src_lens"].append(len(s_ids))
-        out["tgt_lens"].append(len(t_ids))
-    kept = len(out["src_lens"])
-    return {"src": np.asarray(out["src"], dtype=np.int64), "tgt": np.asarray(out["tgt"], dtype=np.int64),
-            "src_lens": np.asarray(out["src_lens"], dtype=np.int64),
-            "tgt_lens": np.asarray(out["tgt_lens"], dtype=np.int64), "empty": out["empty"],
-            "too_long": out["too_long"], "kept": kept}
+    ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
+    if cut:  # summarization: a long document is cut (as the translator does at inference), not dropped
+        ids = [(s[: max_len - 1], t) for s, t in ids]
+    kept, stats = clean_pairs(pairs, ids, max_len)
+    out: dict[str, Any] = dict(stats)
+    for k, side in enumerate(("src", "tgt")):
+        seqs = [ids[i][k] for i in kept]
+        out[side] = np.fromiter(chain.from_iterable(seqs), np.int64)
+        out[f"{side}_lens"] = np.fromiter(map(len, seqs), np.int64, len(seqs))
+    return out
 
 
 def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
