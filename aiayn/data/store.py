@@ -47,7 +47,6 @@ from aiayn.progress import ItemProgress
 log = logging.getLogger("aiayn.data")
 
 STORE_VERSION = 1  # bump when preparing produces other ids from the same inputs
-SPLITS = ("train", "valid")
 MANIFEST = "manifest.json"
 MARKER = ".aiayn-store"  # written first and kept: a directory without a manifest but with it may be rebuilt
 CHUNK = 20_000  # pairs encoded per task
@@ -133,13 +132,6 @@ def tokenizer_matches(a: Path, b: Path) -> bool:
         return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
     return digest(a) == digest(b)
-
-
-def default_dir(key: str) -> Path:
-    """Where ``aiayn train`` keeps a store it prepares itself: the cache directory, by key (shared by runs)."""
-    from aiayn.data.datasets import cache_dir
-
-    return cache_dir() / "prepared" / key[:24]
 
 
 # Opening -----------------------------------------------------------------------------------------------------
