@@ -42,6 +42,7 @@ SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
 MIN_TEMPERATURE = 1e-6  # logits / a smaller temperature can overflow fp32 (1e-320 gives inf); 0 means greedy
 LIMITS: dict[str, float] = {
     "model.vocab_size": 2**24, "model.tgt_vocab_size": 2**24, "model.d_model": 65536, "model.n_heads": 4096,
+    "model.d_k": 65536, "model.d_v": 65536,
     "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
     "model.pad_id": 2**24, "data.vocab_size": 2**24, "data.tokenizer_sample": 2**40, "data.max_tokens": 2**31,
     "data.update_tokens": 2**40,
@@ -88,6 +89,8 @@ class ModelConfig:
     tgt_vocab_size: int | None = None  # None: same vocabulary as the source
     d_model: int = 512
     n_heads: int = 8
+    d_k: int | None = None  # query/key width per head; None: d_model / n_heads (Table 3 row B varies it)
+    d_v: int | None = None  # value width per head; None: d_model / n_heads
     d_ff: int = 2048
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
@@ -110,16 +113,18 @@ class ModelConfig:
         _check_limits("model", self)
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
             _at_least(f"model.{name}", getattr(self, name), 1)
-        if self.tgt_vocab_size is not None:
-            _at_least("model.tgt_vocab_size", self.tgt_vocab_size, 1)
+        for name in ("tgt_vocab_size", "d_k", "d_v"):
+            if getattr(self, name) is not None:
+                _at_least(f"model.{name}", getattr(self, name), 1)
         _at_least("model.n_encoder_layers", self.n_encoder_layers, 0, "(0: no encoder)")
         _at_least("model.n_decoder_layers", self.n_decoder_layers, 1)
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             _fraction(f"model.{name}", getattr(self, name))
         _positive("model.layer_norm_eps", self.layer_norm_eps)
-        if self.d_model % self.n_heads:
+        if (self.d_k is None or self.d_v is None) and self.d_model % self.n_heads:
             raise ConfigError(
-                f"model: d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
+                f"model: d_model={self.d_model} is not divisible by n_heads={self.n_heads} "
+                "(set model.d_k and model.d_v to choose the head widths)"
             )
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"model: sinusoidal positions need an even d_model, got {self.d_model}")
@@ -143,9 +148,9 @@ class ModelConfig:
     def memory_bytes(self) -> int:
         """fp32 bytes of the model's parameters and position tables (an estimate made before building it)."""
         D, F, P, H = self.d_model, self.d_ff, self.max_positions, self.n_heads
-        Vt = self.target_vocab_size
+        Vt, QK, V = self.target_vocab_size, self.n_heads * self.key_width, self.n_heads * self.value_width
         embed = self.vocab_size * D + (0 if self.share_embeddings else Vt * D) + (0 if self.tie_output else Vt * D)
-        attention = 4 * D * D + 4 * D
+        attention = (2 * QK + V) * (D + 1) + V * D + D  # in_proj (Q | K | V) and out_proj, with biases
         ffn = 2 * D * F + F + D
         layers = self.n_encoder_layers * (attention + ffn) + self.n_decoder_layers * (2 * attention + ffn)
         positions = 2 * P * D  # one table (or learned matrix) each for the encoder and the decoder
@@ -156,8 +161,19 @@ class ModelConfig:
         return self.tgt_vocab_size if self.tgt_vocab_size is not None else self.vocab_size
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def key_width(self) -> int:
+        """d_k: the width of each head's queries and keys."""
+        return self.d_k if self.d_k is not None else self.d_model // self.n_heads
+
+    @property
+    def value_width(self) -> int:
+        """d_v: the width of each head's values."""
+        return self.d_v if self.d_v is not None else self.d_model // self.n_heads
+
+    @property
+    def default_head_widths(self) -> bool:
+        """True when d_k = d_v = d_model / n_heads, the only widths the HF Marian and CTranslate2 formats hold."""
+        return self.d_model % self.n_heads == 0 and self.key_width == self.value_width == self.d_model // self.n_heads
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,11 @@ def ctranslate2_spec(
     cfg = model.cfg
     if cfg.n_encoder_layers == 0:
         raise ValueError("CTranslate2 needs at least one encoder layer (model.n_encoder_layers=0)")
+    if not cfg.default_head_widths:
+        raise ValueError(
+            f"CTranslate2's Transformer heads are d_model / heads wide: model.d_k={cfg.key_width}, "
+            f"model.d_v={cfg.value_width} with d_model={cfg.d_model} and {cfg.n_heads} heads cannot be exported"
+        )
     tgt_vocab = list(vocab if tgt_vocab is None else tgt_vocab)
     vocab = list(vocab)
     special = {"unk": unk_id, "bos": bos_id, "eos": eos_id}

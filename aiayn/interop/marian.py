@@ -107,6 +107,11 @@ def check_marian_compatible(cfg: ModelConfig) -> None:
             f"model.positional_layout=concat (got {cfg.positional_layout!r}); the weights of a model "
             "trained with the interleaved layout do not carry over"
         )
+    if not cfg.default_head_widths:
+        raise ValueError(
+            f"Marian's heads are d_model / heads wide: model.d_k={cfg.key_width}, model.d_v={cfg.value_width} "
+            f"with d_model={cfg.d_model} and {cfg.n_heads} heads cannot be converted (Table 3 row B has no Marian form)"
+        )
     if cfg.layer_norm_eps != _HF_LN_EPS:
         raise ValueError(
             f"Marian's LayerNorm epsilon is fixed at {_HF_LN_EPS}: set model.layer_norm_eps={_HF_LN_EPS} "

@@ -1,6 +1,7 @@
 """Scaled dot-product attention (eq. 1) and multi-head attention (section 3.2.2); the KV cache: aiayn.model.cache.
 
-Shapes: B batch, H heads, Tq query length, Tk key length, D model width, K head width (D / H).
+Shapes: B batch, H heads, Tq query length, Tk key length, D model width, K query/key width per head (the
+paper's d_k), V value width per head (d_v); both are D / H unless the model says otherwise (Table 3 row B).
 Masks are boolean and mean "may attend" (True = keep), broadcastable to (B, H, Tq, Tk).
 """
 
@@ -47,9 +48,9 @@ def scaled_dot_product_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  (eq. 1).
 
-    q: (B, H, Tq, K), k: (B, H, Tk, K), v: (B, H, Tk, K); mask: bool, True = may attend, broadcastable to
+    q: (B, H, Tq, K), k: (B, H, Tk, K), v: (B, H, Tk, V); mask: bool, True = may attend, broadcastable to
     (B, H, Tq, Tk), or an :class:`AttentionMask` whose empty rows were found already. Returns (output
-    (B, H, Tq, K), probabilities (B, H, Tq, Tk) or None). ``is_causal`` (with ``mask=None`` and Tq == Tk):
+    (B, H, Tq, V), probabilities (B, H, Tq, Tk) or None). ``is_causal`` (with ``mask=None`` and Tq == Tk):
     query i sees keys 0..i, without materializing a mask, so the fused kernels' causal path runs.
 
     Two computations with the same result: PyTorch's fused ``F.scaled_dot_product_attention`` (``fused``), and
@@ -90,43 +91,51 @@ def scaled_dot_product_attention(
 
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
-    (section 3.2.2).
+    (section 3.2.2), with W_i^Q, W_i^K in R^{D x d_k}, W_i^V in R^{D x d_v}, W^O in R^{h d_v x D}.
 
-    The h per-head projections are stored as one (3D, D) matrix ``in_proj`` (rows: Q | K | V), the
-    layout of ``torch.nn.MultiheadAttention``. Self-attention does one matmul for Q, K and V;
-    cross-attention uses the Q rows on the decoder states and the K|V rows on the encoder memory.
-    ``explicit_max_keys`` says which computation of eq. (1) runs: per device type, key lengths up to it take
-    the explicit path, longer ones PyTorch's fused kernel (empty: always fused); :mod:`aiayn.engine` sets it.
+    ``d_k`` and ``d_v`` default to D / h, the paper's choice everywhere but Table 3 row (B). The h per-head
+    projections are stored as one (h d_k + h d_k + h d_v, D) matrix ``in_proj`` (rows: Q | K | V), the
+    layout of ``torch.nn.MultiheadAttention`` (3D, D) when d_k = d_v = D / h. Self-attention does one matmul
+    for Q, K and V; cross-attention uses the Q rows on the decoder states and the K|V rows on the encoder
+    memory. ``explicit_max_keys`` says which computation of eq. (1) runs: per device type, key lengths up to
+    it take the explicit path, longer ones PyTorch's fused kernel (empty: always fused); :mod:`aiayn.engine`
+    sets it.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, d_k: int | None = None,
+                 d_v: int | None = None) -> None:
         super().__init__()
-        if d_model % n_heads:
+        if (d_k is None or d_v is None) and d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.d_model, self.n_heads = d_model, n_heads
+        self.d_k = d_k if d_k is not None else d_model // n_heads
+        self.d_v = d_v if d_v is not None else d_model // n_heads
         self.dropout = dropout
         self.explicit_max_keys: dict[str, int] = {}
-        self.in_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        qk, vw = n_heads * self.d_k, n_heads * self.d_v
+        self._rows = (qk, qk, vw)  # rows of Q | K | V in in_proj
+        self.in_proj = nn.Linear(d_model, 2 * qk + vw)
+        self.out_proj = nn.Linear(vw, d_model)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Xavier-uniform on each D x D block (as if Q, K, V were separate layers, like the references).
-        for w in self.in_proj.weight.chunk(3, dim=0):
+        # Xavier-uniform on each of the Q, K, V blocks (as if they were separate layers, like the references).
+        for w in self.in_proj.weight.split(self._rows, dim=0):
             nn.init.xavier_uniform_(w)
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.in_proj.bias)
         nn.init.zeros_(self.out_proj.bias)
 
     def _split(self, x: Tensor) -> Tensor:
-        B, T, _ = x.shape
-        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, K)
+        """(B, T, H * W) -> (B, H, T, W): one slice of width W per head."""
+        B, T, HW = x.shape
+        return x.view(B, T, self.n_heads, HW // self.n_heads).transpose(1, 2)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of the encoder memory (B, S, D) -> two (B, H, S, K)."""
-        D = self.d_model
-        kv = F.linear(memory, self.in_proj.weight[D:], self.in_proj.bias[D:])  # (B, S, 2D)
-        k, v = kv.chunk(2, dim=-1)
+        """Keys and values of the encoder memory (B, S, D) -> (B, H, S, d_k) and (B, H, S, d_v)."""
+        qk = self._rows[0]
+        kv = F.linear(memory, self.in_proj.weight[qk:], self.in_proj.bias[qk:])  # (B, S, h d_k + h d_v)
+        k, v = kv.split(self._rows[1:], dim=-1)
         return self._split(k), self._split(v)
 
     def forward(
@@ -144,14 +153,14 @@ class MultiHeadAttention(nn.Module):
         mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk), or an :class:`AttentionMask`;
         ``causal`` in place of a mask: self-attention over x alone (no cached steps), query i sees 0..i.
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
-        D = self.d_model
+        qk = self._rows[0]
         if memory is None:
-            q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).chunk(3, dim=-1)
+            q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
             q, k, v = self._split(q), self._split(k), self._split(v)
             if cache is not None:
                 k, v = cache.append_self(layer, k, v)
         else:
-            q = self._split(F.linear(x, self.in_proj.weight[:D], self.in_proj.bias[:D]))
+            q = self._split(F.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk]))
             if cache is not None and cache.cross_k[layer] is not None:
                 k, v = cache.cross_k[layer], cache.cross_v[layer]
             else:
@@ -161,6 +170,6 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         fused = k.size(-2) > self.explicit_max_keys.get(q.device.type, 0)
         out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, causal, fused)
-        B, _, Tq, _ = out.shape
-        out = out.transpose(1, 2).reshape(B, Tq, D)  # concat heads: (B, Tq, D)
+        B, H, Tq, V = out.shape
+        out = out.transpose(1, 2).reshape(B, Tq, H * V)  # concat heads: (B, Tq, h d_v)
         return self.out_proj(out), probs

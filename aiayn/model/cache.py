@@ -1,7 +1,8 @@
 """The decoder's key/value cache for step-by-step decoding, preallocated and written in place.
 
 Shapes: B batch rows, L decoder layers, H heads, C room (steps the layout holds), T steps cached,
-K head width, S source length.
+K head width (the larger of d_k and d_v: where they differ, Table 3 row B, the narrower uses the first
+columns of its slot), S source length.
 
 Self-attention keys and values of every layer live in one buffer (L, 2, B, H, C, K), a view of a flat
 storage. A step writes its (B, H, 1, K) keys/values at position T, with no ``torch.cat`` and no
@@ -47,6 +48,7 @@ class KVCache:
         self._store: Tensor | None = None  # flat storage behind _buf
         self._spare: Tensor | None = None  # flat storage, the other half of the ping-pong
         self._lens = [0] * n_layers  # steps written per layer (all equal between decoder calls)
+        self._widths: tuple[int, int] | None = None  # (d_k, d_v) where they differ, else None
 
     def reserve(self, steps: int) -> None:
         """Reserve room for ``steps`` decoding steps (before the first step; later the storage grows)."""
@@ -62,14 +64,20 @@ class KVCache:
         if self._buf is None:
             return None
         n = self._lens[layer]
+        if self._widths is not None:
+            dk, dv = self._widths
+            return self._buf[layer, 0, :, :, :n, :dk], self._buf[layer, 1, :, :, :n, :dv]
         return self._buf[layer, 0, :, :, :n], self._buf[layer, 1, :, :, :n]
 
     def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the new steps' (B, H, t, K) keys/values of ``layer`` after its cached ones; return views
-        (B, H, T + t, K) of all its keys/values so far."""
-        B, H, t, K = k.shape
+        """Write the new steps' keys (B, H, t, d_k) and values (B, H, t, d_v) of ``layer`` after its cached
+        ones; return views (B, H, T + t, d_k) and (B, H, T + t, d_v) of all its keys/values so far."""
+        B, H, t, dk = k.shape
+        dv = v.size(-1)
+        K = max(dk, dv)
         pos = self._lens[layer]
         if self._buf is None:
+            self._widths = (dk, dv) if dk != dv else None
             steps = max(min(self.capacity or INITIAL_STEPS, INITIAL_STEPS), t)
             self._store = k.new_empty(self.n_layers * 2 * B * H * steps * K)
             self._spare = torch.empty_like(self._store)
@@ -79,8 +87,8 @@ class KVCache:
         if pos + t > self._buf.size(4):
             self._move(None, pos + t)
         slot = self._buf[layer, :, :, :, pos: pos + t]  # (2, B, H, t, K)
-        slot[0].copy_(k)
-        slot[1].copy_(v)
+        slot[0, ..., :dk].copy_(k)
+        slot[1, ..., :dv].copy_(v)
         self._lens[layer] = pos + t
         return self.self_kv(layer)  # type: ignore[return-value]
 

@@ -56,7 +56,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
         self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.activation_dropout)
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
@@ -75,9 +75,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, cross_attention: bool = True) -> None:
         super().__init__()
         d, p, nf, eps = cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps
-        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
         self.sub_self = SublayerConnection(d, p, nf, eps)
-        self.cross_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout) if cross_attention else None
+        self.cross_attn = (MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
+                           if cross_attention else None)
         self.sub_cross = SublayerConnection(d, p, nf, eps) if cross_attention else None
         self.ffn = PositionwiseFeedForward(d, cfg.d_ff, cfg.activation, cfg.activation_dropout)
         self.sub_ffn = SublayerConnection(d, p, nf, eps)
