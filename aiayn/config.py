@@ -586,11 +586,28 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping naming one key twice is an error: PyYAML keeps the last
+    value silently, so a recipe edited by hand could train with a setting its reader does not see."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: the key {key!r} is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_yaml(text: str, where: str) -> Any:
-    """YAML text as Python values; what PyYAML cannot read, and what it reads into a crash (nesting deeper than the
-    interpreter's stack, an integer longer than Python converts), is one ConfigError naming ``where``."""
+    """YAML text as Python values; what PyYAML cannot read, what it reads into a crash (nesting deeper than the
+    interpreter's stack, an integer longer than Python converts), and a key given twice in one mapping, is one
+    ConfigError naming ``where``."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
     except RecursionError:

@@ -74,3 +74,11 @@ def test_every_config_key_is_documented():
             if not re.search(rf"`{f.name}`", body):
                 missing.append(f"{name}.{f.name}")
     assert missing == [] and "`task`" in doc
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently; a recipe must not train with a setting its reader missed."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("task: translation\ntrain:\n  warmup: 10\n  max_updates: 5\n  warmup: 20\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"twice.yaml: line 5: the key 'warmup' is given twice"):
+        load_config(p)
