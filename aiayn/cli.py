@@ -189,6 +189,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_cli(args)
 
 
+def cmd_table3(args: argparse.Namespace) -> int:
+    from aiayn.table3 import run_table
+
+    table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
+                      progress=not args.no_progress)
+    print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if args.engine == "hf":
         from aiayn.interop.hf import export_hf
@@ -340,6 +349,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run directory, results/ copy of one, or a metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("table3", help="the paper's Table 3: train and evaluate each variation of a base recipe",
+                       description="Trains every chosen row of Table 3 (heads and d_k, d_k, depth and widths, "
+                                   "dropout and label smoothing, learned positions, big) as a change of BASE, "
+                                   "evaluates it (validation perplexity and BLEU) and writes OUT/table3.md, .json "
+                                   "and .png beside the paper's numbers. Rerun the same command to go on after "
+                                   "an interruption: finished rows are kept, a started one resumes.")
+    p.add_argument("base", help="the base translation recipe (YAML or preset), e.g. multi30k_table3")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the runs, results and the table go")
+    p.add_argument("--rows", default="all", help="all (default), groups (base, A, B, C, D, E, big) or rows "
+                   "(A1,B2,...), comma-separated; base always runs")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1], metavar="SEED", help="train.seed of each run "
+                   "(several: the table shows their mean and each value)")
+    p.add_argument("--updates", type=int, default=None, help="updates per row (default: the base's "
+                   "train.max_updates; the big row trains 3x as many, as in the paper)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override on the base")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
+    p.set_defaults(func=cmd_table3)
 
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
     p.add_argument("run")

@@ -1,0 +1,370 @@
+"""The paper's Table 3, runnable: every variation of the base model as a named row, a runner that trains and
+evaluates each row on a base recipe, and the table it writes beside the paper's own numbers.
+
+A row is a change relative to the base recipe, stated as the paper states it at its scale (d_model 512, h 8,
+N 6, d_ff 2048) and applied in proportion to the base it is given: on paper-base it gives the paper's exact
+values (row A1: h = 1, d_k = d_v = 512), on a small base the same ratios (h = 1, d_k = d_v = d_model). So the
+command that runs a small table on a CPU is the recipe for the paper's table on GPUs, with a WMT14 base.
+
+Each (row, seed) trains into OUT/runs/ROW-seedS and leaves OUT/results/ROW-seedS.json when evaluated; a
+rerun skips what is done and resumes a row from its last checkpoint, so an interrupted table goes on row by
+row. The columns are the paper's: perplexity per subword token on the validation set (the model's valid NLL
+after the last update, no label smoothing) and BLEU on it (sacreBLEU, the recipe's beam search, no checkpoint
+averaging, as the paper's Table 3), plus the parameter count at the paper's sizes (37k shared vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import Config, ConfigError, load_config
+from aiayn.files import atomic_write_json, atomic_write_text, check_writable
+
+log = logging.getLogger("aiayn.table3")
+
+PAPER_STEPS = 100_000  # the paper's base rows train 100K steps; big 300K
+PAPER_VOCAB = 37_000  # shared BPE vocabulary of the paper's En-De models
+
+
+@dataclass(frozen=True)
+class Paper:
+    """A row's numbers in the paper: dev (newstest2013) perplexity per wordpiece and BLEU, parameters x 10^6
+    (None where the paper leaves the cell empty: the same as base)."""
+
+    ppl: float
+    bleu: float
+    params_m: float | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of Table 3: ``change`` as the paper writes it; ``settings(base)`` gives the config overrides
+    that make the change on ``base``; ``steps`` multiplies the base's updates (big trains 3x longer)."""
+
+    name: str
+    group: str
+    change: str
+    settings: Callable[[Config], dict[str, Any]]
+    paper: Paper
+    steps: float = 1.0
+
+
+def _scaled(value: int, factor: float) -> int:
+    return max(1, round(value * factor))
+
+
+def _heads(factor: float) -> Callable[[Config], dict[str, Any]]:
+    """Row A: h scaled, d_k = d_v = d_model / h (the amount of computation stays constant)."""
+    def settings(c: Config) -> dict[str, Any]:
+        h = _scaled(c.model.n_heads, factor)
+        width = max(1, c.model.d_model // h)
+        return {"model.n_heads": h, "model.d_k": width, "model.d_v": width}
+    return settings
+
+
+def _key_width(factor: float) -> Callable[[Config], dict[str, Any]]:
+    """Row B: d_k scaled, d_v and everything else as base."""
+    return lambda c: {"model.d_k": _scaled(c.model.key_width, factor), "model.d_v": c.model.value_width}
+
+
+def _layers(factor: float) -> Callable[[Config], dict[str, Any]]:
+    return lambda c: {"model.n_encoder_layers": _scaled(c.model.n_encoder_layers, factor),
+                      "model.n_decoder_layers": _scaled(c.model.n_decoder_layers, factor)}
+
+
+def _width(factor: float) -> Callable[[Config], dict[str, Any]]:
+    """Row C, d_model: the model width scaled with h fixed, so d_k = d_v = d_model / h scale with it."""
+    def settings(c: Config) -> dict[str, Any]:
+        d = _scaled(c.model.d_model, factor)
+        d -= d % 2  # sinusoidal positions need an even width
+        width = max(1, d // c.model.n_heads)
+        return {"model.d_model": d, "model.d_k": width, "model.d_v": width}
+    return settings
+
+
+def _big(c: Config) -> dict[str, Any]:
+    d, h = 2 * c.model.d_model, 2 * c.model.n_heads
+    return {"model.d_model": d, "model.n_heads": h, "model.d_ff": 2 * c.model.d_ff, "model.dropout": 0.3,
+            "model.d_k": d // h, "model.d_v": d // h}
+
+
+# Table 3 of the paper, in its order; every change relative to the base row (N=6, d_model=512, d_ff=2048,
+# h=8, d_k=d_v=64, P_drop=0.1, eps_ls=0.1, 100K steps).
+ROWS: tuple[Row, ...] = (
+    Row("base", "base", "base", lambda c: {}, Paper(4.92, 25.8, 65)),
+    Row("A1", "A", "h=1, d_k=d_v=512", _heads(1 / 8), Paper(5.29, 24.9)),
+    Row("A2", "A", "h=4, d_k=d_v=128", _heads(1 / 2), Paper(5.00, 25.5)),
+    Row("A3", "A", "h=16, d_k=d_v=32", _heads(2), Paper(4.91, 25.8)),
+    Row("A4", "A", "h=32, d_k=d_v=16", _heads(4), Paper(5.01, 25.4)),
+    Row("B1", "B", "d_k=16", _key_width(1 / 4), Paper(5.16, 25.1, 58)),
+    Row("B2", "B", "d_k=32", _key_width(1 / 2), Paper(5.01, 25.4, 60)),
+    Row("C1", "C", "N=2", _layers(1 / 3), Paper(6.11, 23.7, 36)),
+    Row("C2", "C", "N=4", _layers(2 / 3), Paper(5.19, 25.3, 50)),
+    Row("C3", "C", "N=8", _layers(4 / 3), Paper(4.88, 25.5, 80)),
+    Row("C4", "C", "d_model=256, d_k=d_v=32", _width(1 / 2), Paper(5.75, 24.5, 28)),
+    Row("C5", "C", "d_model=1024, d_k=d_v=128", _width(2), Paper(4.66, 26.0, 168)),
+    Row("C6", "C", "d_ff=1024", lambda c: {"model.d_ff": _scaled(c.model.d_ff, 1 / 2)}, Paper(5.12, 25.4, 53)),
+    Row("C7", "C", "d_ff=4096", lambda c: {"model.d_ff": _scaled(c.model.d_ff, 2)}, Paper(4.75, 26.2, 90)),
+    Row("D1", "D", "P_drop=0.0", lambda c: {"model.dropout": 0.0}, Paper(5.77, 24.6)),
+    Row("D2", "D", "P_drop=0.2", lambda c: {"model.dropout": 0.2}, Paper(4.95, 25.5)),
+    Row("D3", "D", "eps_ls=0.0", lambda c: {"train.label_smoothing": 0.0}, Paper(4.67, 25.3)),
+    Row("D4", "D", "eps_ls=0.2", lambda c: {"train.label_smoothing": 0.2}, Paper(5.47, 25.7)),
+    Row("E", "E", "positional embedding instead of sinusoids", lambda c: {"model.positional": "learned"},
+        Paper(4.92, 25.7)),
+    Row("big", "big", "d_model=1024, d_ff=4096, h=16, P_drop=0.3, 300K steps", _big, Paper(4.33, 26.4, 213), 3.0),
+)
+BY_NAME = {r.name: r for r in ROWS}
+GROUPS = ("base", "A", "B", "C", "D", "E", "big")
+
+
+def select_rows(spec: str | Sequence[str]) -> list[Row]:
+    """Rows named by ``spec``: "all", or names and group letters, comma-separated ("base,A,B1,C4"), in the
+    paper's order; base always comes along (the other rows are read against it)."""
+    items = [s.strip() for part in ([spec] if isinstance(spec, str) else spec) for s in part.split(",")]
+    items = [s for s in items if s]
+    if not items:
+        raise ConfigError("--rows: name at least one row (all, a group A-E, big, or rows like A1,B2)")
+    wanted: set[str] = {"base"}
+    for item in items:
+        if item.lower() == "all":
+            wanted.update(BY_NAME)
+        elif item in GROUPS:
+            wanted.update(r.name for r in ROWS if r.group == item)
+        elif item in BY_NAME:
+            wanted.add(item)
+        else:
+            raise ConfigError(f"--rows: no row {item!r} in Table 3 (rows: all, {', '.join(GROUPS)}, "
+                              f"{', '.join(r.name for r in ROWS if r.group not in ('base', 'big'))})")
+    return [r for r in ROWS if r.name in wanted]
+
+
+def _override_list(settings: dict[str, Any]) -> list[str]:
+    return [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in settings.items()]
+
+
+def row_config(base: str | Path, row: Row, seed: int, updates: int | None = None,
+               extra: Sequence[str] = ()) -> Config:
+    """The config of ``row`` on the ``base`` recipe: its changes, ``seed``, the base's updates (or ``updates``)
+    times the row's step factor; the last weights for inference (the paper averaged no checkpoints here)."""
+    cfg = load_config(base, list(extra))
+    n = updates if updates is not None else cfg.train.max_updates
+    over = _override_list(row.settings(cfg)) + [
+        f"train.seed={seed}", f"train.max_updates={max(1, round(n * row.steps))}",
+        "train.inference_weights=last", "train.eval_bleu=false"]
+    return load_config(base, [*extra, *over])
+
+
+def parameters_at(cfg: Config) -> int:
+    """Trainable parameters of ``cfg``'s model, counted on the meta device (no memory, no initialisation)."""
+    from aiayn.model import build_model, count_parameters
+
+    with torch.device("meta"):
+        return count_parameters(build_model(cfg.model, cfg.task))
+
+
+def paper_parameters(row: Row, base: str | Path = "paper-base") -> int:
+    """``row`` applied to paper-base with the paper's 37k shared vocabulary: the paper's parameter column."""
+    cfg = load_config(base, [f"model.vocab_size={PAPER_VOCAB}"])
+    return parameters_at(load_config(base, [f"model.vocab_size={PAPER_VOCAB}", *_override_list(row.settings(cfg))]))
+
+
+def _row_label(row: Row, cfg: Config, base: Config) -> str:
+    """What the row sets on this base, e.g. "n_heads=1 d_k=128 d_v=128" (only the values that differ)."""
+    out = []
+    for key, shown in (("n_heads", "h"), ("key_width", "d_k"), ("value_width", "d_v"), ("n_encoder_layers", "N"),
+                       ("d_model", "d_model"), ("d_ff", "d_ff"), ("dropout", "P_drop"), ("positional", "positions")):
+        value = getattr(cfg.model, key)
+        if value != getattr(base.model, key):
+            out.append(f"{shown}={value}")
+    if cfg.train.label_smoothing != base.train.label_smoothing:
+        out.append(f"eps_ls={cfg.train.label_smoothing}")
+    if cfg.train.max_updates != base.train.max_updates:
+        out.append(f"{cfg.train.max_updates} updates")
+    return " ".join(out) or "base"
+
+
+def _result_path(out: Path, row: Row, seed: int) -> Path:
+    return out / "results" / f"{row.name}-seed{seed}.json"
+
+
+def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "all", seeds: Sequence[int] = (1,),
+              updates: int | None = None, extra: Sequence[str] = (), progress: bool = False) -> dict[str, Any]:
+    """Train and evaluate every (row, seed) not done yet into ``out``, then write ``out``/table3.{md,json,png}.
+
+    Everything that can be refused is refused before the first update: the base (a translation recipe), the
+    rows, the seeds, every row's config (a change the base cannot take, e.g. more heads than its width), and a
+    writable ``out``. Returns the table (:func:`collect`)."""
+    from aiayn.eval.evaluate import evaluate_translation
+    from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
+    from aiayn.train.report import run_report
+    from aiayn.train.run import train
+
+    out = Path(out)
+    chosen = select_rows(rows)
+    seeds = list(dict.fromkeys(seeds))
+    if not seeds or any(not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"--seeds: give one or more non-negative integers, got {seeds}")
+    if updates is not None and updates < 1:
+        raise ConfigError(f"--updates must be at least 1, got {updates}")
+    base_cfg = load_config(base, list(extra))
+    if base_cfg.task != "translation":
+        raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    if base_cfg.data.prepared is None and base_cfg.data.dataset in (None, "multi30k"):
+        # One tokenizer and one encoding for every row (a store holds corpus files and Multi30k; any other
+        # dataset trains the same tokenizer again per row, from the same text with the same settings).
+        extra = [*extra, f"data.prepared={out / 'prepared'}"]
+    plans = [(row, seed, row_config(base, row, seed, updates, extra)) for row in chosen for seed in seeds]
+    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
+    atomic_write_json(out / "table3_base.json", {"base": str(base), "overrides": list(extra), "updates": updates})
+
+    for i, (row, seed, cfg) in enumerate(plans, 1):
+        done = _result_path(out, row, seed)
+        if done.exists():
+            log.info("table3 %d/%d: %s seed %d done already (%s)", i, len(plans), row.name, seed, done)
+            continue
+        run_dir = out / "runs" / f"{row.name}-seed{seed}"
+        resume = run_dir.is_dir() and bool(list_checkpoints(run_dir))
+        log.info("table3 %d/%d: %s (%s) seed %d: %s, %d updates%s", i, len(plans), row.name, row.change, seed,
+                 _row_label(row, cfg, base_cfg), cfg.train.max_updates, ", resumed" if resume else "")
+        start = time.perf_counter()
+        state = train(cfg, run_dir, resume=resume, progress=progress)
+        rep = run_report(run_dir)
+        nll = rep["valid_nll"]
+        if nll is None or nll["last_step"] != state.step:
+            raise RuntimeError(f"{run_dir}: no validation after the last update")  # the trainer always evaluates
+        ev = evaluate_translation(run_dir, split="valid", name="table3_valid")
+        record = {
+            "row": row.name, "group": row.group, "change": row.change, "seed": seed,
+            "here": _row_label(row, cfg, base_cfg), "updates": state.step,
+            "parameters": parameters_at(cfg), "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
+            "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
+            "beam": ev["decode"]["beam"], "train_s": round(state.elapsed_s, 1), "eval_s": ev["wall_s"],
+            "wall_s": round(time.perf_counter() - start, 1),
+            "threads": read_checkpoint_state(run_dir, list_checkpoints(run_dir)[-1]).get("cpu_threads"),
+        }
+        atomic_write_json(_result_path(out, row, seed), record)
+        log.info("table3 %s seed %d: PPL %.2f, BLEU %.2f (%.0f s)", row.name, seed, record["ppl"], record["bleu"],
+                 record["wall_s"])
+    table = collect(out)
+    write_table(table, out)
+    return table
+
+
+def collect(out: str | Path) -> dict[str, Any]:
+    """Every result in ``out``/results, grouped by row in the paper's order: per row the seeds' values, their
+    mean, and the paper's numbers (parameters at the paper's sizes computed here)."""
+    out = Path(out)
+    by_row: dict[str, list[dict[str, Any]]] = {}
+    for p in sorted((out / "results").glob("*.json")):
+        rec = json.loads(p.read_text(encoding="utf-8"))
+        by_row.setdefault(rec["row"], []).append(rec)
+    rows = []
+    for row in ROWS:
+        recs = sorted(by_row.get(row.name, []), key=lambda r: r["seed"])
+        if not recs:
+            continue
+        mean = {k: sum(r[k] for r in recs) / len(recs) for k in ("ppl", "bleu", "chrf", "wall_s")}
+        rows.append({
+            "row": row.name, "group": row.group, "change": row.change, "here": recs[0]["here"],
+            "updates": recs[0]["updates"], "parameters": recs[0]["parameters"],
+            "seeds": [r["seed"] for r in recs], "ppl": [r["ppl"] for r in recs], "bleu": [r["bleu"] for r in recs],
+            "chrf": [r["chrf"] for r in recs], "mean": mean,
+            "paper": {"ppl": row.paper.ppl, "bleu": row.paper.bleu, "params_m": row.paper.params_m},
+            "paper_size_parameters": paper_parameters(row),
+        })
+    meta = json.loads((out / "table3_base.json").read_text(encoding="utf-8")) if (
+        out / "table3_base.json").exists() else {}
+    wall = sum(sum(r["wall_s"] for r in recs) for recs in by_row.values())
+    return {"base": meta, "rows": rows, "wall_s": round(wall, 1),
+            "signature": next((r["bleu_signature"] for recs in by_row.values() for r in recs), None)}
+
+
+def _cell(values: list[float], digits: int) -> str:
+    """One seed: the value; several: their mean and, in brackets, each seed's value."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ({' / '.join(f'{v:.{digits}f}' for v in values)})"
+
+
+def to_markdown(table: dict[str, Any]) -> str:
+    """The table as markdown: ours (this base) beside the paper's, and each row's BLEU change from its base."""
+    rows = table["rows"]
+    base = next((r for r in rows if r["row"] == "base"), None)
+    lines = ["| row | the paper's change | here | params here | params at paper size | paper | PPL here | paper "
+             "| BLEU here | paper | ΔBLEU here | paper | minutes |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        p = r["paper"]
+        paper_params = f"{p['params_m']:.0f}M" if p["params_m"] is not None else "="
+        if base is None or r is base:
+            d_ours = d_paper = ""
+        else:
+            d_ours = f"{r['mean']['bleu'] - base['mean']['bleu']:+.2f}"
+            d_paper = f"{p['bleu'] - base['paper']['bleu']:+.1f}"
+        lines.append(
+            f"| {r['row']} | {r['change']} | {r['here']} | {r['parameters'] / 1e6:.2f}M | "
+            f"{r['paper_size_parameters'] / 1e6:.1f}M | {paper_params} | {_cell(r['ppl'], 2)} | {p['ppl']:.2f} | "
+            f"{_cell(r['bleu'], 2)} | {p['bleu']:.1f} | {d_ours} | {d_paper} | {r['mean']['wall_s'] / 60:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(table: dict[str, Any], out: str | Path) -> None:
+    """``out``/table3.md, table3.json and table3.png (the figure), each written atomically."""
+    out = Path(out)
+    atomic_write_json(out / "table3.json", table)
+    note = (f"\nBLEU: {table['signature']}; PPL: per subword token of the validation set. "
+            f"Total wall time {table['wall_s'] / 60:.0f} minutes.\n") if table["rows"] else ""
+    atomic_write_text(out / "table3.md", to_markdown(table) + note)
+    if any(r["row"] == "base" for r in table["rows"]) and len(table["rows"]) > 1:
+        figure(table, out / "table3.png")
+
+
+def figure(table: dict[str, Any], path: str | Path) -> Path:
+    """Each row's BLEU and perplexity against its base row, ours beside the paper's (two panels)."""
+    from aiayn.files import atomic_write_bytes
+    from aiayn.viz.common import new_figure, use_backend
+
+    use_backend(False)
+    import io
+
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table["rows"] if r["row"] != "base"]
+    base = next(r for r in table["rows"] if r["row"] == "base")
+    fig = new_figure(1100, 120 + 28 * len(rows), (1100, 600))
+    axes = fig.subplots(1, 2, sharey=True)
+    y = list(range(len(rows)))[::-1]
+    for ax, key, label in ((axes[0], "bleu", "Δ BLEU vs base (higher is better)"),
+                           (axes[1], "ppl", "PPL / base PPL (lower is better)")):
+        if key == "bleu":
+            ours = [r["mean"]["bleu"] - base["mean"]["bleu"] for r in rows]
+            paper = [r["paper"]["bleu"] - base["paper"]["bleu"] for r in rows]
+        else:
+            ours = [r["mean"]["ppl"] / base["mean"]["ppl"] for r in rows]
+            paper = [r["paper"]["ppl"] / base["paper"]["ppl"] for r in rows]
+        ax.barh([v + 0.2 for v in y], ours, height=0.4, label="here", color="#3a6ea5")
+        ax.barh([v - 0.2 for v in y], paper, height=0.4, label="paper", color="#c8a24a")
+        ax.axvline(0 if key == "bleu" else 1, color="black", linewidth=0.8)
+        if key == "ppl":
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(y, [f"{r['row']}: {r['change']}"[:38] for r in rows])
+    axes[0].legend(loc="lower right")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
