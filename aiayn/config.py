@@ -180,7 +180,7 @@ class ModelConfig:
 class DataConfig:
     """Where the text comes from and how it becomes batches."""
 
-    dataset: str | None = None  # multi30k | tinyshakespeare | xsum | None (files below)
+    dataset: str | None = None  # multi30k | wmt14 | tinyshakespeare | xsum | reverse | None (files below)
     src_lang: str = "en"
     tgt_lang: str = "de"
     train_src: str | None = None
@@ -231,6 +231,9 @@ class DataConfig:
         if self.lowercase and self.tokenizer != "bpe":
             raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
         _choice("data.pretokenize", self.pretokenize, PRETOKENIZERS)
+        if self.dataset == "wmt14" and self.prepared is None:
+            raise ConfigError("data.dataset: wmt14 (4.5M pairs) trains from a prepared store: set data.prepared "
+                              "to a directory (the training prepares it on its first start)")
         for name in ("vocab_size", "tokenizer_sample", "max_tokens", "block_size", "batch_size"):
             _at_least(f"data.{name}", getattr(self, name), 1)
         if self.max_len is not None:

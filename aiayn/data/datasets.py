@@ -16,16 +16,18 @@ would otherwise train silently on other data than the recipe promises.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write
-from .corpus import DataError, read_jsonl_rows, read_pairs, read_parallel, read_text
+from ..files import atomic_write, atomic_write_json
+from .corpus import DataError, iter_parallel, read_jsonl_rows, read_pairs, read_parallel, read_text
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
 CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
@@ -90,6 +92,23 @@ DATASETS: dict[str, Dataset] = {
         },
     ),
 }
+
+# WMT 2014 English-German training data as the paper used it (4.5M pairs): Europarl v7, Common Crawl and News
+# Commentary v9 (the German-English files of each tarball); sha256 and sizes as published with TensorFlow
+# Datasets' checksums of the same URLs. Validation (newstest2013) and test (newstest2014, the full 3,003
+# sentences) come through sacreBLEU, which downloads and checks its test sets itself.
+_WMT14_TRAIN = (  # (tarball, sha256, bytes, path of the de-en pair inside it without the language suffix)
+    ("https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",
+     "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7", 657_632_379, "training/europarl-v7.de-en"),
+    ("https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",
+     "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5", 918_311_367, "commoncrawl.de-en"),
+    ("https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",
+     "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485", 80_418_416,
+     "training/news-commentary-v9.de-en"),
+)
+DATASETS["wmt14"] = Dataset("wmt14", {url.rsplit("/", 1)[1]: RemoteFile(url, sha) for url, sha, _, _ in _WMT14_TRAIN})
+# sacreBLEU's names of the splits that are not training data
+WMT14_TEST_SETS = {"valid": "wmt13", "newstest2013": "wmt13", "test": "wmt14/full", "newstest2014": "wmt14/full"}
 
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
 
@@ -189,6 +208,72 @@ def multi30k_split(split: str, src_lang: str = "en", tgt_lang: str = "de") -> li
     )
 
 
+def _wmt14_langs(src_lang: str, tgt_lang: str) -> None:
+    if {src_lang, tgt_lang} != {"en", "de"}:
+        raise DataError(f"wmt14 is the English-German task: src_lang/tgt_lang must be en and de, got "
+                        f"{src_lang}/{tgt_lang}")
+
+
+def wmt14_train_files(src_lang: str = "en", tgt_lang: str = "de") -> list[tuple[Path, Path]]:
+    """The (source file, target file) of each WMT14 En-De training corpus, plain text extracted once from its
+    sha256-checked tarball into ``$AIAYN_CACHE_DIR/wmt14/extracted`` (never into a read-only data dir)."""
+    import tarfile
+
+    _wmt14_langs(src_lang, tgt_lang)
+    out_dir = cache_dir() / DATASETS["wmt14"].folder / "extracted"
+    files = []
+    for url, sha, _, member in _WMT14_TRAIN:
+        name = url.rsplit("/", 1)[1]
+        stem = member.rsplit("/", 1)[-1]
+        done = out_dir / f"{stem}.json"  # written last: the extraction of this archive is complete
+        paths = {lang: out_dir / f"{stem}.{lang}" for lang in ("en", "de")}
+        record = None
+        if done.is_file():
+            record = json.loads(done.read_text(encoding="utf-8"))
+        if not (record and record.get("sha256") == sha and all(
+                paths[lang].is_file() and paths[lang].stat().st_size == record["bytes"][lang] for lang in paths)):
+            archive = dataset_path("wmt14", name)  # downloaded (or found) and checked
+            out_dir.mkdir(parents=True, exist_ok=True)
+            sizes = {}
+            with tarfile.open(archive, "r:gz") as tar:
+                for lang, path in paths.items():
+                    try:
+                        info = tar.getmember(f"{member}.{lang}")
+                    except KeyError:
+                        raise DataError(f"{archive}: no member {member}.{lang}") from None
+                    atomic_write(path, lambda tmp, i=info: _copy_member(tar, i, tmp))
+                    sizes[lang] = info.size
+            atomic_write_json(done, {"archive": name, "sha256": sha, "bytes": sizes})
+        files.append((paths[src_lang], paths[tgt_lang]))
+    return files
+
+
+def _copy_member(tar: Any, info: Any, dest: str) -> None:
+    with tar.extractfile(info) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
+def wmt14_train_pairs(src_lang: str = "en", tgt_lang: str = "de") -> Iterator[tuple[str, str]]:
+    """The 4.5M WMT14 En-De training pairs, streamed corpus by corpus (never held in memory)."""
+    for src, tgt in wmt14_train_files(src_lang, tgt_lang):
+        yield from iter_parallel(src, tgt)
+
+
+def wmt14_split(split: str, src_lang: str = "en", tgt_lang: str = "de") -> list[tuple[str, str]]:
+    """Pairs of a WMT14 En-De test set through sacreBLEU: valid / newstest2013, test / newstest2014 (full)."""
+    _wmt14_langs(src_lang, tgt_lang)
+    if split not in WMT14_TEST_SETS:
+        raise DataError(f"wmt14 has no split {split!r} here (splits: train, {', '.join(WMT14_TEST_SETS)})")
+    from sacrebleu.utils import get_reference_files, get_source_file
+
+    name, pair = WMT14_TEST_SETS[split], f"{src_lang}-{tgt_lang}"
+    try:
+        src, (ref, *_) = get_source_file(name, pair), get_reference_files(name, pair)
+    except Exception as e:  # sacreBLEU raises bare Exceptions and exits on download errors
+        raise DataError(f"sacreBLEU could not give {name} {pair}: {e}") from None
+    return read_parallel(src, ref)
+
+
 def tinyshakespeare_text() -> str:
     """The 1,115,394 characters of tinyshakespeare (the char-rnn LM benchmark)."""
     return read_text(dataset_path("tinyshakespeare", "input.txt"))
@@ -209,8 +294,12 @@ def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
         raise DataError(f"split {split!r}: expected train or valid")
     if data.dataset == "multi30k":
         return multi30k_split("val" if split == "valid" else split, data.src_lang, data.tgt_lang)
+    if data.dataset == "wmt14":
+        if split == "train":
+            raise DataError("wmt14's 4.5M training pairs are read from a prepared store: set data.prepared")
+        return wmt14_split(split, data.src_lang, data.tgt_lang)
     if data.dataset is not None:
-        raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k)")
+        raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k, wmt14)")
     src, tgt = getattr(data, f"{split}_src"), getattr(data, f"{split}_tgt")
     if src is None:
         raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")

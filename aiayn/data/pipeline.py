@@ -237,8 +237,17 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
     call: corpus files are read line by line, never whole), and what they are read from: each file's sha256, or a
     known dataset's name, split and languages (its download is checked against its published sha256)."""
     d = cfg.data
-    if cfg.task != "translation" or d.dataset not in (None, "multi30k"):
-        raise ConfigError("data.prepared: a prepared corpus is for translation from files or data.dataset: multi30k")
+    if cfg.task != "translation" or d.dataset not in (None, "multi30k", "wmt14"):
+        raise ConfigError("data.prepared: a prepared corpus is for translation from files or data.dataset: "
+                          "multi30k or wmt14")
+    if d.dataset == "wmt14":
+        from aiayn.data.datasets import DATASETS, config_pairs, wmt14_train_pairs
+
+        langs = f"{d.src_lang}-{d.tgt_lang}"
+        return ({"train": lambda: wmt14_train_pairs(d.src_lang, d.tgt_lang),
+                 "valid": lambda: iter(config_pairs(d, "valid"))},
+                {**{f"wmt14/{name}/{langs}": f.sha256 for name, f in DATASETS["wmt14"].files.items()},
+                 f"sacrebleu/wmt13/{langs}": "published"})
     if d.dataset == "multi30k":
         from aiayn.data.datasets import config_pairs
 
