@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import numpy as np
 import pytest
@@ -195,3 +196,30 @@ def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_onl
     assert not set(shares[0]) & set(shares[1])
     left = [i for b in plan[len(plan) // 4 * 4:] for i in b]  # the remainder waits for the next epoch's shuffle
     assert sorted(shares[0] + shares[1] + left) == list(range(len(data.src)))
+
+
+def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path, monkeypatch):
+    """A restart from a prepared store does not read the whole corpus again to find it unchanged."""
+    from aiayn.data import datasets
+
+    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    hashed = []
+    real = datasets.sha256_file
+    monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "corpus.txt"
+    f.write_text("one\ntwo\n", encoding="utf-8")
+    first = datasets.sha256_known(f)
+    assert datasets.sha256_known(f) == first == real(f) and len(hashed) == 1  # the second read nothing
+    f.write_text("one\ntwo\nthree\n", encoding="utf-8")  # another size
+    assert datasets.sha256_known(f) == real(f) != first and len(hashed) == 2
+    os.utime(f, ns=(1, 1))  # same size, another time: hashed again
+    datasets.sha256_known(f)
+    assert len(hashed) == 3
+    gone = tmp_path / "gone.txt"
+    gone.write_text("x", encoding="utf-8")
+    datasets.sha256_known(gone)
+    gone.unlink()
+    datasets.sha256_known(tmp_path / "corpus.txt")
+    os.utime(f, ns=(2, 2))
+    datasets.sha256_known(f)  # a write drops entries of files that no longer exist
+    assert str(gone.resolve()) not in json.loads((tmp_path / "cache" / "hashes.json").read_text())

@@ -131,8 +131,8 @@ def test_prepare_streams_the_training_pairs_into_a_store(fake_wmt14, tmp_path, m
     monkeypatch.setattr(sacrebleu.utils, "get_source_file", lambda name, pair: str(valid))
     monkeypatch.setattr(sacrebleu.utils, "get_reference_files", lambda name, pair: [str(valid)])
     cfg = load_config(REPO / "configs" / "wmt14_en_de.yaml",
-                      [f"data.prepared={tmp_path / 'store'}", "data.vocab_size=40", "data.byte_fallback=false", "model.d_model=32",
-                       "model.n_heads=2", "model.d_ff=64"])
+                      [f"data.prepared={tmp_path / 'store'}", "data.vocab_size=40", "data.byte_fallback=false",
+                       "model.d_model=32", "model.n_heads=2", "model.d_ff=64"])
     store = prepare_corpus(cfg, tmp_path / "store")
     assert store.manifest["splits"]["train"]["pairs"] == len(expected)
     assert store.manifest["splits"]["valid"]["pairs"] == 1

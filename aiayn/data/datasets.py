@@ -126,6 +126,32 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def sha256_known(path: str | Path) -> str:
+    """sha256 of a corpus file, remembered in ``cache_dir()/hashes.json`` with its size and modification time
+    (ns): a training that starts again from a prepared store does not read gigabytes of unchanged text to learn
+    that it is unchanged. A file whose size or time differs is hashed again; an unwritable cache only costs
+    the hashing."""
+    path = Path(path).resolve()
+    st = path.stat()
+    book = cache_dir() / "hashes.json"
+    try:
+        known = json.loads(book.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(str(path)) if isinstance(known, dict) else None
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        return str(entry["sha256"])
+    digest = sha256_file(path)
+    known = {k: v for k, v in known.items() if os.path.exists(k)} if isinstance(known, dict) else {}  # no stale
+    known[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    try:
+        book.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(book, known)
+    except OSError:
+        pass
+    return digest
+
+
 def fetch(url: str, dest: Path) -> None:
     """Copy ``url`` (https://, file://) to ``dest``. Module-level so tests can replace it."""
     with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r, open(dest, "wb") as f:

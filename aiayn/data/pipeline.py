@@ -258,7 +258,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
         splits = ("train", "valid")
         return {s: known(s) for s in splits}, {f"multi30k/{s}/{langs}": "published" for s in splits}
     from aiayn.data.corpus import iter_pairs
-    from aiayn.data.datasets import sha256_file
+    from aiayn.data.datasets import sha256_known
 
     sources, inputs = {}, {}
     for split in ("train", "valid"):
@@ -268,7 +268,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
         sources[split] = (lambda s=src, t=tgt: iter_pairs(d.format, s, t, d.src_field, d.tgt_field))
         for path in (src, tgt):
             if path is not None:
-                inputs[str(path)] = sha256_file(path)
+                inputs[str(path)] = sha256_known(path)
     return sources, inputs
 
 
