@@ -48,7 +48,7 @@ def test_the_store_holds_the_tokenizers_ids_memory_mapped(tmp_path):
     tok = TokenizerPair.load(store.tokenizer_dir)
     split = store.splits["train"]
     assert len(split) == 1499 and store.manifest["splits"]["train"]["stats"]["empty"] == 1
-    assert isinstance(split.src.ids, np.memmap) and split.src.ids.dtype == np.uint16
+    assert not split.src.ids.flags.owndata and split.src.ids.dtype == np.uint16  # a view of the mapped file
     pairs = [(s, t) for s, t in iter_parallel(*train) if s.strip() and t.strip()]
     src, tgt = split.pairs([0, 1, 1498])
     assert src == [tok.src.encode(pairs[i][0]) for i in (0, 1, 1498)]
@@ -223,3 +223,24 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
     os.utime(f, ns=(2, 2))
     datasets.sha256_known(f)  # a write drops entries of files that no longer exist
     assert str(gone.resolve()) not in json.loads((tmp_path / "cache" / "hashes.json").read_text())
+
+
+def test_collating_releases_the_read_pages_every_few_batches_and_reads_the_same_ids(tmp_path, monkeypatch):
+    """Resident memory must not grow with the corpus an epoch has read: the store's pages are released from the
+    process every RELEASE_EVERY batches (madvise DONTNEED), and what is read afterwards is unchanged."""
+    from aiayn.data import pipeline
+    from aiayn.data.pipeline import build_translation_data
+    from aiayn.data.store import Mapped
+
+    train = write_pairs(tmp_path, "train", 1500, 0)
+    valid = write_pairs(tmp_path, "valid", 60, 100)
+    lazy, _ = build_translation_data(file_config(train, valid, [f"data.prepared={tmp_path / 'store'}"]),
+                                     tmp_path / "lazy")
+    before = [b.src.clone() for b in lazy.epoch_batches(0)[:6]]
+    released = []
+    real = Mapped.release
+    monkeypatch.setattr(Mapped, "release", lambda self: released.append(self) or real(self))
+    monkeypatch.setattr(pipeline, "RELEASE_EVERY", 2)
+    after = [lazy.collate_plan(p).src for p in lazy.epoch_plan(0)[:6]]
+    assert len(released) == 3 * 4  # every 2nd batch: ids and offsets of both sides
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

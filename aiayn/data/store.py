@@ -7,8 +7,11 @@ by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or
     DIR/<split>.src.idx        int64 offsets into it, one more than the pairs (pair i is ids[idx[i]:idx[i + 1]])
     DIR/<split>.tgt.bin / .idx the same for the target side
 
-Raw little-endian arrays whose dtype and length the manifest states, read with ``numpy.memmap``: no pickle, and
-only the offsets' differences (the pair lengths the batches are planned from) live in memory while training.
+Raw little-endian arrays whose dtype and length the manifest states, memory-mapped read-only: no pickle, and only
+the offsets' differences (the pair lengths the batches are planned from) live in memory while training. The pages
+a training reads stay in the kernel's page cache but are released from the process every
+:data:`RELEASE_EVERY` batches (``madvise(MADV_DONTNEED)``), so its resident memory does not grow with the corpus
+it has read: an epoch of WMT14 would otherwise map every page of the store into every rank.
 
 The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
 published checksums), the settings that tokenize, filter or cut the text, the tokenizer's own files when one is
@@ -26,6 +29,7 @@ import datetime
 import hashlib
 import json
 import logging
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -55,12 +59,32 @@ PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker proc
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
 
 
+RELEASE_EVERY = 256  # batches collated between releases of the mapped pages a process has read
+
+
+class Mapped:
+    """A read-only memory map of a raw array file and the numpy view over it; ``release()`` drops the pages this
+    process has touched from its resident set (they stay in the page cache: the next read is a minor fault)."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        n = size // dtype.itemsize
+        self.array = np.frombuffer(self._map, dtype=dtype, count=n) if self._map is not None else np.zeros(0, dtype)
+
+    def release(self) -> None:
+        if self._map is not None and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+
 @dataclass(frozen=True)
 class Side:
-    """One side of a prepared split: ``ids`` (N,) and ``offsets`` (pairs + 1,), both memory-mapped."""
+    """One side of a prepared split: ``ids`` (N,) and ``offsets`` (pairs + 1,), both memory-mapped read-only."""
 
     ids: np.ndarray
     offsets: np.ndarray
+    maps: tuple[Mapped, ...] = ()
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -71,6 +95,11 @@ class Side:
 
     def __getitem__(self, i: int) -> list[int]:
         return self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def release(self) -> None:
+        """Drop the pages of this side read so far from the process's resident memory (not from the page cache)."""
+        for m in self.maps:
+            m.release()
 
 
 @dataclass(frozen=True)
@@ -158,15 +187,16 @@ def open_store(directory: str | Path) -> Store:
         sides = []
         for side in ("src", "tgt"):
             try:
-                offsets = np.memmap(path / f"{name}.{side}.idx", dtype="<i8", mode="r")
+                offsets_map = Mapped(path / f"{name}.{side}.idx", np.dtype("<i8"))
+                offsets = offsets_map.array
                 n_ids = int(offsets[-1]) if len(offsets) else 0
-                ids = (np.memmap(path / f"{name}.{side}.bin", dtype=dtype.newbyteorder("<"), mode="r")
-                       if n_ids else np.zeros(0, dtype))
+                ids_map = Mapped(path / f"{name}.{side}.bin", dtype.newbyteorder("<"))
             except (OSError, ValueError) as e:
                 raise DataError(f"{path}: {name}.{side}: cannot read it ({e})") from None
+            ids = ids_map.array
             if len(offsets) != info["pairs"] + 1 or len(ids) != n_ids:
                 raise DataError(f"{path}: {name}.{side} does not match its manifest (truncated?): prepare it again")
-            sides.append(Side(ids, offsets))
+            sides.append(Side(ids, offsets, (ids_map, offsets_map)))
         splits[name] = Split(*sides)
     return Store(path, manifest, splits)
 
