@@ -29,7 +29,6 @@ from aiayn.data.batching import (
 )
 from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
-from aiayn.data.store import RELEASE_EVERY
 from aiayn.data.summarization import (
     SummaryLMData,
     is_summary_lm,
@@ -137,9 +136,6 @@ class TranslationData:
         self._tgt_lens = self._lengths(self.tgt)
         self._tgt_tokens = _sizes(self.tgt) + 1  # tgt_out's non-pad tokens: y and EOS
         self._valid: list[Batch] | None = None
-        self._collated = 0
-        for side in (self.src, self.tgt):  # the lengths are in memory now; the offsets' pages are not needed
-            getattr(side, "release", lambda: None)()
 
     def _lengths(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         # token_batches adds the EOS / BOS itself. Unpadded batching counts it twice (+1 here as well):
@@ -165,15 +161,8 @@ class TranslationData:
         return int(self._tgt_tokens[indices].sum())
 
     def collate_plan(self, indices: np.ndarray) -> Batch:
-        """The batch of a planned index array. From a prepared store, every
-        :data:`~aiayn.data.store.RELEASE_EVERY` batches release the store's pages read so far from this
-        process (its resident memory then stays flat however much of the corpus an epoch reads)."""
-        batch = self._collate(self.src, self.tgt, np.asarray(indices).tolist())
-        self._collated += 1
-        if self._collated % RELEASE_EVERY == 0:
-            for side in (self.src, self.tgt):
-                getattr(side, "release", lambda: None)()
-        return batch
+        """The batch of a planned index array."""
+        return self._collate(self.src, self.tgt, np.asarray(indices).tolist())
 
     def epoch_batches(self, epoch: int) -> list[Batch]:
         """Every batch of an epoch, collated (the plan's order)."""
