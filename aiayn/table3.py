@@ -8,8 +8,12 @@ command that runs a small table on a CPU is the recipe for the paper's table on 
 
 Each (row, seed) trains into OUT/runs/ROW-seedS and leaves OUT/results/ROW-seedS.json when evaluated; a
 rerun skips what is done and resumes a row from its last checkpoint, so an interrupted table goes on row by
-row. The columns are the paper's: perplexity per subword token on the validation set (the model's valid NLL
-after the last update, no label smoothing) and BLEU on it (sacreBLEU, the recipe's beam search, no checkpoint
+row. Several runners may share one OUT (e.g. one per GPU, or two one-thread runners on a 2-core CPU, with
+other --rows): a row whose run another runner holds is skipped, and every runner writes the table of all the
+results there when it ends.
+
+The columns are the paper's: perplexity per subword token on the validation set (the model's valid NLL after
+the last update, no label smoothing) and BLEU on it (sacreBLEU, the recipe's beam search, no checkpoint
 averaging, as the paper's Table 3), plus the parameter count at the paper's sizes (37k shared vocabulary).
 """
 
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, ConfigError, load_config
-from aiayn.files import atomic_write_json, atomic_write_text, check_writable
+from aiayn.files import atomic_write_json, atomic_write_text, check_writable, lock_holder
 
 log = logging.getLogger("aiayn.table3")
 
@@ -235,6 +239,11 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
             log.info("table3 %d/%d: %s seed %d done already (%s)", i, len(plans), row.name, seed, done)
             continue
         run_dir = out / "runs" / f"{row.name}-seed{seed}"
+        holder = lock_holder(run_dir)
+        if holder is not None:  # another runner on the same --out trains it: its result joins the table later
+            log.info("table3 %d/%d: %s seed %d is being trained by process %s; skipped here", i, len(plans),
+                     row.name, seed, holder)
+            continue
         resume = run_dir.is_dir() and bool(list_checkpoints(run_dir))
         log.info("table3 %d/%d: %s (%s) seed %d: %s, %d updates%s", i, len(plans), row.name, row.change, seed,
                  _row_label(row, cfg, base_cfg), cfg.train.max_updates, ", resumed" if resume else "")

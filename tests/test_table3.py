@@ -142,3 +142,14 @@ def test_refusals_come_before_any_work(file_recipe: Path, tmp_path: Path, capsys
     (tmp_path / "file").write_text("x", encoding="utf-8")
     with pytest.raises(ConfigError, match="not a directory"):
         run_table(file_recipe, tmp_path / "file")
+
+
+def test_a_row_another_runner_holds_is_left_to_it(file_recipe: Path, tmp_path: Path, monkeypatch):
+    """Runners may share one --out (one per GPU): a row whose run is locked by a live process is skipped."""
+    import aiayn.table3 as table3
+
+    monkeypatch.setattr(table3, "lock_holder", lambda run: "4242" if run.name == "base-seed1" else None)
+    out = tmp_path / "shared"
+    table = run_table(file_recipe, out, rows="D3", seeds=[1])
+    assert [r["row"] for r in table["rows"]] == ["D3"]
+    assert not (out / "runs" / "base-seed1").exists() and not (out / "table3.png").exists()
