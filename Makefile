@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-	$(PY) -m pip install -q -e ".[dev,serve]"
+	$(PY) -m pip install -q -e ".[dev,serve,clients]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import re
 import signal
 import socket
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from aiayn.errors import ConfigError, UserError, require
 from aiayn.serve.batcher import check_batching
-from aiayn.serve.schemas import Limits
+from aiayn.serve.schemas import API_KEY_ENV, Limits
 
 log = logging.getLogger("aiayn.serve")
 
@@ -60,6 +61,7 @@ class ServeOptions:
     access_log: bool = False
     allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
     cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
+    api_key: str | None = None  # every API request must carry it (aiayn.serve.protocols); None: no key
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,6 +72,9 @@ class ServeOptions:
         for name in self.allow_hosts:
             if not name or "/" in name or " " in name:
                 raise ConfigError(f"--allow-host {name!r}: expected a host name or address (or * for any)")
+        if self.api_key is not None and (len(self.api_key) < 8 or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ConfigError("--api-key: expected at least 8 printable characters without spaces")
 
     def access(self, bound_host: str):
         """Who may call the server: the loopback names, the bound address when it is not a wildcard, and what
@@ -95,13 +100,15 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     warm_up(model)
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
-    app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host))
+    app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
+                     o.api_key)
     config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
     server = uvicorn.Server(config)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    if not ipaddress.ip_address(bound_host).is_loopback:
-        log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model", bound_host)
+    if not ipaddress.ip_address(bound_host).is_loopback and o.api_key is None:
+        log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model "
+                    "(--api-key or $%s asks every request for a key)", bound_host, API_KEY_ENV)
     print(f"aiayn serve: {model.cfg.task} run {run_dir} on {model.device}: http://{shown}:{bound_port}/ "
           "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
     # uvicorn catches SIGTERM / SIGINT, shuts down gracefully, then re-raises the signal to whatever handler
@@ -138,11 +145,15 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                         "bound address only; * for any: then any web page can reach a server on this machine)")
     p.add_argument("--cors", default=None, metavar="ORIGIN",
                    help="let pages of ORIGIN (e.g. https://example.org) call the API from a browser (default: none)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"every API request must carry KEY (Authorization: Bearer KEY, or LibreTranslate's api_key "
+                        f"field; default ${API_KEY_ENV}, else none)")
 
 
 def serve_cli(args: argparse.Namespace) -> int:
     """``aiayn serve`` from parsed arguments."""
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
-                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors)
+                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key)
     return serve(args.run, options)

@@ -7,6 +7,7 @@
 ``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
 ``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
 ``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
+``POST /translate``, ...    LibreTranslate's and OpenAI's APIs (:mod:`aiayn.serve.protocols`)
 ==========================  ========================================================================
 
 Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`): a bad
@@ -15,7 +16,8 @@ All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
 
 Who may call it (:class:`Access`): a request whose ``Host`` header names none of the allowed hosts is refused
 (403 ``host_not_allowed``): a page on another site that rebinds its DNS name to this machine cannot use the
-server. A POST must say ``Content-Type: application/json`` (else 415): browsers then ask before sending one
+server. A POST must say ``Content-Type: application/json`` (else 415; LibreTranslate's routes also take forms,
+as its clients send them): browsers then ask before sending one
 from another origin, and no CORS header answers them unless ``--cors ORIGIN`` names that origin.
 """
 
@@ -46,7 +48,16 @@ from aiayn.errors import UserError, one_line
 from aiayn.model.transformer import count_parameters
 from aiayn.run_dir import Run
 from aiayn.serve.batcher import Batcher, Closed, QueueFull
-from aiayn.serve.schemas import ApiError, Limits, attention_request, generate_request, parse_body, translate_request
+from aiayn.serve.protocols import FORM_PATHS, check_key, protocol_routes
+from aiayn.serve.schemas import (
+    ApiError,
+    Limits,
+    attention_request,
+    generate_request,
+    parse_body,
+    read_body,
+    translate_request,
+)
 from aiayn.viz.attention import KINDS, attention_data
 
 log = logging.getLogger("aiayn.serve")
@@ -113,7 +124,8 @@ class Guard:
                                                             "(aiayn serve --cors ORIGIN allows one)")
         elif request.method == "POST":
             ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if ctype != "application/json":
+            forms = ("application/json", "application/x-www-form-urlencoded", "multipart/form-data")
+            if ctype != "application/json" and not (request.url.path in FORM_PATHS and ctype in forms):
                 refusal = _refusal(415, "unsupported_media_type", f"Content-Type {ctype or 'none'!r}: send "
                                                                   "application/json", extra)
             elif origin is not None and not cors and not _same_origin(origin, host):
@@ -185,21 +197,6 @@ def attention_json(run: Run, text: str, target: str | None) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-async def read_body(request: Request, limits: Limits) -> bytes:
-    """The body, refused (413) as soon as it passes ``limits.max_body_bytes``."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise ApiError(413, "body_too_large", f"request body is {declared} bytes, the limit is "
-                                              f"{limits.max_body_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-            raise ApiError(413, "body_too_large", f"request body is over the limit of {limits.max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def json_errors(handler: Handler) -> Handler:
     """Turn whatever a route raises into a JSON error: ApiError as it says, a user error (bad options
     the model rejects) 422, a full queue 503, shutdown 503, anything else 500 (logged)."""
@@ -225,11 +222,13 @@ def json_errors(handler: Handler) -> Handler:
 
 
 def create_app(model: Translator | Generator, max_batch_tokens: int | None = None, max_wait_ms: float = 10.0,
-               max_queue: int = 256, limits: Limits | None = None, access: Access | None = None):
+               max_queue: int = 256, limits: Limits | None = None, access: Access | None = None,
+               api_key: str | None = None):
     """The server for a loaded model (``aiayn.load(RUN)``). ``max_batch_tokens`` (default: the device's
     decoding budget) bounds the source tokens x beam merged into one model call; ``max_wait_ms`` is how
     long the first request of a call waits for others; ``max_queue`` requests wait at most; ``access``: who
-    may call it (default: loopback names only, no CORS). Returns the ASGI app (its ``state.service`` is the
+    may call it (default: loopback names only, no CORS); ``api_key``: when set, every API request must carry it
+    (:mod:`aiayn.serve.protocols`). Returns the ASGI app (its ``state.service`` is the
     loaded model, batcher and limits)."""
     limits = limits or Limits()
     access = access or Access()
@@ -246,6 +245,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
                              "items": s.items, "uptime_s": round(time.time() - started, 3)})
 
     async def model_info(request: Request) -> Response:
+        check_key(request, api_key)
         m = svc.model
         return JSONResponse({
             "task": svc.task, "run": str(m.path), "device": str(m.device),
@@ -256,10 +256,18 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         })
 
     async def translate(request: Request) -> Response:
+        check_key(request, api_key)
         body = parse_body(await read_body(request, limits), limits)
         svc.need("/v1/translate", "translation", "summarization")
+        texts, opts = translate_request(body, svc.model.cfg.decode, limits)
+        found, opts = await run_translation(texts, opts)
+        return JSONResponse({"translations": [translation_json(h) for h in found],
+                             "options": dataclasses.asdict(opts)})
+
+    async def run_translation(texts: list[str], opts) -> tuple[list[list[Translation]], Any]:
+        """Translate ``texts`` through the batcher (merged with concurrent requests of the same options);
+        returns the hypotheses of each text and the options used. A text too long for the model is a 413."""
         tr: Translator = svc.model
-        texts, opts = translate_request(body, tr.cfg.decode, limits)
         opts = opts.replace(max_tokens=budget)
         cost = 0
         for i, text in enumerate(texts):
@@ -272,10 +280,10 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         # Seeded draws must not depend on who else is in the batch: such requests run alone.
         group = None if opts.sample and opts.seed is not None else ("translate", dataclasses.astuple(opts))
         found = await svc.batcher.run(group, texts, max(cost, 1), lambda items: tr.search(items, opts, scores=True))
-        return JSONResponse({"translations": [translation_json(h) for h in found],
-                             "options": dataclasses.asdict(opts)})
+        return found, opts
 
     async def generate(request: Request) -> Response:
+        check_key(request, api_key)
         body = parse_body(await read_body(request, limits), limits)
         svc.need("/v1/generate", "lm")
         gen: Generator = svc.model
@@ -284,6 +292,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         return JSONResponse({"prompt": prompt, "text": text, "options": dataclasses.asdict(opts)})
 
     async def attention(request: Request) -> Response:
+        check_key(request, api_key)
         body = parse_body(await read_body(request, limits), limits)
         text, target = attention_request(body, limits)
         run = svc.run
@@ -316,6 +325,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         Route("/v1/translate", json_errors(translate), methods=["POST"]),
         Route("/v1/generate", json_errors(generate), methods=["POST"]),
         Route("/v1/attention", json_errors(attention), methods=["POST"]),
+        *protocol_routes(svc, run_translation, api_key),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)

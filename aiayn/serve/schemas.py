@@ -38,6 +38,8 @@ from typing import Any
 from aiayn.config import DECODE_HINTS, DecodeOptions
 from aiayn.errors import ConfigError
 
+API_KEY_ENV = "AIAYN_API_KEY"  # aiayn serve's API key when --api-key is not given
+
 # Options a client may set per request; max_tokens is the server's batch budget.
 CLIENT_OPTIONS = tuple(f.name for f in dataclasses.fields(DecodeOptions) if f.name != "max_tokens")
 GENERATE_OPTIONS = ("max_new_tokens", "sample", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram")
@@ -209,3 +211,18 @@ def attention_request(body: dict[str, Any], limits: Limits) -> tuple[str, str | 
     if not text.strip():
         raise ApiError(422, "out_of_range", "text: must not be empty")
     return text, string_field(body, "target", limits, required=False)
+
+
+async def read_body(request: Any, limits: Limits) -> bytes:
+    """The body, refused (413) as soon as it passes ``limits.max_body_bytes``."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"request body is {declared} bytes, the limit is "
+                                              f"{limits.max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise ApiError(413, "body_too_large", f"request body is over the limit of {limits.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

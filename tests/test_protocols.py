@@ -1,0 +1,182 @@
+"""LibreTranslate and OpenAI protocols of ``aiayn serve`` (issue 33), tested with the real clients against a real
+server process: ``libretranslatepy`` on the tiny translation run, the ``openai`` package's completions (streamed
+and not) on a tiny language model; the API key and the error shapes in-process."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+import aiayn  # noqa: E402
+from aiayn.serve.app import create_app  # noqa: E402
+from aiayn.serve.protocols import StopScan  # noqa: E402
+from benchmarks import serve_load  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LINES = ["a b c d", "hello world", "the cat sat on the mat"]
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run):
+    return aiayn.load(tiny_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def mt_server(tiny_run):
+    proc, url, log = serve_load.start_server(tiny_run)
+    yield url
+    serve_load.stop_server(proc, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory) -> Path:
+    """A character language model trained a few updates on a small text (the protocol, not the text, is tested)."""
+    from aiayn.train.run import train_from_config
+
+    d = tmp_path_factory.mktemp("lm")
+    (d / "text.txt").write_text("the cat sat on the mat. the dog sat on the log.\n" * 200, encoding="utf-8")
+    (d / "lm.yaml").write_text(f"""task: lm
+model: {{d_model: 32, n_heads: 2, d_ff: 64, n_decoder_layers: 2, dropout: 0.0, max_positions: 64}}
+data: {{train_src: {d / 'text.txt'}, tokenizer: char, block_size: 32, batch_size: 8}}
+train: {{max_updates: 30, warmup: 10, eval_every: 30, save_every: 30, log_every: 10, threads: 1}}
+""", encoding="utf-8")
+    train_from_config(d / "lm.yaml", d / "run", progress=False)
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def lm_server(lm_run):
+    proc, url, log = serve_load.start_server(lm_run)
+    yield url
+    serve_load.stop_server(proc, timeout=30)
+
+
+# LibreTranslate -------------------------------------------------------------------------------------------
+
+
+def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator):
+    lt_mod = pytest.importorskip("libretranslatepy")
+    lt = lt_mod.LibreTranslateAPI(mt_server)
+    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    assert [lt.translate(line, "en", "de") for line in LINES] == ours
+    assert lt.translate(LINES[0], "auto", "de") == ours[0]
+    assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
+    with pytest.raises(urllib.error.HTTPError) as e:  # a language the model does not translate
+        lt.translate("a b", "en", "fr")
+    assert e.value.code == 400 and "fr is not supported" in json.loads(e.value.read())["error"]
+    assert lt.translate(LINES[1], "en", "de") == ours[1]  # and the server goes on
+
+
+def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator):
+    r = client_mt.post("/translate", json={"q": LINES, "source": "en", "target": "de"})
+    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    assert r.status_code == 200 and r.json() == {"translatedText": ours}
+    r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2,
+                                           "format": "html"})
+    nbest = translator.search([LINES[0]], translator.options(nbest=3, beam=max(3, translator.cfg.decode.beam)),
+                              scores=False)[0]
+    assert r.json() == {"translatedText": nbest[0].text, "alternatives": [h.text for h in nbest[1:]]}
+    for body, status, word in [
+        ({"source": "en", "target": "de"}, 400, "missing q"),
+        ({"q": 5, "source": "en", "target": "de"}, 400, "q: expected"),
+        ({"q": "a", "source": "xx", "target": "de"}, 400, "xx is not supported"),
+        ({"q": "a", "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
+        ({"q": "a", "source": "en", "target": "de", "colour": 1}, 400, "unknown parameter 'colour'"),
+        ({"q": ["a"] * 65, "source": "en", "target": "de"}, 413, "limit is 64"),
+        ({"q": "x" * 2001, "source": "en", "target": "de"}, 413, "2001 characters"),
+    ]:
+        r = client_mt.post("/translate", json=body)
+        assert r.status_code == status and word in r.json()["error"], (body, r.text)
+    r = client_mt.post("/translate", content=b"x" * (10 << 20), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "error" in r.json()
+    # Forms are taken on LibreTranslate's routes only: aiayn's own API stays JSON-only (415).
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = client_mt.post("/v1/translate", content=b"text=a", headers=form)
+    assert r.status_code == 415
+    assert client_mt.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def client_mt(translator):
+    with TestClient(create_app(translator, max_wait_ms=2.0), base_url="http://localhost") as c:
+        yield c
+
+
+def test_api_key_is_asked_by_every_protocol(translator):
+    key = "s3cret-key"
+    with TestClient(create_app(translator, max_wait_ms=2.0, api_key=key), base_url="http://localhost") as c:
+        q = {"q": "a b", "source": "en", "target": "de"}
+        assert c.post("/translate", json=q).status_code == 403
+        assert c.post("/translate", json={**q, "api_key": "wrong-key!"}).json() == {"error": "Invalid API key"}
+        assert c.post("/translate", json={**q, "api_key": key}).status_code == 200
+        assert c.post("/translate", data={**q, "api_key": key}).status_code == 200  # the form libretranslatepy sends
+        assert c.post("/v1/translate", json={"text": ["a b"]}).json()["error"]["code"] == "invalid_api_key"
+        assert c.post("/v1/translate", json={"text": ["a b"]},
+                      headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "a b", "temperature": 0})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert c.get("/health").status_code == 200  # health stays open
+
+
+def test_a_translation_run_answers_completions_with_its_translation(client_mt, translator):
+    r = client_mt.post("/v1/completions", json={"prompt": LINES, "temperature": 0, "max_tokens": 50})
+    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    assert [c["text"] for c in r.json()["choices"]] == ours and r.json()["object"] == "text_completion"
+
+
+# OpenAI completions --------------------------------------------------------------------------------------
+
+
+def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    gen = aiayn.load(lm_run, device="cpu")
+    want = gen.generate("the cat", max_new_tokens=12)  # greedy
+    done = client.completions.create(model=model.id, prompt="the cat", max_tokens=12, temperature=0)
+    assert done.choices[0].text == want and done.object == "text_completion"
+    assert done.usage.prompt_tokens == len("the cat") and done.usage.completion_tokens <= 12
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    assert done.choices[0].finish_reason == ("length" if done.usage.completion_tokens == 12 else "stop")
+    pieces = list(client.completions.create(model=model.id, prompt="the cat", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == want
+    assert pieces[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    # sampling: a seed gives the same text streamed and not; n completions per prompt, each its own seed
+    a = client.completions.create(model=model.id, prompt=["the", "a"], max_tokens=8, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    b = client.completions.create(model=model.id, prompt=["the", "a"], max_tokens=8, temperature=1.0, seed=7, n=2,
+                                  stream=True)
+    texts = {}
+    for p in b:
+        texts[p.choices[0].index] = texts.get(p.choices[0].index, "") + p.choices[0].text
+    assert [texts[i] for i in range(4)] == [c.text for c in a.choices]
+    # stop: the text ends before the first stop string, streamed or not
+    s = client.completions.create(model=model.id, prompt="the cat", max_tokens=30, temperature=0, stop=[" on"])
+    assert " on" not in s.choices[0].text and want.startswith(s.choices[0].text.split(" on")[0][:5])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model.id, prompt="the", max_tokens=10**6)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model.id, prompt="the", temperature="hot")
+    assert client.completions.create(model=model.id, prompt="the", max_tokens=2).choices  # still serving
+
+
+def test_stop_scan_never_shows_what_a_stop_string_removes():
+    s = StopScan(("END", "xy"))
+    shown = [s.add(p) for p in ["ab", "cE", "N", "D more"]]
+    assert "".join(shown) == "abc" and s.stopped and s.finish() == ""
+    s = StopScan(("END",))
+    assert s.add("aE") == "a" and s.add("x") == "Ex" and s.finish() == ""
+    s = StopScan(("END",))
+    assert s.add("aEN") == "a" and s.finish() == "EN"
