@@ -180,3 +180,16 @@ def test_stop_scan_never_shows_what_a_stop_string_removes():
     assert s.add("aE") == "a" and s.add("x") == "Ex" and s.finish() == ""
     s = StopScan(("END",))
     assert s.add("aEN") == "a" and s.finish() == "EN"
+
+
+def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):
+    """benchmarks/serve_protocols.py runs end to end (its numbers belong to BENCHMARKS.md, not to a test)."""
+    from benchmarks import serve_protocols
+
+    out = tmp_path / "p.json"
+    r = serve_protocols.main(["--mt-run", str(tiny_run), "--lm-run", str(lm_run), "--clients", "2", "--requests",
+                              "6", "--max-tokens", "4", "--repeats", "1", "--out-json", str(out)])
+    assert r["batching"]["errors"] == [] and r["streaming"]["pieces"] >= 1
+    assert all(400 <= x["status"] < 500 and x["shape"] for x in r["batching"]["refusals"])
+    assert len(r["batching"]["refusals"]) == len(serve_protocols.BAD_REQUESTS)
+    assert json.loads(out.read_text()) == r
