@@ -193,3 +193,13 @@ def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):
     assert all(400 <= x["status"] < 500 and x["shape"] for x in r["batching"]["refusals"])
     assert len(r["batching"]["refusals"]) == len(serve_protocols.BAD_REQUESTS)
     assert json.loads(out.read_text()) == r
+
+
+def test_a_weak_api_key_is_refused_before_loading(tiny_run, capsys, monkeypatch):
+    from aiayn.cli import main
+
+    assert main(["serve", str(tiny_run), "--api-key", "short"]) == 2
+    assert "--api-key: expected at least 8" in capsys.readouterr().err
+    monkeypatch.setenv("AIAYN_API_KEY", "has space in it")
+    assert main(["serve", str(tiny_run)]) == 2
+    assert "--api-key" in capsys.readouterr().err
