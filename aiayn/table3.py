@@ -257,7 +257,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         record = {
             "row": row.name, "group": row.group, "change": row.change, "seed": seed,
             "here": _row_label(row, cfg, base_cfg), "updates": state.step,
-            "parameters": parameters_at(cfg), "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
+            "parameters": parameters_at(load_config(run_dir / "config.yaml")), "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
             "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
             "beam": ev["decode"]["beam"], "train_s": round(state.elapsed_s, 1), "eval_s": ev["wall_s"],
             "wall_s": round(time.perf_counter() - start, 1),
@@ -285,6 +285,9 @@ def collect(out: str | Path) -> dict[str, Any]:
         if not recs:
             continue
         mean = {k: sum(r[k] for r in recs) / len(recs) for k in ("ppl", "bleu", "chrf", "wall_s")}
+        run_cfg = out / "runs" / f"{row.name}-seed{recs[0]['seed']}" / "config.yaml"
+        if run_cfg.is_file():  # the model as trained: its vocabulary is the tokenizer's, known only then
+            recs[0]["parameters"] = parameters_at(load_config(run_cfg))
         rows.append({
             "row": row.name, "group": row.group, "change": row.change, "here": recs[0]["here"],
             "updates": recs[0]["updates"], "parameters": recs[0]["parameters"],
