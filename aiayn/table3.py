@@ -257,7 +257,8 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         record = {
             "row": row.name, "group": row.group, "change": row.change, "seed": seed,
             "here": _row_label(row, cfg, base_cfg), "updates": state.step,
-            "parameters": parameters_at(load_config(run_dir / "config.yaml")), "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
+            "parameters": parameters_at(load_config(run_dir / "config.yaml")),
+            "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
             "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
             "beam": ev["decode"]["beam"], "train_s": round(state.elapsed_s, 1), "eval_s": ev["wall_s"],
             "wall_s": round(time.perf_counter() - start, 1),
