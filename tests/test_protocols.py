@@ -126,6 +126,8 @@ def test_api_key_is_asked_by_every_protocol(translator):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert c.get("/health").status_code == 200  # health stays open
+        assert c.get("/languages").status_code == 403
+        assert c.request("GET", "/languages", data={"api_key": key}).status_code == 200  # libretranslatepy's GET
 
 
 def test_a_translation_run_answers_completions_with_its_translation(client_mt, translator):

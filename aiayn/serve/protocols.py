@@ -88,7 +88,9 @@ class LibreError(Exception):
 async def _libre_fields(request: Request, svc) -> dict[str, Any]:
     """The request's fields: a JSON object, a form, or (GET) the query string."""
     params: dict[str, Any] = dict(request.query_params)
-    raw = await read_body(request, svc.limits) if request.method == "POST" else b""
+    # libretranslatepy sends its api_key in a form body even on GET /languages
+    has_body = request.method == "POST" or request.headers.get("content-length", "0") not in ("", "0")
+    raw = await read_body(request, svc.limits) if has_body else b""
     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if raw and ctype == "application/json":
         params.update(parse_body(raw, svc.limits))
