@@ -460,8 +460,8 @@ def test_download_failure_and_unknown_names(fake_dataset, tmp_path, monkeypatch)
     )
     with pytest.raises(DataError, match="cannot download file://.*gone.txt.*AIAYN_DATA_DIR"):
         datasets.dataset_path("toy", "toy.txt")
-    with pytest.raises(DataError, match="unknown dataset 'wmt14'.*multi30k"):
-        datasets.dataset_path("wmt14", "x")
+    with pytest.raises(DataError, match="unknown dataset 'wmt99'.*multi30k"):
+        datasets.dataset_path("wmt99", "x")
     with pytest.raises(DataError, match="dataset multi30k has no file 'train.xx.gz'"):
         datasets.dataset_path("multi30k", "train.xx.gz")
 
