@@ -65,7 +65,7 @@ class Side:
 
     Not memory-mapped: a mapped file's page faults map whole neighbourhoods of pages (the kernel's fault-around),
     so a training that reads pairs scattered over the store would see its resident memory grow with the store
-    (measured: +165 MiB in 20 batches of a 1M-pair store). A positional read leaves the pages in the kernel's
+    (BENCHMARKS.md, "The data path"). A positional read leaves the pages in the kernel's
     page cache, not in the process."""
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
