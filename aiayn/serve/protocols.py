@@ -260,8 +260,12 @@ def completion_request(body: dict[str, Any], limits) -> Completion:
     unknown = sorted(set(body) - set(OPENAI_FIELDS))
     if unknown:
         raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
-    for name in ("echo", "logprobs", "best_of", "suffix", "logit_bias"):
-        if body.get(name) not in (None, False, 0, 1) or (name in ("best_of",) and body.get(name) not in (None, 1)):
+    # Accepted only at the value that asks for nothing: a request for what this server does not do is refused,
+    # not silently ignored (echo=true would otherwise get no prompt back, logprobs=1 no log-probabilities).
+    for name, neutral in (("echo", (None, False)), ("logprobs", (None,)), ("best_of", (None, 1)),
+                          ("suffix", (None, "")), ("logit_bias", (None, {}))):
+        value = body.get(name)
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
             raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
     prompt = body.get("prompt", "")
     prompts = [prompt] if isinstance(prompt, str) else prompt
