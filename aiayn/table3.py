@@ -286,9 +286,6 @@ def collect(out: str | Path) -> dict[str, Any]:
         if not recs:
             continue
         mean = {k: sum(r[k] for r in recs) / len(recs) for k in ("ppl", "bleu", "chrf", "wall_s")}
-        run_cfg = out / "runs" / f"{row.name}-seed{recs[0]['seed']}" / "config.yaml"
-        if run_cfg.is_file():  # the model as trained: its vocabulary is the tokenizer's, known only then
-            recs[0]["parameters"] = parameters_at(load_config(run_cfg))
         rows.append({
             "row": row.name, "group": row.group, "change": row.change, "here": recs[0]["here"],
             "updates": recs[0]["updates"], "parameters": recs[0]["parameters"],
