@@ -199,6 +199,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.sentence_model is not None and args.engine != "argos":
+        raise ConfigError("--sentence-model is for Argos packages (aiayn export argos)")
     if args.engine == "hf":
         from aiayn.interop.hf import export_hf
 
@@ -206,6 +208,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ConfigError("--quantization is for CTranslate2 exports; a Hugging Face export keeps the run's "
                               "fp32 weights")
         out = export_hf(args.run, args.out_dir, force=args.force)
+    elif args.engine == "argos":
+        from aiayn.interop.argos import export_argos
+
+        out = export_argos(args.run, args.out_dir, quantization=args.quantization,
+                           sentence_model=args.sentence_model, force=args.force)
     else:
         from aiayn.interop.ctranslate2 import export_run
 
@@ -384,11 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
 
-    p = sub.add_parser("export", help="export a run to CTranslate2 or as a Hugging Face Marian directory")
-    p.add_argument("engine", choices=["ctranslate2", "hf"])
+    p = sub.add_parser("export", help="export a run to CTranslate2, as a Hugging Face Marian directory or as an "
+                                      "Argos Translate package")
+    p.add_argument("engine", choices=["ctranslate2", "hf", "argos"])
     p.add_argument("run")
-    p.add_argument("out_dir")
-    p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2)")
+    p.add_argument("out_dir", help="a directory (ctranslate2, hf) or a .argosmodel file (argos)")
+    p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2 and Argos)")
+    p.add_argument("--sentence-model", default=None,
+                   help="argos: a MiniSBD .onnx sentence splitter to package (default: aiayn's rule-based one)")
     p.add_argument("--force", action="store_true", help="replace out_dir whatever it holds")
     p.set_defaults(func=cmd_export)
 

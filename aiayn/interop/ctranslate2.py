@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from aiayn.errors import first_line
 from aiayn.files import check_output_dir, locked, staged_directory
+from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -59,10 +60,15 @@ def _norm(spec: Any, norm: nn.LayerNorm) -> None:
     spec.beta = _np(norm.bias)
 
 
-def _positions(module: nn.Module) -> np.ndarray:
-    """(max_positions, D) table of what is added to the embeddings at each position, 0-based."""
-    table = module.table if hasattr(module, "table") else module.weight
-    return _np(table)
+def _positions(module: nn.Module, cfg: Any, rows: int | None) -> np.ndarray:
+    """(rows, D) table of what is added to the embeddings at each position, 0-based: the model's own table
+    (max_positions rows), or sinusoids of section 3.5 continued to ``rows`` positions (learned vectors cannot be
+    continued: :func:`ctranslate2_spec` refuses that)."""
+    if not hasattr(module, "table"):
+        return _np(module.weight)
+    if rows is None or rows <= module.table.shape[0]:
+        return _np(module.table)
+    return _np(sinusoidal_table(rows, cfg.d_model, cfg.positional_layout))
 
 
 def _self_attention(spec: Any, mha: nn.Module, norm: nn.LayerNorm) -> None:
@@ -106,13 +112,16 @@ def ctranslate2_spec(
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
     add_source_eos: bool = True,
+    positions: int | None = None,
 ) -> TransformerSpec:
     """A filled, validated ``ctranslate2.specs.TransformerSpec`` for ``model``.
 
     ``vocab`` / ``tgt_vocab`` are the id -> piece lists (``tgt_vocab`` None: the source one).
     The special ids must name the same pieces in both vocabularies (CTranslate2 stores them once,
     as strings). ``add_source_eos`` makes CTranslate2 append EOS to each source, as aiayn training
-    does; set it False if your sources already end in EOS.
+    does; set it False if your sources already end in EOS. ``positions``: rows of the position tables when
+    more than the model's ``max_positions`` (CTranslate2 fails on a longer input or output); sinusoidal
+    positions only, continued by the formula of section 3.5.
     """
     from ctranslate2.specs import common_spec, transformer_spec
 
@@ -126,6 +135,9 @@ def ctranslate2_spec(
             f"CTranslate2's Transformer heads are d_model / heads wide: model.d_k={cfg.key_width}, "
             f"model.d_v={cfg.value_width} with d_model={cfg.d_model} and {cfg.n_heads} heads cannot be exported"
         )
+    if positions is not None and positions > cfg.max_positions and cfg.positional != "sinusoidal":
+        raise ValueError(f"learned positions end at model.max_positions={cfg.max_positions}; {positions} "
+                         "positions need sinusoidal ones (or a model trained with more)")
     tgt_vocab = list(vocab if tgt_vocab is None else tgt_vocab)
     vocab = list(vocab)
     special = {"unk": unk_id, "bos": bos_id, "eos": eos_id}
@@ -153,7 +165,7 @@ def ctranslate2_spec(
     enc, dec = model.encoder, model.decoder
     spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
     spec.encoder.scale_embeddings = cfg.scale_embeddings  # bool: True = sqrt(D), False = none
-    spec.encoder.position_encodings.encodings = _positions(enc.positions)
+    spec.encoder.position_encodings.encodings = _positions(enc.positions, cfg, positions)
     for layer_spec, layer in zip(spec.encoder.layer, enc.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_attn.norm)
         _ffn(layer_spec.ffn, layer.ffn, layer.sub_ffn.norm)
@@ -162,7 +174,7 @@ def ctranslate2_spec(
 
     spec.decoder.embeddings.weight = _np(dec.embed.weight)
     spec.decoder.scale_embeddings = cfg.scale_embeddings
-    spec.decoder.position_encodings.encodings = _positions(dec.positions)
+    spec.decoder.position_encodings.encodings = _positions(dec.positions, cfg, positions)
     for layer_spec, layer in zip(spec.decoder.layer, dec.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_self.norm)
         _cross_attention(layer_spec.attention, layer.cross_attn, layer.sub_cross.norm)

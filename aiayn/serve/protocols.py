@@ -40,14 +40,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from aiayn.data.languages import language_name
 from aiayn.errors import UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
 from aiayn.serve.schemas import ApiError, parse_body, read_body
 
 FORM_PATHS = ("/translate", "/languages")  # LibreTranslate's clients post forms, not JSON
-LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech", "es": "Spanish",
-                  "it": "Italian", "pt": "Portuguese", "nl": "Dutch", "ru": "Russian", "zh": "Chinese",
-                  "ja": "Japanese", "ro": "Romanian", "fi": "Finnish", "tr": "Turkish", "et": "Estonian"}
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
                  "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix", "logit_bias",
                  "stream_options")
@@ -139,7 +137,7 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         if not key_matches(fields.get("api_key"), key):
             raise LibreError(403, "Invalid API key")
         need_translation()
-        return JSONResponse([{"code": src, "name": LANGUAGE_NAMES.get(src, src), "targets": [tgt]}])
+        return JSONResponse([{"code": src, "name": language_name(src), "targets": [tgt]}])
 
     async def translate(request: Request) -> Response:
         fields = await _libre_fields(request, svc)

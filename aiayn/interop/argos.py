@@ -1,0 +1,158 @@
+"""``aiayn export argos RUN OUT.argosmodel``: an Argos Translate package of a translation run, which
+``argostranslate`` (and LibreTranslate on top of it) installs from the file and translates with, offline.
+
+An ``.argosmodel`` file is a zip of one directory:
+
+    <name>/metadata.json        languages, package and Argos versions, type "translate"
+    <name>/model/               the CTranslate2 model (aiayn.interop.ctranslate2's spec, weight for weight)
+    <name>/sentencepiece.model  the run's shared SentencePiece model: Argos encodes the source and decodes
+                                the target with it
+    <name>/minisbd/<lang>.onnx  the sentence splitter Argos runs before translating (MiniSBD's format): by
+                                default aiayn's rule-based one (aiayn.interop.sentence_splitter), or a trained
+                                MiniSBD model given with ``sentence_model``
+    <name>/README.md            what the package is and how it decodes
+
+How Argos decodes (argostranslate 1.11, ``apply_packaged_translation``): beam ``ARGOS_BEAM_SIZE`` (default 4),
+CTranslate2's length penalty 0.2 (|Y|^0.2, |Y| without the end token), its default early stop (patience 1),
+at most 256 tokens (sources cut at 1,024) and ``replace_unknowns``; then SentencePiece's decode with
+underscores turned into spaces. ``aiayn translate --beam 4 --alpha 0.2 --length-penalty power --stop hf`` is the
+closest aiayn setting; tests/test_argos.py checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+from aiayn.data.languages import language_name
+from aiayn.errors import ConfigError, first_line, require
+from aiayn.files import atomic_write, check_output_dir
+from aiayn.interop.sentence_splitter import sentence_splitter_onnx
+from aiayn.model.transformer import Transformer
+
+ARGOS_VERSION = "1.9"  # the package format (metadata fields, minisbd/ directory) argostranslate 1.9-1.11 reads
+ARGOS_LENGTH_PENALTY = 0.2  # hard-coded in argostranslate's translate_batch call
+ARGOS_BEAM = 4  # argostranslate's default ARGOS_BEAM_SIZE
+# Argos leaves CTranslate2's length limits at their defaults: sources cut at 1,024 tokens, up to 256 decoded. A
+# position table shorter than that makes CTranslate2 fail mid-request, so the package's tables cover them.
+CT2_MAX_INPUT, CT2_MAX_DECODING = 1024, 256
+
+_README = """\
+# {src_name} -> {tgt_name} ({src} -> {tgt}), an aiayn Transformer
+
+Exported by `aiayn export argos` from the aiayn run `{run}`: an encoder-decoder Transformer
+("Attention Is All You Need"), {layers} layers, d_model {d_model}, {params:,} parameters, trained with
+SentencePiece BPE ({vocab:,} shared pieces). Weights: {quant}.
+
+Install and use:
+
+    argospm install {file}        # or: argostranslate.package.install_from_path("{file}")
+    argos-translate --from {src} --to {tgt} "Text to translate."
+
+Decoding: Argos Translate runs beam search with beam ARGOS_BEAM_SIZE (default 4) and CTranslate2's length
+penalty 0.2; the run itself was configured with beam {beam}, {lp} length penalty alpha {alpha}.
+
+Sentence splitting: {splitter}
+"""
+
+_RULE_SPLITTER = ("aiayn's rule-based splitter (minisbd/{lang}.onnx): a sentence ends at . ! ? (or a closing "
+                  "quote after one) followed by a space and an upper-case letter, digit or opening quote, and at "
+                  "。！？; it does not know abbreviations (\"Dr. Smith\" is split).")
+_MODEL_SPLITTER = "the MiniSBD model {name}, packaged as given."
+
+
+def _package_name(src: str, tgt: str, version: str) -> str:
+    return f"translate-{src}_{tgt}-{version.replace('.', '_')}"
+
+
+def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, quantization: str | None = None,
+                 sentence_model: str | os.PathLike | None = None, package_version: str = "1.0",
+                 force: bool = False) -> Path:
+    """Write an Argos Translate package of the translation run ``run_dir`` to ``out_file`` (``.argosmodel``)
+    and return its path.
+
+    ``quantization``: a CTranslate2 weight type (e.g. int8, as Argos' own packages) or None (float32).
+    ``sentence_model``: a MiniSBD ``.onnx`` model for the source language to package instead of aiayn's
+    rule-based splitter. Runs that Argos cannot reproduce are refused with one line (:class:`ConfigError`):
+    language models, Moses-pretokenized runs, separate or character vocabularies, imported Marian runs, head
+    widths other than d_model / heads. The zip is written beside ``out_file`` and renamed into place.
+    """
+    from aiayn.interop.ctranslate2 import ctranslate2_spec
+    from aiayn.run_dir import load_run
+
+    require("ctranslate2", "ct2", "aiayn export argos")
+    out = Path(out_file)
+    if out.suffix != ".argosmodel":
+        raise ConfigError(f"{out}: an Argos package file ends in .argosmodel (argospm and LibreTranslate look for it)")
+    if sentence_model is not None:
+        sentence_model = Path(sentence_model)
+        if sentence_model.suffix != ".onnx" or not sentence_model.is_file():
+            raise ConfigError(f"--sentence-model {sentence_model}: not a MiniSBD .onnx model file")
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; an Argos package is one .argosmodel file")
+    check_output_dir(out, [run_dir], force)
+    run = load_run(run_dir, "cpu")
+    cfg, tok = run.cfg, run.tokenizers
+    if not isinstance(run.model, Transformer) or cfg.task != "translation":
+        raise ConfigError(f"{run_dir}: a {cfg.task} run; Argos packages hold translation models")
+    if tok.src.kind != "bpe" or not tok.shared:
+        what = "separate source and target vocabularies" if tok.src.kind == "bpe" else f"a {tok.src.kind} tokenizer"
+        raise ConfigError(f"{run_dir} has {what}; an Argos package holds one SentencePiece model for both sides "
+                          "(data.tokenizer: bpe with a shared vocabulary)")
+    if tok.pretokenize != "none":
+        raise ConfigError(f"{run_dir} pretokenizes with {tok.pretokenize} before SentencePiece; Argos feeds raw "
+                          "text to SentencePiece, so the package would see other pieces than training did")
+    sp = tok.specials
+    vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
+    # sinusoids continue past max_positions by their formula; learned vectors must cover what Argos decodes
+    rows = max(cfg.model.max_positions, CT2_MAX_INPUT if cfg.model.positional == "sinusoidal" else CT2_MAX_DECODING)
+    try:
+        spec = ctranslate2_spec(run.model, vocab, unk_id=sp.unk, bos_id=sp.decoder_start, eos_id=sp.eos,
+                                positions=rows)
+        spec.optimize(quantization=quantization)
+    except ValueError as e:  # a bad quantization name, head widths CTranslate2 cannot hold, ...
+        why = f"Argos decodes up to {CT2_MAX_DECODING} tokens: " if "positions" in str(e) else ""
+        raise ConfigError(f"cannot export {run_dir}: {why}{first_line(e)}") from None
+
+    src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
+    name = _package_name(src, tgt, package_version)
+    metadata = {
+        "package_version": package_version, "argos_version": ARGOS_VERSION, "type": "translate",
+        "from_code": src, "from_name": language_name(src), "to_code": tgt, "to_name": language_name(tgt),
+        "code": f"translate-{src}_{tgt}", "links": [],
+    }
+    sp_model = Path(run_dir) / "tokenizer" / "shared.model"
+    d = cfg.decode
+    readme = _README.format(
+        src=src, tgt=tgt, src_name=language_name(src), tgt_name=language_name(tgt), run=Path(run_dir).resolve().name,
+        layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
+        d_model=cfg.model.d_model, params=sum(p.numel() for p in run.model.parameters()), vocab=len(vocab),
+        quant=quantization or "float32", file=out.name, beam=d.beam, lp=d.length_penalty, alpha=d.alpha,
+        splitter=(_MODEL_SPLITTER.format(name=sentence_model.name) if sentence_model is not None
+                  else _RULE_SPLITTER.format(lang=src)),
+    )
+    with tempfile.TemporaryDirectory(prefix=".aiayn-argos-", dir=out.parent if out.parent.is_dir() else None) as d:
+        pkg = Path(d) / name  # the zip holds this one directory, as argospm's packages do
+        (pkg / "minisbd").mkdir(parents=True)
+        (pkg / "model").mkdir()
+        spec.save(str(pkg / "model"))
+        shutil.copy2(sp_model, pkg / "sentencepiece.model")
+        if sentence_model is not None:
+            shutil.copy2(sentence_model, pkg / "minisbd" / sentence_model.name)
+        else:
+            (pkg / "minisbd" / f"{src}.onnx").write_bytes(sentence_splitter_onnx(src))
+        (pkg / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+        (pkg / "README.md").write_text(readme, encoding="utf-8")
+
+        def write(tmp: str) -> None:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+                for path in sorted(pkg.rglob("*")):
+                    z.write(path, path.relative_to(d).as_posix())
+
+        atomic_write(out, write)  # the package appears whole or not at all
+    return out
+

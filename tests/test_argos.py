@@ -1,0 +1,178 @@
+"""``aiayn export argos RUN OUT.argosmodel``: the real ``argostranslate`` installs the package from the file and
+translates with it offline (every connection refused), as ``aiayn translate`` does with Argos' decoding settings;
+the packaged sentence splitter (MiniSBD's format, run by the real ``minisbd``) splits where the rule says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+argostranslate = pytest.importorskip("argostranslate")
+pytest.importorskip("minisbd")
+pytest.importorskip("ctranslate2")
+
+from conftest import REPO  # noqa: E402  (tests/ is on sys.path under pytest)
+
+from aiayn import cli  # noqa: E402
+from aiayn.config import ConfigError  # noqa: E402
+from aiayn.decode.translator import load  # noqa: E402
+from aiayn.interop.argos import ARGOS_BEAM, ARGOS_LENGTH_PENALTY, export_argos  # noqa: E402
+from aiayn.interop.sentence_splitter import sentence_splitter_onnx  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Runs argostranslate as a user would, in a fresh process whose Argos directories are empty and where no
+# connection can be opened: installs the package file, then translates each line of stdin.
+CLIENT = r"""
+import json, socket, sys
+def refuse(*args, **kwargs):
+    raise OSError("offline test: no network")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+from argostranslate import package, translate
+package.install_from_path(sys.argv[1])
+langs = {l.code: l for l in translate.get_installed_languages()}
+src, tgt = sys.argv[2], sys.argv[3]
+lines = json.loads(sys.stdin.read())
+print(json.dumps({"installed": sorted(langs), "out": [translate.translate(q, src, tgt) for q in lines]}))
+"""
+
+
+def argos_translate(package_file: Path, lines: list[str], home: Path, src: str = "en", tgt: str = "de") -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARGOS_", "XDG_"))}
+    env.update(HOME=str(home), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
+               XDG_CONFIG_HOME=str(home / "config"), ARGOS_DEVICE_TYPE="cpu", ARGOS_INTRA_THREADS="1",
+               OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", CLIENT, str(package_file), src, tgt], input=json.dumps(lines),
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# A small model that has learned these sentences by heart: its translations end (EOS) where the data's do, so
+# Argos' decoding (up to 256 tokens) and aiayn's (its max_len) see the same hypotheses. The reverse-task fixture
+# is too young for that: its beams run to whatever limit they are given.
+PAIRS = [
+    ("The cat sleeps.", "Die Katze schläft."), ("The dog runs.", "Der Hund rennt."),
+    ("A man reads a book.", "Ein Mann liest ein Buch."), ("Two children play.", "Zwei Kinder spielen."),
+    ("The woman sings.", "Die Frau singt."), ("A bird flies.", "Ein Vogel fliegt."),
+    ("The boy eats bread.", "Der Junge isst Brot."), ("It is raining.", "Es regnet."),
+    ("Where is the station?", "Wo ist der Bahnhof?"), ("The sun shines!", "Die Sonne scheint!"),
+    ("We drink water.", "Wir trinken Wasser."), ("The girl laughs.", "Das Mädchen lacht."),
+]
+
+
+@pytest.fixture(scope="module")
+def learned_run(tmp_path_factory) -> Path:
+    from aiayn.config import load_config
+    from aiayn.train.run import train
+
+    root = tmp_path_factory.mktemp("argos_run")
+    for side, k in (("en", 0), ("de", 1)):
+        (root / f"train.{side}").write_text("".join(p[k] + "\n" for p in PAIRS * 8), encoding="utf-8")
+        (root / f"valid.{side}").write_text("".join(p[k] + "\n" for p in PAIRS), encoding="utf-8")
+    cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", [
+        "data.dataset=null", f"data.train_src={root}/train.en", f"data.train_tgt={root}/train.de",
+        f"data.valid_src={root}/valid.en", f"data.valid_tgt={root}/valid.de", "data.vocab_size=360",
+        "data.max_tokens=1024", "model.d_model=64", "model.d_ff=128", "model.n_heads=2", "model.dropout=0.0",
+        "train.max_updates=150", "train.warmup=30", "train.lr_scale=0.5", "train.label_smoothing=0.0",
+        "train.eval_every=150", "train.save_every=150", "train.threads=1", "train.log_every=50",
+    ])
+    train(cfg, root / "run", progress=False)
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def package(learned_run, tmp_path_factory) -> Path:
+    return export_argos(learned_run, tmp_path_factory.mktemp("argos") / "en_de.argosmodel")
+
+
+def test_package_layout(learned_run, package):
+    with zipfile.ZipFile(package) as z:
+        names = z.namelist()
+        top = {n.split("/")[0] for n in names}
+        assert top == {"translate-en_de-1_0"}  # one directory, as argospm's packages
+        meta = json.loads(z.read("translate-en_de-1_0/metadata.json"))
+        assert meta["from_code"] == "en" and meta["to_code"] == "de" and meta["type"] == "translate"
+        assert meta["from_name"] == "English" and meta["to_name"] == "German"
+        assert meta["package_version"] == "1.0" and meta["argos_version"]
+        sp_model = (learned_run / "tokenizer" / "shared.model").read_bytes()
+        assert z.read("translate-en_de-1_0/sentencepiece.model") == sp_model
+        assert z.read("translate-en_de-1_0/minisbd/en.onnx") == sentence_splitter_onnx("en")
+        assert {"translate-en_de-1_0/model/model.bin", "translate-en_de-1_0/model/config.json",
+                "translate-en_de-1_0/README.md"} <= set(names)
+        readme = z.read("translate-en_de-1_0/README.md").decode()
+    assert "argospm install en_de.argosmodel" in readme and learned_run.name in readme
+    assert str(learned_run.resolve().parent) not in readme  # no path of this machine goes into the package
+
+
+def test_argostranslate_installs_and_translates_offline_as_aiayn(learned_run, package, tmp_path):
+    """Argos' translation of each sentence is aiayn's with Argos' settings, and a paragraph of several sentences
+    is split by the packaged splitter and translated sentence by sentence, as aiayn translates each."""
+    sources = [src for src, _ in PAIRS]
+    paragraphs = [" ".join(sources[i:i + 3]) for i in range(0, len(sources), 3)]
+    got = argos_translate(package, sources + paragraphs, tmp_path)
+    assert got["installed"] == ["de", "en"]
+    translator = load(learned_run, "cpu")
+    # Argos' settings: beam 4, CTranslate2's length penalty 0.2 (|Y|^0.2) and its early stop, as HF's
+    ours = translator.translate(sources, beam=ARGOS_BEAM, alpha=ARGOS_LENGTH_PENALTY, length_penalty="power",
+                                stop="hf")
+    assert got["out"][:len(sources)] == ours
+    assert sum(a == tgt for a, (_, tgt) in zip(ours, PAIRS)) >= len(PAIRS) - 2  # it has learned them
+    assert got["out"][len(sources):] == [" ".join(ours[i:i + 3]) for i in range(0, len(ours), 3)]
+
+
+def test_sentence_splitter_splits_as_the_rule_says():
+    from minisbd import SBDetect
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "en.onnx"
+        path.write_bytes(sentence_splitter_onnx("en"))
+        sbd = SBDetect(str(path), use_gpu=False)
+        cases = {
+            "Hello world. This is a test! Is it? Yes.": ["Hello world.", "This is a test!", "Is it?", "Yes."],
+            'He said "Hi." Then he left.': ['He said "Hi."', "Then he left."],
+            "Pi is 3.14 today. 42 is next.": ["Pi is 3.14 today.", "42 is next."],
+            "See e.g. this one. Done": ["See e.g. this one.", "Done"],
+            "Wait... Really?! Yes": ["Wait...", "Really?!", "Yes"],
+            "Dr. Smith came.": ["Dr.", "Smith came."],  # no list of abbreviations: a trained model knows them
+            "你好。再见！": ["你好。", "再见！"],
+            "Ein Satz.\n\nEin Absatz.": ["Ein Satz.", "Ein Absatz."],
+            "one sentence without a mark": ["one sentence without a mark"],
+        }
+        for text, want in cases.items():
+            assert sbd.sentences(text) == want, text
+
+
+def test_export_argos_refusals_and_cli(tiny_run, package, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="already exists"):
+        export_argos(tiny_run, package)
+    with pytest.raises(ConfigError, match=r"ends in \.argosmodel"):
+        export_argos(tiny_run, tmp_path / "model.zip")
+    with pytest.raises(ConfigError, match="not a MiniSBD .onnx"):
+        export_argos(tiny_run, tmp_path / "x.argosmodel", sentence_model=tmp_path / "missing.onnx")
+    with pytest.raises(ConfigError, match="not a valid quantization"):
+        export_argos(tiny_run, tmp_path / "x.argosmodel", quantization="int3")
+    assert list(tmp_path.iterdir()) == []  # nothing left behind by a refusal
+    assert cli.main(["export", "argos", str(tiny_run), str(tmp_path / "y.argosmodel"), "--sentence-model",
+                     str(tmp_path / "missing.onnx")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert cli.main(["export", "hf", str(tiny_run), str(tmp_path / "h"), "--sentence-model", "x.onnx"]) == 2
+    assert "--sentence-model is for Argos" in capsys.readouterr().err
+    # a trained MiniSBD model given by the user is packaged as given; int8 as Argos' own packages
+    mine = tmp_path / "mine.onnx"
+    mine.write_bytes(sentence_splitter_onnx("en"))
+    out = tmp_path / "int8.argosmodel"
+    assert cli.main(["export", "argos", str(tiny_run), str(out), "--quantization", "int8",
+                     "--sentence-model", str(mine)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    with zipfile.ZipFile(out) as z:
+        assert "translate-en_de-1_0/minisbd/mine.onnx" in z.namelist()
+        assert "translate-en_de-1_0/minisbd/en.onnx" not in z.namelist()
