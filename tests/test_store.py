@@ -245,3 +245,27 @@ def test_training_reads_the_store_without_mapping_it(tmp_path):
     assert str(tmp_path / "store") not in maps.read_text()
     with pytest.raises(IndexError):
         lazy.src[len(lazy.src)]
+
+
+def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path, monkeypatch):
+    """The first update never waits for the next epoch's plan (planning 4.5M pairs holds the interpreter for
+    seconds), and each epoch is planned once, ahead of its start, so a later epoch starts without a pause."""
+    from aiayn.data.pipeline import TranslationData
+    from aiayn.train import trainer as trainer_mod
+    from aiayn.train.run import train
+
+    train_files, valid = write_pairs(tmp_path, "train", 300, 0), write_pairs(tmp_path, "valid", 20, 100)
+    cfg = file_config(train_files, valid, ["model.d_model=32", "model.d_ff=64", "model.n_heads=2",
+                                           "data.max_tokens=1024", "train.max_updates=40", "train.eval_every=100",
+                                           "train.save_every=100", "train.threads=1", "data.vocab_size=300"])
+    updates, planned = [0], []
+    real_plan, real_update = TranslationData.epoch_plan, trainer_mod.train_update
+    monkeypatch.setattr(TranslationData, "epoch_plan",
+                        lambda self, epoch: planned.append((epoch, updates[0])) or real_plan(self, epoch))
+    monkeypatch.setattr(trainer_mod, "train_update",
+                        lambda *a, **k: (updates.__setitem__(0, updates[0] + 1), real_update(*a, **k))[1])
+    state = train(cfg, tmp_path / "run", progress=False)
+    assert state.epoch >= 2  # 40 updates span several epochs of this corpus
+    epochs = [e for e, _ in planned]
+    assert epochs == sorted(set(epochs)) and epochs[0] == 0  # each epoch planned once, in order
+    assert planned[0][1] == 0 and all(n >= 1 for _, n in planned[1:])  # the next: after the first update

@@ -388,13 +388,18 @@ class Trainer:
         is left for the next epoch's shuffle) and collates only its own."""
         ahead = self._planned.pop(epoch, None)
         plan, tokens = ahead.result() if ahead is not None else self._plan(epoch)
-        if self._planner is not None:  # the next epoch is planned while this one trains: no pause between them
-            self._planned = {epoch + 1: self._planner.submit(self._plan, epoch + 1)}
         k, w = self.cfg.train.accum_steps, self.d.world
         n_updates = len(plan) // (k * w)
         mine = plan[self.d.rank :: w][: n_updates * k]
         self._update_tokens = update_token_totals(tokens, k, w)
         return [mine[i * k : (i + 1) * k] for i in range(n_updates)]
+
+    def _plan_ahead(self, epoch: int) -> None:
+        """Plan ``epoch`` in the background while the current one trains, so that it starts without a pause.
+        Called after the current epoch's first update: planning holds the interpreter for seconds on a large
+        corpus (its seeded shuffle is Python's), and the first update would otherwise wait for it too."""
+        if self._planner is not None and epoch not in self._planned:
+            self._planned = {epoch: self._planner.submit(self._plan, epoch)}
 
     def _plan(self, epoch: int) -> tuple[Sequence[Any], list[int]]:
         """An epoch's plan and the target tokens of each planned batch."""
@@ -477,6 +482,7 @@ class Trainer:
                                          self._update_tokens[st.position], loss_fn)
                     st.step += 1
                     st.position += 1
+                    self._plan_ahead(st.epoch + 1)
                     st.tokens += stats.ntokens
                     st.elapsed_s = time.perf_counter() - start
                     window["loss"] += stats.loss
