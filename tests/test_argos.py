@@ -5,9 +5,6 @@ the packaged sentence splitter (MiniSBD's format, run by the real ``minisbd``) s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -28,32 +25,11 @@ from aiayn.interop.sentence_splitter import sentence_splitter_onnx  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Runs argostranslate as a user would, in a fresh process whose Argos directories are empty and where no
-# connection can be opened: installs the package file, then translates each line of stdin.
-CLIENT = r"""
-import json, socket, sys
-def refuse(*args, **kwargs):
-    raise OSError("offline test: no network")
-socket.socket.connect = refuse
-socket.create_connection = refuse
-from argostranslate import package, translate
-package.install_from_path(sys.argv[1])
-langs = {l.code: l for l in translate.get_installed_languages()}
-src, tgt = sys.argv[2], sys.argv[3]
-lines = json.loads(sys.stdin.read())
-print(json.dumps({"installed": sorted(langs), "out": [translate.translate(q, src, tgt) for q in lines]}))
-"""
-
-
 def argos_translate(package_file: Path, lines: list[str], home: Path, src: str = "en", tgt: str = "de") -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARGOS_", "XDG_"))}
-    env.update(HOME=str(home), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
-               XDG_CONFIG_HOME=str(home / "config"), ARGOS_DEVICE_TYPE="cpu", ARGOS_INTRA_THREADS="1",
-               OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", CLIENT, str(package_file), src, tgt], input=json.dumps(lines),
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """argostranslate in a fresh process, offline, with empty Argos directories (benchmarks.argos_agreement)."""
+    from benchmarks.argos_agreement import argos_translate as run
+
+    return run(package_file, lines, home, src, tgt)
 
 
 # A small model that has learned these sentences by heart: its translations end (EOS) where the data's do, so
@@ -176,3 +152,16 @@ def test_export_argos_refusals_and_cli(tiny_run, package, tmp_path, capsys):
     with zipfile.ZipFile(out) as z:
         assert "translate-en_de-1_0/minisbd/mine.onnx" in z.namelist()
         assert "translate-en_de-1_0/minisbd/en.onnx" not in z.namelist()
+
+
+def test_agreement_benchmark_reports_both_decoders(learned_run, tmp_path, capsys):
+    """``python -m benchmarks.argos_agreement`` (its numbers in BENCHMARKS.md) on the learned run's validation."""
+    from benchmarks import argos_agreement
+
+    out = tmp_path / "agreement.json"
+    assert argos_agreement.main([str(learned_run), "--split", "valid", "--out-json", str(out)]) == 0
+    rows = {r["decoder"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["argos"]["identical_to_argos"] == rows["argos"]["lines"] == len(PAIRS)
+    assert rows["aiayn, Argos' settings"]["identical_to_argos"] == len(PAIRS)
+    assert rows["aiayn, Argos' settings"]["bleu"] == rows["argos"]["bleu"] > 50
+    assert "identical to Argos" in capsys.readouterr().out

@@ -1,0 +1,120 @@
+"""How close Argos Translate running an ``aiayn export argos`` package comes to ``aiayn translate``, on a real test
+set: identical lines, BLEU and chrF of each, and the time each takes.
+
+    python -m benchmarks.argos_agreement RUN [--split test_2016_flickr] [--limit N] [--out-json F]
+
+The package is exported (fp32) into a temporary directory and installed by the real ``argostranslate`` in a fresh
+process whose Argos directories are empty and where every network connection is refused; it translates each
+source line as LibreTranslate would (``translate.translate(q, src, tgt)``: its sentence splitter, then beam 4,
+CTranslate2's length penalty 0.2). aiayn decodes the same lines with Argos' settings (``--beam 4 --alpha 0.2
+--length-penalty power --stop hf``) and with the run's own. Where they differ: CTranslate2 counts |Y| without
+the end token (aiayn with it), decodes up to 256 tokens (aiayn: the run's max_len_a * |x| + max_len_b), replaces
+<unk> by a source token (``replace_unknowns``), and Argos turns "_" into spaces and splits multi-sentence lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Runs argostranslate as a user would, in a fresh process whose Argos directories are empty and where no
+# connection can be opened: installs the package file, then translates each line of stdin (a JSON list).
+CLIENT = r"""
+import json, socket, sys, time
+def refuse(*args, **kwargs):
+    raise OSError("offline: no network")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+from argostranslate import package, translate
+package.install_from_path(sys.argv[1])
+langs = sorted(l.code for l in translate.get_installed_languages())
+src, tgt = sys.argv[2], sys.argv[3]
+lines = json.loads(sys.stdin.read())
+start = time.perf_counter()
+out = [translate.translate(q, src, tgt) for q in lines]
+print(json.dumps({"installed": langs, "out": out, "seconds": time.perf_counter() - start}))
+"""
+
+
+def argos_translate(package_file: Path, lines: Sequence[str], home: Path, src: str, tgt: str,
+                    threads: int = 1) -> dict[str, Any]:
+    """``{"installed": [codes], "out": [translations], "seconds": s}`` from argostranslate in a fresh, offline
+    process whose Argos data, cache and config live under ``home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARGOS_", "XDG_"))}
+    env.update(HOME=str(home), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
+               XDG_CONFIG_HOME=str(home / "config"), ARGOS_DEVICE_TYPE="cpu", ARGOS_INTRA_THREADS=str(threads),
+               OMP_NUM_THREADS=str(threads))
+    r = subprocess.run([sys.executable, "-c", CLIENT, str(package_file), src, tgt], input=json.dumps(list(lines)),
+                       capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"argostranslate failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.argos_agreement", description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a translation run directory (shared SentencePiece vocabulary)")
+    p.add_argument("--split", default="test_2016_flickr", help="a split of the run's dataset (default: Multi30k test)")
+    p.add_argument("--limit", type=int, default=None, help="the first N lines only")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each side (default 1)")
+    p.add_argument("--out-json", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from aiayn.config import load_config
+    from aiayn.decode.translator import load
+    from aiayn.eval.evaluate import split_pairs
+    from aiayn.eval.metrics import sacrebleu_scores
+    from aiayn.interop.argos import ARGOS_BEAM, ARGOS_LENGTH_PENALTY, export_argos
+    from benchmarks.common import command_line, utc_now, write_json
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(Path(args.run) / "config.yaml")
+    pairs = split_pairs(cfg, args.split)[: args.limit]
+    sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
+    translator = load(args.run, "cpu")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        package = export_argos(args.run, Path(d) / "model.argosmodel")
+        got = argos_translate(package, sources, Path(d) / "home", cfg.data.src_lang, cfg.data.tgt_lang, args.threads)
+    results["argos"] = {"out": got["out"], "seconds": got["seconds"]}
+    for name, opts in (("aiayn, Argos' settings", dict(beam=ARGOS_BEAM, alpha=ARGOS_LENGTH_PENALTY,
+                                                         length_penalty="power", stop="hf")),
+                       ("aiayn, the run's settings", {})):
+        start = time.perf_counter()
+        out = translator.translate(sources, **opts)
+        results[name] = {"out": out, "seconds": time.perf_counter() - start}
+    argos = results["argos"]["out"]
+    rows = []
+    for name, r in results.items():
+        scores = sacrebleu_scores(r["out"], refs)
+        same = sum(a == b for a, b in zip(r["out"], argos))
+        rows.append({"decoder": name, "lines": len(sources), "identical_to_argos": same,
+                     "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
+                     "seconds": round(r["seconds"], 1)})
+    print(f"{'decoder':28} {'identical to Argos':>18} {'BLEU':>6} {'chrF':>6} {'seconds':>8}")
+    for r in rows:
+        print(f"{r['decoder']:28} {r['identical_to_argos']:>12}/{r['lines']:<5} {r['bleu']:6.2f} {r['chrf']:6.2f} "
+              f"{r['seconds']:8.1f}")
+    differ = [(s, a, b) for s, a, b in zip(sources, argos, results["aiayn, Argos' settings"]["out"]) if a != b]
+    for s, a, b in differ[:5]:
+        print(json.dumps({"source": s, "argos": a, "aiayn": b}, ensure_ascii=False))
+    if args.out_json:
+        write_json(args.out_json, {"command": command_line("benchmarks.argos_agreement", argv or sys.argv[1:]),
+                                   "date": utc_now(), "run": Path(args.run).name, "split": args.split,
+                                   "rows": rows, "differences": [dict(zip(("source", "argos", "aiayn"), t))
+                                                                 for t in differ[:20]]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
