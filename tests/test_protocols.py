@@ -138,6 +138,39 @@ def test_a_translation_run_answers_completions_with_its_translation(client_mt, t
                                                 "best_of": 1, "logprobs": None})
     ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
     assert [c["text"] for c in r.json()["choices"]] == ours and r.json()["object"] == "text_completion"
+    r = client_mt.post("/v1/completions", json={"prompt": LINES, "temperature": 0, "stream": True})
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    streamed = ["".join(c["text"] for c in chunks if c["index"] == i) for i in range(len(LINES))]
+    assert streamed == ours and sorted(c["index"] for c in chunks if c["finish_reason"] == "stop") == [0, 1, 2]
+
+
+def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_run(translator):
+    """Concurrent requests of both protocols (and aiayn's own) are merged by the batcher into shared model calls
+    when they decode with the same options, and each answers as if alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    app = create_app(translator, max_wait_ms=400.0, max_batch_tokens=100_000)
+    calls, real = [], translator.search
+
+    def counting(texts, opts, scores=True):
+        calls.append(list(texts))
+        return real(texts, opts, scores)
+
+    libre, openai = LINES + ["a a b", "b b"], ["b a", "c c c", "a b a", "c b a", "b c"]
+    requests = ([("/translate", {"q": t, "source": "en", "target": "de"}) for t in libre]
+                + [("/v1/completions", {"prompt": t, "temperature": 0, "max_tokens": 40}) for t in openai])
+    with TestClient(app, base_url="http://localhost") as c, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(translator, "search", counting)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            responses = list(pool.map(lambda r: c.post(r[0], json=r[1]), requests))
+    assert all(r.status_code == 200 for r in responses)
+    assert len(calls) < len(requests) / 2  # shared calls ...
+    assert any(set(call) & set(libre) and set(call) & set(openai) for call in calls)  # ... across the protocols
+    alone = [h[0].text for h in real(libre + openai, translator.options(), scores=False)]
+    assert [r.json()["translatedText"] for r in responses[:len(libre)]] == alone[:len(libre)]
+    assert [r.json()["choices"][0]["text"] for r in responses[len(libre):]] == alone[len(libre):]
 
 
 # OpenAI completions --------------------------------------------------------------------------------------

@@ -322,8 +322,10 @@ class StopScan:
         return out
 
 
-def openai_routes(svc, key: str | None) -> list[Route]:
-    """``/v1/models`` and ``/v1/completions``."""
+def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
+    """``/v1/models`` and ``/v1/completions``. On a translation run a completion is the prompt's translation,
+    through ``run_translation``: the batcher merges it with concurrent requests of every API that decode with the
+    same options (LibreTranslate's, aiayn's /v1/translate, other completions)."""
     model_id = svc.run.path.name
     created = int(time.time())
 
@@ -356,43 +358,56 @@ def openai_routes(svc, key: str | None) -> list[Route]:
         return gen.stream(prompt, opts), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
 
     def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None) -> dict[str, Any]:
-        """Generate one completion (worker thread); ``emit`` gets each final piece as it comes."""
+        """Generate one completion by a language model (worker thread); ``emit`` gets each final piece as it
+        comes."""
         scan = StopScan(c.stop)
         text, tokens = [], 0
-        if svc.task == "lm":
-            pieces, prompt_tokens = lm_pieces(prompt, c, seed)
-            for piece in pieces:
-                tokens += 1
-                out = scan.add(piece)
-                if out:
-                    text.append(out)
-                    if emit:
-                        emit(out)
-                if scan.stopped:
-                    break
-            tokens -= 0 if scan.stopped else 1  # the last piece is the held-back tail, not a token
-        else:  # a translation run: the prompt is the sentence, the completion its translation
-            tr = svc.model
-            opts = tr.cfg.decode if c.temperature == 0 else tr.cfg.decode.replace(
-                sample=True, temperature=c.temperature, top_p=c.top_p if c.top_p < 1 else None, seed=seed,
-                nbest=1)
-            [hyps] = tr.search([prompt], opts, scores=False)
-            prompt_tokens = len(tr.tokenizers.src.encode(prompt)) + 1
-            translation = hyps[0].text if hyps else ""
-            tokens = len(hyps[0].ids) if hyps else 0
-            out = scan.add(translation)
-            text.append(out)
-            if emit and out:
-                emit(out)
+        pieces, prompt_tokens = lm_pieces(prompt, c, seed)
+        for piece in pieces:
+            tokens += 1
+            out = scan.add(piece)
+            if out:
+                text.append(out)
+                if emit:
+                    emit(out)
+            if scan.stopped:
+                break
+        tokens -= 0 if scan.stopped else 1  # the last piece is the held-back tail, not a token
         tail = scan.finish()
         if tail:
             text.append(tail)
             if emit:
                 emit(tail)
-        limit = c.max_tokens if svc.task == "lm" else None
-        finish = "stop" if scan.stopped or limit is None or tokens < limit else "length"
+        finish = "stop" if scan.stopped or tokens < c.max_tokens else "length"
         return {"text": "".join(text), "finish_reason": finish, "prompt_tokens": prompt_tokens,
                 "completion_tokens": max(tokens, 0)}
+
+    async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
+        """Every choice of a completion on a translation run: the run's search (temperature 0: every choice of
+        a prompt is the same translation, decoded once) or a draw (temperature > 0), through the batcher."""
+        tr = svc.model
+        base = tr.cfg.decode.replace(nbest=1)
+        if c.temperature == 0:
+            prompts = list(dict.fromkeys(p for _, p, _ in jobs))
+            found, _ = await run_translation(prompts, base)
+            by_prompt = dict(zip(prompts, found))
+            hyps = [by_prompt[p] for _, p, _ in jobs]
+        else:
+            def draw(seed: int | None):
+                return base.replace(sample=True, temperature=c.temperature, seed=seed,
+                                    top_p=c.top_p if c.top_p < 1 else None)
+            if c.seed is None:  # unseeded draws: one call for all, each row its own draw
+                hyps, _ = await run_translation([p for _, p, _ in jobs], draw(None))
+            else:  # a seeded draw must not depend on its batch: each runs alone (run_translation's rule)
+                calls = await asyncio.gather(*(run_translation([p], draw(seed)) for _, p, seed in jobs))
+                hyps = [found[0] for found, _ in calls]
+        out = []
+        for (_, prompt, _), h in zip(jobs, hyps):
+            scan = StopScan(c.stop)
+            text = scan.add(h[0].text if h else "") + scan.finish()
+            out.append({"text": text, "finish_reason": "stop", "completion_tokens": len(h[0].ids) if h else 0,
+                        "prompt_tokens": len(tr.tokenizers.src.encode(prompt)) + 1})
+        return out
 
     async def completions(request: Request) -> Response:
         authorize(request)
@@ -403,9 +418,13 @@ def openai_routes(svc, key: str | None) -> list[Route]:
                                    "a translation run", code="wrong_task")
         rid, when = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         jobs = choices_for(c)
+        translation = svc.task == "translation"
         if not c.stream:
-            results = await svc.batcher.run(None, jobs, 1, lambda items: [run_one(p, c, s, None)
-                                                                          for _, p, s in items])
+            if translation:
+                results = await translate_choices(c, jobs)
+            else:
+                results = await svc.batcher.run(None, jobs, 1, lambda items: [run_one(p, c, s, None)
+                                                                              for _, p, s in items])
             usage = {"prompt_tokens": sum(r["prompt_tokens"] for r, (i, _, _) in zip(results, jobs)
                                           if i % c.n == 0),
                      "completion_tokens": sum(r["completion_tokens"] for r in results)}
@@ -434,7 +453,13 @@ def openai_routes(svc, key: str | None) -> list[Route]:
                 out.append(r)
             return out
 
-        future = asyncio.ensure_future(svc.batcher.run(None, jobs, 1, work))
+        async def translated() -> None:  # a translation is decoded whole: each choice comes as one event
+            for r, (index, _, _) in zip(await translate_choices(c, jobs), jobs):
+                for text, finish in ((r["text"], None), ("", r["finish_reason"])):
+                    if text or finish:
+                        queue.put_nowait(chunk(index, text, finish))
+
+        future = asyncio.ensure_future(translated() if translation else svc.batcher.run(None, jobs, 1, work))
         future.add_done_callback(lambda f: queue.put_nowait(None))
 
         async def events():
@@ -459,4 +484,4 @@ def openai_routes(svc, key: str | None) -> list[Route]:
 
 def protocol_routes(svc, run_translation, key: str | None) -> list[Route]:
     """Every route of this module for ``svc`` (the server's shared model, batcher and limits)."""
-    return [*libre_routes(svc, run_translation, key), *openai_routes(svc, key)]
+    return [*libre_routes(svc, run_translation, key), *openai_routes(svc, run_translation, key)]
