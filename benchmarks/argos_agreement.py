@@ -6,8 +6,10 @@ set: identical lines, BLEU and chrF of each, and the time each takes.
 The package is exported (fp32) into a temporary directory and installed by the real ``argostranslate`` in a fresh
 process whose Argos directories are empty and where every network connection is refused; it translates each
 source line as LibreTranslate would (``translate.translate(q, src, tgt)``: its sentence splitter, then beam 4,
-CTranslate2's length penalty 0.2). aiayn decodes the same lines with Argos' settings (``--beam 4 --alpha 0.2
---length-penalty power --stop hf``) and with the run's own. Where they differ: CTranslate2 counts |Y| without
+CTranslate2's length penalty 0.2), once with ``ARGOS_COMPUTE_TYPE=float32`` and once with Argos' default
+("auto": CTranslate2 quantizes the float32 weights to int8 as it loads them, on most CPUs). aiayn decodes the
+same lines with Argos' settings (``--beam 4 --alpha 0.2 --length-penalty power --stop hf``) and with the run's
+own. Where they differ: CTranslate2 counts |Y| without
 the end token (aiayn with it), decodes up to 256 tokens (aiayn: the run's max_len_a * |x| + max_len_b), replaces
 <unk> by a source token (``replace_unknowns``), and Argos turns "_" into spaces and splits multi-sentence lines.
 """
@@ -45,13 +47,16 @@ print(json.dumps({"installed": langs, "out": out, "seconds": time.perf_counter()
 
 
 def argos_translate(package_file: Path, lines: Sequence[str], home: Path, src: str, tgt: str,
-                    threads: int = 1) -> dict[str, Any]:
+                    threads: int = 1, compute_type: str | None = None) -> dict[str, Any]:
     """``{"installed": [codes], "out": [translations], "seconds": s}`` from argostranslate in a fresh, offline
-    process whose Argos data, cache and config live under ``home``."""
+    process whose Argos data, cache and config live under ``home``. ``compute_type``: ARGOS_COMPUTE_TYPE (None:
+    Argos' default, "auto", which CTranslate2 turns into int8 on most CPUs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ARGOS_", "XDG_"))}
     env.update(HOME=str(home), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
                XDG_CONFIG_HOME=str(home / "config"), ARGOS_DEVICE_TYPE="cpu", ARGOS_INTRA_THREADS=str(threads),
                OMP_NUM_THREADS=str(threads))
+    if compute_type is not None:
+        env["ARGOS_COMPUTE_TYPE"] = compute_type
     r = subprocess.run([sys.executable, "-c", CLIENT, str(package_file), src, tgt], input=json.dumps(list(lines)),
                        capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode != 0:
@@ -85,15 +90,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         package = export_argos(args.run, Path(d) / "model.argosmodel")
-        got = argos_translate(package, sources, Path(d) / "home", cfg.data.src_lang, cfg.data.tgt_lang, args.threads)
-    results["argos"] = {"out": got["out"], "seconds": got["seconds"]}
+        for name, compute in (("argos, ARGOS_COMPUTE_TYPE=float32", "float32"), ("argos, its default (auto)", None)):
+            got = argos_translate(package, sources, Path(d) / name.split()[-1], cfg.data.src_lang, cfg.data.tgt_lang,
+                                  args.threads, compute)
+            results[name] = {"out": got["out"], "seconds": got["seconds"]}
     for name, opts in (("aiayn, Argos' settings", dict(beam=ARGOS_BEAM, alpha=ARGOS_LENGTH_PENALTY,
                                                          length_penalty="power", stop="hf")),
                        ("aiayn, the run's settings", {})):
         start = time.perf_counter()
         out = translator.translate(sources, **opts)
         results[name] = {"out": out, "seconds": time.perf_counter() - start}
-    argos = results["argos"]["out"]
+    argos = results["argos, ARGOS_COMPUTE_TYPE=float32"]["out"]
     rows = []
     for name, r in results.items():
         scores = sacrebleu_scores(r["out"], refs)
@@ -101,15 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"decoder": name, "lines": len(sources), "identical_to_argos": same,
                      "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
                      "seconds": round(r["seconds"], 1)})
-    print(f"{'decoder':28} {'identical to Argos':>18} {'BLEU':>6} {'chrF':>6} {'seconds':>8}")
+    print(f"{'decoder':34} {'identical to Argos fp32':>23} {'BLEU':>6} {'chrF':>6} {'seconds':>8}")
     for r in rows:
-        print(f"{r['decoder']:28} {r['identical_to_argos']:>12}/{r['lines']:<5} {r['bleu']:6.2f} {r['chrf']:6.2f} "
+        print(f"{r['decoder']:34} {r['identical_to_argos']:>17}/{r['lines']:<5} {r['bleu']:6.2f} {r['chrf']:6.2f} "
               f"{r['seconds']:8.1f}")
     differ = [(s, a, b) for s, a, b in zip(sources, argos, results["aiayn, Argos' settings"]["out"]) if a != b]
     for s, a, b in differ[:5]:
         print(json.dumps({"source": s, "argos": a, "aiayn": b}, ensure_ascii=False))
     if args.out_json:
-        write_json(args.out_json, {"command": command_line("benchmarks.argos_agreement", argv or sys.argv[1:]),
+        write_json(args.out_json, {"command": command_line("argos_agreement", argv or sys.argv[1:]),
                                    "date": utc_now(), "run": Path(args.run).name, "split": args.split,
                                    "rows": rows, "differences": [dict(zip(("source", "argos", "aiayn"), t))
                                                                  for t in differ[:20]]})

@@ -8,9 +8,10 @@ a bad request is refused.
   request to the first event carrying text and to ``[DONE]``, ``--repeats`` times; the server's decoding step
   time is the total over the tokens streamed. Goal (issue 33): the first token within one decoding step of the
   request starting, i.e. time to first token <= the request overhead + one step.
-- Batching: ``--clients`` threads each send ``POST /translate`` (LibreTranslate, one sentence) in a loop until
+- Batching: ``--clients`` threads on the translation run, half sending ``POST /translate`` (LibreTranslate, one
+  sentence), half ``POST /v1/completions`` (OpenAI, the sentence as the prompt, greedy), in a loop until
   ``--requests`` are answered; ``/health``'s jobs / calls before and after give the requests per model call
-  (> 1: concurrent requests share calls).
+  (> 1: concurrent requests share calls; both protocols decode with the run's options, so they share them).
 - Refusals: each bad request of the list below, timed; every one must be a 4xx in the protocol's shape.
 
 Servers run as ``python -m aiayn serve RUN --port 0 --device cpu`` subprocesses (benchmarks.serve_load).
@@ -116,8 +117,12 @@ def batching(mt_run: str, clients: int, requests: int) -> dict[str, Any]:
                     if left[0] <= 0:
                         return
                     left[0] -= 1
-                status, payload, _ = _post_raw(url, "/translate", {"q": texts[i % len(texts)], "source": "en",
-                                                                   "target": "de"})
+                text = texts[i % len(texts)]
+                if k % 2 == 0:  # half the clients speak LibreTranslate, half OpenAI's completions
+                    status, payload, _ = _post_raw(url, "/translate", {"q": text, "source": "en", "target": "de"})
+                else:
+                    status, payload, _ = _post_raw(url, "/v1/completions", {"prompt": text, "temperature": 0,
+                                                                            "max_tokens": 64})
                 if status != 200:
                     errors.append(status)
                 i += clients

@@ -15,8 +15,9 @@ from aiayn.search import SearchSpec
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
 
-# Two cores on CI: one intra-op thread per test process keeps timings predictable.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
+# threads are the cores each process has to itself, so the processes never contend for a core.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def shared_data_dir() -> Path | None:
