@@ -412,3 +412,32 @@ def test_load_gives_a_generator_for_a_language_model(text_lm, summary_lm, articl
     summaries = aiayn.load(summary_lm, device="cpu").summarize(["alpha bravo charlie. delta echo."],
                                                                max_new_tokens=6)
     assert len(summaries) == 1 and "\n" not in summaries[0]
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+def test_prompts_of_different_lengths_in_one_batch_generate_as_each_alone(positional, one_thread):
+    """sample_rows (a server's concurrent completions in one batch: left-padded, each row at its own positions,
+    one cache) gives every row the ids sample() gives it alone: greedy, and seeded draws with per-row seeds;
+    each row stops at its own EOS or token limit."""
+    from aiayn.config import ModelConfig
+    from aiayn.model import build_model
+    from aiayn.search import sample_list, sample_rows
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=2, d_ff=64, n_decoder_layers=2, dropout=0.0,
+                      max_positions=64, positional=positional)
+    model = build_model(cfg, "lm").eval()
+    prompts = [[2, 5, 6, 7], [2, 9], [2, 11, 12, 13, 14, 15, 16, 17], [2]]
+    limits, seeds = [10, 6, 12, 3], [11, 12, 13, 14]
+    for opts in ({}, {"sample": True, "temperature": 1.0, "top_p": 0.9}, {"sample": True, "top_k": 5}):
+        rows: list[list[int]] = [[] for _ in prompts]
+        for step in sample_rows(model, prompts, spec_of(**opts), limits, seeds):
+            assert len(step) == len(prompts)
+            for r, t in enumerate(step):
+                if t is not None:
+                    rows[r].append(t)
+        alone = [sample_list(model, p, spec_of(**opts, seed=s), n) for p, s, n in zip(prompts, seeds, limits)]
+        assert rows == alone, opts
+        assert [len(r) for r in rows] != [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="positions"):
+        next(sample_rows(model, [[2] * 60], spec_of(), [10], [None]))

@@ -213,6 +213,40 @@ def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
     assert client.completions.create(model=model.id, prompt="the", max_tokens=2).choices  # still serving
 
 
+def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
+    """Concurrent completions with the same sampling options run as one batch (prompts of different lengths,
+    limits and stops), streamed or not, and each gives the text it gives alone; a prompt too long for a batch
+    (it needs the sliding window) runs alone in the same call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = aiayn.load(lm_run, device="cpu")
+    app = create_app(gen, max_wait_ms=400.0, max_batch_tokens=100_000)
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, **extra} for p, n, extra in (
+        ("the cat", 12, {}), ("a", 5, {}), ("the dog sat on", 9, {"stop": [" the"]}), ("t", 7, {"stream": True}),
+        ("the log", 10, {"stream": True, "stop": ["."]}), ("on the mat. the", 6, {}),
+        ("the " * 5, 20, {}),  # 20 + 20 tokens > the model's context of 32: the sliding window, alone
+        ("the " * 10, 5, {}))]  # a prompt of 40 tokens: refused, and the others are served
+    gen_ok = len(bodies) - 1
+    with TestClient(app, base_url="http://localhost") as c:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            responses = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
+        stats = app.state.service.batcher.stats
+    assert [r.status_code for r in responses] == [200] * gen_ok + [400], [r.text for r in responses]
+    assert "no new token fits" in responses[-1].json()["error"]["message"]
+    assert stats.largest_call > 2 and stats.calls < gen_ok
+    for b, r in zip(bodies[:gen_ok], responses):
+        alone = gen.generate(b["prompt"], max_new_tokens=b["max_tokens"])
+        for stop in b.get("stop", []):
+            alone = alone.split(stop)[0]
+        if b.get("stream"):
+            events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        else:
+            text = r.json()["choices"][0]["text"]
+        assert text == alone, b
+
+
 def test_stop_scan_never_shows_what_a_stop_string_removes():
     s = StopScan(("END", "xy"))
     shown = [s.add(p) for p in ["ab", "cE", "N", "D more"]]

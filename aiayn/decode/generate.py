@@ -42,7 +42,7 @@ from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, decode_ids, sample
+from aiayn.search import SearchSpec, decode_ids, sample, sample_rows
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -96,6 +96,14 @@ def new_token_limit(opts: DecodeOptions, command: str) -> int:
     return DEFAULT_NEW_TOKENS[command] if opts.max_new_tokens is None else opts.max_new_tokens
 
 
+def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:
+    """A one-line ConfigError when a prompt of these ids leaves no room for a new token in the model's context."""
+    ctx = lm_context(cfg)
+    if len(ids) + 1 > ctx:
+        raise ConfigError(f"the prompt is {len(ids)} tokens but the model reads {ctx} at once (its training "
+                          f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
+
+
 def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = False) -> Iterator[str]:
     """Stream the continuation of ``prompt`` by a language-model :class:`~aiayn.run_dir.Run`: one text
     piece per generated token (empty while a character is incomplete), then what was held back.
@@ -110,9 +118,8 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
                           "(use translate or summarize)")
     ids = prompt_ids(cfg, tok, prompt)
     ctx = lm_context(cfg)
-    if len(ids) + 1 > ctx and not slide:
-        raise ConfigError(f"the prompt is {len(ids)} tokens but the model reads {ctx} at once (its training "
-                          f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
+    if not slide:
+        check_prompt_fits(cfg, ids)
     tokens = sample(run.model, ids, SearchSpec(opts, run.tokenizers.specials), new_token_limit(opts, "generate"),
                     context_limit=ctx)
 
@@ -128,6 +135,34 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
         yield text.finish()
 
     return stream()
+
+
+def fits_in_batch(run: Run, prompt: str, max_new_tokens: int) -> bool:
+    """Whether ``prompt`` and ``max_new_tokens`` new tokens fit the model's positions, so that the prompt can be
+    generated in a batch with others (:func:`stream_rows`; longer ones need :func:`generate_text`'s window)."""
+    return len(prompt_ids(run.cfg, run.tokenizers.src, prompt)) + max_new_tokens <= lm_context(run.cfg)
+
+
+def stream_rows(run: Run, prompts: Sequence[str], opts: DecodeOptions, max_new_tokens: Sequence[int],
+                seeds: Sequence[int | None]) -> Iterator[list[str | None]]:
+    """:func:`generate_text` for several prompts in one batch (a server's concurrent requests): per generated
+    token, one list with each row's text piece (None once the row has ended), then a last list with each row's
+    held-back tail. Row r draws with ``seeds[r]`` and stops after ``max_new_tokens[r]`` tokens; the other options
+    are ``opts``'. A row's pieces are those :func:`generate_text` streams for it alone (up to float rounding);
+    every prompt must :func:`fits_in_batch`."""
+    cfg, tok = run.cfg, run.tokenizers.src
+    ids = [prompt_ids(cfg, tok, p) for p in prompts]
+    spec = SearchSpec(opts, run.tokenizers.specials)
+    steps = sample_rows(run.model, ids, spec, list(max_new_tokens), list(seeds))
+    texts = [TextStream(tok, i) for i in ids]
+    device = model_device(run.model)
+    while True:
+        with kernels(device):  # per step: nothing is held while the caller has the pieces
+            step = next(steps, None)
+        if step is None:
+            break
+        yield [None if t is None else texts[r].add(t) for r, t in enumerate(step)]
+    yield [t.finish() for t in texts]
 
 
 # Summaries ---------------------------------------------------------------------------------------------

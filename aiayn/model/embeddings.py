@@ -67,6 +67,11 @@ class SinusoidalPositionalEncoding(nn.Module):
         _check_range(offset + length, self.max_positions)
         return self.table[offset : offset + length]
 
+    def at(self, positions: Tensor) -> Tensor:
+        """Encodings of the positions (B, T) long -> (B, T, D): each row at its own positions."""
+        _check_range(int(positions.max()) + 1, self.max_positions)
+        return self.table[positions]
+
 
 class LearnedPositionalEmbedding(nn.Module):
     """A learned vector per position (Table 3 row E: "nearly identical results")."""
@@ -80,6 +85,11 @@ class LearnedPositionalEmbedding(nn.Module):
     def forward(self, length: int, offset: int = 0) -> Tensor:
         _check_range(offset + length, self.max_positions)
         return self.weight[offset : offset + length]
+
+    def at(self, positions: Tensor) -> Tensor:
+        """The vectors of the positions (B, T) long -> (B, T, D): each row at its own positions."""
+        _check_range(int(positions.max()) + 1, self.max_positions)
+        return self.weight[positions]
 
 
 def _check_range(end: int, max_positions: int) -> None:

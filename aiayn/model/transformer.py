@@ -83,16 +83,33 @@ class Decoder(nn.Module):
         memory_mask: Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        left_pad: Tensor | None = None,
     ) -> tuple[Tensor, list, list]:
         """tgt (B, T) ids (only the new steps when a cache is given); memory (B, S, D);
-        memory_mask (B, S) bool. Returns logits (B, T, V), self- and cross-attention probs per layer."""
+        memory_mask (B, S) bool. Returns logits (B, T, V), self- and cross-attention probs per layer.
+
+        ``left_pad`` (B,) long: row b's first left_pad[b] columns (from the first step) are padding, so that
+        prompts of different lengths end together: its text starts at position 0 there, and no query sees a
+        padding column (a padding query's output is zero)."""
         past = cache.length if cache is not None else 0
         T = tgt.size(1)
-        x = self.dropout(self.embed(tgt) + self.positions(T, offset=past))
+        if left_pad is None:
+            pos = self.positions(T, offset=past)
+        else:
+            cols = torch.arange(past, past + T, device=tgt.device)
+            pos = self.positions.at((cols[None, :] - left_pad[:, None]).clamp(min=0))  # (B, T, D)
+        x = self.dropout(self.embed(tgt) + pos)
         # Nothing cached and several steps (training, prefill): the kernel's own causal path, no mask tensor.
-        causal = past == 0 and T > 1
+        causal = past == 0 and T > 1 and left_pad is None
         steps = None if causal else causal_mask(T, past, tgt.device)
         self_mask = AttentionMask(steps, None) if steps is not None else None  # a causal row always has a key
+        if left_pad is not None:
+            keys = torch.arange(past + T, device=tgt.device)
+            allowed = keys[None, None, None, :] >= left_pad[:, None, None, None]  # (B, 1, 1, past + T)
+            if steps is not None:
+                allowed = allowed & steps
+            empty = ~allowed.any(dim=-1, keepdim=True)  # padding queries: no key at all
+            self_mask = AttentionMask(allowed | empty, empty)
         mem_mask = padding_mask(memory_mask) if memory_mask is not None else None  # once for all layers
         self_probs, cross_probs = [], []
         for i, layer in enumerate(self.layers):
@@ -174,11 +191,12 @@ class DecoderOnlyLM(nn.Module):
 
     def decode(
         self, tokens: Tensor, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | None = None, left_pad: Tensor | None = None,
     ) -> Tensor:
         """tokens (B, T) (with a cache: only the new steps) -> logits (B, T, V). ``memory`` is unused;
-        it is accepted so search code can drive both model kinds the same way."""
-        return self.decoder(tokens, None, None, cache)[0]
+        it is accepted so search code can drive both model kinds the same way. ``left_pad`` (B,): prompts of
+        different lengths in one batch, left-padded (:meth:`Decoder.forward`)."""
+        return self.decoder(tokens, None, None, cache, left_pad=left_pad)[0]
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""

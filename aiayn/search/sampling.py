@@ -140,6 +140,58 @@ def sample(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSpec, m
         tokens = torch.cat([tokens, pending], dim=1)
 
 
+@torch.no_grad()
+def sample_rows(model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+    """:func:`sample` for several prompts in one batch: per step, each row's new id (None once the row has
+    ended, by EOS, which is not given, or after its ``max_new_tokens[r]`` ids).
+
+    The prompts (lists of ids, not empty) are left-padded so that they end together, each row at its own
+    positions (``model.decode(..., left_pad=)``), prefilled in one call, then decoded one step at a time with
+    one cache. Row r draws with its own generator seeded by ``seeds[r]`` (None: torch's global RNG), so its ids
+    are those :func:`sample` gives it alone, up to the float rounding of batched matmuls. The spec's options
+    (temperature, top-k/p, min_len, no_repeat_ngram) apply to every row. Every prompt plus its new ids must fit
+    the model's positions: no sliding window here (:func:`sample` has one).
+    """
+    device = model_device(model)
+    process = LogitsProcessor(spec, device)
+    B = len(prompts)
+    if B == 0 or len(max_new_tokens) != B or len(seeds) != B or any(len(p) == 0 for p in prompts):
+        raise ValueError("sample_rows: one non-empty prompt, token limit and seed per row")
+    longest = max(len(p) for p in prompts)
+    limit = getattr(getattr(model, "cfg", None), "max_positions", None)
+    if limit is not None and any(len(p) + n > limit for p, n in zip(prompts, max_new_tokens)):
+        raise ValueError(f"sample_rows: a prompt and its new tokens exceed the model's {limit} positions")
+    left = [longest - len(p) for p in prompts]
+    tokens = torch.full((B, longest), spec.pad, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        tokens[r, left[r]:] = torch.as_tensor(list(p), dtype=torch.long)
+    tokens, left_pad = tokens.to(device), torch.tensor(left, dtype=torch.long, device=device)
+    gens = [_generator(seed, device) for seed in seeds]
+    steps = max(max_new_tokens)
+    cache = new_cache(model, longest + steps)
+    produced = torch.zeros(B, 0, dtype=torch.long)
+    live = [n > 0 for n in max_new_tokens]
+    pending = tokens
+    for t in range(steps):
+        if not any(live):
+            return
+        logits = model.decode(pending, None, None, cache, left_pad=left_pad)[:, -1]  # (B, V)
+        logits = process.constrain(process.ban(logits).float(), produced, t)
+        drawn = [int(_draw(process, logits[r:r + 1], spec.temperature, gens[r])) if live[r] else spec.pad
+                 for r in range(B)]
+        out: list[int | None] = []
+        for r, tok in enumerate(drawn):
+            if live[r] and tok == spec.eos:
+                live[r] = False
+            out.append(tok if live[r] else None)
+            if live[r] and t + 1 >= max_new_tokens[r]:
+                live[r] = False
+        yield out
+        pending = torch.tensor(drawn, dtype=torch.long, device=device)[:, None]
+        produced = torch.cat([produced, pending.cpu()], dim=1)
+
+
 def sample_list(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSpec, max_new_tokens: int,
                 **kwargs) -> list[int]:
     """:func:`sample` collected into a list (same arguments)."""

@@ -348,6 +348,15 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                 out.append((p_i * c.n + k, prompt, seed))
         return out
 
+    def lm_group(c: Completion) -> tuple:
+        """Completions that may share a batch: the same sampling options (seeds, limits and stops are per row)."""
+        return ("completion", c.temperature, c.top_p)
+
+    def lm_cost(c: Completion, jobs: list[tuple[int, str, int | None]]) -> int:
+        """What the rows hold in a batch (the batcher's --max-batch-tokens bounds merged requests): prompt
+        characters as an upper bound of their tokens, plus the new tokens."""
+        return sum(len(p) + 1 + c.max_tokens for _, p, _ in jobs)
+
     def lm_pieces(prompt: str, c: Completion, seed: int | None):
         """(pieces iterator, prompt tokens) of one completion by a language model (runs on the worker thread)."""
         from aiayn.decode.generate import prompt_ids
@@ -381,6 +390,52 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         finish = "stop" if scan.stopped or tokens < c.max_tokens else "length"
         return {"text": "".join(text), "finish_reason": finish, "prompt_tokens": prompt_tokens,
                 "completion_tokens": max(tokens, 0)}
+
+    def run_lm(items: list[tuple[str, int | None, Completion, Any]]) -> list[dict[str, Any]]:
+        """Completions of concurrent requests by a language model in one batch (worker thread): items are
+        (prompt, seed, request, emit or None); rows too long for a batch (they need the sliding window) run
+        alone. Each row's text, stop and token count are what :func:`run_one` gives it alone."""
+        from aiayn.decode.generate import fits_in_batch, prompt_ids, stream_rows
+
+        gen = svc.model
+        results: list[dict[str, Any] | None] = [None] * len(items)
+        rows = [k for k, (p, _, c, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
+        for k, (p, seed, c, emit) in enumerate(items):
+            if k not in rows:
+                results[k] = run_one(p, c, seed, emit)
+        if rows:
+            c0 = items[rows[0]][2]  # one group: the same temperature and top_p
+            opts = gen.options(None, sample=c0.temperature > 0, temperature=max(c0.temperature, 1e-6),
+                               top_p=c0.top_p if c0.top_p < 1 else None)
+            scans = [StopScan(items[k][2].stop) for k in rows]
+            texts: list[list[str]] = [[] for _ in rows]
+            tokens = [0] * len(rows)
+            for pieces in stream_rows(gen.run, [items[k][0] for k in rows], opts,
+                                      [items[k][2].max_tokens for k in rows], [items[k][1] for k in rows]):
+                for j, piece in enumerate(pieces):
+                    if piece is None or scans[j].stopped:
+                        continue
+                    tokens[j] += 1
+                    out = scans[j].add(piece)
+                    if out:
+                        texts[j].append(out)
+                        if items[rows[j]][3]:
+                            items[rows[j]][3](out)
+                if all(scan.stopped for scan in scans):
+                    break
+            for j, k in enumerate(rows):
+                p, _, c, emit = items[k]
+                n = tokens[j] - (0 if scans[j].stopped else 1)  # the last piece is the held-back tail
+                tail = scans[j].finish()
+                if tail:
+                    texts[j].append(tail)
+                    if emit:
+                        emit(tail)
+                results[k] = {"text": "".join(texts[j]),
+                              "finish_reason": "stop" if scans[j].stopped or n < c.max_tokens else "length",
+                              "prompt_tokens": len(prompt_ids(gen.cfg, gen.tokenizers.src, p)),
+                              "completion_tokens": max(n, 0)}
+        return results
 
     async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
         """Every choice of a completion on a translation run: the run's search (temperature 0: every choice of
@@ -419,12 +474,17 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         rid, when = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         jobs = choices_for(c)
         translation = svc.task == "translation"
+        if not translation:  # before batching: one request's bad prompt must not fail the others in its batch
+            from aiayn.decode.generate import check_prompt_fits, prompt_ids
+
+            for prompt in c.prompts:
+                check_prompt_fits(svc.model.cfg, prompt_ids(svc.model.cfg, svc.model.tokenizers.src, prompt))
         if not c.stream:
             if translation:
                 results = await translate_choices(c, jobs)
             else:
-                results = await svc.batcher.run(None, jobs, 1, lambda items: [run_one(p, c, s, None)
-                                                                              for _, p, s in items])
+                results = await svc.batcher.run(lm_group(c), [(p, s, c, None) for _, p, s in jobs],
+                                                lm_cost(c, jobs), run_lm)
             usage = {"prompt_tokens": sum(r["prompt_tokens"] for r, (i, _, _) in zip(results, jobs)
                                           if i % c.n == 0),
                      "completion_tokens": sum(r["completion_tokens"] for r in results)}
@@ -444,14 +504,12 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                                                                            "finish_reason": finish}]},
                                           ensure_ascii=False) + "\n\n").encode("utf-8")
 
-        def work(items: list) -> list:
-            out = []
-            for index, prompt, seed in items:
-                r = run_one(prompt, c, seed, lambda t, i=index: loop.call_soon_threadsafe(
-                    queue.put_nowait, chunk(i, t, None)))
-                loop.call_soon_threadsafe(queue.put_nowait, chunk(index, "", r["finish_reason"]))
-                out.append(r)
-            return out
+        async def generated() -> None:  # each token as it is decoded, from a batch shared with other requests
+            items = [(prompt, seed, c, lambda t, i=index: loop.call_soon_threadsafe(
+                queue.put_nowait, chunk(i, t, None))) for index, prompt, seed in jobs]
+            results = await svc.batcher.run(lm_group(c), items, lm_cost(c, jobs), run_lm)
+            for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
+                queue.put_nowait(chunk(index, "", r["finish_reason"]))
 
         async def translated() -> None:  # a translation is decoded whole: each choice comes as one event
             for r, (index, _, _) in zip(await translate_choices(c, jobs), jobs):
@@ -459,7 +517,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                     if text or finish:
                         queue.put_nowait(chunk(index, text, finish))
 
-        future = asyncio.ensure_future(translated() if translation else svc.batcher.run(None, jobs, 1, work))
+        future = asyncio.ensure_future(translated() if translation else generated())
         future.add_done_callback(lambda f: queue.put_nowait(None))
 
         async def events():
