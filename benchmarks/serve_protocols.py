@@ -12,6 +12,8 @@ a bad request is refused.
   sentence), half ``POST /v1/completions`` (OpenAI, the sentence as the prompt, greedy), in a loop until
   ``--requests`` are answered; ``/health``'s jobs / calls before and after give the requests per model call
   (> 1: concurrent requests share calls; both protocols decode with the run's options, so they share them).
+- Batching on a language model: ``--clients`` threads send greedy ``POST /v1/completions`` (prompts of different
+  lengths, ``--max-tokens`` tokens) until ``--requests`` are answered: requests per model call, as above.
 - Refusals: each bad request of the list below, timed; every one must be a 4xx in the protocol's shape.
 
 Servers run as ``python -m aiayn serve RUN --port 0 --device cpu`` subprocesses (benchmarks.serve_load).
@@ -150,6 +152,45 @@ def batching(mt_run: str, clients: int, requests: int) -> dict[str, Any]:
             "requests_per_call": round(jobs / max(calls, 1), 2), "refusals": refusals}
 
 
+def lm_batching(lm_run: str, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    """``clients`` threads send greedy ``/v1/completions`` to the language model until ``requests`` are answered
+    (prompts of 1-4 words, so of different lengths): requests per model call from ``/health``."""
+    proc, url, _ = serve_load.start_server(lm_run, "--max-wait-ms", "20")
+    prompts = ["the", "the cat", "a dog sat", "on the mat now", "to be or", "what is", "my lord", "and then"]
+    try:
+        with closing(serve_load.connect(url)) as conn:
+            before = serve_load.request(conn, "GET", "/health")[1]
+        left, lock, errors = [requests], threading.Lock(), []
+
+        def client(k: int) -> None:
+            i = k
+            while True:
+                with lock:
+                    if left[0] <= 0:
+                        return
+                    left[0] -= 1
+                status, _, _ = _post_raw(url, "/v1/completions", {"prompt": prompts[i % len(prompts)],
+                                                                  "max_tokens": max_tokens, "temperature": 0})
+                if status != 200:
+                    errors.append(status)
+                i += clients
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        with closing(serve_load.connect(url)) as conn:
+            after = serve_load.request(conn, "GET", "/health")[1]
+    finally:
+        serve_load.stop_server(proc)
+    jobs, calls = after["jobs"] - before["jobs"], after["calls"] - before["calls"]
+    return {"clients": clients, "requests": requests, "max_tokens": max_tokens, "errors": errors,
+            "wall_s": round(wall, 2), "requests_per_call": round(jobs / max(calls, 1), 2)}
+
+
 def openai_refusals(lm_run: str) -> list[dict[str, Any]]:
     proc, url, _ = serve_load.start_server(lm_run)
     try:
@@ -176,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-json", default=None)
     a = p.parse_args(argv)
     result = {"streaming": streaming(a.lm_run, a.max_tokens, a.repeats),
-              "batching": batching(a.mt_run, a.clients, a.requests)}
+              "batching": batching(a.mt_run, a.clients, a.requests),
+              "lm_batching": lm_batching(a.lm_run, a.clients, a.requests, a.max_tokens)}
     result["batching"]["refusals"] += openai_refusals(a.lm_run)
     text = json.dumps(result, indent=1)
     print(text)

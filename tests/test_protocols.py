@@ -264,7 +264,7 @@ def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):
     out = tmp_path / "p.json"
     r = serve_protocols.main(["--mt-run", str(tiny_run), "--lm-run", str(lm_run), "--clients", "2", "--requests",
                               "6", "--max-tokens", "4", "--repeats", "1", "--out-json", str(out)])
-    assert r["batching"]["errors"] == [] and r["streaming"]["pieces"] >= 1
+    assert r["batching"]["errors"] == [] and r["streaming"]["pieces"] >= 1 and r["lm_batching"]["errors"] == []
     assert all(400 <= x["status"] < 500 and x["shape"] for x in r["batching"]["refusals"])
     assert len(r["batching"]["refusals"]) == len(serve_protocols.BAD_REQUESTS)
     assert json.loads(out.read_text()) == r
