@@ -322,6 +322,40 @@ class StopScan:
         return out
 
 
+class CompletionText:
+    """One completion's text as a language model's pieces come (its tokens' text, then the held-back tail):
+    cut at its stop strings, each final part passed to ``emit`` (a stream) as soon as it is final."""
+
+    def __init__(self, c: Completion, emit: Callable[[str], None] | None) -> None:
+        self.scan, self.emit, self.limit = StopScan(c.stop), emit, c.max_tokens
+        self.parts: list[str] = []
+        self.pieces = 0
+
+    @property
+    def done(self) -> bool:
+        return self.scan.stopped
+
+    def add(self, piece: str) -> None:
+        if self.scan.stopped:
+            return
+        self.pieces += 1
+        self._out(self.scan.add(piece))
+
+    def _out(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            if self.emit:
+                self.emit(text)
+
+    def result(self, prompt_tokens: int) -> dict[str, Any]:
+        """The completion's choice fields and token counts (call once, after the last piece)."""
+        tokens = self.pieces - (0 if self.scan.stopped else 1)  # the last piece is the held-back tail
+        self._out(self.scan.finish())
+        finish = "stop" if self.scan.stopped or tokens < self.limit else "length"
+        return {"text": "".join(self.parts), "finish_reason": finish, "prompt_tokens": prompt_tokens,
+                "completion_tokens": max(tokens, 0)}
+
+
 def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
     """``/v1/models`` and ``/v1/completions``. On a translation run a completion is the prompt's translation,
     through ``run_translation``: the batcher merges it with concurrent requests of every API that decode with the
@@ -367,29 +401,15 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         return gen.stream(prompt, opts), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
 
     def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None) -> dict[str, Any]:
-        """Generate one completion by a language model (worker thread); ``emit`` gets each final piece as it
-        comes."""
-        scan = StopScan(c.stop)
-        text, tokens = [], 0
+        """Generate one completion by a language model alone (worker thread; the sliding window when the text
+        outgrows the context); ``emit`` gets each final piece as it comes."""
+        out = CompletionText(c, emit)
         pieces, prompt_tokens = lm_pieces(prompt, c, seed)
         for piece in pieces:
-            tokens += 1
-            out = scan.add(piece)
-            if out:
-                text.append(out)
-                if emit:
-                    emit(out)
-            if scan.stopped:
+            out.add(piece)
+            if out.done:
                 break
-        tokens -= 0 if scan.stopped else 1  # the last piece is the held-back tail, not a token
-        tail = scan.finish()
-        if tail:
-            text.append(tail)
-            if emit:
-                emit(tail)
-        finish = "stop" if scan.stopped or tokens < c.max_tokens else "length"
-        return {"text": "".join(text), "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                "completion_tokens": max(tokens, 0)}
+        return out.result(prompt_tokens)
 
     def run_lm(items: list[tuple[str, int | None, Completion, Any]]) -> list[dict[str, Any]]:
         """Completions of concurrent requests by a language model in one batch (worker thread): items are
@@ -400,41 +420,23 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         gen = svc.model
         results: list[dict[str, Any] | None] = [None] * len(items)
         rows = [k for k, (p, _, c, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
-        for k, (p, seed, c, emit) in enumerate(items):
-            if k not in rows:
-                results[k] = run_one(p, c, seed, emit)
         if rows:
             c0 = items[rows[0]][2]  # one group: the same temperature and top_p
             opts = gen.options(None, sample=c0.temperature > 0, temperature=max(c0.temperature, 1e-6),
                                top_p=c0.top_p if c0.top_p < 1 else None)
-            scans = [StopScan(items[k][2].stop) for k in rows]
-            texts: list[list[str]] = [[] for _ in rows]
-            tokens = [0] * len(rows)
+            outs = [CompletionText(items[k][2], items[k][3]) for k in rows]
             for pieces in stream_rows(gen.run, [items[k][0] for k in rows], opts,
                                       [items[k][2].max_tokens for k in rows], [items[k][1] for k in rows]):
-                for j, piece in enumerate(pieces):
-                    if piece is None or scans[j].stopped:
-                        continue
-                    tokens[j] += 1
-                    out = scans[j].add(piece)
-                    if out:
-                        texts[j].append(out)
-                        if items[rows[j]][3]:
-                            items[rows[j]][3](out)
-                if all(scan.stopped for scan in scans):
+                for out, piece in zip(outs, pieces):
+                    if piece is not None:
+                        out.add(piece)
+                if all(out.done for out in outs):
                     break
-            for j, k in enumerate(rows):
-                p, _, c, emit = items[k]
-                n = tokens[j] - (0 if scans[j].stopped else 1)  # the last piece is the held-back tail
-                tail = scans[j].finish()
-                if tail:
-                    texts[j].append(tail)
-                    if emit:
-                        emit(tail)
-                results[k] = {"text": "".join(texts[j]),
-                              "finish_reason": "stop" if scans[j].stopped or n < c.max_tokens else "length",
-                              "prompt_tokens": len(prompt_ids(gen.cfg, gen.tokenizers.src, p)),
-                              "completion_tokens": max(n, 0)}
+            for out, k in zip(outs, rows):
+                results[k] = out.result(len(prompt_ids(gen.cfg, gen.tokenizers.src, items[k][0])))
+        for k, (p, seed, c, emit) in enumerate(items):  # after the batch: those that need the window
+            if results[k] is None:
+                results[k] = run_one(p, c, seed, emit)
         return results
 
     async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
