@@ -11,7 +11,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),)
-# Test processes (pytest-xdist): one per core, at most 4 (each holds its own torch and fixtures).
+# Test processes (pytest-xdist): one per core, at most 4 (each holds its own torch and fixtures); idle ones
+# take tests from busy ones (worksteal), since a few tests run for minutes. The 15 slowest are listed.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup demo test test-browser lint clean
@@ -30,7 +31,7 @@ demo: $(STAMP)
 	$(PY) -m aiayn demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 test-browser: $(STAMP)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
