@@ -28,7 +28,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -102,40 +102,46 @@ def streaming(lm_run: str, max_tokens: int, repeats: int) -> dict[str, Any]:
             "first_within_one_step": first <= one_token + step}
 
 
+def _drive(clients: int, requests: int, send: Callable[[int, int], int]) -> tuple[float, list[int]]:
+    """``clients`` threads call ``send(client, i)`` (returns an HTTP status) until ``requests`` calls are made,
+    client k taking i = k, k + clients, ...: the wall time and every status other than 200."""
+    left, lock, errors = [requests], threading.Lock(), []
+
+    def client(k: int) -> None:
+        i = k
+        while True:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            status = send(k, i)
+            if status != 200:
+                errors.append(status)
+            i += clients
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, errors
+
+
 def batching(mt_run: str, clients: int, requests: int) -> dict[str, Any]:
     proc, url, _ = serve_load.start_server(mt_run, "--max-wait-ms", "20")
     texts, _ = serve_load.sentences(mt_run, limit=200)
     try:
         with closing(serve_load.connect(url)) as conn:
             before = serve_load.request(conn, "GET", "/health")[1]
-        left = [requests]
-        lock = threading.Lock()
-        errors = []
 
-        def client(k: int) -> None:
-            i = k
-            while True:
-                with lock:
-                    if left[0] <= 0:
-                        return
-                    left[0] -= 1
-                text = texts[i % len(texts)]
-                if k % 2 == 0:  # half the clients speak LibreTranslate, half OpenAI's completions
-                    status, payload, _ = _post_raw(url, "/translate", {"q": text, "source": "en", "target": "de"})
-                else:
-                    status, payload, _ = _post_raw(url, "/v1/completions", {"prompt": text, "temperature": 0,
-                                                                            "max_tokens": 64})
-                if status != 200:
-                    errors.append(status)
-                i += clients
+        def send(k: int, i: int) -> int:
+            text = texts[i % len(texts)]
+            if k % 2 == 0:  # half the clients speak LibreTranslate, half OpenAI's completions
+                return _post_raw(url, "/translate", {"q": text, "source": "en", "target": "de"})[0]
+            return _post_raw(url, "/v1/completions", {"prompt": text, "temperature": 0, "max_tokens": 64})[0]
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall, errors = _drive(clients, requests, send)
         with closing(serve_load.connect(url)) as conn:
             after = serve_load.request(conn, "GET", "/health")[1]
         refusals = []
@@ -160,28 +166,9 @@ def lm_batching(lm_run: str, clients: int, requests: int, max_tokens: int) -> di
     try:
         with closing(serve_load.connect(url)) as conn:
             before = serve_load.request(conn, "GET", "/health")[1]
-        left, lock, errors = [requests], threading.Lock(), []
-
-        def client(k: int) -> None:
-            i = k
-            while True:
-                with lock:
-                    if left[0] <= 0:
-                        return
-                    left[0] -= 1
-                status, _, _ = _post_raw(url, "/v1/completions", {"prompt": prompts[i % len(prompts)],
-                                                                  "max_tokens": max_tokens, "temperature": 0})
-                if status != 200:
-                    errors.append(status)
-                i += clients
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall, errors = _drive(clients, requests, lambda k, i: _post_raw(
+            url, "/v1/completions", {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+                                     "temperature": 0})[0])
         with closing(serve_load.connect(url)) as conn:
             after = serve_load.request(conn, "GET", "/health")[1]
     finally:

@@ -85,9 +85,10 @@ def _rng(seed: int, epoch: int) -> random.Random:
     return random.Random(f"aiayn:{seed}:{epoch}")
 
 
-# From this many examples the tie-break permutation is numpy's (PCG64, seeded as _rng is): Python's shuffle takes
-# ~1 µs an example, 4-5 s of interpreter time for WMT14's 4.5M pairs before every epoch's first update. Smaller
-# corpora keep Python's shuffle, so every run and result made so far plans the same batches.
+# From this many examples the tie-break permutation is numpy's (PCG64, seeded as _rng is): with Python's shuffle an
+# epoch plan of WMT14's 4.5M pairs took 5.35 s before every epoch's first update, with numpy's 2.61 s
+# (benchmarks.data_scale, BENCHMARKS.md). Smaller corpora keep Python's shuffle, so every run and result made so
+# far plans the same batches.
 NUMPY_TIE_BREAK_FROM = 1 << 20
 
 
