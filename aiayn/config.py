@@ -273,7 +273,7 @@ class TrainConfig:
     label_smoothing: float = 0.1
     accum_steps: int = 1  # micro-batches per update
     clip_norm: float | None = None
-    precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | bf16 | fp16
+    precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | tf32 | bf16 | fp16
     compile: bool = False
     seed: int = 1
     log_every: int = 50
@@ -307,7 +307,7 @@ class TrainConfig:
         if "jsonl" not in self.log_to or len(set(self.log_to)) != len(self.log_to):
             raise ConfigError(f"train.log_to={self.log_to}: must list jsonl (report, curves and resume read "
                               "metrics.jsonl) and each tracker once")
-        _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _choice("train.precision", self.precision, ("auto", "fp32", "tf32", "bf16", "fp16"))
         _choice("train.inference_weights", self.inference_weights, ("last", "best", "average"))
         for name in ("max_updates", "accum_steps", "log_every", "eval_every", "save_every", "average_last"):
             _at_least(f"train.{name}", getattr(self, name), 1)

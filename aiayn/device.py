@@ -5,9 +5,13 @@ GPU, else Apple's MPS where PyTorch offers it, else the CPU. A device that is as
 (``cuda`` on a CPU-only PyTorch, ``cuda:3`` on a one-GPU machine, ``bogus``) is a :class:`DeviceError`
 (one line, exit 2) raised before any work starts.
 
-Precision: ``fp32`` everywhere; ``bf16`` / ``fp16`` autocast on CUDA only (bf16 matmul is not safe on
-every CPU: it dies with "Illegal instruction" on some). ``auto`` means bf16 for training on a CUDA
-device that supports it, and fp32 for inference until bf16 decoding is measured to be as good.
+Precision: ``fp32`` everywhere, and on CUDA it is IEEE fp32 (TF32 tensor cores stay off, PyTorch's default);
+``tf32`` (CUDA only) keeps fp32 weights and activations and lets matmuls run on TF32 tensor cores (10-bit
+mantissa inputs, fp32 accumulation; several times faster than fp32 on an H100, the setting nanoGPT and Lightning
+recommend); ``bf16`` / ``fp16`` autocast on CUDA only (bf16 matmul is not safe on every CPU: it dies with
+"Illegal instruction" on some). ``auto`` means bf16 for training on a CUDA device that supports it, and fp32
+for inference (``aiayn translate``, ``serve``, ``evaluate`` and the validation BLEU of a training, which decodes
+outside the training autocast: one rule, so the BLEU a training reports is the BLEU its run gives).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 from aiayn.errors import DeviceError
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
 
 
 def _mps_available() -> bool:
@@ -62,10 +67,10 @@ def resolve_device(name: str | torch.device | None = "auto", local_rank: int = 0
 
 
 def resolve_precision(precision: str, device: torch.device, training: bool) -> str:
-    """``fp32``, ``bf16`` or ``fp16`` for ``precision`` (auto | fp32 | bf16 | fp16) on ``device``.
+    """``fp32``, ``tf32``, ``bf16`` or ``fp16`` for ``precision`` (auto | fp32 | tf32 | bf16 | fp16) on ``device``.
 
     ``auto``: bf16 when training on a CUDA device that supports it, fp32 otherwise (inference keeps fp32
-    until bf16 decoding is measured to be as good). bf16 / fp16 off CUDA is a :class:`DeviceError`."""
+    until bf16 decoding is measured to be as good). tf32 / bf16 / fp16 off CUDA is a :class:`DeviceError`."""
     if precision not in PRECISIONS:
         raise DeviceError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     cuda = device.type == "cuda"
@@ -92,14 +97,21 @@ def move_module(module: torch.nn.Module, device: str | torch.device) -> torch.de
     return dev
 
 
+def inference_precision(device: torch.device) -> str:
+    """The precision inference runs in by default on ``device`` (``--precision auto``): the one rule for
+    ``aiayn translate`` / ``evaluate`` / ``serve`` and the validation BLEU of a training."""
+    return resolve_precision("auto", device, training=False)
+
+
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
-    """The autocast context of a resolved precision (fp32: a no-op context)."""
-    if precision == "fp32":
+    """The autocast context of a resolved precision (fp32 and tf32: a no-op context; tf32 is a matmul setting,
+    :func:`aiayn.engine.kernels`)."""
+    if precision in ("fp32", "tf32"):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "model_device", "move_module", "resolve_device",
-    "resolve_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "inference_precision", "model_device", "move_module",
+    "resolve_device", "resolve_precision",
 ]

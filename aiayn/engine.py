@@ -7,9 +7,9 @@ commands. The model receives the choices as explicit values (an attribute the en
 module, a dropout module swapped in for training); nothing here changes a process-wide PyTorch setting
 outside a ``with kernels(device):`` block, so loading a run leaves the host program's torch settings alone.
 
-Precision policy: fp32 means fp32 (TF32 matmuls stay as PyTorch leaves them, off); bf16 / fp16 are autocast on
-CUDA only (:mod:`aiayn.device`): training defaults to bf16 where the GPU has it, inference to fp32 until bf16
-decoding is measured to be as good.
+Precision policy (:mod:`aiayn.device`): fp32 means IEEE fp32 on every device (TF32 matmuls stay as PyTorch
+leaves them, off); ``tf32`` turns TF32 matmuls on for the ``kernels`` block only (CUDA); bf16 / fp16 are autocast
+on CUDA only: training defaults to bf16 where the GPU has it, inference to fp32.
 
 Shapes: B batch, T length, D model width.
 """
@@ -78,8 +78,9 @@ def _sdpa_backends() -> list | None:
 
 
 @contextlib.contextmanager
-def kernels(device: torch.device) -> Iterator[None]:
-    """Run the block with aiayn's CUDA attention backends (a no-op off CUDA), restoring the previous ones after.
+def kernels(device: torch.device, precision: str = "fp32") -> Iterator[None]:
+    """Run the block with aiayn's CUDA attention backends (a no-op off CUDA), restoring the previous ones after;
+    with ``precision="tf32"`` (CUDA) fp32 matmuls run on TF32 tensor cores inside the block.
 
     cuDNN's attention backend is left out: it builds a new execution plan for every new (batch, length) shape,
     and token-budget batches have a new shape almost every update, so planning costs far more host time than
@@ -87,13 +88,25 @@ def kernels(device: torch.device) -> Iterator[None]:
     loop in one, the translator and generator their searches, and a program that loads a run keeps its own
     settings everywhere else."""
     backends = _sdpa_backends() if device.type == "cuda" else None
-    if backends is None:
-        yield
-        return
-    from torch.nn.attention import sdpa_kernel
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":  # fp32 is IEEE fp32 in the block whatever the host program set; tf32 is TF32
+            stack.enter_context(_matmul_precision("high" if precision == "tf32" else "highest"))
+        if backends is not None:
+            from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(backends):
+            stack.enter_context(sdpa_kernel(backends))
         yield
+
+
+@contextlib.contextmanager
+def _matmul_precision(level: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(level)`` inside the block ("high": TF32), the previous one after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(level)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class CpuDropout(nn.Dropout):
@@ -154,8 +167,9 @@ def use_fused_optimizer(params: list[Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
-def compile_for_training(module: nn.Module, loss_fn, fixed_shapes: bool, n_shapes: int, mode: str):
-    """``torch.compile`` of the training module and of the loss function.
+def compile_for_training(module: nn.Module, fixed_shapes: bool, n_shapes: int, mode: str) -> nn.Module:
+    """``torch.compile`` of the training module (the loss compiles its chunks' math itself:
+    :func:`aiayn.train.loss.compiled_loss`, with ``dynamic=not fixed_shapes``).
 
     Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks:
     ``fixed_shapes``) there are few shapes (``n_shapes``) and each repeats: one static graph per shape
@@ -165,9 +179,16 @@ def compile_for_training(module: nn.Module, loss_fn, fixed_shapes: bool, n_shape
     size and lengths (``dynamic=True``; the model widths stay static) instead of a recompile per shape.
     ``mode`` is ``train.compile_mode``. The model has no graph break (tests/test_engine.py)."""
     if fixed_shapes:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n_shapes)
-    options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
-    return torch.compile(module, **options), torch.compile(loss_fn, **options)
+        raise_recompile_limit(n_shapes)
+    return torch.compile(module, mode=None if mode == "default" else mode, dynamic=not fixed_shapes)
+
+
+def raise_recompile_limit(n: int) -> None:
+    """Let torch.compile keep at least ``n`` graphs of one function (``recompile_limit`` since PyTorch 2.7,
+    ``cache_size_limit`` before)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), n))
 
 
 def usable_cores() -> int:

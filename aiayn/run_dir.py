@@ -28,6 +28,7 @@ class Run:
     cfg: Config
     model: nn.Module
     tokenizers: TokenizerPair
+    precision: str = "fp32"  # resolved: fp32 | tf32 | bf16 | fp16 (tf32: fp32 weights, TF32 matmuls in kernels())
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: str | Path | None = None,
@@ -36,7 +37,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
-    dtype = DTYPES[resolve_precision(precision, dev, training=False)]
+    precision = resolve_precision(precision, dev, training=False)
+    dtype = DTYPES[precision]
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
@@ -50,7 +52,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: 
     model.to(dtype=dtype)
     prepare_model(model, dev, training=False)
     warn_if_undertrained(run_dir, cfg)
-    return Run(run_dir, cfg, model.eval(), tok)
+    return Run(run_dir, cfg, model.eval(), tok, precision)
 
 
 def trained_updates(run_dir: str | Path) -> int | None:

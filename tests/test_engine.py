@@ -235,11 +235,14 @@ def test_forward_and_loss_have_no_graph_break():
 
 
 @pytest.mark.slow
-def test_compiled_training_step_equals_eager():
+def test_compiled_training_step_equals_eager(monkeypatch):
     """The one inductor compile of the suite (a C++ build of the kernels: ~20-60 s on a 2-core CPU): the
-    compiled model and loss compute the eager values and gradients, and a new batch shape reuses the graphs."""
+    compiled model and loss compute the eager values and gradients, and a new batch shape reuses the graphs.
+    The loss's chunks are made small, so the compiled loss goes over several chunks (its memory bound) and a
+    last, shorter one."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 40 * 40)  # 40 rows of the 40-word vocabulary
     torch._dynamo.reset()
     torch.manual_seed(4)
     cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])

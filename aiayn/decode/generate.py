@@ -127,7 +127,7 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
         text = TextStream(tok, ids)
         device = model_device(run.model)
         while True:
-            with kernels(device):  # per token: nothing is held while the caller has the stream
+            with kernels(device, run.precision):  # per token: nothing is held while the caller has the stream
                 t = next(tokens, None)
             if t is None:
                 break
@@ -157,7 +157,7 @@ def stream_rows(run: Run, prompts: Sequence[str], opts: DecodeOptions, max_new_t
     texts = [TextStream(tok, i) for i in ids]
     device = model_device(run.model)
     while True:
-        with kernels(device):  # per step: nothing is held while the caller has the pieces
+        with kernels(device, run.precision):  # per step: nothing is held while the caller has the pieces
             step = next(steps, None)
         if step is None:
             break
@@ -231,7 +231,7 @@ def summarize(run: Run, documents: Sequence[str], options: DecodeOptions | None 
                               "needs an encoder-decoder (task: summarization) run")
     elif run.cfg.task != "summarization":
         raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
-    with kernels(model_device(run.model)):
+    with kernels(model_device(run.model), run.precision):
         return summarize_lm(run, documents, opts) if run.cfg.task == "lm" else summarize_seq2seq(run, documents, opts)
 
 

@@ -50,7 +50,7 @@ class LoadedRun:
 
     def kernels(self):
         """A context that runs decoding with the engine's kernel choice for the model's device."""
-        return kernels(self.device)
+        return kernels(self.device, self.run.precision)
 
     def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
         """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""

@@ -25,10 +25,10 @@ import aiayn.engine as engine
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
 from aiayn.data.loader import Prefetcher
-from aiayn.device import autocast_context, model_device, resolve_device
+from aiayn.device import autocast_context, inference_precision, model_device, resolve_device
 from aiayn.errors import CheckpointError, DeviceError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
-from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.loss import compiled_loss, label_smoothed_cross_entropy
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.progress import Progress
 from aiayn.train.schedule import build_optimizer, learning_rate
@@ -268,8 +268,9 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
     if not fixed and cfg.train.compile_mode == "reduce-overhead":
         log.warning("train.compile_mode=reduce-overhead records a CUDA graph per batch shape; set "
                     "data.length_buckets so that shapes repeat")
-    return engine.compile_for_training(module, label_smoothed_cross_entropy, fixed, len(cfg.data.length_buckets) + 4,
-                                       cfg.train.compile_mode)
+    n_shapes = len(cfg.data.length_buckets) + 4
+    return (engine.compile_for_training(module, fixed, n_shapes, cfg.train.compile_mode),
+            compiled_loss(dynamic=not fixed))
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -425,7 +426,9 @@ class Trainer:
         result = evaluate_loss(self.model, self.data.valid_batches, tc.label_smoothing, self.pad_id,
                                self.d, self.autocast)
         if self.evaluate_extra is not None:  # every process decodes its share (validation BLEU)
-            with self.autocast:
+            # in the inference precision (what `aiayn translate` decodes in), not the training autocast: the
+            # BLEU a training reports is the BLEU of its run's translations (fp32 weights, fp32 math).
+            with engine.kernels(self.device, inference_precision(self.device)):
                 extra = self.evaluate_extra(self.model, self.d)
             result.update(extra)
         st = self.state
@@ -447,7 +450,8 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
         runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
-        with engine.kernels(self.device), concurrent.futures.ThreadPoolExecutor(1, "aiayn-plan") as planner:
+        with engine.kernels(self.device, self.precision), \
+                concurrent.futures.ThreadPoolExecutor(1, "aiayn-plan") as planner:
             self._planner = planner
             try:
                 return self._train()
