@@ -1,0 +1,758 @@
+"""The GPU check: every CUDA path aiayn has, run for real in one command, item by item, within a time budget.
+
+    python -m benchmarks.gpu_check                       # on a GPU machine: 8 minutes at most (--budget-s 480)
+    python -m benchmarks.gpu_check --continue --budget-s 560  # the items the first call had no time for
+    python -m benchmarks.gpu_check --device cpu --smoke  # the same items on tiny sizes, on a CPU (CI)
+    python -m benchmarks.gpu_check --items env train_bf16 translate   # a subset, e.g. to rerun failures
+    python -m benchmarks.gpu_check --report --json F     # rewrite BENCHMARKS.md's section from a run's JSON
+
+Each item runs in its own process (a crash, an out-of-memory or a hang fails that item only) with its own time
+limit, inside one overall budget (``--budget-s``): an item that would not fit is reported as not run. The
+check goes on past failures and writes, for every item, pass / fail / not run, its numbers and the error
+(after every item, so a call cut short keeps what it measured):
+JSON (``--json``, default ``benchmarks/results/gpu_check.json``) and the section ``gpu_check`` of
+BENCHMARKS.md (``--md``). Items, in the order they run (on one H100 the first nine took 374 s; the CUDA tests and the two
+compiled items did not fit in what was left and need the ``--continue`` call):
+
+- ``env``            torch, CUDA, driver, GPU name, SMs, memory, clocks; measured matmul peaks (bf16, fp32 with and
+                     without TF32): the denominators of MFU.
+- ``cuda_tests``     ``pytest -m cuda tests/test_cuda.py``: every CUDA path at toy size, for correctness.
+- ``train_*``        paper-base (65M parameters, 37k shared BPE) on a token store prepared from a synthetic WMT-like
+                     corpus (generated here: 100k pairs), 25,000-token updates, through ``aiayn train``'s own code:
+                     bf16 eager, bf16 compiled (token-budget shapes, ``dynamic``), bf16 compiled with
+                     ``data.length_buckets`` (static shapes), fp16 with its GradScaler, tf32, strict fp32.
+                     Target tokens/s and MFU (model FLOPs of the batches actually trained, over the measured peak)
+                     after warm-up updates, peak memory, graphs compiled and graph breaks, the last loss.
+- ``multi30k``       the quick Multi30k recipe end to end as the README runs it: wall time, test_2016_flickr BLEU;
+                     then the validation BLEU the training logged against ``aiayn evaluate`` of the same weights
+                     (the last checkpoint, greedy): the one precision rule.
+- ``translate``      that run on CUDA in fp32 / tf32 / bf16 against the CPU (fp32): sentences/s, identical lines,
+                     BLEU; and beam 4 batched against Hugging Face ``generate()`` on the same GPU
+                     (``benchmarks.translate_speed``).
+- ``serve``          ``aiayn serve`` on the GPU: native and LibreTranslate requests, concurrent, equal to translate.
+- ``torchrun``       ``torchrun --nproc-per-node <GPUs>`` (NCCL) from the same store: a checkpoint, a kill -9 of
+                     the whole job, ``--resume``, and the run reaching its last update.
+
+Data: the synthetic corpus is generated (no registry is needed); Multi30k comes from ``$AIAYN_DATA_DIR/multi30k``
+(carry ``shared/data/multi30k`` to a GPU machine that cannot download it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = "gpu_check"
+
+# (item, time limit in seconds on a GPU); the smoke limits are each CPU run's, generous for a busy 2-core CI.
+ITEMS: dict[str, int] = {
+    "env": 60,
+    "train_bf16": 75,
+    "multi30k": 240,
+    "translate": 120,
+    "serve": 60,
+    "torchrun": 120,
+    "train_fp16": 60,
+    "train_tf32": 60,
+    "train_fp32": 75,
+    "cuda_tests": 240,
+    "train_bf16_compile": 300,
+    "train_bf16_compile_buckets": 300,
+}
+TRAIN_ITEMS = {  # item -> (precision, compile, length buckets)
+    "train_bf16": ("bf16", False, False),
+    "train_bf16_compile": ("bf16", True, False),
+    "train_bf16_compile_buckets": ("bf16", True, True),
+    "train_fp16": ("fp16", False, False),
+    "train_tf32": ("tf32", False, False),
+    "train_fp32": ("fp32", False, False),
+}
+# On a CPU: no compiled item (an inductor build takes minutes on 2 cores; tests/test_engine.py compiles once).
+SMOKE_ITEMS = ("env", "cuda_tests", "train_fp32", "multi30k", "translate", "serve", "torchrun")
+BUCKETS = [24, 40, 64, 128]  # target-length buckets of the static-shape item: WMT-like lengths, few shapes
+
+# The synthetic WMT-like corpus (benchmarks.data_scale.write_corpus) and its store.
+CORPUS_PAIRS = {"full": 100_000, "smoke": 2_000}
+PAPER_BASE = ["data.dataset=null", "data.vocab_size=37000", "data.update_tokens=25000", "train.log_every=1",
+              "train.eval_every=1000000", "train.save_every=1000000", "train.eval_bleu=false",
+              "train.inference_weights=last", "train.keep_last=1"]
+SMOKE_MODEL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+               "model.n_decoder_layers=1", "model.max_positions=512", "data.vocab_size=600",
+               "data.update_tokens=null", "data.max_tokens=512", "data.tokenizer_sample=20000"]
+UPDATES = {"full": (10, 30), "smoke": (1, 3)}  # (warm-up updates, all updates) of a throughput item
+MULTI30K_SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+                  "model.n_decoder_layers=1", "data.vocab_size=600", "train.max_updates=40", "train.eval_every=20",
+                  "train.save_every=20", "train.warmup=10", "train.max_minutes=5", "decode.max_len_b=5"]
+TRANSLATE_LINES = {"full": 500, "smoke": 24}
+
+
+# --- the parent: items in processes, a budget, the report ----------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (the CPU version CI runs)")
+    p.add_argument("--items", nargs="+", choices=list(ITEMS), help="run only these (default: all; smoke: a subset)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="overall time budget (default 480 s = 8 min)")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "aiayn-gpu-check"),
+                   help="working directory, kept for --continue (default: /tmp/aiayn-gpu-check)")
+    p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / f"{NAME}.json"))
+    p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"), help="markdown file whose section is rewritten")
+    p.add_argument("--report", action="store_true", help="only rewrite the --md section from --json (no run)")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="keep the items --json already holds as run (pass or fail); run the rest (same --work)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.report:
+        from benchmarks import common
+
+        common.update_section(args.md, NAME, markdown(json.loads(Path(args.json).read_text(encoding="utf-8"))))
+        return {}
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        return run_child(args.child, work, args.device, args.smoke)
+    items = args.items or (list(SMOKE_ITEMS) if args.smoke else list(ITEMS))
+    started = time.monotonic()
+    result: dict[str, Any] = {"check": NAME, "date": _utc_now(), "device": args.device, "smoke": args.smoke,
+                              "command": "python -m benchmarks." + NAME + (" " + " ".join(argv) if argv else ""),
+                              "budget_s": args.budget_s, "work": str(work), "items": {}}
+    if args.cont and Path(args.json).exists():
+        before = json.loads(Path(args.json).read_text(encoding="utf-8"))
+        done = {k: v for k, v in before.get("items", {}).items() if v["status"] in ("pass", "fail")}
+        result["items"].update(done)
+        result["command"] = before.get("command", result["command"]) + "; then " + result["command"]
+        items = [i for i in items if i not in done]
+    for item in items:
+        left = args.budget_s - (time.monotonic() - started)
+        limit = ITEMS[item] * (3 if args.smoke else 1)
+        if left < min(limit, 30):
+            result["items"][item] = {"status": "not run", "error": f"{left:.0f} s of the budget left"}
+        else:
+            result["items"][item] = run_item(item, work, args.device, args.smoke, min(limit, left))
+        r = result["items"][item]
+        print(f"[{NAME}] {item}: {r['status']} ({r.get('seconds', 0):.0f} s) {_brief(r)}", file=sys.stderr, flush=True)
+        _write(result, args)  # after every item: a run cut short still leaves what it measured
+    result["seconds"] = round(sum(r.get("seconds", 0) for r in result["items"].values()), 1)  # every call's
+    _write(result, args)
+    return result
+
+
+def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
+    from benchmarks import common
+
+    common.write_json(args.json, result)
+    common.update_section(args.md, NAME, markdown(result))
+
+
+def _utc_now() -> str:
+    from benchmarks.common import utc_now
+
+    return utc_now()
+
+
+def run_item(item: str, work: Path, device: str, smoke: bool, limit: float) -> dict[str, Any]:
+    """Run ``item`` in a child process with ``limit`` seconds; its result dict, with status and seconds."""
+    out = work / "items" / f"{item}.json"
+    out.unlink(missing_ok=True)
+    log = work / "items" / f"{item}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", f"benchmarks.{NAME}", "--child", item, "--work", str(work), "--device", device]
+    env = child_env()
+    t0 = time.monotonic()
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(cmd + (["--smoke"] if smoke else []), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            rc = None
+    seconds = round(time.monotonic() - t0, 1)
+    tail = _tail(log)
+    if out.exists():
+        res = json.loads(out.read_text(encoding="utf-8"))
+    else:
+        res = {"status": "fail"}
+    if rc is None:
+        res.update(status="fail", error=f"timed out after {limit:.0f} s" + _progress_note(item, work))
+    elif rc != 0 and res.get("status") != "fail":
+        res.update(status="fail", error=f"exit status {rc}")
+    if res["status"] == "fail" and "error" not in res:
+        res["error"] = "no result written"
+    if res["status"] == "fail":
+        res["log_tail"] = tail
+    res["seconds"] = seconds
+    return res
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process, its process group and every descendant (torchrun's workers start their own process
+    groups, so killing the launcher's group alone leaves them training)."""
+    victims = [proc.pid, *_descendants(proc.pid)]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid`` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _progress_note(item: str, work: Path) -> str:
+    """Where a timed-out training item got to (its metrics.jsonl)."""
+    records = read_metrics(work / "runs" / item)
+    steps = [r for r in records if "tokens_per_s" in r]
+    if not steps:
+        return ""
+    return f" (reached update {steps[-1]['step']} at {steps[-1].get('elapsed_s', 0):.0f} s of training)"
+
+
+def _brief(r: dict[str, Any]) -> str:
+    if r["status"] != "pass":
+        return str(r.get("error", ""))[:300]
+    keys = ("tokens_per_s", "mfu", "test_bleu", "bleu_gap", "passed", "gpu")
+    return ", ".join(f"{k}={r[k]}" for k in keys if k in r)
+
+
+# --- the children ----------------------------------------------------------------------------------------------
+
+
+def run_child(item: str, work: Path, device: str, smoke: bool) -> dict[str, Any]:
+    """Run one item in this process and write ``work/items/ITEM.json`` (status pass / fail and the numbers)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    out = work / "items" / f"{item}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    size = "smoke" if smoke else "full"
+    try:
+        fn = CHILDREN.get(item) or (lambda w, d, s: train_item(item, w, d, s))
+        res = fn(work, device, size)
+        res.setdefault("status", "pass")
+    except Exception as e:  # every failure is a result of the check
+        res = {"status": "fail", "error": f"{type(e).__name__}: {e}"[:2000],
+               "traceback": traceback.format_exc()[-3000:]}
+        print(res["traceback"], file=sys.stderr)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    os.replace(tmp, out)
+    return res
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process' environment with this repository first on PYTHONPATH (what was there stays: carried wheels)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _aiayn(*args: str, timeout: float | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m aiayn ARGS`` with this repository first on the path; output captured."""
+    proc = subprocess.run([sys.executable, "-m", "aiayn", *args], capture_output=True, text=True, env=child_env(),
+                          cwd=REPO, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"aiayn {' '.join(args[:2])} exited {proc.returncode}: {proc.stderr[-1500:]}")
+    return proc
+
+
+def env_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    from benchmarks.flops import matmul_peak
+
+    res: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "cpu_cores": os.cpu_count()}
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        res["transformers"] = transformers.__version__
+    if device == "cpu":
+        res["peak_fp32_tflops"] = round(matmul_peak([256], reps=2)["flops_per_s"] / 1e12, 4)
+        peak = res["peak_fp32_tflops"] * 1e12
+        _save_json(work / "peaks.json", {"bf16": peak, "fp32": peak})
+        return res
+    dev = torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    res.update(gpu=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
+               memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+               cudnn=torch.backends.cudnn.version(), nccl=_nccl_version())
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        q = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu"
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()
+        res["nvidia_smi"] = dict(zip(q.split(","), (x.strip() for x in smi[0].split(",")))) if smi else None
+    peaks = {}
+    sizes = [4096, 8192]
+    peaks["bf16"] = matmul_peak(sizes, reps=5, device=dev, dtype=torch.bfloat16)["flops_per_s"]
+    peaks["fp16"] = matmul_peak(sizes, reps=5, device=dev, dtype=torch.float16)["flops_per_s"]
+    peaks["fp32"] = matmul_peak(sizes, reps=3, device=dev, dtype=torch.float32)["flops_per_s"]  # IEEE: TF32 off
+    from aiayn.engine import kernels
+
+    with kernels(dev, "tf32"):
+        peaks["tf32"] = matmul_peak(sizes, reps=3, device=dev, dtype=torch.float32)["flops_per_s"]
+    res["matmul_peak_tflops"] = {k: round(v / 1e12, 1) for k, v in peaks.items()}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # clocks right after the matmuls
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+        res["sm_clock_after_matmuls"] = smi
+    _save_json(work / "peaks.json", peaks)
+    return res
+
+
+def _nccl_version() -> str | None:
+    try:
+        v = __import__("torch").cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a PyTorch without NCCL
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def cuda_tests_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-v", "-p", "no:cacheprovider",
+           "-o", "addopts=", "-rs", "--durations=0"]
+    log = work / "items" / "cuda_tests.pytest.log"
+    with open(log, "w", encoding="utf-8") as f:  # streamed: a run cut at its time limit still says how far it got
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
+    out = log.read_text(encoding="utf-8", errors="replace")
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out)}
+    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+    res = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)
+           + counts.get("errors", 0), "skipped": counts.get("skipped", 0), "failed_tests": failed}
+    if device != "cpu" and res["skipped"]:
+        res["skip_reasons"] = re.findall(r"^SKIPPED .*$", out, flags=re.M)[:10]
+    if proc.returncode != 0:
+        res.update(status="fail", error=f"pytest exit {proc.returncode}: {', '.join(failed) or out[-800:]}")
+    return res
+
+
+# The synthetic WMT-like store and paper-base on it.
+
+
+def corpus(work: Path, size: str) -> dict[str, str]:
+    """The synthetic corpus' files (written once per work directory): train/valid source/target paths."""
+    from benchmarks.data_scale import write_corpus
+
+    folder = work / f"corpus-{size}"
+    files = {k: folder / f"{k.replace('_', '.')}" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")}
+    done = folder / "done"
+    if not done.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_corpus(folder, CORPUS_PAIRS[size])
+        done.write_text("ok")
+    return {k: str(v) for k, v in files.items()}
+
+
+def paper_base_overrides(work: Path, size: str) -> list[str]:
+    """paper-base on the store of the synthetic corpus (prepared by the first training that asks)."""
+    files = corpus(work, size)
+    over = [*PAPER_BASE, *(f"data.{k}={v}" for k, v in files.items()), f"data.prepared={work / f'store-{size}'}"]
+    return over + (SMOKE_MODEL if size == "smoke" else [])
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def train_item(item: str, work: Path, device: str, size: str) -> dict[str, Any]:
+    """paper-base trained for a few dozen updates in one precision / compile setting through
+    :func:`aiayn.train.run.train`; tokens/s and MFU over the updates after the warm-up ones."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from aiayn.config import load_config
+    from aiayn.train.run import train
+
+    precision, compiled, buckets = TRAIN_ITEMS[item]
+    if device == "cpu":
+        precision = "fp32"
+    warm, updates = UPDATES[size]
+    over = paper_base_overrides(work, size) + [f"train.max_updates={updates}", f"train.precision={precision}",
+                                               f"train.compile={str(compiled).lower()}", f"train.device={device}"]
+    if buckets:
+        over.append(f"data.length_buckets={BUCKETS}")
+    cfg = load_config("paper-base", over)
+    run_dir = work / "runs" / item
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _prepare_store(cfg, work)  # outside the timed training (prepared once per work directory)
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    train(cfg, run_dir, progress=False)
+    wall = time.perf_counter() - t0
+    res = throughput(cfg, run_dir, warm, _peak(work, precision))
+    res.update(precision=precision, compile=compiled, length_buckets=BUCKETS if buckets else None,
+               wall_s=round(wall, 1))
+    if device != "cpu":
+        res["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    res["graphs"] = int(counters["stats"].get("unique_graphs", 0))
+    res["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    if counters["graph_break"]:
+        res["graph_break_reasons"] = [str(k)[:200] for k in list(counters["graph_break"])[:5]]
+    res["recompiles"] = int(sum(counters["recompiles"].values())) if "recompiles" in counters else None
+    if not math.isfinite(res["last_loss"]):
+        res.update(status="fail", error=f"loss is {res['last_loss']} at update {res['updates']}")
+    return res
+
+
+def _prepare_store(cfg, work: Path) -> float:
+    from aiayn.data.pipeline import prepare_corpus
+
+    t0 = time.perf_counter()
+    prepare_corpus(cfg, cfg.data.prepared)
+    return time.perf_counter() - t0
+
+
+def _peak(work: Path, precision: str) -> float | None:
+    path = work / "peaks.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get(precision)
+
+
+def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, Any]:
+    """Target tokens/s and model TFLOP/s of the updates after ``warm`` (one update per metrics record), from the
+    FLOPs of the batches those updates trained on (the run's epoch-0 plan, as the trainer dealt it)."""
+    from aiayn.data.pipeline import build_translation_data
+    from aiayn.run_dir import read_run_config
+    from benchmarks.flops import batch_training_flops
+
+    steps = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
+    timed = steps[warm:]
+    run_cfg = read_run_config(run_dir)
+    data, _ = build_translation_data(run_cfg, run_dir)
+    plan = data.epoch_plan(0)
+    seconds = sum(r["tokens_per_update"] / r["tokens_per_s"] for r in timed)
+    tokens = sum(r["tokens_per_update"] for r in timed)
+    flops = sum(batch_training_flops(run_cfg.model, data.collate_plan(plan[r["step"] - 1])) for r in timed)
+    res = {"updates": len(steps), "timed_updates": len(timed), "tokens_per_update": round(tokens / max(len(timed), 1)),
+           "tokens_per_s": round(tokens / seconds) if seconds else None,
+           "model_tflops": round(flops / seconds / 1e12, 2) if seconds else None,
+           "first_update_s": steps[0]["elapsed_s"] if steps else None,
+           "last_loss": steps[-1]["train_loss"] if steps else float("nan")}
+    if peak and seconds:
+        res["mfu"] = round(flops / seconds / peak, 3)
+        res["peak_tflops"] = round(peak / 1e12, 1)
+    return res
+
+
+# Multi30k, translation, serving, torchrun.
+
+
+def _multi30k_run(work: Path) -> Path:
+    run = work / "runs" / "multi30k"
+    if not (run / "model.safetensors").exists():
+        raise RuntimeError("the multi30k item did not leave a trained run")
+    return run
+
+
+def multi30k_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    """The quick recipe as the README runs it (plus the validation BLEU it logs); test BLEU; then validation BLEU
+    = ``aiayn evaluate --beam 1`` of the last checkpoint."""
+    if not os.environ.get("AIAYN_DATA_DIR") or not (Path(os.environ["AIAYN_DATA_DIR"]) / "multi30k").is_dir():
+        return {"status": "not run", "error": "no $AIAYN_DATA_DIR/multi30k (carry shared/data/multi30k)"}
+    run = work / "runs" / "multi30k"
+    shutil.rmtree(run, ignore_errors=True)
+    over = ["train.eval_bleu=true", f"train.device={device}"] + (MULTI30K_SMOKE if size == "smoke" else [])
+    sets = [x for o in over for x in ("--set", o)]
+    t0 = time.perf_counter()
+    _aiayn("train", "multi30k_en_de_quick", "--run-dir", str(run), "--no-progress", *sets)
+    wall = time.perf_counter() - t0
+    records = read_metrics(run)
+    steps = [r for r in records if "tokens_per_s" in r]
+    evals = [r for r in records if "valid_bleu" in r]
+    t0 = time.perf_counter()
+    test = _evaluate(run, "test_2016_flickr", device)
+    eval_s = time.perf_counter() - t0
+    res = {"updates": steps[-1]["step"], "train_wall_s": round(wall, 1), "training_s": steps[-1]["elapsed_s"],
+           "median_tokens_per_s": sorted(r["tokens_per_s"] for r in steps)[len(steps) // 2],
+           "test_bleu": round(test["bleu"], 2), "evaluate_s": round(eval_s, 1),
+           "inference_weights": "average of the last 3 checkpoints (the recipe's)"}
+    # The one precision rule: the last logged validation BLEU is the BLEU of the weights it was computed with.
+    last = run.parent / "multi30k_last"
+    shutil.rmtree(last, ignore_errors=True)
+    shutil.copytree(run, last)
+    _aiayn("average", str(last), "--last", "1")
+    valid = _evaluate(last, "valid", device, "--beam", "1")
+    res.update(logged_valid_bleu=evals[-1]["valid_bleu"], logged_at=evals[-1]["step"],
+               evaluate_valid_bleu=round(valid["bleu"], 4))
+    res["bleu_gap"] = round(abs(res["evaluate_valid_bleu"] - res["logged_valid_bleu"]), 4)
+    if res["bleu_gap"] > 0.05:
+        res.update(status="fail", error=f"validation BLEU {res['logged_valid_bleu']} logged by the training, "
+                                        f"{res['evaluate_valid_bleu']} from aiayn evaluate of the same weights")
+    return res
+
+
+def _evaluate(run: Path, split: str, device: str, *extra: str) -> dict[str, Any]:
+    """``aiayn evaluate RUN --split SPLIT`` on ``device``; the scores it writes to RUN/eval/gpu_check_SPLIT.json."""
+    name = f"gpu_check_{split}"
+    _aiayn("evaluate", str(run), "--split", split, "--device", device, "--name", name, *extra)
+    return json.loads((run / "eval" / f"{name}.json").read_text(encoding="utf-8"))["scores"]
+
+
+def translate_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    """The multi30k run translating test_2016_flickr on the device in each precision against the CPU's fp32."""
+    import torch
+    from sacrebleu.metrics import BLEU
+
+    from aiayn.decode.translator import load
+    from aiayn.eval.evaluate import split_pairs
+
+    run = _multi30k_run(work)
+    tr = load(run, "cpu", "fp32")
+    pairs = split_pairs(tr.cfg, "test_2016_flickr")[: TRANSLATE_LINES[size]]
+    src, refs = [s for s, _ in pairs], [t for _, t in pairs]
+
+    def timed(translator) -> tuple[list[str], float]:
+        translator.translate(src[:16])  # warm-up: kernels, allocator
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = translator.translate(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    cpu_out, cpu_s = timed(tr)
+    bleu = lambda hyps: round(BLEU().corpus_score(hyps, [refs]).score, 2)  # noqa: E731
+    res: dict[str, Any] = {"sentences": len(src), "beam": tr.cfg.decode.beam,
+                           "cpu_fp32": {"sentences_per_s": round(len(src) / cpu_s, 1), "bleu": bleu(cpu_out),
+                                        "threads": torch.get_num_threads()}}
+    precisions = ["fp32"] if device == "cpu" else ["fp32", "tf32", "bf16"]
+    for q in precisions:
+        out, s = timed(load(run, device, q))
+        same = sum(a == b for a, b in zip(out, cpu_out))
+        res[f"{device}_{q}"] = {"sentences_per_s": round(len(src) / s, 1), "bleu": bleu(out),
+                                "bleu_minus_cpu": round(bleu(out) - bleu(cpu_out), 2),
+                                "identical_to_cpu": round(same / len(src), 3)}
+    if device != "cpu" and res[f"{device}_fp32"]["identical_to_cpu"] < 0.95:
+        same = res[f"{device}_fp32"]["identical_to_cpu"]
+        res.update(status="fail", error=f"CUDA fp32 gives the CPU's line on {same:.1%} of the sentences")
+    # beam 4 batched against Hugging Face generate() on the same device (benchmarks.translate_speed)
+    ts_json, ts_md = work / "translate_speed.json", work / "translate_speed.md"
+    cmd = [sys.executable, "-m", "benchmarks.translate_speed", "--run-dir", str(run), "--device", device,
+           "--precision", *(["fp32"] if device == "cpu" else ["fp32", "bf16"]), "--modes", "batched",
+           "--engines", "aiayn", "aiayn-exact", "hf", "--limit", str(TRANSLATE_LINES[size]), "--md", str(ts_md),
+           *(["--max-len", "8", "--threads", "1"] if size == "smoke" else []),
+           "--out-json", str(ts_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env())
+    if proc.returncode != 0:
+        res["hf_comparison_error"] = proc.stderr[-1500:]
+        res.setdefault("status", "fail")
+        res.setdefault("error", "benchmarks.translate_speed failed")
+        return res
+    speed = json.loads(ts_json.read_text(encoding="utf-8"))
+    res["hf_comparison"] = {mode: {e: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                                       if k in ("sentences_per_s", "bleu", "same_as_aiayn")}
+                                   for e, r in engines.items()} for mode, engines in speed["modes"].items()}
+    for engines in res["hf_comparison"].values():
+        if "hf" in engines and "aiayn" in engines:
+            engines["aiayn_over_hf"] = round(engines["aiayn"]["sentences_per_s"] / engines["hf"]["sentences_per_s"], 2)
+    return res
+
+
+def serve_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    """``aiayn serve`` on the device: 8 concurrent native requests and a LibreTranslate one, equal to translate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiayn.decode.translator import load
+    from aiayn.eval.evaluate import split_pairs
+    from benchmarks.serve_load import connect, request, start_server, stop_server
+
+    run = _multi30k_run(work)
+    tr = load(run, device, "auto")
+    src = [s for s, _ in split_pairs(tr.cfg, "test_2016_flickr")[:16]]
+    expected = tr.translate(src)
+    del tr
+    proc, url, lines = start_server(run, "--device", device)
+    try:
+        def one(i: int) -> tuple[int, Any, float]:
+            conn = connect(url)
+            t0 = time.perf_counter()
+            status, body = request(conn, "POST", "/v1/translate", {"text": src[2 * i: 2 * i + 2]})
+            return status, body, time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, range(8)))
+        wall = time.perf_counter() - t0
+        got = [t["text"] for status, body, _ in answers if status == 200 for t in body["translations"]]
+        status, lt = request(connect(url), "POST", "/translate", {"q": src[0], "source": "en", "target": "de"})
+        _, info = request(connect(url), "GET", "/v1/model")
+    finally:
+        code = stop_server(proc)
+    res = {"requests": 8, "sentences": len(src), "wall_s": round(wall, 2),
+           "statuses": sorted({s for s, _, _ in answers}),
+           "identical_to_translate": sum(a == b for a, b in zip(got, expected)),
+           "libretranslate_status": status, "libretranslate_same": (lt or {}).get("translatedText") == expected[0],
+           "server_device": (info or {}).get("device"), "server_exit": code}
+    if res["statuses"] != [200] or res["identical_to_translate"] != len(src) or not res["libretranslate_same"]:
+        res.update(status="fail", error=f"served answers differ from translate: {res}", log=lines[-10:])
+    return res
+
+
+def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
+    """``torchrun`` on every GPU (NCCL; on a CPU two processes with gloo) from the store: a checkpoint at update
+    10, kill -9 of the job, ``--resume``, the run reaching update 30 (smoke: 4, 8)."""
+    import torch
+
+    from aiayn.train.checkpoint import list_checkpoints
+
+    save, total = (10, 30) if size == "full" else (4, 8)
+    procs = torch.cuda.device_count() if device != "cpu" else 2
+    run = work / "runs" / "torchrun"
+    shutil.rmtree(run, ignore_errors=True)
+    over = paper_base_overrides(work, size) + [f"train.save_every={save}", f"train.max_updates={total}",
+                                               f"train.device={device}", "train.keep_last=3"]
+    sets = [x for o in over for x in ("--set", o)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    env = child_env(OMP_NUM_THREADS="1")
+    log1 = work / "items" / "torchrun-1.log"
+    t0 = time.perf_counter()
+    with open(log1, "w", encoding="utf-8") as f:
+        job = subprocess.Popen([*launcher, "-m", "aiayn", "train", "paper-base", "--run-dir", str(run),
+                                "--no-progress", *sets], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                               start_new_session=True)
+        while job.poll() is None and not any(s >= save for s in list_checkpoints(run)):
+            time.sleep(0.2)
+        killed_at = [r["step"] for r in read_metrics(run) if "tokens_per_s" in r][-1:] or [None]
+        _kill_group(job)
+    first = log1.read_text(encoding="utf-8", errors="replace")
+    before = list_checkpoints(run)
+    if not before:
+        raise RuntimeError(f"no checkpoint before the job ended (exit {job.returncode}): {first[-1500:]}")
+    log2 = work / "items" / "torchrun-2.log"
+    with open(log2, "w", encoding="utf-8") as f:
+        rc = subprocess.run([*launcher, "-m", "aiayn", "train", "--resume", str(run), "--no-progress"],
+                            stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    second = log2.read_text(encoding="utf-8", errors="replace")
+    steps = [r["step"] for r in read_metrics(run) if "tokens_per_s" in r]
+    resumed = re.search(r"resumed from step (\d+)", second)
+    backend = "nccl" if device != "cpu" else "gloo"
+    res = {"processes": procs, "backend": backend, "killed_at_update": killed_at[0],
+           "checkpoints_before_kill": before, "resumed_from": int(resumed.group(1)) if resumed else None,
+           "last_update": steps[-1] if steps else None, "resume_exit": rc, "job_s": round(time.perf_counter() - t0, 1)}
+    if before[-1] >= total:  # the kill came too late to test anything
+        res.update(status="fail", error=f"the job had reached update {before[-1]} of {total} before the kill")
+    elif rc != 0 or res["last_update"] != total or res["resumed_from"] != before[-1]:
+        res.update(status="fail", error=f"resume exit {rc}, resumed from {res['resumed_from']} (newest checkpoint "
+                                        f"{before[-1]}), last update {res['last_update']}", log_tail=second[-1500:])
+    return res
+
+
+def _save_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+CHILDREN: dict[str, Callable[[Path, str, str], dict[str, Any]]] = {
+    "env": env_item, "cuda_tests": cuda_tests_item, "multi30k": multi30k_item, "translate": translate_item,
+    "serve": serve_item, "torchrun": torchrun_item,
+}
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+
+
+def markdown(result: dict[str, Any]) -> str:
+    items = result["items"]
+    env = items.get("env", {})
+    head = (f"### The GPU check (`{result['command']}`)\n\n"
+            f"{result['date']}; {env.get('gpu', result['device'])}, torch {env.get('torch', '?')}, "
+            f"CUDA {env.get('cuda', '-')}{' (smoke sizes)' if result['smoke'] else ''}; "
+            f"{result.get('seconds', '…')} s of item time in all. JSON: "
+            "`benchmarks/results/gpu_check.json`.\n")
+    rows = ["| item | status | s | numbers / error |", "|---|---|---|---|"]
+    for name, r in items.items():
+        if r["status"] == "pass":
+            text = _numbers(name, r)
+        else:
+            text = str(r.get("error", "")).replace("|", "/").replace("\n", " ")[:400]
+        rows.append(f"| {name} | {r['status']} | {r.get('seconds', '')} | {text} |")
+    return head + "\n" + "\n".join(rows) + "\n"
+
+
+def _numbers(name: str, r: dict[str, Any]) -> str:
+    if name == "env":
+        peaks = r.get("matmul_peak_tflops") or {"fp32": r.get("peak_fp32_tflops")}
+        return (f"{r.get('gpu', 'CPU')}, {r.get('sms', '-')} SMs, {r.get('memory_gib', '-')} GiB; matmul peak TFLOP/s "
+                + ", ".join(f"{k} {v}" for k, v in peaks.items()))
+    if name == "cuda_tests":
+        return f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped"
+    if name.startswith("train_"):
+        mem = f", peak {r['peak_memory_gib']} GiB" if "peak_memory_gib" in r else ""
+        mfu = f", MFU {r['mfu']:.1%} of {r.get('peak_tflops')} TFLOP/s" if r.get("mfu") else ""
+        return (f"{r['tokens_per_s']:,} tgt tok/s ({r['tokens_per_update']:,} per update, {r['timed_updates']} timed)"
+                f"{mfu}{mem}; first update {r['first_update_s']} s; graphs {r['graphs']}, breaks "
+                f"{r['graph_breaks']}; loss {r['last_loss']}")
+    if name == "multi30k":
+        return (f"{r['updates']} updates in {r['train_wall_s']} s (training {r['training_s']} s), test BLEU "
+                f"{r['test_bleu']}; validation BLEU logged {r['logged_valid_bleu']:.2f} = evaluate "
+                f"{r['evaluate_valid_bleu']:.2f}")
+    if name == "translate":
+        parts = [f"{k}: {v['sentences_per_s']} sent/s, BLEU {v['bleu']}"
+                 + (f", same as CPU {v['identical_to_cpu']:.1%}" if "identical_to_cpu" in v else "")
+                 for k, v in r.items() if isinstance(v, dict) and "sentences_per_s" in v]
+        for mode, engines in (r.get("hf_comparison") or {}).items():
+            if "aiayn_over_hf" in engines:
+                parts.append(f"{mode}: aiayn {engines['aiayn_over_hf']}x HF generate()")
+        return "; ".join(parts)
+    if name == "serve":
+        return (f"{r['requests']} concurrent requests in {r['wall_s']} s, {r['identical_to_translate']}/"
+                f"{r['sentences']} equal to translate, LibreTranslate equal: {r['libretranslate_same']}")
+    if name == "torchrun":
+        return (f"{r['processes']} process(es), {r['backend']}: killed at update {r['killed_at_update']}, resumed "
+                f"from {r['resumed_from']}, reached {r['last_update']}")
+    return ""
+
+
+if __name__ == "__main__":
+    main()

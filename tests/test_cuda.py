@@ -1,0 +1,133 @@
+"""Every CUDA path, run for real on a GPU (``pytest -m cuda tests/test_cuda.py``); skipped where PyTorch sees none.
+
+What the CPU suite proves with mocks, proven here on the device: training in each precision (fp32, tf32, bf16,
+fp16 with its GradScaler), compiled with token-budget and with bucketed shapes, the compiled loss's chunks,
+the TF32 setting's scope, decoding on CUDA against the CPU, the validation BLEU a training logs against
+``aiayn evaluate``, and torchrun with NCCL. ``python -m benchmarks.gpu_check`` runs this file as one item.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to PyTorch")]
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["one two three four", "five six seven", "eight nine ten eleven twelve", "a b c d e f", "red green blue"]
+
+
+def tiny(tmp: Path, *sets: str, updates: int = 6) -> tuple[Path, list[dict]]:
+    """tiny_reverse, a 2+2-layer model, ``updates`` updates on CUDA with ``sets`` overrides; (run, metrics)."""
+    from aiayn.config import load_config
+    from aiayn.train.run import train
+
+    run = tmp / "run"
+    cfg = load_config("tiny_reverse", ["train.device=cuda", f"train.max_updates={updates}", "train.log_every=1",
+                                       "train.eval_every=1000", "train.save_every=1000", *sets])
+    train(cfg, run, progress=False)
+    return run, [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_training_runs_in_each_precision(tmp_path, precision):
+    _, records = tiny(tmp_path, f"train.precision={precision}", "model.dropout=0.0")
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]  # it learns
+
+
+@pytest.mark.parametrize("buckets", [None, "[8,16]"])
+def test_compiled_training_runs(tmp_path, buckets):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    sets = ["train.compile=true", "train.precision=bf16"] + ([f"data.length_buckets={buckets}"] if buckets else [])
+    _, records = tiny(tmp_path, *sets, updates=8)
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()
+
+
+def test_compiled_loss_keeps_its_chunks_and_equals_eager(monkeypatch):
+    from aiayn.train import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 100 * 1000)  # 100 rows a chunk: 4 chunks, the last short
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(350, 1000, device="cuda")).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(1, 1000, (350,), device="cuda")
+    target[::7] = 0
+    results = []
+    for fn in (loss_module.label_smoothed_cross_entropy, loss_module.compiled_loss(dynamic=True)):
+        loss, nll = fn(logits, target, 0.1, 0)
+        (grad,) = torch.autograd.grad(loss, logits)
+        results.append((loss.item(), nll.item(), grad.float()))
+    (l0, n0, g0), (l1, n1, g1) = results
+    assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
+    torch.testing.assert_close(g1, g0, rtol=2e-2, atol=1e-4)  # bf16 gradients, fp32 math in both
+
+
+def test_tf32_holds_inside_the_kernels_block_only():
+    from aiayn.engine import kernels
+
+    before = torch.get_float32_matmul_precision()
+    with kernels(torch.device("cuda"), "tf32"):
+        assert torch.get_float32_matmul_precision() == "high"
+        with kernels(torch.device("cuda"), "fp32"):  # validation decoding inside a tf32 training: IEEE fp32
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """tiny_reverse trained to clear margins on CUDA (bf16, the default), with validation BLEU logged."""
+    run, _ = tiny(tmp_path_factory.mktemp("reverse"), "model.dropout=0.0", "train.lr_scale=0.5",
+                  "train.eval_bleu=true", "train.eval_every=300", "train.save_every=300",
+                  "train.inference_weights=last", updates=300)
+    return run
+
+
+def test_cuda_translation_equals_the_cpu(trained):
+    from aiayn.decode.translator import load
+
+    cpu = load(trained, "cpu", "fp32").translate(WORDS)
+    assert load(trained, "cuda", "fp32").translate(WORDS) == cpu
+    for precision in ("tf32", "bf16"):  # a trained model's margins are wider than these precisions' errors
+        assert load(trained, "cuda", precision).translate(WORDS) == cpu, precision
+
+
+def test_batched_equals_one_by_one_on_cuda(trained):
+    from aiayn.decode.translator import load
+
+    tr = load(trained, "cuda", "fp32")
+    assert tr.translate(WORDS) == [tr.translate(w) for w in WORDS]
+
+
+def test_validation_bleu_is_the_bleu_of_aiayn_evaluate(trained):
+    from aiayn.eval.evaluate import evaluate_run
+
+    records = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    logged = [r for r in records if "valid_bleu" in r][-1]["valid_bleu"]
+    result = evaluate_run(trained, split="valid", device="cuda", beam=1)
+    assert result["scores"]["bleu"] == pytest.approx(logged, abs=0.05)
+
+
+def test_torchrun_trains_with_nccl(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    n = torch.cuda.device_count()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "aiayn",
+           "train", "tiny_reverse", "--run-dir", str(tmp_path / "run"), "--no-progress", "--set", "train.device=cuda",
+           "--set", "train.max_updates=6", "--set", "train.save_every=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{n} process(es)" in proc.stderr
+    assert (tmp_path / "run" / "model.safetensors").exists()

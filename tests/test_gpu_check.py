@@ -1,0 +1,65 @@
+"""``python -m benchmarks.gpu_check`` runs on a CPU (``--smoke``), so the check a GPU session depends on never rots:
+every item runs through the code it runs on a GPU, passes, and reports; a call cut short keeps what it measured;
+``--continue`` runs only what is missing; ``--report`` rewrites the section from the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import gpu_check
+
+
+def _run(tmp_path, *args: str) -> dict:
+    return gpu_check.main(["--device", "cpu", "--smoke", "--work", str(tmp_path / "work"),
+                           "--json", str(tmp_path / "check.json"), "--md", str(tmp_path / "B.md"), *args])
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_item_and_each_passes(tmp_path):
+    result = _run(tmp_path)
+    items = result["items"]
+    assert list(items) == list(gpu_check.SMOKE_ITEMS)
+    has_multi30k = (os.environ.get("AIAYN_DATA_DIR") or "") and os.path.isdir(
+        os.path.join(os.environ["AIAYN_DATA_DIR"], "multi30k"))
+    for name, r in items.items():
+        if name in ("multi30k", "translate", "serve") and not has_multi30k:
+            assert r["status"] in ("not run", "fail")  # they need Multi30k (the check says so)
+            continue
+        assert r["status"] == "pass", (name, r.get("error"), r.get("log_tail"))
+    train = items["train_fp32"]
+    assert train["tokens_per_s"] > 0 and train["timed_updates"] == 2 and train["updates"] == 3
+    run = items["torchrun"]  # killed after its first checkpoint, resumed from it, finished
+    assert run["processes"] == 2 and run["resumed_from"] == run["checkpoints_before_kill"][-1] < run["last_update"]
+    if has_multi30k:
+        assert items["multi30k"]["bleu_gap"] <= 0.05
+        assert items["translate"]["cpu_fp32"]["sentences_per_s"] > 0
+        assert items["serve"]["identical_to_translate"] == items["serve"]["sentences"]
+    text = (tmp_path / "B.md").read_text(encoding="utf-8")
+    assert "<!-- BEGIN gpu_check -->" in text
+    for name in items:
+        assert f"| {name} | {items[name]['status']} |" in text
+    assert json.loads((tmp_path / "check.json").read_text())["items"].keys() == items.keys()
+
+
+def test_continue_runs_only_what_is_missing_and_report_rewrites_the_section(tmp_path):
+    first = _run(tmp_path, "--items", "env")
+    assert first["items"]["env"]["status"] == "pass"
+    second = _run(tmp_path, "--continue", "--items", "env", "cuda_tests")
+    assert second["items"]["env"] == first["items"]["env"]  # kept as it was, not run again
+    assert second["items"]["cuda_tests"]["status"] == "pass"  # on a CPU: every CUDA test skips cleanly
+    assert second["items"]["cuda_tests"]["passed"] == 0 and second["items"]["cuda_tests"]["skipped"] > 0
+    (tmp_path / "B.md").write_text("# Benchmarks\n", encoding="utf-8")
+    gpu_check.main(["--report", "--json", str(tmp_path / "check.json"), "--md", str(tmp_path / "B.md")])
+    text = (tmp_path / "B.md").read_text(encoding="utf-8")
+    assert "| env | pass |" in text and "| cuda_tests | pass |" in text
+
+
+def test_an_item_past_its_time_fails_and_the_budget_leaves_the_rest_not_run(tmp_path):
+    timed_out = gpu_check.run_item("cuda_tests", tmp_path, "cpu", True, limit=0.5)
+    assert timed_out["status"] == "fail" and timed_out["error"].startswith("timed out after")
+    result = _run(tmp_path, "--items", "env", "train_fp32", "--budget-s", "1")
+    assert {r["status"] for r in result["items"].values()} == {"not run"}
+    assert "| train_fp32 | not run |" in (tmp_path / "B.md").read_text(encoding="utf-8")
