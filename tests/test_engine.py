@@ -307,10 +307,12 @@ def test_each_torchrun_process_trains_on_its_own_gpu():
 def test_precision_resolution(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_precision("auto", cpu, training=True) == "fp32"
-    for p in ("bf16", "fp16"):
-        with pytest.raises(DeviceError, match="needs a CUDA device"):
-            resolve_precision(p, cpu, training=True)
+    for p in ("tf32", "bf16", "fp16"):
+        for training in (True, False):
+            with pytest.raises(DeviceError, match="needs a CUDA device"):
+                resolve_precision(p, cpu, training=training)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("tf32", cuda, training=False) == "tf32"
     assert resolve_precision("auto", cuda, training=True) == "bf16"
     assert resolve_precision("auto", cuda, training=False) == "fp32"
     assert resolve_precision("fp16", cuda, training=True) == "fp16"
@@ -318,6 +320,40 @@ def test_precision_resolution(monkeypatch):
     assert resolve_precision("auto", cuda, training=True) == "fp32"
     with pytest.raises(DeviceError, match="does not support bfloat16"):
         resolve_precision("bf16", cuda, training=True)
+
+
+def test_tf32_is_a_cuda_setting_inside_the_kernels_block_only():
+    before = torch.get_float32_matmul_precision()
+    with kernels(torch.device("cpu"), "tf32"):  # off CUDA: nothing changes
+        assert torch.get_float32_matmul_precision() == before
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_validation_bleu_decodes_outside_the_training_autocast(tmp_path):
+    """The one precision rule: validation loss under the training autocast, validation decoding in the inference
+    precision (no autocast), so the BLEU a training logs is the BLEU of its run's translations."""
+    from aiayn.data.pipeline import build_data, fit_model_to_vocab
+    from aiayn.train.trainer import Trainer
+
+    cfg = load_config("tiny_reverse", ["model.d_model=16", "model.d_ff=32", "model.n_heads=2"])
+    data, tok = build_data(cfg, tmp_path)
+    cfg = fit_model_to_vocab(cfg, tok)
+    state = {"autocast": False, "entered": 0}
+    trainer = Trainer(cfg, build_model(cfg.model, cfg.task), data, tmp_path,
+                      evaluate_extra=lambda model, d: {"valid_bleu": float(state["autocast"])})
+
+    class TrainingAutocast:  # stands for bf16 autocast, which not every CPU can run
+        def __enter__(self) -> None:
+            state["autocast"], state["entered"] = True, state["entered"] + 1
+
+        def __exit__(self, *exc) -> None:
+            state["autocast"] = False
+
+    trainer.autocast = TrainingAutocast()
+    records = []
+    trainer._evaluate(SimpleNamespace(write=records.append))
+    assert state["entered"] >= 1  # the validation loss ran under it
+    assert records[-1]["valid_bleu"] == 0.0  # the decoding did not
 
 
 @pytest.mark.parametrize("fused", [False, True])
