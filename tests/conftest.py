@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +35,25 @@ def shared_data_dir() -> Path | None:
 # terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
 # is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).
 SUM_TOL = dict(rel=1e-5, abs=1e-6)
+
+
+# A greedy pick this far above its runner-up (in logits) is the same for any float summation order (batched
+# and left-padded vs alone, another CPU's kernels: those move a logit by ~1e-5); checked by greedy_gap before a
+# test compares two decoding paths token for token, so that the exact comparison holds by construction.
+GREEDY_GAP = 1e-3
+
+
+def greedy_gap(model: torch.nn.Module, prompt: list[int], new: list[int]) -> float:
+    """The smallest margin (in logits) by which each id of ``new`` beat every other id when a decoder-only LM
+    chose it after ``prompt`` and the ids before it (teacher-forced in one pass; negative where one was not the
+    argmax). ``inf`` for no new id."""
+    if not new:
+        return float("inf")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new]))[0, len(prompt) - 1: len(prompt) - 1 + len(new)].float()
+    picks = torch.tensor(new)[:, None]
+    chosen = logits.gather(1, picks)[:, 0]
+    return float((chosen - logits.scatter(1, picks, float("-inf")).max(dim=1).values).min())
 
 
 # An EOS id that no model produces: a language model's sample() then runs to its max_new_tokens.
@@ -77,3 +98,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def post_held(app: Any, client: Any, requests: list[tuple[str, dict]], queued: int | None = None) -> list:
+    """Post each ``(path, json body)`` from its own thread while ``app``'s batcher is held, and release it once
+    ``queued`` of them (by default all) wait in its queue: the batcher then sees them together, whatever the
+    threads' timing, so a test of merging races no wait window. The responses, in the order of ``requests``."""
+    batcher = app.state.service.batcher
+    with ThreadPoolExecutor(len(requests)) as pool:
+        with batcher.hold():
+            futures = [pool.submit(client.post, path, json=body) for path, body in requests]
+            all_queued = batcher.wait_queued(len(requests) if queued is None else queued)
+        responses = [f.result() for f in futures]
+    assert all_queued, [r.text for r in responses]
+    return responses
