@@ -165,7 +165,9 @@ def compile_for_training(module: nn.Module, loss_fn, fixed_shapes: bool, n_shape
     size and lengths (``dynamic=True``; the model widths stay static) instead of a recompile per shape.
     ``mode`` is ``train.compile_mode``. The model has no graph break (tests/test_engine.py)."""
     if fixed_shapes:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n_shapes)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in PyTorch 2.7
+        setattr(cfg, name, max(getattr(cfg, name), n_shapes))
     options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
     return torch.compile(module, **options), torch.compile(loss_fn, **options)
 
