@@ -257,9 +257,11 @@ def test_aiayn_run_exports_to_generate(tiny_run, tmp_path):
     assert (gen[: gen.index(3)] if 3 in gen else gen) == theirs[0]
 
 
-def separate_vocab_run(d: Path) -> Path:
+def separate_vocab_run(d: Path, bias: dict[str, float] | None = None, **decode) -> Path:
     """A run with two vocabularies (data.shared_vocab=false) and a random model: the paper's interleaved
-    sinusoids, separate source/target embeddings, a logits bias raising EOS so outputs end at varied lengths."""
+    sinusoids, separate source/target embeddings, a logits bias raising EOS so outputs end at varied lengths.
+    ``bias``: target pieces (or "</s>") and what to add to their logits instead; ``decode``: the run's decode
+    options beyond length_penalty power, stop hf and max_len_b 10."""
     from aiayn.config import Config, DataConfig, DecodeOptions, ModelConfig, save_config
     from aiayn.data.tokenizer import train_tokenizer_pair
     from aiayn.model import Transformer
@@ -274,10 +276,14 @@ def separate_vocab_run(d: Path) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-        model.decoder.output_bias[3] += 1.5
+        for piece, add in (bias or {"</s>": 1.5}).items():
+            i = 3 if piece == "</s>" else tok.tgt.sp.piece_to_id(piece)
+            assert tok.tgt.id_to_piece(i) == piece, piece
+            model.decoder.output_bias[i] += add
     save_weights(model, d / "model.safetensors")
     save_config(Config(model=m, data=DataConfig(shared_vocab=False),
-                       decode=DecodeOptions(length_penalty="power", stop="hf", max_len_b=10)), d / "config.yaml")
+                       decode=DecodeOptions(length_penalty="power", stop="hf", max_len_b=10, **decode)),
+                d / "config.yaml")
     return d
 
 
@@ -292,11 +298,44 @@ def test_separate_vocabularies_round_trip(tmp_path):
     ours = translator.translate_hypotheses(SOURCES)
     theirs = hf_generate(hf, tok, SOURCES, translator.cfg.decode, 64)
     assert [h[0].ids for h in ours] == theirs and len({len(t) for t in theirs}) > 2
-    assert [h[0].text.strip() for h in ours] == tok.batch_decode([[2] + t for t in theirs], skip_special_tokens=True)
+    assert [h[0].text for h in ours] == tok.batch_decode([[2] + t for t in theirs], skip_special_tokens=True)
     back = import_hf(out, tmp_path / "back")  # and into aiayn again: two id spaces, the same outputs
     pair = TokenizerPair.load(back / "tokenizer")
     assert not pair.shared and pair.tgt.vocab_size == translator.tokenizers.tgt.vocab_size
     assert aiayn_ids(back, SOURCES, max_len_a=1.0, max_len_b=10) == theirs
+
+
+def test_a_lone_word_boundary_first_never_reaches_the_text(tmp_path, capsys):
+    """A model whose output starts with a lone ``▁`` piece (built: output biases rank it first, then a piece
+    that starts a word, then EOS, 100 logits apart; greedy, and no_repeat_ngram=1 lets each come once) gives,
+    through the Python API, ``aiayn translate`` and ``aiayn serve``, the text Hugging Face's decode gives."""
+    sp = TokenizerPair.load(separate_vocab_run(tmp_path / "probe") / "tokenizer").tgt.sp
+    word = next(p for p in map(sp.id_to_piece, range(sp.get_piece_size())) if p.startswith("▁") and len(p) > 2)
+    bias = {"▁": 300.0, word: 200.0, "</s>": 100.0}  # far above the random model's logits (std ~20)
+    run = separate_vocab_run(tmp_path / "run", bias=bias, beam=1, no_repeat_ngram=1)
+    translator = aiayn.load(run, "cpu")
+    tgt = translator.tokenizers.tgt
+    [[best]] = translator.translate_hypotheses(["a dog runs"])
+    assert best.tokens == ["▁", word]  # the model's first piece is a lone word boundary ...
+    assert tgt.decode(best.ids).startswith(" ")  # ... which SentencePiece's decode keeps as a space
+    out = export_hf(run, tmp_path / "hf")
+    hf_tok = MarianTokenizer.from_pretrained(out)
+    theirs = hf_tok.batch_decode([[2] + best.ids, [2] + best.ids + [best.ids[0]]], skip_special_tokens=True)
+    assert theirs[0] == word[1:] and best.text == theirs[0] and translator.translate("a dog runs") == theirs[0]
+    assert tgt.text(best.ids + [best.ids[0]]) == theirs[1]  # a lone boundary last: stripped too
+    src = tmp_path / "in.txt"
+    src.write_text("a dog runs\ntwo men\n", encoding="utf-8")
+    assert main(["translate", str(run), "--input", str(src), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split("\n")[:2] == [theirs[0]] * 2
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from aiayn.serve.app import create_app
+
+    with TestClient(create_app(translator, max_wait_ms=0.0), base_url="http://localhost") as c:
+        r = c.post("/v1/translate", json={"text": ["a dog runs"]})
+    assert r.json()["translations"][0]["text"] == theirs[0]
 
 
 # Refusals ----------------------------------------------------------------------------------------------------
