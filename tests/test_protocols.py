@@ -14,6 +14,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
+from conftest import GREEDY_GAP, greedy_gap, post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
@@ -21,7 +22,6 @@ from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.protocols import StopScan  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
-from conftest import GREEDY_GAP, greedy_gap, post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINES = ["a b c d", "hello world", "the cat sat on the mat"]

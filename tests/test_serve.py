@@ -16,6 +16,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
+from conftest import post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
@@ -23,7 +24,6 @@ from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
 from aiayn.serve.schemas import Limits  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
-from conftest import post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
