@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from aiayn.data.tokenizer import SpecialIds
-from aiayn.search import SearchSpec
+from aiayn.search import SearchSpec, score_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
@@ -43,6 +44,49 @@ def shared_data_dir() -> Path | None:
 # terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
 # is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).
 SUM_TOL = dict(rel=1e-5, abs=1e-6)
+
+
+# Two hypotheses whose length-penalized scores are this close may come in either order from two paths that sum
+# floats in another order (batched and padded vs alone, aiayn vs Hugging Face or CTranslate2, another CPU's
+# kernels): those move a score by ~1e-6 of it. A wrong token, a wrong length penalty or a broken cache moves a
+# score by 1e-2 or more, so it still fails the comparisons below.
+TIE = dict(rel=1e-4, abs=1e-4)
+
+
+def same_hypotheses(ours: Sequence[tuple[Sequence[int], float]], theirs: Sequence[tuple[Sequence[int], float]],
+                    what: object = "") -> int:
+    """Assert that two paths' hypotheses for one source, best first, as ``(ids, score)``, agree: rank by rank the
+    scores within :data:`TIE`, and the ids equal except at a rank whose two candidates tie within it (a swap of
+    near-equal candidates, not an error). The number of ranks whose ids differ (callers bound it, so that a test
+    cannot pass on ties alone)."""
+    assert len(ours) == len(theirs), (what, ours, theirs)
+    for k, ((a, sa), (b, sb)) in enumerate(zip(ours, theirs)):
+        assert sa == pytest.approx(sb, **TIE), (what, k, list(a), list(b), sa, sb)
+    return sum(list(a) != list(b) for (a, _), (b, _) in zip(ours, theirs))
+
+
+def rescored(model: torch.nn.Module, src: Sequence[int], found: Sequence[Sequence[int]], spec: SearchSpec
+             ) -> list[tuple[list[int], float]]:
+    """``found`` (token lists for source ids ``src``, EOS included) with the model's teacher-forced scores under
+    ``spec``'s length penalty: for comparing with a path that gives ids without scores."""
+    batch = torch.tensor([list(src)] * len(found))
+    return [(h.tokens, h.score) for h in score_tokens(model, batch, batch != spec.pad, found, spec)]
+
+
+def agree_up_to_ties(translator: Any, texts: Sequence[str], ours: Sequence[Sequence[int]],
+                     theirs: Sequence[Sequence[int]], options: Any = None) -> int:
+    """Assert that two paths' best outputs (ids) for ``texts`` are equal, except for a text whose two outputs tie
+    within :data:`TIE` in the translator's own scores under ``options`` (a DecodeOptions; the run's by default);
+    at most a quarter of the texts (or one) may differ so. The number that differ."""
+    spec = SearchSpec(options or translator.cfg.decode, translator.tokenizers.specials)
+    differ = 0
+    for text, a, b in zip(texts, ours, theirs, strict=True):
+        if list(a) != list(b):
+            src = translator.tokenizers.src.encode(text) + [spec.eos]
+            differ += same_hypotheses(rescored(translator.model, src, [a], spec),
+                                      rescored(translator.model, src, [b], spec), text)
+    assert differ <= max(1, len(texts) // 4), f"{differ} of {len(texts)} outputs differ (each a tie)"
+    return differ
 
 
 # A greedy pick this far above its runner-up (in logits) is the same for any float summation order (batched
