@@ -95,17 +95,33 @@ def agree_up_to_ties(translator: Any, texts: Sequence[str], ours: Sequence[Seque
 GREEDY_GAP = 1e-3
 
 
+def pick_gap(logits: torch.Tensor, picks: Sequence[int]) -> float:
+    """The smallest margin by which each of ``picks`` beat every other id in its row of ``logits`` (T, V), one
+    pick per row (negative where one was not the argmax); ``inf`` for none."""
+    if not picks:
+        return float("inf")
+    index = torch.tensor(list(picks))[:, None]
+    logits = logits[: len(picks)].float()
+    return float((logits.gather(1, index)[:, 0] - logits.scatter(1, index, float("-inf")).max(dim=1).values).min())
+
+
 def greedy_gap(model: torch.nn.Module, prompt: list[int], new: list[int]) -> float:
-    """The smallest margin (in logits) by which each id of ``new`` beat every other id when a decoder-only LM
-    chose it after ``prompt`` and the ids before it (teacher-forced in one pass; negative where one was not the
-    argmax). ``inf`` for no new id."""
+    """:func:`pick_gap` of the ids ``new`` a decoder-only LM chose after ``prompt`` (teacher-forced in one pass)."""
     if not new:
         return float("inf")
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + new]))[0, len(prompt) - 1: len(prompt) - 1 + len(new)].float()
-    picks = torch.tensor(new)[:, None]
-    chosen = logits.gather(1, picks)[:, 0]
-    return float((chosen - logits.scatter(1, picks, float("-inf")).max(dim=1).values).min())
+        return pick_gap(model(torch.tensor([prompt + new]))[0, len(prompt) - 1:], new)
+
+
+def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
+                       bos: int = 2, eos: int = 3) -> float:
+    """:func:`pick_gap` of an encoder-decoder's greedy output ``tokens`` for one source ``src`` (1, S), EOS
+    included as the last pick when the output ``ended`` with it (teacher-forced in one pass)."""
+    picks = list(tokens) + ([eos] if ended else [])
+    if not picks:
+        return float("inf")
+    with torch.no_grad():
+        return pick_gap(model(src, torch.tensor([[bos] + picks[:-1]]))[0], picks)
 
 
 # An EOS id that no model produces: a language model's sample() then runs to its max_new_tokens.
