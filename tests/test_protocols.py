@@ -68,7 +68,8 @@ def lm_server(lm_run):
 def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator):
     lt_mod = pytest.importorskip("libretranslatepy")
     lt = lt_mod.LibreTranslateAPI(mt_server)
-    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    # one line per request, one request at a time: each decoded alone, as here
+    ours = [translator.search([line], translator.options(), scores=False)[0][0].text for line in LINES]
     assert [lt.translate(line, "en", "de") for line in LINES] == ours
     assert lt.translate(LINES[0], "auto", "de") == ours[0]
     assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
