@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 LOCK := constraints/test.txt
 export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),)
 # Test processes (pytest-xdist): one per core, at most 4 (each holds its own torch and fixtures); idle ones
-# take tests from busy ones (worksteal), since a few tests run for minutes. The 15 slowest are listed.
+# take tests from busy ones (worksteal), since a few tests run for minutes. The 15 slowest are listed, and every
+# skip with its reason.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup demo test test-isa test-browser lint lock clean
@@ -33,7 +34,7 @@ demo: $(STAMP)
 	$(PY) -m aiayn demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15 -rs
 
 # The tests that compare two decoding paths token for token (batched vs alone, cached vs uncached, aiayn vs
 # Hugging Face and CTranslate2), once more under another set of PyTorch's CPU kernels: ATEN_CPU_CAPABILITY=default
