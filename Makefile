@@ -3,44 +3,69 @@
 # attention explorer page of `aiayn serve` in headless Chromium (tests/test_browser.py).
 # PyTorch is installed first, pinned, from TORCH_INDEX when it is set: pip's default index gives the CUDA
 # build on Linux x86-64 (about 2 GB with its nvidia-* packages); `make TORCH_INDEX=https://download.pytorch.org/whl/cpu`
-# gives the CPU-only wheel (about 200 MB). Then the package, editable, with the test and serve extras.
+# gives the CPU-only wheel (about 200 MB). Then the package, editable, with the test and serve extras, at the
+# exact versions of constraints/test.txt (the test environment's lock; `make lock` refreshes it, see CONTRIBUTING.md).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOCK := constraints/test.txt
 export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),)
 # Test processes (pytest-xdist): one per core, at most 4 (each holds its own torch and fixtures); idle ones
-# take tests from busy ones (worksteal), since a few tests run for minutes. The 15 slowest are listed.
+# take tests from busy ones (worksteal), since a few tests run for minutes. The 15 slowest are listed, and every
+# skip with its reason.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup demo test test-browser lint clean
+.PHONY: setup demo test test-isa test-browser lint lock clean
 
 setup: $(STAMP)
 	@echo "aiayn is installed in $(VENV): activate it with 'source $(VENV)/bin/activate' to run 'aiayn ...'"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-	$(PY) -m pip install -q -e ".[dev,serve,clients]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[dev,serve,clients]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m aiayn demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15 -rs
+
+# The tests that compare two decoding paths token for token (batched vs alone, cached vs uncached, aiayn vs
+# Hugging Face and CTranslate2), once more under another set of PyTorch's CPU kernels: ATEN_CPU_CAPABILITY=default
+# (plain C++, any x86 CPU) rounds otherwise than avx2/avx512, so a test that holds only by one ISA's rounding
+# fails here. `make test-isa ISA=avx2` picks another set; CONTRIBUTING.md says how to check the whole suite.
+ISA ?= default
+ISA_TESTS := tests/test_translate.py tests/test_search.py tests/test_head_widths.py tests/test_export_run.py \
+             tests/test_hf_interop.py tests/test_ctranslate2.py
+test-isa: $(STAMP)
+	ATEN_CPU_CAPABILITY=$(ISA) $(PY) -m pytest $(ISA_TESTS) -n $(TEST_WORKERS) --dist worksteal
 
 test-browser: $(STAMP)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
-	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -e ".[dev,serve,browser]"
+	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK) -e ".[dev,serve,browser]"
 	$(PY) -m pytest tests/test_browser.py -m browser
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check aiayn tests benchmarks
 
+# The newest version of every dependency (torch stays $(TORCH)): a fresh .venv-latest, the suite run there, and
+# on a pass its versions written to $(LOCK). Review the diff of the lock, then commit it with the result.
+LATEST := .venv-latest
+lock:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(LATEST)/bin/python -m pip install -q -e ".[dev,serve,clients,browser]"
+	$(LATEST)/bin/python -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal
+	{ sed -n '/^#/p' $(LOCK); $(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
 clean:
-	rm -rf $(VENV) runs/demo .pytest_cache
+	rm -rf $(VENV) $(LATEST) runs/demo .pytest_cache

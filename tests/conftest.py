@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from aiayn.data.tokenizer import SpecialIds
-from aiayn.search import SearchSpec
+from aiayn.search import SearchSpec, score_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
@@ -18,6 +21,14 @@ sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an insta
 # Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
 # threads are the cores each process has to itself, so the processes never contend for a core.
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+
+# PyTorch's inductor cannot build CPU kernels under ATEN_CPU_CAPABILITY=default: its C++ codegen still emits
+# at::vec code that the header setting leaves out ("CppCompileError: 'at::vec' has not been declared"). A bug of
+# PyTorch's, not of aiayn; only tests that compile with inductor on the CPU may skip for it.
+skip_inductor_under_default_isa = pytest.mark.skipif(
+    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
+    reason="ATEN_CPU_CAPABILITY=default: PyTorch inductor's C++ codegen fails ('at::vec' has not been declared)")
 
 
 def shared_data_dir() -> Path | None:
@@ -33,6 +44,84 @@ def shared_data_dir() -> Path | None:
 # terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
 # is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).
 SUM_TOL = dict(rel=1e-5, abs=1e-6)
+
+
+# Two hypotheses whose length-penalized scores are this close may come in either order from two paths that sum
+# floats in another order (batched and padded vs alone, aiayn vs Hugging Face or CTranslate2, another CPU's
+# kernels): those move a score by ~1e-6 of it. A wrong token, a wrong length penalty or a broken cache moves a
+# score by 1e-2 or more, so it still fails the comparisons below.
+TIE = dict(rel=1e-4, abs=1e-4)
+
+
+def same_hypotheses(ours: Sequence[tuple[Sequence[int], float]], theirs: Sequence[tuple[Sequence[int], float]],
+                    what: object = "") -> int:
+    """Assert that two paths' hypotheses for one source, best first, as ``(ids, score)``, agree: rank by rank the
+    scores within :data:`TIE`, and the ids equal except at a rank whose two candidates tie within it (a swap of
+    near-equal candidates, not an error). The number of ranks whose ids differ (callers bound it, so that a test
+    cannot pass on ties alone)."""
+    assert len(ours) == len(theirs), (what, ours, theirs)
+    for k, ((a, sa), (b, sb)) in enumerate(zip(ours, theirs)):
+        assert sa == pytest.approx(sb, **TIE), (what, k, list(a), list(b), sa, sb)
+    return sum(list(a) != list(b) for (a, _), (b, _) in zip(ours, theirs))
+
+
+def rescored(model: torch.nn.Module, src: Sequence[int], found: Sequence[Sequence[int]], spec: SearchSpec
+             ) -> list[tuple[list[int], float]]:
+    """``found`` (token lists for source ids ``src``, EOS included) with the model's teacher-forced scores under
+    ``spec``'s length penalty: for comparing with a path that gives ids without scores."""
+    batch = torch.tensor([list(src)] * len(found))
+    return [(h.tokens, h.score) for h in score_tokens(model, batch, batch != spec.pad, found, spec)]
+
+
+def agree_up_to_ties(translator: Any, texts: Sequence[str], ours: Sequence[Sequence[int]],
+                     theirs: Sequence[Sequence[int]], options: Any = None) -> int:
+    """Assert that two paths' best outputs (ids) for ``texts`` are equal, except for a text whose two outputs tie
+    within :data:`TIE` in the translator's own scores under ``options`` (a DecodeOptions; the run's by default);
+    at most a quarter of the texts (or one) may differ so. The number that differ."""
+    spec = SearchSpec(options or translator.cfg.decode, translator.tokenizers.specials)
+    differ = 0
+    for text, a, b in zip(texts, ours, theirs, strict=True):
+        if list(a) != list(b):
+            src = translator.tokenizers.src.encode(text) + [spec.eos]
+            differ += same_hypotheses(rescored(translator.model, src, [a], spec),
+                                      rescored(translator.model, src, [b], spec), text)
+    assert differ <= max(1, len(texts) // 4), f"{differ} of {len(texts)} outputs differ (each a tie)"
+    return differ
+
+
+# A greedy pick this far above its runner-up (in logits) is the same for any float summation order (batched
+# and left-padded vs alone, another CPU's kernels: those move a logit by ~1e-5); checked by greedy_gap before a
+# test compares two decoding paths token for token, so that the exact comparison holds by construction.
+GREEDY_GAP = 1e-3
+
+
+def pick_gap(logits: torch.Tensor, picks: Sequence[int]) -> float:
+    """The smallest margin by which each of ``picks`` beat every other id in its row of ``logits`` (T, V), one
+    pick per row (negative where one was not the argmax); ``inf`` for none."""
+    if not picks:
+        return float("inf")
+    index = torch.tensor(list(picks))[:, None]
+    logits = logits[: len(picks)].float()
+    return float((logits.gather(1, index)[:, 0] - logits.scatter(1, index, float("-inf")).max(dim=1).values).min())
+
+
+def greedy_gap(model: torch.nn.Module, prompt: list[int], new: list[int]) -> float:
+    """:func:`pick_gap` of the ids ``new`` a decoder-only LM chose after ``prompt`` (teacher-forced in one pass)."""
+    if not new:
+        return float("inf")
+    with torch.no_grad():
+        return pick_gap(model(torch.tensor([prompt + new]))[0, len(prompt) - 1:], new)
+
+
+def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
+                       bos: int = 2, eos: int = 3) -> float:
+    """:func:`pick_gap` of an encoder-decoder's greedy output ``tokens`` for one source ``src`` (1, S), EOS
+    included as the last pick when the output ``ended`` with it (teacher-forced in one pass)."""
+    picks = list(tokens) + ([eos] if ended else [])
+    if not picks:
+        return float("inf")
+    with torch.no_grad():
+        return pick_gap(model(src, torch.tensor([[bos] + picks[:-1]]))[0], picks)
 
 
 # An EOS id that no model produces: a language model's sample() then runs to its max_new_tokens.
@@ -77,3 +166,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def post_held(app: Any, client: Any, requests: list[tuple[str, dict]], queued: int | None = None) -> list:
+    """Post each ``(path, json body)`` from its own thread while ``app``'s batcher is held, and release it once
+    ``queued`` of them (by default all) wait in its queue: the batcher then sees them together, whatever the
+    threads' timing, so a test of merging races no wait window. The responses, in the order of ``requests``."""
+    batcher = app.state.service.batcher
+    with ThreadPoolExecutor(len(requests)) as pool:
+        with batcher.hold():
+            futures = [pool.submit(client.post, path, json=body) for path, body in requests]
+            all_queued = batcher.wait_queued(len(requests) if queued is None else queued)
+        responses = [f.result() for f in futures]
+    assert all_queued, [r.text for r in responses]
+    return responses

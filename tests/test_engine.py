@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import skip_inductor_under_default_isa  # tests/ is on sys.path under pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn import build_model, model_config
@@ -235,6 +236,7 @@ def test_forward_and_loss_have_no_graph_break():
 
 
 @pytest.mark.slow
+@skip_inductor_under_default_isa
 def test_compiled_training_step_equals_eager(monkeypatch):
     """The one inductor compile of the suite (a C++ build of the kernels: ~20-60 s on a 2-core CPU): the
     compiled model and loss compute the eager values and gradients, and a new batch shape reuses the graphs.

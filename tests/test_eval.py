@@ -155,7 +155,10 @@ def test_evaluate_src_ref_writes_json_and_hyp(tiny_run, tmp_path, capsys):
     assert d["max_len_b"] == translator.cfg.decode.max_len_b
     assert result["run"]["weights"] == "model.safetensors" and "last step" in result["run"]["weights_source"]
     assert result["data"] == {"src": str(src), "ref": str(ref)}
-    assert result["wall_s"] >= 0 and result["truncated_lines"] == []
+    assert result["truncated_lines"] == []
+    # The time is a finite number of seconds, and the one the terminal summary shows.
+    assert isinstance(result["wall_s"], float) and math.isfinite(result["wall_s"])
+    assert f"({d['length_penalty']}), {result['wall_s']:.1f} s" in out
 
 
 def test_evaluate_split(tiny_run, capsys):

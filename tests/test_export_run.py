@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spec_of  # tests/ is on sys.path under pytest
+from conftest import agree_up_to_ties, same_hypotheses, spec_of  # tests/ is on sys.path under pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 spm = pytest.importorskip("sentencepiece")
@@ -48,6 +48,7 @@ def test_ct2_beam_equals_aiayn_beam_search(tiny_run, exported):
     ct2 = ctranslate2.Translator(str(exported), device="cpu", inter_threads=1, intra_threads=1)
     alpha = 0.6
     texts = [s for s, _ in reverse_split("test")[:8]]
+    swaps = 0
     for text in texts:
         pieces = sp.encode(text, out_type=str)
         ids = translator.tokenizers.src.encode(text)
@@ -61,11 +62,15 @@ def test_ct2_beam_equals_aiayn_beam_search(tiny_run, exported):
                        max_len_b=cfg.max_len_b, stop="exact")
         ours = beam_search(model, torch.tensor([ids + [EOS]]), spec=spec)[0]
         theirs = [[sp.piece_to_id(p) for p in (h[:-1] if h and h[-1] == "</s>" else h)] for h in r.hypotheses]
-        assert theirs == [h.tokens for h in ours]
-        assert r.scores == pytest.approx([h.score for h in ours], abs=1e-4)
+        # the same hypotheses and scores, but for two whose scores tie (they may come in either order)
+        swaps += same_hypotheses([(h.tokens, h.score) for h in ours], list(zip(theirs, r.scores)), text)
         # and through text: the README's recipe gives the Translator's output
-        best = sp.decode(r.hypotheses[0][:-1] if r.hypotheses[0][-1:] == ["</s>"] else r.hypotheses[0])
-        assert best == translator.translate([text], alpha=alpha, length_penalty="power")[0]
+        best = sp.decode(r.hypotheses[0][:-1] if r.hypotheses[0][-1:] == ["</s>"] else r.hypotheses[0]).strip()
+        options = translator.options(alpha=alpha, length_penalty="power")
+        [[mine]] = translator.search([text], options)
+        if agree_up_to_ties(translator, [text], [mine.ids], theirs[:1], options) == 0:
+            assert best == mine.text
+    assert swaps <= len(texts) // 4
 
 
 def test_export_refusals_and_cli(tiny_run, exported, tmp_path, capsys):

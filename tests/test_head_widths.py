@@ -7,7 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import SUM_TOL, spec_of  # tests/ is on sys.path under pytest
+from conftest import (  # tests/ is on sys.path under pytest
+    GREEDY_GAP,
+    SUM_TOL,
+    same_hypotheses,
+    seq2seq_greedy_gap,
+    spec_of,
+)
 
 from aiayn import build_model, model_config
 from aiayn.config import ConfigError
@@ -86,11 +92,16 @@ def test_cached_equals_uncached_and_batched_equals_alone_with_other_widths(width
     assert greedy_search(m, src, spec=spec, use_cache=False) == greedy
     beam_spec = spec_of(beam=3, alpha=0.6, max_len_a=1.0, max_len_b=5)
     beams = beam_search(m, src, spec=beam_spec)  # reorders the cache every step
-    for i, n in enumerate(lengths):
+    swaps = 0
+    for i, n in enumerate(lengths):  # batched vs alone: another float order, so clear margins are checked first
+        assert seq2seq_greedy_gap(m, src[i: i + 1, :n], greedy[i], len(greedy[i]) < n + 5) > GREEDY_GAP
         assert greedy_search(m, src[i: i + 1, :n], spec=spec) == [greedy[i]]
         alone = beam_search(m, src[i: i + 1, :n], spec=beam_spec)[0]
-        assert [h.tokens for h in alone] == [h.tokens for h in beams[i]]
-        assert [h.score for h in alone] == pytest.approx([h.score for h in beams[i]], **SUM_TOL)
+        swaps += same_hypotheses([(h.tokens, h.score) for h in alone], [(h.tokens, h.score) for h in beams[i]], i)
+        for a, b in zip(alone, beams[i]):
+            if a.tokens == b.tokens:
+                assert a.score == pytest.approx(b.score, **SUM_TOL)
+    assert swaps <= 1  # two tied candidates may swap; the rest are the same hypotheses
 
 
 def test_lm_with_other_widths_trains_a_step_and_decodes_cached():

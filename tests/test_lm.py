@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NO_EOS, shared_data_dir, spec_of  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import GREEDY_GAP, NO_EOS, greedy_gap, shared_data_dir, spec_of  # noqa: E402  (tests/ is on sys.path under pytest)
 
 from aiayn import cli
 from aiayn.config import config_from_dict
@@ -437,6 +437,8 @@ def test_prompts_of_different_lengths_in_one_batch_generate_as_each_alone(positi
                 if t is not None:
                     rows[r].append(t)
         alone = [sample_list(model, p, spec_of(**opts, seed=s), n) for p, s, n in zip(prompts, seeds, limits)]
+        if not opts:  # greedy: every pick beats its runner-up by a margin no float summation order can undo
+            assert min(greedy_gap(model, p, a) for p, a in zip(prompts, alone)) > GREEDY_GAP
         assert rows == alone, opts
         assert [len(r) for r in rows] != [0, 0, 0, 0]
     with pytest.raises(ValueError, match="positions"):

@@ -14,9 +14,11 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
+from conftest import GREEDY_GAP, greedy_gap, post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
+from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.protocols import StopScan  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
@@ -66,7 +68,8 @@ def lm_server(lm_run):
 def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator):
     lt_mod = pytest.importorskip("libretranslatepy")
     lt = lt_mod.LibreTranslateAPI(mt_server)
-    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    # one line per request, one request at a time: each decoded alone, as here
+    ours = [translator.search([line], translator.options(), scores=False)[0][0].text for line in LINES]
     assert [lt.translate(line, "en", "de") for line in LINES] == ours
     assert lt.translate(LINES[0], "auto", "de") == ours[0]
     assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
@@ -147,11 +150,10 @@ def test_a_translation_run_answers_completions_with_its_translation(client_mt, t
 
 
 def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_run(translator):
-    """Concurrent requests of both protocols (and aiayn's own) are merged by the batcher into shared model calls
-    when they decode with the same options, and each answers as if alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    app = create_app(translator, max_wait_ms=400.0, max_batch_tokens=100_000)
+    """Requests of both protocols (and aiayn's own) queued together are merged by the batcher into one model call
+    when they decode with the same options, and each answers with its slice of that call. The batcher is held
+    until all are queued, so no thread timing decides the merge."""
+    app = create_app(translator, max_wait_ms=0.0, max_batch_tokens=100_000)
     calls, real = [], translator.search
 
     def counting(texts, opts, scores=True):
@@ -163,14 +165,12 @@ def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_r
                 + [("/v1/completions", {"prompt": t, "temperature": 0, "max_tokens": 40}) for t in openai])
     with TestClient(app, base_url="http://localhost") as c, pytest.MonkeyPatch.context() as mp:
         mp.setattr(translator, "search", counting)
-        with ThreadPoolExecutor(len(requests)) as pool:
-            responses = list(pool.map(lambda r: c.post(r[0], json=r[1]), requests))
+        responses = post_held(app, c, requests)
     assert all(r.status_code == 200 for r in responses)
-    assert len(calls) < len(requests) / 2  # shared calls ...
-    assert any(set(call) & set(libre) and set(call) & set(openai) for call in calls)  # ... across the protocols
-    alone = [h[0].text for h in real(libre + openai, translator.options(), scores=False)]
-    assert [r.json()["translatedText"] for r in responses[:len(libre)]] == alone[:len(libre)]
-    assert [r.json()["choices"][0]["text"] for r in responses[len(libre):]] == alone[len(libre):]
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(libre + openai)  # one call, across the protocols
+    merged = dict(zip(calls[0], (h[0].text for h in real(calls[0], translator.options(), scores=False))))
+    assert [r.json()["translatedText"] for r in responses[:len(libre)]] == [merged[t] for t in libre]
+    assert [r.json()["choices"][0]["text"] for r in responses[len(libre):]] == [merged[t] for t in openai]
 
 
 # OpenAI completions --------------------------------------------------------------------------------------
@@ -204,7 +204,8 @@ def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
     s = client.completions.create(model=model.id, prompt="the cat", max_tokens=30, temperature=0, stop=[" on"])
     longer = gen.generate("the cat", max_new_tokens=30)
     assert s.choices[0].text == longer.split(" on")[0]  # exactly the greedy text, cut before the first " on"
-    assert s.choices[0].finish_reason == "stop" if " on" in longer else True
+    stopped = " on" in longer or s.usage.completion_tokens < 30  # a stop string, or the model's own EOS
+    assert s.choices[0].finish_reason == ("stop" if stopped else "length")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model.id, prompt="the", max_tokens=10**6)
     assert "max_tokens" in str(e.value)
@@ -214,13 +215,12 @@ def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
 
 
 def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
-    """Concurrent completions with the same sampling options run as one batch (prompts of different lengths,
-    limits and stops), streamed or not, and each gives the text it gives alone; a prompt too long for a batch
-    (it needs the sliding window) runs alone in the same call."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Completions queued together with the same sampling options run as one batch (prompts of different lengths,
+    limits and stops), streamed or not, and each gives the text it gives alone (greedy picks with a checked margin,
+    so left padding's other float sums cannot swap them); a prompt too long for a batch (it needs the sliding
+    window) runs alone in the same call. The batcher is held until all are queued: no thread timing."""
     gen = aiayn.load(lm_run, device="cpu")
-    app = create_app(gen, max_wait_ms=400.0, max_batch_tokens=100_000)
+    app = create_app(gen, max_wait_ms=0.0, max_batch_tokens=100_000)
     bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, **extra} for p, n, extra in (
         ("the cat", 12, {}), ("a", 5, {}), ("the dog sat on", 9, {"stop": [" the"]}), ("t", 7, {"stream": True}),
         ("the log", 10, {"stream": True, "stop": ["."]}), ("on the mat. the", 6, {}),
@@ -228,14 +228,16 @@ def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
         ("the " * 10, 5, {}))]  # a prompt of 40 tokens: refused, and the others are served
     gen_ok = len(bodies) - 1
     with TestClient(app, base_url="http://localhost") as c:
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            responses = list(pool.map(lambda b: c.post("/v1/completions", json=b), bodies))
+        responses = post_held(app, c, [("/v1/completions", b) for b in bodies], queued=gen_ok)
         stats = app.state.service.batcher.stats
     assert [r.status_code for r in responses] == [200] * gen_ok + [400], [r.text for r in responses]
     assert "no new token fits" in responses[-1].json()["error"]["message"]
-    assert stats.largest_call > 2 and stats.calls < gen_ok
+    assert stats.calls == 1 and stats.largest_call == gen_ok  # all queued together: one model call
+    tok = gen.tokenizers.src
     for b, r in zip(bodies[:gen_ok], responses):
         alone = gen.generate(b["prompt"], max_new_tokens=b["max_tokens"])
+        if fits_in_batch(gen.run, b["prompt"], b["max_tokens"]):  # batched (left-padded): equal by a clear margin
+            assert greedy_gap(gen.model, tok.encode(b["prompt"]), tok.encode(alone)) > GREEDY_GAP, b
         for stop in b.get("stop", []):
             alone = alone.split(stop)[0]
         if b.get("stream"):

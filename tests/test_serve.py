@@ -8,7 +8,6 @@ import json
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 import pytest
@@ -17,6 +16,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
+from conftest import post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
@@ -53,9 +53,11 @@ def test_translate_keeps_order_and_equals_translator(client, translator):
     assert got == translator.translate(SENTENCES, beam=2)
     assert got[2] == "" and r.json()["translations"][2]["nbest"] == []
     assert any(got)  # the toy model does answer something
-    # one at a time gives the same as all together
-    for s, text in zip(SENTENCES, got):
-        assert _post(client, "/v1/translate", {"text": [s], "beam": 2}).json()["translations"][0]["text"] == text
+    # one at a time gives what the translator gives one at a time (all together vs one at a time, which sums
+    # floats in another order, is test_translate.py::test_batched_equals_one_by_one's, up to tied scores)
+    for s in SENTENCES:
+        r = _post(client, "/v1/translate", {"text": [s], "beam": 2})
+        assert r.json()["translations"][0]["text"] == translator.translate([s], beam=2)[0]
 
 
 def test_nbest_is_sorted_and_matches_translator(client, translator):
@@ -190,38 +192,44 @@ def test_page_and_static_files_are_served_without_cdn(client):
 
 
 def test_concurrent_requests_share_model_calls_and_give_the_same_answers(translator):
-    app = create_app(translator, max_wait_ms=400.0, max_batch_tokens=100_000)
-    calls = []
+    """Requests queued together are merged per decoding options (beam 2 and beam 1 never share a call), and
+    each gets its own slice of that call's answers. The batcher is held until all are queued (no timing)."""
+    app = create_app(translator, max_wait_ms=0.0, max_batch_tokens=100_000)
+    calls: list[tuple[list[str], int]] = []
     real = translator.search
 
     def counting(texts, opts, scores=True):
-        calls.append(len(texts))
+        calls.append((list(texts), opts.beam))
         return real(texts, opts, scores)
 
     texts = [s for s in SENTENCES if s] + ["b a", "c c c"]
     bodies = [{"text": [t], "beam": 2} for t in texts] + [{"text": [t], "beam": 1} for t in texts[:3]]
     with TestClient(app, base_url="http://localhost") as c, pytest.MonkeyPatch.context() as mp:
         mp.setattr(translator, "search", counting)
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            responses = list(pool.map(lambda b: _post(c, "/v1/translate", b), bodies))
+        responses = post_held(app, c, [("/v1/translate", b) for b in bodies])
         stats = app.state.service.batcher.stats
     assert all(r.status_code == 200 for r in responses)
-    assert 2 <= len(calls) < len(bodies) and stats.calls == len(calls) and stats.largest_call > 1
-    for b, r in zip(bodies, responses):  # beam 2 and beam 1 requests never share a call, and answer as alone
-        assert r.json()["translations"][0]["text"] == translator.translate(b["text"], beam=b["beam"])[0]
-        assert r.json()["options"]["beam"] == b["beam"]
+    # One call per group, holding every request of it (in arrival order, which the threads decide).
+    assert len(calls) == 2 and {beam: sorted(t) for t, beam in calls} == {2: sorted(texts), 1: sorted(texts[:3])}
+    assert stats.calls == 2 and stats.largest_call == len(texts)
+    for texts_of_call, beam in calls:  # each answer is its slice of the merged call, recomputed the same way
+        want = dict(zip(texts_of_call, (h[0].text for h in real(texts_of_call, translator.options(beam=beam)))))
+        for b, r in zip(bodies, responses):
+            if b["beam"] == beam:
+                assert r.json()["translations"][0]["text"] == want[b["text"][0]], b
+                assert r.json()["options"]["beam"] == beam
 
 
 def test_full_queue_gives_503_then_serves(translator):
-    app = create_app(translator, max_wait_ms=1000.0, max_queue=1, max_batch_tokens=100_000)
+    app = create_app(translator, max_wait_ms=0.0, max_queue=1, max_batch_tokens=100_000)
+    batcher = app.state.service.batcher
     with TestClient(app, base_url="http://localhost") as c:
-        first = threading.Thread(target=lambda: results.append(_post(c, "/v1/translate", {"text": ["a b"]})))
         results: list = []
-        first.start()
-        deadline = time.monotonic() + 10
-        while app.state.service.batcher.queued < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        r = _post(c, "/v1/translate", {"text": ["a b"], "beam": 1})  # the one queue slot is taken
+        first = threading.Thread(target=lambda: results.append(_post(c, "/v1/translate", {"text": ["a b"]})))
+        with batcher.hold():  # the first request stays queued until the second has been refused
+            first.start()
+            assert batcher.wait_queued(1)
+            r = _post(c, "/v1/translate", {"text": ["a b"], "beam": 1})  # the one queue slot is taken
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         first.join()
         assert results[0].status_code == 200

@@ -136,7 +136,9 @@ def test_the_stream_writes_each_chunk_before_reading_the_next(translator, source
     stats = translate_stream(translator, lines(), lambda s: writes.append((len(read), s)), opts, "text", chunk=3)
     assert stats.lines == len(sources)
     assert [n for n, _ in writes] == [3, 6, 9, 10]  # output of lines 1-3 written when 3 lines had been read
-    assert "".join(s for _, s in writes) == "".join(t + "\n" for t in translator.translate(sources, beam=2))
+    # each chunk is one call: exactly what translating the same chunks gives
+    chunks = [translator.translate(sources[i:i + 3], beam=2) for i in range(0, len(sources), 3)]
+    assert "".join(s for _, s in writes) == "".join(t + "\n" for chunk in chunks for t in chunk)
 
 
 def test_formats_and_plain_nbest(translator, sources):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import spec_of  # tests/ is on sys.path under pytest
+from conftest import SUM_TOL, same_hypotheses, spec_of  # tests/ is on sys.path under pytest
 
 import aiayn
 from aiayn import cli
@@ -54,10 +54,18 @@ def test_batched_equals_one_by_one(translator, sources):
     batches = token_batches([len(translator.tokenizers.src.encode(t)) for t in sources], None, max_tokens // 4,
                             shuffle=False)
     assert len(batches) > 2 and [i for b in batches for i in b] != list(range(len(sources)))
-    batched = translator.translate(texts, max_tokens=max_tokens)
-    alone = [translator.translate([t])[0] for t in texts]
+    found = translator.translate_hypotheses(texts, max_tokens=max_tokens)
+    batched = [h[0].text if h else "" for h in found]
+    assert batched == translator.translate(texts, max_tokens=max_tokens)  # the same batches: exactly
+    # Alone, each sentence gets the same best hypothesis, or one whose score ties it (padding sums in another order)
+    swaps = 0
+    for text, hyps in zip(texts, found):
+        [alone] = translator.translate_hypotheses([text])
+        swaps += same_hypotheses([(h.ids, h.score) for h in hyps[:1]], [(h.ids, h.score) for h in alone[:1]], text)
+        if hyps and hyps[0].ids == alone[0].ids:
+            assert hyps[0].text == alone[0].text
+    assert swaps <= 1  # not a test of ties: almost every sentence gets the very same tokens
     assert len(batched) == len(texts)
-    assert batched == alone
     assert batched[6] == "" and batched[-1] == ""
     # Not vacuous: most lines got a non-empty translation (a 60-update toy model may stop at once on a few).
     nonempty = [batched[i] for i in range(len(texts)) if texts[i].strip()]
@@ -68,19 +76,21 @@ def test_batched_equals_one_by_one(translator, sources):
 def test_translate_equals_direct_beam_search(translator, sources):
     cfg, tok, model = translator.cfg.decode, translator.tokenizers, translator.model
     found = translator.translate_hypotheses(sources, nbest=3, max_tokens=200)
+    swaps = 0
     for text, hyps in zip(sources, found):
         src = torch.tensor([tok.src.encode(text) + [EOS]])
         spec = spec_of(beam=cfg.beam, alpha=cfg.alpha, length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a,
                        max_len_b=cfg.max_len_b, nbest=3)
         ours = beam_search(model, src, spec=spec)[0]
-        assert [h.ids for h in hyps] == [h.tokens for h in ours]
-        # batched (padded) vs alone: the same tokens, floats equal up to rounding
-        assert [h.score for h in hyps] == pytest.approx([h.score for h in ours], abs=1e-4)
-        assert [h.logprob for h in hyps] == pytest.approx([h.logprob for h in ours], abs=1e-4)
-        assert [h.text for h in hyps] == [tok.tgt.decode(h.tokens) for h in ours]
-        assert [h.tokens for h in hyps] == [[tok.tgt.id_to_piece(i) for i in h.tokens] for h in ours]
-    # The same batches as `found`: other batches may swap two hypotheses whose scores tie to rounding (this
-    # 60-update toy model has 3rd and 4th candidates 1e-6 apart); batching itself is test_batched_equals_one_by_one's.
+        # batched (padded) vs alone: the same tokens and scores up to rounding, except that two candidates whose
+        # scores tie (this 60-update toy model has 3rd and 4th candidates 1e-6 apart) may come in either order
+        swaps += same_hypotheses([(h.ids, h.score) for h in hyps], [(h.tokens, h.score) for h in ours], text)
+        for h, o in zip(hyps, ours):
+            if h.ids == o.tokens:
+                assert h.logprob == pytest.approx(o.logprob, **SUM_TOL)
+                assert h.text == tok.tgt.text(o.tokens) and h.tokens == [tok.tgt.id_to_piece(i) for i in o.tokens]
+    assert swaps <= len(sources) // 4
+    # The same batches as `found`: exactly the same hypotheses.
     plain = translator.translate(sources, nbest=3, max_tokens=200)
     assert plain == [[h.text for h in hyps] for hyps in found]
 

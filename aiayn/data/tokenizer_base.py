@@ -24,6 +24,12 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def text(self, ids: Iterable[int]) -> str:
+        """What a user reads: :meth:`decode` without surrounding whitespace (a model may emit a lone ``\u2581``
+        piece first or last; every detokenizer users compare with - Hugging Face's, sacremoses, CTranslate2's -
+        strips it). Every path that hands a translation out (translate, serve, the Python API, eval) uses this."""
+        return self.decode(ids).strip()
+
     def pieces(self, text: str) -> list[str]:
         """The pieces ``encode`` would produce, as strings (for inspection and attention plots)."""
         return [self.id_to_piece(i) for i in self.encode(text)]

@@ -44,7 +44,8 @@ log = logging.getLogger("aiayn.translate")
 
 @dataclass
 class Translation:
-    """One hypothesis as text: ``tokens`` are its pieces, ``ids`` their ids (no BOS/EOS)."""
+    """One hypothesis as text (never starting or ending with whitespace): ``tokens`` are its pieces, ``ids``
+    their ids (no BOS/EOS)."""
 
     text: str
     score: float
@@ -99,7 +100,7 @@ class Translator(LoadedRun):
         out: list[list[Translation]] = [[] for _ in texts]
         tgt = self.tokenizers.tgt
         for i, hyps in zip(todo, found):
-            out[i] = [Translation(tgt.decode(h.tokens), h.score, h.logprob, [tgt.id_to_piece(t) for t in h.tokens],
+            out[i] = [Translation(tgt.text(h.tokens), h.score, h.logprob, [tgt.id_to_piece(t) for t in h.tokens],
                                   list(h.tokens)) for h in hyps]
         return out
 

@@ -248,7 +248,7 @@ the decoder starts from {start} and stops at {eos}.{marian_note}
     pieces = [sp_src.encode(line, out_type=str) for line in ["{example}"]]
     results = translator.translate_batch(pieces, beam_size={beam}, length_penalty={alpha},
                                          max_decoding_length=256, min_decoding_length=0)
-    print([sp_tgt.decode(r.hypotheses[0]) for r in results])
+    print([sp_tgt.decode(r.hypotheses[0]).strip() for r in results])
 
 Length penalty: CTranslate2 divides the score by |Y|^length_penalty (aiayn's 'power'). The run's
 config decodes with length_penalty={lp!r}, alpha={alpha}{lp_note}.

@@ -369,6 +369,8 @@ def generation_config_for(opts: DecodeOptions, specials: SpecialIds, max_positio
         min_length=opts.min_len + 1 if opts.min_len else 0, no_repeat_ngram_size=opts.no_repeat_ngram,
         do_sample=opts.sample,
     )
+    if kw["num_beams"] == 1:  # beam-only flags: transformers 5 refuses to save them beside num_beams=1
+        del kw["length_penalty"], kw["early_stopping"]
     if opts.ban_pad:
         kw.update(bad_words_ids=[[specials.pad]], renormalize_logits=True)
     if opts.sample:

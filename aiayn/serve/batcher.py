@@ -11,6 +11,9 @@ waits up to ``max_wait_ms`` after that job's arrival for more jobs of its group,
 ``cost`` (source tokens x beam) reaches ``max_batch_tokens``. A job with group None (generation,
 attention maps) runs alone. Jobs of other groups keep their place in the queue for the next round.
 
+Tests prove merging without racing the wait: :meth:`Batcher.hold` keeps the worker from taking jobs while
+requests are queued (:meth:`Batcher.wait_queued`), so that on release they are all pending at once.
+
 Backpressure: at most ``max_queue`` jobs wait; one more raises :class:`QueueFull` (the server answers
 503). :meth:`Batcher.close` stops taking jobs and lets the worker finish every queued one.
 """
@@ -19,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +92,7 @@ class Batcher:
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
         self._running = 0
+        self._held = False
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="aiayn-serve-model", daemon=True)
@@ -115,6 +120,25 @@ class Batcher:
         """Queue a job and await its results (on the event loop)."""
         return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn)))
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """While inside, the worker takes no new job (one it runs already finishes); on leaving, it takes the
+        queued ones as usual. For tests: hold, submit N jobs of a group, release, and they share one call."""
+        with self._cond:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
+
+    def wait_queued(self, n: int, timeout: float = 60.0) -> bool:
+        """Block until at least ``n`` jobs wait in the queue (not counting running ones); False after ``timeout``
+        seconds without that."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._pending) >= n, timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Take no new job, finish the queued ones, stop the worker (waits up to ``timeout`` seconds)."""
         with self._cond:
@@ -127,7 +151,7 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                while (not self._pending or self._held) and not self._closing:
                     self._cond.wait()
                 if not self._pending:
                     return  # closing, and nothing left to do

@@ -38,7 +38,7 @@ def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
             found = decode_ids(model, sources[rank::world], spec, scores=False)
         finally:
             model.train(was_training)
-        mine = [tokenizers.tgt.decode(h[0].tokens) for h in found]
+        mine = [tokenizers.tgt.text(h[0].tokens) for h in found]  # as translate() gives them
         hyps = mine if world == 1 else _gather_strided(mine, world, len(sources))
         return {"valid_bleu": BLEU().corpus_score(hyps, [refs]).score}
 
