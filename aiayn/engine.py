@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,9 +167,17 @@ def use_fused_optimizer(params: list[Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
-def compile_for_training(module: nn.Module, fixed_shapes: bool, n_shapes: int, mode: str) -> nn.Module:
-    """``torch.compile`` of the training module (the loss compiles its chunks' math itself:
-    :func:`aiayn.train.loss.compiled_loss`, with ``dynamic=not fixed_shapes``).
+def compile_for_training(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes: bool, n_shapes: int,
+                         mode: str) -> nn.Module:
+    """``torch.compile`` for training, by regions: each of ``blocks`` (the model's encoder and decoder layers) is
+    compiled in place, and the layers of a stack share one compiled graph, so compiling costs one layer's graph, not
+    the whole model's: 79 s instead of 364 s before the first update of a 6 + 6-layer model on a 2-core CPU (cold
+    caches), and paper-base's whole-model compile had not reached its first update after 150 s on an H100 machine
+    (BENCHMARKS.md, "GPU"). The embeddings, the output projection and the loss (which compiles its chunks' math
+    itself: :func:`aiayn.train.loss.compiled_loss`) stay around them. A block runs its compiled graph only in
+    training mode: validation and decoding (eval mode, with caches) run the plain layer. Without ``blocks`` (a
+    model of other layers) the whole ``module`` is compiled. Returns the module to train (``module`` itself when
+    compiled by regions).
 
     Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks:
     ``fixed_shapes``) there are few shapes (``n_shapes``) and each repeats: one static graph per shape
@@ -180,7 +188,23 @@ def compile_for_training(module: nn.Module, fixed_shapes: bool, n_shapes: int, m
     ``mode`` is ``train.compile_mode``. The model has no graph break (tests/test_engine.py)."""
     if fixed_shapes:
         raise_recompile_limit(n_shapes)
-    return torch.compile(module, mode=None if mode == "default" else mode, dynamic=not fixed_shapes)
+    options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
+    if not blocks:
+        return torch.compile(module, **options)
+    for block in blocks:
+        _compile_for_training_mode(block, options)
+    return module
+
+
+def _compile_for_training_mode(block: nn.Module, options: dict) -> None:
+    """What ``nn.Module.compile`` does (``Module.__call__`` runs ``_compiled_call_impl`` when it is set), with the
+    compiled graph taken only in training mode."""
+    compiled = torch.compile(block._call_impl, **options)
+
+    def call(*args, **kwargs):
+        return compiled(*args, **kwargs) if block.training else block._call_impl(*args, **kwargs)
+
+    block._compiled_call_impl = call
 
 
 def raise_recompile_limit(n: int) -> None:

@@ -239,21 +239,23 @@ def test_forward_and_loss_have_no_graph_break():
 @skip_inductor_under_default_isa
 def test_compiled_training_step_equals_eager(monkeypatch):
     """The one inductor compile of the suite (a C++ build of the kernels: ~20-60 s on a 2-core CPU): the
-    compiled model and loss compute the eager values and gradients, and a new batch shape reuses the graphs.
-    The loss's chunks are made small, so the compiled loss goes over several chunks (its memory bound) and a
-    last, shorter one."""
+    layers compiled by regions and the compiled loss compute the eager values and gradients; the layers of a stack
+    share their graph; a new batch shape reuses the graphs; eval mode (validation, decoding) runs the plain
+    layers. The loss's chunks are made small, so the compiled loss goes over several chunks (its memory bound) and
+    a last, shorter one."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 40 * 40)  # 40 rows of the 40-word vocabulary
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)  # 30 rows of the 40-word vocabulary
     torch._dynamo.reset()
     torch.manual_seed(4)
     cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])
-    eager = tiny_model(n_decoder_layers=1)
-    compiled_copy = tiny_model(n_decoder_layers=1)
+    eager = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
+    compiled_copy = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
     compiled_copy.load_state_dict(eager.state_dict())
     module, loss_fn = compile_for_training(compiled_copy, cfg)
+    assert module is compiled_copy and list(module.state_dict()) == list(eager.state_dict())  # in place
     src, tgt = pairs(5, seed=5)
-    batch = collate(src, tgt, list(range(5)), shape=(6, 16, 24))
+    batch = collate(src, tgt, list(range(5)), shape=(6, 14, 22))  # lengths unlike any width (duck sizing)
     results = []
     for model, plain, fn in ((eager, eager, label_smoothed_cross_entropy), (module, compiled_copy, loss_fn)):
         loss, nll = fn(batch_logits(model, batch), batch.tgt_out, 0.1, 0)
@@ -264,9 +266,14 @@ def test_compiled_training_step_equals_eager(monkeypatch):
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
     graphs = counters["stats"]["unique_graphs"]
-    other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 24, 16))  # another batch size and lengths
+    assert graphs == 4  # an encoder layer, a decoder layer, the loss chunk's forward and backward: 2 layers each
+    other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 22, 14))  # another batch size and lengths
     loss_fn(batch_logits(module, other), other.tgt_out, 0.1, 0)[0].backward()
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for a new shape
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(batch_logits(module, other), batch_logits(eager.eval(), other))
+    assert counters["stats"]["unique_graphs"] == graphs  # eval mode ran the plain layers
     torch._dynamo.reset()
 
 

@@ -27,6 +27,7 @@ from aiayn.data.batching import Batch
 from aiayn.data.loader import Prefetcher
 from aiayn.device import autocast_context, inference_precision, model_device, resolve_device
 from aiayn.errors import CheckpointError, DeviceError
+from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.loss import compiled_loss, label_smoothed_cross_entropy
 from aiayn.train.metrics import MetricsLog
@@ -259,7 +260,7 @@ def update_token_totals(tokens: Sequence[int], accum_steps: int, world: int) -> 
 
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
-    """``torch.compile`` of the training module and of the loss (:func:`aiayn.engine.compile_for_training`),
+    """``torch.compile`` of the training module's layers and of the loss (:func:`aiayn.engine.compile_for_training`),
     with what the config says of the batch shapes: fixed with ``data.length_buckets`` (one shape per bucket, plus
     those of over-long examples and last LM batches) or language-model blocks, token-budget shapes otherwise."""
     from aiayn.data.summarization import is_summary_lm
@@ -269,7 +270,8 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
         log.warning("train.compile_mode=reduce-overhead records a CUDA graph per batch shape; set "
                     "data.length_buckets so that shapes repeat")
     n_shapes = len(cfg.data.length_buckets) + 4
-    return (engine.compile_for_training(module, fixed, n_shapes, cfg.train.compile_mode),
+    blocks = [m for m in module.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+    return (engine.compile_for_training(module, blocks, fixed, n_shapes, cfg.train.compile_mode),
             compiled_loss(dynamic=not fixed))
 
 
