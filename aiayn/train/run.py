@@ -38,7 +38,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
-    d = init_distributed(cfg.train.device)
+    d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
         return _train(cfg, Path(run_dir), resume, progress, d, init_from)
@@ -122,7 +122,7 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
 RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "train.patience", "train.log_every",
                "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
                "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
-               "train.compile", "train.compile_mode", "decode.")
+               "train.dist_timeout_s", "train.compile", "train.compile_mode", "decode.")
 
 
 def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> TrainState:

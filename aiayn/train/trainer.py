@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -103,12 +105,13 @@ class Dist:
         return bool(t.item())
 
 
-def init_distributed(device: str | torch.device = "auto") -> Dist:
+def init_distributed(device: str | torch.device = "auto", timeout_s: float = 1800.0) -> Dist:
     """This process's place: the process group torchrun set up (WORLD_SIZE > 1), else a single process, and
     its device, resolved once from ``train.device`` (a torchrun process gets its own GPU, cuda:LOCAL_RANK).
 
     NCCL when this process trains on CUDA (its GPU is made current first, so NCCL's communicators and buffers
-    live there rather than all on GPU 0), gloo otherwise."""
+    live there rather than all on GPU 0), gloo otherwise. ``timeout_s`` (``train.dist_timeout_s``) bounds every
+    collective, the barriers around rank 0's data preparation included."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
@@ -118,7 +121,7 @@ def init_distributed(device: str | torch.device = "auto") -> Dist:
     if not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
@@ -247,6 +250,19 @@ def evaluate_loss(
     (tokens,) = d.sum([tokens], device)
     per_tok = nll / max(tokens, 1)
     return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
+
+
+def update_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of update ``step`` on process ``rank``: a hash of the three, so every process draws its own
+    dropout masks and a resumed run draws what the uninterrupted one drew, with no RNG state carried over."""
+    digest = hashlib.sha256(f"aiayn-update:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_update(seed: int, step: int, rank: int) -> None:
+    """Seed torch's generators (CPU and every GPU) for update ``step`` on process ``rank``
+    (:func:`update_seed`)."""
+    torch.manual_seed(update_seed(seed, step, rank))
 
 
 def update_token_totals(tokens: Sequence[int], accum_steps: int, world: int) -> list[int]:
@@ -378,11 +394,14 @@ class Trainer:
             state = TrainState.from_json(read_checkpoint_state(self.run_dir, steps[-1]).get("train_state"), steps[-1])
         except ValueError as e:
             raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
+        saved = read_checkpoint_state(self.run_dir, steps[-1]).get("world_size")
+        if saved is not None and saved != self.d.world:
+            raise CheckpointError(
+                f"{jpath}: trained by {saved} process(es), resumed by {self.d.world}: each update would take other "
+                f"batches; resume with {saved} process(es) in all (torchrun --nproc-per-node ...)")
         meta = load_checkpoint(self.run_dir, steps[-1], self.model, self.optimizer)
         self.state = state
-        set_rng_state(meta["rng"])
-        if self.d.rank > 0:  # rank 0's RNG was saved; give the others their own dropout streams
-            torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.state.step * 31 + self.d.rank)
+        set_rng_state(meta["rng"])  # Python's and NumPy's; torch's is set again before every update
         return True
 
     def epoch_updates(self, epoch: int) -> list[list[Any]]:
@@ -482,6 +501,7 @@ class Trainer:
             with Prefetcher(updates, self._collate_update, start=st.position, depth=PREFETCH_UPDATES) as loader:
                 while st.position < len(updates) and not stop:
                     micro = [batch_to_device(b, self.device) for b in loader.next()]
+                    seed_update(tc.seed, st.step + 1, self.d.rank)
                     lr = learning_rate(tc, d_model, st.step + 1)
                     stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
                                          tc.clip_norm, self.d, self.autocast, self.scaler,

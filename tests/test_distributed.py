@@ -1,0 +1,77 @@
+"""Several processes, proven on one: each rank its own dropout, a resume needs no RNG state and refuses another
+world size, and the process group's timeout is the config's."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import ConfigError, load_config
+from aiayn.errors import CheckpointError
+from aiayn.train import trainer as trainer_module
+from aiayn.train.run import resume_run, train
+from aiayn.train.trainer import seed_update, update_seed
+
+
+def test_every_rank_and_update_draws_its_own_dropout_and_a_repeat_draws_the_same():
+    seeds = {(step, rank): update_seed(1, step, rank) for step in (1, 2, 1000) for rank in range(4)}
+    assert len(set(seeds.values())) == len(seeds)  # all different
+    assert update_seed(1, 2, 1) == seeds[(2, 1)] and update_seed(2, 2, 1) != seeds[(2, 1)]
+    masks = {}
+    for rank in (0, 1):
+        seed_update(1, 7, rank)
+        masks[rank] = F.dropout(torch.ones(1000), 0.1, training=True)
+    assert not torch.equal(masks[0], masks[1])  # 2 ranks regularize as 2, not as 1
+    seed_update(1, 7, 1)
+    assert torch.equal(F.dropout(torch.ones(1000), 0.1, training=True), masks[1])  # what a resume draws again
+
+
+def _tiny(tmp_path, updates: int, *extra: str):
+    return load_config("tiny_reverse", ["model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.3",
+                                        "data.max_tokens=256", f"train.max_updates={updates}", "train.save_every=3",
+                                        "train.eval_every=1000", "train.log_every=1", "train.threads=1", *extra])
+
+
+def test_resume_with_dropout_equals_the_uninterrupted_run_without_saved_rng(tmp_path):
+    """Dropout 0.3: the updates after the resume draw the masks the uninterrupted run drew."""
+    from aiayn.weights import read_weights
+
+    train(_tiny(tmp_path, 6), tmp_path / "whole", progress=False)
+    train(_tiny(tmp_path, 3), tmp_path / "cut", progress=False)
+    resume_run(tmp_path / "cut", ["train.max_updates=6"], progress=False)
+    a, b = (read_weights(tmp_path / r / "model.safetensors") for r in ("whole", "cut"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_with_another_world_size_is_refused_before_anything_changes(tmp_path):
+    run = tmp_path / "run"
+    train(_tiny(tmp_path, 3), run, progress=False)
+    state = next((run / "checkpoints").glob("step_*.json"))
+    meta = json.loads(state.read_text())
+    meta["world_size"] = 2  # as a 2-process torchrun would have written it
+    state.write_text(json.dumps(meta))
+    before = (run / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="trained by 2 process.*resumed by 1"):
+        resume_run(run, ["train.max_updates=6"], progress=False)
+    assert (run / "model.safetensors").read_bytes() == before
+
+
+def test_the_process_group_gets_the_configured_timeout(monkeypatch):
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer_module.dist, "init_process_group",
+                        lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(trainer_module.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
+    d = trainer_module.init_distributed("cpu", timeout_s=12.5)
+    assert (d.rank, d.world) == (0, 2)
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5)}
+    assert load_config("tiny_reverse").train.dist_timeout_s == 1800.0
+    with pytest.raises(ConfigError, match="dist_timeout_s"):
+        load_config("tiny_reverse", ["train.dist_timeout_s=0"])
