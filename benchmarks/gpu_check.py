@@ -11,8 +11,8 @@ limit, inside one overall budget (``--budget-s``): an item that would not fit is
 check goes on past failures and writes, for every item, pass / fail / not run, its numbers and the error
 (after every item, so a call cut short keeps what it measured):
 JSON (``--json``, default ``benchmarks/results/gpu_check.json``) and the section ``gpu_check`` of
-BENCHMARKS.md (``--md``). Items, in the order they run (on one H100 the first nine took 374 s; the CUDA tests and the two
-compiled items did not fit in what was left and need the ``--continue`` call):
+BENCHMARKS.md (``--md``). Items, in the order they run (on one H100 the first nine took 374 s; the CUDA tests and
+the two compiled items did not fit in what was left and need the ``--continue`` call):
 
 - ``env``            torch, CUDA, driver, GPU name, SMs, memory, clocks; measured matmul peaks (bf16, fp32 with and
                      without TF32): the denominators of MFU.
