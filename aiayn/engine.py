@@ -173,11 +173,11 @@ def compile_for_training(module: nn.Module, blocks: Sequence[nn.Module], fixed_s
     compiled in place, and the layers of a stack share one compiled graph, so compiling costs one layer's graph, not
     the whole model's: 81 s instead of 608 s before the first update of a 6 + 6-layer model on a busy 2-core CPU
     with cold caches (``python -m benchmarks.compile_time``), and paper-base's whole-model compile had not reached
-    its first update after 150 s on an H100 machine (BENCHMARKS.md, "GPU"). The embeddings, the output projection and the loss (which compiles its chunks' math
-    itself: :func:`aiayn.train.loss.compiled_loss`) stay around them. A block runs its compiled graph only in
-    training mode: validation and decoding (eval mode, with caches) run the plain layer. Without ``blocks`` (a
-    model of other layers) the whole ``module`` is compiled. Returns the module to train (``module`` itself when
-    compiled by regions).
+    its first update after 150 s on an H100 machine (BENCHMARKS.md, "GPU"). The embeddings, the output projection
+    and the loss (which compiles its chunks' math itself: :func:`aiayn.train.loss.compiled_loss`) stay around them.
+    A block runs its compiled graph only in training mode: validation and decoding (eval mode, with caches) run
+    the plain layer. Without ``blocks`` (a model of other layers) the whole ``module`` is compiled. Returns the
+    module to train (``module`` itself when compiled by regions).
 
     Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks:
     ``fixed_shapes``) there are few shapes (``n_shapes``) and each repeats: one static graph per shape

@@ -4,7 +4,12 @@ world size, and the process group's timeout is the config's."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,8 @@ from aiayn.errors import CheckpointError
 from aiayn.train import trainer as trainer_module
 from aiayn.train.run import resume_run, train
 from aiayn.train.trainer import seed_update, update_seed
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_every_rank_and_update_draws_its_own_dropout_and_a_repeat_draws_the_same():
@@ -75,3 +82,39 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     assert load_config("tiny_reverse").train.dist_timeout_s == 1800.0
     with pytest.raises(ConfigError, match="dist_timeout_s"):
         load_config("tiny_reverse", ["train.dist_timeout_s=0"])
+
+
+def _two_agents(tmp_path, run_dirs: tuple[str, str]) -> list[subprocess.CompletedProcess]:
+    """``torchrun --nnodes 2 --nproc-per-node 1`` as two agents on the loopback (two "machines"), each training
+    tiny_reverse for 4 updates into its own ``--run-dir``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aiayn", "train", "tiny_reverse",
+         "--run-dir", run_dirs[node], "--no-progress", "--set", "train.device=cpu", "--set", "train.max_updates=4",
+         "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2",
+         "--set", "train.dist_timeout_s=60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for node in (0, 1)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.slow
+def test_two_machines_need_one_run_directory_and_each_says_so_in_one_line(tmp_path):
+    shared = str(tmp_path / "shared")
+    ok = _two_agents(tmp_path, (shared, shared))
+    assert [r.returncode for r in ok] == [0, 0], ok[0].stderr[-1500:] + ok[1].stderr[-1500:]
+    assert (tmp_path / "shared" / "model.safetensors").exists()
+    assert not list((tmp_path / "shared").glob(".probe-*"))
+    apart = _two_agents(tmp_path, (str(tmp_path / "node0"), str(tmp_path / "node1")))
+    for r in apart:
+        assert r.returncode != 0
+        lines = [x for x in r.stderr.splitlines() if "aiayn: error:" in x]
+        assert lines and "file system they share" in lines[0], r.stderr[-2000:]
+        assert "internal error" not in r.stderr

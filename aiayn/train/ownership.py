@@ -291,6 +291,33 @@ def _listing(entries: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
+def check_every_process_sees(run_dir: Path, d: Dist) -> None:
+    """Rank 0 writes the run directory (tokenizer, prepared data, checkpoints) and every other process reads it,
+    so processes on several machines need it on a file system they share. Rank 0 writes a probe file there; each
+    process says whether it sees it (and on which host it runs); if any does not, every process raises the same
+    one line naming the hosts that do not, within seconds, instead of a missing-file error on one node and a
+    broken collective (or a watchdog timeout) on the others."""
+    if d.world == 1:
+        return
+    import secrets
+    import socket
+
+    host = socket.gethostname()
+    token = d.gather_objects(secrets.token_hex(8) if d.main else None)[0]
+    probe = run_dir / f".probe-{token}"
+    if d.main:
+        probe.write_text(host, encoding="utf-8")
+    d.barrier()
+    seen = d.gather_objects((host, probe.exists()))  # also the barrier before rank 0 removes the probe
+    if d.main:
+        probe.unlink(missing_ok=True)
+    blind = sorted({f"{h} (rank {r})" for r, (h, ok) in enumerate(seen) if not ok})
+    if blind:
+        raise CheckpointError(f"{run_dir}: not seen by the process(es) on {', '.join(blind)}, while rank 0 on "
+                              f"{seen[0][0]} writes it: several machines need the run directory on a file system "
+                              "they share (docs/distributed.md)")
+
+
 @contextlib.contextmanager
 def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist,
                 device: torch.device) -> Iterator[RunDirectory | None]:
@@ -310,6 +337,7 @@ def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist,
     if error is not None:
         raise error
     try:
+        check_every_process_sees(Path(run_dir), d)
         yield owner
     except BaseException:
         if owner is not None:

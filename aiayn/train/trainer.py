@@ -82,6 +82,14 @@ class Dist:
         if self.world > 1:
             dist.barrier()
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every process's ``obj`` (picklable, small), in rank order, on every process."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def sum(self, values: Sequence[float], device: torch.device) -> list[float]:
         """All-reduce (sum) a few scalars across processes."""
         if self.world == 1:
