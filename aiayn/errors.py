@@ -82,7 +82,20 @@ def user_error_message(e: BaseException) -> str | None:
     if type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError):
         first = one_line(e).split(". ")[0]
         return f"out of memory{': ' + first if first else ''} (lower data.max_tokens or --max-tokens)"
+    if _peer_lost(e):
+        return (f"another process of this torchrun job stopped ({one_line(e)[:160]}); this one stops too: "
+                "torchrun --max-restarts N restarts the job from its newest checkpoint")
     return None
+
+
+# What gloo and NCCL say when a process of the group died (kill -9, a node lost): the machine's state, not a bug.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "connectFullMesh")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    kind = type(e).__name__
+    return kind in ("DistNetworkError", "DistBackendError") or (
+        isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "first_line", "one_line",

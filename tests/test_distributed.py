@@ -118,3 +118,54 @@ def test_two_machines_need_one_run_directory_and_each_says_so_in_one_line(tmp_pa
         lines = [x for x in r.stderr.splitlines() if "aiayn: error:" in x]
         assert lines and "file system they share" in lines[0], r.stderr[-2000:]
         assert "internal error" not in r.stderr
+
+
+def _rank_pid(run: Path, rank: int) -> int | None:
+    """The pid of the training process of ``rank`` writing ``run`` (Linux /proc)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run).encode() in cmd and b"aiayn" in cmd and f"LOCAL_RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_ends_bit_identical(tmp_path):
+    """Two processes, dropout 0.1: rank 1 killed with -9 after update 10's checkpoint; torchrun --max-restarts 1
+    restarts the job, which resumes by itself; the final weights equal the uninterrupted run's bit for bit."""
+    import signal
+    import time
+
+    from aiayn.weights import read_weights
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def job(run: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "--max-restarts", "1", "-m", "aiayn", "train", "tiny_reverse", "--run-dir", str(run), "--no-progress",
+             "--set", "train.device=cpu", "--set", "train.max_updates=30", "--set", "train.save_every=5",
+             "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2",
+             "--set", "train.threads=1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+    whole = job(tmp_path / "whole")
+    assert whole.wait(300) == 0, whole.stderr.read()[-2000:]
+    cut = job(tmp_path / "cut")
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "cut" / "checkpoints" / "step_000010.json").exists():
+        assert time.monotonic() < deadline and cut.poll() is None
+        time.sleep(0.1)
+    pid = _rank_pid(tmp_path / "cut", 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    err = cut.communicate(timeout=300)[1]
+    assert cut.returncode == 0, err[-3000:]
+    assert "torchrun restart 1: resuming" in err and "resumed from step" in err
+    assert "internal error" not in err  # the surviving rank's exit names the lost peer, not a bug
+    a, b = (read_weights(tmp_path / r / "model.safetensors") for r in ("whole", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -38,16 +39,24 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and not resume:  # torchrun --max-restarts restarted the job: go on from its newest checkpoint
+        log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
+        resume = True
+    own_group = not (dist.is_available() and dist.is_initialized())  # a caller's own group stays the caller's
     d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
     threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
-        return _train(cfg, Path(run_dir), resume, progress, d, init_from)
+        state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
         raise
     finally:
         torch.set_num_threads(threads)
+    if d.world > 1 and own_group and dist.is_initialized():  # done: leave the group (torchrun's workers exit)
+        dist.destroy_process_group()
+    return state
 
 
 def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
