@@ -169,3 +169,46 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_ends_bit_identical
     assert "internal error" not in err  # the surviving rank's exit names the lost peer, not a bug
     a, b = (read_weights(tmp_path / r / "model.safetensors") for r in ("whole", "cut"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, monkeypatch):
+    """No host-device synchronization inside an update, and in the loop only where a line is logged (here every
+    4th update): the host can queue update k + 1 while the device runs update k. Counted on the CPU by wrapping
+    the tensor methods that read a value back (on a GPU each is a synchronization)."""
+    import threading
+    import traceback
+
+    calls: list[tuple[int, bool]] = []
+    state = {"updates": 0, "inside": False}
+    main = threading.main_thread()
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            # Not counted: the loader's thread (it reads host data) and torch.optim's CPU Adam, which reads its
+            # CPU step counter (on a GPU the fused Adam reads nothing back).
+            if threading.current_thread() is main and not any(
+                    "torch/optim" in f.filename for f in traceback.extract_stack(limit=4)):
+                calls.append((state["updates"], state["inside"]))
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    run_update = trainer_module.run_update
+
+    def counted_update(*args, **kwargs):
+        state["inside"] = True
+        try:
+            return run_update(*args, **kwargs)
+        finally:
+            state["inside"], state["updates"] = False, state["updates"] + 1
+
+    monkeypatch.setattr(trainer_module, "run_update", counted_update)
+    cfg = _tiny(tmp_path, 12, "train.log_every=4", "train.save_every=1000", "train.clip_norm=1.0",
+                "train.max_minutes=60")
+    train(cfg, tmp_path / "run", progress=False)
+    assert state["updates"] == 12
+    assert not [c for c in calls if c[1]]  # none inside an update
+    assert {u for u, _ in calls} <= {4, 8, 12}  # in the loop: the logged updates (and the end: eval, save)

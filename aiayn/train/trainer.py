@@ -172,7 +172,25 @@ class UpdateStats:
     grad_norm: float | None = None
 
 
-def train_update(
+@dataclass
+class UpdateSums:
+    """An update's statistics still on the device: ``sums`` (2,) loss and NLL summed over the update's target
+    tokens on every process, then the gradient norm when clipped (3,); :meth:`read` waits for the device."""
+
+    sums: torch.Tensor
+    ntokens: int
+
+    def read(self) -> UpdateStats:
+        values = self.sums.tolist()  # a host-device synchronization
+        return UpdateStats(values[0], values[1], self.ntokens, values[2] if len(values) > 2 else None)
+
+
+def train_update(*args, **kwargs) -> UpdateStats:
+    """:func:`run_update`, then its statistics read (the host waits for the device once)."""
+    return run_update(*args, **kwargs).read()
+
+
+def run_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[Batch],
@@ -185,8 +203,8 @@ def train_update(
     scaler: torch.amp.GradScaler | None = None,
     total_tokens: int | None = None,
     loss_fn: LossFn = label_smoothed_cross_entropy,
-) -> UpdateStats:
-    """One optimizer update over ``micro_batches`` (gradient accumulation).
+) -> UpdateSums:
+    """One optimizer update over ``micro_batches`` (gradient accumulation), without waiting for the device.
 
     Every micro-batch's summed loss is divided by the target tokens of the *whole* update (all
     micro-batches, all processes), so k accumulated micro-batches give the same gradient as one batch
@@ -194,9 +212,9 @@ def train_update(
     ``total_tokens``: that count when the caller knows it (the trainer does: every process sees every
     batch); otherwise it is summed over processes here, one more synchronization when there are several.
 
-    The host waits for the device once per update, at the end, to read the statistics: losses stay
-    device tensors until then, clipping keeps the norm on the device, and a fused optimizer takes the
-    fp16 GradScaler's inf check without reading it back.
+    The host never waits for the device here: losses stay device tensors (read them with
+    :meth:`UpdateSums.read`, as :func:`train_update` does), clipping keeps the norm on the device, and a fused
+    optimizer takes the fp16 GradScaler's inf check without reading it back.
     """
     d = dist_info or Dist()
     device = model_device(model)
@@ -231,8 +249,7 @@ def train_update(
     stats = d.all_reduce_sum(torch.stack(sums).sum(0))  # (2,): loss, nll over the whole update
     if grad_norm is not None:  # the same on every process (after DDP's gradient all-reduce)
         stats = torch.cat([stats, grad_norm.detach().to(stats.dtype).reshape(1)])
-    values = stats.tolist()  # the update's one host-device synchronization
-    return UpdateStats(values[0], values[1], int(total_tokens), values[2] if grad_norm is not None else None)
+    return UpdateSums(stats, int(total_tokens))
 
 
 @torch.no_grad()
@@ -258,6 +275,11 @@ def evaluate_loss(
     (tokens,) = d.sum([tokens], device)
     per_tok = nll / max(tokens, 1)
     return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
+
+
+# With several processes, the time budget (train.max_minutes) is checked every this many updates (and at every
+# logged one): the check is a broadcast from rank 0 that the host waits for.
+CLOCK_EVERY = 10
 
 
 def update_seed(seed: int, step: int, rank: int) -> int:
@@ -387,7 +409,10 @@ class Trainer:
         module, loss_fn = self.model, label_smoothed_cross_entropy
         if self.d.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+            # No buffer broadcast before every forward (the only buffers are the constant sinusoid tables);
+            # gradients live in DDP's buckets (no copy into them, less memory).
+            module = nn.parallel.DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False,
+                                                         gradient_as_bucket_view=True)
         if self.cfg.train.compile:
             module, loss_fn = compile_for_training(module, self.cfg)
         return module, loss_fn
@@ -497,7 +522,7 @@ class Trainer:
         module.train()
         progress = Progress(tc, st.step, st.elapsed_s, show=self.d.main, bar=self.progress)
         d_model = self.cfg.model.d_model
-        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
+        window: dict[str, Any] = {"sums": None, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
         start = time.perf_counter() - st.elapsed_s
         stop = st.step >= tc.max_updates
         last_saved = st.step
@@ -511,33 +536,39 @@ class Trainer:
                     micro = [batch_to_device(b, self.device) for b in loader.next()]
                     seed_update(tc.seed, st.step + 1, self.d.rank)
                     lr = learning_rate(tc, d_model, st.step + 1)
-                    stats = train_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
-                                         tc.clip_norm, self.d, self.autocast, self.scaler,
-                                         self._update_tokens[st.position], loss_fn)
+                    update = run_update(module, self.optimizer, micro, lr, tc.label_smoothing, self.pad_id,
+                                        tc.clip_norm, self.d, self.autocast, self.scaler,
+                                        self._update_tokens[st.position], loss_fn)
                     st.step += 1
                     st.position += 1
                     self._plan_ahead(st.epoch + 1)
-                    st.tokens += stats.ntokens
-                    st.elapsed_s = time.perf_counter() - start
-                    window["loss"] += stats.loss
-                    window["nll"] += stats.nll
-                    window["tokens"] += stats.ntokens
+                    st.tokens += update.ntokens
+                    sums = update.sums[:2]
+                    window["sums"] = sums if window["sums"] is None else window["sums"] + sums
+                    window["tokens"] += update.ntokens
                     window["updates"] += 1
-                    progress.update(st.step, st.elapsed_s)
-                    if st.step % tc.log_every == 0 or st.step == tc.max_updates:
-                        dt = time.perf_counter() - window["t0"]
+                    log_step = st.step % tc.log_every == 0 or st.step == tc.max_updates
+                    if log_step:
+                        loss, nll = window["sums"].tolist()  # the loop's one host-device synchronization
+                        now = time.perf_counter()
+                        st.elapsed_s = now - start
+                        tokens = max(window["tokens"], 1)
                         rec = {"step": st.step, "epoch": st.epoch, "lr": lr,
-                               "train_loss": round(window["loss"] / max(window["tokens"], 1), 5),
-                               "train_nll": round(window["nll"] / max(window["tokens"], 1), 5),
-                               "tokens_per_s": round(window["tokens"] / max(dt, 1e-9), 1),
+                               "train_loss": round(loss / tokens, 5), "train_nll": round(nll / tokens, 5),
+                               "tokens_per_s": round(window["tokens"] / max(now - window["t0"], 1e-9), 1),
                                "tokens_per_update": round(window["tokens"] / max(window["updates"], 1)),
                                "elapsed_s": round(st.elapsed_s, 2)}
                         metrics.write(rec)
                         progress.record(rec)
-                        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
-                    # Rank 0's clock decides, for all processes (a synchronization: only with a time budget).
-                    out_of_time = tc.max_minutes is not None and self.d.broadcast_flag(
-                        st.elapsed_s >= tc.max_minutes * 60, self.device)
+                        window = {"sums": None, "tokens": 0, "t0": time.perf_counter(), "updates": 0}
+                    else:  # the host's clock: it may be ahead of the device by the updates queued
+                        st.elapsed_s = time.perf_counter() - start
+                    progress.update(st.step, st.elapsed_s)
+                    # Rank 0's clock decides, for all processes: a collective (and a synchronization) with several
+                    # processes, so then only every few updates; nothing at all with one.
+                    clock = tc.max_minutes is not None and (self.d.world == 1 or log_step
+                                                            or st.step % CLOCK_EVERY == 0)
+                    out_of_time = clock and self.d.broadcast_flag(st.elapsed_s >= tc.max_minutes * 60, self.device)
                     stop = st.step >= tc.max_updates or out_of_time
                     if st.step % tc.eval_every == 0 or stop:
                         stop = self._evaluate(metrics) or stop
