@@ -285,9 +285,10 @@ class TrainConfig:
     inference_weights: str = "last"  # which weights model.safetensors holds: last | best | average
     average_last: int = 5  # checkpoints averaged when inference_weights is 'average'
     device: str = "auto"
-    # Seconds any collective of a multi-process training may wait (torch.distributed's process-group timeout), the
-    # barrier while rank 0 prepares the data (tokenizer, store) included: raise it for a first start on a big corpus.
+    # Seconds a collective of a multi-process training may wait (torch.distributed's process-group timeout), and
+    # seconds the other processes wait while rank 0 prepares the data (tokenizer, store, caches; on a group of its own).
     dist_timeout_s: float = 1800.0
+    setup_timeout_s: float = 86400.0
     # metrics.jsonl (always) plus optional trackers: tensorboard (RUN/tensorboard), wandb (RUN/wandb, offline
     # unless WANDB_MODE says otherwise). A tracker whose package is missing is an error, not silence.
     log_to: list[str] = field(default_factory=lambda: ["jsonl"])
@@ -317,7 +318,7 @@ class TrainConfig:
         for name in ("max_epochs", "patience"):
             if getattr(self, name) is not None:
                 _at_least(f"train.{name}", getattr(self, name), 1)
-        for name in ("max_minutes", "clip_norm", "dist_timeout_s"):
+        for name in ("max_minutes", "clip_norm", "dist_timeout_s", "setup_timeout_s"):
             if getattr(self, name) is not None:
                 _positive(f"train.{name}", getattr(self, name))
         # 0 is a real learning rate: it freezes the weights (the early-stopping test trains with lr 0).

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,15 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(trainer_module.dist, "init_process_group",
                         lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(trainer_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
     monkeypatch.setattr(trainer_module.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
-    d = trainer_module.init_distributed("cpu", timeout_s=12.5)
-    assert (d.rank, d.world) == (0, 2)
-    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5)}
+    d = trainer_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
+    assert (d.rank, d.world, d.setup_group) == (0, 2, "setup group")
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5),
+                    "setup": {"backend": "gloo", "timeout": timedelta(seconds=99.0)}}
     assert load_config("tiny_reverse").train.dist_timeout_s == 1800.0
+    assert load_config("tiny_reverse").train.setup_timeout_s == 86400.0
     with pytest.raises(ConfigError, match="dist_timeout_s"):
         load_config("tiny_reverse", ["train.dist_timeout_s=0"])
 
@@ -212,3 +216,25 @@ def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, mon
     assert state["updates"] == 12
     assert not [c for c in calls if c[1]]  # none inside an update
     assert {u for u, _ in calls} <= {4, 8, 12}  # in the loop: the logged updates (and the end: eval, save)
+
+
+@pytest.mark.slow
+def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the_start(tmp_path):
+    """Rank 0 trains an 8k BPE on Multi30k (seconds) while rank 1 waits; the collectives' timeout is 3 s, the
+    setup's its own (train.setup_timeout_s): the job starts, trains and ends."""
+    data = os.environ.get("AIAYN_DATA_DIR")
+    if not data or not os.path.isdir(os.path.join(data, "multi30k")):
+        pytest.skip("needs $AIAYN_DATA_DIR/multi30k")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    sets = ["train.device=cpu", "train.max_updates=2", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
+            "model.n_encoder_layers=1", "model.n_decoder_layers=1", "train.dist_timeout_s=3", "train.eval_every=1000",
+            "train.save_every=1000", "train.threads=1"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "aiayn", "train", "multi30k_en_de_quick", "--run-dir", str(tmp_path / "run"),
+                        "--no-progress", *[x for s in sets for x in ("--set", s)]],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stamps = re.findall(r"^(\S+ \S+) INFO aiayn.(?:data|train): (training a|model: )", r.stderr, flags=re.M)
+    assert stamps, r.stderr[-2000:]
+    t = [datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s, _ in (stamps[0], stamps[-1])]
+    assert (t[1] - t[0]).total_seconds() > 3  # the setup outlasted the collectives' timeout

@@ -44,7 +44,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
         resume = True
     own_group = not (dist.is_available() and dist.is_initialized())  # a caller's own group stays the caller's
-    d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s)
+    d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s, cfg.train.setup_timeout_s)
     threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
@@ -87,7 +87,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
         if init is not None and d.main and not existing:  # build_data then loads this tokenizer, trains none
             copy_init_tokenizer(init, run_dir)
-        data, tok = build_data(cfg, run_dir, d.main, d.barrier, d.world)
+        data, tok = build_data(cfg, run_dir, d.main, d.setup_barrier, d.world)
         cfg = fit_model_to_vocab(cfg, tok)
         if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")
@@ -131,7 +131,7 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
 RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "train.patience", "train.log_every",
                "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
                "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
-               "train.dist_timeout_s", "train.compile", "train.compile_mode", "decode.")
+               "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.")
 
 
 def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> TrainState:

@@ -73,6 +73,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    setup_group: Any = None  # the gloo group of the setup barriers (their own, long timeout)
 
     @property
     def main(self) -> bool:
@@ -81,6 +82,12 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def setup_barrier(self) -> None:
+        """The barrier where the other processes wait while rank 0 prepares the data (tokenizer, store, caches):
+        on its own gloo group, whose timeout is ``train.setup_timeout_s`` rather than the training collectives'."""
+        if self.world > 1:
+            dist.barrier(group=self.setup_group)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every process's ``obj`` (picklable, small), in rank order, on every process."""
@@ -113,13 +120,16 @@ class Dist:
         return bool(t.item())
 
 
-def init_distributed(device: str | torch.device = "auto", timeout_s: float = 1800.0) -> Dist:
+def init_distributed(device: str | torch.device = "auto", timeout_s: float = 1800.0,
+                     setup_timeout_s: float = 86400.0) -> Dist:
     """This process's place: the process group torchrun set up (WORLD_SIZE > 1), else a single process, and
     its device, resolved once from ``train.device`` (a torchrun process gets its own GPU, cuda:LOCAL_RANK).
 
     NCCL when this process trains on CUDA (its GPU is made current first, so NCCL's communicators and buffers
     live there rather than all on GPU 0), gloo otherwise. ``timeout_s`` (``train.dist_timeout_s``) bounds every
-    collective, the barriers around rank 0's data preparation included."""
+    collective of the training; the wait while rank 0 prepares the data is on a gloo group of its own, bounded by
+    ``setup_timeout_s`` (``train.setup_timeout_s``): a first start on a big corpus outlasts a collective's
+    timeout without being killed by it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
@@ -130,7 +140,8 @@ def init_distributed(device: str | torch.device = "auto", timeout_s: float = 180
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+    setup = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup_timeout_s))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup)
 
 
 def check_rank_device(device: torch.device, local_rank: int, world: int) -> None:
