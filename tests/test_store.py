@@ -259,10 +259,10 @@ def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path
                                            "data.max_tokens=1024", "train.max_updates=40", "train.eval_every=100",
                                            "train.save_every=100", "train.threads=1", "data.vocab_size=300"])
     updates, planned = [0], []
-    real_plan, real_update = TranslationData.epoch_plan, trainer_mod.train_update
+    real_plan, real_update = TranslationData.epoch_plan, trainer_mod.run_update
     monkeypatch.setattr(TranslationData, "epoch_plan",
                         lambda self, epoch: planned.append((epoch, updates[0])) or real_plan(self, epoch))
-    monkeypatch.setattr(trainer_mod, "train_update",
+    monkeypatch.setattr(trainer_mod, "run_update",
                         lambda *a, **k: (updates.__setitem__(0, updates[0] + 1), real_update(*a, **k))[1])
     state = train(cfg, tmp_path / "run", progress=False)
     assert state.epoch >= 2  # 40 updates span several epochs of this corpus
