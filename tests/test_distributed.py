@@ -75,11 +75,15 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     monkeypatch.setattr(trainer_module.dist, "init_process_group",
                         lambda backend, **kw: seen.update(backend=backend, **kw))
     monkeypatch.setattr(trainer_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setattr(trainer_module.dist, "rendezvous", lambda url, timeout: iter([("store", 0, 2)]))
+    monkeypatch.setattr(trainer_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
     monkeypatch.setattr(trainer_module.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
     d = trainer_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
     assert (d.rank, d.world, d.setup_group) == (0, 2, "setup group")
-    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5),
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5), "rank": 0, "world_size": 2,
+                    "store": "aiayn/attempt-3/store",  # a restarted job's keys apart from the dead one's
                     "setup": {"backend": "gloo", "timeout": timedelta(seconds=99.0)}}
     assert load_config("tiny_reverse").train.dist_timeout_s == 1800.0
     assert load_config("tiny_reverse").train.setup_timeout_s == 86400.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
+import inspect
 import logging
 import math
 import os
@@ -139,7 +140,14 @@ def init_distributed(device: str | torch.device = "auto", timeout_s: float = 180
     if not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        # torchrun's store outlives a restart (--max-restarts) and still holds the dead processes' addresses under
+        # the keys a new group reads: each attempt gets keys of its own, or a restarted group may connect to a
+        # dead port (refused, or a hang).
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(
+            f"aiayn/attempt-{attempt}/", store), rank=rank, world_size=world, timeout=timeout)
     setup = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup_timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup)
 
@@ -422,8 +430,11 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             # No buffer broadcast before every forward (the only buffers are the constant sinusoid tables);
             # gradients live in DDP's buckets (no copy into them, less memory).
-            module = nn.parallel.DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False,
-                                                         gradient_as_bucket_view=True)
+            ddp = nn.parallel.DistributedDataParallel
+            quiet = ({"forward_sync_buffers": False}  # the name since PyTorch 2.13 (broadcast_buffers before)
+                     if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+                     else {"broadcast_buffers": False})
+            module = ddp(module, device_ids=ids, gradient_as_bucket_view=True, **quiet)
         if self.cfg.train.compile:
             module, loss_fn = compile_for_training(module, self.cfg)
         return module, loss_fn
