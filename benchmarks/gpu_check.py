@@ -56,6 +56,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+
 REPO = Path(__file__).resolve().parent.parent
 NAME = "gpu_check"
 
@@ -127,8 +129,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.report:
-        from benchmarks import common
-
         common.update_section(args.md, NAME, markdown(json.loads(Path(args.json).read_text(encoding="utf-8"))))
         return {}
     work = Path(args.work)
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return run_child(args.child, work, args.device, args.smoke)
     items = args.items or (list(SMOKE_ITEMS) if args.smoke else list(ITEMS))
     started = time.monotonic()
-    result: dict[str, Any] = {"check": NAME, "date": _utc_now(), "device": args.device, "smoke": args.smoke,
+    result: dict[str, Any] = {"check": NAME, "date": common.utc_now(), "device": args.device, "smoke": args.smoke,
                               "command": "python -m benchmarks." + NAME + (" " + " ".join(argv) if argv else ""),
                               "budget_s": args.budget_s, "work": str(work), "items": {}}
     if args.cont and Path(args.json).exists():
@@ -162,16 +162,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
-    from benchmarks import common
-
     common.write_json(args.json, result)
     common.update_section(args.md, NAME, markdown(result))
-
-
-def _utc_now() -> str:
-    from benchmarks.common import utc_now
-
-    return utc_now()
 
 
 def run_item(item: str, work: Path, device: str, smoke: bool, limit: float) -> dict[str, Any]:
@@ -315,7 +307,7 @@ def env_item(work: Path, device: str, size: str) -> dict[str, Any]:
     if device == "cpu":
         res["peak_fp32_tflops"] = round(matmul_peak([256], reps=2)["flops_per_s"] / 1e12, 4)
         peak = res["peak_fp32_tflops"] * 1e12
-        _save_json(work / "peaks.json", {"bf16": peak, "fp32": peak})
+        common.write_json(work / "peaks.json", {"bf16": peak, "fp32": peak})
         return res
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
@@ -341,7 +333,7 @@ def env_item(work: Path, device: str, size: str) -> dict[str, Any]:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20).stdout.strip()
         res["sm_clock_after_matmuls"] = smi
-    _save_json(work / "peaks.json", peaks)
+    common.write_json(work / "peaks.json", peaks)
     return res
 
 
@@ -697,13 +689,6 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
         res.update(status="fail", error=f"resume exit {rc}, resumed from {res['resumed_from']} (newest checkpoint "
                                         f"{before[-1]}), last update {res['last_update']}", log_tail=second[-1500:])
     return res
-
-
-def _save_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 CHILDREN: dict[str, Callable[[Path, str, str], dict[str, Any]]] = {
