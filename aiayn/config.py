@@ -704,5 +704,7 @@ def read_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """Write ``cfg`` as YAML to ``path`` atomically (a run reads its config.yaml back: never half-written)."""
+    from aiayn.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

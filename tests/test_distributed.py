@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.config import ConfigError, load_config
+from aiayn.config import ConfigError, load_config, read_run_config
 from aiayn.errors import CheckpointError
-from aiayn.train import trainer as trainer_module
+from aiayn.train import parallel as parallel_module
 from aiayn.train.run import resume_run, train
-from aiayn.train.trainer import seed_update, update_seed
+from aiayn.train.trainer import resume_config
+from aiayn.train.update import Update, seed_update, update_seed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,33 +55,54 @@ def test_resume_with_dropout_equals_the_uninterrupted_run_without_saved_rng(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_resume_with_another_world_size_is_refused_before_anything_changes(tmp_path):
+def test_a_resume_at_another_world_size_keeps_the_micro_batches_of_an_update_or_is_refused(tmp_path, caplog):
+    """A run of 2 processes x 1 step resumes on 1 process with 2 accumulation steps (the same batches, and the
+    same dropout slots); 3 processes cannot share out 2 micro-batches: refused with one line, nothing changed."""
     run = tmp_path / "run"
     train(_tiny(tmp_path, 3), run, progress=False)
     state = next((run / "checkpoints").glob("step_*.json"))
     meta = json.loads(state.read_text())
     meta["world_size"] = 2  # as a 2-process torchrun would have written it
     state.write_text(json.dumps(meta))
-    before = (run / "model.safetensors").read_bytes()
-    with pytest.raises(CheckpointError, match="trained by 2 process.*resumed by 1"):
+    cfg = read_run_config(run)
+    assert resume_config(cfg, run, 1).train.accum_steps == 2
+    assert resume_config(cfg, run, 2) is cfg
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="each update of this run takes 2 micro-batches .*divides 2"):
+        resume_config(cfg, run, 3)
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        resume_run(run, ["train.max_updates=4"], progress=False)
+    assert "train.accum_steps=2 keeps the run's 2 micro-batches per update" in caplog.text
+    assert read_run_config(run).train.accum_steps == 2  # and its next resume on 1 process keeps it
+    meta = json.loads(sorted((run / "checkpoints").glob("step_*.json"))[-1].read_text())
+    assert (meta["world_size"], meta["accum_steps"]) == (1, 2)
+
+
+def test_a_resume_after_the_minutes_are_spent_says_so_before_any_work(tmp_path):
+    run = tmp_path / "run"
+    train(_tiny(tmp_path, 3, "train.max_minutes=0.0001"), run, progress=False)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"train.max_minutes=0.0001 \(counted from the run's first start\).*"
+                                          r"--set train.max_minutes="):
         resume_run(run, ["train.max_updates=6"], progress=False)
-    assert (run / "model.safetensors").read_bytes() == before
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
 def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(trainer_module.dist, "init_process_group",
+    monkeypatch.setattr(parallel_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_module.dist, "init_process_group",
                         lambda backend, **kw: seen.update(backend=backend, **kw))
-    monkeypatch.setattr(trainer_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
+    monkeypatch.setattr(parallel_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    monkeypatch.setattr(trainer_module.dist, "rendezvous", lambda url, timeout: iter([("store", 0, 2)]))
-    monkeypatch.setattr(trainer_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
-    monkeypatch.setattr(trainer_module.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
-    d = trainer_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
+    monkeypatch.setattr(parallel_module.dist, "rendezvous", lambda url, timeout: iter([("store", 0, 2)]))
+    monkeypatch.setattr(parallel_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
+    monkeypatch.setattr(parallel_module.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(parallel_module.dist, "get_world_size", lambda: 2)
+    d = parallel_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
     assert (d.rank, d.world, d.setup_group) == (0, 2, "setup group")
     assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5), "rank": 0, "world_size": 2,
                     "store": "aiayn/attempt-3/store",  # a restarted job's keys apart from the dead one's
@@ -203,7 +225,7 @@ def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, mon
 
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
-    run_update = trainer_module.run_update
+    run_update = Update.run
 
     def counted_update(*args, **kwargs):
         state["inside"] = True
@@ -212,7 +234,7 @@ def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, mon
         finally:
             state["inside"], state["updates"] = False, state["updates"] + 1
 
-    monkeypatch.setattr(trainer_module, "run_update", counted_update)
+    monkeypatch.setattr(Update, "run", counted_update)
     cfg = _tiny(tmp_path, 12, "train.log_every=4", "train.save_every=1000", "train.clip_norm=1.0",
                 "train.max_minutes=60")
     train(cfg, tmp_path / "run", progress=False)
@@ -228,7 +250,7 @@ def _setup_ranks(rank: int, port: int, sleep_s: float, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
-    d = trainer_module.init_distributed("cpu", timeout_s=1.0, setup_timeout_s=60.0)
+    d = parallel_module.init_distributed("cpu", timeout_s=1.0, setup_timeout_s=60.0)
     try:
         if d.main:
             time.sleep(sleep_s)
@@ -236,7 +258,7 @@ def _setup_ranks(rank: int, port: int, sleep_s: float, out: str) -> None:
         d.barrier()
         Path(out, f"ok{rank}").write_text("ok")
     finally:
-        trainer_module.dist.destroy_process_group()
+        parallel_module.dist.destroy_process_group()
 
 
 def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the_start(tmp_path):

@@ -21,7 +21,7 @@ from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.run import average_run, train
 from aiayn.train.schedule import build_optimizer, inverse_sqrt_lr, noam_lr
-from aiayn.train.trainer import train_update
+from aiayn.train.update import Update
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger():
         # SGD, so the update is lr * gradient: Adam's first step is lr * sign(g), which turns rounding
         # noise on exactly-zero gradients (e.g. the key biases, which softmax ignores) into +-lr.
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        stats = train_update(model, opt, micro, lr=1.0, label_smoothing=0.1, clip_norm=1.0)
+        stats = Update(model, opt, label_smoothing=0.1, clip_norm=1.0)(micro, lr=1.0)
         results.append((model.state_dict(), stats))
     (a, sa), (b, sb) = results
     assert sa.ntokens == sb.ntokens == whole.ntokens
@@ -197,18 +197,17 @@ def test_moses_pretokenized_run_trains_translates_and_keeps_its_tokenizer(tmp_pa
 
 
 def test_a_resume_that_does_not_fit_the_run_changes_nothing(tmp_path):
-    """A resume with another model shape fails on the checkpoint, one line, exit 2; config.yaml is
-    rewritten only after the checkpoint has loaded, so the run still evaluates as it was."""
+    """A resume with another model shape is refused before any work, one line naming the key, exit 2; nothing in
+    the run changes, so it still evaluates as it was."""
     run = tmp_path / "run"
     train(tiny_cfg("train.max_updates=4"), run, progress=False)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     overrides = TINY_OVERRIDES + ["train.max_updates=8", "model.d_model=48"]
     r = _cli("train", str(REPO / "configs" / "tiny_reverse.yaml"), "--run-dir", str(run), "--resume",
              "--no-progress", *[x for o in overrides for x in ("--set", o)])
-    # The data log lines come first (the checkpoint is read after the data is built); then one error line.
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("aiayn: error:") and "has shape" in last, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("aiayn: error: model.d_model=48 but ") and "config.yaml has 32" in r.stderr
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 

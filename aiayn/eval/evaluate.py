@@ -130,7 +130,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     from aiayn.data.pipeline import build_lm_data
     from aiayn.eval.metrics import perplexity
     from aiayn.run_dir import load_run
-    from aiayn.train.trainer import evaluate_loss
+    from aiayn.train.validation import evaluate_loss
 
     run_dir = Path(run_dir)
     run = load_run(run_dir, device, precision=precision)
