@@ -345,3 +345,37 @@ def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the
         port = s.getsockname()[1]
     mp.spawn(_setup_ranks, args=(port, 3.0, str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def _agreement_ranks(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: the same norms pass, norms 1% apart stop with one line, inf on both passes."""
+    from aiayn.errors import DesyncError
+    from aiayn.train.parallel import check_agreement
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    d = parallel_module.init_distributed("cpu", timeout_s=30.0, setup_timeout_s=30.0)
+    try:
+        check_agreement(torch.tensor([2.5, 40.0]), d, 7)
+        check_agreement(torch.tensor([float("inf"), 40.0]), d, 8)  # an fp16 overflow on every process
+        try:
+            check_agreement(torch.tensor([2.5, 40.0 * (1 + 0.01 * rank)]), d, 9)
+            message = "no error"
+        except DesyncError as e:
+            message = str(e)
+        Path(out, f"rank{rank}").write_text(message)
+    finally:
+        parallel_module.dist.destroy_process_group()
+
+
+def test_processes_whose_norms_differ_stop_with_one_line(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_agreement_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):  # every process stops, with the same line
+        message = (tmp_path / f"rank{rank}").read_text()
+        assert message.startswith("update 9: the processes no longer train one model") and "\n" not in message
+        assert "process 0: 2.5/40" in message and "process 1: 2.5/40.4" in message

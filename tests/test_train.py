@@ -409,3 +409,48 @@ def test_trackers_receive_the_metrics(tracker, tmp_path, monkeypatch):
     else:
         files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(files) == 1 and files[0].stat().st_size > 0
+
+
+def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_path, caplog):
+    """train.inference_weights=average over the last 3 checkpoints (steps 10, 20, 30): model.safetensors holds the
+    average or the last weights, whichever has the lower validation NLL (recomputed here from the files), and the
+    log says which and why. Then step 10's checkpoint is replaced by the initial weights (a run cut early averages
+    checkpoints from its first updates): the resume's end finds the average worse and keeps the last weights."""
+    from aiayn.data.pipeline import build_data
+    from aiayn.train.run import resume_run
+    from aiayn.train.validation import evaluate_loss
+    from aiayn.weights import save_weights
+
+    run = tmp_path / "run"
+    cfg = tiny_cfg("train.max_updates=30", "train.save_every=10", "train.keep_last=3",
+                   "train.inference_weights=average", "train.average_last=3")
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        train(cfg, run, progress=False)
+    model_cfg = load_config(run / "config.yaml")
+    data, _ = build_data(model_cfg, run)
+
+    def nll(weights):
+        model = build_model(model_cfg.model, model_cfg.task)
+        model.load_state_dict(weights, strict=False)
+        return evaluate_loss(model, data.valid_batches, model_cfg.train.label_smoothing)["valid_nll"]
+
+    def average():
+        return average_weights([checkpoint_paths(run, s)[0] for s in (10, 20, 30)])
+
+    last = read_weights(checkpoint_paths(run, 30)[0])
+    better = average() if nll(average()) <= nll(last) else last
+    chosen = read_weights(run / "model.safetensors")
+    assert all(torch.equal(chosen[k], better[k]) for k in better)
+    assert "stopped at step 30: train.max_updates=30 reached" in caplog.text
+    assert "inference weights (model.safetensors): " in caplog.text
+
+    torch.manual_seed(model_cfg.train.seed)
+    save_weights(build_model(model_cfg.model, model_cfg.task), checkpoint_paths(run, 10)[0])
+    assert nll(average()) > nll(last) + 0.1  # averaging would now make the model clearly worse
+    caplog.clear()
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        resume_run(run, progress=False)
+    chosen = read_weights(run / "model.safetensors")
+    assert all(torch.equal(chosen[k], last[k]) for k in last)
+    assert "inference weights (model.safetensors): last step 30: the average of steps [10, 20, 30] is worse" \
+        in caplog.text
