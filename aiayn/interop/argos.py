@@ -50,8 +50,10 @@ SentencePiece BPE ({vocab:,} shared pieces). Weights: {quant}.
 
 Install and use:
 
-    argospm install {file}        # or: argostranslate.package.install_from_path("{file}")
+    python -c "from argostranslate.package import install_from_path; install_from_path('{file}')"
     argos-translate --from {src} --to {tgt} "Text to translate."
+
+(`argospm install` takes the name of a package in Argos' online index, not a file.)
 
 Decoding: Argos Translate runs beam search with beam ARGOS_BEAM_SIZE (default 4) and CTranslate2's length
 penalty 0.2; the run itself was configured with beam {beam}, {lp} length penalty alpha {alpha}.
