@@ -38,11 +38,13 @@ SHELL = "bash"
 # What the scratch directory holds, by the path the docs use -> what stands in for it. "translation": a
 # translation run trained seconds on the reverse-words task (English -> German by its config, as Multi30k's);
 # "lm": a character language model trained seconds on word lists; "hf": the translation run exported as a
-# Hugging Face Marian directory; "text": a few lines of words; "dir": an empty directory.
+# Hugging Face Marian directory; "text": a few lines of words; "dir": an empty directory; "repo": the checkout's own
+# copy (committed results).
 SANDBOX = {
     "runs/m30k": "translation", "runs/multi30k_en_de_quick": "translation", "runs/vizrun": "translation",
     "runs/demo": "translation", "runs/lm_char": "lm", "runs/lm_quick": "lm",
     "opus-mt-en-de": "hf", "news.en": "text", "docs/images": "dir",
+    "results/table3_multi30k_2026-11-26": "repo",
 }
 # The only rewriting of a block: the documented server address -> the port the check's server listens on
 # (chosen free), and curl -> curl --fail-with-body (an HTTP error status then fails the block, as a person
@@ -155,6 +157,8 @@ def make_sandbox(dest: Path, runs: dict[str, Path], needs: str) -> None:
             target.write_text("".join(line + "\n" for line in TEXT), encoding="utf-8")
         elif kind == "dir":
             target.mkdir(parents=True, exist_ok=True)
+        elif kind == "repo":
+            shutil.copytree(REPO / path, target)
         elif kind == "hf":
             shutil.copytree(_hf_export(runs["translation"], runs["translation"].parent), target)
         else:  # a copy: a block may change it (average, evaluate)
