@@ -280,6 +280,27 @@ def test_round_trip_hf_aiayn_hf_is_identical(marian_dir, imported, tmp_path):
         export_hf(imported, marian_dir)
 
 
+def test_model_card_says_languages_data_training_bleu_and_license(tiny_run, tmp_path):
+    """The exported card carries the run's facts; BLEU appears once the weights it would describe were evaluated."""
+    from aiayn.eval.evaluate import evaluate_run
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    export_hf(run, tmp_path / "before")
+    card = (tmp_path / "before" / "README.md").read_text(encoding="utf-8")
+    assert "language:\n- en\n- de\nlicense: other\n" in card
+    assert "- Languages: English (en) -> German (de)" in card and "- Data: the `reverse` dataset" in card
+    assert "- Training: 60 updates; weights: last step 60" in card and "- BLEU: not measured" in card
+    assert "- License: not set by aiayn" in card
+    (tmp_path / "src.txt").write_text("one two three\nfour five\n", encoding="utf-8")
+    (tmp_path / "ref.txt").write_text("three two one\nfive four\n", encoding="utf-8")
+    result = evaluate_run(run, src=str(tmp_path / "src.txt"), ref=str(tmp_path / "ref.txt"), name="mine",
+                          device="cpu")
+    export_hf(run, tmp_path / "after")
+    card = (tmp_path / "after" / "README.md").read_text(encoding="utf-8")
+    assert f"- BLEU: mine (2 sentences, beam 4): {result['scores']['bleu']:.2f} sacreBLEU" in card
+
+
 def test_aiayn_run_exports_to_generate(tiny_run, tmp_path):
     out = tmp_path / "hf"
     assert main(["export", "hf", str(tiny_run), str(out)]) == 0

@@ -54,6 +54,7 @@ from aiayn.files import (
     locked,
     staged_directory,
 )
+from aiayn.interop.card import run_facts
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
 from aiayn.model.transformer import Transformer
 from aiayn.weights import save_weights
@@ -475,11 +476,17 @@ tags:
 - translation
 - marian
 - {tag}
+language:
+- {src}
+- {tgt}
+license: other
 ---
 
 # {name}
 
 A Transformer exported by aiayn from the run `{run}` ({layers} layers, d_model {d_model}, vocabulary {vocab}).
+
+{facts}
 
 ```python
 from transformers import MarianMTModel, MarianTokenizer
@@ -541,7 +548,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         card = _CARD.format(tag=EXPORT_TAG, name=out.name, run=Path(run_dir).resolve().name,
                             layers=f"{model.cfg.n_encoder_layers}+{model.cfg.n_decoder_layers}",
                             d_model=model.cfg.d_model, vocab=model.cfg.vocab_size, example="A dog runs on the beach.",
-                            beam=dec.beam, alpha=dec.alpha, a=dec.max_len_a, b=dec.max_len_b)
+                            beam=dec.beam, alpha=dec.alpha, a=dec.max_len_a, b=dec.max_len_b,
+                            src=run.cfg.data.src_lang, tgt=run.cfg.data.tgt_lang,
+                            facts="\n".join(run_facts(run_dir, run.cfg)))
         atomic_write_text(stage / "README.md", card)
         unexpected = sorted(p.name for p in stage.iterdir() if p.name not in EXPORT_FILES)
         if unexpected:  # pragma: no cover - a transformers version that writes more files
