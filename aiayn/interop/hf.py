@@ -1,4 +1,5 @@
-"""Hugging Face Marian model directories in and out: ``aiayn export hf RUN OUT`` and ``aiayn import hf DIR RUN``.
+"""Hugging Face Marian model directories in and out: ``aiayn export hf RUN OUT`` and ``aiayn import hf MODEL RUN``
+(MODEL: a directory, or a Hub id such as ``Helsinki-NLP/opus-mt-en-de`` fetched through huggingface_hub's cache).
 
 A Marian directory (what ``MarianMTModel.from_pretrained`` / ``MarianTokenizer.from_pretrained`` read, e.g.
 an OPUS-MT download) holds ``config.json``, ``generation_config.json``, the weights (``model.safetensors``,
