@@ -593,6 +593,21 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
 
 
+def preset_summary(path: str | Path) -> str:
+    """A recipe's one-line summary: the first line of the comment at the top of its YAML file."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        if line.strip("# "):
+            return line.lstrip("# ").rstrip()
+    return ""
+
+
+def list_presets() -> list[tuple[str, str]]:
+    """(name, one-line summary) of every recipe in ``configs/``, by name."""
+    return [(p.stem, preset_summary(p)) for p in sorted(CONFIG_DIR.glob("*.yaml"))]
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a mapping naming one key twice is an error: PyYAML keeps the last
     value silently, so a recipe edited by hand could train with a setting its reader does not see."""
