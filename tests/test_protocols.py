@@ -4,6 +4,7 @@ and not) on a tiny language model; the API key and the error shapes in-process."
 
 from __future__ import annotations
 
+import html
 import json
 import urllib.error
 from pathlib import Path
@@ -84,8 +85,7 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
     r = client_mt.post("/translate", json={"q": LINES, "source": "en", "target": "de"})
     ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
     assert r.status_code == 200 and r.json() == {"translatedText": ours}
-    r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2,
-                                           "format": "html"})
+    r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2})
     nbest = translator.search([LINES[0]], translator.options(nbest=3, beam=max(3, translator.cfg.decode.beam)),
                               scores=False)[0]
     assert r.json() == {"translatedText": nbest[0].text, "alternatives": [h.text for h in nbest[1:]]}
@@ -94,7 +94,8 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
         ({"q": 5, "source": "en", "target": "de"}, 400, "q: expected"),
         ({"q": "a", "source": "xx", "target": "de"}, 400, "xx is not supported"),
         ({"q": "a", "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
-        ({"q": "a", "source": "en", "target": "de", "colour": 1}, 400, "unknown parameter 'colour'"),
+        ({"q": [], "source": "en", "target": "de"}, 400, "missing q"),
+        ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1}, 400, "html"),
         ({"q": ["a"] * 65, "source": "en", "target": "de"}, 413, "limit is 64"),
         ({"q": "x" * 2001, "source": "en", "target": "de"}, 413, "2001 characters"),
     ]:
@@ -456,3 +457,47 @@ def test_a_translation_run_completes_with_its_own_search_unless_sampling_is_aske
                               scores=False)[0][0].text
     r = client_mt.post("/v1/completions", json={"prompt": LINES[2], "temperature": 1.0, "seed": 5})
     assert r.json()["choices"][0]["text"] == drawn
+
+
+def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, translator):
+    """As LibreTranslate: fields it does not read are ignored (its `secret` too), a repeated form field counts once
+    (its first value), format html translates the text between the tags and keeps the markup, /detect answers the
+    run's source language, /frontend/settings what its web page reads."""
+    def best(texts):
+        return [h[0].text for h in translator.search(texts, translator.options(), scores=False)]
+
+    q = {"q": LINES[0], "source": "en", "target": "de"}
+    r = client_mt.post("/translate", json={**q, "secret": "s", "colour": 1})
+    assert r.status_code == 200 and r.json() == {"translatedText": best([LINES[0]])[0]}
+    r = client_mt.post("/translate", content=f"q={LINES[0]}&q={LINES[1]}&source=en&target=de".encode(),
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.json() == {"translatedText": best([LINES[0]])[0]}
+    doc = f'<p class="a&amp;b">{LINES[0]} <b>{LINES[1]}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
+    r = client_mt.post("/translate", json={**q, "q": [doc, LINES[2]], "format": "html"})
+    a, b, c = (html.escape(t, quote=False) for t in best([LINES[0], LINES[1], LINES[2]]))
+    want = f'<p class="a&amp;b">{a} <b>{b}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
+    assert r.json() == {"translatedText": [want, html.unescape(c)]}
+    r = client_mt.post("/detect", data={"q": LINES[0]})
+    assert r.status_code == 200 and r.json() == [{"confidence": 100.0, "language": "en"}]
+    assert client_mt.post("/detect", json={"q": []}).json() == {"error": "Invalid request: missing q parameter"}
+    settings = client_mt.get("/frontend/settings").json()
+    assert settings["language"]["source"]["code"] == "en" and settings["language"]["target"]["code"] == "de"
+    assert settings["charLimit"] == 2000 and settings["keyRequired"] is False
+
+
+def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_lm):
+    """404, 405 and 415 in OpenAI's error shape on /v1/... (aiayn's own routes keep theirs) and vLLM's tokenizer
+    routes, in LibreTranslate's on its routes."""
+    r = client_lm.post("/v1/embeddings", json={"input": "a"})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = client_lm.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client_lm.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert "type" in client_lm.get("/tokenize").json()["error"]
+    r = client_mt.get("/translate")
+    assert r.status_code == 405 and isinstance(r.json()["error"], str)
+    r = client_mt.post("/translate", content=b"q=a", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and isinstance(r.json()["error"], str)
+    r = client_mt.post("/v1/translate", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert r.json()["error"] == {"code": "unsupported_media_type", "message": r.json()["error"]["message"]}

@@ -43,15 +43,37 @@ from aiayn.data.languages import language_name
 from aiayn.errors import UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
+from aiayn.serve.markup import join_html, split_html
 from aiayn.serve.schemas import ApiError, parse_body, read_body
 from aiayn.serve.scores import MAX_LOGPROBS, check_scored, encode_with_specials, scored_choice, tokenizer_info
 
-FORM_PATHS = ("/translate", "/languages")  # LibreTranslate's clients post forms, not JSON
+FORM_PATHS = ("/translate", "/languages", "/detect")  # LibreTranslate's clients post forms, not JSON
+LIBRE_PATHS = (*FORM_PATHS, "/frontend/settings", "/suggest", "/translate_file")  # LibreTranslate's error shape
+# OpenAI's (and vLLM's) routes beside /v1/...: their refusals come in OpenAI's error shape
+OPENAI_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
                  "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix", "logit_bias",
                  "stream_options")
 # OpenAI takes 4 stop strings; lm-evaluation-harness sends a task's every `until` string (vLLM takes any number)
 MAX_STOPS = 64
+
+
+NATIVE_PATHS = ("/v1/translate", "/v1/generate", "/v1/attention", "/v1/model")  # aiayn's own API (serve.app)
+
+
+def error_response(path: str, status: int, code: str, message: str, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    """A refusal made before any route's handler (no such route or method, media type, host, origin) in the
+    error shape of the protocol ``path`` belongs to: LibreTranslate's ``{"error": message}`` on its routes,
+    OpenAI's on ``/v1/...`` (but aiayn's own routes) and vLLM's tokenizer routes, aiayn's elsewhere."""
+    if path in LIBRE_PATHS:
+        body: dict[str, Any] = {"error": message}
+    elif path in OPENAI_PATHS or (path.startswith("/v1/") and path not in NATIVE_PATHS):
+        body = OpenAIError(status, message, code=code, kind="server_error" if status >= 500 else
+                           "invalid_request_error").body()
+    else:
+        body = {"error": {"code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def key_matches(given: str | None, key: str | None) -> bool:
@@ -100,8 +122,8 @@ async def _libre_fields(request: Request, svc) -> dict[str, Any]:
                                          max_num_fields=svc.limits.max_sentences + 16)
         except (UnicodeDecodeError, ValueError) as e:
             raise LibreError(400, f"cannot read the form: {one_line(e)}") from None
-        # a repeated q is a list of texts (LibreTranslate's JSON list, sent as a form)
-        params.update({k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()})
+        # a repeated field counts once, its first value, as LibreTranslate (Flask's request.values.get) reads it
+        params.update({k: v[0] for k, v in form.items()})
     return params
 
 
@@ -125,7 +147,8 @@ def _libre(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
 
 
 def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
-    """``/translate`` and ``/languages`` for a translation run (other runs: 400 naming the endpoint they have)."""
+    """``/translate``, ``/languages``, ``/detect`` and ``/frontend/settings`` for a translation run (other runs:
+    400 naming the endpoint they have)."""
     cfg = svc.model.cfg
     src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
 
@@ -146,11 +169,9 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         if not key_matches(fields.get("api_key"), key):
             raise LibreError(403, "Invalid API key")
         need_translation()
-        unknown = sorted(set(fields) - {"q", "source", "target", "format", "api_key", "alternatives"})
-        if unknown:
-            raise LibreError(400, f"unknown parameter {unknown[0]!r}")
+        # Other fields (LibreTranslate's `secret`, a client's extras) are not read, as LibreTranslate ignores them.
         for name in ("q", "source", "target"):
-            if fields.get(name) in (None, ""):
+            if fields.get(name) in (None, "", []):
                 raise LibreError(400, f"Invalid request: missing {name} parameter")
         q, source, target = fields["q"], fields["source"], fields["target"]
         if not isinstance(source, str) or source not in (src, "auto"):
@@ -167,6 +188,8 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
             raise LibreError(400, f"alternatives: expected an integer, got {alternatives!r}") from None
         if not 0 <= alternatives < svc.limits.max_nbest:
             raise LibreError(400, f"alternatives: expected 0 to {svc.limits.max_nbest - 1}")
+        if alternatives and fmt == "html":
+            raise LibreError(400, "alternatives are not supported with format html")
         single = isinstance(q, str)
         texts = [q] if single else q
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
@@ -179,8 +202,15 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         opts = cfg.decode
         if alternatives:
             opts = opts.replace(nbest=alternatives + 1, beam=max(opts.beam, alternatives + 1))
-        found, _ = await run_translation(texts, opts)
-        best = [h[0].text if h else "" for h in found]
+        if fmt == "html":  # the text nodes of every document in one call, the markup kept
+            docs = [split_html(t) for t in texts]
+            nodes = [node for _, doc_nodes in docs for node in doc_nodes]
+            found, _ = await run_translation(nodes, opts) if nodes else ([], None)
+            out = iter(h[0].text if h else "" for h in found)
+            best = [join_html(parts, [next(out) for _ in doc_nodes]) for parts, doc_nodes in docs]
+        else:
+            found, _ = await run_translation(texts, opts)
+            best = [h[0].text if h else "" for h in found]
         body: dict[str, Any] = {"translatedText": best[0] if single else best}
         if source == "auto":
             body["detectedLanguage"] = ({"confidence": 100.0, "language": src} if single
@@ -190,8 +220,34 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
             body["alternatives"] = alts[0] if single else alts
         return JSONResponse(body)
 
+    async def detect(request: Request) -> Response:
+        """LibreTranslate's ``/detect``: a translation model reads one language, so that is the answer (at
+        confidence 100): no detection is run."""
+        fields = await _libre_fields(request, svc)
+        if not key_matches(fields.get("api_key"), key):
+            raise LibreError(403, "Invalid API key")
+        need_translation()
+        q = fields.get("q")
+        if q in (None, "", []):
+            raise LibreError(400, "Invalid request: missing q parameter")
+        if not isinstance(q, (str, list)) or (isinstance(q, list) and not all(isinstance(t, str) for t in q)):
+            raise LibreError(400, "q: expected a string or a list of strings")
+        found = [{"confidence": 100.0, "language": src}]
+        return JSONResponse(found if isinstance(q, str) else [found] * len(q))
+
+    async def frontend_settings(request: Request) -> Response:
+        """LibreTranslate's ``/frontend/settings``, which its web page reads first."""
+        need_translation()
+        return JSONResponse({"charLimit": svc.limits.max_chars, "frontendTimeout": 500, "apiKeys": key is not None,
+                             "keyRequired": key is not None, "suggestions": False, "filesTranslation": False,
+                             "supportedFilesFormat": [],
+                             "language": {"source": {"code": src, "name": language_name(src)},
+                                          "target": {"code": tgt, "name": language_name(tgt)}}})
+
     return [Route("/languages", _libre(languages), methods=["GET", "POST"]),
-            Route("/translate", _libre(translate), methods=["POST"])]
+            Route("/translate", _libre(translate), methods=["POST"]),
+            Route("/detect", _libre(detect), methods=["POST"]),
+            Route("/frontend/settings", _libre(frontend_settings), methods=["GET"])]
 
 
 # OpenAI completions ----------------------------------------------------------------------------------------
@@ -203,9 +259,11 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def _openai(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
