@@ -7,7 +7,7 @@
 ``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
 ``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
 ``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
-``POST /translate``, ...    LibreTranslate's and OpenAI's APIs (:mod:`aiayn.serve.protocols`)
+``POST /translate``, ...    LibreTranslate's and OpenAI's APIs, each with its error shape (:mod:`aiayn.serve.protocols`)
 ==========================  ========================================================================
 
 Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`): a bad

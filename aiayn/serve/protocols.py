@@ -1,23 +1,35 @@
-"""The ecosystem's protocols beside aiayn's own API: LibreTranslate for translation runs, OpenAI completions for
-language-model runs, so their clients (``libretranslatepy``, LibreTranslate plugins, the ``openai`` package and
-the tools built on it) work against ``aiayn serve`` unchanged.
+"""The ecosystem's protocols beside aiayn's own API: LibreTranslate for translation runs, OpenAI's completions and
+chat completions (with vLLM's tokenizer routes) for language models, so their clients (``libretranslatepy``,
+LibreTranslate's web page and plugins, the ``openai`` package, lm-evaluation-harness and the tools built on them)
+work against ``aiayn serve`` unchanged. docs/serve.md's protocol table lists every difference from the originals.
 
 ===============================  ==================================================================================
 ``POST /translate``              LibreTranslate: ``q`` (string or list), ``source`` (the run's source language or
-                                 ``auto``), ``target``, ``format`` (text; html is translated as text),
-                                 ``alternatives``, ``api_key``; JSON or form-encoded, as its clients send.
-                                 -> ``{"translatedText": str | [str]}`` (+ ``alternatives``); errors
-                                 ``{"error": message}``
+                                 ``auto``), ``target``, ``format`` (text; html: text nodes translated, markup kept,
+                                 :mod:`aiayn.serve.markup`), ``alternatives``, ``api_key``; other fields not read,
+                                 as LibreTranslate; JSON or form-encoded (a repeated form field: its first value).
+                                 -> ``{"translatedText": str | [str]}`` (+ ``alternatives``)
 ``GET /languages``               LibreTranslate: ``[{"code", "name", "targets"}]``, the run's source language
-``GET /v1/models``               OpenAI: the served run as one model
-``POST /v1/completions``         OpenAI completions (language-model runs): ``prompt`` (string or list),
-                                 ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``stream``
-                                 (server-sent events ending in ``data: [DONE]``); ``usage`` in tokens; errors
-                                 ``{"error": {"message", "type", "param", "code"}}``
+``POST /detect``                 LibreTranslate: the run's source language, confidence 100 (nothing is detected)
+``GET /frontend/settings``       LibreTranslate's web page settings
+``GET /v1/models``               OpenAI: the served run as one model (another ``model`` named: 404)
+``POST /v1/completions``         OpenAI completions: ``prompt`` (strings or token ids), ``max_tokens``,
+                                 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``stream`` (server-sent
+                                 events ending in ``data: [DONE]``), ``stream_options.include_usage``, ``echo`` and
+                                 ``logprobs`` (:mod:`aiayn.serve.scores`); ``usage`` in tokens
+``POST /v1/chat/completions``    OpenAI chat completions, through one template (:mod:`aiayn.serve.chat`)
+``/tokenize``, ``/detokenize``,  vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer reads them
+``GET /tokenizer_info``
 ===============================  ==================================================================================
 
-Translation runs answer ``/v1/completions`` too: the prompt is the sentence to translate, the completion its
-translation (beam search with the run's options; ``temperature`` > 0 samples instead).
+Errors come in each protocol's shape: ``{"error": message}`` on LibreTranslate's routes, ``{"error": {"message",
+"type", "param", "code"}}`` on OpenAI's, also for what is refused before a route (:func:`error_response`).
+What the server does not do is refused, never silently ignored; LibreTranslate's unread fields are the exception,
+as LibreTranslate itself ignores them.
+
+Translation runs answer both completions APIs too: the prompt (or the last user message) is the sentence to
+translate, the completion its translation by the run's own search, unless the request asks for sampling
+(``temperature`` > 0 given, or ``top_p`` without it).
 
 API key (``aiayn serve --api-key KEY`` or ``$AIAYN_API_KEY``; off by default): every API request must then
 carry it, as ``Authorization: Bearer KEY`` (OpenAI's clients, aiayn's own ``/v1/*``) or as the ``api_key`` field
