@@ -501,3 +501,59 @@ def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_l
     assert r.status_code == 415 and isinstance(r.json()["error"], str)
     r = client_mt.post("/v1/translate", content=b"{}", headers={"Content-Type": "text/plain"})
     assert r.json()["error"] == {"code": "unsupported_media_type", "message": r.json()["error"]["message"]}
+
+
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+{rest}"""
+
+
+def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
+    """lm-evaluation-harness's local-completions, its default tokenizer setting (it finds /tokenizer_info), on a
+    local task of each kind; the rolling loglikelihood of a text is the model's own sum of log-probabilities after
+    lm-eval's prefix token <s>. Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
+    executable, else `lm_eval` on the PATH; skipped without it."""
+    import os
+    import shutil
+    import subprocess
+
+    exe = os.environ.get("AIAYN_LM_EVAL") or shutil.which("lm_eval")
+    if not exe:
+        pytest.skip("lm-evaluation-harness not installed ($AIAYN_LM_EVAL or lm_eval on the PATH)")
+    lm_server = request.getfixturevalue("lm_server")  # started only when lm-eval is there
+    rows = {"mc": [{"context": "the dog sat on the", "choices": [" log", " mat"], "label": 0}],
+            "ll": [{"context": "the cat sat on", "continuation": " the mat."}],
+            "roll": [{"text": "the dog sat on the log."}],
+            "gen": [{"context": "the cat sat on the", "target": " mat"}]}
+    rest = {"mc": ('multiple_choice', 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+                   'doc_to_target: "{{label}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+            "ll": ("loglikelihood", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+                   'target_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+            "roll": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                     'metric_list:\n  - metric: word_perplexity\n'),
+            "gen": ("generate_until", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+                    'generation_kwargs:\n  until: ["\\n", ".", "x", "y", "z"]\n  max_gen_toks: 4\n'
+                    'metric_list:\n  - metric: exact_match\n')}
+    for name, data in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data), encoding="utf-8")
+        kind, text = rest[name]
+        task = LM_EVAL_TASK.format(name=f"aiayn_{name}", data=tmp_path / f"{name}.jsonl", kind=kind, rest=text)
+        (tmp_path / f"{name}.yaml").write_text(task, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([exe, "run", "--model", "local-completions", "--model_args",
+                        f"model=run,base_url={lm_server}/v1/completions,max_length=32",
+                        "--tasks", "aiayn_mc,aiayn_ll,aiayn_roll,aiayn_gen", "--include_path", str(tmp_path),
+                        "--output_path", str(tmp_path / "out"), "--log_samples"],
+                       env={**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [samples] = (tmp_path / "out").rglob("samples_aiayn_roll_*.jsonl")
+    got = float(json.loads(samples.read_text().splitlines()[0])["filtered_resps"][0])
+    ids = [lm.tokenizers.specials.bos] + lm.tokenizers.src.encode(rows["roll"][0]["text"])
+    want = direct_logprobs(lm, ids)
+    assert got == pytest.approx(sum(float(want[t - 1, ids[t]]) for t in range(1, len(ids))), abs=1e-4)
