@@ -424,6 +424,8 @@ def test_every_accepted_completion_field_acts_or_is_refused(client_lm, lm):
     strings (lm-evaluation-harness sends a task's every one), stream_options.include_usage, the model's name."""
     base = {"prompt": "the cat", "max_tokens": 12, "temperature": 0}
     whole = lm.generate("the cat", max_new_tokens=12)
+    r = client_lm.post("/v1/completions", json={**base, "prompt": lm.tokenizers.src.encode("the cat")})
+    assert r.json()["choices"][0]["text"] == whole  # token ids generate as their text does
     stops = ["zz", "qq", "xx", "yy", " o", "."]
     r = client_lm.post("/v1/completions", json={**base, "stop": stops})
     cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
