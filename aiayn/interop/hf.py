@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiayn.config import Config, DataConfig, DecodeOptions, save_config
+from aiayn.config import Config, DataConfig, DecodeOptions, check_fits_in_memory, save_config
 from aiayn.data.marian_tokenizer import (
     SOURCE_SPM,
     TARGET_SPM,
@@ -203,7 +203,7 @@ def load_hf_marian(hf_dir: str | Path, raw: dict[str, Any] | None = None) -> Mar
     d = Path(hf_dir)
     raw = _marian_config_json(d) if raw is None else raw
     try:  # aiayn's limits (sizes, this machine's memory) before anything is allocated
-        model_config_from_marian(MarianConfig.from_dict(raw))
+        check_fits_in_memory(model_config_from_marian(MarianConfig.from_dict(raw)))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{d / 'config.json'}: {first_line(e)}") from None
     state, where = read_hf_weights(d)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig
+from aiayn.config import ModelConfig, check_fits_in_memory
 from aiayn.engine import use_attention
 from aiayn.model.attention import AttentionMask, padding_mask
 from aiayn.model.cache import KVCache
@@ -215,7 +215,9 @@ class DecoderOnlyLM(nn.Module):
 
 def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
     """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``, with the
-    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`)."""
+    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`); a model too big for
+    this machine's memory is refused before anything is allocated (:func:`aiayn.config.check_fits_in_memory`)."""
+    check_fits_in_memory(cfg)
     return use_attention(DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aiayn.config import Config, load_config, read_run_config, save_config
+from aiayn.config import Config, check_fits_in_memory, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
@@ -40,6 +40,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
+    check_fits_in_memory(cfg.model)  # likewise a model this machine cannot hold
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart and not resume:  # torchrun --max-restarts restarted the job: go on from its newest checkpoint
         log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
