@@ -140,9 +140,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from aiayn.eval.evaluate import evaluate_run, summary
+    from aiayn.eval.evaluate import EvalData, evaluate_run, summary
 
-    result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, device=args.device,
+    result = evaluate_run(args.run, EvalData(args.split, args.src, args.ref, args.name), device=args.device,
                           precision=args.precision, **decode_overrides(args))
     print(summary(result))
     return 0

@@ -207,7 +207,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     Everything that can be refused is refused before the first update: the base (a translation recipe), the
     rows, the seeds, every row's config (a change the base cannot take, e.g. more heads than its width), and a
     writable ``out``. Returns the table (:func:`collect`)."""
-    from aiayn.eval.evaluate import evaluate_translation
+    from aiayn.eval.evaluate import EvalData, evaluate_translation
     from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
     from aiayn.train.report import run_report
     from aiayn.train.run import train
@@ -253,7 +253,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         nll = rep["valid_nll"]
         if nll is None or nll["last_step"] != state.step:
             raise RuntimeError(f"{run_dir}: no validation after the last update")  # the trainer always evaluates
-        ev = evaluate_translation(run_dir, split="valid", name="table3_valid")
+        ev = evaluate_translation(run_dir, EvalData(split="valid", name="table3_valid"))
         record = {
             "row": row.name, "group": row.group, "change": row.change, "seed": seed,
             "here": _row_label(row, cfg, base_cfg), "updates": state.step,

@@ -307,11 +307,13 @@ def profile_updates(update: Callable[[Batch], None], batches: Sequence[Batch], d
     return table
 
 
-def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: int, threads: int, seed: int,
-               device: str = "cpu", precision: str = "fp32", compile_mode: str = "default",
-               profile: str | None = None) -> dict[str, Any]:
-    """Build ``impl`` and time it; training memory is the peak RSS minus the RSS before the model is built
-    (on CUDA also the peak of GPU memory allocated while it trains)."""
+def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], args: argparse.Namespace,
+               threads: int) -> dict[str, Any]:
+    """Build ``impl`` and time it, as ``args`` say (warmup, seed, device, precision, compile_mode, profile);
+    training memory is the peak RSS minus the RSS before the model is built (on CUDA also the peak of GPU memory
+    allocated while it trains)."""
+    warmup, seed, device, precision = args.warmup, args.seed, args.device, args.precision
+    compile_mode, profile = args.compile_mode, args.profile
     common.set_threads(threads)
     dev = torch.device(device)
     # One throwaway update of a tiny model of the same kind first, so that library code loaded on first
@@ -519,8 +521,7 @@ def run_config(args: argparse.Namespace, preset: str, lengths: str, threads: int
             if args.isolate:
                 r = run_isolated(impl, cfg, path, args, threads)
             else:
-                r = run_worker(impl, cfg, batches, args.warmup, threads, args.seed, args.device, args.precision,
-                               args.compile_mode, args.profile)
+                r = run_worker(impl, cfg, batches, args, threads)
             achieved = model_flops / r["seconds"]
             r["mfu_datasheet"] = achieved / flops.DATASHEET_PEAK_FLOPS
             r["mfu_measured"] = achieved / peak if peak else None
@@ -542,8 +543,7 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     threads = common.set_threads(args.threads)
     if args.worker:  # one implementation in a fresh process (see run_isolated)
         cfg = ModelConfig(**json.loads(Path(args.worker_config).read_text()))
-        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args.warmup, threads,
-                         args.seed, args.device, args.precision, args.compile_mode, args.profile)
+        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args, threads)
         common.write_json(args.worker_result, out)
         return out
 

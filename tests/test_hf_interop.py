@@ -282,7 +282,7 @@ def test_round_trip_hf_aiayn_hf_is_identical(marian_dir, imported, tmp_path):
 
 def test_model_card_says_languages_data_training_bleu_and_license(tiny_run, tmp_path):
     """The exported card carries the run's facts; BLEU appears once the weights it would describe were evaluated."""
-    from aiayn.eval.evaluate import evaluate_run
+    from aiayn.eval.evaluate import EvalData, evaluate_run
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -294,7 +294,7 @@ def test_model_card_says_languages_data_training_bleu_and_license(tiny_run, tmp_
     assert "- License: not set by aiayn" in card
     (tmp_path / "src.txt").write_text("one two three\nfour five\n", encoding="utf-8")
     (tmp_path / "ref.txt").write_text("three two one\nfive four\n", encoding="utf-8")
-    result = evaluate_run(run, src=str(tmp_path / "src.txt"), ref=str(tmp_path / "ref.txt"), name="mine",
+    result = evaluate_run(run, EvalData(src=str(tmp_path / "src.txt"), ref=str(tmp_path / "ref.txt"), name="mine"),
                           device="cpu")
     export_hf(run, tmp_path / "after")
     card = (tmp_path / "after" / "README.md").read_text(encoding="utf-8")
