@@ -215,3 +215,19 @@ def test_every_module_is_named_in_the_architecture_doc():
         if f"`{path.name}`" not in rows.get(package, ""):
             missing.append(str(path.relative_to(PKG.parent)))
     assert not missing, f"not in docs/architecture.md's module table: {missing}"
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Wide signatures become option objects (DecodeOptions, EvalData, TokenizerSpec, SpecialIds, Update): no
+    function in aiayn/ or benchmarks/ takes more than 8 parameters (self/cls aside; *args and **kwargs count one)."""
+    wide = []
+    for root in (PKG, PKG.parent / "benchmarks"):
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                    count = len(names) + bool(a.vararg) + bool(a.kwarg)
+                    if count > 8:
+                        wide.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({count})")
+    assert not wide, wide

@@ -30,6 +30,7 @@ from .tokenizer import (
     SentencePieceTokenizer,
     Tokenizer,
     TokenizerPair,
+    TokenizerSpec,
     load_tokenizer,
     train_tokenizer,
     train_tokenizer_pair,
@@ -37,7 +38,7 @@ from .tokenizer import (
 
 __all__ = [
     "BOS_ID", "DATASETS", "EOS_ID", "PAD_ID", "UNK_ID", "Batch", "CharTokenizer", "DataError",
-    "SentencePieceTokenizer", "Tokenizer", "TokenizerPair", "clean_pairs", "collate", "config_pairs",
+    "SentencePieceTokenizer", "Tokenizer", "TokenizerPair", "TokenizerSpec", "clean_pairs", "collate", "config_pairs",
     "dataset_path", "describe_clean_stats", "lm_batches", "lm_blocks", "load_tokenizer", "multi30k_split",
     "pad_batch", "read_jsonl", "read_jsonl_rows", "read_lines", "read_pairs", "read_parallel", "read_text",
     "read_tsv", "tinyshakespeare_text", "token_batches", "train_tokenizer", "train_tokenizer_pair",

@@ -36,7 +36,7 @@ from aiayn.data.summarization import (
     separator_ids,
     summary_pairs,
 )
-from aiayn.data.tokenizer import SpecialIds, TokenizerPair, tokenizer_plan, train_tokenizer_pair
+from aiayn.data.tokenizer import SpecialIds, TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
 
 log = logging.getLogger("aiayn.data")
 
@@ -80,11 +80,7 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
     if is_main and not (tdir / "tokenizer.json").exists():
         log.info("training %s on %d + %d texts", tokenizer_plan(cfg.data.tokenizer, cfg.data.vocab_size,
                  cfg.data.shared_vocab), len(texts[0]), len(texts[1]))
-        train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
-                             vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
-                             max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed,
-                             user_defined_symbols=user_defined_symbols, lowercase=cfg.data.lowercase,
-                             pretokenize=cfg.data.pretokenize, langs=(cfg.data.src_lang, cfg.data.tgt_lang))
+        train_tokenizer_pair(texts[0], texts[1], tdir, TokenizerSpec.from_config(cfg, user_defined_symbols))
     barrier()
     tok = TokenizerPair.load(tdir)
     if tok.pretokenize != cfg.data.pretokenize:

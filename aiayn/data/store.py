@@ -285,7 +285,7 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
     """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it; an
     existing store with the same key is opened as it is. ``inputs`` names what the sources read (for the key);
     ``tokenizer``: use this tokenizer directory instead of training one on a sample of the training pairs."""
-    from aiayn.data.tokenizer import TokenizerPair, tokenizer_plan, train_tokenizer_pair
+    from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
 
     out = Path(out)
     tok_dir = Path(tokenizer) if tokenizer is not None else None
@@ -308,10 +308,7 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
         train = sources["train"]
         log.info("training %s on a sample of at most %s sentences",
                  tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), f"{d.tokenizer_sample:,}")
-        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir, shared=d.shared_vocab,
-                             kind=d.tokenizer, vocab_size=d.vocab_size, byte_fallback=d.byte_fallback,
-                             max_sentences=d.tokenizer_sample, seed=cfg.train.seed, lowercase=d.lowercase,
-                             pretokenize=d.pretokenize, langs=(d.src_lang, d.tgt_lang))
+        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir, TokenizerSpec.from_config(cfg))
     tok = TokenizerPair.load(tdir)
     vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
     dtype = np.dtype(np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32)

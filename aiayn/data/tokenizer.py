@@ -30,6 +30,7 @@ On disk (``RUN/tokenizer/``)::
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -38,12 +39,13 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
 from aiayn.errors import first_line
 
-from ..config import PRETOKENIZERS
+from ..config import PRETOKENIZERS, Config
 from ..errors import DataError
 from ..files import atomic_write_bytes
 from .marian_tokenizer import MarianPieces, load_marian_pair, save_marian_pair
@@ -230,28 +232,44 @@ def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
     raise DataError(f"no tokenizer {name} in {directory} (expected {model.name} or {chars.name})")
 
 
-def train_tokenizer(
-    texts: Iterable[str],
-    out_dir: str | Path | None = None,
-    kind: str = "bpe",
-    vocab_size: int = 8000,
-    byte_fallback: bool = True,
-    max_sentences: int = 2_000_000,
-    seed: int = 1,
-    name: str = "tokenizer",
-    num_threads: int = 2,
-    user_defined_symbols: Sequence[str] = (),
-    lowercase: bool = False,
-) -> Tokenizer:
-    """Train a tokenizer on ``texts`` (one sentence each) and save it to ``out_dir`` when given.
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What tokenizer to train: ``kind`` bpe (SentencePiece BPE, ``vocab_size`` pieces at most: a soft limit, a
+    small corpus gives fewer) or char (every character seen; ``vocab_size`` ignored); at most ``max_sentences``
+    texts, a uniform sample drawn with ``seed``, so training is repeatable; ``user_defined_symbols`` (BPE only)
+    become single pieces that are never split, e.g. the ``<sep>`` of summarization as language modelling (a char
+    tokenizer spells them out); ``lowercase`` (BPE only): the model lowercases everything it encodes. For pairs:
+    one ``shared`` tokenizer or one per side, and ``pretokenize`` (``moses``: each side Moses-processed in its
+    language of ``langs``, source and target). ``threads``: SentencePiece's training threads."""
 
-    ``kind='bpe'``: SentencePiece BPE with ``vocab_size`` pieces at most (a soft limit: a small
-    corpus gives fewer). ``kind='char'``: every character seen; ``vocab_size`` is ignored.
-    At most ``max_sentences`` texts are used, a seeded uniform sample, so training is repeatable.
-    ``user_defined_symbols`` (BPE only) become single pieces that are never split, e.g. the ``<sep>``
-    of summarization as language modelling; a char tokenizer spells them out character by character.
-    ``lowercase`` (BPE only): the model lowercases everything it encodes (see the module docstring).
-    """
+    kind: str = "bpe"
+    vocab_size: int = 8000
+    byte_fallback: bool = True
+    max_sentences: int = 2_000_000
+    seed: int = 1
+    user_defined_symbols: tuple[str, ...] = ()
+    lowercase: bool = False
+    shared: bool = True
+    pretokenize: str = "none"
+    langs: tuple[str, str] = ("en", "de")
+    threads: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Config, user_defined_symbols: Sequence[str] = ()) -> TokenizerSpec:
+        """The tokenizer a config asks for (its ``data`` section, ``train.seed``)."""
+        d = cfg.data
+        return cls(kind=d.tokenizer, vocab_size=d.vocab_size, byte_fallback=d.byte_fallback,
+                   max_sentences=d.tokenizer_sample, seed=cfg.train.seed,
+                   user_defined_symbols=tuple(user_defined_symbols), lowercase=d.lowercase, shared=d.shared_vocab,
+                   pretokenize=d.pretokenize, langs=(d.src_lang, d.tgt_lang))
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str | Path | None = None, spec: TokenizerSpec | None = None,
+                    name: str = "tokenizer", **options: Any) -> Tokenizer:
+    """Train a tokenizer on ``texts`` (one sentence each) as ``spec`` says, with ``options`` replacing its fields
+    (``train_tokenizer(texts, vocab_size=400)``), and save it to ``out_dir`` when given."""
+    spec = dataclasses.replace(spec or TokenizerSpec(), **options)
+    kind, lowercase = spec.kind, spec.lowercase
     if kind == "char":
         if lowercase:
             raise DataError("lowercase needs a BPE tokenizer (a char tokenizer has no normalization rule)")
@@ -262,8 +280,8 @@ def train_tokenizer(
             raise DataError("cannot train a char tokenizer: the training text is empty")
         tok: Tokenizer = CharTokenizer(seen)
     elif kind == "bpe":
-        tok = _train_bpe(texts, vocab_size, byte_fallback, max_sentences, seed, num_threads, user_defined_symbols,
-                         lowercase)
+        tok = _train_bpe(texts, spec.vocab_size, spec.byte_fallback, spec.max_sentences, spec.seed, spec.threads,
+                         spec.user_defined_symbols, lowercase)
     else:
         raise DataError(f"tokenizer kind {kind!r}: expected bpe or char")
     if out_dir is not None:
@@ -477,42 +495,29 @@ def tokenizer_plan(kind: str, vocab_size: int, shared: bool) -> str:
     return f"a {kind} tokenizer ({size}, {'shared' if shared else 'separate'})"
 
 
-def train_tokenizer_pair(
-    src_texts: Sequence[str],
-    tgt_texts: Sequence[str],
-    out_dir: str | Path | None = None,
-    shared: bool = True,
-    kind: str = "bpe",
-    vocab_size: int = 8000,
-    byte_fallback: bool = True,
-    max_sentences: int = 2_000_000,
-    seed: int = 1,
-    user_defined_symbols: Sequence[str] = (),
-    lowercase: bool = False,
-    pretokenize: str = "none",
-    langs: tuple[str, str] = ("en", "de"),
-) -> TokenizerPair:
-    """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side.
+def train_tokenizer_pair(src_texts: Iterable[str], tgt_texts: Iterable[str], out_dir: str | Path | None = None,
+                         spec: TokenizerSpec | None = None, **options: Any) -> TokenizerPair:
+    """Train one shared tokenizer on both sides (the paper's shared source-target BPE) or one per side, as ``spec``
+    says with ``options`` replacing its fields, and save the pair to ``out_dir`` when given.
 
-    With ``shared``, ``max_sentences`` bounds the source and target texts together.
-    ``pretokenize="moses"``: each side's text is Moses-processed in its language of ``langs``
-    (source, target) before the model trains on it, and the pair returned does the same on every encode
-    (:class:`MosesPretokenized`).
+    With ``shared``, ``max_sentences`` bounds the source and target texts together. ``pretokenize="moses"``: each
+    side's text is Moses-processed in its language before the model trains on it, and the pair returned does the
+    same on every encode (:class:`MosesPretokenized`).
     """
+    spec = dataclasses.replace(spec or TokenizerSpec(), **options)
+    pretokenize, langs, lowercase = spec.pretokenize, spec.langs, spec.lowercase
     if pretokenize not in PRETOKENIZERS:
         raise DataError(f"pretokenize {pretokenize!r}: expected one of {', '.join(PRETOKENIZERS)}")
-    kw = dict(kind=kind, vocab_size=vocab_size, byte_fallback=byte_fallback, seed=seed,
-              user_defined_symbols=user_defined_symbols, lowercase=lowercase)
     if pretokenize == "moses":
         src_steps, tgt_steps = MosesSteps(langs[0], lowercase), MosesSteps(langs[1], lowercase)
         src_texts = [src_steps(t) for t in src_texts]
         tgt_texts = [tgt_steps(t) for t in tgt_texts]
-    if shared:
-        tok = train_tokenizer(_chain(src_texts, tgt_texts), max_sentences=max_sentences, **kw)
+    if spec.shared:
+        tok = train_tokenizer(_chain(src_texts, tgt_texts), spec=spec)
         src, tgt = tok, tok
     else:
-        src = train_tokenizer(src_texts, max_sentences=max_sentences, **kw)
-        tgt = train_tokenizer(tgt_texts, max_sentences=max_sentences, **kw)
+        src = train_tokenizer(src_texts, spec=spec)
+        tgt = train_tokenizer(tgt_texts, spec=spec)
     if pretokenize == "moses":
         src, tgt = MosesPretokenized(src, langs[0]), MosesPretokenized(tgt, langs[1])
     pair = TokenizerPair(src, tgt)
