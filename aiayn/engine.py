@@ -92,7 +92,7 @@ def kernels(device: torch.device, precision: str = "fp32") -> Iterator[None]:
 
     cuDNN's attention backend is left out: it builds a new execution plan for every new (batch, length) shape,
     and token-budget batches have a new shape almost every update, so planning costs far more host time than
-    the kernel saves (issue 20; BENCHMARKS.md, "GPU"). The choice holds only inside the block: training runs its
+    the kernel saves (BENCHMARKS.md, "GPU"). The choice holds only inside the block: training runs its
     loop in one, the translator and generator their searches, and a program that loads a run keeps its own
     settings everywhere else."""
     backends = _sdpa_backends() if device.type == "cuda" else None
@@ -175,25 +175,24 @@ def use_fused_optimizer(params: list[Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
 
 
-def compile_for_training(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes: bool, n_shapes: int,
-                         mode: str) -> nn.Module:
+def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes: bool, n_shapes: int,
+                    mode: str) -> nn.Module:
     """``torch.compile`` for training, by regions: each of ``blocks`` (the model's encoder and decoder layers) is
     compiled in place, and the layers of a stack share one compiled graph, so compiling costs one layer's graph, not
-    the whole model's: 81 s instead of 608 s before the first update of a 6 + 6-layer model on a busy 2-core CPU
-    with cold caches (``python -m benchmarks.compile_time``), and paper-base's whole-model compile had not reached
-    its first update after 150 s on an H100 machine (BENCHMARKS.md, "GPU"). The embeddings, the output projection
-    and the loss (which compiles its chunks' math itself: :func:`aiayn.train.loss.compiled_loss`) stay around them.
-    A block runs its compiled graph only in training mode: validation and decoding (eval mode, with caches) run
-    the plain layer. Without ``blocks`` (a model of other layers) the whole ``module`` is compiled. Returns the
-    module to train (``module`` itself when compiled by regions).
+    the whole model's (the cold start of both: ``python -m benchmarks.compile_time``, BENCHMARKS.md). The
+    embeddings, the output projection and the loss (which compiles its chunks' math itself:
+    :func:`aiayn.train.loss.compiled_loss`) stay around them. A block runs its compiled graph only in training mode:
+    validation and decoding (eval mode, with caches) run the plain layer. Without ``blocks`` (a model of other
+    layers) the whole ``module`` is compiled. Returns the module to train (``module`` itself when compiled by
+    regions).
 
-    Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks:
-    ``fixed_shapes``) there are few shapes (``n_shapes``) and each repeats: one static graph per shape
-    (``dynamic=False``: kernels specialized to the sizes, and the fixed shapes CUDA graphs need for
-    ``reduce-overhead``); the recompile limit is raised to the number of shapes. Otherwise token-budget batches
-    change the batch size with almost every update and the lengths with the data: one graph with symbolic batch
-    size and lengths (``dynamic=True``; the model widths stay static) instead of a recompile per shape.
-    ``mode`` is ``train.compile_mode``. The model has no graph break (tests/test_engine.py)."""
+    Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks: ``fixed_shapes``)
+    there are few shapes (``n_shapes``) and each repeats: one static graph per shape (``dynamic=False``: kernels
+    specialized to the sizes, and the fixed shapes CUDA graphs need for ``reduce-overhead``); the recompile limit is
+    raised to the number of shapes. Otherwise token-budget batches change the batch size with almost every update
+    and the lengths with the data: one graph with symbolic batch size and lengths (``dynamic=True``; the model
+    widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The model has no graph
+    break (tests/test_engine.py)."""
     if fixed_shapes:
         raise_recompile_limit(n_shapes)
     options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
@@ -298,6 +297,6 @@ def set_cpu_threads(threads: int | None) -> int:
 
 
 __all__ = [
-    "ATTENTION_RULE", "CpuDropout", "attention_path", "compile_for_training", "cpu_threads", "kernels",
+    "ATTENTION_RULE", "CpuDropout", "attention_path", "compile_regions", "cpu_threads", "kernels",
     "busy_cores", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention", "use_fused_optimizer",
 ]

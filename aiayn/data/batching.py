@@ -85,10 +85,9 @@ def _rng(seed: int, epoch: int) -> random.Random:
     return random.Random(f"aiayn:{seed}:{epoch}")
 
 
-# From this many examples the tie-break permutation is numpy's (PCG64, seeded as _rng is): with Python's shuffle an
-# epoch plan of WMT14's 4.5M pairs took 5.35 s before every epoch's first update, with numpy's 2.61 s
-# (benchmarks.data_scale, BENCHMARKS.md). Smaller corpora keep Python's shuffle, so every run and result made so
-# far plans the same batches.
+# From this many examples the tie-break permutation is numpy's (PCG64, seeded as _rng is): Python's shuffle of a
+# WMT14-sized plan holds the interpreter about twice as long before every epoch's first update (benchmarks.data_scale,
+# BENCHMARKS.md). Smaller corpora keep Python's shuffle, so their plans stay the batches recorded results used.
 NUMPY_TIE_BREAK_FROM = 1 << 20
 
 

@@ -133,8 +133,9 @@ class TranslationData:
         self._valid: list[Batch] | None = None
 
     def _lengths(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
-        # token_batches adds the EOS / BOS itself. Unpadded batching counts it twice (+1 here as well):
-        # kept as every run so far was batched. Padded batches must cost exactly what collate builds.
+        # token_batches adds the EOS / BOS itself, and unpadded batching counts it once more (+1 here): a batch
+        # slightly under its budget. Kept because the plan decides which batches a seed gives, and so the recorded
+        # results; padded batches cost exactly what collate builds.
         return _sizes(seqs) + (0 if self._padded else 1)
 
     def _batches(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],

@@ -166,7 +166,7 @@ class Update:
 
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
-    """``torch.compile`` of the training module's layers and of the loss (:func:`aiayn.engine.compile_for_training`),
+    """``torch.compile`` of the training module's layers and of the loss (:func:`aiayn.engine.compile_regions`),
     with what the config says of the batch shapes: fixed with ``data.length_buckets`` (one shape per bucket, plus
     those of over-long examples and last LM batches) or language-model blocks, token-budget shapes otherwise."""
     from aiayn.data.summarization import is_summary_lm
@@ -177,7 +177,7 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
                     "data.length_buckets so that shapes repeat")
     n_shapes = len(cfg.data.length_buckets) + 4
     blocks = [m for m in module.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
-    return (engine.compile_for_training(module, blocks, fixed, n_shapes, cfg.train.compile_mode),
+    return (engine.compile_regions(module, blocks, fixed, n_shapes, cfg.train.compile_mode),
             compiled_loss(dynamic=not fixed))
 
 
