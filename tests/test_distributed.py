@@ -379,3 +379,31 @@ def test_processes_whose_norms_differ_stop_with_one_line(tmp_path):
         message = (tmp_path / f"rank{rank}").read_text()
         assert message.startswith("update 9: the processes no longer train one model") and "\n" not in message
         assert "process 0: 2.5/40" in message and "process 1: 2.5/40.4" in message
+
+
+def test_a_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tmp_path):
+    """The window of updates 1-4 is cut by a kill after update 3's checkpoint: the resumed run's line at update 4
+    covers updates 1-4 as the uninterrupted run's does (the window's sums and tokens are saved in the checkpoint)."""
+    def logged(run):
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return {r["step"]: (r["train_loss"], r["train_nll"], r["tokens_per_update"]) for r in lines
+                if "train_loss" in r}
+
+    train(_tiny(tmp_path, 6, "train.log_every=4"), tmp_path / "whole", progress=False)
+    train(_tiny(tmp_path, 6, "train.log_every=4"), tmp_path / "cut", progress=False)
+    for path in (tmp_path / "cut" / "checkpoints").glob("step_000006.*"):  # as if killed after update 3's save
+        path.unlink()
+    resume_run(tmp_path / "cut", progress=False)
+    whole, cut = logged(tmp_path / "whole"), logged(tmp_path / "cut")
+    assert sorted(whole) == [4, 6] and whole[4] == cut[4] and whole[6] == cut[6]
+
+
+def test_a_resume_of_a_recipe_may_not_change_its_optimizer(tmp_path):
+    """`train CONFIG --run-dir RUN --resume --set train.lr_scale=2` is refused as `--resume RUN --set ...` is: one
+    line naming the key, nothing changed."""
+    run = tmp_path / "run"
+    train(_tiny(tmp_path, 3), run, progress=False)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"^train.lr_scale=2.0 but .*config.yaml has 1.0: a resumed run keeps"):
+        train(_tiny(tmp_path, 6, "train.lr_scale=2"), run, resume=True, progress=False)
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
