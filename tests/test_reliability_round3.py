@@ -70,3 +70,259 @@ def test_omp_num_threads_is_bounded_and_named(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "10000")
     with pytest.raises(ConfigError, match=r"\$OMP_NUM_THREADS 10000: expected 1 to 4,096"):
         cpu_threads()
+
+
+# --- sampling numbers: one validator, and a top_p below float32's smallest value ----------------------------------
+
+
+@pytest.mark.parametrize("p", [1e-46, 1e-300, 5e-324])
+def test_top_p_below_float32_keeps_the_most_probable_token(p):
+    import torch
+
+    from aiayn.search.processing import filter_top_p
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    kept = filter_top_p(logits, p)
+    assert (kept.isfinite().sum(dim=-1) == 1).all() and (kept.argmax(-1) == logits.argmax(-1)).all()
+    assert torch.multinomial(kept.softmax(-1), 1).squeeze(1).tolist() == logits.argmax(-1).tolist()
+
+
+def test_translate_samples_with_a_tiny_top_p(tiny_run, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("a b c\nhello world\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", str(tiny_run), "--input", str(src), "--sample", "--top-p", "1e-300", "--seed", "1",
+                 "--device", "cpu"]) == 0
+    sampled = capsys.readouterr().out
+    assert main(["translate", str(tiny_run), "--input", str(src), "--beam", "1", "--device", "cpu"]) == 0
+    assert sampled == capsys.readouterr().out  # only the top token is left: greedy search's output
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run):
+    import aiayn
+
+    return aiayn.load(tiny_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(translator):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from aiayn.serve.app import Access, create_app
+
+    app = create_app(translator, max_wait_ms=1.0, max_queue=2, access=Access(cors="https://tools.example"),
+                     api_key="s3cret-key")
+    with TestClient(app, base_url="http://localhost") as c:
+        yield c
+
+
+AUTH = {"Authorization": "Bearer s3cret-key"}
+
+
+def test_every_route_samples_with_a_tiny_top_p(client):
+    r = client.post("/v1/translate", json={"text": ["a b c"], "sample": True, "top_p": 1e-300, "seed": 1},
+                    headers=AUTH)
+    greedy = client.post("/v1/translate", json={"text": ["a b c"], "beam": 1}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["translations"][0]["text"] == greedy.json()["translations"][0]["text"]
+    r = client.post("/v1/completions", json={"prompt": "a b c", "temperature": 1, "top_p": 1e-300}, headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field, value", [("top_p", 0), ("temperature", 1e-300)])
+def test_a_refused_sampling_value_is_a_400_before_any_stream(client, stream, field, value):
+    body = {"prompt": "a b c", "temperature": 1, field: value, "stream": stream}
+    r = client.post("/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["code"] == "out_of_range" and err["message"].startswith(field), err
+
+
+def test_the_choices_of_one_request_are_one_job(client):
+    """--max-queue 2 and a seeded 4-choice completion on an idle server: one job, answered; the same seed
+    gives the same choices again (each draw alone, as before)."""
+    stats = client.app.state.service.batcher.stats
+    jobs = stats.jobs
+    body = {"prompt": "a b c", "temperature": 1.0, "n": 4, "seed": 7}
+    r = client.post("/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4 and stats.jobs == jobs + 1, r.text
+    again = client.post("/v1/completions", json=body, headers=AUTH).json()["choices"]
+    assert [c["text"] for c in again] == [c["text"] for c in r.json()["choices"]]
+
+
+# --- serve's security edges ---------------------------------------------------------------------------------------
+
+
+def test_a_host_that_only_starts_with_a_loopback_address_is_refused(client):
+    for bad in ("[::1].evil.example", "[::1]evil", "[::1]:80.evil.example", "[::1"):
+        r = client.get("/health", headers={"Host": bad})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", bad
+    for ok in ("[::1]", "[::1]:8000"):
+        assert client.get("/health", headers={"Host": ok}).status_code == 200, ok
+
+
+def test_the_cors_origin_may_send_the_api_key(client):
+    pre = client.options("/v1/translate", headers={"Origin": "https://tools.example",
+                                                    "Access-Control-Request-Method": "POST",
+                                                    "Access-Control-Request-Headers": "authorization, content-type"})
+    allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert pre.status_code == 204 and {"authorization", "content-type"} <= allowed
+    r = client.post("/v1/translate", json={"text": ["a b"]}, headers={"Origin": "https://tools.example", **AUTH})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://tools.example"
+
+
+@pytest.mark.parametrize("api_key, status, word", [
+    (12345678, 400, "api_key: expected a string, got int"),
+    (["s3cret-key"], 400, "api_key: expected a string, got list"),
+    ({"k": 1}, 400, "api_key: expected a string, got dict"),
+    ("wrong-key", 403, "Invalid API key"),
+])
+def test_libretranslate_api_key_of_another_type_is_a_400(client, api_key, status, word):
+    q = {"q": "a b", "source": "en", "target": "de"}
+    for path, body in (("/translate", q), ("/languages", {})):
+        r = client.post(path, json={**body, "api_key": api_key})
+        assert r.status_code == status and word in r.json()["error"], (path, r.text)
+    assert client.post("/translate", json={**q, "api_key": "s3cret-key"}).status_code == 200
+
+
+def test_an_api_key_in_the_url_is_refused_and_never_logged(client):
+    import logging
+
+    from aiayn.serve import RedactKeys
+
+    q = {"q": "a b", "source": "en", "target": "de", "api_key": "s3cret-key"}
+    r = client.post("/translate?api_key=s3cret-key", json=q)
+    assert r.status_code == 400 and "not in the URL" in r.json()["error"]
+    r = client.post("/translate?api_key=s3cret-key", data={k: v for k, v in q.items() if k != "api_key"})
+    assert r.status_code == 400
+    # uvicorn's access line of such a request: the key is hidden
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "POST", "/translate?x=1&API_KEY=s3cret-key&y=2", "1.1", 400), None)
+    assert RedactKeys().filter(record) and "s3cret" not in record.getMessage() and "&y=2" in record.getMessage()
+
+
+def test_a_libretranslate_text_too_long_for_the_model_is_named_q(client):
+    r = client.post("/translate", json={"q": ["a b", " ".join(["alpha"] * 301)], "source": "en", "target": "de",
+                                        "api_key": "s3cret-key"})
+    assert r.status_code == 413 and r.json()["error"].startswith("q[1]: "), r.text
+
+
+def test_a_weak_key_from_the_environment_is_named(tiny_run, capsys, monkeypatch):
+    pytest.importorskip("starlette")
+    monkeypatch.setenv("AIAYN_API_KEY", "abc")
+    assert "$AIAYN_API_KEY: expected at least 8" in one_line(capsys, ["serve", str(tiny_run)])
+
+
+# --- a stream whose client leaves stops within one decoding step -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory) -> Path:
+    """A character language model trained a few updates (the cancellation, not the text, is tested)."""
+    from aiayn.train.run import train_from_config
+
+    d = tmp_path_factory.mktemp("lm")
+    (d / "text.txt").write_text("the cat sat on the mat. the dog sat on the log.\n" * 100, encoding="utf-8")
+    (d / "lm.yaml").write_text(f"""task: lm
+model: {{d_model: 32, n_heads: 2, d_ff: 64, n_decoder_layers: 2, dropout: 0.0, max_positions: 64}}
+data: {{train_src: {d / 'text.txt'}, tokenizer: char, block_size: 32, batch_size: 8}}
+train: {{max_updates: 4, warmup: 2, eval_every: 4, save_every: 4, log_every: 2, threads: 1}}
+""", encoding="utf-8")
+    train_from_config(d / "lm.yaml", d / "run", progress=False)
+    return d / "run"
+
+
+def _until(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait for a state (not for a time): poll ``condition`` until it holds; fail naming ``what`` if it never does."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def live_lm(lm_run):
+    """A real uvicorn server (in this process, on a free port) for the language model, whose ``decode`` counts its
+    calls and, once armed, stops at call ``gate_at`` until the test opens ``gate``: the test then knows exactly how
+    many decoding steps ran when the client left."""
+    pytest.importorskip("uvicorn")
+    import socket
+    import threading
+
+    import uvicorn
+
+    import aiayn
+    from aiayn.serve.app import create_app
+
+    gen = aiayn.load(lm_run, device="cpu")
+    model, real = gen.run.model, gen.run.model.decode
+    box = {"calls": 0, "gate_at": None, "at_gate": threading.Event(), "gate": threading.Event()}
+
+    def decode(*args, **kwargs):
+        box["calls"] += 1
+        if box["calls"] == box["gate_at"]:
+            box["at_gate"].set()
+            box["gate"].wait(60)
+        return real(*args, **kwargs)
+
+    model.decode = decode
+    app = create_app(gen, max_wait_ms=0.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _until(lambda: server.started, "the server started")
+    box["port"], box["app"] = sock.getsockname()[1], app
+    yield box
+    box["gate"].set()
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+
+
+def _open_stream(port: int, max_tokens: int):
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "the", "max_tokens": max_tokens,
+                                                             "temperature": 0, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    return conn
+
+
+@pytest.mark.parametrize("max_tokens", [20, 60], ids=["batched rows", "alone (sliding window)"])
+def test_a_client_that_leaves_a_stream_stops_its_decoding_within_one_step(live_lm, max_tokens):
+    from aiayn.decode.generate import fits_in_batch
+
+    svc = live_lm["app"].state.service
+    assert fits_in_batch(svc.model.run, "the", max_tokens) == (max_tokens == 20)  # both paths are covered
+    live_lm["gate_at"] = 3
+    conn = _open_stream(live_lm["port"], max_tokens)
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")  # the first token's event
+    assert live_lm["at_gate"].wait(60)  # the third decoding step is running
+    conn.close()  # the client leaves after one event
+    _until(lambda: svc.batcher.stats.cancelled == 1, "the server saw the client leave")
+    live_lm["gate"].set()
+    _until(lambda: svc.batcher.queued == 0, "the model's thread is idle")
+    assert live_lm["calls"] == 3  # the step in flight finished; not one more (it would have run to 20 or 60)
+
+
+def test_a_stream_whose_client_leaves_while_queued_never_runs(live_lm):
+    svc = live_lm["app"].state.service
+    with svc.batcher.hold():
+        conn = _open_stream(live_lm["port"], 20)
+        assert svc.batcher.wait_queued(1)
+        conn.close()
+        _until(lambda: svc.batcher.stats.cancelled == 1, "the server saw the client leave")
+    _until(lambda: svc.batcher.queued == 0, "the model's thread is idle")
+    assert live_lm["calls"] == 0 and svc.batcher.stats.calls == 0  # the job was dropped from the queue
+    r = _open_stream(live_lm["port"], 5).getresponse()  # and the server goes on
+    assert r.status == 200 and r.read().endswith(b"data: [DONE]\n\n")

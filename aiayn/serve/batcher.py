@@ -65,6 +65,7 @@ class Stats:
     calls: int = 0
     items: int = 0
     largest_call: int = 0  # jobs merged into one call, at most
+    cancelled: int = 0  # streamed answers stopped because their client went away (aiayn.serve.streams)
 
 
 MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share its model call

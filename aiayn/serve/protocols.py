@@ -26,24 +26,26 @@ carry it, as ``Authorization: Bearer KEY`` (OpenAI's clients, aiayn's own ``/v1/
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
 import secrets
+import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
-from aiayn.errors import UserError, one_line
+from aiayn.errors import ConfigError, UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
 from aiayn.serve.schemas import ApiError, parse_body, read_body
+from aiayn.serve.streams import EventStream
 
 FORM_PATHS = ("/translate", "/languages")  # LibreTranslate's clients post forms, not JSON
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
@@ -103,6 +105,18 @@ async def _libre_fields(request: Request, svc) -> dict[str, Any]:
     return params
 
 
+def _libre_key(request: Request, fields: dict[str, Any], key: str | None) -> None:
+    """LibreTranslate's ``api_key`` field: a string in the body (JSON or form), or 403. A key in the URL's query
+    string is refused even where it is right (400): URLs end up in access logs, proxies and browser histories."""
+    if "api_key" in request.query_params:
+        raise LibreError(400, "api_key: send it in the request body (JSON or form), not in the URL, which logs keep")
+    given = fields.get("api_key")
+    if given is not None and not isinstance(given, str):
+        raise LibreError(400, f"api_key: expected a string, got {type(given).__name__}")
+    if not key_matches(given, key):
+        raise LibreError(403, "Invalid API key")
+
+
 def _libre(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         try:
@@ -134,15 +148,13 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
 
     async def languages(request: Request) -> Response:
         fields = await _libre_fields(request, svc)
-        if not key_matches(fields.get("api_key"), key):
-            raise LibreError(403, "Invalid API key")
+        _libre_key(request, fields, key)
         need_translation()
         return JSONResponse([{"code": src, "name": language_name(src), "targets": [tgt]}])
 
     async def translate(request: Request) -> Response:
         fields = await _libre_fields(request, svc)
-        if not key_matches(fields.get("api_key"), key):
-            raise LibreError(403, "Invalid API key")
+        _libre_key(request, fields, key)
         need_translation()
         unknown = sorted(set(fields) - {"q", "source", "target", "format", "api_key", "alternatives"})
         if unknown:
@@ -177,7 +189,7 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         opts = cfg.decode
         if alternatives:
             opts = opts.replace(nbest=alternatives + 1, beam=max(opts.beam, alternatives + 1))
-        found, _ = await run_translation(texts, opts)
+        found, _ = await run_translation(texts, opts, field="q")
         best = [h[0].text if h else "" for h in found]
         body: dict[str, Any] = {"translatedText": best[0] if single else best}
         if source == "auto":
@@ -238,6 +250,7 @@ class Completion:
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
+    options: DecodeOptions | None = None  # the decoding options, checked before any answer (completion_options)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, integer: bool = False):
@@ -298,6 +311,26 @@ def completion_request(body: dict[str, Any], limits) -> Completion:
                       n, tuple(stops), seed, stream)
 
 
+def completion_options(c: Completion, base: DecodeOptions, language_model: bool) -> Completion:
+    """``c`` with its decoding options on the run's ``base``: sampling at ``temperature`` > 0 (0: greedy for a
+    language model, the run's search for a translation run), ``top_p`` below 1. Every sampling number goes through
+    :class:`DecodeOptions`, the one validator of the command line, the recipes and every route; one it refuses
+    (``top_p`` 0, a ``temperature`` below 1e-6) is a 400 naming the field, before any streamed 200 is sent."""
+    overrides: dict[str, Any] = {"top_p": c.top_p if c.top_p < 1 else None}
+    if c.temperature > 0:
+        overrides.update(sample=True, temperature=c.temperature)
+    elif language_model:
+        overrides["sample"] = False
+    if language_model:
+        overrides["max_new_tokens"] = c.max_tokens
+    try:
+        return dataclasses.replace(c, options=base.replace(**overrides))
+    except ConfigError as e:
+        message = str(e).removeprefix("decode.")
+        param = next((p for p in ("temperature", "top_p") if message.startswith(p)), None)
+        raise OpenAIError(400, message, param=param, code="out_of_range") from None
+
+
 class StopScan:
     """Text pieces in, the part that is final out: cut at the first stop string, and hold back a tail that may
     still become one (a stream must never show text that a stop sequence would have removed)."""
@@ -326,17 +359,20 @@ class CompletionText:
     """One completion's text as a language model's pieces come (its tokens' text, then the held-back tail):
     cut at its stop strings, each final part passed to ``emit`` (a stream) as soon as it is final."""
 
-    def __init__(self, c: Completion, emit: Callable[[str], None] | None) -> None:
+    def __init__(self, c: Completion, emit: Callable[[str], None] | None,
+                 cancelled: threading.Event | None = None) -> None:
         self.scan, self.emit, self.limit = StopScan(c.stop), emit, c.max_tokens
+        self.cancelled = cancelled  # set when a streamed answer's client went away (aiayn.serve.streams)
         self.parts: list[str] = []
         self.pieces = 0
 
     @property
     def done(self) -> bool:
-        return self.scan.stopped
+        """Whether no more pieces are wanted: a stop string was reached, or the client went away."""
+        return self.scan.stopped or (self.cancelled is not None and self.cancelled.is_set())
 
     def add(self, piece: str) -> None:
-        if self.scan.stopped:
+        if self.done:
             return
         self.pieces += 1
         self._out(self.scan.add(piece))
@@ -396,14 +432,14 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         from aiayn.decode.generate import prompt_ids
 
         gen = svc.model
-        opts = gen.options(None, sample=c.temperature > 0, temperature=max(c.temperature, 1e-6),
-                           top_p=c.top_p if c.top_p < 1 else None, seed=seed, max_new_tokens=c.max_tokens)
-        return gen.stream(prompt, opts), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
+        return gen.stream(prompt, c.options.replace(seed=seed)), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
 
-    def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None) -> dict[str, Any]:
+    def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None,
+                cancelled: threading.Event | None) -> dict[str, Any]:
         """Generate one completion by a language model alone (worker thread; the sliding window when the text
-        outgrows the context); ``emit`` gets each final piece as it comes."""
-        out = CompletionText(c, emit)
+        outgrows the context); ``emit`` gets each final piece as it comes; ``cancelled`` stops it at the next
+        token (the generator decodes one token per piece asked for)."""
+        out = CompletionText(c, emit, cancelled)
         pieces, prompt_tokens = lm_pieces(prompt, c, seed)
         for piece in pieces:
             out.add(piece)
@@ -411,20 +447,19 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                 break
         return out.result(prompt_tokens)
 
-    def run_lm(items: list[tuple[str, int | None, Completion, Any]]) -> list[dict[str, Any]]:
+    def run_lm(items: list[tuple[str, int | None, Completion, Any, Any]]) -> list[dict[str, Any]]:
         """Completions of concurrent requests by a language model in one batch (worker thread): items are
-        (prompt, seed, request, emit or None); rows too long for a batch (they need the sliding window) run
-        alone. Each row's text, stop and token count are what :func:`run_one` gives it alone."""
+        (prompt, seed, request, emit or None, cancelled event or None); rows too long for a batch (they need the
+        sliding window) run alone. Each row's text, stop and token count are what :func:`run_one` gives it alone.
+        The batch decodes until every row is done: ended, stopped, or cancelled by its client."""
         from aiayn.decode.generate import fits_in_batch, prompt_ids, stream_rows
 
         gen = svc.model
         results: list[dict[str, Any] | None] = [None] * len(items)
-        rows = [k for k, (p, _, c, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
+        rows = [k for k, (p, _, c, _, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
         if rows:
-            c0 = items[rows[0]][2]  # one group: the same temperature and top_p
-            opts = gen.options(None, sample=c0.temperature > 0, temperature=max(c0.temperature, 1e-6),
-                               top_p=c0.top_p if c0.top_p < 1 else None)
-            outs = [CompletionText(items[k][2], items[k][3]) for k in rows]
+            opts = items[rows[0]][2].options  # one group: the same temperature and top_p
+            outs = [CompletionText(items[k][2], items[k][3], items[k][4]) for k in rows]
             for pieces in stream_rows(gen.run, [items[k][0] for k in rows], opts,
                                       [items[k][2].max_tokens for k in rows], [items[k][1] for k in rows]):
                 for out, piece in zip(outs, pieces):
@@ -434,30 +469,26 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                     break
             for out, k in zip(outs, rows):
                 results[k] = out.result(len(prompt_ids(gen.cfg, gen.tokenizers.src, items[k][0])))
-        for k, (p, seed, c, emit) in enumerate(items):  # after the batch: those that need the window
+        for k, (p, seed, c, emit, cancelled) in enumerate(items):  # after the batch: those that need the window
             if results[k] is None:
-                results[k] = run_one(p, c, seed, emit)
+                results[k] = run_one(p, c, seed, emit, cancelled)
         return results
 
     async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
         """Every choice of a completion on a translation run: the run's search (temperature 0: every choice of
         a prompt is the same translation, decoded once) or a draw (temperature > 0), through the batcher."""
         tr = svc.model
-        base = tr.cfg.decode.replace(nbest=1)
+        base = c.options.replace(nbest=1)
         if c.temperature == 0:
             prompts = list(dict.fromkeys(p for _, p, _ in jobs))
             found, _ = await run_translation(prompts, base)
             by_prompt = dict(zip(prompts, found))
             hyps = [by_prompt[p] for _, p, _ in jobs]
         else:
-            def draw(seed: int | None):
-                return base.replace(sample=True, temperature=c.temperature, seed=seed,
-                                    top_p=c.top_p if c.top_p < 1 else None)
-            if c.seed is None:  # unseeded draws: one call for all, each row its own draw
-                hyps, _ = await run_translation([p for _, p, _ in jobs], draw(None))
-            else:  # a seeded draw must not depend on its batch: each runs alone (run_translation's rule)
-                calls = await asyncio.gather(*(run_translation([p], draw(seed)) for _, p, seed in jobs))
-                hyps = [found[0] for found, _ in calls]
+            # unseeded draws: one call for all, each row its own draw; seeded ones: one job whose draws each run
+            # alone (a seeded draw must not depend on its batch), so the request's n choices take one queue place
+            seeds = None if c.seed is None else [seed for _, _, seed in jobs]
+            hyps, _ = await run_translation([p for _, p, _ in jobs], base, seeds=seeds)
         out = []
         for (_, prompt, _), h in zip(jobs, hyps):
             scan = StopScan(c.stop)
@@ -473,6 +504,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         if svc.task == "summarization":
             raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
                                    "a translation run", code="wrong_task")
+        c = completion_options(c, svc.model.cfg.decode, language_model=svc.task == "lm")
         rid, when = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         jobs = choices_for(c)
         translation = svc.task == "translation"
@@ -485,7 +517,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
             if translation:
                 results = await translate_choices(c, jobs)
             else:
-                results = await svc.batcher.run(lm_group(c), [(p, s, c, None) for _, p, s in jobs],
+                results = await svc.batcher.run(lm_group(c), [(p, s, c, None, None) for _, p, s in jobs],
                                                 lm_cost(c, jobs), run_lm)
             usage = {"prompt_tokens": sum(r["prompt_tokens"] for r, (i, _, _) in zip(results, jobs)
                                           if i % c.n == 0),
@@ -496,8 +528,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                                               "finish_reason": r["finish_reason"]}
                                              for r, (i, _, _) in zip(results, jobs)],
                                  "usage": usage})
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = EventStream(svc.batcher.stats)
 
         def chunk(index: int, text: str, finish: str | None) -> bytes:
             return ("data: " + json.dumps({"id": rid, "object": "text_completion", "created": when,
@@ -507,36 +538,24 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                                           ensure_ascii=False) + "\n\n").encode("utf-8")
 
         async def generated() -> None:  # each token as it is decoded, from a batch shared with other requests
-            items = [(prompt, seed, c, lambda t, i=index: loop.call_soon_threadsafe(
-                queue.put_nowait, chunk(i, t, None))) for index, prompt, seed in jobs]
+            items = [(prompt, seed, c, lambda t, i=index: stream.push(chunk(i, t, None)), stream.cancelled)
+                     for index, prompt, seed in jobs]
             results = await svc.batcher.run(lm_group(c), items, lm_cost(c, jobs), run_lm)
             for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
-                queue.put_nowait(chunk(index, "", r["finish_reason"]))
+                stream.push(chunk(index, "", r["finish_reason"]))
 
         async def translated() -> None:  # a translation is decoded whole: each choice comes as one event
             for r, (index, _, _) in zip(await translate_choices(c, jobs), jobs):
                 for text, finish in ((r["text"], None), ("", r["finish_reason"])):
                     if text or finish:
-                        queue.put_nowait(chunk(index, text, finish))
+                        stream.push(chunk(index, text, finish))
 
-        future = asyncio.ensure_future(translated() if translation else generated())
-        future.add_done_callback(lambda f: queue.put_nowait(None))
+        def error_event(e: BaseException) -> bytes:  # the headers are sent: say it in the stream, as OpenAI does
+            return ("data: " + json.dumps({"error": {"message": one_line(f"{type(e).__name__}: {e}"),
+                                                     "type": "server_error", "param": None, "code": None}})
+                    + "\n\n").encode("utf-8")
 
-        async def events():
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                yield item
-            if future.exception() is not None:  # the headers are sent: say it in the stream, as OpenAI does
-                e = future.exception()
-                yield ("data: " + json.dumps({"error": {"message": one_line(f"{type(e).__name__}: {e}"),
-                                                        "type": "server_error", "param": None, "code": None}})
-                       + "\n\n").encode("utf-8")
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream.response(translated() if translation else generated(), error_event)
 
     return [Route("/v1/models", _openai(models), methods=["GET"]),
             Route("/v1/completions", _openai(completions), methods=["POST"])]
