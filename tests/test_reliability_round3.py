@@ -326,3 +326,176 @@ def test_a_stream_whose_client_leaves_while_queued_never_runs(live_lm):
     assert live_lm["calls"] == 0 and svc.batcher.stats.calls == 0  # the job was dropped from the queue
     r = _open_stream(live_lm["port"], 5).getresponse()  # and the server goes on
     assert r.status == 200 and r.read().endswith(b"data: [DONE]\n\n")
+
+
+# --- Table 3: one reader for every results file, and one table is one set of settings -----------------------------
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    """A tiny translation recipe on corpus files (nothing here trains: results are written by the test)."""
+    for name in ("train.src", "train.tgt", "valid.src", "valid.tgt"):
+        (tmp_path / name).write_text("a b c\n", encoding="utf-8")
+    path = tmp_path / "base.yaml"
+    path.write_text(f"""task: translation
+model: {{d_model: 32, n_heads: 2, d_ff: 64, n_encoder_layers: 1, n_decoder_layers: 1, max_positions: 64}}
+data: {{train_src: {tmp_path}/train.src, train_tgt: {tmp_path}/train.tgt, valid_src: {tmp_path}/valid.src,
+       valid_tgt: {tmp_path}/valid.tgt, tokenizer: bpe, vocab_size: 300, src_lang: en, tgt_lang: en}}
+train: {{max_updates: 12, threads: 1}}
+decode: {{beam: 2}}
+""", encoding="utf-8")
+    return path
+
+
+def _result(recipe: Path, row: str, seed: int = 1, **changes) -> dict:
+    """A complete result of ``row`` as the runner writes it, with this recipe's settings."""
+    from aiayn.config import load_config
+    from aiayn.table3 import BY_NAME, _row_label, base_settings, row_config
+
+    base = load_config(recipe)
+    r = BY_NAME[row]
+    rec = {"row": row, "group": r.group, "change": r.change, "seed": seed,
+           "here": _row_label(r, row_config(recipe, r, seed), base), "updates": 12, "parameters": 50_000,
+           "valid_nll": 2.0, "ppl": 7.389, "bleu": 10.0, "chrf": 30.0, "bleu_signature": "nrefs:1|case:mixed",
+           "beam": 2, "train_s": 1.0, "eval_s": 1.0, "wall_s": 2.0, "threads": 1,
+           "base_settings": base_settings(base)}
+    rec.update(changes)
+    return rec
+
+
+def _write(out: Path, name: str, content) -> Path:
+    import json
+
+    path = out / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    return path
+
+
+@pytest.mark.parametrize("content, word", [
+    (bytes(range(256)) * 4, "not UTF-8 text"),
+    (b'{"row": "base", "seed": 1, "ppl"', "not JSON"),
+    (b"[1, 2, 3]", "a JSON list, not an object"),
+    ({"row": "base", "seed": 1}, "its field 'group' is missing"),
+    ("bleu", "its field 'bleu' is not a number"),
+    ("row", "holds row 'D3' seed 1, not the row and seed its name says"),
+], ids=["random bytes", "partial JSON", "a list", "missing fields", "bleu a string", "another row's file"])
+def test_a_broken_result_is_one_line_naming_it_before_any_work(content, word, recipe, tmp_path, capsys):
+    out = tmp_path / "table"
+    if content == "bleu":
+        content = _result(recipe, "base", bleu="high")
+    elif content == "row":
+        content = _result(recipe, "D3")
+    path = _write(out, "base-seed1.json", content)
+    before = snapshot(out)
+    line = one_line(capsys, ["table3", str(recipe), "--out", str(out), "--rows", "D3"])
+    assert f"{path}: " in line and word in line and "delete it" in line
+    assert snapshot(out) == before  # nothing trained, prepared or written
+
+
+def test_a_result_of_other_settings_is_refused_naming_the_setting(recipe, tmp_path, capsys):
+    out = tmp_path / "table"
+    _write(out, "base-seed1.json", _result(recipe, "base"))
+    path = _write(out, "D3-seed1.json", _result(recipe, "D3"))
+    # the same settings: both rows are done, the table is written from them without training anything
+    from aiayn.table3 import run_table
+
+    table = run_table(recipe, out, rows="D3", seeds=[1], extra=["train.threads=1"])  # threads: not a setting
+    assert [r["row"] for r in table["rows"]] == ["base", "D3"] and not (out / "runs").exists()
+    # a rerun with another --set: refused at once, naming the file and the setting, nothing written
+    before = snapshot(out)
+    line = one_line(capsys, ["table3", str(recipe), "--out", str(out), "--rows", "D3", "--set", "train.lr_scale=2"])
+    assert "-seed1.json: made with train.lr_scale=1.0, this table has train.lr_scale=2.0" in line
+    line = one_line(capsys, ["table3", str(recipe), "--out", str(out), "--rows", "D3", "--set", "decode.beam=5"])
+    assert "made with decode.beam=2, this table has decode.beam=5" in line
+    assert snapshot(out) == before
+    # a runner of other settings on the same --out wrote one (two runners, two --set): the table names it
+    other = _result(recipe, "D3")
+    other["base_settings"]["model.dropout"] = 0.3
+    path.write_text(__import__("json").dumps(other), encoding="utf-8")
+    line = one_line(capsys, ["table3", str(recipe), "--out", str(out), "--rows", "D3"])
+    assert f"{path}: made with model.dropout=0.3, this table has model.dropout=0.1" in line
+
+
+# --- Argos export: a real ONNX sentence model, and staging beside the output ---------------------------------------
+
+
+def test_a_sentence_model_that_is_not_onnx_is_refused(tiny_run, tmp_path, capsys):
+    pytest.importorskip("ctranslate2")
+    from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
+
+    real = sentence_splitter_onnx("en")
+    assert onnx_problem(real) is None
+    fake = tmp_path / "inputs" / "fake.onnx"
+    fake.parent.mkdir()
+    for content in (b"not onnx\n", real[: len(real) // 2], b"PK\x03\x04" + bytes(64), b"\x08\x07"):
+        fake.write_bytes(content)
+        before = snapshot(tmp_path)
+        line = one_line(capsys, ["export", "argos", str(tiny_run), str(tmp_path / "out" / "x.argosmodel"),
+                                 "--sentence-model", str(fake)])
+        assert f"--sentence-model {fake}: not an ONNX model" in line, content
+        assert snapshot(tmp_path) == before  # nothing written, no folder made
+
+
+def test_argos_stages_beside_the_output_and_removes_what_killed_exports_left(tiny_run, tmp_path, monkeypatch):
+    pytest.importorskip("ctranslate2")
+    import tempfile
+
+    from aiayn.files import RunLock
+    from aiayn.interop.argos import export_argos
+
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    out = tmp_path / "new" / "folder" / "en_de.argosmodel"
+    assert export_argos(tiny_run, out) == out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["en_de.argosmodel"] and list(tmpdir.iterdir()) == []
+    # what kill -9 left: a staging directory (its lock file, nobody holding it), a loose zip of an earlier
+    # version, and an earlier version's .aiayn-argos-* directory of this package; one staging directory is held
+    # by a live export (here: this process) and stays
+    dead = out.parent / ".en_de.argosmodel.k1ll3d.tmp"
+    (dead / "translate-en_de-1_0").mkdir(parents=True)
+    (dead / ".aiayn-run.lock").write_text("99999999\n")
+    (out.parent / ".en_de.argosmodel.zip123.tmp").write_bytes(b"PK half a zip")
+    (out.parent / ".aiayn-argos-x9y8" / "translate-en_de-1_0" / "model").mkdir(parents=True)
+    live = out.parent / ".en_de.argosmodel.l1v3.tmp"
+    live.mkdir()
+    lock = RunLock(live)
+    lock.acquire()
+    try:
+        assert export_argos(tiny_run, out, force=True) == out
+    finally:
+        lock.release()
+    assert sorted(p.name for p in out.parent.iterdir()) == [".en_de.argosmodel.l1v3.tmp", "en_de.argosmodel"]
+
+
+# --- messages that pointed at the wrong thing ----------------------------------------------------------------------
+
+
+def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
+    import errno
+
+    import numpy as np
+
+    from aiayn.data.store import _Writer
+    from aiayn.errors import user_error_message
+
+    class Full:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no file name
+
+        def close(self):
+            pass
+
+    writer = _Writer(tmp_path, "train", np.dtype(np.uint16))
+    for f in writer.files.values():
+        f.close()
+    writer.files = {"src": Full(), "tgt": Full()}
+    encoded = {"src": np.zeros(3, np.int64), "tgt": np.zeros(3, np.int64), "src_lens": np.array([3]),
+               "tgt_lens": np.array([3]), "empty": 0, "too_long": 0, "kept": 1}
+    with pytest.raises(OSError) as e:
+        writer.add(encoded)
+    assert user_error_message(e.value) == f"{tmp_path / 'train.src.bin'}: No space left on device"
+    # no file at all: the line says where the user can act
+    line = user_error_message(OSError(errno.ENOSPC, "No space left on device"))
+    assert line.startswith("No space left on device (free space, or write elsewhere") and "--run-dir" in line
