@@ -140,6 +140,13 @@ def test_a_refused_sampling_value_is_a_400_before_any_stream(client, stream, fie
     assert err["param"] == field and err["code"] == "out_of_range" and err["message"].startswith(field), err
 
 
+def test_a_prompt_too_long_for_the_model_is_refused_before_any_stream(client):
+    body = {"prompt": ["a b", " ".join(["alpha"] * 301)], "temperature": 0, "stream": True}
+    r = client.post("/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 413 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["message"].startswith("prompt[1]: ")
+
+
 def test_the_choices_of_one_request_are_one_job(client):
     """--max-queue 2 and a seeded 4-choice completion on an idle server: one job, answered; the same seed
     gives the same choices again (each draw alone, as before)."""
@@ -295,6 +302,15 @@ def _open_stream(port: int, max_tokens: int):
                                                              "temperature": 0, "stream": True}),
                  headers={"Content-Type": "application/json"})
     return conn
+
+
+def test_generate_samples_with_a_tiny_top_p(lm_run, capsys):
+    capsys.readouterr()
+    args = ["generate", str(lm_run), "--prompt", "the", "--max-new-tokens", "8", "--device", "cpu"]
+    assert main([*args, "--top-p", "1e-300", "--seed", "3"]) == 0
+    sampled = capsys.readouterr().out
+    assert main([*args, "--temperature", "0"]) == 0
+    assert sampled == capsys.readouterr().out  # only the most probable token is left: the greedy text
 
 
 @pytest.mark.parametrize("max_tokens", [20, 60], ids=["batched rows", "alone (sliding window)"])

@@ -57,6 +57,7 @@ from aiayn.serve.schemas import (
     generate_request,
     parse_body,
     read_body,
+    source_tokens,
     translate_request,
 )
 from aiayn.viz.attention import KINDS, attention_data
@@ -277,14 +278,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         (a seeded draw must not depend on its batch) but all in one job, so one request takes one queue place."""
         tr: Translator = svc.model
         opts = opts.replace(max_tokens=budget)
-        cost = 0
-        for i, text in enumerate(texts):
-            n = len(tr.tokenizers.src.encode(text)) if text.strip() else 0
-            if n > tr.max_source_tokens:
-                raise ApiError(413, "line_too_long", f"{field}[{i}]: {n} tokens, the model takes at most "
-                                                     f"{tr.max_source_tokens} (its positions, less the EOS)")
-            cost += n + 1 if n else 0
-        cost *= opts.nbest if opts.sample else opts.beam
+        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * (opts.nbest if opts.sample else opts.beam)
         if seeds is not None:
             draws = [opts.replace(sample=True, seed=seed) for seed in seeds]
             found = await svc.batcher.run(None, list(zip(texts, draws)), max(cost, 1), lambda items: [

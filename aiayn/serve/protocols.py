@@ -44,7 +44,7 @@ from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
-from aiayn.serve.schemas import ApiError, parse_body, read_body
+from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
 from aiayn.serve.streams import EventStream
 
 FORM_PATHS = ("/translate", "/languages")  # LibreTranslate's clients post forms, not JSON
@@ -508,7 +508,10 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         rid, when = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         jobs = choices_for(c)
         translation = svc.task == "translation"
-        if not translation:  # before batching: one request's bad prompt must not fail the others in its batch
+        # Before batching (one request's bad prompt must not fail the others in its batch) and before a stream's 200.
+        if translation:
+            source_tokens(svc.model, c.prompts, "prompt")
+        else:
             from aiayn.decode.generate import check_prompt_fits, prompt_ids
 
             for prompt in c.prompts:
