@@ -147,6 +147,21 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_any_stream(client):
     assert r.json()["error"]["message"].startswith("prompt[1]: ")
 
 
+def test_a_stream_the_queue_cannot_take_is_refused_before_its_200(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    batcher = client.app.state.service.batcher
+    with ThreadPoolExecutor(2) as pool:
+        with batcher.hold():  # --max-queue 2: two requests wait, the stream would be the third
+            waiting = [pool.submit(client.post, "/v1/translate", json={"text": [f"a b {i}"]}, headers=AUTH)
+                       for i in range(2)]
+            assert batcher.wait_queued(2)
+            r = client.post("/v1/completions", json={"prompt": "a b", "temperature": 0, "stream": True},
+                            headers=AUTH)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert all(f.result().status_code == 200 for f in waiting)
+
+
 def test_the_choices_of_one_request_are_one_job(client):
     """--max-queue 2 and a seeded 4-choice completion on an idle server: one job, answered; the same seed
     gives the same choices again (each draw alone, as before)."""

@@ -558,7 +558,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                                                      "type": "server_error", "param": None, "code": None}})
                     + "\n\n").encode("utf-8")
 
-        return stream.response(translated() if translation else generated(), error_event)
+        return await stream.response(translated() if translation else generated(), error_event)
 
     return [Route("/v1/models", _openai(models), methods=["GET"]),
             Route("/v1/completions", _openai(completions), methods=["POST"])]

@@ -47,12 +47,17 @@ class EventStream:
             if self.stats is not None:
                 self.stats.cancelled += 1
 
-    def response(self, work: Awaitable[Any], error_event: Callable[[BaseException], bytes],
-                 headers: dict[str, str] | None = None) -> StreamingResponse:
-        """Start ``work`` (a coroutine that pushes the events and returns when the answer is complete) and answer
-        with its events, then ``error_event(exception)`` if it failed (the 200 headers are sent already), then
-        ``data: [DONE]``."""
+    async def response(self, work: Awaitable[Any], error_event: Callable[[BaseException], bytes],
+                       headers: dict[str, str] | None = None) -> StreamingResponse:
+        """Start ``work`` (a coroutine that queues its job, pushes the events and returns when the answer is
+        complete) and answer with its events, then ``error_event(exception)`` if it failed later (the 200 headers
+        are sent by then), then ``data: [DONE]``. What fails while the job is queued (a full queue, a server
+        shutting down, a request the queueing refuses) raises here instead, before any header: the route answers
+        it with its 4xx or 503 as it would without ``stream``."""
         self.future = asyncio.ensure_future(work)
+        await asyncio.sleep(0)  # the work's first step runs: up to the job waiting in the queue
+        if self.future.done() and not self.future.cancelled() and self.future.exception() is not None:
+            raise self.future.exception()
         self.future.add_done_callback(lambda f: self.queue.put_nowait(None))
 
         async def events() -> AsyncIterator[bytes]:
