@@ -156,9 +156,9 @@ def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_r
     app = create_app(translator, max_wait_ms=0.0, max_batch_tokens=100_000)
     calls, real = [], translator.search
 
-    def counting(texts, opts, scores=True):
+    def counting(texts, opts, scores=True, **kwargs):
         calls.append(list(texts))
-        return real(texts, opts, scores)
+        return real(texts, opts, scores, **kwargs)
 
     libre, openai = LINES + ["a a b", "b b"], ["b a", "c c c", "a b a", "c b a", "b c"]
     requests = ([("/translate", {"q": t, "source": "en", "target": "de"}) for t in libre]

@@ -6,6 +6,7 @@ the command line's errors and the messages that pointed at the wrong thing. Each
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
@@ -266,9 +267,9 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def live_lm(lm_run):
-    """A real uvicorn server (in this process, on a free port) for the language model, whose ``decode`` counts its
+@contextlib.contextmanager
+def _live(loaded):
+    """A real uvicorn server (in this process, on a free port) for a loaded run, whose model's ``decode`` counts its
     calls and, once armed, stops at call ``gate_at`` until the test opens ``gate``: the test then knows exactly how
     many decoding steps ran when the client left."""
     pytest.importorskip("uvicorn")
@@ -277,11 +278,9 @@ def live_lm(lm_run):
 
     import uvicorn
 
-    import aiayn
     from aiayn.serve.app import create_app
 
-    gen = aiayn.load(lm_run, device="cpu")
-    model, real = gen.run.model, gen.run.model.decode
+    model, real = loaded.run.model, loaded.run.model.decode
     box = {"calls": 0, "gate_at": None, "at_gate": threading.Event(), "gate": threading.Event()}
 
     def decode(*args, **kwargs):
@@ -292,29 +291,40 @@ def live_lm(lm_run):
         return real(*args, **kwargs)
 
     model.decode = decode
-    app = create_app(gen, max_wait_ms=0.0)
+    app = create_app(loaded, max_wait_ms=0.0)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    _until(lambda: server.started, "the server started")
-    box["port"], box["app"] = sock.getsockname()[1], app
-    yield box
-    box["gate"].set()
-    server.should_exit = True
-    thread.join(60)
-    sock.close()
+    try:
+        _until(lambda: server.started, "the server started")
+        box["port"], box["app"] = sock.getsockname()[1], app
+        yield box
+    finally:
+        box["gate"].set()
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        del model.decode  # the class's own again
 
 
-def _open_stream(port: int, max_tokens: int):
+@pytest.fixture
+def live_lm(lm_run):
+    import aiayn
+
+    with _live(aiayn.load(lm_run, device="cpu")) as box:
+        yield box
+
+
+def _open_stream(port: int, max_tokens: int, prompt: str = "the", stream: bool = True):
     import http.client
     import json
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "the", "max_tokens": max_tokens,
-                                                             "temperature": 0, "stream": True}),
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": max_tokens,
+                                                             "temperature": 0, "stream": stream}),
                  headers={"Content-Type": "application/json"})
     return conn
 
@@ -530,3 +540,25 @@ def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
     # no file at all: the line says where the user can act
     line = user_error_message(OSError(errno.ENOSPC, "No space left on device"))
     assert line.startswith("No space left on device (free space, or write elsewhere") and "--run-dir" in line
+
+
+def test_a_translation_stream_whose_client_leaves_stops_its_search_within_one_step(translator):
+    """A translation is decoded whole, then sent: a client that leaves meanwhile stops the search at its next
+    step (the batcher's call_cancelled, asked once per step), so its model calls end there."""
+    prompt = "a b c d e f g h"
+    with _live(translator) as live:
+        svc = live["app"].state.service
+        full = _open_stream(live["port"], 16, prompt, stream=False).getresponse()
+        assert full.status == 200 and full.read()
+        steps = live["calls"]
+        assert steps >= 4  # the whole search takes several steps: stopping at 2 is seen
+        live["calls"], live["gate_at"] = 0, 2
+        conn = _open_stream(live["port"], 16, prompt)
+        assert live["at_gate"].wait(60)  # the second decoding step is running; no event is sent before the end
+        conn.close()
+        _until(lambda: svc.batcher.stats.cancelled == 1, "the server saw the client leave")
+        live["gate"].set()
+        _until(lambda: svc.batcher.queued == 0, "the model's thread is idle")
+        assert live["calls"] == 2
+        r = _open_stream(live["port"], 16, prompt).getresponse()  # and the server goes on
+        assert r.status == 200 and r.read().endswith(b"data: [DONE]\n\n")

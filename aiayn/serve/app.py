@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -270,23 +271,26 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         return JSONResponse({"translations": [translation_json(h) for h in found],
                              "options": dataclasses.asdict(opts)})
 
-    async def run_translation(texts: list[str], opts, seeds: list[int] | None = None, field: str = "text"
-                              ) -> tuple[list[list[Translation]], Any]:
+    async def run_translation(texts: list[str], opts, seeds: list[int] | None = None, field: str = "text",
+                              cancelled: threading.Event | None = None) -> tuple[list[list[Translation]], Any]:
         """Translate ``texts`` through the batcher (merged with concurrent requests of the same options);
         returns the hypotheses of each text and the options used. A text too long for the model is a 413 naming
         ``field[i]`` (the request's own name of its texts). ``seeds``: one seeded draw per text, each decoded alone
-        (a seeded draw must not depend on its batch) but all in one job, so one request takes one queue place."""
+        (a seeded draw must not depend on its batch) but all in one job, so one request takes one queue place.
+        ``cancelled`` (a stream's): once set, the search stops at its next step if no other request shares it."""
+        stop = svc.batcher.call_cancelled
         tr: Translator = svc.model
         opts = opts.replace(max_tokens=budget)
         cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * (opts.nbest if opts.sample else opts.beam)
         if seeds is not None:
             draws = [opts.replace(sample=True, seed=seed) for seed in seeds]
             found = await svc.batcher.run(None, list(zip(texts, draws)), max(cost, 1), lambda items: [
-                tr.search([text], o, scores=True)[0] for text, o in items])
+                tr.search([text], o, scores=True, stop=stop)[0] for text, o in items], cancelled)
             return found, opts
         # Seeded draws must not depend on who else is in the batch: such requests run alone.
         group = None if opts.sample and opts.seed is not None else ("translate", dataclasses.astuple(opts))
-        found = await svc.batcher.run(group, texts, max(cost, 1), lambda items: tr.search(items, opts, scores=True))
+        found = await svc.batcher.run(group, texts, max(cost, 1),
+                                      lambda items: tr.search(items, opts, scores=True, stop=stop), cancelled)
         return found, opts
 
     async def generate(request: Request) -> Response:

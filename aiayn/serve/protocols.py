@@ -474,21 +474,23 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                 results[k] = run_one(p, c, seed, emit, cancelled)
         return results
 
-    async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
+    async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]],
+                                cancelled: threading.Event | None = None) -> list[dict[str, Any]]:
         """Every choice of a completion on a translation run: the run's search (temperature 0: every choice of
-        a prompt is the same translation, decoded once) or a draw (temperature > 0), through the batcher."""
+        a prompt is the same translation, decoded once) or a draw (temperature > 0), through the batcher;
+        ``cancelled`` (a stream's) stops the search at its next step once the client went away."""
         tr = svc.model
         base = c.options.replace(nbest=1)
         if c.temperature == 0:
             prompts = list(dict.fromkeys(p for _, p, _ in jobs))
-            found, _ = await run_translation(prompts, base)
+            found, _ = await run_translation(prompts, base, cancelled=cancelled)
             by_prompt = dict(zip(prompts, found))
             hyps = [by_prompt[p] for _, p, _ in jobs]
         else:
             # unseeded draws: one call for all, each row its own draw; seeded ones: one job whose draws each run
             # alone (a seeded draw must not depend on its batch), so the request's n choices take one queue place
             seeds = None if c.seed is None else [seed for _, _, seed in jobs]
-            hyps, _ = await run_translation([p for _, p, _ in jobs], base, seeds=seeds)
+            hyps, _ = await run_translation([p for _, p, _ in jobs], base, seeds=seeds, cancelled=cancelled)
         out = []
         for (_, prompt, _), h in zip(jobs, hyps):
             scan = StopScan(c.stop)
@@ -548,7 +550,7 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                 stream.push(chunk(index, "", r["finish_reason"]))
 
         async def translated() -> None:  # a translation is decoded whole: each choice comes as one event
-            for r, (index, _, _) in zip(await translate_choices(c, jobs), jobs):
+            for r, (index, _, _) in zip(await translate_choices(c, jobs, stream.cancelled), jobs):
                 for text, finish in ((r["text"], None), ("", r["finish_reason"])):
                     if text or finish:
                         stream.push(chunk(index, text, finish))

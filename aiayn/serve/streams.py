@@ -3,9 +3,11 @@
 A streamed answer is produced on the batcher's worker thread and sent by the event loop. :class:`EventStream`
 joins the two: the worker pushes each event as it is decoded (:meth:`EventStream.push`, from any thread), the
 response sends them in order. When the client goes away (it closes the connection, Starlette's response stops),
-the stream is cancelled: :attr:`EventStream.cancelled` is set, which the decoding loop reads once per step and then
-stops (a job already running ends within one decoding step), and the job's future is cancelled, so that a job
-still in the queue is never run (:meth:`aiayn.serve.batcher.Batcher._take` drops it).
+the stream is cancelled: :attr:`EventStream.cancelled` is set, which the decoding reads once per step and then
+stops (a job already running ends within one decoding step: a language model's token loop reads it directly, a
+translation's search through :meth:`aiayn.serve.batcher.Batcher.call_cancelled`, when every request of its model
+call is gone), and the job's future is cancelled, so that a job still in the queue is never run
+(:meth:`aiayn.serve.batcher.Batcher._take` drops it).
 
 Every streamed route answers through :meth:`EventStream.response`, so a new streamed endpoint gets the same rule.
 """
