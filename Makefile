@@ -18,7 +18,7 @@ export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/dat
 # skip with its reason.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup demo test test-isa test-browser lint lock clean
+.PHONY: setup demo test test-isa test-browser docs-check lint lock clean
 
 setup: $(STAMP)
 	@echo "aiayn is installed in $(VENV): activate it with 'source $(VENV)/bin/activate' to run 'aiayn ...'"
@@ -51,6 +51,11 @@ test-browser: $(STAMP)
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
 	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK) -e ".[dev,serve,browser]"
 	$(PY) -m pytest tests/test_browser.py -m browser
+
+# Every shell block of README.md and docs/*.md, run as written in a scratch directory against small stand-in runs
+# (tests/docs_check.py says how); the blocks marked skip (network, GPU, long trainings) are listed with why.
+docs-check: $(STAMP)
+	$(PY) tests/docs_check.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check aiayn tests benchmarks

@@ -141,9 +141,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from aiayn.eval.evaluate import evaluate_run, summary
+    from aiayn.eval.evaluate import EvalData, evaluate_run, summary
 
-    result = evaluate_run(args.run, split=args.split, src=args.src, ref=args.ref, name=args.name, device=args.device,
+    result = evaluate_run(args.run, EvalData(args.split, args.src, args.ref, args.name), device=args.device,
                           precision=args.precision, **decode_overrides(args))
     print(summary(result))
     return 0
@@ -227,7 +227,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from aiayn.interop.hf import import_hf
 
-    print(f"wrote {import_hf(args.hf_dir, args.run_dir, force=args.force)}")
+    print(f"wrote {import_hf(args.hf_dir, args.run_dir, force=args.force, revision=args.revision)}")
     return 0
 
 
@@ -243,12 +243,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_cli(args)
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    from aiayn.config import list_presets
+
+    presets = list_presets()
+    width = max(len(name) for name, _ in presets)
+    for name, line in presets:
+        print(f"{name:<{width}}  {line}")
+    print("train one: aiayn train NAME --run-dir runs/NAME (the YAML files: aiayn/configs/)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from aiayn.demo import run_demo
 
     return run_demo(args)
 
 
+RUN_HELP = "run directory (from aiayn train or aiayn import hf)"
 THREADS_HELP = "CPU threads (default: the cores not busy with other work; 1 is faster on a busy machine)"
 
 
@@ -307,8 +319,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"aiayn: error: {one_line(message)} ({self.prog} --help lists the options)\n")
 
 
+FIRST_STEPS = """\
+The Transformer of "Attention Is All You Need": train, translate, evaluate, serve, export.
+
+first steps:
+  aiayn import hf Helsinki-NLP/opus-mt-en-de runs/opus   a pretrained model (the hf extra), or
+  aiayn train multi30k_en_de_quick --run-dir runs/m30k   train one (at most 30 minutes)
+  echo "A dog runs." | aiayn translate runs/m30k         translate; then evaluate, serve, viz
+  aiayn presets                                          the recipes aiayn train knows by name
+  aiayn COMMAND --help                                   each command's options"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="aiayn", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="aiayn", description=FIRST_STEPS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of bugs")
     parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -326,10 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain lines: loss, speed, ETA)")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("presets", help="list the recipes (presets) aiayn train takes by name, one line each")
+    p.set_defaults(func=cmd_presets)
+
     p = sub.add_parser("translate", help="translate text, one sentence per line (streams)",
                        description="Reads one sentence per line (--input or stdin; interactive on a terminal), "
                                    "writes one record per line (--output or stdout), chunk by chunk.")
-    p.add_argument("run")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--input", default=None, help="input file (default stdin)")
     p.add_argument("--output", default=None, help="output file, written atomically (default stdout, streamed)")
     p.add_argument("--format", choices=["text", "tsv", "json"], default="text",
@@ -345,10 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_translate)
 
     p = sub.add_parser("evaluate", help="BLEU/chrF of a translation run, ROUGE of summaries, perplexity of an LM")
-    p.add_argument("run")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--split", default=None, help="a split of the run's dataset, e.g. test_2016_flickr")
-    p.add_argument("--src", default=None)
-    p.add_argument("--ref", default=None)
+    p.add_argument("--src", default=None, help="a source file, one sentence per line (with --ref, instead of --split)")
+    p.add_argument("--ref", default=None, help="its reference translations, one per line of --src")
     p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
     p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
     add_decode_options(p)
@@ -367,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
-    p.add_argument("run")
-    p.add_argument("--last", type=int, default=5)
+    p.add_argument("run", help="run directory with checkpoints (checkpoints/step_*.safetensors)")
+    p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the latest checkpoints (default 5)")
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("report", help="what a run did: updates, time, tokens/s, valid NLL, its evaluations")
@@ -396,25 +422,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_table3)
 
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
-    p.add_argument("run")
-    p.add_argument("--prompt", default="")
+    p.add_argument("run", help="language-model run directory (e.g. trained from lm_tinyshakespeare_char)")
+    p.add_argument("--prompt", default="", help="text to continue (default: none, from the start token)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 200)")
     p.add_argument("--slide", action="store_true", help="slide the context window past the model's positions")
     add_decode_options(p, search=False)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("summarize", help="summarize documents, one per line (or a .jsonl file's documents)")
-    p.add_argument("run")
+    p.add_argument("run", help="summarization run directory (xsum_lm or xsum_seq2seq)")
     p.add_argument("--input", default=None, help="one document per line, or .jsonl rows with a 'document' field")
-    p.add_argument("--output", default=None)
+    p.add_argument("--output", default=None, help="output file, one summary per line (default stdout)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="at most this many summary tokens (64)")
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
 
     p = sub.add_parser("export", help="export a run to CTranslate2, as a Hugging Face Marian directory or as an "
                                       "Argos Translate package")
-    p.add_argument("engine", choices=["ctranslate2", "hf", "argos"])
-    p.add_argument("run")
+    p.add_argument("engine", choices=["ctranslate2", "hf", "argos"],
+                   help="ctranslate2: a CTranslate2 model directory; hf: a Marian directory for transformers; "
+                        "argos: an .argosmodel package")
+    p.add_argument("run", help="translation run directory (trained or imported)")
     p.add_argument("out_dir", help="a directory (ctranslate2, hf) or a .argosmodel file (argos)")
     p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2 and Argos)")
     p.add_argument("--sentence-model", default=None,
@@ -422,27 +450,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace out_dir whatever it holds")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import", help="make a run directory from a Hugging Face Marian (OPUS-MT) directory")
-    p.add_argument("engine", choices=["hf"])
-    p.add_argument("hf_dir")
-    p.add_argument("run_dir")
-    p.add_argument("--force", action="store_true", help="replace run_dir whatever it holds")
+    p = sub.add_parser("import", help="make a run from a Hugging Face Marian model (OPUS-MT): a Hub id or a directory",
+                       description="Converts a Marian model (weights, tokenizers, generation settings) into a run "
+                                   "directory that translate, evaluate, serve and --init-from use. A Hub id (e.g. "
+                                   "Helsinki-NLP/opus-mt-en-de) is downloaded once into the Hugging Face cache "
+                                   "(HF_HUB_OFFLINE=1: the cache only); a local directory is read as it is.")
+    p.add_argument("engine", choices=["hf"], help="hf: a Hugging Face Marian model")
+    p.add_argument("hf_dir", metavar="MODEL", help="a Hub id (owner/name) or a local Marian directory")
+    p.add_argument("run_dir", metavar="RUN", help="the run directory to create (new or empty)")
+    p.add_argument("--revision", default=None, help="Hub id only: a branch, tag or commit to pin (default main)")
+    p.add_argument("--force", action="store_true", help="replace RUN whatever it holds")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask")
-    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask"])
-    p.add_argument("run", nargs="?", default=None)
-    p.add_argument("--out", default=None, help="PNG path")
-    p.add_argument("--show", action="store_true")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--max-pos", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--compare", action="store_true")
-    p.add_argument("--src", default=None)
-    p.add_argument("--tgt", default=None)
-    p.add_argument("--layer", type=int, default=None)
-    p.add_argument("--head", type=int, default=None)
-    p.add_argument("--len", type=int, default=8, dest="length")
+    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask",
+                       description="Draws one figure to a PNG and prints each path it writes. attention writes "
+                                   "three files, one per kind of attention: --out X.png gives X_encoder.png, "
+                                   "X_decoder_self.png and X_cross.png.")
+    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask"], help="which figure")
+    p.add_argument("run", nargs="?", default=None,
+                   help="attention, curves: the run directory; schedule: a run, a recipe or a preset (optional)")
+    p.add_argument("--out", default=None, help="PNG path (default WHAT.png); attention: the stem of its three "
+                                               "files (X.png -> X_encoder.png, X_decoder_self.png, X_cross.png)")
+    p.add_argument("--show", action="store_true", help="also open the figure in a window")
+    p.add_argument("--d-model", type=int, default=None, help="positional, schedule: model width (default 512 / "
+                                                             "the run's)")
+    p.add_argument("--max-pos", type=int, default=128, help="positional: positions drawn (default 128)")
+    p.add_argument("--warmup", type=int, default=None, help="schedule: warm-up updates (default 4000 / the run's)")
+    p.add_argument("--compare", action="store_true", help="positional: sinusoidal beside the other encodings")
+    p.add_argument("--src", default=None, help="attention: the source sentence")
+    p.add_argument("--tgt", default=None, help="attention: the target (default: the model's greedy translation)")
+    p.add_argument("--layer", type=int, default=None, help="attention: only this layer (default all)")
+    p.add_argument("--head", type=int, default=None, help="attention: only this head (default all)")
+    p.add_argument("--len", type=int, default=8, dest="length", help="mask: sequence length (default 8)")
     p.add_argument("--width", type=int, default=None, help="figure width in pixels")
     p.add_argument("--height", type=int, default=None, help="figure height in pixels")
     p.add_argument("--device", default="auto", help="attention: where the model runs")
@@ -456,9 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job: train the quick recipe, evaluate, show translations")
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--config", default=None)
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/demo; a finished one is evaluated, "
+                                                   "an unfinished one resumed)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. "
+                                                                                    "train.max_minutes=10")
+    p.add_argument("--config", default=None, help="recipe to train (default multi30k_en_de_quick)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -36,7 +36,8 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # The largest value of every size and count, one table for the recipes, the command line (--set, the decoding
 # flags) and the server (whose requests go through DecodeOptions): past these a value is a typo or an attack,
 # not a model. The lower bounds sit beside each field's check; a model whose weights would not fit in this
-# machine's memory is refused as well (ModelConfig). docs/configuration.md lists them (a test keeps it true).
+# machine's memory is refused where it is built (check_fits_in_memory), not here: a config is the same everywhere.
+# docs/configuration.md lists them (a test keeps it true).
 COUNT = 2**62  # updates, steps, epochs, checkpoints: far beyond any real run, and within a 64-bit integer
 SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
 MIN_TEMPERATURE = 1e-6  # logits / a smaller temperature can overflow fp32 (1e-320 gives inf); 0 means greedy
@@ -73,12 +74,24 @@ def _check_limits(section: str, obj: Any) -> None:
                               else f"{key}={shown}: must be at most {ceiling:,}")
 
 
-def _physical_memory() -> int | None:
+def physical_memory() -> int | None:
     """Bytes of memory this machine has (None where the OS does not say)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
         return None
+
+
+def check_fits_in_memory(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
+    A check of the machine, not of the config (a config is the same on every machine): commands call it before
+    they build a model (:func:`aiayn.model.build_model`, ``aiayn train`` before any work)."""
+    need, have = cfg.memory_bytes(), physical_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
+                          f"fp32 (d_model={cfg.d_model}, max_positions={cfg.max_positions}, vocabulary "
+                          f"{cfg.vocab_size}, {cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers), more "
+                          f"than this machine's {have / 2**30:,.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -138,12 +151,6 @@ class ModelConfig:
                 "model: share_embeddings needs one vocabulary "
                 f"(vocab_size={self.vocab_size}, tgt_vocab_size={self.tgt_vocab_size})"
             )
-        need, have = self.memory_bytes(), _physical_memory()
-        if have is not None and need > have:
-            raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
-                              f"fp32 (d_model={self.d_model}, max_positions={self.max_positions}, vocabulary "
-                              f"{self.vocab_size}, {self.n_encoder_layers}+{self.n_decoder_layers} layers), more "
-                              f"than this machine's {have / 2**30:,.1f} GiB")
 
     def memory_bytes(self) -> int:
         """fp32 bytes of the model's parameters and position tables (an estimate made before building it)."""
@@ -593,6 +600,21 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
 
 
+def preset_summary(path: str | Path) -> str:
+    """A recipe's one-line summary: the first line of the comment at the top of its YAML file."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        if line.strip("# "):
+            return line.lstrip("# ").rstrip()
+    return ""
+
+
+def list_presets() -> list[tuple[str, str]]:
+    """(name, one-line summary) of every recipe in ``configs/``, by name."""
+    return [(p.stem, preset_summary(p)) for p in sorted(CONFIG_DIR.glob("*.yaml"))]
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a mapping naming one key twice is an error: PyYAML keeps the last
     value silently, so a recipe edited by hand could train with a setting its reader does not see."""
@@ -704,5 +726,7 @@ def read_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """Write ``cfg`` as YAML to ``path`` atomically (a run reads its config.yaml back: never half-written)."""
+    from aiayn.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

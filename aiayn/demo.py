@@ -22,7 +22,7 @@ TEST_SPLIT = "test_2016_flickr"
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from aiayn.eval.evaluate import evaluate_run, summary
+    from aiayn.eval.evaluate import EvalData, evaluate_run, summary
     from aiayn.train.run import train
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
@@ -39,7 +39,7 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{cfg.train.max_updates} updates at most)")
         train(cfg, run_dir, resume=resume, progress=True)
     split = TEST_SPLIT if cfg.data.dataset == "multi30k" else "test"
-    result = evaluate_run(run_dir, split=split)
+    result = evaluate_run(run_dir, EvalData(split=split))
     print()
     print(summary(result))
     _show_examples(run_dir, result, n=5)

@@ -36,9 +36,17 @@ ATTENTION_RULE: dict[str, int] = {"cpu": 128}
 ATTENTION_PATHS = {"explicit": {"cpu": 1 << 30, "cuda": 1 << 30, "mps": 1 << 30}, "fused": {}}
 
 
-def _attention_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """The modules that compute attention: those carrying the engine's attention choice."""
-    return (m for m in model.modules() if hasattr(m, "explicit_max_keys"))
+class AttentionKernel:
+    """What a module that computes eq. (1) declares (``class MultiHeadAttention(AttentionKernel, nn.Module)``): the
+    engine chooses its computation by setting ``explicit_max_keys``: per device type, key lengths up to it take
+    the explicit path, longer ones PyTorch's fused kernel (empty: always fused)."""
+
+    explicit_max_keys: dict[str, int]
+
+
+def _attention_modules(model: nn.Module) -> Iterator[AttentionKernel]:
+    """The modules of ``model`` whose computation of attention the engine chooses."""
+    return (m for m in model.modules() if isinstance(m, AttentionKernel))
 
 
 def use_attention(model: nn.Module, rule: dict[str, int] | str | None = None) -> nn.Module:

@@ -45,6 +45,10 @@ class DeviceError(UserError, RuntimeError):
     """A device or precision this machine does not offer (``--device cuda`` without CUDA, bf16 on CPU, ...)."""
 
 
+class DesyncError(UserError, RuntimeError):
+    """The processes of one training no longer hold the same model (their gradient or weight norms differ)."""
+
+
 def require(module: str, extra: str, what: str) -> None:
     """Raise a one-line :class:`ConfigError` when the optional ``module`` is not installed, naming the extra
     that brings it (``pip install 'aiayn[extra]'``). Call it before any work starts."""
@@ -101,5 +105,5 @@ def _peer_lost(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DeviceError", "UserError", "first_line", "one_line",
-           "require", "user_error_message"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "UserError", "first_line",
+           "one_line", "require", "user_error_message"]

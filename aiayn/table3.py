@@ -285,7 +285,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     Everything that can be refused is refused before the first update: the base (a translation recipe), the
     rows, the seeds, every row's config (a change the base cannot take, e.g. more heads than its width), and a
     writable ``out``. Returns the table (:func:`collect`)."""
-    from aiayn.eval.evaluate import evaluate_translation
+    from aiayn.eval.evaluate import EvalData, evaluate_translation
     from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
     from aiayn.train.report import run_report
     from aiayn.train.run import train
@@ -335,7 +335,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         nll = rep["valid_nll"]
         if nll is None or nll["last_step"] != state.step:
             raise RuntimeError(f"{run_dir}: no validation after the last update")  # the trainer always evaluates
-        ev = evaluate_translation(run_dir, split="valid", name="table3_valid")
+        ev = evaluate_translation(run_dir, EvalData(split="valid", name="table3_valid"))
         record = {
             "row": row.name, "group": row.group, "change": row.change, "seed": seed,
             "here": _row_label(row, cfg, base_cfg), "updates": state.step,
@@ -428,8 +428,22 @@ def write_table(table: dict[str, Any], out: str | Path) -> None:
         figure(table, out / "table3.png")
 
 
+# Ticks of the perplexity ratio's log axis: the ones inside the data's range are labelled (matplotlib's own
+# log ticks label only the powers of ten, which a ratio near 1 never reaches).
+RATIO_TICKS = (0.25, 0.33, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def _spread(values: list[float], centre: float) -> tuple[float, float]:
+    """How far below and above ``centre`` the seeds' values reach."""
+    return centre - min(values), max(values) - centre
+
+
 def figure(table: dict[str, Any], path: str | Path) -> Path:
-    """Each row's BLEU and perplexity against its base row, ours beside the paper's (two panels)."""
+    """Each row's BLEU and perplexity against its base row, ours beside the paper's (two panels). With several
+    seeds, a bar's whiskers span its seeds and a grey band spans base's: a change inside the band is within
+    what the seed alone moves."""
+    import textwrap
+
     from aiayn.files import atomic_write_bytes
     from aiayn.viz.common import new_figure, use_backend
 
@@ -437,29 +451,55 @@ def figure(table: dict[str, Any], path: str | Path) -> Path:
     import io
 
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     rows = [r for r in table["rows"] if r["row"] != "base"]
     base = next(r for r in table["rows"] if r["row"] == "base")
-    fig = new_figure(1100, 120 + 28 * len(rows), (1100, 600))
+    labels = [textwrap.fill(f"{r['row']}: {r['change']}", 30) for r in rows]
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig = new_figure(1200, 150 + 17 * lines + 14 * len(rows), (1200, 600))
     axes = fig.subplots(1, 2, sharey=True)
     y = list(range(len(rows)))[::-1]
+    bm = base["mean"]
     for ax, key, label in ((axes[0], "bleu", "Δ BLEU vs base (higher is better)"),
                            (axes[1], "ppl", "PPL / base PPL (lower is better)")):
         if key == "bleu":
-            ours = [r["mean"]["bleu"] - base["mean"]["bleu"] for r in rows]
+            ours = [r["mean"]["bleu"] - bm["bleu"] for r in rows]
             paper = [r["paper"]["bleu"] - base["paper"]["bleu"] for r in rows]
+            whiskers = [_spread([v - bm["bleu"] for v in r["bleu"]], o) for r, o in zip(rows, ours)]
+            band = [v - bm["bleu"] for v in base["bleu"]]
         else:
-            ours = [r["mean"]["ppl"] / base["mean"]["ppl"] for r in rows]
+            ours = [r["mean"]["ppl"] / bm["ppl"] for r in rows]
             paper = [r["paper"]["ppl"] / base["paper"]["ppl"] for r in rows]
-        ax.barh([v + 0.2 for v in y], ours, height=0.4, label="here", color="#3a6ea5")
+            whiskers = [_spread([v / bm["ppl"] for v in r["ppl"]], o) for r, o in zip(rows, ours)]
+            band = [v / bm["ppl"] for v in base["ppl"]]
+        if len(band) > 1:
+            what = (f"{max(band) - min(band):.1f} BLEU" if key == "bleu"
+                    else f"{min(band):.2f}-{max(band):.2f}x")
+            ax.axvspan(min(band), max(band), color="#999999", alpha=0.3, linewidth=0,
+                       label=f"base's {len(band)} seeds: {what}")
+        several = [i for i, r in enumerate(rows) if len(r["seeds"]) > 1]
+        ax.barh([v + 0.2 for v in y], ours, height=0.4, color="#3a6ea5",
+                label="here" + (" (whiskers: its seeds)" if several else ""))
+        if several:
+            ax.errorbar([ours[i] for i in several], [y[i] + 0.2 for i in several], fmt="none", ecolor="black",
+                        elinewidth=1, capsize=2, xerr=[[whiskers[i][0] for i in several],
+                                                       [whiskers[i][1] for i in several]])
         ax.barh([v - 0.2 for v in y], paper, height=0.4, label="paper", color="#c8a24a")
         ax.axvline(0 if key == "bleu" else 1, color="black", linewidth=0.8)
         if key == "ppl":
             ax.set_xscale("log")
+            values = [*ours, *paper, *band]
+            lo, hi = min(values) / 1.15, max(values) * 1.15
+            ax.set_xlim(lo, hi)
+            ax.xaxis.set_major_locator(FixedLocator([t for t in RATIO_TICKS if lo <= t <= hi]))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel(label)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(y, [f"{r['row']}: {r['change']}"[:38] for r in rows])
-    axes[0].legend(loc="lower right")
+    axes[0].set_yticks(y, labels, fontsize=9)
+    axes[0].set_ylim(-0.7, len(rows) - 0.3)
+    axes[0].legend(loc="upper right", fontsize=9)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)

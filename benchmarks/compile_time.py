@@ -44,7 +44,7 @@ def child(args: argparse.Namespace) -> dict:
     from aiayn.config import Config, TrainConfig
     from aiayn.data.batching import collate
     from aiayn.device import autocast_context
-    from aiayn.train.trainer import batch_logits, batch_to_device, compile_for_training
+    from aiayn.train.update import batch_logits, batch_to_device, compile_for_training
 
     torch.manual_seed(0)
     cfg = (model_config(args.preset) if args.preset else

@@ -101,7 +101,7 @@ def markdown(result: dict[str, Any]) -> str:
         "`benchmarks/mfu.py`). *Executed* counts the padded shapes; *counted / executed* compares torch's "
         "`FlopCounterMode` count of one padded update (attention on aiayn's explicit matmul path, which "
         "the counter sees) with the formula, QK^T and PV included: 1.000 checks the formula independently.",
-        f"- Updates: aiayn `train_update` (forward, label-smoothed loss, backward, Adam) on {result['data']}, "
+        f"- Updates: aiayn `Update` (forward, label-smoothed loss, backward, Adam) on {result['data']}, "
         f"batches of <= {a['max_tokens']} tokens, {a['warmup']} warm-up + {a['steps']} timed.\n",
     ]
     headers = ["config", "parameters", "target tokens / update", "ms / update", "model GFLOP / update",
@@ -142,7 +142,7 @@ def markdown_accelerator(result: dict[str, Any]) -> str:
         "- Model FLOPs of an update = 3 x forward matmul FLOPs at the real lengths (`benchmarks/flops.py`); "
         "*executed* counts the padded shapes; *counted / executed*: torch's `FlopCounterMode` count of one "
         "padded update (fused attention kernels included) over the formula.",
-        f"- Updates: aiayn `train_update` ({a['precision']} autocast forward, label-smoothed loss, backward, fused "
+        f"- Updates: aiayn `Update` ({a['precision']} autocast forward, label-smoothed loss, backward, fused "
         f"Adam), batches of <= {a['max_tokens']} tokens, {a['warmup']} warm-up + {a['steps']} timed; "
         "peak GPU memory is `torch.cuda.max_memory_allocated` while it trains.\n",
     ]
@@ -214,7 +214,7 @@ def measure(args: argparse.Namespace, preset: str, lengths: str, impl: str, devi
         entry["counted_flops_first_update"] = counted
         entry["counted_over_executed"] = counted / flops.batch_training_flops(cfg, timed[0], True)
     if args.profile:
-        title = f"{preset} ({lengths}): {LABELS[impl]} train_update, {device}, {args.precision}, {threads} threads"
+        title = f"{preset} ({lengths}): {LABELS[impl]} Update, {device}, {args.precision}, {threads} threads"
         table = profile_updates(updater(model, device, args.precision, loss_fn), timed, device, Path(args.profile),
                                 title)
         if cuda:

@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +128,28 @@ def sentences(run: str | os.PathLike, limit: int = 1000) -> tuple[list[str], str
     return out, f"synthetic word sequences ({limit})"
 
 
-def client(url: str, texts: Sequence[str], offset: int, stride: int, options: dict, deadline: float,
-           budget: list[int], lock: threading.Lock, out: list) -> None:
+@dataclass
+class Shared:
+    """What a phase's clients share: the deadline, the requests left (under the lock) and the results
+    (latency in seconds, HTTP status; 0 for a connection failure)."""
+
+    deadline: float
+    budget: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    out: list[tuple[float, int]] = field(default_factory=list)
+
+
+def client(url: str, texts: Sequence[str], offset: int, stride: int, options: dict, shared: Shared) -> None:
     """Post one sentence at a time until the deadline or the shared request budget runs out."""
     conn = connect(url)
     i = offset
+    deadline, lock, out = shared.deadline, shared.lock, shared.out
     try:
         while time.monotonic() < deadline:
             with lock:
-                if budget[0] <= 0:
+                if shared.budget <= 0:
                     return
-                budget[0] -= 1
+                shared.budget -= 1
             t0 = time.perf_counter()
             try:
                 status, _ = request(conn, "POST", "/v1/translate", {"text": [texts[i % len(texts)]], **options})
@@ -157,13 +169,12 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
     with closing(connect(url)) as conn:
         before = request(conn, "GET", "/health")[1]
     load_before = os.getloadavg()[0]
-    results: list[tuple[float, int]] = []
     memory: list[tuple[float, float]] = []
-    lock, budget = threading.Lock(), [max_requests]
     start = time.monotonic()
-    deadline = start + duration
-    threads = [threading.Thread(target=client, args=(url, texts, k, clients, options, deadline, budget, lock,
-                                                     results)) for k in range(clients)]
+    shared = Shared(start + duration, max_requests)
+    results = shared.out
+    threads = [threading.Thread(target=client, args=(url, texts, k, clients, options, shared))
+               for k in range(clients)]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):

@@ -11,7 +11,7 @@ the same logits before anything is timed:
                  + the tied output projection
 * ``aiayn-compile`` (optional) aiayn.Transformer and its loss under ``torch.compile``, as ``train.compile``
 
-Every update goes through the same code, ``aiayn.train.trainer.train_update``: forward, our
+Every update goes through the same code, ``aiayn.train.update.Update``: forward, our
 label-smoothed cross entropy (eps 0.1) on the logits, backward, Adam(0.9, 0.98, 1e-9). So the work
 per update is equal and only the model differs. Each implementation runs W warm-up and N timed
 updates on the same sequence of length-bucketed batches (Multi30k train pairs tokenized with a run's
@@ -53,7 +53,7 @@ from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.schedule import build_optimizer
-from aiayn.train.trainer import LossFn, batch_to_device, compile_for_training, train_update
+from aiayn.train.update import LossFn, Update, batch_to_device, compile_for_training
 from benchmarks import common, flops
 
 NAME = "train_throughput"
@@ -171,7 +171,7 @@ def build_impl(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "
 def build_training(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "default",
                    device: str | torch.device = "cpu") -> tuple[nn.Module, LossFn]:
     """``impl`` on ``device`` and the loss it trains with: aiayn's loss for all, compiled with the model for
-    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.trainer.compile_for_training`).
+    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.update.compile_for_training`).
     aiayn's model gets the engine's training choices for the device, as the trainer gives it."""
     torch.manual_seed(seed)
     ours = Transformer(cfg)
@@ -253,9 +253,10 @@ def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str
     autocast = autocast_context(precision, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
+    step = Update(model, optimizer, LABEL_SMOOTHING, pad_id=0, autocast=autocast, scaler=scaler, loss_fn=loss_fn)
+
     def update(b: Batch) -> None:
-        train_update(model, optimizer, [batch_to_device(b, device)], LR, LABEL_SMOOTHING, pad_id=0,
-                     autocast=autocast, scaler=scaler, loss_fn=loss_fn)
+        step([batch_to_device(b, device)], LR)
 
     return update
 
@@ -263,7 +264,7 @@ def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str
 def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed: int = 1,
                   device: torch.device | str = "cpu", precision: str = "fp32",
                   loss_fn: LossFn = label_smoothed_cross_entropy) -> dict[str, Any]:
-    """W = ``warmup`` untimed then len(batches) - W timed updates through ``train_update``."""
+    """W = ``warmup`` untimed then len(batches) - W timed updates through ``aiayn.train.update.Update``."""
     device = torch.device(device)
     update = updater(model, device, precision, loss_fn)
     torch.manual_seed(seed)  # reproducible dropout
@@ -306,11 +307,13 @@ def profile_updates(update: Callable[[Batch], None], batches: Sequence[Batch], d
     return table
 
 
-def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], warmup: int, threads: int, seed: int,
-               device: str = "cpu", precision: str = "fp32", compile_mode: str = "default",
-               profile: str | None = None) -> dict[str, Any]:
-    """Build ``impl`` and time it; training memory is the peak RSS minus the RSS before the model is built
-    (on CUDA also the peak of GPU memory allocated while it trains)."""
+def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], args: argparse.Namespace,
+               threads: int) -> dict[str, Any]:
+    """Build ``impl`` and time it, as ``args`` say (warmup, seed, device, precision, compile_mode, profile);
+    training memory is the peak RSS minus the RSS before the model is built (on CUDA also the peak of GPU memory
+    allocated while it trains)."""
+    warmup, seed, device, precision = args.warmup, args.seed, args.device, args.precision
+    compile_mode, profile = args.compile_mode, args.profile
     common.set_threads(threads)
     dev = torch.device(device)
     # One throwaway update of a tiny model of the same kind first, so that library code loaded on first
@@ -391,7 +394,7 @@ def markdown(result: dict[str, Any]) -> str:
         "## 1. Training throughput and memory (fp32, CPU)\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Work: one update = forward + label-smoothed cross entropy (eps {LABEL_SMOOTHING}) + backward + "
-        "Adam, all through `aiayn.train.trainer.train_update`, so only the model differs; dropout "
+        "Adam, all through `aiayn.train.update.Update`, so only the model differs; dropout "
         f"{result['dropout']} on embeddings and sub-layer outputs (the paper's places) in all three.",
         f"- Data: {result['data']}; length-bucketed batches of <= {a['max_tokens']} tokens "
         f"({result['mean_batch_target_tokens']:.0f} target tokens per batch on average), the same batches "
@@ -435,7 +438,7 @@ def markdown_accelerator(result: dict[str, Any]) -> str:
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Work: one update = batch copy to the GPU + {a['precision']} autocast forward + label-smoothed "
         f"cross entropy (eps {LABEL_SMOOTHING}) + backward + Adam (fused), all through "
-        "`aiayn.train.trainer.train_update`; the cuDNN attention backend off for every implementation "
+        "`aiayn.train.update.Update`; the cuDNN attention backend off for every implementation "
         "(`aiayn.engine.kernels`); `aiayn + torch.compile` compiles the model and the loss as "
         f"`train.compile: true` does (mode {a['compile_mode']}).",
         f"- Data: batches of <= {a['max_tokens']} tokens (padded lengths counted), the same batches in the "
@@ -518,8 +521,7 @@ def run_config(args: argparse.Namespace, preset: str, lengths: str, threads: int
             if args.isolate:
                 r = run_isolated(impl, cfg, path, args, threads)
             else:
-                r = run_worker(impl, cfg, batches, args.warmup, threads, args.seed, args.device, args.precision,
-                               args.compile_mode, args.profile)
+                r = run_worker(impl, cfg, batches, args, threads)
             achieved = model_flops / r["seconds"]
             r["mfu_datasheet"] = achieved / flops.DATASHEET_PEAK_FLOPS
             r["mfu_measured"] = achieved / peak if peak else None
@@ -541,8 +543,7 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     threads = common.set_threads(args.threads)
     if args.worker:  # one implementation in a fresh process (see run_isolated)
         cfg = ModelConfig(**json.loads(Path(args.worker_config).read_text()))
-        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args.warmup, threads,
-                         args.seed, args.device, args.precision, args.compile_mode, args.profile)
+        out = run_worker(args.worker, cfg, common.load_batches(args.worker_batches), args, threads)
         common.write_json(args.worker_result, out)
         return out
 

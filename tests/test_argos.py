@@ -90,7 +90,9 @@ def test_package_layout(learned_run, package):
         assert {"translate-en_de-1_0/model/model.bin", "translate-en_de-1_0/model/config.json",
                 "translate-en_de-1_0/README.md"} <= set(names)
         readme = z.read("translate-en_de-1_0/README.md").decode()
-    assert "argospm install en_de.argosmodel" in readme and learned_run.name in readme
+    assert "install_from_path('en_de.argosmodel')" in readme and learned_run.name in readme
+    assert "- Languages: English (en) -> German (de)" in readme and "- BLEU: not measured" in readme
+    assert "- Training: " in readme and "- License: not set by aiayn" in readme
     assert str(learned_run.resolve().parent) not in readme  # no path of this machine goes into the package
 
 

@@ -82,3 +82,26 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
     p.write_text("task: translation\ntrain:\n  warmup: 10\n  max_updates: 5\n  warmup: 20\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"twice.yaml: line 5: the key 'warmup' is given twice"):
         load_config(p)
+
+
+def test_a_config_is_the_same_on_every_machine_and_the_memory_check_is_where_the_model_is_built(
+        tmp_path, monkeypatch):
+    """The same YAML gives the same ModelConfig on a 2 GB and a 64 GB machine; a model too big for the machine is
+    refused where it would be built (build_model, aiayn train before anything is written), in one line."""
+    import aiayn.config as config_module
+    from aiayn.config import ConfigError, load_config
+    from aiayn.model import build_model
+    from aiayn.train.run import train
+
+    made = {}
+    for gib in (2, 64):
+        monkeypatch.setattr(config_module, "physical_memory", lambda gib=gib: gib * 2**30)
+        made[gib] = load_config("paper-big")
+    assert made[2] == made[64] and made[2].model.memory_bytes() > 2**20
+    monkeypatch.setattr(config_module, "physical_memory", lambda: 2**20)  # 1 MiB
+    cfg = load_config("tiny_reverse")
+    with pytest.raises(ConfigError, match=r"^model: its weights .* more than this machine's 0.0 GiB$"):
+        build_model(cfg.model, cfg.task)
+    with pytest.raises(ConfigError, match="more than this machine's"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

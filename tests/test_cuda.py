@@ -113,11 +113,11 @@ def test_batched_equals_one_by_one_on_cuda(trained):
 
 
 def test_validation_bleu_is_the_bleu_of_aiayn_evaluate(trained):
-    from aiayn.eval.evaluate import evaluate_run
+    from aiayn.eval.evaluate import EvalData, evaluate_run
 
     records = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines() if x.strip()]
     logged = [r for r in records if "valid_bleu" in r][-1]["valid_bleu"]
-    result = evaluate_run(trained, split="valid", device="cuda", beam=1)
+    result = evaluate_run(trained, EvalData(split="valid"), device="cuda", beam=1)
     assert result["scores"]["bleu"] == pytest.approx(logged, abs=0.05)
 
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.config import ConfigError, load_config
+from aiayn.config import ConfigError, load_config, read_run_config
 from aiayn.errors import CheckpointError
-from aiayn.train import trainer as trainer_module
+from aiayn.train import parallel as parallel_module
 from aiayn.train.run import resume_run, train
-from aiayn.train.trainer import seed_update, update_seed
+from aiayn.train.trainer import resume_config
+from aiayn.train.update import Update, seed_update, update_seed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,33 +55,54 @@ def test_resume_with_dropout_equals_the_uninterrupted_run_without_saved_rng(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_resume_with_another_world_size_is_refused_before_anything_changes(tmp_path):
+def test_a_resume_at_another_world_size_keeps_the_micro_batches_of_an_update_or_is_refused(tmp_path, caplog):
+    """A run of 2 processes x 1 step resumes on 1 process with 2 accumulation steps (the same batches, and the
+    same dropout slots); 3 processes cannot share out 2 micro-batches: refused with one line, nothing changed."""
     run = tmp_path / "run"
     train(_tiny(tmp_path, 3), run, progress=False)
     state = next((run / "checkpoints").glob("step_*.json"))
     meta = json.loads(state.read_text())
     meta["world_size"] = 2  # as a 2-process torchrun would have written it
     state.write_text(json.dumps(meta))
-    before = (run / "model.safetensors").read_bytes()
-    with pytest.raises(CheckpointError, match="trained by 2 process.*resumed by 1"):
+    cfg = read_run_config(run)
+    assert resume_config(cfg, run, 1).train.accum_steps == 2
+    assert resume_config(cfg, run, 2) is cfg
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="each update of this run takes 2 micro-batches .*divides 2"):
+        resume_config(cfg, run, 3)
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        resume_run(run, ["train.max_updates=4"], progress=False)
+    assert "train.accum_steps=2 keeps the run's 2 micro-batches per update" in caplog.text
+    assert read_run_config(run).train.accum_steps == 2  # and its next resume on 1 process keeps it
+    meta = json.loads(sorted((run / "checkpoints").glob("step_*.json"))[-1].read_text())
+    assert (meta["world_size"], meta["accum_steps"]) == (1, 2)
+
+
+def test_a_resume_after_the_minutes_are_spent_says_so_before_any_work(tmp_path):
+    run = tmp_path / "run"
+    train(_tiny(tmp_path, 3, "train.max_minutes=0.0001"), run, progress=False)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"train.max_minutes=0.0001 \(counted from the run's first start\).*"
+                                          r"--set train.max_minutes="):
         resume_run(run, ["train.max_updates=6"], progress=False)
-    assert (run / "model.safetensors").read_bytes() == before
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
 def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(trainer_module.dist, "init_process_group",
+    monkeypatch.setattr(parallel_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel_module.dist, "init_process_group",
                         lambda backend, **kw: seen.update(backend=backend, **kw))
-    monkeypatch.setattr(trainer_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
+    monkeypatch.setattr(parallel_module.dist, "new_group", lambda **kw: seen.update(setup=kw) or "setup group")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    monkeypatch.setattr(trainer_module.dist, "rendezvous", lambda url, timeout: iter([("store", 0, 2)]))
-    monkeypatch.setattr(trainer_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
-    monkeypatch.setattr(trainer_module.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
-    d = trainer_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
+    monkeypatch.setattr(parallel_module.dist, "rendezvous", lambda url, timeout: iter([("store", 0, 2)]))
+    monkeypatch.setattr(parallel_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
+    monkeypatch.setattr(parallel_module.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(parallel_module.dist, "get_world_size", lambda: 2)
+    d = parallel_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
     assert (d.rank, d.world, d.setup_group) == (0, 2, "setup group")
     assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5), "rank": 0, "world_size": 2,
                     "store": "aiayn/attempt-3/store",  # a restarted job's keys apart from the dead one's
@@ -91,25 +113,28 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
         load_config("tiny_reverse", ["train.dist_timeout_s=0"])
 
 
-def _two_agents(tmp_path, run_dirs: tuple[str, str]) -> list[subprocess.CompletedProcess]:
-    """``torchrun --nnodes 2 --nproc-per-node 1`` as two agents on the loopback (two "machines"), each training
+def _two_agents(tmp_path, run_dirs: tuple[str, str], nproc: int = 1, *extra: str) -> list[subprocess.CompletedProcess]:
+    """``torchrun --nnodes 2 --nproc-per-node nproc`` as two agents on the loopback (two "machines"), each training
     tiny_reverse for 4 updates into its own ``--run-dir``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aiayn", "train", "tiny_reverse",
-         "--run-dir", run_dirs[node], "--no-progress", "--set", "train.device=cpu", "--set", "train.max_updates=4",
-         "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2",
-         "--set", "train.dist_timeout_s=60"],
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "aiayn", "train",
+         "tiny_reverse", "--run-dir", run_dirs[node], "--no-progress", *TINY_RUN, "--set", "train.max_updates=4",
+         "--set", "train.dist_timeout_s=60", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for node in (0, 1)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
+
+
+TINY_RUN = ["--set", "train.device=cpu", "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set",
+            "model.n_heads=2", "--set", "train.threads=1"]
 
 
 @pytest.mark.slow
@@ -127,6 +152,27 @@ def test_two_machines_need_one_run_directory_and_each_says_so_in_one_line(tmp_pa
         assert "internal error" not in r.stderr
 
 
+@pytest.mark.slow
+def test_two_machines_of_two_processes_train_as_one_process_with_four_accumulation_steps(tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2 (two agents on the loopback, one run directory), dropout 0.1: the
+    same batches and dropout masks as 1 process x 4 accumulation steps, so the same weights to float rounding;
+    the processes' agreement check ran at every logged update (train.log_every=1) and passed."""
+    from aiayn.weights import read_weights
+
+    shared = str(tmp_path / "shared")
+    four = _two_agents(tmp_path, (shared, shared), 2, "--set", "train.log_every=1")
+    assert [r.returncode for r in four] == [0, 0], four[0].stderr[-1500:] + four[1].stderr[-1500:]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "aiayn", "train", "tiny_reverse", "--run-dir", str(tmp_path / "one"),
+                          "--no-progress", *TINY_RUN, "--set", "train.max_updates=4", "--set", "train.accum_steps=4"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    a, b = (read_weights(Path(d) / "model.safetensors") for d in (shared, tmp_path / "one"))
+    worst = _largest_difference(a, b)
+    print(f"2 nodes x 2 processes against 1 process x 4 steps: largest relative weight difference {worst:.2e}")
+    assert worst < 1e-5, worst  # float rounding (about 1e-6 measured)
+
+
 def _rank_pid(run: Path, rank: int) -> int | None:
     """The pid of the training process of ``rank`` writing ``run`` (Linux /proc)."""
     for entry in Path("/proc").glob("[0-9]*"):
@@ -140,42 +186,92 @@ def _rank_pid(run: Path, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_ends_bit_identical(tmp_path):
-    """Two processes, dropout 0.1: rank 1 killed with -9 after update 10's checkpoint; torchrun --max-restarts 1
-    restarts the job, which resumes by itself; the final weights equal the uninterrupted run's bit for bit."""
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two runs' weights, relative to each tensor's largest value, leaving out the key
+    biases (the middle third of each ``in_proj.bias``): softmax ignores them, so their gradient is zero up to
+    rounding, and Adam turns that rounding into steps of +-lr whose sign depends on the order of the sums."""
+    worst = 0.0
+    for k in a:
+        x, y = a[k], b[k]
+        if k.endswith("in_proj.bias"):
+            d = x.numel() // 3
+            x, y = torch.cat([x[:d], x[2 * d :]]), torch.cat([y[:d], y[2 * d :]])
+        worst = max(worst, float((x - y).abs().max() / x.abs().max().clamp_min(1e-6)))
+    return worst
+
+
+def _kill_rank_after(job: subprocess.Popen, run: Path, rank: int, checkpoint: int) -> None:
+    """Wait for ``run``'s checkpoint of step ``checkpoint``, then kill -9 the training process of ``rank``."""
     import signal
     import time
+
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / f"step_{checkpoint:06d}.json").exists():
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.1)
+    pid = _rank_pid(run, rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_by_torchrun_by_hand_or_on_one_process_as_the_uninterrupted_run(tmp_path):
+    """Two processes, dropout 0.1, 30 updates; rank 1 killed with -9 after update 10's checkpoint, then:
+    - torchrun --max-restarts 1 restarts the job, which resumes by itself: the final weights equal the
+      uninterrupted run's bit for bit;
+    - without restarts the job fails; `torchrun ... aiayn train --resume RUN` by hand: bit for bit again;
+    - the same cut run resumed by one process (2 accumulation steps, refitted by itself): the same batches and
+      dropout masks, so the weights equal to float rounding (the two gradients summed in another order)."""
+    import shutil
 
     from aiayn.weights import read_weights
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    here = ["--set", "train.device=cpu", "--set", "train.threads=1"]
 
-    def job(run: Path) -> subprocess.Popen:
+    def job(run: Path, restarts: int, *args: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "--max-restarts", "1", "-m", "aiayn", "train", "tiny_reverse", "--run-dir", str(run), "--no-progress",
-             "--set", "train.device=cpu", "--set", "train.max_updates=30", "--set", "train.save_every=5",
-             "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2",
-             "--set", "train.threads=1"],
+             "--max-restarts", str(restarts), "-m", "aiayn", "train", *args, "--run-dir", str(run), "--no-progress",
+             *here],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
-    whole = job(tmp_path / "whole")
+    recipe = ["tiny_reverse", "--set", "train.max_updates=30", "--set", "train.save_every=5", "--set",
+              "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2"]
+    whole = job(tmp_path / "whole", 0, *recipe)
     assert whole.wait(300) == 0, whole.stderr.read()[-2000:]
-    cut = job(tmp_path / "cut")
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "cut" / "checkpoints" / "step_000010.json").exists():
-        assert time.monotonic() < deadline and cut.poll() is None
-        time.sleep(0.1)
-    pid = _rank_pid(tmp_path / "cut", 1)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    final = read_weights(tmp_path / "whole" / "model.safetensors")
+
+    cut = job(tmp_path / "restarted", 1, *recipe)
+    _kill_rank_after(cut, tmp_path / "restarted", 1, 10)
     err = cut.communicate(timeout=300)[1]
     assert cut.returncode == 0, err[-3000:]
     assert "torchrun restart 1: resuming" in err and "resumed from step" in err
     assert "internal error" not in err  # the surviving rank's exit names the lost peer, not a bug
-    a, b = (read_weights(tmp_path / r / "model.safetensors") for r in ("whole", "cut"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    got = read_weights(tmp_path / "restarted" / "model.safetensors")
+    assert all(torch.equal(final[k], got[k]) for k in final)
+
+    by_hand = tmp_path / "by_hand"
+    cut = job(by_hand, 0, *recipe)
+    _kill_rank_after(cut, by_hand, 1, 10)
+    err = cut.communicate(timeout=300)[1]
+    assert cut.returncode != 0 and "internal error" not in err, err[-3000:]
+    shutil.copytree(by_hand, tmp_path / "one_process")
+    resumed = job(by_hand, 0, "--resume", str(by_hand))
+    err = resumed.communicate(timeout=300)[1]
+    assert resumed.returncode == 0 and "resumed from step" in err, err[-3000:]
+    got = read_weights(by_hand / "model.safetensors")
+    assert all(torch.equal(final[k], got[k]) for k in final)
+
+    one = subprocess.run([sys.executable, "-m", "aiayn", "train", "--resume", str(tmp_path / "one_process"),
+                          "--no-progress", *here],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "train.accum_steps=2 keeps the run's 2 micro-batches per update" in one.stderr
+    got = read_weights(tmp_path / "one_process" / "model.safetensors")
+    worst = _largest_difference(final, got)
+    print(f"2 processes x 1 step resumed as 1 x 2: largest relative weight difference {worst:.2e}")
+    assert worst < 1e-5, worst  # float rounding (about 1e-6 measured); one other batch or mask moves far more
 
 
 def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, monkeypatch):
@@ -203,7 +299,7 @@ def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, mon
 
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
-    run_update = trainer_module.run_update
+    run_update = Update.run
 
     def counted_update(*args, **kwargs):
         state["inside"] = True
@@ -212,7 +308,7 @@ def test_the_training_loop_reads_the_device_only_at_logged_updates(tmp_path, mon
         finally:
             state["inside"], state["updates"] = False, state["updates"] + 1
 
-    monkeypatch.setattr(trainer_module, "run_update", counted_update)
+    monkeypatch.setattr(Update, "run", counted_update)
     cfg = _tiny(tmp_path, 12, "train.log_every=4", "train.save_every=1000", "train.clip_norm=1.0",
                 "train.max_minutes=60")
     train(cfg, tmp_path / "run", progress=False)
@@ -228,7 +324,7 @@ def _setup_ranks(rank: int, port: int, sleep_s: float, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
-    d = trainer_module.init_distributed("cpu", timeout_s=1.0, setup_timeout_s=60.0)
+    d = parallel_module.init_distributed("cpu", timeout_s=1.0, setup_timeout_s=60.0)
     try:
         if d.main:
             time.sleep(sleep_s)
@@ -236,7 +332,7 @@ def _setup_ranks(rank: int, port: int, sleep_s: float, out: str) -> None:
         d.barrier()
         Path(out, f"ok{rank}").write_text("ok")
     finally:
-        trainer_module.dist.destroy_process_group()
+        parallel_module.dist.destroy_process_group()
 
 
 def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the_start(tmp_path):
@@ -249,3 +345,37 @@ def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the
         port = s.getsockname()[1]
     mp.spawn(_setup_ranks, args=(port, 3.0, str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def _agreement_ranks(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: the same norms pass, norms 1% apart stop with one line, inf on both passes."""
+    from aiayn.errors import DesyncError
+    from aiayn.train.parallel import check_agreement
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    d = parallel_module.init_distributed("cpu", timeout_s=30.0, setup_timeout_s=30.0)
+    try:
+        check_agreement(torch.tensor([2.5, 40.0]), d, 7)
+        check_agreement(torch.tensor([float("inf"), 40.0]), d, 8)  # an fp16 overflow on every process
+        try:
+            check_agreement(torch.tensor([2.5, 40.0 * (1 + 0.01 * rank)]), d, 9)
+            message = "no error"
+        except DesyncError as e:
+            message = str(e)
+        Path(out, f"rank{rank}").write_text(message)
+    finally:
+        parallel_module.dist.destroy_process_group()
+
+
+def test_processes_whose_norms_differ_stop_with_one_line(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_agreement_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):  # every process stops, with the same line
+        message = (tmp_path / f"rank{rank}").read_text()
+        assert message.startswith("update 9: the processes no longer train one model") and "\n" not in message
+        assert "process 0: 2.5/40" in message and "process 1: 2.5/40.4" in message

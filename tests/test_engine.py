@@ -26,14 +26,10 @@ from aiayn.engine import attention_path, kernels, use_fused_optimizer
 from aiayn.errors import DeviceError
 from aiayn.train import loss as loss_module
 from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.parallel import check_rank_device
+from aiayn.train.plan import update_token_totals
 from aiayn.train.schedule import build_optimizer
-from aiayn.train.trainer import (
-    batch_logits,
-    check_rank_device,
-    compile_for_training,
-    train_update,
-    update_token_totals,
-)
+from aiayn.train.update import Update, batch_logits, compile_for_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -205,7 +201,7 @@ def test_forward_backward_and_update_read_the_device_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # SGD: no optimizer-internal scalar reads
     with _SyncOps() as mode:
-        stats = train_update(model, opt, batches, lr=0.1, label_smoothing=0.1, clip_norm=1.0)
+        stats = Update(model, opt, label_smoothing=0.1, clip_norm=1.0)(batches, lr=0.1)
     assert mode.seen == []  # no .item(), bool(tensor), masked_select, nonzero in forward, loss, backward, clip
     assert reads == [torch.Size([3])]  # one read: loss, nll and gradient norm together
     assert stats.ntokens == sum(b.ntokens for b in batches) and min(stats.loss, stats.nll, stats.grad_norm) > 0
@@ -368,8 +364,8 @@ def test_validation_bleu_decodes_outside_the_training_autocast(tmp_path):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
-    """fp16 training's GradScaler path through train_update (scale, unscale, clip, step, update), in fp32 on
-    CPU: the same weights as without a scaler; fused Adam takes the scaler's inf check without a host read."""
+    """fp16 training's GradScaler path through an Update (scale, unscale, clip, step, update), in fp32 on CPU: the
+    same weights as without a scaler; fused Adam takes the scaler's inf check without a host read."""
     src, tgt = pairs(6, seed=6)
     batch = collate(src, tgt, list(range(6)))
     weights = []
@@ -378,7 +374,7 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
         model = tiny_model()
         opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
         for _ in range(2):
-            train_update(model, opt, [batch], lr=1e-3, label_smoothing=0.1, clip_norm=1.0, scaler=scaler)
+            Update(model, opt, label_smoothing=0.1, clip_norm=1.0, scaler=scaler)([batch], lr=1e-3)
         weights.append(model.state_dict())
     for k in weights[0]:
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6, msg=k)
@@ -390,7 +386,7 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
     with torch.no_grad():
         model.encoder.layers[0].ffn.fc1.weight[0, 0] = float("inf")
     before["encoder.layers.0.ffn.fc1.weight"][0, 0] = float("inf")
-    train_update(model, opt, [batch], lr=1e-3, label_smoothing=0.1, scaler=scaler)
+    Update(model, opt, label_smoothing=0.1, scaler=scaler)([batch], lr=1e-3)
     assert scaler.get_scale() == 2.0**11
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

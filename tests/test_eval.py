@@ -23,6 +23,7 @@ from aiayn.eval.metrics import (
     rouge_scores,
     sacrebleu_scores,
 )
+from aiayn.train.parallel import Dist
 from aiayn.train.validation import validation_bleu_fn
 
 HYPS = ["Ein Hund läuft über die Wiese.", "Zwei Männer sprechen miteinander.", "Eine Frau liest ein Buch."]
@@ -102,7 +103,7 @@ def _bleu_on_rank(rank: int, world: int, init_file: str, run: str, out: str) -> 
         pairs = reverse_split("valid")[:23]  # not a multiple of the world: the shares differ in size
         data = SimpleNamespace(valid_src=[tok.src.encode(s) for s, _ in pairs],
                                valid_tgt=[tok.tgt.encode(t) for _, t in pairs])
-        got = validation_bleu_fn(translator.cfg, data, tok)(translator.model, SimpleNamespace(rank=rank, world=world))
+        got = validation_bleu_fn(translator.cfg, data, tok)(translator.model, Dist(rank=rank, world=world))
         Path(f"{out}.{rank}").write_text(json.dumps(got))
     finally:
         dist.destroy_process_group()

@@ -40,7 +40,18 @@ def test_the_run_ends_at_the_limit_that_comes_first():
     assert final_step(load_config(TINY).train, 10, 5.0, 0.01) == 900  # no time cap: max_updates
 
 
-def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(caplog):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(caplog, threads):
+    """The warning's advice fits the run: fewer threads only for a run on several."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _projection_warns(caplog, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _projection_warns(caplog, threads: int) -> None:
     tc = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30", "train.useful_updates=1000",
                             "train.reference_bleu=[[300, 10.0], [1200, 30.0]]"]).train
     progress = Progress(tc, step=0, elapsed_s=0.0, show=True, bar=False)
@@ -51,8 +62,9 @@ def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(
     messages = [r.getMessage() for r in caplog.records]
     assert any("0.50 updates/s: this run will stop after about 900 updates (train.max_minutes=30)" in m
                and "validation BLEU after 900 updates was about 23" in m for m in messages), messages
-    assert any(r.levelno == logging.WARNING and "fewer than the 1,000 this recipe needs" in r.getMessage()
-               and "--threads 1" in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "fewer than the 1,000 this recipe needs" in warnings[0]
+    assert ("--threads 1" in warnings[0]) == (threads > 1) and "train.max_minutes" in warnings[0]
 
 
 def test_no_progress_still_logs_the_loss_in_plain_lines(tmp_path, caplog):

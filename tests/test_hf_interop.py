@@ -15,11 +15,13 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
@@ -168,6 +170,49 @@ def test_imported_run_translates_as_generate(marian_dir, imported):
     assert unbanned != want and any(cfg.model.pad_id in ids for ids in unbanned)
 
 
+def fake_hub_cache(cache: Path, repo_id: str, marian_dir: Path, commit: str = "a" * 40) -> str:
+    """``marian_dir`` laid out as huggingface_hub caches a download of ``repo_id`` at ``commit`` (the main
+    branch's ref pointing at it), so that HF_HUB_OFFLINE=1 finds it: no network in the tests."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(marian_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+def test_hub_id_imports_from_the_cache_offline(marian_dir, imported, tmp_path, capsys, monkeypatch):
+    """`aiayn import hf OWNER/NAME RUN` with HF_HUB_OFFLINE=1 imports the cached snapshot (a fresh process: the
+    environment variable as a user sets it), as the local directory imports; a pinned revision too; a model the
+    cache lacks is one line and exit 2."""
+    import subprocess
+    import sys
+
+    commit = fake_hub_cache(tmp_path / "hub", "Helsinki-NLP/opus-mt-tiny", marian_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "aiayn", "import", "hf", "Helsinki-NLP/opus-mt-tiny",
+                           str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ours, theirs = read_weights(tmp_path / "run" / "model.safetensors"), read_weights(imported / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
+        assert f.metadata()["source"] == f"imported from Helsinki-NLP/opus-mt-tiny@{commit}"
+
+    import huggingface_hub.constants as hub  # the same switches, in this process
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    assert run_cli(capsys, "import", "hf", "Helsinki-NLP/opus-mt-tiny", str(tmp_path / "pinned"),
+                   "--revision", commit)[0] == 0
+    for argv, msg in [(["Helsinki-NLP/opus-mt-absent"], "not in the Hugging Face cache"),
+                      (["Helsinki-NLP/opus-mt-tiny", "--revision", "b" * 40], "not in the Hugging Face cache"),
+                      ([str(marian_dir), "--revision", "main"], "--revision is for a Hub id"),
+                      (["no/such/dir"], "no such directory")]:
+        code, err = run_cli(capsys, "import", "hf", argv[0], str(tmp_path / "absent"), *argv[1:])
+        assert code == 2 and msg in err and "\n" not in err, err
+        assert not (tmp_path / "absent").exists()
+
+
 def test_pytorch_model_bin_imports_the_same(marian_dir, imported, tmp_path):
     bin_dir = tmp_path / "bin"
     shutil.copytree(marian_dir, bin_dir)
@@ -233,6 +278,27 @@ def test_round_trip_hf_aiayn_hf_is_identical(marian_dir, imported, tmp_path):
     assert export_hf(imported, out) == out
     with pytest.raises(ConfigError, match="not empty"):
         export_hf(imported, marian_dir)
+
+
+def test_model_card_says_languages_data_training_bleu_and_license(tiny_run, tmp_path):
+    """The exported card carries the run's facts; BLEU appears once the weights it would describe were evaluated."""
+    from aiayn.eval.evaluate import EvalData, evaluate_run
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    export_hf(run, tmp_path / "before")
+    card = (tmp_path / "before" / "README.md").read_text(encoding="utf-8")
+    assert "language:\n- en\n- de\nlicense: other\n" in card
+    assert "- Languages: English (en) -> German (de)" in card and "- Data: the `reverse` dataset" in card
+    assert "- Training: 60 updates; weights: last step 60" in card and "- BLEU: not measured" in card
+    assert "- License: not set by aiayn" in card
+    (tmp_path / "src.txt").write_text("one two three\nfour five\n", encoding="utf-8")
+    (tmp_path / "ref.txt").write_text("three two one\nfive four\n", encoding="utf-8")
+    result = evaluate_run(run, EvalData(src=str(tmp_path / "src.txt"), ref=str(tmp_path / "ref.txt"), name="mine"),
+                          device="cpu")
+    export_hf(run, tmp_path / "after")
+    card = (tmp_path / "after" / "README.md").read_text(encoding="utf-8")
+    assert f"- BLEU: mine (2 sentences, beam 4): {result['scores']['bleu']:.2f} sacreBLEU" in card
 
 
 def test_aiayn_run_exports_to_generate(tiny_run, tmp_path):

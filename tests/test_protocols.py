@@ -4,11 +4,13 @@ and not) on a tiny language model; the API key and the error shapes in-process."
 
 from __future__ import annotations
 
+import html
 import json
 import urllib.error
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -83,8 +85,7 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
     r = client_mt.post("/translate", json={"q": LINES, "source": "en", "target": "de"})
     ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
     assert r.status_code == 200 and r.json() == {"translatedText": ours}
-    r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2,
-                                           "format": "html"})
+    r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2})
     nbest = translator.search([LINES[0]], translator.options(nbest=3, beam=max(3, translator.cfg.decode.beam)),
                               scores=False)[0]
     assert r.json() == {"translatedText": nbest[0].text, "alternatives": [h.text for h in nbest[1:]]}
@@ -93,7 +94,8 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
         ({"q": 5, "source": "en", "target": "de"}, 400, "q: expected"),
         ({"q": "a", "source": "xx", "target": "de"}, 400, "xx is not supported"),
         ({"q": "a", "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
-        ({"q": "a", "source": "en", "target": "de", "colour": 1}, 400, "unknown parameter 'colour'"),
+        ({"q": [], "source": "en", "target": "de"}, 400, "missing q"),
+        ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1}, 400, "html"),
         ({"q": ["a"] * 65, "source": "en", "target": "de"}, 413, "limit is 64"),
         ({"q": "x" * 2001, "source": "en", "target": "de"}, 413, "2001 characters"),
     ]:
@@ -280,3 +282,280 @@ def test_a_weak_api_key_is_refused_before_loading(tiny_run, capsys, monkeypatch)
     monkeypatch.setenv("AIAYN_API_KEY", "has space in it")
     assert main(["serve", str(tiny_run)]) == 2
     assert "$AIAYN_API_KEY: expected at least 8" in capsys.readouterr().err  # the setting to act on
+
+
+# lm-evaluation-harness's requests, chat, fields (issue 43) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm(lm_run):
+    return aiayn.load(lm_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client_lm(lm):
+    with TestClient(create_app(lm, max_wait_ms=1.0), base_url="http://localhost") as c:
+        yield c
+
+
+def direct_logprobs(lm, ids: list[int]) -> torch.Tensor:
+    """(T-1, V): the model's own log-softmax after each of ``ids`` but the last, computed here."""
+    with torch.no_grad():
+        return lm.model(torch.tensor([ids]))[0, :-1].float().log_softmax(-1)
+
+
+def test_echo_logprobs_are_the_models_log_softmax(client_lm, lm):
+    """OpenAI's legacy logprobs object for string and token-id prompts: the first token null, each other the
+    model's log-softmax of it given the ones before, top_logprobs its N best, text_offset where each token starts
+    in the text; max_tokens 1 adds the greedy next token, max_tokens 0 scores the prompt only."""
+    tok = lm.tokenizers.src
+    prompt = "the cat sat"
+    ids = tok.encode(prompt)
+    r = client_lm.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 1,
+                                                "temperature": 0})
+    [choice] = r.json()["choices"]
+    lp = choice["logprobs"]
+    full = ids + [int(direct_logprobs(lm, ids + [0])[-1].argmax())]  # the greedy next token, from the last row
+    want = direct_logprobs(lm, full)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([float(want[t, full[t + 1]]) for t in range(len(full) - 1)],
+                                                     abs=1e-5)
+    assert lp["tokens"] == [tok.decode([i]) for i in full] and choice["text"] == tok.decode(full)
+    assert lp["text_offset"] == list(range(len(full)))  # one character per token
+    for t, top in enumerate(lp["top_logprobs"][1:]):
+        assert sorted(top.values(), reverse=True) == pytest.approx(want[t].topk(3).values.tolist(), abs=1e-5)
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+    # token ids: one prompt, and a batch of two; max_tokens 0 scores the prompt alone
+    for prompt_ids, rows in (([5, 6, 7, 8], [[5, 6, 7, 8]]), ([[5, 6, 7], [9, 10, 11, 12, 13]], None)):
+        rows = rows or prompt_ids
+        r = client_lm.post("/v1/completions", json={"prompt": prompt_ids, "echo": True, "logprobs": 1,
+                                                    "max_tokens": 0})
+        assert r.status_code == 200, r.text
+        for row, choice in zip(rows, r.json()["choices"], strict=True):
+            want = direct_logprobs(lm, row)
+            got = choice["logprobs"]["token_logprobs"]
+            assert got[0] is None and got[1:] == pytest.approx([float(want[t, row[t + 1]])
+                                                                for t in range(len(row) - 1)], abs=1e-5)
+            assert choice["text"] == tok.decode(row) and choice["finish_reason"] == "length"
+    # logprobs without echo: the completion's tokens only, offsets in the completion's text
+    r = client_lm.post("/v1/completions", json={"prompt": "the", "logprobs": 0, "max_tokens": 3, "temperature": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and None not in lp["token_logprobs"] and lp["text_offset"] == [0, 1, 2]
+    assert r.json()["choices"][0]["text"] == lm.generate("the", max_new_tokens=3)
+    for bad, word in (({"prompt": [[5, 99999]], "echo": True, "max_tokens": 0}, "vocabulary"),
+                      ({"prompt": "the", "logprobs": 1, "stream": True}, "stream"),
+                      ({"prompt": "the " * 10, "echo": True, "max_tokens": 0}, "context"),
+                      ({"prompt": "the", "max_tokens": 0}, "max_tokens"),
+                      ({"prompt": "the", "logprobs": 21}, "logprobs")):
+        r = client_lm.post("/v1/completions", json=bad)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], (bad, r.text)
+
+
+def test_a_multiple_choice_request_as_lm_eval_sends_it(client_lm, lm):
+    """lm-evaluation-harness's local-completions with its remote tokenizer: /tokenizer_info, /tokenize of the
+    context and of each answer, one batch of token-id prompts (echo, logprobs 1, max_tokens 1), then its own
+    parse (the answer's log-probabilities are token_logprobs[ctxlen:-1], greedy when each is its top one)."""
+    info = client_lm.get("/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and info["model_max_length"] == 32
+
+    def encode(text: str) -> list[int]:
+        r = client_lm.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        return r.json()["tokens"]
+
+    assert encode(info["eos_token"]) == [lm.tokenizers.specials.eos]
+    context, answers = encode("the dog sat on the"), [" log", " mat", " cat"]
+    rows = [context + encode(a) for a in answers]
+    r = client_lm.post("/v1/completions", json={"model": "run", "prompt": rows, "temperature": 0, "max_tokens": 1,
+                                                "logprobs": 1, "seed": 1234, "echo": True})
+    assert r.status_code == 200, r.text
+    scores = []
+    for choice, row in zip(sorted(r.json()["choices"], key=lambda c: c["index"]), rows, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(row) + 1  # the prompt and the one new token
+        mine = lp["token_logprobs"][len(context):-1]
+        greedy = all(t == max(top.values()) for t, top in zip(mine, lp["top_logprobs"][len(context):-1]))
+        want = direct_logprobs(lm, row)
+        direct = [float(want[t - 1, row[t]]) for t in range(len(context), len(row))]
+        assert mine == pytest.approx(direct, abs=1e-5)
+        assert greedy == all(int(want[t - 1].argmax()) == row[t] for t in range(len(context), len(row)))
+        scores.append(sum(mine))
+    assert client_lm.post("/detokenize", json={"tokens": rows[0]}).json() == {"prompt": "the dog sat on the log"}
+    assert max(range(3), key=scores.__getitem__) == max(range(3), key=lambda k: sum(
+        float(direct_logprobs(lm, rows[k])[t - 1, rows[k][t]]) for t in range(len(context), len(rows[k]))))
+
+
+def test_openai_chat_client_on_a_language_model_and_a_translation_run(lm_server, mt_server, lm, translator):
+    """openai's chat.completions, plain and streamed (with include_usage): a language model answers through the
+    documented template, a translation run with the translation of the last user message."""
+    openai = pytest.importorskip("openai")
+    chat = openai.OpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0).chat.completions
+    messages = [{"role": "system", "content": "be"}, {"role": "user", "content": "cat"}]  # the context is 32
+    done = chat.create(model="run", messages=messages, max_tokens=12, temperature=0)
+    prompt = "System: be\nUser: cat\nAssistant:"
+    want = lm.generate(prompt, max_new_tokens=12).split("\nUser:")[0].lstrip()
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == want
+    assert done.usage.prompt_tokens == len(prompt)
+    chunks = list(chat.create(model="run", messages=messages, max_tokens=12, temperature=0, stream=True,
+                              stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks) and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
+    assert chunks[-2].choices[0].finish_reason == done.choices[0].finish_reason
+    two = chat.create(model="run", messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat.create(model="run", messages=messages, presence_penalty=1.5)
+    assert "presence_penalty" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        chat.create(model="gpt-4o", messages=messages)
+    mt = openai.OpenAI(base_url=f"{mt_server}/v1", api_key="unused", max_retries=0).chat.completions
+    [model] = openai.OpenAI(base_url=f"{mt_server}/v1", api_key="unused").models.list().data
+    messages = [{"role": "user", "content": LINES[0]}, {"role": "assistant", "content": "x"},
+                {"role": "user", "content": LINES[2]}]
+    ours = translator.search([LINES[2]], translator.options(), scores=False)[0][0].text
+    assert mt.create(model=model.id, messages=messages).choices[0].message.content == ours  # beam: no temperature
+    pieces = mt.create(model=model.id, messages=messages, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == ours
+
+
+def test_every_accepted_completion_field_acts_or_is_refused(client_lm, lm):
+    """What the server does not do is refused in OpenAI's shape; what it takes changes the answer: more than 4 stop
+    strings (lm-evaluation-harness sends a task's every one), stream_options.include_usage, the model's name."""
+    base = {"prompt": "the cat", "max_tokens": 12, "temperature": 0}
+    whole = lm.generate("the cat", max_new_tokens=12)
+    r = client_lm.post("/v1/completions", json={**base, "prompt": lm.tokenizers.src.encode("the cat")})
+    assert r.json()["choices"][0]["text"] == whole  # token ids generate as their text does
+    stops = ["zz", "qq", "xx", "yy", " o", "."]
+    r = client_lm.post("/v1/completions", json={**base, "stop": stops})
+    cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole[:cut]
+    for field, value in (("frequency_penalty", 1.5), ("presence_penalty", -0.5), ("best_of", 2),
+                         ("logit_bias", {"5": 1}), ("suffix", "x")):
+        r = client_lm.post("/v1/completions", json={**base, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, field
+        assert client_lm.post("/v1/completions", json={**base, field: None}).status_code == 200
+    assert client_lm.post("/v1/completions", json={**base, "frequency_penalty": 0,
+                                                   "presence_penalty": 0.0}).status_code == 200
+    r = client_lm.post("/v1/completions", json={**base, "model": "davinci-002"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client_lm.post("/v1/completions", json={**base, "model": "run"}).status_code == 200
+    r = client_lm.post("/v1/completions", json={**base, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"  # only with stream, as OpenAI
+    r = client_lm.post("/v1/completions", json={**base, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] <= 12
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole
+
+
+def test_a_translation_run_completes_with_its_own_search_unless_sampling_is_asked(client_mt, translator):
+    """A client that sends no temperature (the openai package's default) gets the run's beam search, not OpenAI's
+    default temperature 1; a temperature > 0 given samples (the same seed, the same draw)."""
+    beam = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    r = client_mt.post("/v1/completions", json={"prompt": LINES, "max_tokens": 50})
+    assert [c["text"] for c in r.json()["choices"]] == beam
+    drawn = translator.search([LINES[2]], translator.options(sample=True, temperature=1.0, seed=5, nbest=1),
+                              scores=False)[0][0].text
+    r = client_mt.post("/v1/completions", json={"prompt": LINES[2], "temperature": 1.0, "seed": 5})
+    assert r.json()["choices"][0]["text"] == drawn
+
+
+def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, translator):
+    """As LibreTranslate: fields it does not read are ignored (its `secret` too), a repeated form field counts once
+    (its first value), format html translates the text between the tags and keeps the markup, /detect answers the
+    run's source language, /frontend/settings what its web page reads."""
+    def best(texts):
+        return [h[0].text for h in translator.search(texts, translator.options(), scores=False)]
+
+    q = {"q": LINES[0], "source": "en", "target": "de"}
+    r = client_mt.post("/translate", json={**q, "secret": "s", "colour": 1})
+    assert r.status_code == 200 and r.json() == {"translatedText": best([LINES[0]])[0]}
+    r = client_mt.post("/translate", content=f"q={LINES[0]}&q={LINES[1]}&source=en&target=de".encode(),
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.json() == {"translatedText": best([LINES[0]])[0]}
+    doc = f'<p class="a&amp;b">{LINES[0]} <b>{LINES[1]}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
+    r = client_mt.post("/translate", json={**q, "q": [doc, LINES[2]], "format": "html"})
+    a, b, c = (html.escape(t, quote=False) for t in best([LINES[0], LINES[1], LINES[2]]))
+    want = f'<p class="a&amp;b">{a} <b>{b}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
+    assert r.json() == {"translatedText": [want, html.unescape(c)]}
+    r = client_mt.post("/detect", data={"q": LINES[0]})
+    assert r.status_code == 200 and r.json() == [{"confidence": 100.0, "language": "en"}]
+    assert client_mt.post("/detect", json={"q": []}).json() == {"error": "Invalid request: missing q parameter"}
+    settings = client_mt.get("/frontend/settings").json()
+    assert settings["language"]["source"]["code"] == "en" and settings["language"]["target"]["code"] == "de"
+    assert settings["charLimit"] == 2000 and settings["keyRequired"] is False
+
+
+def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_lm):
+    """404, 405 and 415 in OpenAI's error shape on /v1/... (aiayn's own routes keep theirs) and vLLM's tokenizer
+    routes, in LibreTranslate's on its routes."""
+    r = client_lm.post("/v1/embeddings", json={"input": "a"})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = client_lm.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client_lm.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert "type" in client_lm.get("/tokenize").json()["error"]
+    r = client_mt.get("/translate")
+    assert r.status_code == 405 and isinstance(r.json()["error"], str)
+    r = client_mt.post("/translate", content=b"q=a", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and isinstance(r.json()["error"], str)
+    r = client_mt.post("/v1/translate", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert r.json()["error"] == {"code": "unsupported_media_type", "message": r.json()["error"]["message"]}
+
+
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+{rest}"""
+
+
+def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
+    """lm-evaluation-harness's local-completions, its default tokenizer setting (it finds /tokenizer_info), on a
+    local task of each kind; the rolling loglikelihood of a text is the model's own sum of log-probabilities after
+    lm-eval's prefix token <s>. Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
+    executable, else `lm_eval` on the PATH; skipped without it."""
+    import os
+    import shutil
+    import subprocess
+
+    exe = os.environ.get("AIAYN_LM_EVAL") or shutil.which("lm_eval")
+    if not exe:
+        pytest.skip("lm-evaluation-harness not installed ($AIAYN_LM_EVAL or lm_eval on the PATH)")
+    lm_server = request.getfixturevalue("lm_server")  # started only when lm-eval is there
+    rows = {"mc": [{"context": "the dog sat on the", "choices": [" log", " mat"], "label": 0}],
+            "ll": [{"context": "the cat sat on", "continuation": " the mat."}],
+            "roll": [{"text": "the dog sat on the log."}],
+            "gen": [{"context": "the cat sat on the", "target": " mat"}]}
+    rest = {"mc": ('multiple_choice', 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+                   'doc_to_target: "{{label}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+            "ll": ("loglikelihood", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+                   'target_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
+            "roll": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                     'metric_list:\n  - metric: word_perplexity\n'),
+            "gen": ("generate_until", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+                    'generation_kwargs:\n  until: ["\\n", ".", "x", "y", "z"]\n  max_gen_toks: 4\n'
+                    'metric_list:\n  - metric: exact_match\n')}
+    for name, data in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data), encoding="utf-8")
+        kind, text = rest[name]
+        task = LM_EVAL_TASK.format(name=f"aiayn_{name}", data=tmp_path / f"{name}.jsonl", kind=kind, rest=text)
+        (tmp_path / f"{name}.yaml").write_text(task, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([exe, "run", "--model", "local-completions", "--model_args",
+                        f"model=run,base_url={lm_server}/v1/completions,max_length=32",
+                        "--tasks", "aiayn_mc,aiayn_ll,aiayn_roll,aiayn_gen", "--include_path", str(tmp_path),
+                        "--output_path", str(tmp_path / "out"), "--log_samples"],
+                       env={**env, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [samples] = (tmp_path / "out").rglob("samples_aiayn_roll_*.jsonl")
+    got = float(json.loads(samples.read_text().splitlines()[0])["filtered_resps"][0])
+    ids = [lm.tokenizers.specials.bos] + lm.tokenizers.src.encode(rows["roll"][0]["text"])
+    want = direct_logprobs(lm, ids)
+    assert got == pytest.approx(sum(float(want[t - 1, ids[t]]) for t in range(1, len(ids))), abs=1e-4)

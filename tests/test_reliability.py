@@ -231,7 +231,7 @@ CASES = {
         None, train_args(r, "data.vocab_size=400", *RESUMED, resume=True),
         "the run's tokenizer was made with data.vocab_size=300 but the config says data.vocab_size=400"),
     "resume_with_another_model_shape": lambda t, r: (
-        None, train_args(r, "model.d_model=48", *RESUMED, resume=True), "has shape"),
+        None, train_args(r, "model.d_model=48", *RESUMED, resume=True), "model.d_model=48 but "),
     "damaged_marker": lambda t, r: (
         (r / MARKER).write_text("{"), train_args(r, resume=True), ".aiayn-run.json: not a readable run marker"),
     # --- a failed start leaves no directory (new) and no file (existing empty directory) behind -------------

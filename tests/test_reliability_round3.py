@@ -141,6 +141,19 @@ def test_a_refused_sampling_value_is_a_400_before_any_stream(client, stream, fie
     assert err["param"] == field and err["code"] == "out_of_range" and err["message"].startswith(field), err
 
 
+@pytest.mark.parametrize("field, value", [("top_p", 0), ("temperature", 1e-300)])
+def test_a_chat_stream_checks_its_sampling_values_and_prompt_before_its_200(client, field, value):
+    """Chat completions go through the completions' checks: a refused sampling value or a message too long for
+    the model is a 4xx in OpenAI's shape, not a data: error event after the 200."""
+    body = {"messages": [{"role": "user", "content": "a b c"}], "temperature": 1, field: value, "stream": True}
+    r = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == "out_of_range"
+    body = {"messages": [{"role": "user", "content": " ".join(["alpha"] * 301)}], "stream": True}
+    r = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 413 and r.headers["content-type"] == "application/json", r.text
+
+
 def test_a_prompt_too_long_for_the_model_is_refused_before_any_stream(client):
     body = {"prompt": ["a b", " ".join(["alpha"] * 301)], "temperature": 0, "stream": True}
     r = client.post("/v1/completions", json=body, headers=AUTH)
@@ -318,13 +331,19 @@ def live_lm(lm_run):
         yield box
 
 
-def _open_stream(port: int, max_tokens: int, prompt: str = "the", stream: bool = True):
+def _open_stream(port: int, max_tokens: int, prompt: str = "the", stream: bool = True, chat: bool = False):
+    """A completion (or, with ``chat``, a chat completion whose one user message is ``prompt``) sent on a new
+    connection, its answer not read yet."""
     import http.client
     import json
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": max_tokens,
-                                                             "temperature": 0, "stream": stream}),
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body=json.dumps(body),
                  headers={"Content-Type": "application/json"})
     return conn
 
@@ -354,6 +373,21 @@ def test_a_client_that_leaves_a_stream_stops_its_decoding_within_one_step(live_l
     live_lm["gate"].set()
     _until(lambda: svc.batcher.queued == 0, "the model's thread is idle")
     assert live_lm["calls"] == 3  # the step in flight finished; not one more (it would have run to 20 or 60)
+
+
+def test_a_chat_stream_whose_client_leaves_stops_its_decoding_within_one_step(live_lm):
+    """Chat completions answer through the completions' one streaming path (EventStream): the same cancellation."""
+    svc = live_lm["app"].state.service
+    live_lm["gate_at"] = 3
+    conn = _open_stream(live_lm["port"], 20, "the", chat=True)
+    resp = conn.getresponse()
+    assert resp.status == 200 and b'"role": "assistant"' in resp.readline()  # the opening chunk
+    assert live_lm["at_gate"].wait(60)  # the third decoding step is running
+    conn.close()  # the client leaves
+    _until(lambda: svc.batcher.stats.cancelled == 1, "the server saw the client leave")
+    live_lm["gate"].set()
+    _until(lambda: svc.batcher.queued == 0, "the model's thread is idle")
+    assert live_lm["calls"] == 3  # the step in flight finished; not one more
 
 
 def test_a_stream_whose_client_leaves_while_queued_never_runs(live_lm):

@@ -171,8 +171,8 @@ def test_the_prefetcher_yields_in_order_from_its_start_and_raises_where_building
 
 def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_only_their_own(tmp_path):
     from aiayn.data.pipeline import build_translation_data, fit_model_to_vocab
-    from aiayn.model import build_model
-    from aiayn.train.trainer import Dist, Trainer
+    from aiayn.train.parallel import Dist
+    from aiayn.train.plan import EpochPlanner
 
     train_files, valid = write_pairs(tmp_path, "train", 1500, 0), write_pairs(tmp_path, "valid", 60, 100)
     cfg = file_config(train_files, valid, ["model.d_model=32", "model.d_ff=64", "model.n_heads=2",
@@ -183,12 +183,12 @@ def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_onl
     collated = {0: [], 1: []}
     shares = {}
     for rank in (0, 1):
-        trainer = Trainer(cfg, build_model(cfg.model, cfg.task), data, tmp_path / f"r{rank}", Dist(rank=rank, world=2))
-        updates = trainer.epoch_updates(0)
+        planner = EpochPlanner(data, cfg.train.accum_steps, Dist(rank=rank, world=2))
+        updates, _ = planner.updates(0)
         original = data.collate_plan
         data.collate_plan = lambda p, r=rank, f=original: (collated[r].append(p), f(p))[1]
         try:
-            shares[rank] = [i for u in updates for b in trainer._collate_update(u) for i in b.indices]
+            shares[rank] = [i for u in updates for b in planner.collate(u) for i in b.indices]
         finally:
             data.collate_plan = original
         assert [p.tolist() for p in collated[rank]] == [p.tolist() for u in updates for p in u]  # only its own
@@ -251,18 +251,18 @@ def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path
     """The first update never waits for the next epoch's plan (planning 4.5M pairs holds the interpreter for
     seconds), and each epoch is planned once, ahead of its start, so a later epoch starts without a pause."""
     from aiayn.data.pipeline import TranslationData
-    from aiayn.train import trainer as trainer_mod
     from aiayn.train.run import train
+    from aiayn.train.update import Update
 
     train_files, valid = write_pairs(tmp_path, "train", 300, 0), write_pairs(tmp_path, "valid", 20, 100)
     cfg = file_config(train_files, valid, ["model.d_model=32", "model.d_ff=64", "model.n_heads=2",
                                            "data.max_tokens=1024", "train.max_updates=40", "train.eval_every=100",
                                            "train.save_every=100", "train.threads=1", "data.vocab_size=300"])
     updates, planned = [0], []
-    real_plan, real_update = TranslationData.epoch_plan, trainer_mod.run_update
+    real_plan, real_update = TranslationData.epoch_plan, Update.run
     monkeypatch.setattr(TranslationData, "epoch_plan",
                         lambda self, epoch: planned.append((epoch, updates[0])) or real_plan(self, epoch))
-    monkeypatch.setattr(trainer_mod, "run_update",
+    monkeypatch.setattr(Update, "run",
                         lambda *a, **k: (updates.__setitem__(0, updates[0] + 1), real_update(*a, **k))[1])
     state = train(cfg, tmp_path / "run", progress=False)
     assert state.epoch >= 2  # 40 updates span several epochs of this corpus

@@ -200,3 +200,18 @@ def test_version_is_one_string(capsys):
         assert importlib.metadata.version("aiayn") == aiayn.__version__  # pyproject reads it from the package
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
         pytest.skip("aiayn is not installed")
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    """docs/architecture.md's "Every module" table names each module of aiayn/ (the map is the tree)."""
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines() if line.startswith("| `")}
+    missing = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        package = "aiayn/" if path.parent == PKG else f"{path.parent.name}/"
+        if f"`{path.name}`" not in rows.get(package, ""):
+            missing.append(str(path.relative_to(PKG.parent)))
+    assert not missing, f"not in docs/architecture.md's module table: {missing}"

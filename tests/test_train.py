@@ -21,7 +21,7 @@ from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.run import average_run, train
 from aiayn.train.schedule import build_optimizer, inverse_sqrt_lr, noam_lr
-from aiayn.train.trainer import train_update
+from aiayn.train.update import Update
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger():
         # SGD, so the update is lr * gradient: Adam's first step is lr * sign(g), which turns rounding
         # noise on exactly-zero gradients (e.g. the key biases, which softmax ignores) into +-lr.
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        stats = train_update(model, opt, micro, lr=1.0, label_smoothing=0.1, clip_norm=1.0)
+        stats = Update(model, opt, label_smoothing=0.1, clip_norm=1.0)(micro, lr=1.0)
         results.append((model.state_dict(), stats))
     (a, sa), (b, sb) = results
     assert sa.ntokens == sb.ntokens == whole.ntokens
@@ -197,18 +197,17 @@ def test_moses_pretokenized_run_trains_translates_and_keeps_its_tokenizer(tmp_pa
 
 
 def test_a_resume_that_does_not_fit_the_run_changes_nothing(tmp_path):
-    """A resume with another model shape fails on the checkpoint, one line, exit 2; config.yaml is
-    rewritten only after the checkpoint has loaded, so the run still evaluates as it was."""
+    """A resume with another model shape is refused before any work, one line naming the key, exit 2; nothing in
+    the run changes, so it still evaluates as it was."""
     run = tmp_path / "run"
     train(tiny_cfg("train.max_updates=4"), run, progress=False)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     overrides = TINY_OVERRIDES + ["train.max_updates=8", "model.d_model=48"]
     r = _cli("train", str(REPO / "configs" / "tiny_reverse.yaml"), "--run-dir", str(run), "--resume",
              "--no-progress", *[x for o in overrides for x in ("--set", o)])
-    # The data log lines come first (the checkpoint is read after the data is built); then one error line.
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("aiayn: error:") and "has shape" in last, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("aiayn: error: model.d_model=48 but ") and "config.yaml has 32" in r.stderr
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
@@ -410,3 +409,48 @@ def test_trackers_receive_the_metrics(tracker, tmp_path, monkeypatch):
     else:
         files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(files) == 1 and files[0].stat().st_size > 0
+
+
+def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_path, caplog):
+    """train.inference_weights=average over the last 3 checkpoints (steps 10, 20, 30): model.safetensors holds the
+    average or the last weights, whichever has the lower validation NLL (recomputed here from the files), and the
+    log says which and why. Then step 10's checkpoint is replaced by the initial weights (a run cut early averages
+    checkpoints from its first updates): the resume's end finds the average worse and keeps the last weights."""
+    from aiayn.data.pipeline import build_data
+    from aiayn.train.run import resume_run
+    from aiayn.train.validation import evaluate_loss
+    from aiayn.weights import save_weights
+
+    run = tmp_path / "run"
+    cfg = tiny_cfg("train.max_updates=30", "train.save_every=10", "train.keep_last=3",
+                   "train.inference_weights=average", "train.average_last=3")
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        train(cfg, run, progress=False)
+    model_cfg = load_config(run / "config.yaml")
+    data, _ = build_data(model_cfg, run)
+
+    def nll(weights):
+        model = build_model(model_cfg.model, model_cfg.task)
+        model.load_state_dict(weights, strict=False)
+        return evaluate_loss(model, data.valid_batches, model_cfg.train.label_smoothing)["valid_nll"]
+
+    def average():
+        return average_weights([checkpoint_paths(run, s)[0] for s in (10, 20, 30)])
+
+    last = read_weights(checkpoint_paths(run, 30)[0])
+    better = average() if nll(average()) <= nll(last) else last
+    chosen = read_weights(run / "model.safetensors")
+    assert all(torch.equal(chosen[k], better[k]) for k in better)
+    assert "stopped at step 30: train.max_updates=30 reached" in caplog.text
+    assert "inference weights (model.safetensors): " in caplog.text
+
+    torch.manual_seed(model_cfg.train.seed)
+    save_weights(build_model(model_cfg.model, model_cfg.task), checkpoint_paths(run, 10)[0])
+    assert nll(average()) > nll(last) + 0.1  # averaging would now make the model clearly worse
+    caplog.clear()
+    with caplog.at_level("INFO", logger="aiayn.train"):
+        resume_run(run, progress=False)
+    chosen = read_weights(run / "model.safetensors")
+    assert all(torch.equal(chosen[k], last[k]) for k in last)
+    assert "inference weights (model.safetensors): last step 30: the average of steps [10, 20, 30] is worse" \
+        in caplog.text

@@ -36,7 +36,7 @@ from aiayn.data.summarization import (
     separator_ids,
     summary_pairs,
 )
-from aiayn.data.tokenizer import SpecialIds, TokenizerPair, train_tokenizer_pair
+from aiayn.data.tokenizer import SpecialIds, TokenizerPair, tokenizer_plan, train_tokenizer_pair
 
 log = logging.getLogger("aiayn.data")
 
@@ -78,9 +78,8 @@ def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]
     # Every process passes the barrier, whatever it saw: a rank that looked after the main one had
     # already written the tokenizer would otherwise skip it and leave the main one waiting forever.
     if is_main and not (tdir / "tokenizer.json").exists():
-        log.info("training a %s tokenizer (vocab %d, %s) on %d + %d texts", cfg.data.tokenizer,
-                 cfg.data.vocab_size, "shared" if cfg.data.shared_vocab else "separate",
-                 len(texts[0]), len(texts[1]))
+        log.info("training %s on %d + %d texts", tokenizer_plan(cfg.data.tokenizer, cfg.data.vocab_size,
+                 cfg.data.shared_vocab), len(texts[0]), len(texts[1]))
         train_tokenizer_pair(texts[0], texts[1], tdir, shared=cfg.data.shared_vocab, kind=cfg.data.tokenizer,
                              vocab_size=cfg.data.vocab_size, byte_fallback=cfg.data.byte_fallback,
                              max_sentences=cfg.data.tokenizer_sample, seed=cfg.train.seed,

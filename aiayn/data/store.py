@@ -288,7 +288,7 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
     """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it; an
     existing store with the same key is opened as it is. ``inputs`` names what the sources read (for the key);
     ``tokenizer``: use this tokenizer directory instead of training one on a sample of the training pairs."""
-    from aiayn.data.tokenizer import TokenizerPair, train_tokenizer_pair
+    from aiayn.data.tokenizer import TokenizerPair, tokenizer_plan, train_tokenizer_pair
 
     out = Path(out)
     tok_dir = Path(tokenizer) if tokenizer is not None else None
@@ -309,8 +309,8 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
         shutil.copytree(tok_dir, tdir)
     else:  # two passes over the training pairs (sources, then targets): a sample, never the corpus in memory
         train = sources["train"]
-        log.info("training a %s tokenizer (vocab %d, %s) on a sample of at most %s sentences", d.tokenizer,
-                 d.vocab_size, "shared" if d.shared_vocab else "separate", f"{d.tokenizer_sample:,}")
+        log.info("training %s on a sample of at most %s sentences",
+                 tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), f"{d.tokenizer_sample:,}")
         train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir, shared=d.shared_vocab,
                              kind=d.tokenizer, vocab_size=d.vocab_size, byte_fallback=d.byte_fallback,
                              max_sentences=d.tokenizer_sample, seed=cfg.train.seed, lowercase=d.lowercase,

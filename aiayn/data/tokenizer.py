@@ -470,6 +470,13 @@ class TokenizerPair:
         return cls(src, tgt, specials)
 
 
+def tokenizer_plan(kind: str, vocab_size: int, shared: bool) -> str:
+    """What a tokenizer training is asked for, in words: a char tokenizer's vocabulary is the characters the
+    text holds, whatever ``data.vocab_size`` says."""
+    size = "one piece per character of the text" if kind == "char" else f"vocab {vocab_size}"
+    return f"a {kind} tokenizer ({size}, {'shared' if shared else 'separate'})"
+
+
 def train_tokenizer_pair(
     src_texts: Sequence[str],
     tgt_texts: Sequence[str],

@@ -57,9 +57,12 @@ def lm_context(cfg: Config) -> int:
     return min(cfg.model.max_positions, cfg.data.block_size)
 
 
-def prompt_ids(cfg: Config, tok: Tokenizer, prompt: str) -> list[int]:
+def prompt_ids(cfg: Config, tok: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
     """The ids generation starts from. Summarization LMs saw BOS first in training, so they get it too;
-    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one."""
+    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one. A prompt given
+    as ids (a client that tokenized it, as lm-evaluation-harness does) is taken as it is."""
+    if not isinstance(prompt, str):
+        return [int(i) for i in prompt]
     if is_summary_lm(cfg):
         return [BOS_ID] + tok.encode(prompt)
     if prompt:
@@ -104,7 +107,7 @@ def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:
                           f"block), so no new token fits: shorten it, or pass --slide to read only its last {ctx}")
 
 
-def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = False) -> Iterator[str]:
+def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, slide: bool = False) -> Iterator[str]:
     """Stream the continuation of ``prompt`` by a language-model :class:`~aiayn.run_dir.Run`: one text
     piece per generated token (empty while a character is incomplete), then what was held back.
 
@@ -137,13 +140,13 @@ def generate_text(run: Run, prompt: str, opts: DecodeOptions, slide: bool = Fals
     return stream()
 
 
-def fits_in_batch(run: Run, prompt: str, max_new_tokens: int) -> bool:
+def fits_in_batch(run: Run, prompt: str | Sequence[int], max_new_tokens: int) -> bool:
     """Whether ``prompt`` and ``max_new_tokens`` new tokens fit the model's positions, so that the prompt can be
     generated in a batch with others (:func:`stream_rows`; longer ones need :func:`generate_text`'s window)."""
     return len(prompt_ids(run.cfg, run.tokenizers.src, prompt)) + max_new_tokens <= lm_context(run.cfg)
 
 
-def stream_rows(run: Run, prompts: Sequence[str], opts: DecodeOptions, max_new_tokens: Sequence[int],
+def stream_rows(run: Run, prompts: Sequence[str | Sequence[int]], opts: DecodeOptions, max_new_tokens: Sequence[int],
                 seeds: Sequence[int | None]) -> Iterator[list[str | None]]:
     """:func:`generate_text` for several prompts in one batch (a server's concurrent requests): per generated
     token, one list with each row's text piece (None once the row has ended), then a last list with each row's
@@ -261,7 +264,7 @@ class Generator(LoadedRun):
             raise ConfigError(f"{run.path} is a {run.cfg.task} run, not a language model")
         super().__init__(run)
 
-    def stream(self, prompt: str = "", options: DecodeOptions | None = None, slide: bool = False,
+    def stream(self, prompt: str | Sequence[int] = "", options: DecodeOptions | None = None, slide: bool = False,
                **overrides) -> Iterator[str]:
         """The continuation of ``prompt``, one text piece per token (see :func:`generate_text`)."""
         return generate_text(self.run, prompt, self.options(options, **overrides), slide)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,21 @@ def _default_name(src: str) -> str:
     return (p.with_suffix("") if p.suffix == ".gz" else p).stem or "eval"
 
 
-def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str | None = None,
-                         ref: str | None = None, name: str | None = None, options: DecodeOptions | None = None,
+@dataclass(frozen=True)
+class EvalData:
+    """What to score: a ``split`` of the run's dataset, or the file ``src`` against the file ``ref``; ``name``: the
+    record's (default: the split, or the source file's stem)."""
+
+    split: str | None = None
+    src: str | None = None
+    ref: str | None = None
+    name: str | None = None
+
+
+def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None,
                          device: str = "auto", precision: str = "auto", **overrides) -> dict[str, Any]:
-    """Decode a split (or ``src``, scored against ``ref``), write eval/<name>.json + .hyp; return the record.
+    """Decode ``data`` (a split, or ``src`` scored against ``ref``), write eval/<name>.json + .hyp; return the
+    record.
 
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``. Everything
     that can fail (the run, the data, the options, a writable ``RUN/eval``) is checked before decoding."""
@@ -75,6 +86,7 @@ def evaluate_translation(run_dir: str | Path, split: str | None = None, src: str
     from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
+    split, src, ref, name = data.split, data.src, data.ref, data.name
     translator = load(run_dir, device=device, precision=precision)
     cfg = translator.cfg
     opts = translator.options(options, **overrides)
@@ -130,7 +142,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     from aiayn.data.pipeline import build_lm_data
     from aiayn.eval.metrics import perplexity
     from aiayn.run_dir import load_run
-    from aiayn.train.trainer import evaluate_loss
+    from aiayn.train.validation import evaluate_loss
 
     run_dir = Path(run_dir)
     run = load_run(run_dir, device, precision=precision)
@@ -156,14 +168,14 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     return result
 
 
-def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None = None, ref: str | None = None,
-                 name: str | None = None, options: DecodeOptions | None = None, device: str = "auto",
+def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None, device: str = "auto",
                  precision: str = "auto", **overrides) -> dict[str, Any]:
-    """Evaluate a run (see the module docstring); dispatches on the run's task. Decoding options: the run's
-    ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
+    """Evaluate a run on ``data`` (see the module docstring); dispatches on the run's task. Decoding options: the
+    run's ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
     from aiayn.data.summarization import is_summary_lm
 
     run_dir = Path(run_dir)
+    split, src, ref, name = data.split, data.src, data.ref, data.name
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
@@ -184,7 +196,7 @@ def evaluate_run(run_dir: str | Path, split: str | None = None, src: str | None 
         raise ConfigError("evaluate needs either --split NAME or --src FILE --ref FILE")
     if split is None and (src is None or ref is None):
         raise ConfigError("--src and --ref go together")
-    return evaluate_translation(run_dir, split, src, ref, name, options, device, precision, **overrides)
+    return evaluate_translation(run_dir, data, options, device, precision, **overrides)
 
 
 def summary(result: dict[str, Any]) -> str:

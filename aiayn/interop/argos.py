@@ -34,6 +34,7 @@ from pathlib import Path
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, first_line, require
 from aiayn.files import LOCK, TMP_SUFFIX, RunLock, check_output_dir, default_file_mode, lock_holder
+from aiayn.interop.card import run_facts
 from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
 from aiayn.model.transformer import Transformer
 
@@ -51,10 +52,14 @@ Exported by `aiayn export argos` from the aiayn run `{run}`: an encoder-decoder 
 ("Attention Is All You Need"), {layers} layers, d_model {d_model}, {params:,} parameters, trained with
 SentencePiece BPE ({vocab:,} shared pieces). Weights: {quant}.
 
+{facts}
+
 Install and use:
 
-    argospm install {file}        # or: argostranslate.package.install_from_path("{file}")
+    python -c "from argostranslate.package import install_from_path; install_from_path('{file}')"
     argos-translate --from {src} --to {tgt} "Text to translate."
+
+(`argospm install` takes the name of a package in Argos' online index, not a file.)
 
 Decoding: Argos Translate runs beam search with beam ARGOS_BEAM_SIZE (default 4) and CTranslate2's length
 penalty 0.2; the run itself was configured with beam {beam}, {lp} length penalty alpha {alpha}.
@@ -138,6 +143,7 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
         layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
         d_model=cfg.model.d_model, params=sum(p.numel() for p in run.model.parameters()), vocab=len(vocab),
         quant=quantization or "float32", file=out.name, beam=d.beam, lp=d.length_penalty, alpha=d.alpha,
+        facts="\n".join(run_facts(run_dir, cfg)),
         splitter=(_MODEL_SPLITTER.format(name=sentence_model.name) if sentence_model is not None
                   else _RULE_SPLITTER.format(lang=src)),
     )

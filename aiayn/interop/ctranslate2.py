@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor, nn
 
+from aiayn.data.tokenizer import SpecialIds
 from aiayn.errors import first_line
 from aiayn.files import check_output_dir, locked, staged_directory
 from aiayn.model.embeddings import sinusoidal_table
@@ -205,15 +206,14 @@ def export_ctranslate2(
     tgt_vocab: list[str] | None = None,
     quantization: str | None = None,
     *,
-    unk_id: int = UNK_ID,
-    bos_id: int = BOS_ID,
-    eos_id: int = EOS_ID,
+    specials: SpecialIds = SpecialIds(),
     add_source_eos: bool = True,
     force: bool = False,
 ) -> Path:
     """Write ``model`` as a CTranslate2 model directory and return its path.
 
-    ``vocab``: source id -> piece list (also the target's when ``tgt_vocab`` is None).
+    ``vocab``: source id -> piece list (also the target's when ``tgt_vocab`` is None); ``specials``: the ids the
+    model reserves (its decoder starts from ``specials.decoder_start``).
     ``quantization``: None (float32) or a CTranslate2 weight type (int8, int8_float32, int16,
     float16, bfloat16, ...). ``out_dir`` must not exist unless ``force`` (it is then replaced).
     Load it with ``ctranslate2.Translator(out_dir)`` and translate piece lists without ``</s>``.
@@ -221,9 +221,8 @@ def export_ctranslate2(
     out = Path(out_dir)
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists (pass force=True to replace it)")
-    spec = ctranslate2_spec(
-        model, vocab, tgt_vocab, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id, add_source_eos=add_source_eos
-    )
+    spec = ctranslate2_spec(model, vocab, tgt_vocab, unk_id=specials.unk, bos_id=specials.decoder_start,
+                            eos_id=specials.eos, add_source_eos=add_source_eos)
     spec.optimize(quantization=quantization)  # also validates the quantization name
     # Built next to the target and swapped in, so a failed save never leaves half a model behind.
     with staged_directory(out) as stage:

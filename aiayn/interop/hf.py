@@ -1,4 +1,5 @@
-"""Hugging Face Marian model directories in and out: ``aiayn export hf RUN OUT`` and ``aiayn import hf DIR RUN``.
+"""Hugging Face Marian model directories in and out: ``aiayn export hf RUN OUT`` and ``aiayn import hf MODEL RUN``
+(MODEL: a directory, or a Hub id such as ``Helsinki-NLP/opus-mt-en-de`` fetched through huggingface_hub's cache).
 
 A Marian directory (what ``MarianMTModel.from_pretrained`` / ``MarianTokenizer.from_pretrained`` read, e.g.
 an OPUS-MT download) holds ``config.json``, ``generation_config.json``, the weights (``model.safetensors``,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiayn.config import Config, DataConfig, DecodeOptions, save_config
+from aiayn.config import Config, DataConfig, DecodeOptions, check_fits_in_memory, save_config
 from aiayn.data.marian_tokenizer import (
     SOURCE_SPM,
     TARGET_SPM,
@@ -53,6 +55,7 @@ from aiayn.files import (
     locked,
     staged_directory,
 )
+from aiayn.interop.card import run_facts
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
 from aiayn.model.transformer import Transformer
 from aiayn.weights import save_weights
@@ -200,7 +203,7 @@ def load_hf_marian(hf_dir: str | Path, raw: dict[str, Any] | None = None) -> Mar
     d = Path(hf_dir)
     raw = _marian_config_json(d) if raw is None else raw
     try:  # aiayn's limits (sizes, this machine's memory) before anything is allocated
-        model_config_from_marian(MarianConfig.from_dict(raw))
+        check_fits_in_memory(model_config_from_marian(MarianConfig.from_dict(raw)))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{d / 'config.json'}: {first_line(e)}") from None
     state, where = read_hf_weights(d)
@@ -310,16 +313,70 @@ def _marian_tokenizer_pair(hf_dir: Path, sizes: tuple[int, int]) -> tuple[Marian
             MarianPieces(tgt_proto, tgt_vocab, rules, decode_proto, TARGET_SPM), mt)
 
 
-def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> Path:
-    """``aiayn import hf HF_DIR RUN_DIR``: a run directory (config.yaml, tokenizer/, model.safetensors) from a
-    Hugging Face Marian directory; ``aiayn translate RUN_DIR`` then gives ``generate()``'s output and
+# The files of a Marian repository on the Hub that an import reads (not its TensorFlow or Rust weights).
+HUB_FILES = ["config.json", "generation_config.json", "model.safetensors", "pytorch_model.bin", SOURCE_SPM, TARGET_SPM,
+             VOCAB, TARGET_VOCAB, *HF_TOKENIZER_FILES]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local directory of Hub model ``repo_id`` at ``revision`` (default main): downloaded through
+    ``huggingface_hub.snapshot_download`` into its cache (``HF_HOME`` / ``HF_HUB_CACHE``), or the cached copy
+    alone when ``HF_HUB_OFFLINE=1`` or the Hub cannot be reached. Only the files an import reads come down."""
+    require("huggingface_hub", "hf", "aiayn import hf with a Hub id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+    except GatedRepoError:
+        raise DataError(f"{at}: a gated model on the Hugging Face Hub (accept its terms, then `hf auth login`)") \
+            from None
+    except RepositoryNotFoundError:
+        raise DataError(f"{repo_id}: no such local directory, and no such model on the Hugging Face Hub (or a "
+                        "private one: `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise DataError(f"{at}: the model has no such revision (branch, tag or commit)") from None
+    except LocalEntryNotFoundError:
+        raise DataError(f"{at}: not in the Hugging Face cache, and the Hub was not reachable or HF_HUB_OFFLINE is "
+                        "set (download it once online)") from None
+    except HFValidationError as e:
+        raise DataError(f"{repo_id}: not a Hub model id ({first_line(e)})") from None
+
+
+def resolve_hf_source(source: str | Path, revision: str | None = None) -> tuple[Path, str]:
+    """A Marian directory for ``source`` and the name to record as the run's origin: an existing local
+    directory as it is, else a Hub id (``owner/name``) through :func:`hub_snapshot` (``name@commit``)."""
+    p = Path(source)
+    if p.exists():
+        if revision is not None:
+            raise ConfigError(f"--revision is for a Hub id; {source} is a local directory")
+        return p, p.resolve().name
+    if not _HUB_ID.fullmatch(str(source)):
+        raise DataError(f"{source}: no such directory (and not a Hub id like Helsinki-NLP/opus-mt-en-de)")
+    snap = hub_snapshot(str(source), revision)
+    return snap, f"{source}@{snap.name}"  # the snapshot folder is named after the commit
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False, revision: str | None = None) -> Path:
+    """``aiayn import hf MODEL RUN_DIR``: a run directory (config.yaml, tokenizer/, model.safetensors) from a
+    Hugging Face Marian directory, or a Hub id (``Helsinki-NLP/opus-mt-en-de``, at ``revision``) fetched through
+    the Hugging Face cache; ``aiayn translate RUN_DIR`` then gives ``generate()``'s output and
     ``aiayn train CONFIG --init-from RUN_DIR`` fine-tunes it. ``RUN_DIR`` must be new or empty unless ``force``.
     Built beside RUN_DIR and renamed into place, so a failure leaves nothing behind."""
     from aiayn.run_dir import load_run
 
     require("transformers", "hf", "aiayn import hf")
-    src_dir, out = Path(hf_dir), Path(run_dir)
-    check_output_dir(out, [src_dir], force)
+    out = Path(run_dir)
+    check_output_dir(out, [hf_dir] if Path(hf_dir).exists() else [], force)  # before any download
+    src_dir, origin = resolve_hf_source(hf_dir, revision)
     raw = _marian_config_json(src_dir)
     try:
         model = from_hf_marian(load_hf_marian(src_dir, raw)).eval()
@@ -344,7 +401,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> P
     with locked(out), staged_directory(out) as stage:  # a training that starts meanwhile is refused
         save_config(cfg, stage / "config.yaml")
         TokenizerPair(src_tok, tgt_tok, specials).save(stage / "tokenizer")
-        save_weights(model, stage / "model.safetensors", {"source": f"imported from {src_dir.resolve().name}"})
+        save_weights(model, stage / "model.safetensors", {"source": f"imported from {origin}"})
         load_run(stage, "cpu")  # what was written loads back as a run
     log.info("imported %s into %s (%s, vocabulary %d, eos %d, pad %d, decoder start %d)", src_dir, out,
              f"{cfg_m.n_encoder_layers}+{cfg_m.n_decoder_layers} layers, d_model {cfg_m.d_model}",
@@ -420,11 +477,17 @@ tags:
 - translation
 - marian
 - {tag}
+language:
+- {src}
+- {tgt}
+license: other
 ---
 
 # {name}
 
 A Transformer exported by aiayn from the run `{run}` ({layers} layers, d_model {d_model}, vocabulary {vocab}).
+
+{facts}
 
 ```python
 from transformers import MarianMTModel, MarianTokenizer
@@ -486,7 +549,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         card = _CARD.format(tag=EXPORT_TAG, name=out.name, run=Path(run_dir).resolve().name,
                             layers=f"{model.cfg.n_encoder_layers}+{model.cfg.n_decoder_layers}",
                             d_model=model.cfg.d_model, vocab=model.cfg.vocab_size, example="A dog runs on the beach.",
-                            beam=dec.beam, alpha=dec.alpha, a=dec.max_len_a, b=dec.max_len_b)
+                            beam=dec.beam, alpha=dec.alpha, a=dec.max_len_a, b=dec.max_len_b,
+                            src=run.cfg.data.src_lang, tgt=run.cfg.data.tgt_lang,
+                            facts="\n".join(run_facts(run_dir, run.cfg)))
         atomic_write_text(stage / "README.md", card)
         unexpected = sorted(p.name for p in stage.iterdir() if p.name not in EXPORT_FILES)
         if unexpected:  # pragma: no cover - a transformers version that writes more files

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.engine import AttentionKernel
 from aiayn.model.cache import KVCache
 
 
@@ -89,7 +90,7 @@ def scaled_dot_product_attention(
     return out, probs
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionKernel, nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
     (section 3.2.2), with W_i^Q, W_i^K in R^{D x d_k}, W_i^V in R^{D x d_v}, W^O in R^{h d_v x D}.
 
@@ -97,9 +98,9 @@ class MultiHeadAttention(nn.Module):
     projections are stored as one (h d_k + h d_k + h d_v, D) matrix ``in_proj`` (rows: Q | K | V), the
     layout of ``torch.nn.MultiheadAttention`` (3D, D) when d_k = d_v = D / h. Self-attention does one matmul
     for Q, K and V; cross-attention uses the Q rows on the decoder states and the K|V rows on the encoder
-    memory. ``explicit_max_keys`` says which computation of eq. (1) runs: per device type, key lengths up to
-    it take the explicit path, longer ones PyTorch's fused kernel (empty: always fused); :mod:`aiayn.engine`
-    sets it.
+    memory. ``explicit_max_keys`` (:class:`aiayn.engine.AttentionKernel`) says which computation of eq. (1) runs:
+    per device type, key lengths up to it take the explicit path, longer ones PyTorch's fused kernel (empty:
+    always fused); :mod:`aiayn.engine` sets it.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, d_k: int | None = None,

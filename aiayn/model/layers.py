@@ -7,9 +7,12 @@ Shapes: B batch, S source length, T target length, D model width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.config import ModelConfig
 from aiayn.model.attention import AttentionMask, KVCache, MultiHeadAttention
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
@@ -34,7 +37,10 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class SublayerConnection(nn.Module):
-    """Residual connection and LayerNorm around one sub-layer, post-LN or pre-LN."""
+    """Residual connection and LayerNorm around one sub-layer: LayerNorm(x + Dropout(Sublayer(x))) post-LN (the
+    paper), x + Dropout(Sublayer(LayerNorm(x))) pre-LN. ``self.sub(x, self.ffn)`` wraps a sub-layer that returns a
+    tensor; attention, which also returns its probabilities, is wrapped in two halves: it reads
+    :meth:`sublayer_input` and its output goes through :meth:`residual`."""
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool, eps: float) -> None:
         super().__init__()
@@ -42,37 +48,43 @@ class SublayerConnection(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def forward(self, x: Tensor, sublayer) -> tuple[Tensor, Tensor | None]:
-        """``sublayer(h) -> (out, extra)``; returns (new x, extra)."""
-        if self.norm_first:
-            out, extra = sublayer(self.norm(x))
-            return x + self.dropout(out), extra
-        out, extra = sublayer(x)
-        return self.norm(x + self.dropout(out)), extra
+    def sublayer_input(self, x: Tensor) -> Tensor:
+        """What the sub-layer reads: LayerNorm(x) pre-LN, x itself post-LN."""
+        return self.norm(x) if self.norm_first else x
+
+    def residual(self, x: Tensor, out: Tensor) -> Tensor:
+        """x + Dropout(out), then LayerNorm post-LN."""
+        y = x + self.dropout(out)
+        return y if self.norm_first else self.norm(y)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """(B, T, D) -> (B, T, D) around ``sublayer`` (B, T, D) -> (B, T, D)."""
+        return self.residual(x, sublayer(self.sublayer_input(x)))
 
 
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual + LayerNorm wrapper."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
         self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.activation_dropout)
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, mask: AttentionMask | None, need_weights: bool = False
+    def forward(self, x: Tensor, mask: AttentionMask | None = None, need_weights: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
-        """x (B, S, D); mask: the key padding, (B, 1, 1, S). Returns (B, S, D) and attention probs."""
-        x, probs = self.sub_attn(x, lambda h: self.self_attn(h, mask=mask, need_weights=need_weights))
-        x, _ = self.sub_ffn(x, lambda h: (self.ffn(h), None))
-        return x, probs
+        """x (B, S, D); mask: the key padding, (B, 1, 1, S). Returns (B, S, D) and the attention probabilities
+        (B, H, S, S) when ``need_weights``."""
+        h, probs = self.self_attn(self.sub_attn.sublayer_input(x), mask=mask, need_weights=need_weights)
+        x = self.sub_attn.residual(x, h)
+        return self.sub_ffn(x, self.ffn), probs
 
 
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention (omitted in a decoder-only LM), feed-forward."""
 
-    def __init__(self, cfg, cross_attention: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, cross_attention: bool = True) -> None:
         super().__init__()
         d, p, nf, eps = cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps
         self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
@@ -86,7 +98,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        self_mask: AttentionMask | None,
+        self_mask: AttentionMask | None = None,
         memory: Tensor | None = None,
         memory_mask: AttentionMask | None = None,
         cache: KVCache | None = None,
@@ -95,19 +107,14 @@ class DecoderLayer(nn.Module):
         causal: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (B, T, D); self_mask (T, T_total) causal, or None with ``causal`` (nothing cached yet: the
-        attention kernel applies the causal mask itself); memory (B, S, D); memory_mask (B, 1, 1, S).
-        Returns (B, T, D), self-attention probs, cross-attention probs."""
-        x, self_probs = self.sub_self(
-            x, lambda h: self.self_attn(h, mask=self_mask, cache=cache, layer=layer, need_weights=need_weights,
-                                        causal=causal)
-        )
+        attention kernel applies the causal mask itself); memory (B, S, D); memory_mask (B, 1, 1, S); ``layer``:
+        this layer's index in ``cache``. Returns (B, T, D), self-attention probs, cross-attention probs."""
+        h, self_probs = self.self_attn(self.sub_self.sublayer_input(x), mask=self_mask, cache=cache, layer=layer,
+                                       need_weights=need_weights, causal=causal)
+        x = self.sub_self.residual(x, h)
         cross_probs = None
         if self.cross_attn is not None:
-            x, cross_probs = self.sub_cross(
-                x,
-                lambda h: self.cross_attn(
-                    h, memory, mask=memory_mask, cache=cache, layer=layer, need_weights=need_weights
-                ),
-            )
-        x, _ = self.sub_ffn(x, lambda h: (self.ffn(h), None))
-        return x, self_probs, cross_probs
+            h, cross_probs = self.cross_attn(self.sub_cross.sublayer_input(x), memory, mask=memory_mask, cache=cache,
+                                             layer=layer, need_weights=need_weights)
+            x = self.sub_cross.residual(x, h)
+        return self.sub_ffn(x, self.ffn), self_probs, cross_probs

@@ -3,7 +3,7 @@
 Shapes: B batch, S source length, T target length, D model width, V vocabulary.
 Token masks are bool (B, S), True for real tokens; attention masks mean "may attend".
 The models expose ``encode`` / ``decode`` (with an optional :class:`KVCache`) and nothing about search:
-decoding algorithms live in :mod:`aiayn.decode`.
+decoding algorithms live in :mod:`aiayn.search`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig
+from aiayn.config import ModelConfig, check_fits_in_memory
 from aiayn.engine import use_attention
 from aiayn.model.attention import AttentionMask, padding_mask
 from aiayn.model.cache import KVCache
@@ -52,7 +52,7 @@ class Encoder(nn.Module):
         attn_mask = padding_mask(src_mask)  # (B, 1, 1, S): every query sees the real keys; once for all layers
         probs = []
         for layer in self.layers:
-            x, p = layer(x, attn_mask, need_weights)
+            x, p = layer(x, mask=attn_mask, need_weights=need_weights)
             probs.append(p)
         if self.final_norm is not None:
             x = self.final_norm(x)
@@ -113,7 +113,8 @@ class Decoder(nn.Module):
         mem_mask = padding_mask(memory_mask) if memory_mask is not None else None  # once for all layers
         self_probs, cross_probs = [], []
         for i, layer in enumerate(self.layers):
-            x, sp, cp = layer(x, self_mask, memory, mem_mask, cache, i, need_weights, causal)
+            x, sp, cp = layer(x, self_mask=self_mask, memory=memory, memory_mask=mem_mask, cache=cache, layer=i,
+                              need_weights=need_weights, causal=causal)
             self_probs.append(sp)
             cross_probs.append(cp)
         if self.final_norm is not None:
@@ -214,7 +215,9 @@ class DecoderOnlyLM(nn.Module):
 
 def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
     """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``, with the
-    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`)."""
+    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`); a model too big for
+    this machine's memory is refused before anything is allocated (:func:`aiayn.config.check_fits_in_memory`)."""
+    check_fits_in_memory(cfg)
     return use_attention(DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg))
 
 

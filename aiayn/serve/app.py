@@ -7,7 +7,7 @@
 ``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
 ``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
 ``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
-``POST /translate``, ...    LibreTranslate's and OpenAI's APIs (:mod:`aiayn.serve.protocols`)
+``POST /translate``, ...    LibreTranslate's and OpenAI's APIs, each with its error shape (:mod:`aiayn.serve.protocols`)
 ==========================  ========================================================================
 
 Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`): a bad
@@ -50,7 +50,7 @@ from aiayn.errors import UserError, one_line
 from aiayn.model.transformer import count_parameters
 from aiayn.run_dir import Run
 from aiayn.serve.batcher import Batcher, Closed, QueueFull
-from aiayn.serve.protocols import FORM_PATHS, check_key, protocol_routes
+from aiayn.serve.protocols import FORM_PATHS, check_key, error_response, protocol_routes
 from aiayn.serve.schemas import (
     ApiError,
     Limits,
@@ -97,10 +97,6 @@ class Access:
         return name in self.hosts
 
 
-def _refusal(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
-
-
 class Guard:
     """ASGI middleware in front of every route: the Host allow-list, the JSON content type of a POST, CORS."""
 
@@ -116,10 +112,11 @@ class Guard:
         origin = request.headers.get("origin")
         cors = self.access.cors is not None and origin == self.access.cors
         extra = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if cors else {}
+        path = request.url.path
         refusal = None
         if not self.access.allows(host):
-            refusal = _refusal(403, "host_not_allowed", f"Host {host!r} is not one this server answers to "
-                                                        "(aiayn serve --allow-host NAME adds one)")
+            refusal = error_response(path, 403, "host_not_allowed", f"Host {host!r} is not one this server answers "
+                                                                    "to (aiayn serve --allow-host NAME adds one)")
         elif request.method == "OPTIONS":
             if cors:
                 # Authorization: a page of that origin may send the --api-key as a bearer token
@@ -127,17 +124,17 @@ class Guard:
                     **extra, "Access-Control-Allow-Methods": "GET, POST",
                     "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
             else:
-                refusal = _refusal(403, "cors_not_allowed", f"origin {origin!r} may not call this server "
-                                                            "(aiayn serve --cors ORIGIN allows one)")
+                refusal = error_response(path, 403, "cors_not_allowed", f"origin {origin!r} may not call this "
+                                                                        "server (aiayn serve --cors ORIGIN allows one)")
         elif request.method == "POST":
             ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
             forms = ("application/json", "application/x-www-form-urlencoded", "multipart/form-data")
             if ctype != "application/json" and not (request.url.path in FORM_PATHS and ctype in forms):
-                refusal = _refusal(415, "unsupported_media_type", f"Content-Type {ctype or 'none'!r}: send "
-                                                                  "application/json", extra)
+                refusal = error_response(path, 415, "unsupported_media_type",
+                                         f"Content-Type {ctype or 'none'!r}: send application/json", extra)
             elif origin is not None and not cors and not _same_origin(origin, host):
-                refusal = _refusal(403, "cors_not_allowed", f"origin {origin!r} may not call this server "
-                                                            "(aiayn serve --cors ORIGIN allows one)")
+                refusal = error_response(path, 403, "cors_not_allowed", f"origin {origin!r} may not call this "
+                                                                        "server (aiayn serve --cors ORIGIN allows one)")
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -321,7 +318,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     async def not_found(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse({"error": {"code": code, "message": msg}}, status_code=exc.status_code)
+        return error_response(request.url.path, exc.status_code, code, msg)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

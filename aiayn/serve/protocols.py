@@ -1,23 +1,35 @@
-"""The ecosystem's protocols beside aiayn's own API: LibreTranslate for translation runs, OpenAI completions for
-language-model runs, so their clients (``libretranslatepy``, LibreTranslate plugins, the ``openai`` package and
-the tools built on it) work against ``aiayn serve`` unchanged.
+"""The ecosystem's protocols beside aiayn's own API: LibreTranslate for translation runs, OpenAI's completions and
+chat completions (with vLLM's tokenizer routes) for language models, so their clients (``libretranslatepy``,
+LibreTranslate's web page and plugins, the ``openai`` package, lm-evaluation-harness and the tools built on them)
+work against ``aiayn serve`` unchanged. docs/serve.md's protocol table lists every difference from the originals.
 
 ===============================  ==================================================================================
 ``POST /translate``              LibreTranslate: ``q`` (string or list), ``source`` (the run's source language or
-                                 ``auto``), ``target``, ``format`` (text; html is translated as text),
-                                 ``alternatives``, ``api_key``; JSON or form-encoded, as its clients send.
-                                 -> ``{"translatedText": str | [str]}`` (+ ``alternatives``); errors
-                                 ``{"error": message}``
+                                 ``auto``), ``target``, ``format`` (text; html: text nodes translated, markup kept,
+                                 :mod:`aiayn.serve.markup`), ``alternatives``, ``api_key``; other fields not read,
+                                 as LibreTranslate; JSON or form-encoded (a repeated form field: its first value).
+                                 -> ``{"translatedText": str | [str]}`` (+ ``alternatives``)
 ``GET /languages``               LibreTranslate: ``[{"code", "name", "targets"}]``, the run's source language
-``GET /v1/models``               OpenAI: the served run as one model
-``POST /v1/completions``         OpenAI completions (language-model runs): ``prompt`` (string or list),
-                                 ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``stream``
-                                 (server-sent events ending in ``data: [DONE]``); ``usage`` in tokens; errors
-                                 ``{"error": {"message", "type", "param", "code"}}``
+``POST /detect``                 LibreTranslate: the run's source language, confidence 100 (nothing is detected)
+``GET /frontend/settings``       LibreTranslate's web page settings
+``GET /v1/models``               OpenAI: the served run as one model (another ``model`` named: 404)
+``POST /v1/completions``         OpenAI completions: ``prompt`` (strings or token ids), ``max_tokens``,
+                                 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``stream`` (server-sent
+                                 events ending in ``data: [DONE]``), ``stream_options.include_usage``, ``echo`` and
+                                 ``logprobs`` (:mod:`aiayn.serve.scores`); ``usage`` in tokens
+``POST /v1/chat/completions``    OpenAI chat completions, through one template (:mod:`aiayn.serve.chat`)
+``/tokenize``, ``/detokenize``,  vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer reads them
+``GET /tokenizer_info``
 ===============================  ==================================================================================
 
-Translation runs answer ``/v1/completions`` too: the prompt is the sentence to translate, the completion its
-translation (beam search with the run's options; ``temperature`` > 0 samples instead).
+Errors come in each protocol's shape: ``{"error": message}`` on LibreTranslate's routes, ``{"error": {"message",
+"type", "param", "code"}}`` on OpenAI's, also for what is refused before a route (:func:`error_response`).
+What the server does not do is refused, never silently ignored; LibreTranslate's unread fields are the exception,
+as LibreTranslate itself ignores them.
+
+Translation runs answer both completions APIs too: the prompt (or the last user message) is the sentence to
+translate, the completion its translation by the run's own search, unless the request asks for sampling
+(``temperature`` > 0 given, or ``top_p`` without it).
 
 API key (``aiayn serve --api-key KEY`` or ``$AIAYN_API_KEY``; off by default): every API request must then
 carry it, as ``Authorization: Bearer KEY`` (OpenAI's clients, aiayn's own ``/v1/*``) or as the ``api_key`` field
@@ -29,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
-import secrets
 import threading
 import time
 import urllib.parse
@@ -44,14 +55,39 @@ from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
+from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
+from aiayn.serve.markup import join_html, split_html
 from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
+from aiayn.serve.scores import MAX_LOGPROBS, check_scored, encode_with_specials, scored_choice, tokenizer_info
 from aiayn.serve.streams import EventStream
 
-FORM_PATHS = ("/translate", "/languages")  # LibreTranslate's clients post forms, not JSON
+FORM_PATHS = ("/translate", "/languages", "/detect")  # LibreTranslate's clients post forms, not JSON
+LIBRE_PATHS = (*FORM_PATHS, "/frontend/settings", "/suggest", "/translate_file")  # LibreTranslate's error shape
+# OpenAI's (and vLLM's) routes beside /v1/...: their refusals come in OpenAI's error shape
+OPENAI_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
                  "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix", "logit_bias",
                  "stream_options")
-MAX_STOPS = 4  # as OpenAI
+# OpenAI takes 4 stop strings; lm-evaluation-harness sends a task's every `until` string (vLLM takes any number)
+MAX_STOPS = 64
+
+
+NATIVE_PATHS = ("/v1/translate", "/v1/generate", "/v1/attention", "/v1/model")  # aiayn's own API (serve.app)
+
+
+def error_response(path: str, status: int, code: str, message: str, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    """A refusal made before any route's handler (no such route or method, media type, host, origin) in the
+    error shape of the protocol ``path`` belongs to: LibreTranslate's ``{"error": message}`` on its routes,
+    OpenAI's on ``/v1/...`` (but aiayn's own routes) and vLLM's tokenizer routes, aiayn's elsewhere."""
+    if path in LIBRE_PATHS:
+        body: dict[str, Any] = {"error": message}
+    elif path in OPENAI_PATHS or (path.startswith("/v1/") and path not in NATIVE_PATHS):
+        body = OpenAIError(status, message, code=code, kind="server_error" if status >= 500 else
+                           "invalid_request_error").body()
+    else:
+        body = {"error": {"code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def key_matches(given: str | None, key: str | None) -> bool:
@@ -100,8 +136,8 @@ async def _libre_fields(request: Request, svc) -> dict[str, Any]:
                                          max_num_fields=svc.limits.max_sentences + 16)
         except (UnicodeDecodeError, ValueError) as e:
             raise LibreError(400, f"cannot read the form: {one_line(e)}") from None
-        # a repeated q is a list of texts (LibreTranslate's JSON list, sent as a form)
-        params.update({k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()})
+        # a repeated field counts once, its first value, as LibreTranslate (Flask's request.values.get) reads it
+        params.update({k: v[0] for k, v in form.items()})
     return params
 
 
@@ -137,7 +173,8 @@ def _libre(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
 
 
 def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
-    """``/translate`` and ``/languages`` for a translation run (other runs: 400 naming the endpoint they have)."""
+    """``/translate``, ``/languages``, ``/detect`` and ``/frontend/settings`` for a translation run (other runs:
+    400 naming the endpoint they have)."""
     cfg = svc.model.cfg
     src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
 
@@ -156,11 +193,9 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         fields = await _libre_fields(request, svc)
         _libre_key(request, fields, key)
         need_translation()
-        unknown = sorted(set(fields) - {"q", "source", "target", "format", "api_key", "alternatives"})
-        if unknown:
-            raise LibreError(400, f"unknown parameter {unknown[0]!r}")
+        # Other fields (LibreTranslate's `secret`, a client's extras) are not read, as LibreTranslate ignores them.
         for name in ("q", "source", "target"):
-            if fields.get(name) in (None, ""):
+            if fields.get(name) in (None, "", []):
                 raise LibreError(400, f"Invalid request: missing {name} parameter")
         q, source, target = fields["q"], fields["source"], fields["target"]
         if not isinstance(source, str) or source not in (src, "auto"):
@@ -177,6 +212,8 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
             raise LibreError(400, f"alternatives: expected an integer, got {alternatives!r}") from None
         if not 0 <= alternatives < svc.limits.max_nbest:
             raise LibreError(400, f"alternatives: expected 0 to {svc.limits.max_nbest - 1}")
+        if alternatives and fmt == "html":
+            raise LibreError(400, "alternatives are not supported with format html")
         single = isinstance(q, str)
         texts = [q] if single else q
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
@@ -189,8 +226,17 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         opts = cfg.decode
         if alternatives:
             opts = opts.replace(nbest=alternatives + 1, beam=max(opts.beam, alternatives + 1))
-        found, _ = await run_translation(texts, opts, field="q")
-        best = [h[0].text if h else "" for h in found]
+        if fmt == "html":  # the text nodes of every document in one call, the markup kept
+            docs = [split_html(t) for t in texts]
+            for i, (_, doc_nodes) in enumerate(docs):  # a text node too long for the model: named by its q[i]
+                source_tokens(svc.model, doc_nodes, f"q[{i}] text node")
+            nodes = [node for _, doc_nodes in docs for node in doc_nodes]
+            found, _ = await run_translation(nodes, opts) if nodes else ([], None)
+            out = iter(h[0].text if h else "" for h in found)
+            best = [join_html(parts, [next(out) for _ in doc_nodes]) for parts, doc_nodes in docs]
+        else:
+            found, _ = await run_translation(texts, opts, field="q")
+            best = [h[0].text if h else "" for h in found]
         body: dict[str, Any] = {"translatedText": best[0] if single else best}
         if source == "auto":
             body["detectedLanguage"] = ({"confidence": 100.0, "language": src} if single
@@ -200,8 +246,33 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
             body["alternatives"] = alts[0] if single else alts
         return JSONResponse(body)
 
+    async def detect(request: Request) -> Response:
+        """LibreTranslate's ``/detect``: a translation model reads one language, so that is the answer (at
+        confidence 100): no detection is run."""
+        fields = await _libre_fields(request, svc)
+        _libre_key(request, fields, key)
+        need_translation()
+        q = fields.get("q")
+        if q in (None, "", []):
+            raise LibreError(400, "Invalid request: missing q parameter")
+        if not isinstance(q, (str, list)) or (isinstance(q, list) and not all(isinstance(t, str) for t in q)):
+            raise LibreError(400, "q: expected a string or a list of strings")
+        found = [{"confidence": 100.0, "language": src}]
+        return JSONResponse(found if isinstance(q, str) else [found] * len(q))
+
+    async def frontend_settings(request: Request) -> Response:
+        """LibreTranslate's ``/frontend/settings``, which its web page reads first."""
+        need_translation()
+        return JSONResponse({"charLimit": svc.limits.max_chars, "frontendTimeout": 500, "apiKeys": key is not None,
+                             "keyRequired": key is not None, "suggestions": False, "filesTranslation": False,
+                             "supportedFilesFormat": [],
+                             "language": {"source": {"code": src, "name": language_name(src)},
+                                          "target": {"code": tgt, "name": language_name(tgt)}}})
+
     return [Route("/languages", _libre(languages), methods=["GET", "POST"]),
-            Route("/translate", _libre(translate), methods=["POST"])]
+            Route("/translate", _libre(translate), methods=["POST"]),
+            Route("/detect", _libre(detect), methods=["POST"]),
+            Route("/frontend/settings", _libre(frontend_settings), methods=["GET"])]
 
 
 # OpenAI completions ----------------------------------------------------------------------------------------
@@ -213,9 +284,11 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def _openai(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -242,7 +315,7 @@ def _openai(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Requ
 class Completion:
     """A checked ``/v1/completions`` request."""
 
-    prompts: list[str]
+    prompts: list[str] | list[list[int]]  # texts, or token ids (a client that tokenizes, as lm-eval does)
     max_tokens: int
     temperature: float
     top_p: float
@@ -250,7 +323,16 @@ class Completion:
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
+    echo: bool = False
+    logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    sample_asked: bool = False  # temperature or top_p given: a translation run samples only then
     options: DecodeOptions | None = None  # the decoding options, checked before any answer (completion_options)
+
+    @property
+    def scored(self) -> bool:
+        """Whether the answer needs the log-probability path (:mod:`aiayn.serve.scores`)."""
+        return self.echo or self.logprobs is not None
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, integer: bool = False):
@@ -266,23 +348,37 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return value
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _prompts(prompt: Any) -> list[str] | list[list[int]]:
+    """OpenAI's four prompt forms: a string, a list of strings, a list of token ids, a list of lists of ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_id(i) for i in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(
+                isinstance(p, list) and p and all(_is_id(i) for i in p) for p in prompt):
+            return prompt
+    raise OpenAIError(400, "prompt: expected a string, a list of strings, a list of token ids or a list of such "
+                           "lists (none empty)", param="prompt", code="invalid_type")
+
+
 def completion_request(body: dict[str, Any], limits) -> Completion:
     """The checked fields of an OpenAI completions request (unknown fields refused by name)."""
     unknown = sorted(set(body) - set(OPENAI_FIELDS))
     if unknown:
         raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
     # Accepted only at the value that asks for nothing: a request for what this server does not do is refused,
-    # not silently ignored (echo=true would otherwise get no prompt back, logprobs=1 no log-probabilities).
-    for name, neutral in (("echo", (None, False)), ("logprobs", (None,)), ("best_of", (None, 1)),
-                          ("suffix", (None, "")), ("logit_bias", (None, {}))):
+    # not silently ignored (a penalty of 1.5 would otherwise give the text of 0).
+    for name, neutral in (("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0))):
         value = body.get(name)
         if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
             raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
-    prompt = body.get("prompt", "")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise OpenAIError(400, "prompt: expected a string or a non-empty list of strings", param="prompt",
-                          code="invalid_type")
+    prompts = _prompts(body.get("prompt", ""))
     if len(prompts) > limits.max_sentences:
         raise OpenAIError(400, f"prompt: {len(prompts)} prompts, the limit is {limits.max_sentences}",
                           param="prompt", code="out_of_range")
@@ -306,24 +402,49 @@ def completion_request(body: dict[str, Any], limits) -> Completion:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise OpenAIError(400, "stream: expected a boolean", param="stream", code="invalid_type")
-    return Completion(prompts, _number(body, "max_tokens", 16, 1, limits.max_new_tokens, integer=True),
-                      float(_number(body, "temperature", 1.0, 0.0, 2.0)), float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-                      n, tuple(stops), seed, stream)
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise OpenAIError(400, "stream_options: only with stream true, and only {'include_usage': bool}",
+                          param="stream_options", code="invalid_type")
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise OpenAIError(400, "echo: expected a boolean", param="echo", code="invalid_type")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _number(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+    if (echo or logprobs is not None) and (stream or stops):
+        name = "stream" if stream else "stop"
+        raise OpenAIError(400, f"echo and logprobs are not supported with {name} by this server", param=name,
+                          code="unsupported")
+    # max_tokens 0 asks for the prompt's log-probabilities only (echo), as lm-evaluation-harness may
+    max_tokens = _number(body, "max_tokens", 16, 0 if echo else 1, limits.max_new_tokens, integer=True)
+    asked = body.get("temperature") is not None or body.get("top_p") is not None
+    return Completion(prompts, max_tokens, float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                      float(_number(body, "top_p", 1.0, 0.0, 1.0)), n, tuple(stops), seed, stream, echo, logprobs,
+                      bool(options and options.get("include_usage")), asked)
 
 
 def completion_options(c: Completion, base: DecodeOptions, language_model: bool) -> Completion:
-    """``c`` with its decoding options on the run's ``base``: sampling at ``temperature`` > 0 (0: greedy for a
-    language model, the run's search for a translation run), ``top_p`` below 1. Every sampling number goes through
-    :class:`DecodeOptions`, the one validator of the command line, the recipes and every route; one it refuses
-    (``top_p`` 0, a ``temperature`` below 1e-6) is a 400 naming the field, before any streamed 200 is sent."""
-    overrides: dict[str, Any] = {"top_p": c.top_p if c.top_p < 1 else None}
-    if c.temperature > 0:
-        overrides.update(sample=True, temperature=c.temperature)
+    """``c`` with its decoding options on the run's ``base``. A language model samples at ``temperature`` > 0 (0:
+    greedy); a translation run keeps its own search unless the request asks for sampling (``c.sample_asked`` and a
+    ``temperature`` > 0: OpenAI's default temperature of 1 does not count). ``top_p`` below 1 filters a draw. Every
+    sampling number goes through :class:`DecodeOptions`, the one validator of the command line, the recipes and
+    every route, whether this request samples or not; one it refuses (``top_p`` 0, a ``temperature`` below 1e-6)
+    is a 400 naming the field, before any streamed 200 is sent."""
+    top_p = c.top_p if c.top_p < 1 else None
+    sample = c.temperature > 0 and (language_model or c.sample_asked)
+    overrides: dict[str, Any] = {}
+    if sample:
+        overrides.update(sample=True, temperature=c.temperature, top_p=top_p)
     elif language_model:
-        overrides["sample"] = False
+        overrides.update(sample=False, top_p=top_p)
     if language_model:
         overrides["max_new_tokens"] = c.max_tokens
     try:
+        base.replace(temperature=c.temperature, top_p=top_p)  # checked even where the run's own search ignores them
         return dataclasses.replace(c, options=base.replace(**overrides))
     except ConfigError as e:
         message = str(e).removeprefix("decode.")
@@ -476,12 +597,13 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
 
     async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]],
                                 cancelled: threading.Event | None = None) -> list[dict[str, Any]]:
-        """Every choice of a completion on a translation run: the run's search (temperature 0: every choice of
-        a prompt is the same translation, decoded once) or a draw (temperature > 0), through the batcher;
-        ``cancelled`` (a stream's) stops the search at its next step once the client went away."""
+        """Every choice of a completion on a translation run: the run's own search (every choice of a prompt is
+        the same translation, decoded once) unless the request asks for sampling (a temperature > 0, or a top_p,
+        given: OpenAI's default temperature of 1 does not count, since its clients send none), through the
+        batcher; ``cancelled`` (a stream's) stops the search at its next step once the client went away."""
         tr = svc.model
-        base = c.options.replace(nbest=1)
-        if c.temperature == 0:
+        base = c.options.replace(nbest=1)  # completion_options: the run's own search unless sampling is asked
+        if not (c.sample_asked and c.temperature > 0):
             prompts = list(dict.fromkeys(p for _, p, _ in jobs))
             found, _ = await run_translation(prompts, base, cancelled=cancelled)
             by_prompt = dict(zip(prompts, found))
@@ -499,71 +621,183 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                         "prompt_tokens": len(tr.tokenizers.src.encode(prompt)) + 1})
         return out
 
+    def run_scored(items: list[tuple[str | list[int], int | None, Completion]]) -> list[dict[str, Any]]:
+        """Echo / logprobs choices (worker thread), one after the other (:func:`aiayn.serve.scores.scored_choice`)."""
+        gen = svc.model
+        out = []
+        for prompt, seed, c in items:
+            out.append(scored_choice(gen.run, prompt, c.options.replace(seed=seed), c.max_tokens, c.echo,
+                                     c.logprobs))
+        return out
+
+    def check_model(body: dict[str, Any]) -> None:
+        """The ``model`` a request names must be the one /v1/models lists (none named: that one)."""
+        name = body.get("model")
+        if name is not None and name != model_id:
+            raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{model_id}`: "
+                                   "GET /v1/models)", param="model", code="model_not_found")
+
+    def check_prompts(c: Completion) -> None:
+        """Before batching, so that one request's bad prompt does not fail the others in its batch."""
+        translation = svc.task == "translation"
+        ids = [p for p in c.prompts if not isinstance(p, str)]
+        if translation and (ids or c.scored):
+            what = "token-id prompts" if ids else "echo and logprobs"
+            raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
+                              code="unsupported")
+        if translation:  # a prompt too long for the model: 413 prompt[i], before a stream's 200
+            source_tokens(svc.model, c.prompts, "prompt")
+            return
+        from aiayn.decode.generate import check_prompt_fits, prompt_ids
+
+        vocab = svc.model.tokenizers.src.vocab_size
+        for p in ids:
+            if max(p) >= vocab:
+                raise OpenAIError(400, f"prompt: token id {max(p)} is not in the model's vocabulary of {vocab}",
+                                  param="prompt", code="out_of_range")
+        for prompt in c.prompts:
+            if c.scored:
+                check_scored(svc.model.run, prompt, c.max_tokens)
+            else:
+                check_prompt_fits(svc.model.cfg, prompt_ids(svc.model.cfg, svc.model.tokenizers.src, prompt))
+
+    def usage_of(c: Completion, results: list[dict[str, Any]], jobs: list[tuple[int, Any, int | None]]
+                 ) -> dict[str, int]:
+        """Tokens read (each prompt once, however many choices) and written."""
+        usage = {"prompt_tokens": sum(r["prompt_tokens"] for r, (i, _, _) in zip(results, jobs) if i % c.n == 0),
+                 "completion_tokens": sum(r["completion_tokens"] for r in results)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
+    async def respond(c: Completion, shape: Shape) -> Response:
+        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+        if svc.task == "summarization":
+            raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
+                                   "a translation run", code="wrong_task")
+        # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
+        # prompt must not fail the others in its batch) and before a stream's 200.
+        c = completion_options(c, svc.model.cfg.decode, language_model=svc.task == "lm")
+        check_prompts(c)
+        rid, when = shape.new_id(), int(time.time())
+        jobs = choices_for(c)
+        translation = svc.task == "translation"
+        if not c.stream:
+            if translation:
+                results = await translate_choices(c, jobs)
+            elif c.scored:
+                results = await svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs), run_scored)
+            else:
+                results = await svc.batcher.run(lm_group(c), [(p, s, c, None, None) for _, p, s in jobs],
+                                                lm_cost(c, jobs), run_lm)
+            return JSONResponse({"id": rid, "object": shape.object, "created": when, "model": model_id,
+                                 "choices": [shape.choice(i, r) for r, (i, _, _) in zip(results, jobs)],
+                                 "usage": usage_of(c, results, jobs)})
+        stream = EventStream(svc.batcher.stats)  # the one cancellation path of streamed answers
+
+        def event(body: dict[str, Any]) -> bytes:
+            return ("data: " + json.dumps(body, ensure_ascii=False) + "\n\n").encode("utf-8")
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            body = {"id": rid, "object": shape.chunk_object, "created": when, "model": model_id, "choices": [choice]}
+            return event({**body, "usage": None} if c.include_usage else body)  # OpenAI's chunks, with usage asked
+
+        filters = {index: shape.text_filter() for index, _, _ in jobs}
+        for index, _, _ in jobs:
+            opening = shape.opening(index)
+            if opening is not None:
+                stream.push(chunk(opening))
+
+        def text_chunk(index: int, text: str) -> None:  # worker thread: each final piece of a choice's text
+            text = filters[index](text)
+            if text:
+                stream.push(chunk(shape.delta(index, text, None)))
+
+        async def generated() -> list[dict[str, Any]]:  # each token as it is decoded, from a shared batch
+            items = [(prompt, seed, c, lambda t, i=index: text_chunk(i, t), stream.cancelled)
+                     for index, prompt, seed in jobs]
+            return await svc.batcher.run(lm_group(c), items, lm_cost(c, jobs), run_lm)
+
+        async def translated() -> list[dict[str, Any]]:  # a translation is decoded whole: one event per choice
+            results = await translate_choices(c, jobs, stream.cancelled)
+            for r, (index, _, _) in zip(results, jobs):
+                text_chunk(index, r["text"])
+            return results
+
+        async def answered() -> None:
+            results = await (translated() if translation else generated())
+            for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
+                stream.push(chunk(shape.delta(index, "", r["finish_reason"])))
+            if c.include_usage:  # OpenAI's last chunk: no choices, the usage of the whole request
+                stream.push(event({"id": rid, "object": shape.chunk_object, "created": when, "model": model_id,
+                                   "choices": [], "usage": usage_of(c, results, jobs)}))
+
+        def error_event(e: BaseException) -> bytes:  # the headers are sent: say it in the stream, as OpenAI does
+            return event({"error": {"message": one_line(f"{type(e).__name__}: {e}"), "type": "server_error",
+                                    "param": None, "code": None}})
+
+        return await stream.response(answered(), error_event)
+
     async def completions(request: Request) -> Response:
         authorize(request)
         body = parse_body(await read_body(request, svc.limits), svc.limits)
         c = completion_request(body, svc.limits)
-        if svc.task == "summarization":
-            raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
-                                   "a translation run", code="wrong_task")
-        c = completion_options(c, svc.model.cfg.decode, language_model=svc.task == "lm")
-        rid, when = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        jobs = choices_for(c)
-        translation = svc.task == "translation"
-        # Before batching (one request's bad prompt must not fail the others in its batch) and before a stream's 200.
-        if translation:
-            source_tokens(svc.model, c.prompts, "prompt")
-        else:
-            from aiayn.decode.generate import check_prompt_fits, prompt_ids
+        check_model(body)
+        return await respond(c, TextShape())
 
-            for prompt in c.prompts:
-                check_prompt_fits(svc.model.cfg, prompt_ids(svc.model.cfg, svc.model.tokenizers.src, prompt))
-        if not c.stream:
-            if translation:
-                results = await translate_choices(c, jobs)
-            else:
-                results = await svc.batcher.run(lm_group(c), [(p, s, c, None, None) for _, p, s in jobs],
-                                                lm_cost(c, jobs), run_lm)
-            usage = {"prompt_tokens": sum(r["prompt_tokens"] for r, (i, _, _) in zip(results, jobs)
-                                          if i % c.n == 0),
-                     "completion_tokens": sum(r["completion_tokens"] for r in results)}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            return JSONResponse({"id": rid, "object": "text_completion", "created": when, "model": model_id,
-                                 "choices": [{"text": r["text"], "index": i, "logprobs": None,
-                                              "finish_reason": r["finish_reason"]}
-                                             for r, (i, _, _) in zip(results, jobs)],
-                                 "usage": usage})
-        stream = EventStream(svc.batcher.stats)
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = parse_body(await read_body(request, svc.limits), svc.limits)
+        prompt, fields = chat_prompt(body, svc.task)
+        c = completion_request({**fields, "prompt": prompt}, svc.limits)
+        check_model(body)
+        return await respond(c, ChatShape(strip_leading_space=svc.task == "lm"))
 
-        def chunk(index: int, text: str, finish: str | None) -> bytes:
-            return ("data: " + json.dumps({"id": rid, "object": "text_completion", "created": when,
-                                           "model": model_id, "choices": [{"text": text, "index": index,
-                                                                           "logprobs": None,
-                                                                           "finish_reason": finish}]},
-                                          ensure_ascii=False) + "\n\n").encode("utf-8")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: ``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``."""
+        authorize(request)
+        need_lm("/tokenize")
+        body = parse_body(await read_body(request, svc.limits), svc.limits)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or len(prompt) > svc.limits.max_chars:
+            raise OpenAIError(400, f"prompt: expected a string of at most {svc.limits.max_chars} characters",
+                              param="prompt", code="invalid_type")
+        if body.get("add_special_tokens"):  # aiayn's language models read no BOS or EOS around a text
+            raise OpenAIError(400, "add_special_tokens: this server adds none", param="add_special_tokens",
+                              code="unsupported")
+        ids = encode_with_specials(svc.model.run, prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": info()["model_max_length"]})
 
-        async def generated() -> None:  # each token as it is decoded, from a batch shared with other requests
-            items = [(prompt, seed, c, lambda t, i=index: stream.push(chunk(i, t, None)), stream.cancelled)
-                     for index, prompt, seed in jobs]
-            results = await svc.batcher.run(lm_group(c), items, lm_cost(c, jobs), run_lm)
-            for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
-                stream.push(chunk(index, "", r["finish_reason"]))
+    async def detokenize(request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
+        authorize(request)
+        need_lm("/detokenize")
+        body = parse_body(await read_body(request, svc.limits), svc.limits)
+        ids = body.get("tokens")
+        vocab = svc.model.tokenizers.src.vocab_size
+        if not isinstance(ids, list) or not all(_is_id(i) and i < vocab for i in ids):
+            raise OpenAIError(400, f"tokens: expected a list of token ids below {vocab}", param="tokens",
+                              code="invalid_type")
+        return JSONResponse({"prompt": svc.model.tokenizers.src.decode(ids)})
 
-        async def translated() -> None:  # a translation is decoded whole: each choice comes as one event
-            for r, (index, _, _) in zip(await translate_choices(c, jobs, stream.cancelled), jobs):
-                for text, finish in ((r["text"], None), ("", r["finish_reason"])):
-                    if text or finish:
-                        stream.push(chunk(index, text, finish))
+    async def tokenizer(request: Request) -> Response:
+        authorize(request)
+        need_lm("/tokenizer_info")
+        return JSONResponse(info())
 
-        def error_event(e: BaseException) -> bytes:  # the headers are sent: say it in the stream, as OpenAI does
-            return ("data: " + json.dumps({"error": {"message": one_line(f"{type(e).__name__}: {e}"),
-                                                     "type": "server_error", "param": None, "code": None}})
-                    + "\n\n").encode("utf-8")
+    def info() -> dict[str, Any]:
+        return tokenizer_info(svc.model.run, model_id)
 
-        return await stream.response(translated() if translation else generated(), error_event)
+    def need_lm(path: str) -> None:
+        if svc.task != "lm":
+            raise OpenAIError(400, f"{path} needs a language-model run; this server runs a {svc.task} run",
+                              code="wrong_task")
 
     return [Route("/v1/models", _openai(models), methods=["GET"]),
-            Route("/v1/completions", _openai(completions), methods=["POST"])]
+            Route("/v1/completions", _openai(completions), methods=["POST"]),
+            Route("/v1/chat/completions", _openai(chat_completions), methods=["POST"]),
+            Route("/tokenize", _openai(tokenize), methods=["POST"]),
+            Route("/detokenize", _openai(detokenize), methods=["POST"]),
+            Route("/tokenizer_info", _openai(tokenizer), methods=["GET"])]
 
 
 def protocol_routes(svc, run_translation, key: str | None) -> list[Route]:

@@ -35,10 +35,11 @@ from aiayn.weights import (
     save_weights,
 )
 
-# The keys of a checkpoint's JSON: required ones, and those the trainer adds (train_state, world_size, and the
-# CPU threads the run trained with: a resume uses the same count, as float sums depend on it).
+# The keys of a checkpoint's JSON: required ones, and those the trainer adds (train_state; world_size and
+# accum_steps, whose product is the micro-batches of an update, which a resume keeps; and the CPU threads the run
+# trained with: a resume uses the same count, as float sums depend on it).
 REQUIRED_KEYS = ("step", "rng")
-OPTIONAL_KEYS = ("optimizer", "train_state", "world_size", "cpu_threads")
+OPTIONAL_KEYS = ("optimizer", "train_state", "world_size", "accum_steps", "cpu_threads")
 # Per-parameter state of the optimizers aiayn builds (Adam, AdamW; amsgrad adds max_exp_avg_sq).
 OPTIMIZER_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -175,7 +176,7 @@ def _check_state(meta: Any, step: int) -> None:
     check_rng_state(meta["rng"])
     if "train_state" in meta and not isinstance(meta["train_state"], dict):
         raise ValueError("train_state is not an object")
-    for key in ("world_size", "cpu_threads"):
+    for key in ("world_size", "accum_steps", "cpu_threads"):
         if key in meta and (type(meta[key]) is not int or meta[key] < 1):
             raise ValueError(f"{key} is {meta[key]!r}, expected a positive integer")
     if "optimizer" in meta:

@@ -39,7 +39,8 @@ from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
 from aiayn.train.checkpoint import read_checkpoint_state
-from aiayn.train.trainer import Dist, TrainState
+from aiayn.train.parallel import Dist
+from aiayn.train.trainer import TrainState
 from aiayn.weights import checkpoint_dir, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
@@ -62,11 +63,12 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``{"section.key": value}``."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -74,7 +76,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> list[str]:
     """``key: old -> new`` for the keys that differ between two recipes (at most ``limit``)."""
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:limit]] + (["..."] if len(keys) > limit else [])
 

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from aiayn.config import TrainConfig
 
 log = logging.getLogger("aiayn.train")
@@ -93,9 +95,11 @@ class Progress:
         self.write(f"{rate:.2f} updates/s: this run will stop after about {end:,} updates ({limit}), in about "
                    f"{_minutes((end - step) / max(rate, 1e-9))}{gave}")
         if tc.useful_updates is not None and end < tc.useful_updates:
+            # fewer threads help only a run on several (a busy machine's cores are shared)
+            threads = "on a busy machine try --threads 1, " if torch.get_num_threads() > 1 else ""
             log.warning("at this speed the run ends after about %s updates, fewer than the %s this recipe needs to "
-                        "be useful (docs/results.md): on a busy machine try --threads 1, give it more time "
-                        "(--set train.max_minutes=...), or train on a GPU", f"{end:,}", f"{tc.useful_updates:,}")
+                        "be useful (docs/results.md): %sgive it more time (--set train.max_minutes=...), or train on "
+                        "a GPU", f"{end:,}", f"{tc.useful_updates:,}", threads)
         return {"rate": rate, "final_step": end, "expected_bleu": bleu}
 
     def record(self, rec: dict[str, Any]) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aiayn.config import Config, load_config, read_run_config, save_config
-from aiayn.data.pipeline import build_data, fit_model_to_vocab
+from aiayn.config import Config, check_fits_in_memory, load_config, read_run_config, save_config
+from aiayn.data.pipeline import FITTED_KEYS, build_data, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError
@@ -19,8 +19,9 @@ from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
-from aiayn.train.ownership import own_run_dir
-from aiayn.train.trainer import Dist, Trainer, TrainState, init_distributed
+from aiayn.train.ownership import flatten, own_run_dir
+from aiayn.train.parallel import Dist, init_distributed
+from aiayn.train.trainer import Trainer, TrainState, resume_config
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, load_weights, save_weights
 
 log = logging.getLogger("aiayn.train")
@@ -39,6 +40,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
+    check_fits_in_memory(cfg.model)  # likewise a model this machine cannot hold
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart and not resume:  # torchrun --max-restarts restarted the job: go on from its newest checkpoint
         log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
@@ -85,6 +87,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         cfg, init = adopt_init_run(cfg, init_from)
     with own_run_dir(cfg, run_dir, resume, d, device) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
+        if existing:  # checked before any work: what the resume may change, its world size, its time left
+            check_resume_changes(cfg, run_dir)
+            cfg = resume_config(cfg, run_dir, d.world)
         if init is not None and d.main and not existing:  # build_data then loads this tokenizer, trains none
             copy_init_tokenizer(init, run_dir)
         data, tok = build_data(cfg, run_dir, d.main, d.setup_barrier, d.world)
@@ -134,6 +139,28 @@ RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "tr
                "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.")
 
 
+def check_resume_changes(cfg: Config, run_dir: Path) -> None:
+    """A resume of a recipe (``train CONFIG --run-dir RUN --resume``) may change what ``--resume RUN`` may
+    (:data:`RESUME_KEYS`) and nothing else of RUN/config.yaml; one line names the first other key that differs.
+    The model keys fitted to the tokenizer and the accumulation steps (fitted to the world size) are the run's."""
+    try:
+        old = flatten(read_run_config(run_dir).to_dict())
+    except CheckpointError:  # a run from before config.yaml was complete: the checkpoint checks still hold
+        return
+    new = flatten(cfg.to_dict())
+    fitted = {f"model.{k}" for k in FITTED_KEYS} | {"train.accum_steps"}
+    for key in sorted(set(old) | set(new)):
+        if key in fitted or _may_change(key) or old.get(key) == new.get(key):
+            continue
+        raise ConfigError(f"{key}={new.get(key)!r} but {run_dir}/config.yaml has {old.get(key)!r}: a resumed run keeps "
+                          "its model, data and optimizer (aiayn train --help says what a resume may change); train "
+                          "into a new --run-dir to change it")
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_KEYS)
+
+
 def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> TrainState:
     """``aiayn train --resume RUN``: continue RUN with its own config.yaml; ``overrides`` may change only the
     keys of :data:`RESUME_KEYS` (e.g. more updates or minutes), checked before anything is read or written."""
@@ -143,7 +170,7 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
                               "aiayn train CONFIG --run-dir RUN --resume")
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_KEYS):
+        if not _may_change(key):
             raise ConfigError(f"--set {key}: a resumed run keeps its model, data and optimizer; on --resume RUN only "
                               f"these may change: {', '.join(RESUME_KEYS)}")
     return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)

@@ -1,27 +1,62 @@
-"""Validation BLEU during training (``train.eval_bleu``): greedy decoding of the validation sources.
+"""Validation during training: the loss and perplexity of the validation batches (:func:`evaluate_loss`), and
+BLEU (``train.eval_bleu``) from greedy decoding of the validation sources (:func:`validation_bleu_fn`).
 
-It decodes through the id-level :func:`aiayn.search.decode_ids`, exactly as ``aiayn translate --beam 1`` does
+BLEU decodes through the id-level :func:`aiayn.search.decode_ids`, exactly as ``aiayn translate --beam 1`` does
 (the same batches, the run's length limits, ``min_len``, n-gram blocking and banned ids, the tokenizer's
 special ids), so the BLEU the training reports is the BLEU of the translations a user gets from that run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from sacrebleu.metrics import BLEU
+from torch import nn
 
 from aiayn.config import Config
+from aiayn.data.batching import Batch
 from aiayn.data.tokenizer import TokenizerPair
+from aiayn.device import model_device
 from aiayn.search import SearchSpec, decode_ids
+from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.parallel import Dist
+from aiayn.train.update import batch_logits, batch_to_device
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, batches: Sequence[Batch], label_smoothing: float, pad_id: int = 0,
+    dist_info: Dist | None = None, autocast=None,
+) -> dict[str, float]:
+    """Validation loss, NLL per token and perplexity (exp of NLL per token), sharded over processes."""
+    d = dist_info or Dist()
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, device=device)  # loss, nll: read once at the end
+    tokens = 0
+    for batch in batches[d.rank :: d.world]:
+        batch = batch_to_device(batch, device)
+        with autocast or contextlib.nullcontext():
+            logits = batch_logits(model, batch)
+        sums += torch.stack(label_smoothed_cross_entropy(logits, batch.tgt_out, label_smoothing, pad_id))
+        tokens += batch.ntokens
+    model.train(was_training)
+    loss, nll = d.all_reduce_sum(sums).tolist()
+    (tokens,) = d.sum([tokens], device)
+    per_tok = nll / max(tokens, 1)
+    return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
 
 
 def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
                        ) -> Callable[..., dict[str, float]]:
     """A function ``(model, dist=None) -> {"valid_bleu": sacreBLEU}`` that greedy-decodes ``data.valid_src`` (id
     lists without specials) and scores the detokenized output against the decoded ``data.valid_tgt``. With a
-    :class:`~aiayn.train.trainer.Dist` of several processes each decodes every world-th sentence and the
+    :class:`~aiayn.train.parallel.Dist` of several processes each decodes every world-th sentence and the
     hypotheses are gathered, so no process waits on the others inside a collective while one decodes them all
     (every process gets the score). The model is put in eval mode for the decoding and returned to its previous
     mode; the caller's autocast applies."""
@@ -30,8 +65,9 @@ def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
     sources = [list(s)[:limit] for s in data.valid_src]
     refs = [tokenizers.tgt.decode(t) for t in data.valid_tgt]
 
-    def valid_bleu(model, dist: Any = None) -> dict[str, float]:
-        rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    def valid_bleu(model: nn.Module, dist: Dist | None = None) -> dict[str, float]:
+        d = dist or Dist()
+        rank, world = d.rank, d.world
         was_training = model.training
         model.eval()
         try:
@@ -39,19 +75,10 @@ def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
         finally:
             model.train(was_training)
         mine = [tokenizers.tgt.text(h[0].tokens) for h in found]  # as translate() gives them
-        hyps = mine if world == 1 else _gather_strided(mine, world, len(sources))
+        hyps: list[str] = [""] * len(sources)
+        for r, part in enumerate(d.gather_objects(mine)):  # every process's share, back in order
+            hyps[r::world] = part
         return {"valid_bleu": BLEU().corpus_score(hyps, [refs]).score}
 
     return valid_bleu
 
-
-def _gather_strided(mine: list[str], world: int, n: int) -> list[str]:
-    """Every process's ``items[rank::world]`` put back in order on every process (one all-gather)."""
-    import torch.distributed as dist
-
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
-    out: list[str] = [""] * n
-    for rank, part in enumerate(parts):
-        out[rank::world] = part
-    return out

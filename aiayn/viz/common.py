@@ -64,15 +64,17 @@ def show_figures() -> None:
     plt.show()
 
 
-def heatmap(ax, data: np.ndarray, title: str, xlabel: str, ylabel: str, cmap: str = "viridis",
-            symmetric: bool = False, colorbar: bool = True, **kwargs):
-    """imshow of a 2-d array with origin top-left (row 0 at the top, like a printed matrix)."""
+def heatmap(ax, data: np.ndarray, title: str, xlabel: str, ylabel: str, symmetric: bool = False,
+            colorbar: bool = True, **imshow):
+    """imshow of a 2-d array with origin top-left (row 0 at the top, like a printed matrix); ``imshow``: more
+    of its options (``cmap`` viridis unless given)."""
     data = np.asarray(data, dtype=np.float64)
     if symmetric:
         lim = float(np.nanmax(np.abs(data))) or 1.0
-        kwargs.setdefault("vmin", -lim)
-        kwargs.setdefault("vmax", lim)
-    im = ax.imshow(data, cmap=cmap, aspect="auto", interpolation="nearest", **kwargs)
+        imshow.setdefault("vmin", -lim)
+        imshow.setdefault("vmax", lim)
+    imshow.setdefault("cmap", "viridis")
+    im = ax.imshow(data, aspect="auto", interpolation="nearest", **imshow)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -310,6 +310,11 @@ async function init() {
     const name = String(m.run).split(/[\\/]/).filter(Boolean).pop();  // the run's name, not a path of the server
     $("model-info").textContent = `${m.task} model ${name}: ${millions}M parameters, ${m.config.model.n_heads} ` +
       `heads, on ${m.device}`;
+    if (m.config.data.tokenizer === "char") {  // no SentencePiece marks to explain: one label per character
+      $("token-legend").innerHTML = "How to read the labels: each is one character; <b>&#x21b5;</b> is a new " +
+        "line and <b>&#x2423;</b> a space. The model reads one character per step and predicts the next: its " +
+        "rows are labelled <i>input &rarr; predicted</i>.";
+    }
     if (m.task === "lm") {
       $("src-label").textContent = "Prompt";
       $("submit").textContent = "Continue";

@@ -1,0 +1,78 @@
+"""A language model's log-probabilities of given tokens, teacher-forced in one pass: what OpenAI's legacy
+completions return as ``logprobs`` (with ``echo``, the prompt's too), and what lm-evaluation-harness sums for its
+loglikelihood tasks.
+
+Shapes: T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from aiayn.config import DecodeOptions
+from aiayn.decode.generate import TextStream, lm_context
+from aiayn.device import model_device
+from aiayn.engine import kernels
+from aiayn.errors import ConfigError
+from aiayn.run_dir import Run
+from aiayn.search import SearchSpec, sample_list
+
+
+@dataclass
+class TokenScores:
+    """``ids`` with, per position, the model's log-probability of that id given the ids before it (None for the
+    first: nothing predicts it) and the ``top`` most likely ids there with theirs (None for the first)."""
+
+    ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+@torch.no_grad()
+def score_ids(run: Run, ids: Sequence[int], top: int = 0) -> TokenScores:
+    """The log-softmax of the model's logits (temperature 1, nothing filtered) at each of ``ids`` given the ids
+    before it, in one forward pass; ``ids`` must fit the model's context (no sliding window: a window would
+    change what each token is conditioned on)."""
+    ids = [int(i) for i in ids]
+    ctx = lm_context(run.cfg)
+    if not 0 < len(ids) <= ctx:
+        raise ConfigError(f"{len(ids)} tokens to score: the model reads 1 to {ctx} at once (its training block)")
+    device = model_device(run.model)
+    with kernels(device, run.precision):
+        logits = run.model(torch.tensor([ids], device=device))[0, :-1]  # (T-1, V): row t predicts ids[t + 1]
+    logp = logits.float().log_softmax(dim=-1).cpu()
+    chosen = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    best = [[] for _ in chosen]
+    if top > 0 and chosen:
+        values, index = logp.topk(min(top, logp.size(1)), dim=-1)  # (T-1, top)
+        best = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+    return TokenScores(ids, [None, *chosen], [None, *best])
+
+
+def continue_ids(run: Run, ids: Sequence[int], opts: DecodeOptions, max_new_tokens: int) -> list[int]:
+    """Up to ``max_new_tokens`` ids after ``ids`` by :func:`aiayn.search.sample` (``opts``' sampling, or greedy),
+    EOS included when the model ends with it: a client that scores "the next token" gets one, whichever it is."""
+    if max_new_tokens == 0:
+        return []
+    spec = SearchSpec(opts, run.tokenizers.specials)
+    with kernels(model_device(run.model), run.precision):
+        new = sample_list(run.model, list(ids), spec, max_new_tokens, context_limit=lm_context(run.cfg))
+    return new + [spec.eos] if len(new) < max_new_tokens else new  # sample() stops at EOS without giving it
+
+
+def token_texts(run: Run, ids: Sequence[int]) -> tuple[list[str], list[int], str]:
+    """(each id's text, where it starts in the whole text, the whole text) of ``ids`` decoded together: the texts
+    join to the whole text, except an id that adds no text of its own (a special id, a byte of an unfinished
+    character), which is named by its piece and adds nothing."""
+    tok = run.tokenizers.src
+    stream, shown = TextStream(tok), ""
+    texts, offsets = [], []
+    for i in ids:
+        offsets.append(len(shown))
+        piece = stream.add(int(i))
+        shown += piece
+        texts.append(piece or tok.id_to_piece(int(i)))
+    return texts, offsets, shown + stream.finish()
