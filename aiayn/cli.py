@@ -13,9 +13,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from aiayn import __version__
-from aiayn.errors import ConfigError, user_error_message
+from aiayn.errors import ConfigError, one_line, user_error_message
 
 # DecodeOptions fields that the decoding commands take as --flags (one line each in add_decode_options).
 DECODE_FLAGS = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b", "min_len", "nbest", "stop",
@@ -192,6 +193,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_table3(args: argparse.Namespace) -> int:
     from aiayn.table3 import run_table
 
+    if args.threads is not None:
+        args.set = [*args.set, f"train.threads={args.threads}"]
     table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
                       progress=not args.no_progress)
     print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
@@ -268,13 +271,20 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
-def _set_threads(args: argparse.Namespace) -> None:
-    """The CPU threads of an inference command (training chooses its own: train.threads)."""
-    if args.command != "train" and hasattr(args, "threads"):
-        if args.threads is not None and args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        from aiayn.engine import cpu_threads, set_cpu_threads
+# Commands that train pass --threads on as train.threads (a resume keeps the count its checkpoints used).
+TRAINING_COMMANDS = ("train", "table3")
 
+
+def _set_threads(args: argparse.Namespace) -> None:
+    """Every command's ``--threads``, checked the same way (1 to 4,096) before any work; the CPU threads of the
+    other commands set now (training chooses its own: train.threads)."""
+    if not hasattr(args, "threads"):
+        return
+    from aiayn.engine import check_threads, cpu_threads, set_cpu_threads
+
+    if args.threads is not None:
+        check_threads(args.threads)
+    if args.command not in TRAINING_COMMANDS:
         set_cpu_threads(cpu_threads(args.threads))
 
 
@@ -301,6 +311,14 @@ def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
     add_device_options(p)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose usage errors (``--threads abc``, a missing argument) are one line ``aiayn: error: ...`` and
+    exit 2 as every other bad input, not a usage block; ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"aiayn: error: {one_line(message)} ({self.prog} --help lists the options)\n")
+
+
 FIRST_STEPS = """\
 The Transformer of "Attention Is All You Need": train, translate, evaluate, serve, export.
 
@@ -313,8 +331,7 @@ first steps:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiayn", description=FIRST_STEPS,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="aiayn", description=FIRST_STEPS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of bugs")
     parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -372,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override, e.g. data.vocab_size=32000")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "
                    "for a corpus of 32 MB or more, else 1)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
@@ -399,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=None, help="updates per row (default: the base's "
                    "train.max_updates; the big row trains 3x as many, as in the paper)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override on the base")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
     p.set_defaults(func=cmd_table3)
 

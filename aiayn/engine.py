@@ -24,7 +24,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from aiayn.config import LIMITS
 from aiayn.device import resolve_device
+from aiayn.errors import ConfigError
 
 # Attention, eq. (1): the explicit matmul-softmax-matmul (which can also return the probabilities) or PyTorch's
 # fused kernel. Per device type, key lengths up to this many take the explicit path; longer ones (and other
@@ -279,24 +281,34 @@ def cpu_threads(requested: int | None = None) -> int:
     LM as for the 7.6M Multi30k recipe, so the choice depends on the free cores, not on the model's size
     (``python -m benchmarks.threads``: BENCHMARKS.md, 1 against 2 threads, quiet and loaded)."""
     if requested is not None:
-        return requested
+        return check_threads(requested, "--threads")
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
-        return int(env)
+        return check_threads(int(env), "$OMP_NUM_THREADS")
     cores = usable_cores()
     return max(1, min(cores, round(cores - busy_cores())))
+
+
+MAX_THREADS = int(LIMITS["train.threads"])  # one ceiling for every command's --threads, train.threads included
+
+
+def check_threads(threads: int, where: str = "--threads") -> int:
+    """``threads`` when it is a usable thread count (1 to :data:`MAX_THREADS`), else a one-line ConfigError naming
+    ``where`` (each thread is an OS thread: 10,000 of them would start 10,000 threads, not run faster)."""
+    if not 1 <= threads <= MAX_THREADS:
+        raise ConfigError(f"{where} {threads}: expected 1 to {MAX_THREADS:,} CPU threads")
+    return threads
 
 
 def set_cpu_threads(threads: int | None) -> int:
     """Set PyTorch's intra-op CPU threads to ``threads`` (None: leave PyTorch's choice); return the count in use."""
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_threads(threads, "threads"))
     return torch.get_num_threads()
 
 
 __all__ = [
-    "ATTENTION_RULE", "CpuDropout", "attention_path", "compile_regions", "cpu_threads", "kernels",
-    "busy_cores", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention", "use_fused_optimizer",
+    "ATTENTION_RULE", "AttentionKernel", "CpuDropout", "MAX_THREADS", "attention_path", "busy_cores", "check_threads",
+    "compile_regions", "cpu_threads", "kernels", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
+    "use_fused_optimizer",
 ]

@@ -77,6 +77,9 @@ def user_error_message(e: BaseException) -> str | None:
         if e.filename is not None:
             where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
             return one_line(f"{where}: {why}")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no file named: say where the user can act
+            return one_line(f"{why} (free space, or write elsewhere: the command's output, --out or --run-dir, "
+                            "or $TMPDIR for its temporary files)")
         if e.errno in ENVIRONMENT_ERRNOS:
             return one_line(why)
         return None

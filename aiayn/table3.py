@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, ConfigError, load_config
+from aiayn.errors import DataError
 from aiayn.files import atomic_write_json, atomic_write_text, check_writable, lock_holder
 
 log = logging.getLogger("aiayn.table3")
@@ -200,6 +201,83 @@ def _result_path(out: Path, row: Row, seed: int) -> Path:
     return out / "results" / f"{row.name}-seed{seed}.json"
 
 
+# Settings a table's results may differ in: those that never change a row's numbers (where and how fast it runs,
+# what it logs and keeps, where its tokenized corpus lies: a store is keyed by its content), and the updates, which
+# --updates may set per invocation (the big row's shorter run in docs/table3.md); each result keeps its own count
+# and the table shows it. Every other setting of the base is part of every result.
+UNSCORED = ("train.threads", "train.device", "train.log_every", "train.log_to", "train.save_every",
+            "train.keep_last", "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode",
+            "data.prepared", "train.max_updates")
+
+# Every field a result holds, with its JSON type (float: any finite number).
+RESULT_FIELDS: dict[str, type] = {
+    "row": str, "group": str, "change": str, "seed": int, "here": str, "updates": int, "parameters": int,
+    "valid_nll": float, "ppl": float, "bleu": float, "chrf": float, "bleu_signature": str, "beam": int,
+    "wall_s": float}
+
+
+def base_settings(cfg: Config) -> dict[str, Any]:
+    """The settings of a table's base that all its results share, ``key.sub: value`` (JSON values): the base
+    config without :data:`UNSCORED`."""
+    flat: dict[str, Any] = {}
+    for section, values in cfg.to_dict().items():
+        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
+            flat[f"{section}.{key}" if key else section] = value
+    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in UNSCORED}))
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """One ``OUT/results/ROW-seedS.json``, checked whole: UTF-8 JSON, an object with every field of
+    :data:`RESULT_FIELDS` of its type, a known row, and the row and seed its name says. Anything else is a
+    one-line DataError naming the file (the one reader of every result: the runner and the table use it)."""
+    fix = "delete it to train and evaluate that row again"
+    try:
+        rec = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a Table 3 result (not UTF-8 text: byte {e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not a Table 3 result (not JSON: {e.msg} at line {e.lineno}); {fix}") from None
+    except (RecursionError, ValueError):
+        raise DataError(f"{path}: not a Table 3 result (not JSON this reader takes); {fix}") from None
+    if not isinstance(rec, dict):
+        raise DataError(f"{path}: not a Table 3 result (a JSON {type(rec).__name__}, not an object); {fix}")
+    for name, kind in RESULT_FIELDS.items():
+        value = rec.get(name)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            what = "is missing" if name not in rec else f"is not {'a number' if kind is float else kind.__name__}"
+            raise DataError(f"{path}: not a complete Table 3 result (its field {name!r} {what}); {fix}")
+    if rec["row"] not in BY_NAME or path.name != f"{rec['row']}-seed{rec['seed']}.json":
+        raise DataError(f"{path}: holds row {rec['row']!r} seed {rec['seed']}, not the row and seed its name says; "
+                        f"{fix}")
+    if not isinstance(rec.get("base_settings", {}), dict):
+        raise DataError(f"{path}: its field 'base_settings' is not an object; {fix}")
+    return rec
+
+
+def check_result(path: Path, rec: dict[str, Any], settings: dict[str, Any]) -> None:
+    """A one-line DataError naming ``path`` and the first setting where the result ``rec`` was made under other
+    ``settings`` (:func:`base_settings`) than this table's: one table is one base. (A result written before results
+    recorded their settings is taken as it is.)"""
+    theirs = rec.get("base_settings")
+    if theirs is None:
+        return
+    for key in sorted(set(theirs) | set(settings)):
+        if theirs.get(key) != settings.get(key):
+            raise DataError(f"{path}: made with {key}={json.dumps(theirs.get(key))}, this table has "
+                            f"{key}={json.dumps(settings.get(key))}: one table needs one set of settings (use "
+                            "another --out for other settings, or delete the file to train that row again)")
+
+
+def check_results(out: Path, settings: dict[str, Any]) -> None:
+    """Every result in ``out``/results, read (:func:`read_result`) and checked against this table's ``settings``."""
+    for p in sorted((out / "results").glob("*.json")):
+        check_result(p, read_result(p), settings)
+
+
 def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "all", seeds: Sequence[int] = (1,),
               updates: int | None = None, extra: Sequence[str] = (), progress: bool = False) -> dict[str, Any]:
     """Train and evaluate every (row, seed) not done yet into ``out``, then write ``out``/table3.{md,json,png}.
@@ -229,11 +307,15 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         # dataset trains the same tokenizer again per row, from the same text with the same settings).
         extra = [*extra, f"data.prepared={out / 'prepared'}"]
     plans = [(row, seed, row_config(base, row, seed, updates, extra)) for row in chosen for seed in seeds]
+    settings = base_settings(base_cfg)
+    if out.is_dir():  # results of other settings (another --set, a broken file): refused before any work
+        check_results(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     check_writable(out)
     atomic_write_json(out / "table3_base.json", {"base": str(base), "overrides": list(extra), "updates": updates})
 
     for i, (row, seed, cfg) in enumerate(plans, 1):
+        check_results(out, settings)  # another runner on this --out may have written some since
         done = _result_path(out, row, seed)
         if done.exists():
             log.info("table3 %d/%d: %s seed %d done already (%s)", i, len(plans), row.name, seed, done)
@@ -263,22 +345,26 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
             "beam": ev["decode"]["beam"], "train_s": round(state.elapsed_s, 1), "eval_s": ev["wall_s"],
             "wall_s": round(time.perf_counter() - start, 1),
             "threads": read_checkpoint_state(run_dir, list_checkpoints(run_dir)[-1]).get("cpu_threads"),
+            "base_settings": settings,
         }
         atomic_write_json(_result_path(out, row, seed), record)
         log.info("table3 %s seed %d: PPL %.2f, BLEU %.2f (%.0f s)", row.name, seed, record["ppl"], record["bleu"],
                  record["wall_s"])
-    table = collect(out)
+    table = collect(out, settings)
     write_table(table, out)
     return table
 
 
-def collect(out: str | Path) -> dict[str, Any]:
-    """Every result in ``out``/results, grouped by row in the paper's order: per row the seeds' values, their
-    mean, and the paper's numbers (parameters at the paper's sizes computed here)."""
+def collect(out: str | Path, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every result in ``out``/results (each read by :func:`read_result`; with ``settings``, each checked to be of
+    them), grouped by row in the paper's order: per row the seeds' values, their mean, and the paper's numbers
+    (parameters at the paper's sizes computed here)."""
     out = Path(out)
     by_row: dict[str, list[dict[str, Any]]] = {}
     for p in sorted((out / "results").glob("*.json")):
-        rec = json.loads(p.read_text(encoding="utf-8"))
+        rec = read_result(p)
+        if settings is not None:
+            check_result(p, rec, settings)
         by_row.setdefault(rec["row"], []).append(rec)
     rows = []
     for row in ROWS:

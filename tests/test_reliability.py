@@ -440,7 +440,8 @@ def test_an_atomic_write_that_fails_names_the_target_and_leaves_it_as_it_was(tmp
 
 
 @pytest.mark.parametrize("error, code, line", [
-    (OSError(errno.ENOSPC, "No space left on device"), 2, "aiayn: error: No space left on device"),
+    (OSError(errno.ENOSPC, "No space left on device"), 2, "aiayn: error: No space left on device (free space, or "
+     "write elsewhere: the command's output, --out or --run-dir, or $TMPDIR for its temporary files)"),
     (PermissionError(errno.EACCES, "Permission denied", "/x/run"), 2, "aiayn: error: /x/run: Permission denied"),
     (OSError(errno.EROFS, "Read-only file system", "/x/run"), 2, "aiayn: error: /x/run: Read-only file system"),
     (UnicodeDecodeError("utf-8", b"a\xff", 1, 2, "invalid start byte"), 2,

@@ -198,9 +198,9 @@ def test_concurrent_requests_share_model_calls_and_give_the_same_answers(transla
     calls: list[tuple[list[str], int]] = []
     real = translator.search
 
-    def counting(texts, opts, scores=True):
+    def counting(texts, opts, scores=True, **kwargs):
         calls.append((list(texts), opts.beam))
-        return real(texts, opts, scores)
+        return real(texts, opts, scores, **kwargs)
 
     texts = [s for s in SENTENCES if s] + ["b a", "c c c"]
     bodies = [{"text": [t], "beam": 2} for t in texts] + [{"text": [t], "beam": 1} for t in texts[:3]]

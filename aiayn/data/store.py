@@ -216,7 +216,10 @@ class _Writer:
 
     def add(self, encoded: dict[str, Any]) -> None:
         for side in ("src", "tgt"):
-            self.files[side].write(encoded[side].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+            try:
+                self.files[side].write(encoded[side].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+            except OSError as e:  # a full disk: name the store's file, not a bare "No space left on device"
+                raise OSError(e.errno, e.strerror, str(self.directory / f"{self.split}.{side}.bin")) from e
             self.lengths[side].append(encoded[f"{side}_lens"])
         for k in self.stats:
             self.stats[k] += encoded[k]

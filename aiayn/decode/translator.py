@@ -86,15 +86,17 @@ class Translator(LoadedRun):
         return ids, cut
 
     def search(self, texts: Sequence[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1,
-               progress: Callable[[int], None] | None = None) -> list[list[Translation]]:
+               progress: Callable[[int], None] | None = None, stop: Callable[[], bool] | None = None
+               ) -> list[list[Translation]]:
         """Up to ``opts.nbest`` :class:`Translation` per text, best first; [] for an empty text.
         ``first_line`` numbers the warnings of cut texts (a stream passes its position); ``progress`` is called
-        with the number of texts each batch decoded (empty texts count at the start)."""
+        with the number of texts each batch decoded (empty texts count at the start); ``stop`` is asked once per
+        decoding step, and True ends the search with :class:`~aiayn.search.SearchStopped`."""
         ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
         if progress is not None and len(todo) < len(texts):
             progress(len(texts) - len(todo))
-        spec = SearchSpec(opts, self.tokenizers.specials)
+        spec = SearchSpec(opts, self.tokenizers.specials, stop)
         with self.kernels():
             found = decode_ids(self.model, [ids[i] for i in todo], spec, scores, progress)
         out: list[list[Translation]] = [[] for _ in texts]

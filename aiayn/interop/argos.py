@@ -21,18 +21,21 @@ closest aiayn setting; tests/test_argos.py checks that the two agree.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, first_line, require
-from aiayn.files import atomic_write, check_output_dir
+from aiayn.files import LOCK, TMP_SUFFIX, RunLock, check_output_dir, default_file_mode, lock_holder
 from aiayn.interop.card import run_facts
-from aiayn.interop.sentence_splitter import sentence_splitter_onnx
+from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
 from aiayn.model.transformer import Transformer
 
 ARGOS_VERSION = "1.9"  # the package format (metadata fields, minisbd/ directory) argostranslate 1.9-1.11 reads
@@ -97,6 +100,9 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
         sentence_model = Path(sentence_model)
         if sentence_model.suffix != ".onnx" or not sentence_model.is_file():
             raise ConfigError(f"--sentence-model {sentence_model}: not a MiniSBD .onnx model file")
+        problem = onnx_problem(sentence_model.read_bytes())
+        if problem is not None:  # Argos would fail on it at its first translation, far from here
+            raise ConfigError(f"--sentence-model {sentence_model}: {problem}; give a MiniSBD .onnx model file")
     if out.is_dir():
         raise ConfigError(f"{out} is a directory; an Argos package is one .argosmodel file")
     check_output_dir(out, [run_dir], force)
@@ -141,24 +147,65 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
         splitter=(_MODEL_SPLITTER.format(name=sentence_model.name) if sentence_model is not None
                   else _RULE_SPLITTER.format(lang=src)),
     )
-    with tempfile.TemporaryDirectory(prefix=".aiayn-argos-", dir=out.parent if out.parent.is_dir() else None) as d:
-        pkg = Path(d) / name  # the zip holds this one directory, as argospm's packages do
-        (pkg / "minisbd").mkdir(parents=True)
-        (pkg / "model").mkdir()
-        spec.save(str(pkg / "model"))
-        shutil.copy2(sp_model, pkg / "sentencepiece.model")
-        if sentence_model is not None:
-            shutil.copy2(sentence_model, pkg / "minisbd" / sentence_model.name)
-        else:
-            (pkg / "minisbd" / f"{src}.onnx").write_bytes(sentence_splitter_onnx(src))
-        (pkg / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
-        (pkg / "README.md").write_text(readme, encoding="utf-8")
+    with _staging(out, name) as d:
+        try:
+            pkg = d / name  # the zip holds this one directory, as argospm's packages do
+            (pkg / "minisbd").mkdir(parents=True)
+            (pkg / "model").mkdir()
+            spec.save(str(pkg / "model"))
+            shutil.copy2(sp_model, pkg / "sentencepiece.model")
+            if sentence_model is not None:
+                shutil.copy2(sentence_model, pkg / "minisbd" / sentence_model.name)
+            else:
+                (pkg / "minisbd" / f"{src}.onnx").write_bytes(sentence_splitter_onnx(src))
+            (pkg / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+            (pkg / "README.md").write_text(readme, encoding="utf-8")
 
-        def write(tmp: str) -> None:
+            tmp = d / out.name
             with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
                 for path in sorted(pkg.rglob("*")):
                     z.write(path, path.relative_to(d).as_posix())
-
-        atomic_write(out, write)  # the package appears whole or not at all
+            with open(tmp, "rb+") as f:  # its bytes reach the disk before the rename
+                os.fsync(f.fileno())
+            os.chmod(tmp, default_file_mode())
+            os.replace(tmp, out)  # the package appears whole or not at all
+        except OSError as e:  # a full disk names the package, not a temporary of the staging directory
+            if e.filename is None or str(d) in str(e.filename):
+                raise OSError(e.errno, e.strerror or str(e), str(out)) from e
+            raise
     return out
+
+
+@contextlib.contextmanager
+def _staging(out: Path, package: str) -> Iterator[Path]:
+    """A directory beside ``out`` (never in $TMPDIR: the rename into place stays on one file system, and nothing is
+    left where the user does not look) to build the package in, locked while this export runs and removed after.
+    First, what killed exports of ``out`` left there is removed: staging directories nobody holds (``.NAME.*.tmp``,
+    and ``.aiayn-argos-*`` ones of earlier versions that hold this package) and loose ``.NAME.*.tmp`` zips. The
+    folder of ``out`` is created when missing, and removed again if the export fails and leaves it empty."""
+    parent = out.parent
+    created = not parent.exists()
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(f".{glob.escape(out.name)}.*{TMP_SUFFIX}"):
+        if old.is_dir() and (old / LOCK).exists() and lock_holder(old) is None:  # locked at once when made
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.is_file():  # earlier versions wrote the zip loose beside out; this one never does
+            old.unlink(missing_ok=True)
+    for old in parent.glob(".aiayn-argos-*"):
+        if old.is_dir() and (old / package).exists() and lock_holder(old) is None:
+            shutil.rmtree(old, ignore_errors=True)
+    d = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=TMP_SUFFIX, dir=parent))
+    lock = RunLock(d)
+    ok = False
+    try:
+        lock.acquire()
+        lock.write_pid()
+        yield d
+        ok = True
+    finally:
+        lock.release()
+        shutil.rmtree(d, ignore_errors=True)
+        if created and not ok:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 

@@ -49,10 +49,11 @@ from aiayn.search.greedy import greedy_search, score_tokens
 from aiayn.search.processing import LogitsProcessor, filter_top_k, filter_top_p, repeated_ngram_bans
 from aiayn.search.sampling import sample, sample_list, sample_rows, sample_search
 from aiayn.search.sources import decode_batches, decode_ids, search_batch
-from aiayn.search.spec import SearchSpec, max_lengths
+from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
 
 __all__ = [
-    "LENGTH_PENALTIES", "NEG_INF", "STOP_RULES", "Hypothesis", "LogitsProcessor", "SearchSpec", "beam_search",
+    "LENGTH_PENALTIES", "NEG_INF", "STOP_RULES", "Hypothesis", "LogitsProcessor", "SearchSpec", "SearchStopped",
+    "beam_search",
     "decode_batches", "decode_ids", "filter_top_k", "filter_top_p", "greedy_search", "length_penalty_denominator",
     "max_lengths", "model_device", "penalized_score", "repeated_ngram_bans", "sample", "sample_list", "sample_rows",
     "sample_search", "score_tokens", "search_batch",

@@ -161,6 +161,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     offsets = torch.arange(B, device=device)[:, None] * N  # (B, 1) first row of each group; live rows are 0..n-1
     t = 0  # tokens produced so far by every live beam
     while True:
+        spec.check_stop()
         n = scores.size(0)
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (n*N, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)

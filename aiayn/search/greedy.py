@@ -43,6 +43,7 @@ def greedy_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     out_len = torch.zeros(B, dtype=torch.long, device=device)
     t = 0  # tokens produced so far by every live row
     while True:
+        spec.check_stop()
         inp = tokens[:, -1:] if cache is not None else tokens
         logits = process.ban(model.decode(inp, memory, mem_mask, cache)[:, -1]).float()  # (B', V)
         nxt = process.constrain(logits, tokens[:, 1:], t).argmax(dim=-1)  # (B',)

@@ -58,6 +58,9 @@ def filter_top_p(logits: Tensor, p: float | None) -> Tensor:
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more probable tokens
     drop_sorted = mass_before >= p  # the set already reached p without this token
+    # The most probable token always stays: a p below float32's smallest value (1e-46, 1e-300) rounds to 0 in the
+    # comparison, which would drop every token and leave nothing to draw from (softmax of all -inf: NaN).
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, NEG_INF)
 

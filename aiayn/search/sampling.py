@@ -67,6 +67,7 @@ def sample_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     out_lp = torch.zeros(R, device=device)
     t = 0
     while True:
+        spec.check_stop()
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1]).float()  # (R', V)
         process.constrain(logits, tokens[:, 1:], t)
         lprobs = torch.log_softmax(logits, dim=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,10 @@ from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
 from aiayn.data.tokenizer import SpecialIds
+
+
+class SearchStopped(Exception):
+    """A search ended early because its caller asked it to (:attr:`SearchSpec.stop`): no hypotheses."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,13 @@ class SearchSpec:
 
     options: DecodeOptions = field(default_factory=DecodeOptions)
     ids: SpecialIds = field(default_factory=SpecialIds)
+    # Asked once per decoding step: True ends the search with SearchStopped (a server whose clients all went away).
+    stop: Callable[[], bool] | None = field(default=None, compare=False)
+
+    def check_stop(self) -> None:
+        """Raise :class:`SearchStopped` when :attr:`stop` says so (every search calls this once per step)."""
+        if self.stop is not None and self.stop():
+            raise SearchStopped("the search was stopped by its caller")
 
     @classmethod
     def of(cls, specials: SpecialIds | None = None, **options: Any) -> SearchSpec:

@@ -46,6 +46,26 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class RedactKeys(logging.Filter):
+    """Hides an ``api_key`` given in a URL's query string from the access log (LibreTranslate's routes refuse such
+    a request, but uvicorn logs its line, URL included, all the same)."""
+
+    QUERY_KEY = re.compile(r"([?&]api_key=)[^&\s]*", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.QUERY_KEY.sub(r"\1[hidden]", a) if isinstance(a, str) else a
+                                for a in record.args)
+        return True
+
+
+def redact_access_log() -> None:
+    """Install :class:`RedactKeys` on uvicorn's access logger (once per process)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactKeys) for f in access.filters):
+        access.addFilter(RedactKeys())
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """How ``aiayn serve`` runs, checked when built (before the run is loaded or a port is bound)."""
@@ -62,6 +82,7 @@ class ServeOptions:
     allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
     cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
     api_key: str | None = None  # every API request must carry it (aiayn.serve.protocols); None: no key
+    api_key_from: str = "--api-key"  # where the key came from, for the message that refuses it ($AIAYN_API_KEY)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -74,7 +95,7 @@ class ServeOptions:
                 raise ConfigError(f"--allow-host {name!r}: expected a host name or address (or * for any)")
         if self.api_key is not None and (len(self.api_key) < 8 or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):
-            raise ConfigError("--api-key: expected at least 8 printable characters without spaces")
+            raise ConfigError(f"{self.api_key_from}: expected at least 8 printable characters without spaces")
 
     def access(self, bound_host: str):
         """Who may call the server: the loopback names, the bound address when it is not a wildcard, and what
@@ -104,6 +125,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
                      o.api_key)
     config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
+    redact_access_log()
     server = uvicorn.Server(config)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     if not ipaddress.ip_address(bound_host).is_loopback and o.api_key is None:
@@ -154,6 +176,7 @@ def serve_cli(args: argparse.Namespace) -> int:
     """``aiayn serve`` from parsed arguments."""
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
     key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
-                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key)
+                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from)
     return serve(args.run, options)

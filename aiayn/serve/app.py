@@ -2,7 +2,7 @@
 
 ==========================  ========================================================================
 ``GET /``                   the attention explorer page (static/, served by the package, no CDN)
-``GET /health``             {"status": "ok", "queued", "jobs", "calls", "items"} (batcher counters)
+``GET /health``             {"status": "ok", "queued", "jobs", "calls", "items", "cancelled"} (batcher counters)
 ``GET /v1/model``           task, run, device, precision, parameters, config, limits, batching
 ``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
 ``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -56,6 +58,7 @@ from aiayn.serve.schemas import (
     generate_request,
     parse_body,
     read_body,
+    source_tokens,
     translate_request,
 )
 from aiayn.viz.attention import KINDS, attention_data
@@ -84,8 +87,11 @@ class Access:
         if "*" in self.hosts:
             return True
         name = host_header.strip().lower()
-        if name.startswith("["):  # [IPv6]:port
-            name = name[1:].split("]", 1)[0]
+        if name.startswith("["):  # [IPv6] or [IPv6]:port, nothing else after the bracket ("[::1].evil.example")
+            found = re.fullmatch(r"\[([^\]]*)\](?::\d*)?", name)
+            if found is None:
+                return False
+            name = found.group(1)
         elif name.count(":") == 1:
             name = name.split(":", 1)[0]
         return name in self.hosts
@@ -113,9 +119,10 @@ class Guard:
                                                                     "to (aiayn serve --allow-host NAME adds one)")
         elif request.method == "OPTIONS":
             if cors:
-                refusal = Response(status_code=204, headers={**extra, "Access-Control-Allow-Methods": "GET, POST",
-                                                             "Access-Control-Allow-Headers": "Content-Type",
-                                                             "Access-Control-Max-Age": "600"})
+                # Authorization: a page of that origin may send the --api-key as a bearer token
+                refusal = Response(status_code=204, headers={
+                    **extra, "Access-Control-Allow-Methods": "GET, POST",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600"})
             else:
                 refusal = error_response(path, 403, "cors_not_allowed", f"origin {origin!r} may not call this "
                                                                         "server (aiayn serve --cors ORIGIN allows one)")
@@ -239,7 +246,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     async def health(request: Request) -> Response:
         s = svc.batcher.stats
         return JSONResponse({"status": "ok", "queued": svc.batcher.queued, "jobs": s.jobs, "calls": s.calls,
-                             "items": s.items, "uptime_s": round(time.time() - started, 3)})
+                             "items": s.items, "cancelled": s.cancelled, "uptime_s": round(time.time() - started, 3)})
 
     async def model_info(request: Request) -> Response:
         check_key(request, api_key)
@@ -261,22 +268,26 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         return JSONResponse({"translations": [translation_json(h) for h in found],
                              "options": dataclasses.asdict(opts)})
 
-    async def run_translation(texts: list[str], opts) -> tuple[list[list[Translation]], Any]:
+    async def run_translation(texts: list[str], opts, seeds: list[int] | None = None, field: str = "text",
+                              cancelled: threading.Event | None = None) -> tuple[list[list[Translation]], Any]:
         """Translate ``texts`` through the batcher (merged with concurrent requests of the same options);
-        returns the hypotheses of each text and the options used. A text too long for the model is a 413."""
+        returns the hypotheses of each text and the options used. A text too long for the model is a 413 naming
+        ``field[i]`` (the request's own name of its texts). ``seeds``: one seeded draw per text, each decoded alone
+        (a seeded draw must not depend on its batch) but all in one job, so one request takes one queue place.
+        ``cancelled`` (a stream's): once set, the search stops at its next step if no other request shares it."""
+        stop = svc.batcher.call_cancelled
         tr: Translator = svc.model
         opts = opts.replace(max_tokens=budget)
-        cost = 0
-        for i, text in enumerate(texts):
-            n = len(tr.tokenizers.src.encode(text)) if text.strip() else 0
-            if n > tr.max_source_tokens:
-                raise ApiError(413, "line_too_long", f"text[{i}]: {n} tokens, the model takes at most "
-                                                     f"{tr.max_source_tokens} (its positions, less the EOS)")
-            cost += n + 1 if n else 0
-        cost *= opts.nbest if opts.sample else opts.beam
+        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * (opts.nbest if opts.sample else opts.beam)
+        if seeds is not None:
+            draws = [opts.replace(sample=True, seed=seed) for seed in seeds]
+            found = await svc.batcher.run(None, list(zip(texts, draws)), max(cost, 1), lambda items: [
+                tr.search([text], o, scores=True, stop=stop)[0] for text, o in items], cancelled)
+            return found, opts
         # Seeded draws must not depend on who else is in the batch: such requests run alone.
         group = None if opts.sample and opts.seed is not None else ("translate", dataclasses.astuple(opts))
-        found = await svc.batcher.run(group, texts, max(cost, 1), lambda items: tr.search(items, opts, scores=True))
+        found = await svc.batcher.run(group, texts, max(cost, 1),
+                                      lambda items: tr.search(items, opts, scores=True, stop=stop), cancelled)
         return found, opts
 
     async def generate(request: Request) -> Response:

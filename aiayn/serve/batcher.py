@@ -55,6 +55,7 @@ class Job:
     run: Callable[[list[Any]], list[Any]]
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event | None = None  # set when its client went away (a stream: aiayn.serve.streams)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Stats:
     calls: int = 0
     items: int = 0
     largest_call: int = 0  # jobs merged into one call, at most
+    cancelled: int = 0  # streamed answers stopped because their client went away (aiayn.serve.streams)
 
 
 MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share its model call
@@ -91,6 +93,7 @@ class Batcher:
         self.max_queue = max_queue
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
+        self._current: list[Job] = []  # the jobs of the model call running now (worker thread)
         self._running = 0
         self._held = False
         self._closing = False
@@ -116,9 +119,15 @@ class Batcher:
         return job.future
 
     async def run(self, group: Hashable | None, items: Sequence[Any], cost: int,
-                  fn: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        """Queue a job and await its results (on the event loop)."""
-        return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn)))
+                  fn: Callable[[list[Any]], list[Any]], cancelled: threading.Event | None = None) -> list[Any]:
+        """Queue a job and await its results (on the event loop); ``cancelled``: set when its client went away."""
+        return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn, cancelled=cancelled)))
+
+    def call_cancelled(self) -> bool:
+        """Whether every job of the model call running now was cancelled by its client (then the call may stop:
+        a search asks this once per decoding step, :attr:`aiayn.search.SearchSpec.stop`). Worker thread only."""
+        jobs = self._current
+        return bool(jobs) and all(j.cancelled is not None and j.cancelled.is_set() for j in jobs)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -196,16 +205,19 @@ class Batcher:
         self.stats.calls += 1
         self.stats.items += len(items)
         self.stats.largest_call = max(self.stats.largest_call, len(jobs))
+        self._current = jobs
         try:
             results = jobs[0].run(items)
             if len(results) != len(items):
                 raise RuntimeError(f"batch function returned {len(results)} results for {len(items)} items")
         except Exception as e:  # the model failed: every request of the call gets the error, the worker goes on
-            if not isinstance(e, UserError):
+            if not isinstance(e, UserError) and not self.call_cancelled():  # stopped for clients gone: no failure
                 log.exception("model call failed (%d requests, %d items)", len(jobs), len(items))
             for job in jobs:
                 job.future.set_exception(e)
             return
+        finally:
+            self._current = []
         start = 0
         for job in jobs:
             job.future.set_result(results[start : start + len(job.items)])

@@ -38,26 +38,28 @@ carry it, as ``Authorization: Bearer KEY`` (OpenAI's clients, aiayn's own ``/v1/
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import json
+import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
-from aiayn.errors import UserError, one_line
+from aiayn.errors import ConfigError, UserError, one_line
 from aiayn.serve.batcher import Closed, QueueFull
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
 from aiayn.serve.markup import join_html, split_html
-from aiayn.serve.schemas import ApiError, parse_body, read_body
+from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
 from aiayn.serve.scores import MAX_LOGPROBS, check_scored, encode_with_specials, scored_choice, tokenizer_info
+from aiayn.serve.streams import EventStream
 
 FORM_PATHS = ("/translate", "/languages", "/detect")  # LibreTranslate's clients post forms, not JSON
 LIBRE_PATHS = (*FORM_PATHS, "/frontend/settings", "/suggest", "/translate_file")  # LibreTranslate's error shape
@@ -139,6 +141,18 @@ async def _libre_fields(request: Request, svc) -> dict[str, Any]:
     return params
 
 
+def _libre_key(request: Request, fields: dict[str, Any], key: str | None) -> None:
+    """LibreTranslate's ``api_key`` field: a string in the body (JSON or form), or 403. A key in the URL's query
+    string is refused even where it is right (400): URLs end up in access logs, proxies and browser histories."""
+    if "api_key" in request.query_params:
+        raise LibreError(400, "api_key: send it in the request body (JSON or form), not in the URL, which logs keep")
+    given = fields.get("api_key")
+    if given is not None and not isinstance(given, str):
+        raise LibreError(400, f"api_key: expected a string, got {type(given).__name__}")
+    if not key_matches(given, key):
+        raise LibreError(403, "Invalid API key")
+
+
 def _libre(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         try:
@@ -171,15 +185,13 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
 
     async def languages(request: Request) -> Response:
         fields = await _libre_fields(request, svc)
-        if not key_matches(fields.get("api_key"), key):
-            raise LibreError(403, "Invalid API key")
+        _libre_key(request, fields, key)
         need_translation()
         return JSONResponse([{"code": src, "name": language_name(src), "targets": [tgt]}])
 
     async def translate(request: Request) -> Response:
         fields = await _libre_fields(request, svc)
-        if not key_matches(fields.get("api_key"), key):
-            raise LibreError(403, "Invalid API key")
+        _libre_key(request, fields, key)
         need_translation()
         # Other fields (LibreTranslate's `secret`, a client's extras) are not read, as LibreTranslate ignores them.
         for name in ("q", "source", "target"):
@@ -216,12 +228,14 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
             opts = opts.replace(nbest=alternatives + 1, beam=max(opts.beam, alternatives + 1))
         if fmt == "html":  # the text nodes of every document in one call, the markup kept
             docs = [split_html(t) for t in texts]
+            for i, (_, doc_nodes) in enumerate(docs):  # a text node too long for the model: named by its q[i]
+                source_tokens(svc.model, doc_nodes, f"q[{i}] text node")
             nodes = [node for _, doc_nodes in docs for node in doc_nodes]
             found, _ = await run_translation(nodes, opts) if nodes else ([], None)
             out = iter(h[0].text if h else "" for h in found)
             best = [join_html(parts, [next(out) for _ in doc_nodes]) for parts, doc_nodes in docs]
         else:
-            found, _ = await run_translation(texts, opts)
+            found, _ = await run_translation(texts, opts, field="q")
             best = [h[0].text if h else "" for h in found]
         body: dict[str, Any] = {"translatedText": best[0] if single else best}
         if source == "auto":
@@ -236,8 +250,7 @@ def libre_routes(svc, run_translation, key: str | None) -> list[Route]:
         """LibreTranslate's ``/detect``: a translation model reads one language, so that is the answer (at
         confidence 100): no detection is run."""
         fields = await _libre_fields(request, svc)
-        if not key_matches(fields.get("api_key"), key):
-            raise LibreError(403, "Invalid API key")
+        _libre_key(request, fields, key)
         need_translation()
         q = fields.get("q")
         if q in (None, "", []):
@@ -314,6 +327,7 @@ class Completion:
     logprobs: int | None = None  # top log-probabilities per token (None: no logprobs object)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     sample_asked: bool = False  # temperature or top_p given: a translation run samples only then
+    options: DecodeOptions | None = None  # the decoding options, checked before any answer (completion_options)
 
     @property
     def scored(self) -> bool:
@@ -413,6 +427,31 @@ def completion_request(body: dict[str, Any], limits) -> Completion:
                       bool(options and options.get("include_usage")), asked)
 
 
+def completion_options(c: Completion, base: DecodeOptions, language_model: bool) -> Completion:
+    """``c`` with its decoding options on the run's ``base``. A language model samples at ``temperature`` > 0 (0:
+    greedy); a translation run keeps its own search unless the request asks for sampling (``c.sample_asked`` and a
+    ``temperature`` > 0: OpenAI's default temperature of 1 does not count). ``top_p`` below 1 filters a draw. Every
+    sampling number goes through :class:`DecodeOptions`, the one validator of the command line, the recipes and
+    every route, whether this request samples or not; one it refuses (``top_p`` 0, a ``temperature`` below 1e-6)
+    is a 400 naming the field, before any streamed 200 is sent."""
+    top_p = c.top_p if c.top_p < 1 else None
+    sample = c.temperature > 0 and (language_model or c.sample_asked)
+    overrides: dict[str, Any] = {}
+    if sample:
+        overrides.update(sample=True, temperature=c.temperature, top_p=top_p)
+    elif language_model:
+        overrides.update(sample=False, top_p=top_p)
+    if language_model:
+        overrides["max_new_tokens"] = c.max_tokens
+    try:
+        base.replace(temperature=c.temperature, top_p=top_p)  # checked even where the run's own search ignores them
+        return dataclasses.replace(c, options=base.replace(**overrides))
+    except ConfigError as e:
+        message = str(e).removeprefix("decode.")
+        param = next((p for p in ("temperature", "top_p") if message.startswith(p)), None)
+        raise OpenAIError(400, message, param=param, code="out_of_range") from None
+
+
 class StopScan:
     """Text pieces in, the part that is final out: cut at the first stop string, and hold back a tail that may
     still become one (a stream must never show text that a stop sequence would have removed)."""
@@ -441,17 +480,20 @@ class CompletionText:
     """One completion's text as a language model's pieces come (its tokens' text, then the held-back tail):
     cut at its stop strings, each final part passed to ``emit`` (a stream) as soon as it is final."""
 
-    def __init__(self, c: Completion, emit: Callable[[str], None] | None) -> None:
+    def __init__(self, c: Completion, emit: Callable[[str], None] | None,
+                 cancelled: threading.Event | None = None) -> None:
         self.scan, self.emit, self.limit = StopScan(c.stop), emit, c.max_tokens
+        self.cancelled = cancelled  # set when a streamed answer's client went away (aiayn.serve.streams)
         self.parts: list[str] = []
         self.pieces = 0
 
     @property
     def done(self) -> bool:
-        return self.scan.stopped
+        """Whether no more pieces are wanted: a stop string was reached, or the client went away."""
+        return self.scan.stopped or (self.cancelled is not None and self.cancelled.is_set())
 
     def add(self, piece: str) -> None:
-        if self.scan.stopped:
+        if self.done:
             return
         self.pieces += 1
         self._out(self.scan.add(piece))
@@ -511,14 +553,14 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         from aiayn.decode.generate import prompt_ids
 
         gen = svc.model
-        opts = gen.options(None, sample=c.temperature > 0, temperature=max(c.temperature, 1e-6),
-                           top_p=c.top_p if c.top_p < 1 else None, seed=seed, max_new_tokens=c.max_tokens)
-        return gen.stream(prompt, opts), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
+        return gen.stream(prompt, c.options.replace(seed=seed)), len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
 
-    def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None) -> dict[str, Any]:
+    def run_one(prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None,
+                cancelled: threading.Event | None) -> dict[str, Any]:
         """Generate one completion by a language model alone (worker thread; the sliding window when the text
-        outgrows the context); ``emit`` gets each final piece as it comes."""
-        out = CompletionText(c, emit)
+        outgrows the context); ``emit`` gets each final piece as it comes; ``cancelled`` stops it at the next
+        token (the generator decodes one token per piece asked for)."""
+        out = CompletionText(c, emit, cancelled)
         pieces, prompt_tokens = lm_pieces(prompt, c, seed)
         for piece in pieces:
             out.add(piece)
@@ -526,20 +568,19 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                 break
         return out.result(prompt_tokens)
 
-    def run_lm(items: list[tuple[str, int | None, Completion, Any]]) -> list[dict[str, Any]]:
+    def run_lm(items: list[tuple[str, int | None, Completion, Any, Any]]) -> list[dict[str, Any]]:
         """Completions of concurrent requests by a language model in one batch (worker thread): items are
-        (prompt, seed, request, emit or None); rows too long for a batch (they need the sliding window) run
-        alone. Each row's text, stop and token count are what :func:`run_one` gives it alone."""
+        (prompt, seed, request, emit or None, cancelled event or None); rows too long for a batch (they need the
+        sliding window) run alone. Each row's text, stop and token count are what :func:`run_one` gives it alone.
+        The batch decodes until every row is done: ended, stopped, or cancelled by its client."""
         from aiayn.decode.generate import fits_in_batch, prompt_ids, stream_rows
 
         gen = svc.model
         results: list[dict[str, Any] | None] = [None] * len(items)
-        rows = [k for k, (p, _, c, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
+        rows = [k for k, (p, _, c, _, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
         if rows:
-            c0 = items[rows[0]][2]  # one group: the same temperature and top_p
-            opts = gen.options(None, sample=c0.temperature > 0, temperature=max(c0.temperature, 1e-6),
-                               top_p=c0.top_p if c0.top_p < 1 else None)
-            outs = [CompletionText(items[k][2], items[k][3]) for k in rows]
+            opts = items[rows[0]][2].options  # one group: the same temperature and top_p
+            outs = [CompletionText(items[k][2], items[k][3], items[k][4]) for k in rows]
             for pieces in stream_rows(gen.run, [items[k][0] for k in rows], opts,
                                       [items[k][2].max_tokens for k in rows], [items[k][1] for k in rows]):
                 for out, piece in zip(outs, pieces):
@@ -549,32 +590,29 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
                     break
             for out, k in zip(outs, rows):
                 results[k] = out.result(len(prompt_ids(gen.cfg, gen.tokenizers.src, items[k][0])))
-        for k, (p, seed, c, emit) in enumerate(items):  # after the batch: those that need the window
+        for k, (p, seed, c, emit, cancelled) in enumerate(items):  # after the batch: those that need the window
             if results[k] is None:
-                results[k] = run_one(p, c, seed, emit)
+                results[k] = run_one(p, c, seed, emit, cancelled)
         return results
 
-    async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]]) -> list[dict[str, Any]]:
+    async def translate_choices(c: Completion, jobs: list[tuple[int, str, int | None]],
+                                cancelled: threading.Event | None = None) -> list[dict[str, Any]]:
         """Every choice of a completion on a translation run: the run's own search (every choice of a prompt is
         the same translation, decoded once) unless the request asks for sampling (a temperature > 0, or a top_p,
         given: OpenAI's default temperature of 1 does not count, since its clients send none), through the
-        batcher."""
+        batcher; ``cancelled`` (a stream's) stops the search at its next step once the client went away."""
         tr = svc.model
-        base = tr.cfg.decode.replace(nbest=1)
+        base = c.options.replace(nbest=1)  # completion_options: the run's own search unless sampling is asked
         if not (c.sample_asked and c.temperature > 0):
             prompts = list(dict.fromkeys(p for _, p, _ in jobs))
-            found, _ = await run_translation(prompts, base)
+            found, _ = await run_translation(prompts, base, cancelled=cancelled)
             by_prompt = dict(zip(prompts, found))
             hyps = [by_prompt[p] for _, p, _ in jobs]
         else:
-            def draw(seed: int | None):
-                return base.replace(sample=True, temperature=c.temperature, seed=seed,
-                                    top_p=c.top_p if c.top_p < 1 else None)
-            if c.seed is None:  # unseeded draws: one call for all, each row its own draw
-                hyps, _ = await run_translation([p for _, p, _ in jobs], draw(None))
-            else:  # a seeded draw must not depend on its batch: each runs alone (run_translation's rule)
-                calls = await asyncio.gather(*(run_translation([p], draw(seed)) for _, p, seed in jobs))
-                hyps = [found[0] for found, _ in calls]
+            # unseeded draws: one call for all, each row its own draw; seeded ones: one job whose draws each run
+            # alone (a seeded draw must not depend on its batch), so the request's n choices take one queue place
+            seeds = None if c.seed is None else [seed for _, _, seed in jobs]
+            hyps, _ = await run_translation([p for _, p, _ in jobs], base, seeds=seeds, cancelled=cancelled)
         out = []
         for (_, prompt, _), h in zip(jobs, hyps):
             scan = StopScan(c.stop)
@@ -588,9 +626,8 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         gen = svc.model
         out = []
         for prompt, seed, c in items:
-            opts = gen.options(None, sample=c.temperature > 0, temperature=max(c.temperature, 1e-6),
-                               top_p=c.top_p if c.top_p < 1 else None, seed=seed)
-            out.append(scored_choice(gen.run, prompt, opts, c.max_tokens, c.echo, c.logprobs))
+            out.append(scored_choice(gen.run, prompt, c.options.replace(seed=seed), c.max_tokens, c.echo,
+                                     c.logprobs))
         return out
 
     def check_model(body: dict[str, Any]) -> None:
@@ -608,7 +645,8 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
             what = "token-id prompts" if ids else "echo and logprobs"
             raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
                               code="unsupported")
-        if translation:
+        if translation:  # a prompt too long for the model: 413 prompt[i], before a stream's 200
+            source_tokens(svc.model, c.prompts, "prompt")
             return
         from aiayn.decode.generate import check_prompt_fits, prompt_ids
 
@@ -636,6 +674,9 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         if svc.task == "summarization":
             raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
                                    "a translation run", code="wrong_task")
+        # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
+        # prompt must not fail the others in its batch) and before a stream's 200.
+        c = completion_options(c, svc.model.cfg.decode, language_model=svc.task == "lm")
         check_prompts(c)
         rid, when = shape.new_id(), int(time.time())
         jobs = choices_for(c)
@@ -646,13 +687,12 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
             elif c.scored:
                 results = await svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs), run_scored)
             else:
-                results = await svc.batcher.run(lm_group(c), [(p, s, c, None) for _, p, s in jobs],
+                results = await svc.batcher.run(lm_group(c), [(p, s, c, None, None) for _, p, s in jobs],
                                                 lm_cost(c, jobs), run_lm)
             return JSONResponse({"id": rid, "object": shape.object, "created": when, "model": model_id,
                                  "choices": [shape.choice(i, r) for r, (i, _, _) in zip(results, jobs)],
                                  "usage": usage_of(c, results, jobs)})
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = EventStream(svc.batcher.stats)  # the one cancellation path of streamed answers
 
         def event(body: dict[str, Any]) -> bytes:
             return ("data: " + json.dumps(body, ensure_ascii=False) + "\n\n").encode("utf-8")
@@ -665,50 +705,37 @@ def openai_routes(svc, run_translation, key: str | None) -> list[Route]:
         for index, _, _ in jobs:
             opening = shape.opening(index)
             if opening is not None:
-                queue.put_nowait(chunk(opening))
+                stream.push(chunk(opening))
 
         def text_chunk(index: int, text: str) -> None:  # worker thread: each final piece of a choice's text
             text = filters[index](text)
             if text:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk(shape.delta(index, text, None)))
+                stream.push(chunk(shape.delta(index, text, None)))
 
         async def generated() -> list[dict[str, Any]]:  # each token as it is decoded, from a shared batch
-            items = [(prompt, seed, c, lambda t, i=index: text_chunk(i, t)) for index, prompt, seed in jobs]
+            items = [(prompt, seed, c, lambda t, i=index: text_chunk(i, t), stream.cancelled)
+                     for index, prompt, seed in jobs]
             return await svc.batcher.run(lm_group(c), items, lm_cost(c, jobs), run_lm)
 
         async def translated() -> list[dict[str, Any]]:  # a translation is decoded whole: one event per choice
-            results = await translate_choices(c, jobs)
+            results = await translate_choices(c, jobs, stream.cancelled)
             for r, (index, _, _) in zip(results, jobs):
-                text = filters[index](r["text"])
-                if text:
-                    queue.put_nowait(chunk(shape.delta(index, text, None)))
+                text_chunk(index, r["text"])
             return results
 
         async def answered() -> None:
             results = await (translated() if translation else generated())
             for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
-                queue.put_nowait(chunk(shape.delta(index, "", r["finish_reason"])))
+                stream.push(chunk(shape.delta(index, "", r["finish_reason"])))
             if c.include_usage:  # OpenAI's last chunk: no choices, the usage of the whole request
-                queue.put_nowait(event({"id": rid, "object": shape.chunk_object, "created": when, "model": model_id,
-                                        "choices": [], "usage": usage_of(c, results, jobs)}))
+                stream.push(event({"id": rid, "object": shape.chunk_object, "created": when, "model": model_id,
+                                   "choices": [], "usage": usage_of(c, results, jobs)}))
 
-        future = asyncio.ensure_future(answered())
-        future.add_done_callback(lambda f: queue.put_nowait(None))
+        def error_event(e: BaseException) -> bytes:  # the headers are sent: say it in the stream, as OpenAI does
+            return event({"error": {"message": one_line(f"{type(e).__name__}: {e}"), "type": "server_error",
+                                    "param": None, "code": None}})
 
-        async def events():
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                yield item
-            if future.exception() is not None:  # the headers are sent: say it in the stream, as OpenAI does
-                e = future.exception()
-                yield event({"error": {"message": one_line(f"{type(e).__name__}: {e}"), "type": "server_error",
-                                       "param": None, "code": None}})
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await stream.response(answered(), error_event)
 
     async def completions(request: Request) -> Response:
         authorize(request)

@@ -189,6 +189,20 @@ def string_field(body: dict[str, Any], name: str, limits: Limits, required: bool
     return _text(body[name], name, limits)
 
 
+def source_tokens(translator: Any, texts: list[str], field: str = "text") -> list[int]:
+    """The source tokens of each text (0 for an empty one), or a 413 ``line_too_long`` naming ``field[i]`` (the
+    request's own name for its texts) for one longer than the model's positions: checked before the request is
+    queued, and so before a streamed answer sends its 200."""
+    out = []
+    for i, text in enumerate(texts):
+        n = len(translator.tokenizers.src.encode(text)) if text.strip() else 0
+        if n > translator.max_source_tokens:
+            raise ApiError(413, "line_too_long", f"{field}[{i}]: {n} tokens, the model takes at most "
+                                                 f"{translator.max_source_tokens} (its positions, less the EOS)")
+        out.append(n)
+    return out
+
+
 def translate_request(body: dict[str, Any], base: DecodeOptions, limits: Limits) -> tuple[list[str], DecodeOptions]:
     """(texts, options) of ``POST /v1/translate``."""
     _check_fields(body, ("text",) + CLIENT_OPTIONS, "translate")
