@@ -8,6 +8,7 @@ is imported until a subcommand runs, so ``aiayn --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import traceback
@@ -18,14 +19,13 @@ from typing import NoReturn
 from aiayn import __version__
 from aiayn.errors import ConfigError, one_line, user_error_message
 
-# DecodeOptions fields that the decoding commands take as --flags (one line each in add_decode_options).
-DECODE_FLAGS = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b", "min_len", "nbest", "stop",
-                "no_repeat_ngram", "sample", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "max_tokens")
-
 
 def decode_overrides(args: argparse.Namespace) -> dict:
     """The decoding options given on the command line (None = the run's value), by DecodeOptions field name."""
-    return {k: getattr(args, k) for k in DECODE_FLAGS if getattr(args, k, None) is not None}
+    from aiayn.config import DecodeOptions
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(DecodeOptions)
+            if getattr(args, f.name, None) is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -289,25 +289,21 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
-    """The --flags of DecodeOptions (default None: the run's ``decode`` section), and the device options."""
-    if search:
-        p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's, paper: 4)")
-        p.add_argument("--alpha", type=float, help="length penalty alpha (paper: 0.6)")
-        p.add_argument("--length-penalty", choices=["gnmt", "power", "none"],
-                       help="gnmt: score/((5+|Y|)/6)^alpha (paper); power: score/|Y|^alpha (fairseq, HF)")
-        p.add_argument("--max-len-a", type=float, help="at most a * source length + b decoding steps (paper: 1)")
-        p.add_argument("--max-len-b", type=int, help="(paper: 50)")
-        p.add_argument("--min-len", type=int, help="no EOS before this many tokens")
-        p.add_argument("--nbest", type=int, help="hypotheses per input (at most the beam; sampling: draws)")
-        p.add_argument("--stop", choices=["exact", "hf"], help="beam stopping rule (exact: never early; hf: HF's)")
-        p.add_argument("--sample", action="store_true", default=None,
-                       help="draw tokens (--temperature, --top-k, --top-p, --seed) instead of searching")
-        p.add_argument("--max-tokens", type=int, help="token budget of one decoding batch (default: by device)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, help="sample among the k most probable tokens")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set with probability mass >= p")
-    p.add_argument("--seed", type=int, help="seed of the draws (repeatable sampling)")
-    p.add_argument("--no-repeat-ngram", type=int, metavar="N", help="never repeat an n-gram of the output (0: off)")
+    """The --flags of DecodeOptions, built from its fields' ``flag`` metadata (default None: the run's ``decode``
+    section; ``search`` False: only those of commands that do not search, e.g. generate), and the device options."""
+    from aiayn.config import DecodeOptions
+
+    for f in dataclasses.fields(DecodeOptions):
+        meta = f.metadata.get("flag")
+        if meta is None or (meta.search and not search):
+            continue
+        kind = str(f.type).replace(" | None", "")
+        name = "--" + f.name.replace("_", "-")
+        if kind == "bool":
+            p.add_argument(name, action="store_true", default=None, help=meta.help)
+        else:
+            p.add_argument(name, type={"int": int, "float": float, "str": str}[kind], choices=meta.choices,
+                           metavar=meta.metavar, help=meta.help)
     add_device_options(p)
 
 
@@ -330,12 +326,7 @@ first steps:
   aiayn COMMAND --help                                   each command's options"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="aiayn", description=FIRST_STEPS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of bugs")
-    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model from a YAML recipe (or continue a run: --resume RUN)")
     p.add_argument("config", nargs="?", help="YAML recipe, or a preset name (paper-base, multi30k_en_de_quick, ...)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
@@ -349,9 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain lines: loss, speed, ETA)")
     p.set_defaults(func=cmd_train)
 
+
+def _add_presets(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("presets", help="list the recipes (presets) aiayn train takes by name, one line each")
     p.set_defaults(func=cmd_presets)
 
+
+def _add_translate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("translate", help="translate text, one sentence per line (streams)",
                        description="Reads one sentence per line (--input or stdin; interactive on a terminal), "
                                    "writes one record per line (--output or stdout), chunk by chunk.")
@@ -370,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p)
     p.set_defaults(func=cmd_translate)
 
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF of a translation run, ROUGE of summaries, perplexity of an LM")
     p.add_argument("run", help=RUN_HELP)
     p.add_argument("--split", default=None, help="a split of the run's dataset, e.g. test_2016_flickr")
@@ -380,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p)
     p.set_defaults(func=cmd_evaluate)
 
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize a translation corpus once into a memory-mapped store",
                        description="Trains the tokenizer on a sample and encodes the train and valid pairs into DIR "
                                    "(flat token arrays + offsets); train from it with --set data.prepared=DIR.")
@@ -392,16 +391,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.set_defaults(func=cmd_prepare)
 
+
+def _add_average(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
     p.add_argument("run", help="run directory with checkpoints (checkpoints/step_*.safetensors)")
     p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the latest checkpoints (default 5)")
     p.set_defaults(func=cmd_average)
 
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="what a run did: updates, time, tokens/s, valid NLL, its evaluations")
     p.add_argument("run", help="run directory, results/ copy of one, or a metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(func=cmd_report)
 
+
+def _add_table3(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("table3", help="the paper's Table 3: train and evaluate each variation of a base recipe",
                        description="Trains every chosen row of Table 3 (heads and d_k, d_k, depth and widths, "
                                    "dropout and label smoothing, learned positions, big) as a change of BASE, "
@@ -421,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
     p.set_defaults(func=cmd_table3)
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
     p.add_argument("run", help="language-model run directory (e.g. trained from lm_tinyshakespeare_char)")
     p.add_argument("--prompt", default="", help="text to continue (default: none, from the start token)")
@@ -429,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p, search=False)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_summarize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("summarize", help="summarize documents, one per line (or a .jsonl file's documents)")
     p.add_argument("run", help="summarization run directory (xsum_lm or xsum_seq2seq)")
     p.add_argument("--input", default=None, help="one document per line, or .jsonl rows with a 'document' field")
@@ -437,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
 
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a run to CTranslate2, as a Hugging Face Marian directory or as an "
                                       "Argos Translate package")
     p.add_argument("engine", choices=["ctranslate2", "hf", "argos"],
@@ -450,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace out_dir whatever it holds")
     p.set_defaults(func=cmd_export)
 
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("import", help="make a run from a Hugging Face Marian model (OPUS-MT): a Hub id or a directory",
                        description="Converts a Marian model (weights, tokenizers, generation settings) into a run "
                                    "directory that translate, evaluate, serve and --init-from use. A Hub id (e.g. "
@@ -462,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace RUN whatever it holds")
     p.set_defaults(func=cmd_import)
 
+
+def _add_viz(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask",
                        description="Draws one figure to a PNG and prints each path it writes. attention writes "
                                    "three files, one per kind of attention: --out X.png gives X_encoder.png, "
@@ -487,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="attention: where the model runs")
     p.set_defaults(func=cmd_viz)
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="HTTP API (translate, generate, attention) and an attention explorer page")
     from aiayn.serve import add_serve_options  # stdlib only: --help stays fast
 
@@ -494,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: train the quick recipe, evaluate, show translations")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/demo; a finished one is evaluated, "
                                                    "an unfinished one resumed)")
@@ -501,6 +520,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                     "train.max_minutes=10")
     p.add_argument("--config", default=None, help="recipe to train (default multi30k_en_de_quick)")
     p.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-parser per command, each built by its own function above."""
+    parser = OneLineParser(prog="aiayn", description=FIRST_STEPS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of bugs")
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_presets, _add_translate, _add_evaluate, _add_prepare, _add_average, _add_report,
+                _add_table3, _add_generate, _add_summarize, _add_export, _add_import, _add_viz, _add_serve,
+                _add_demo):
+        add(sub)
     return parser
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-LENGTH_PENALTIES = ("gnmt", "power", "none")
-STOP_RULES = ("exact", "hf")
+from aiayn.config import LENGTH_PENALTIES, STOP_RULES  # noqa: F401 - the names the searches check, defined once
+
 NEG_INF = float("-inf")
 
 
