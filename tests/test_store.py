@@ -1,5 +1,7 @@
-"""The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back memory-mapped; a changed input
-or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused."""
+"""The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back by position; a changed input
+or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused; a
+damaged store is refused in one line by training and rebuilt by ``aiayn prepare``; concurrent prepares build
+once."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def make(tmp_path, out, seed=0, overrides=(), gz=False):
     return prepare_corpus(file_config(train, valid, overrides), out, workers=1), train, valid
 
 
-def test_the_store_holds_the_tokenizers_ids_memory_mapped(tmp_path):
+def test_the_store_holds_the_tokenizers_ids(tmp_path):
     store, train, _ = make(tmp_path, tmp_path / "store", gz=True)
     tok = TokenizerPair.load(store.tokenizer_dir)
     split = store.splits["train"]
@@ -81,7 +83,7 @@ def test_a_truncated_file_and_a_foreign_directory_are_refused(tmp_path):
     make(tmp_path, out)
     data = (out / "train.src.bin").read_bytes()
     (out / "train.src.bin").write_bytes(data[:-4])
-    with pytest.raises(DataError, match="does not match its manifest"):
+    with pytest.raises(DataError, match=r"truncated or damaged\): rebuild it: aiayn prepare CONFIG --out"):
         open_store(out)
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -200,6 +202,8 @@ def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_onl
 
 def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path, monkeypatch):
     """A restart from a prepared store does not read the whole corpus again to find it unchanged."""
+    import time
+
     from aiayn.data import datasets
 
     monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
@@ -208,6 +212,7 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
     monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
     f = tmp_path / "corpus.txt"
     f.write_text("one\ntwo\n", encoding="utf-8")
+    time.sleep(datasets.RACY_NS * 1.5 / 1e9)  # an entry taken right after a change is not trusted (racy)
     first = datasets.sha256_known(f)
     assert datasets.sha256_known(f) == first == real(f) and len(hashed) == 1  # the second read nothing
     f.write_text("one\ntwo\nthree\n", encoding="utf-8")  # another size
@@ -269,3 +274,140 @@ def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path
     epochs = [e for e, _ in planned]
     assert epochs == sorted(set(epochs)) and epochs[0] == 0  # each epoch planned once, in order
     assert planned[0][1] == 0 and all(n >= 1 for _, n in planned[1:])  # the next: after the first update
+
+
+# --- store safety: damaged stores, concurrent and failed prepares, the input-hash cache ------------------------
+
+
+def _swap_offsets(out):
+    idx = np.fromfile(out / "train.src.idx", dtype="<i8")
+    idx[5], idx[6] = idx[6], idx[5]
+    idx.tofile(out / "train.src.idx")
+
+
+def _id_past_vocab(out):
+    ids = np.fromfile(out / "train.tgt.bin", dtype="<u2")
+    ids[7] = json.loads((out / MANIFEST).read_text())["tgt_vocab_size"]
+    ids.tofile(out / "train.tgt.bin")
+
+
+def _manifest_without_valid(out):
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["splits"]["valid"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+DAMAGES = {
+    "truncated": (lambda out: (out / "train.src.bin").write_bytes((out / "train.src.bin").read_bytes()[:-2]),
+                  "train.src.bin: .* bytes where its offsets need"),
+    "swapped offsets": (_swap_offsets, "train.src.idx: its offsets are not non-decreasing"),
+    "id past the vocabulary": (_id_past_vocab, "train.tgt.bin: holds id .*, past the vocabulary"),
+    "missing split file": (lambda out: (out / "valid.tgt.bin").unlink(), "valid.tgt.bin: missing"),
+    "manifest without a split": (_manifest_without_valid, "manifest.json: names no valid split"),
+}
+
+
+def _snapshot(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prepare(tmp_path, capsys, damage):
+    from aiayn.cli import main
+
+    out = tmp_path / "store"
+    _, train, valid = make(tmp_path, out)
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    hurt, message = DAMAGES[damage]
+    hurt(out)
+    before = _snapshot(out)
+    capsys.readouterr()
+    run = tmp_path / "run"
+    assert main(["train", "tiny_reverse", "--run-dir", str(run), *sets, "--set", f"data.prepared={out}",
+                 "--no-progress"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "aiayn: " in line or "Traceback" in line]
+    assert len(err) == 1 and err[0].startswith("aiayn: error: "), err
+    assert f"aiayn prepare CONFIG --out {out}" in err[0]
+    import re
+
+    assert re.search(message, err[0]), err[0]
+    assert not run.exists() and _snapshot(out) == before  # refused before any work: nothing written, nothing lost
+    assert main(["prepare", "tiny_reverse", "--out", str(out), *sets]) == 0  # the fix the line names works
+    store = open_store(out, ("train", "valid"))
+    assert len(store.splits["train"]) == 1499 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_two_concurrent_prepares_build_one_complete_store(tmp_path):
+    """Two ``aiayn prepare --out X`` at once: one builds under the store's lock, the other waits and opens it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    train = write_pairs(tmp_path, "train", 1500, 0)
+    valid = write_pairs(tmp_path, "valid", 60, 100)
+    out = tmp_path / "new" / "store"
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root, "AIAYN_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "tiny_reverse", "--out", str(out), *sets],
+                              env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in results]
+    built = sum(e.count("on a sample of at most") for _, e in results)
+    assert built == 1, [e for _, e in results]  # one tokenizer trained: one build
+    store = open_store(out, ("train", "valid"))
+    assert len(store.splits["train"]) == 1499 and len(store.splits["valid"]) == 59
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".aiayn-store", ".aiayn-store.lock"]
+
+
+def test_a_killed_build_is_never_trusted_and_a_failed_prepare_leaves_no_new_folder(tmp_path):
+    from aiayn.data.store import MARKER
+
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    stale = out / ".build.killed.tmp"  # what a builder killed mid-way leaves: its staging directory...
+    stale.mkdir()
+    (stale / "train.src.bin").write_bytes(b"\0" * 64)
+    (out / MANIFEST).unlink()  # ...or, killed while moving its files in, no manifest
+    with pytest.raises(DataError, match="not a prepared corpus"):
+        open_store(out)
+    make(tmp_path, out)  # rebuilt, the leftovers removed
+    assert not stale.exists() and open_store(out, ("train", "valid"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    cfg = file_config((empty, empty), (empty, empty))
+    new = tmp_path / "a" / "b" / "store"
+    with pytest.raises(DataError):
+        prepare_corpus(cfg, new, workers=1)
+    assert not (tmp_path / "a").exists()  # nor its parents this call made
+    assert (out / MARKER).exists()
+
+
+def test_the_input_hash_cache_is_not_fooled_by_an_edit_that_restores_the_modification_time(tmp_path, monkeypatch):
+    import time
+
+    from aiayn.data import datasets
+
+    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    hashed = []
+    real = datasets.sha256_file
+    monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "corpus.txt"
+    f.write_text("one\ntwo\n", encoding="utf-8")
+    st = f.stat()
+    time.sleep(datasets.RACY_NS * 1.5 / 1e9)  # past the racy window: the entry is trusted
+    first = datasets.sha256_known(f)
+    assert datasets.sha256_known(f) == first and len(hashed) == 1
+    f.write_text("uno\ndos\n", encoding="utf-8")  # same size...
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ...and the modification time put back
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert datasets.sha256_known(f) == real(f) != first and len(hashed) == 2
+    racy = tmp_path / "racy.txt"  # hashed within the racy window of its last change: hashed again next time
+    racy.write_text("x", encoding="utf-8")
+    datasets.sha256_known(racy)
+    datasets.sha256_known(racy)
+    assert len(hashed) == 4
+
