@@ -1,7 +1,7 @@
 """The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back by position; a changed input
 or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused; a
 damaged store is refused in one line by training and rebuilt by ``aiayn prepare``; concurrent prepares build
-once."""
+once; the batch collation of a store equals the id-list collation."""
 
 from __future__ import annotations
 
@@ -411,3 +411,25 @@ def test_the_input_hash_cache_is_not_fooled_by_an_edit_that_restores_the_modific
     datasets.sha256_known(racy)
     assert len(hashed) == 4
 
+def test_collating_a_store_flat_gives_the_batches_of_collating_its_id_lists(tmp_path):
+    """The vectorized collation (one read per run of adjacent pairs, numpy padding) equals :func:`collate` of the
+    same pairs read one by one, for shuffled, adjacent and repeated pairs, with and without padded shapes."""
+    from aiayn.data.batching import batch_shape, collate, collate_flat
+
+    store, _, _ = make(tmp_path, tmp_path / "store")
+    split = store.splits["train"]
+    rng = np.random.default_rng(0)
+    batches = [rng.permutation(len(split))[:40], np.arange(100, 130), np.array([5, 6, 7, 3, 4, 900, 5]),
+               np.array([len(split) - 1]), rng.permutation(len(split))[:300]]
+    for indices in batches:
+        s, t = split.pairs(indices.tolist())
+        s_flat, t_flat = split.src.gather(indices), split.tgt.gather(indices)
+        assert s_flat[0].tolist() == [i for x in s for i in x] and t_flat[1].tolist() == [len(y) for y in t]
+        shapes = [None, batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], 4096, 8),
+                  batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], 1 << 14, 1, (16, 32, 64, 128))]
+        for shape in shapes:
+            a = collate(s, t, indices.tolist(), 0, 2, 3, shape=shape)
+            b = collate_flat(s_flat, t_flat, indices.tolist(), 0, 2, 3, shape=shape)
+            for x, y in ((a.src, b.src), (a.tgt_in, b.tgt_in), (a.tgt_out, b.tgt_out)):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+            assert a.ntokens == b.ntokens and a.indices == b.indices

@@ -22,6 +22,7 @@ from aiayn.data.batching import (
     EagerPlan,
     batch_shape,
     collate,
+    collate_flat,
     lm_batches,
     lm_blocks,
     plan_batches,
@@ -176,12 +177,20 @@ class TranslationData:
 
     def _collate(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
                  indices: list[int]) -> Batch:
+        sp = self.specials
+        gather = getattr(src, "gather", None)
+        if gather is not None:  # a prepared store: a batch's ids read flat and padded with numpy
+            s_flat, t_flat = gather(np.asarray(indices, dtype=np.int64)), tgt.gather(np.asarray(indices, np.int64))
+            shape = None
+            if self._padded:
+                shape = batch_shape((s_flat[1] + 1).tolist(), (t_flat[1] + 1).tolist(), self.max_tokens,
+                                    self.pad_to_multiple, self.buckets)
+            return collate_flat(s_flat, t_flat, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
         s, t = [src[i] for i in indices], [tgt[i] for i in indices]
         shape = None
         if self._padded:  # tensor widths: + EOS on the source, + BOS / EOS on the target
             shape = batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], self.max_tokens,
                                 self.pad_to_multiple, self.buckets)
-        sp = self.specials
         return collate(s, t, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
 
 
