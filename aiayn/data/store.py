@@ -253,8 +253,9 @@ def _rebuild_hint(path: Path) -> str:
 def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | None:
     """What makes a manifest unusable (its shape, or a split ``need`` names that it lacks), None when nothing."""
     splits = manifest.get("splits")
-    if manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int):
-        return "its dtype or vocab_size is missing or wrong"
+    sizes = [manifest.get(k, 1) for k in ("src_vocab_size", "tgt_vocab_size")] + [manifest.get("vocab_size")]
+    if manifest.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
+        return "its dtype or vocabulary sizes are missing or wrong"
     if not isinstance(splits, dict) or not all(isinstance(i, dict) and isinstance(i.get("pairs"), int)
                                                and i["pairs"] >= 0 for i in splits.values()):
         return "its splits are missing or malformed"
