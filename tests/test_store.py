@@ -338,29 +338,46 @@ def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prep
     assert len(store.splits["train"]) == 1499 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_two_concurrent_prepares_build_one_complete_store(tmp_path):
-    """Two ``aiayn prepare --out X`` at once: one builds under the store's lock, the other waits and opens it."""
+def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_store(tmp_path):
+    """A subprocess ``aiayn prepare --out X`` while this test builds X under the store's lock (as a concurrent
+    prepare, training rank or table3 runner would): it says it waits, then opens the complete store, building
+    nothing (no tokenizer trained), and the store holds no temporaries."""
     import subprocess
     import sys
+    import time
     from pathlib import Path
+
+    from aiayn.data.pipeline import pair_sources
+    from aiayn.data.store import LOCK, MARKER, _build, store_key
+    from aiayn.files import file_lock
 
     train = write_pairs(tmp_path, "train", 1500, 0)
     valid = write_pairs(tmp_path, "valid", 60, 100)
-    out = tmp_path / "new" / "store"
+    cfg = file_config(train, valid)
+    out = tmp_path / "store"
+    out.mkdir()
     sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
                          f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": root, "AIAYN_CACHE_DIR": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "tiny_reverse", "--out", str(out), *sets],
-                              env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e for _, e in results]
-    built = sum(e.count("on a sample of at most") for _, e in results)
-    assert built == 1, [e for _, e in results]  # one tokenizer trained: one build
+    log = tmp_path / "prepare.log"
+    with file_lock(out / LOCK):
+        (out / MARKER).write_text("x")
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "tiny_reverse", "--out", str(out),
+                                     *sets], env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        for _ in range(1200):  # until it blocks on the lock (a poll, not a timing assertion)
+            if "waiting for the process" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert f"(pid {os.getpid()}) that prepares it" in log.read_text(), log.read_text()
+        sources, inputs = pair_sources(cfg)
+        _build(cfg, out, store_key(cfg, inputs, None), sources, inputs, None, 1)
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert "on a sample of at most" not in log.read_text()  # it built nothing: it used this one's store
     store = open_store(out, ("train", "valid"))
     assert len(store.splits["train"]) == 1499 and len(store.splits["valid"]) == 59
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".aiayn-store", ".aiayn-store.lock"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [MARKER, LOCK]
 
 
 def test_a_killed_build_is_never_trusted_and_a_failed_prepare_leaves_no_new_folder(tmp_path):
