@@ -406,7 +406,9 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
     manifest = read_manifest(out)
     if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
         try:
-            return open_store(out, need)
+            store = open_store(out, need)
+            if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
+                return store
         except DataError as e:
             if not rebuild_damaged:
                 raise
