@@ -379,11 +379,15 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize a translation corpus once into a memory-mapped store",
+    p = sub.add_parser("prepare", help="tokenize a translation corpus once into a token store",
                        description="Trains the tokenizer on a sample and encodes the train and valid pairs into DIR "
-                                   "(flat token arrays + offsets); train from it with --set data.prepared=DIR.")
+                                   "(flat token-id files + offsets, read by position); train from it with --set "
+                                   "data.prepared=DIR. Safe to run several at once on one DIR (one builds, under a "
+                                   "lock); a damaged store is rebuilt.")
     p.add_argument("config", help="YAML recipe, or a preset name")
-    p.add_argument("--out", required=True, metavar="DIR", help="the store's directory (new, empty, or a store)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the store's directory (new, empty, or a store: reused when its inputs and settings match "
+                   "and its files check out, else rebuilt)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override, e.g. data.vocab_size=32000")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "

@@ -214,9 +214,9 @@ class DataConfig:
     # and summarization). When set, each batch gets update_tokens // (processes x train.accum_steps) and max_tokens
     # is not used, so 8 GPUs train with the same batch as 1 GPU with accum_steps 8.
     update_tokens: int | None = None
-    # A directory holding the corpus tokenized once into memory-mapped arrays (aiayn prepare CONFIG --out DIR;
-    # translation). Training then reads batches from it lazily: memory independent of the corpus size. When it
-    # holds nothing yet, or a store of other inputs or settings, the training prepares it first.
+    # A directory holding the corpus tokenized once into flat token-id files (aiayn prepare CONFIG --out DIR;
+    # translation). Training then reads batches from it lazily, by position: memory independent of the corpus
+    # size. When it holds nothing yet, or a store of other inputs or settings, the training prepares it first.
     prepared: str | None = None
     max_len: int | None = None  # drop longer pairs; None: the model's max_positions
     block_size: int = 256  # language modelling: tokens per training block

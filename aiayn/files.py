@@ -191,6 +191,53 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a lock file removed or replaced meanwhile does not)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], None] | None = None
+              ) -> Iterator[None]:
+    """Hold a blocking ``flock`` on the file ``path``: exclusive for a writer (the file is created if missing, in
+    an existing directory), ``shared`` for readers (the file must exist), who then see no writer at work.
+    ``waiting(holder)`` is called when another process holds it (``holder``: the pid the exclusive holder wrote,
+    or "?"), before blocking. A lock file removed while we waited is opened again (FileNotFoundError when its
+    directory is gone too: a failed writer removed what it had made)."""
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    path = Path(path)
+    while True:
+        fd: int | None = os.open(path, os.O_RDONLY) if shared else os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting is not None:
+                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    waiting(holder if holder.isdigit() else "?")
+                fcntl.flock(fd, mode)
+            if not _names(path, fd):  # opened again (FileNotFoundError when its directory went too)
+                os.close(fd)
+                fd = None
+                continue
+            if not shared:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            yield
+            return
+        finally:
+            if fd is not None:
+                os.close(fd)  # closing the descriptor releases the flock
+
+
 class RunLock:
     """The exclusive ``flock`` on RUN/.aiayn-run.lock; :meth:`acquire` fails at once when another process holds it."""
 
@@ -221,11 +268,7 @@ class RunLock:
             raise CheckpointError(f"{self.path.parent}: in use by another aiayn process{who}; wait for it to end "
                                   "or choose another --run-dir") from None
         # The path must still name the file we locked: a start that failed meanwhile may have removed it.
-        try:
-            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
+        if not _names(self.path, fd):
             os.close(fd)
             raise CheckpointError(f"{self.path.parent}: changed while this process started; try again")
         self.fd = fd
@@ -308,4 +351,4 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
 
 __all__ = ["LOCK", "MARKER", "RunLock", "atomic_write", "atomic_write_bytes", "atomic_write_json",
            "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable", "default_file_mode",
-           "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]
+           "file_lock", "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]

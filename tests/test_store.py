@@ -1,5 +1,7 @@
-"""The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back memory-mapped; a changed input
-or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused."""
+"""The prepared token store (aiayn.data.store): ids equal the tokenizer's, read back by position; a changed input
+or setting is never served from a stale store; an incomplete store is rebuilt; a foreign directory is refused; a
+damaged store is refused in one line by training and rebuilt by ``aiayn prepare``; concurrent prepares build
+once; the batch collation of a store equals the id-list collation."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def make(tmp_path, out, seed=0, overrides=(), gz=False):
     return prepare_corpus(file_config(train, valid, overrides), out, workers=1), train, valid
 
 
-def test_the_store_holds_the_tokenizers_ids_memory_mapped(tmp_path):
+def test_the_store_holds_the_tokenizers_ids(tmp_path):
     store, train, _ = make(tmp_path, tmp_path / "store", gz=True)
     tok = TokenizerPair.load(store.tokenizer_dir)
     split = store.splits["train"]
@@ -81,7 +83,7 @@ def test_a_truncated_file_and_a_foreign_directory_are_refused(tmp_path):
     make(tmp_path, out)
     data = (out / "train.src.bin").read_bytes()
     (out / "train.src.bin").write_bytes(data[:-4])
-    with pytest.raises(DataError, match="does not match its manifest"):
+    with pytest.raises(DataError, match=r"truncated or damaged\): rebuild it: aiayn prepare CONFIG --out"):
         open_store(out)
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -200,6 +202,8 @@ def test_two_ranks_train_on_disjoint_shares_that_cover_the_epoch_and_collate_onl
 
 def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path, monkeypatch):
     """A restart from a prepared store does not read the whole corpus again to find it unchanged."""
+    import time
+
     from aiayn.data import datasets
 
     monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
@@ -208,6 +212,7 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
     monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
     f = tmp_path / "corpus.txt"
     f.write_text("one\ntwo\n", encoding="utf-8")
+    time.sleep(datasets.RACY_NS * 1.5 / 1e9)  # an entry taken right after a change is not trusted (racy)
     first = datasets.sha256_known(f)
     assert datasets.sha256_known(f) == first == real(f) and len(hashed) == 1  # the second read nothing
     f.write_text("one\ntwo\nthree\n", encoding="utf-8")  # another size
@@ -269,3 +274,179 @@ def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path
     epochs = [e for e, _ in planned]
     assert epochs == sorted(set(epochs)) and epochs[0] == 0  # each epoch planned once, in order
     assert planned[0][1] == 0 and all(n >= 1 for _, n in planned[1:])  # the next: after the first update
+
+
+# --- store safety: damaged stores, concurrent and failed prepares, the input-hash cache ------------------------
+
+
+def _swap_offsets(out):
+    idx = np.fromfile(out / "train.src.idx", dtype="<i8")
+    idx[5], idx[6] = idx[6], idx[5]
+    idx.tofile(out / "train.src.idx")
+
+
+def _id_past_vocab(out):
+    ids = np.fromfile(out / "train.tgt.bin", dtype="<u2")
+    ids[7] = json.loads((out / MANIFEST).read_text())["tgt_vocab_size"]
+    ids.tofile(out / "train.tgt.bin")
+
+
+def _manifest_without_valid(out):
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["splits"]["valid"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+DAMAGES = {
+    "truncated": (lambda out: (out / "train.src.bin").write_bytes((out / "train.src.bin").read_bytes()[:-2]),
+                  "train.src.bin: .* bytes where its offsets need"),
+    "swapped offsets": (_swap_offsets, "train.src.idx: its offsets are not non-decreasing"),
+    "id past the vocabulary": (_id_past_vocab, "train.tgt.bin: holds id .*, past the vocabulary"),
+    "missing split file": (lambda out: (out / "valid.tgt.bin").unlink(), "valid.tgt.bin: missing"),
+    "manifest without a split": (_manifest_without_valid, "manifest.json: names no valid split"),
+}
+
+
+def _snapshot(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prepare(tmp_path, capsys, damage):
+    from aiayn.cli import main
+
+    out = tmp_path / "store"
+    _, train, valid = make(tmp_path, out)
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    hurt, message = DAMAGES[damage]
+    hurt(out)
+    before = _snapshot(out)
+    capsys.readouterr()
+    run = tmp_path / "run"
+    assert main(["train", "tiny_reverse", "--run-dir", str(run), *sets, "--set", f"data.prepared={out}",
+                 "--no-progress"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "aiayn: " in line or "Traceback" in line]
+    assert len(err) == 1 and err[0].startswith("aiayn: error: "), err
+    assert f"aiayn prepare CONFIG --out {out}" in err[0]
+    import re
+
+    assert re.search(message, err[0]), err[0]
+    assert not run.exists() and _snapshot(out) == before  # refused before any work: nothing written, nothing lost
+    assert main(["prepare", "tiny_reverse", "--out", str(out), *sets]) == 0  # the fix the line names works
+    store = open_store(out, ("train", "valid"))
+    assert len(store.splits["train"]) == 1499 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_store(tmp_path):
+    """A subprocess ``aiayn prepare --out X`` while this test builds X under the store's lock (as a concurrent
+    prepare, training rank or table3 runner would): it says it waits, then opens the complete store, building
+    nothing (no tokenizer trained), and the store holds no temporaries."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from aiayn.data.pipeline import pair_sources
+    from aiayn.data.store import LOCK, MARKER, _build, store_key
+    from aiayn.files import file_lock
+
+    train = write_pairs(tmp_path, "train", 1500, 0)
+    valid = write_pairs(tmp_path, "valid", 60, 100)
+    cfg = file_config(train, valid)
+    out = tmp_path / "store"
+    out.mkdir()
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root, "AIAYN_CACHE_DIR": str(tmp_path / "cache")}
+    log = tmp_path / "prepare.log"
+    with file_lock(out / LOCK):
+        (out / MARKER).write_text("x")
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "tiny_reverse", "--out", str(out),
+                                     *sets], env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        for _ in range(1200):  # until it blocks on the lock (a poll, not a timing assertion)
+            if "waiting for the process" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert f"(pid {os.getpid()}) that prepares it" in log.read_text(), log.read_text()
+        sources, inputs = pair_sources(cfg)
+        _build(cfg, out, store_key(cfg, inputs, None), sources, inputs, None, 1)
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert "on a sample of at most" not in log.read_text()  # it built nothing: it used this one's store
+    store = open_store(out, ("train", "valid"))
+    assert len(store.splits["train"]) == 1499 and len(store.splits["valid"]) == 59
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [MARKER, LOCK]
+
+
+def test_a_killed_build_is_never_trusted_and_a_failed_prepare_leaves_no_new_folder(tmp_path):
+    from aiayn.data.store import MARKER
+
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    stale = out / ".build.killed.tmp"  # what a builder killed mid-way leaves: its staging directory...
+    stale.mkdir()
+    (stale / "train.src.bin").write_bytes(b"\0" * 64)
+    (out / MANIFEST).unlink()  # ...or, killed while moving its files in, no manifest
+    with pytest.raises(DataError, match="not a prepared corpus"):
+        open_store(out)
+    make(tmp_path, out)  # rebuilt, the leftovers removed
+    assert not stale.exists() and open_store(out, ("train", "valid"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    cfg = file_config((empty, empty), (empty, empty))
+    new = tmp_path / "a" / "b" / "store"
+    with pytest.raises(DataError):
+        prepare_corpus(cfg, new, workers=1)
+    assert not (tmp_path / "a").exists()  # nor its parents this call made
+    assert (out / MARKER).exists()
+
+
+def test_the_input_hash_cache_is_not_fooled_by_an_edit_that_restores_the_modification_time(tmp_path, monkeypatch):
+    import time
+
+    from aiayn.data import datasets
+
+    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    hashed = []
+    real = datasets.sha256_file
+    monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
+    f = tmp_path / "corpus.txt"
+    f.write_text("one\ntwo\n", encoding="utf-8")
+    st = f.stat()
+    time.sleep(datasets.RACY_NS * 1.5 / 1e9)  # past the racy window: the entry is trusted
+    first = datasets.sha256_known(f)
+    assert datasets.sha256_known(f) == first and len(hashed) == 1
+    f.write_text("uno\ndos\n", encoding="utf-8")  # same size...
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ...and the modification time put back
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert datasets.sha256_known(f) == real(f) != first and len(hashed) == 2
+    racy = tmp_path / "racy.txt"  # hashed within the racy window of its last change: hashed again next time
+    racy.write_text("x", encoding="utf-8")
+    datasets.sha256_known(racy)
+    datasets.sha256_known(racy)
+    assert len(hashed) == 4
+
+def test_collating_a_store_flat_gives_the_batches_of_collating_its_id_lists(tmp_path):
+    """The vectorized collation (one read per run of adjacent pairs, numpy padding) equals :func:`collate` of the
+    same pairs read one by one, for shuffled, adjacent and repeated pairs, with and without padded shapes."""
+    from aiayn.data.batching import batch_shape, collate, collate_flat
+
+    store, _, _ = make(tmp_path, tmp_path / "store")
+    split = store.splits["train"]
+    rng = np.random.default_rng(0)
+    batches = [rng.permutation(len(split))[:40], np.arange(100, 130), np.array([5, 6, 7, 3, 4, 900, 5]),
+               np.array([len(split) - 1]), rng.permutation(len(split))[:300]]
+    for indices in batches:
+        s, t = split.pairs(indices.tolist())
+        s_flat, t_flat = split.src.gather(indices), split.tgt.gather(indices)
+        assert s_flat[0].tolist() == [i for x in s for i in x] and t_flat[1].tolist() == [len(y) for y in t]
+        shapes = [None, batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], 4096, 8),
+                  batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], 1 << 14, 1, (16, 32, 64, 128))]
+        for shape in shapes:
+            a = collate(s, t, indices.tolist(), 0, 2, 3, shape=shape)
+            b = collate_flat(s_flat, t_flat, indices.tolist(), 0, 2, 3, shape=shape)
+            for x, y in ((a.src, b.src), (a.tgt_in, b.tgt_in), (a.tgt_out, b.tgt_out)):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+            assert a.ntokens == b.ntokens and a.indices == b.indices

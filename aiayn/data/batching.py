@@ -251,6 +251,44 @@ def collate(
     return Batch(src, tgt_in, tgt_out, ntokens, list(indices))
 
 
+def _pad_rows(flat: np.ndarray, lens: np.ndarray, rows: int, width: int, pad_id: int, before: int | None,
+              after: int | None) -> np.ndarray:
+    """(rows, width) int64: row b = [before] + flat's b-th run of lens[b] ids + [after], right-padded with
+    ``pad_id`` (``before`` / ``after`` None: left out). One masked assignment for the whole batch."""
+    lead = before is not None
+    longest = int(lens.max()) + lead + (after is not None) if len(lens) else 0
+    if width < longest or rows < len(lens):
+        raise ValueError(f"collate: {len(lens)} sequences of up to {longest} ids do not fit ({rows}, {width})")
+    out = np.full((rows, width), pad_id, dtype=np.int64)
+    body = out[: len(lens), int(lead):]
+    body[np.arange(body.shape[1]) < lens[:, None]] = flat  # row-major: each row's first lens[b] places, in order
+    if lead:
+        out[: len(lens), 0] = before
+    if after is not None:
+        out[np.arange(len(lens)), lens + lead] = after
+    return out
+
+
+def collate_flat(src: tuple[np.ndarray, np.ndarray], tgt: tuple[np.ndarray, np.ndarray], indices: Sequence[int],
+                 pad_id: int = PAD_ID, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
+                 shape: tuple[int | None, int, int] | None = None) -> Batch:
+    """:func:`collate` of sequences given flat: ``src`` = (ids back to back (N,), lengths (B,)), ``tgt`` the
+    same; padded with numpy, a few array operations per batch whatever its size. The same Batch as
+    :func:`collate` of the same id lists (tests/test_store.py)."""
+    (s_ids, s_lens), (t_ids, t_lens) = src, tgt
+    if not len(s_lens) == len(t_lens) == len(indices):
+        raise ValueError("collate: src_ids, tgt_ids and indices must have the same length")
+    rows, S, T = shape if shape is not None else (None, None, None)
+    rows = len(indices) if rows is None else rows
+    S = (int(s_lens.max()) + 1 if len(s_lens) else 0) if S is None else S
+    T = (int(t_lens.max()) + 1 if len(t_lens) else 0) if T is None else T
+    src_ = torch.from_numpy(_pad_rows(s_ids, s_lens, rows, S, pad_id, None, eos_id))  # (B, S)
+    tgt_in = torch.from_numpy(_pad_rows(t_ids, t_lens, rows, T, pad_id, bos_id, None))  # (B, T)
+    tgt_out = torch.from_numpy(_pad_rows(t_ids, t_lens, rows, T, pad_id, None, eos_id))  # (B, T)
+    ntokens = int((tgt_out != pad_id).sum())
+    return Batch(src_, tgt_in, tgt_out, ntokens, list(indices))
+
+
 def lm_blocks(
     ids: torch.Tensor, block_size: int, seed: int = 1, epoch: int = 0, shuffle: bool = True
 ) -> torch.Tensor:

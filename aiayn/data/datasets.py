@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -126,24 +127,34 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+HASH_CACHE = "hashes.json"
+RACY_NS = 100_000_000  # a change this close to a hash may share the file's ctime tick (coarse clocks): not trusted
+
+
 def sha256_known(path: str | Path) -> str:
-    """sha256 of a corpus file, remembered in ``cache_dir()/hashes.json`` with its size and modification time
-    (ns): a training that starts again from a prepared store does not read gigabytes of unchanged text to learn
-    that it is unchanged. A file whose size or time differs is hashed again; an unwritable cache only costs
-    the hashing."""
+    """sha256 of a corpus file, remembered in ``cache_dir()/hashes.json`` (``$AIAYN_CACHE_DIR``, default
+    ``~/.cache/aiayn``) with the file's size, modification and change times (ns) and inode: a training that starts
+    again from a prepared store does not read gigabytes of unchanged text to learn that it is unchanged. Any
+    difference hashes the file again. The change time (ctime) is set by the kernel at every write and cannot be
+    set back, so an edit that restores the modification time is still seen; an entry recorded within
+    :data:`RACY_NS` of the file's last change is not trusted (a later write could fall in the same clock tick),
+    as git treats its "racily clean" entries. An unwritable cache only costs the hashing."""
     path = Path(path).resolve()
     st = path.stat()
-    book = cache_dir() / "hashes.json"
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+    book = cache_dir() / HASH_CACHE
     try:
         known = json.loads(book.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         known = {}
     entry = known.get(str(path)) if isinstance(known, dict) else None
-    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+    if (isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items())
+            and entry.get("hashed_ns", 0) - st.st_ctime_ns > RACY_NS):
         return str(entry["sha256"])
+    hashed_ns = time.time_ns()  # taken before reading: a write during the hashing makes the entry racy
     digest = sha256_file(path)
     known = {k: v for k, v in known.items() if os.path.exists(k)} if isinstance(known, dict) else {}  # no stale
-    known[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    known[str(path)] = {**stamp, "hashed_ns": hashed_ns, "sha256": digest}
     try:
         book.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(book, known)

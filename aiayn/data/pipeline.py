@@ -22,6 +22,7 @@ from aiayn.data.batching import (
     EagerPlan,
     batch_shape,
     collate,
+    collate_flat,
     lm_batches,
     lm_blocks,
     plan_batches,
@@ -112,7 +113,7 @@ def _sizes(seqs: Sequence[Sequence[int]]) -> np.ndarray:
 
 @dataclass
 class TranslationData:
-    """Encoded training/validation pairs (id lists, or the memory-mapped sides of a prepared store); batches by
+    """Encoded training/validation pairs (id lists, or the sides of a prepared store, read by position); batches by
     token budget, reshuffled per epoch."""
 
     src: Sequence[Sequence[int]]
@@ -173,12 +174,20 @@ class TranslationData:
 
     def _collate(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
                  indices: list[int]) -> Batch:
+        sp = self.specials
+        gather = getattr(src, "gather", None)
+        if gather is not None:  # a prepared store: a batch's ids read flat and padded with numpy
+            s_flat, t_flat = gather(np.asarray(indices, dtype=np.int64)), tgt.gather(np.asarray(indices, np.int64))
+            shape = None
+            if self._padded:
+                shape = batch_shape((s_flat[1] + 1).tolist(), (t_flat[1] + 1).tolist(), self.max_tokens,
+                                    self.pad_to_multiple, self.buckets)
+            return collate_flat(s_flat, t_flat, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
         s, t = [src[i] for i in indices], [tgt[i] for i in indices]
         shape = None
         if self._padded:  # tensor widths: + EOS on the source, + BOS / EOS on the target
             shape = batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], self.max_tokens,
                                 self.pad_to_multiple, self.buckets)
-        sp = self.specials
         return collate(s, t, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
 
 
@@ -268,31 +277,50 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
     return sources, inputs
 
 
-def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None):
+def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild_damaged: bool = True):
     """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs into the store ``out``
-    (:func:`aiayn.data.store.prepare`; reused as it is when its inputs and settings are unchanged)."""
+    (:func:`aiayn.data.store.prepare`; reused as it is when its inputs and settings are unchanged, rebuilt when
+    it is damaged, or with ``rebuild_damaged=False`` refused in one line)."""
     from aiayn.data.store import prepare
 
     sources, inputs = pair_sources(cfg)
-    return prepare(cfg, out, sources, inputs, workers=workers)
+    return prepare(cfg, out, sources, inputs, workers=workers, rebuild_damaged=rebuild_damaged)
+
+
+def check_prepared(cfg: Config) -> None:
+    """Before a training makes its run directory: when ``data.prepared`` holds a store of this config's inputs and
+    settings, check it (one DataError naming the file and the fix if it is damaged). A store of other inputs, or
+    none, is (re)built later, under its lock."""
+    if cfg.data.prepared is None:
+        return
+    from aiayn.data.store import open_store, read_manifest, store_key
+
+    out = Path(cfg.data.prepared)
+    manifest = read_manifest(out)
+    if manifest is None:
+        return
+    sources, inputs = pair_sources(cfg)
+    if manifest.get("key") == store_key(cfg, inputs, None):
+        open_store(out, tuple(sources))
 
 
 def build_prepared_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
                         ) -> tuple[TranslationData, TokenizerPair]:
-    """Translation data read lazily from the prepared store ``data.prepared`` (prepared first, by the main
-    process, when it holds nothing or a store of other inputs or settings); its tokenizer becomes the run's."""
-    from aiayn.data.store import open_store, tokenizer_matches
+    """Translation data read lazily from the prepared store ``data.prepared`` (prepared first when it holds
+    nothing or a store of other inputs or settings: every process asks, one builds under the store's lock and
+    the others wait on the lock, outside any collective); its tokenizer becomes the run's. A damaged store is
+    refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
+    from aiayn.data.store import tokenizer_matches
 
     budget = batch_budget(cfg, world)
     out, tdir = Path(cfg.data.prepared), tokenizer_dir(run_dir)
+    store = prepare_corpus(cfg, out, rebuild_damaged=False)
     if is_main:
-        store = prepare_corpus(cfg, out)
         if not (tdir / "tokenizer.json").exists():
             shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
         elif not tokenizer_matches(tdir, store.tokenizer_dir):
             raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
     barrier()
-    store = open_store(out)
     tok = TokenizerPair.load(tdir)
     fit_model_to_vocab(cfg, tok)
     train, valid = store.splits["train"], store.splits["valid"]

@@ -1,21 +1,30 @@
-"""Prepared corpora: a translation corpus tokenized once into flat, memory-mapped arrays of token ids, read lazily
-by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``).
+"""Prepared corpora: a translation corpus tokenized once into flat files of token ids and their offsets, read
+lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first
+``aiayn train``).
 
     DIR/manifest.json          what the store holds and from what: inputs, settings, tokenizer, counts (written last)
     DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
     DIR/<split>.src.bin        every kept pair's source ids back to back (uint16 when the vocabulary fits, else uint32)
     DIR/<split>.src.idx        int64 offsets into it, one more than the pairs (pair i is ids[idx[i]:idx[i + 1]])
     DIR/<split>.tgt.bin / .idx the same for the target side
+    DIR/.aiayn-store           marker: aiayn made this directory and may rebuild it
+    DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
-Raw little-endian arrays whose dtype and length the manifest states, each pair read by position (``pread``): no
-pickle, and only the offsets' differences (the pair lengths the batches are planned from) live in memory while
-training. Not memory-mapped: the pages of a mapping that training touches at random, with their neighbours, would
-stay in the process's resident memory and make it grow with the store (:class:`Side`).
+Raw little-endian arrays whose dtype and length the manifest states: no pickle, and only the offsets (the pair
+lengths the batches are planned from) live in memory while training. A batch's ids are read with one ``preadv``
+per run of adjacent pairs and padded with numpy (:meth:`Side.gather`,
+:func:`aiayn.data.batching.collate_flat`). Not memory-mapped: the pages of a mapping that training touches at
+random, with their neighbours, would stay in the process's resident memory and make it grow with the store
+(:class:`Side`).
 
 The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
 published checksums), the settings that tokenize, filter or cut the text, the tokenizer's own files when one is
 given, and :data:`STORE_VERSION`. A store is reused only when its key matches, so a changed input, setting or
-tokenizer is never read from a stale store; an incomplete one (no manifest) is rebuilt. Preparing streams the
+tokenizer is never read from a stale store. Concurrent starts are safe: one process builds under the lock, in
+a staging directory of its own, moves the files in and writes the manifest last (atomically); the others wait
+on the lock and open the complete store. A store without a manifest (a killed build) is rebuilt; a failed build
+removes the directory it created. Every opening checks the files (:meth:`Side.check`, vectorized): a damaged
+store is one DataError naming the file and the fix (``aiayn prepare`` rebuilds it). Preparing streams the
 input (plain or .gz text pairs, TSV, JSONL: never all of it in memory), trains the tokenizer on a seeded sample
 (``data.tokenizer_sample`` sentences), and encodes in chunks on every core (worker processes when the corpus is
 large enough to pay for them), with progress lines on stderr.
@@ -33,6 +42,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -45,7 +55,7 @@ from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import sha256_file
 from aiayn.errors import DataError
-from aiayn.files import atomic_write_json
+from aiayn.files import TMP_SUFFIX, atomic_write_json, file_lock, is_temporary
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
@@ -53,6 +63,8 @@ log = logging.getLogger("aiayn.data")
 STORE_VERSION = 1  # bump when preparing produces other ids from the same inputs
 MANIFEST = "manifest.json"
 MARKER = ".aiayn-store"  # written first and kept: a directory without a manifest but with it may be rebuilt
+LOCK = ".aiayn-store.lock"  # flock: exclusive while one process builds, shared while one opens
+CHECK_CHUNK = 1 << 22  # ids read at a time when a store is checked (8-16 MB: memory stays flat)
 CHUNK = 20_000  # pairs encoded per task
 PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker processes (below, one process is faster)
 
@@ -61,7 +73,7 @@ PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (sourc
 
 class Side:
     """One side of a prepared split: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read from the
-    file by position (``pread``), pair by pair.
+    file by position (``pread``): a batch's pairs in one read per run of consecutive pairs (:meth:`gather`).
 
     Not memory-mapped: a mapped file's page faults map whole neighbourhoods of pages (the kernel's fault-around),
     so a training that reads pairs scattered over the store would see its resident memory grow with the store
@@ -70,11 +82,12 @@ class Side:
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
         self.dtype = dtype.newbyteorder("<")
+        self.path = ids
         size = (pairs + 1) * 8
         with open(offsets, "rb") as f:
             data = f.read(size + 1)
         if len(data) != size:
-            raise DataError(f"{offsets.name} holds {len(data)} bytes, {size} expected")
+            raise DataError(f"{offsets}: holds {len(data)} bytes where its manifest says {size} ({pairs:,} pairs)")
         # array.array: indexing gives Python ints at list speed, with numpy's 8 bytes a pair (numpy's own scalars
         # would cost more per pair than the read itself)
         self._bounds = array.array("q")
@@ -83,7 +96,8 @@ class Side:
             self._bounds.byteswap()
         self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
         self._fd = os.open(ids, os.O_RDONLY)
-        self.n_ids = os.fstat(self._fd).st_size // self.dtype.itemsize
+        self.file_bytes = os.fstat(self._fd).st_size
+        self.n_ids = self.file_bytes // self.dtype.itemsize
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -93,6 +107,23 @@ class Side:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def check(self, vocab_size: int) -> str | None:
+        """What is wrong with this side, None when nothing: offsets from 0, non-decreasing, ending at the ids
+        file's length; every id below ``vocab_size``. Vectorized; the ids are read in bounded chunks."""
+        o = self.offsets
+        if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
+            return f"{self.path.with_suffix('.idx').name}: its offsets are not non-decreasing from 0"
+        if int(o[-1]) * self.dtype.itemsize != self.file_bytes:
+            return (f"{self.path.name}: {self.file_bytes:,} bytes where its offsets need "
+                    f"{int(o[-1]) * self.dtype.itemsize:,} (truncated or damaged)")
+        chunk = CHECK_CHUNK
+        for start in range(0, self.n_ids, chunk):
+            ids = np.frombuffer(os.pread(self._fd, chunk * self.dtype.itemsize, start * self.dtype.itemsize),
+                                dtype=self.dtype)
+            if len(ids) and int(ids.max()) >= vocab_size:
+                return f"{self.path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
+        return None
 
     def lengths(self) -> np.ndarray:
         """(pairs,) int32: the token count of every pair (no specials)."""
@@ -104,6 +135,42 @@ class Side:
         a, b = self._bounds[i], self._bounds[i + 1]
         size = self.dtype.itemsize
         return np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), dtype=self.dtype).tolist()
+
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of the pairs ``indices`` (B,), back to back in that order, (sum of lengths,) int64, and their
+        lengths (B,) int64. Read in file order, one ``preadv`` per run of pairs that lie next to each other in the
+        file, into one buffer; put in the asked order by one vectorized gather."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
+        starts, ends = self.offsets[idx], self.offsets[idx + 1]
+        lens = ends - starts
+        order = np.argsort(starts, kind="stable")
+        s, e = starts[order], ends[order]
+        # a pair starts a new read unless it begins where the one before it (in file order) ended
+        new = np.ones(len(s), dtype=bool)
+        new[1:] = s[1:] != e[:-1]
+        first = np.flatnonzero(new)
+        run_start = s[first]
+        run_end = np.maximum.reduceat(e, first) if len(first) else run_start
+        size = self.dtype.itemsize
+        buf = bytearray(int((run_end - run_start).sum()) * size)
+        view, at = memoryview(buf), 0
+        for a, b in zip(run_start.tolist(), run_end.tolist()):
+            n = (b - a) * size
+            if n and os.preadv(self._fd, [view[at : at + n]], a * size) != n:
+                raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)")
+            at += n
+        flat = np.frombuffer(buf, dtype=self.dtype)
+        # where each pair (in file order) begins in the buffer: its run's place plus its offset inside the run
+        run_at = np.concatenate(([0], np.cumsum(run_end - run_start)[:-1])) if len(first) else run_start
+        run_of = np.cumsum(new) - 1
+        in_buf = np.empty(len(idx), dtype=np.int64)
+        in_buf[order] = run_at[run_of] + (s - run_start[run_of])
+        # ragged gather: pair k's ids are flat[in_buf[k] : in_buf[k] + lens[k]], laid out in the asked order
+        out_at = np.cumsum(lens) - lens
+        pos = np.repeat(in_buf - out_at, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+        return flat[pos].astype(np.int64), lens
 
 
 @dataclass(frozen=True)
@@ -179,38 +246,81 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and manifest.get("version") == STORE_VERSION else None
 
 
-def open_store(directory: str | Path) -> Store:
-    """The prepared store in ``directory``, memory-mapped (a damaged or missing file is one DataError)."""
-    path = Path(directory)
+def _rebuild_hint(path: Path) -> str:
+    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
+
+
+def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | None:
+    """What makes a manifest unusable (its shape, or a split ``need`` names that it lacks), None when nothing."""
+    splits = manifest.get("splits")
+    sizes = [manifest.get(k, 1) for k in ("src_vocab_size", "tgt_vocab_size")] + [manifest.get("vocab_size")]
+    if manifest.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
+        return "its dtype or vocabulary sizes are missing or wrong"
+    if not isinstance(splits, dict) or not all(isinstance(i, dict) and isinstance(i.get("pairs"), int)
+                                               and i["pairs"] >= 0 for i in splits.values()):
+        return "its splits are missing or malformed"
+    missing = [n for n in need if n not in splits]
+    return f"names no {', '.join(missing)} split" if missing else None
+
+
+def _open(path: Path, need: tuple[str, ...]) -> Store:
+    """Open and check the store in ``path`` (the caller holds its lock, or none exists): one DataError naming
+    the file and the fix for anything wrong."""
     manifest = read_manifest(path)
     if manifest is None:
-        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}; run aiayn prepare)")
+        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
+                        "prepares it")
+    problem = _manifest_problem(manifest, need)
+    if problem is not None:
+        raise DataError(f"{path / MANIFEST}: {problem}: {_rebuild_hint(path)}")
     dtype = np.dtype(manifest["dtype"])
     splits = {}
     for name, info in manifest["splits"].items():
         sides = []
         for side in ("src", "tgt"):
+            ids, idx = path / f"{name}.{side}.bin", path / f"{name}.{side}.idx"
             try:
-                side_ = Side(path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", dtype, info["pairs"])
-                offsets = side_.offsets
-            except (OSError, ValueError, DataError) as e:
-                raise DataError(f"{path}: {name}.{side}: cannot read it ({e})") from None
-            if int(offsets[-1]) != side_.n_ids or offsets[0] != 0:
-                raise DataError(f"{path}: {name}.{side} does not match its manifest (truncated?): prepare it again")
+                side_ = Side(ids, idx, dtype, info["pairs"])
+            except FileNotFoundError as e:
+                raise DataError(f"{e.filename}: missing (the manifest names split {name}): {_rebuild_hint(path)}"
+                                ) from None
+            except (OSError, DataError) as e:
+                raise DataError(f"{path}/{name}.{side}: unreadable ({e}): {_rebuild_hint(path)}") from None
+            problem = side_.check(int(manifest.get(f"{side}_vocab_size", manifest["vocab_size"])))
+            if problem is not None:
+                raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
             sides.append(side_)
+        if len(sides[0]) != len(sides[1]):  # pragma: no cover (both sides are sized by the same manifest count)
+            raise DataError(f"{path}: split {name}: sides of unequal length: {_rebuild_hint(path)}")
         splits[name] = Split(*sides)
     return Store(path, manifest, splits)
+
+
+def open_store(directory: str | Path, need: tuple[str, ...] = ()) -> Store:
+    """The prepared store in ``directory``, checked (:meth:`Side.check`; ``need``: splits it must hold): a
+    missing, incomplete or damaged store is one DataError naming the file and the fix. Opened under the
+    store's shared lock, so never while a builder replaces its files."""
+    path = Path(directory)
+    if not (path / LOCK).is_file():  # a store of an earlier version, or a directory that is no store
+        return _open(path, need)
+    try:
+        with file_lock(path / LOCK, shared=True, waiting=lambda who: log.info(
+                "%s: waiting for the process (pid %s) that prepares it", path, who)):
+            return _open(path, need)
+    except FileNotFoundError:  # the directory went while this waited: a failed build removed it
+        raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
 
 
 # Preparing ---------------------------------------------------------------------------------------------------
 
 
 class _Writer:
-    """Appends encoded pairs of one split to its .bin files; offsets written at the end."""
+    """Appends encoded pairs of one split to its .bin files in this builder's own staging directory; offsets
+    written at the end."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
         self.directory, self.split, self.dtype = directory, split, dtype
-        self.files = {side: open(directory / f"{split}.{side}.bin.tmp", "wb") for side in ("src", "tgt")}
+        self.files = {side: open(directory / f"{split}.{side}.bin", "wb") for side in ("src", "tgt")}
         self.lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
         self.stats = {"empty": 0, "too_long": 0, "kept": 0}
 
@@ -232,7 +342,6 @@ class _Writer:
             offsets = np.zeros(len(lens) + 1, dtype="<i8")
             np.cumsum(lens, out=offsets[1:])
             offsets.tofile(self.directory / f"{self.split}.{side}.idx")
-            os.replace(self.directory / f"{self.split}.{side}.bin.tmp", self.directory / f"{self.split}.{side}.bin")
             info[f"{side}_tokens"] = int(offsets[-1])
         return info
 
@@ -284,27 +393,107 @@ def _encoders(tokenizer_dir: Path, max_len: int, cut: bool, workers: int) -> Ite
 
 
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
-            tokenizer: str | Path | None = None, workers: int | None = None) -> Store:
+            tokenizer: str | Path | None = None, workers: int | None = None, rebuild_damaged: bool = True) -> Store:
     """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it; an
-    existing store with the same key is opened as it is. ``inputs`` names what the sources read (for the key);
-    ``tokenizer``: use this tokenizer directory instead of training one on a sample of the training pairs."""
-    from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+    existing store with the same key is opened as it is (checked: a damaged one is rebuilt, or with
+    ``rebuild_damaged=False`` refused). ``inputs`` names what the sources read (for the key); ``tokenizer``: use
+    this tokenizer directory instead of training one on a sample of the training pairs.
 
+    Safe under concurrent starts: one process builds under ``out``'s lock, the others wait for it and open what
+    it built. A builder writes into its own staging directory and moves the files in at the end, the manifest
+    last; a failure leaves the store that was there (and removes ``out`` when this call created it)."""
     out = Path(out)
     tok_dir = Path(tokenizer) if tokenizer is not None else None
     key = store_key(cfg, inputs, tok_dir)
+    need = tuple(sources)
     manifest = read_manifest(out)
-    if manifest is not None and manifest.get("key") == key:
-        return open_store(out)
-    if out.exists() and any(out.iterdir()) and manifest is None and not (out / MARKER).exists():
+    if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
+        try:
+            store = open_store(out, need)
+            if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
+                return store
+        except DataError as e:
+            if not rebuild_damaged:
+                raise
+            log.warning("%s; rebuilding it", e)
+    _refuse_foreign(out)
+    with contextlib.ExitStack() as held:
+        while True:
+            made = _make_dirs(out)
+            try:
+                held.enter_context(file_lock(out / LOCK, waiting=lambda who: log.info(
+                    "%s: waiting for the process (pid %s) that prepares it", out, who)))
+                break
+            except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
+                continue
+        try:
+            manifest = read_manifest(out)
+            if manifest is not None and manifest.get("key") == key:  # another process built it while we waited
+                try:
+                    return _open(out, need)
+                except DataError as e:
+                    if not rebuild_damaged:
+                        raise
+                    log.warning("%s; rebuilding it", e)
+            _refuse_foreign(out)
+            _build(cfg, out, key, sources, inputs, tok_dir, workers)
+            return _open(out, need)
+        except BaseException:
+            if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
+                shutil.rmtree(made, ignore_errors=True)
+            raise
+
+
+def _make_dirs(out: Path) -> Path | None:
+    """Create ``out`` (and its missing parents); the topmost directory this call created, None if it existed."""
+    top = None
+    for p in (out, *out.parents):
+        if p.exists():
+            break
+        top = p
+    try:
+        out.mkdir(parents=True)
+    except FileExistsError:
+        return None
+    return top
+
+
+def _refuse_foreign(out: Path) -> None:
+    """Refuse a non-empty directory that is not a store (no manifest, no marker): preparing would write into it."""
+    if not out.is_dir() or read_manifest(out) is not None or (out / MARKER).exists():
+        return
+    if any(p.name != LOCK for p in out.iterdir()):
         raise DataError(f"{out}: exists and is not a prepared corpus; choose an empty or new directory")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _build(cfg: Config, out: Path, key: str, sources: dict[str, PairSource], inputs: dict[str, str],
+           tok_dir: Path | None, workers: int | None) -> None:
+    """Build the store in a staging directory inside ``out`` (this builder's own: no other writer's temporaries
+    can mix with it) and move it in, the manifest last. The caller holds ``out``'s exclusive lock."""
     (out / MARKER).write_text("a token store prepared by aiayn (aiayn prepare): aiayn may rebuild this directory\n")
-    (out / MANIFEST).unlink(missing_ok=True)  # what follows is incomplete until the manifest is written again
+    for p in out.iterdir():  # what a killed builder left: no process writes there now (we hold the lock)
+        if is_temporary(p.name):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".build.", suffix=TMP_SUFFIX, dir=out))
+    try:
+        manifest = _build_into(cfg, stage, key, sources, inputs, tok_dir, workers)
+        (out / MANIFEST).unlink(missing_ok=True)  # from here until the manifest is written, the store is incomplete
+        if (out / "tokenizer").exists():
+            shutil.rmtree(out / "tokenizer")
+        for p in stage.iterdir():
+            os.replace(p, out / p.name)
+        atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks a complete store
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _build_into(cfg: Config, stage: Path, key: str, sources: dict[str, PairSource], inputs: dict[str, str],
+                tok_dir: Path | None, workers: int | None) -> dict[str, Any]:
+    """Train or copy the tokenizer and encode every split into ``stage``; the manifest to write."""
+    from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+
     d = cfg.data
-    tdir = out / "tokenizer"
-    if tdir.exists():
-        shutil.rmtree(tdir)
+    tdir = stage / "tokenizer"
     if tok_dir is not None:
         shutil.copytree(tok_dir, tdir)
     else:  # two passes over the training pairs (sources, then targets): a sample, never the corpus in memory
@@ -324,7 +513,7 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
     splits: dict[str, Any] = {}
     with _encoders(tdir, max_len, cfg.task == "summarization", workers) as encode:
         for name, source in sources.items():
-            writer = _Writer(out, name, dtype)
+            writer = _Writer(stage, name, dtype)
             progress = ItemProgress(None, "pair", f"prepare {name}")
             for encoded in encode(_chunks(source(), CHUNK)):
                 writer.add(encoded)
@@ -333,8 +522,7 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
             splits[name] = writer.close()
             if not splits[name]["pairs"]:
                 raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
-    manifest = {"version": STORE_VERSION, "key": key, "created": datetime.datetime.now(datetime.timezone.utc)
-                .isoformat(timespec="seconds"), "settings": settings(cfg), "inputs": inputs, "dtype": dtype.name,
-                "vocab_size": vocab, "splits": splits}
-    atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks a complete store
-    return open_store(out)
+    return {"version": STORE_VERSION, "key": key, "created": datetime.datetime.now(datetime.timezone.utc)
+            .isoformat(timespec="seconds"), "settings": settings(cfg), "inputs": inputs, "dtype": dtype.name,
+            "vocab_size": vocab, "src_vocab_size": tok.src.vocab_size, "tgt_vocab_size": tok.tgt.vocab_size,
+            "splits": splits}
