@@ -30,6 +30,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, first_line, require
@@ -96,27 +97,13 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     out = Path(out_file)
     if out.suffix != ".argosmodel":
         raise ConfigError(f"{out}: an Argos package file ends in .argosmodel (argospm and LibreTranslate look for it)")
-    if sentence_model is not None:
-        sentence_model = Path(sentence_model)
-        if sentence_model.suffix != ".onnx" or not sentence_model.is_file():
-            raise ConfigError(f"--sentence-model {sentence_model}: not a MiniSBD .onnx model file")
-        problem = onnx_problem(sentence_model.read_bytes())
-        if problem is not None:  # Argos would fail on it at its first translation, far from here
-            raise ConfigError(f"--sentence-model {sentence_model}: {problem}; give a MiniSBD .onnx model file")
+    sentence_model = _check_sentence_model(sentence_model)
     if out.is_dir():
         raise ConfigError(f"{out} is a directory; an Argos package is one .argosmodel file")
     check_output_dir(out, [run_dir], force)
     run = load_run(run_dir, "cpu")
     cfg, tok = run.cfg, run.tokenizers
-    if not isinstance(run.model, Transformer) or cfg.task != "translation":
-        raise ConfigError(f"{run_dir}: a {cfg.task} run; Argos packages hold translation models")
-    if tok.src.kind != "bpe" or not tok.shared:
-        what = "separate source and target vocabularies" if tok.src.kind == "bpe" else f"a {tok.src.kind} tokenizer"
-        raise ConfigError(f"{run_dir} has {what}; an Argos package holds one SentencePiece model for both sides "
-                          "(data.tokenizer: bpe with a shared vocabulary)")
-    if tok.pretokenize != "none":
-        raise ConfigError(f"{run_dir} pretokenizes with {tok.pretokenize} before SentencePiece; Argos feeds raw "
-                          "text to SentencePiece, so the package would see other pieces than training did")
+    _check_packageable(run, run_dir)
     sp = tok.specials
     vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
     # sinusoids continue past max_positions by their formula; learned vectors must cover what Argos decodes
@@ -147,6 +134,46 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
         splitter=(_MODEL_SPLITTER.format(name=sentence_model.name) if sentence_model is not None
                   else _RULE_SPLITTER.format(lang=src)),
     )
+    files = {"model": spec, "sentencepiece.model": sp_model, "sentence_model": sentence_model,
+             "metadata.json": metadata, "README.md": readme}
+    _write_package(out, name, src, files)
+    return out
+
+
+def _check_sentence_model(sentence_model: str | os.PathLike | None) -> Path | None:
+    """``--sentence-model`` as a path, refused in one line unless it is an ONNX model file (Argos would fail on
+    anything else at its first translation, far from here)."""
+    if sentence_model is None:
+        return None
+    path = Path(sentence_model)
+    if path.suffix != ".onnx" or not path.is_file():
+        raise ConfigError(f"--sentence-model {path}: not a MiniSBD .onnx model file")
+    problem = onnx_problem(path.read_bytes())
+    if problem is not None:
+        raise ConfigError(f"--sentence-model {path}: {problem}; give a MiniSBD .onnx model file")
+    return path
+
+
+def _check_packageable(run: Any, run_dir: str | os.PathLike) -> None:
+    """What an Argos package cannot reproduce, refused in one line: language models, separate or character
+    vocabularies, Moses pretokenization."""
+    cfg, tok = run.cfg, run.tokenizers
+    if not isinstance(run.model, Transformer) or cfg.task != "translation":
+        raise ConfigError(f"{run_dir}: a {cfg.task} run; Argos packages hold translation models")
+    if tok.src.kind != "bpe" or not tok.shared:
+        what = "separate source and target vocabularies" if tok.src.kind == "bpe" else f"a {tok.src.kind} tokenizer"
+        raise ConfigError(f"{run_dir} has {what}; an Argos package holds one SentencePiece model for both sides "
+                          "(data.tokenizer: bpe with a shared vocabulary)")
+    if tok.pretokenize != "none":
+        raise ConfigError(f"{run_dir} pretokenizes with {tok.pretokenize} before SentencePiece; Argos feeds raw "
+                          "text to SentencePiece, so the package would see other pieces than training did")
+
+
+def _write_package(out: Path, name: str, src: str, files: dict[str, Any]) -> None:
+    """The package's directory (the CTranslate2 model, SentencePiece model, sentence splitter, metadata, README)
+    zipped to ``out``: staged beside it, fsynced, renamed into place whole."""
+    spec, sp_model, sentence_model = files["model"], files["sentencepiece.model"], files["sentence_model"]
+    metadata, readme = files["metadata.json"], files["README.md"]
     with _staging(out, name) as d:
         try:
             pkg = d / name  # the zip holds this one directory, as argospm's packages do
@@ -173,7 +200,6 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
             if e.filename is None or str(d) in str(e.filename):
                 raise OSError(e.errno, e.strerror or str(e), str(out)) from e
             raise
-    return out
 
 
 @contextlib.contextmanager

@@ -126,6 +126,40 @@ def ctranslate2_spec(
     """
     from ctranslate2.specs import common_spec, transformer_spec
 
+    _check_exportable(model, positions)
+    cfg = model.cfg
+    tgt_vocab = list(vocab if tgt_vocab is None else tgt_vocab)
+    vocab = list(vocab)
+    _check_vocabularies(cfg, vocab, tgt_vocab, {"unk": unk_id, "bos": bos_id, "eos": eos_id})
+    activation = {
+        "relu": common_spec.Activation.RELU,
+        "gelu": common_spec.Activation.GELU,  # exact erf GELU, as torch.nn.functional.gelu
+        "swish": common_spec.Activation.SWISH,
+    }[cfg.activation]
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_encoder_layers, cfg.n_decoder_layers),
+        cfg.n_heads,
+        pre_norm=cfg.norm_first,
+        activation=activation,
+    )
+
+    _fill_weights(spec, model, positions)
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(tgt_vocab)
+    config = spec.config
+    config.unk_token = vocab[unk_id]
+    config.bos_token = vocab[bos_id]
+    config.eos_token = vocab[eos_id]
+    config.decoder_start_token = vocab[bos_id]  # aiayn decoders start from BOS (Marian: a zero vector)
+    config.add_source_bos = False
+    config.add_source_eos = add_source_eos
+    config.layer_norm_epsilon = cfg.layer_norm_eps
+    spec.validate()
+    return spec
+
+
+def _check_exportable(model: nn.Module, positions: int | None) -> None:
+    """What CTranslate2's Transformer cannot hold, refused before anything is built."""
     if not isinstance(model, Transformer):
         raise TypeError(f"export_ctranslate2 exports an encoder-decoder Transformer, got {type(model).__name__}")
     cfg = model.cfg
@@ -139,9 +173,11 @@ def ctranslate2_spec(
     if positions is not None and positions > cfg.max_positions and cfg.positional != "sinusoidal":
         raise ValueError(f"learned positions end at model.max_positions={cfg.max_positions}; {positions} "
                          "positions need sinusoidal ones (or a model trained with more)")
-    tgt_vocab = list(vocab if tgt_vocab is None else tgt_vocab)
-    vocab = list(vocab)
-    special = {"unk": unk_id, "bos": bos_id, "eos": eos_id}
+
+
+def _check_vocabularies(cfg: Any, vocab: list[str], tgt_vocab: list[str], special: dict[str, int]) -> None:
+    """Both vocabularies fit the model, and each special id names the same piece in both (CTranslate2 stores the
+    special tokens once, as strings)."""
     _check_vocab("source", vocab, cfg.vocab_size, special)
     _check_vocab("target", tgt_vocab, cfg.target_vocab_size, special)
     for role, i in special.items():
@@ -151,18 +187,11 @@ def ctranslate2_spec(
                 "CTranslate2 names each special token once"
             )
 
-    activation = {
-        "relu": common_spec.Activation.RELU,
-        "gelu": common_spec.Activation.GELU,  # exact erf GELU, as torch.nn.functional.gelu
-        "swish": common_spec.Activation.SWISH,
-    }[cfg.activation]
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.n_encoder_layers, cfg.n_decoder_layers),
-        cfg.n_heads,
-        pre_norm=cfg.norm_first,
-        activation=activation,
-    )
 
+def _fill_weights(spec: Any, model: Transformer, positions: int | None) -> None:
+    """Every weight of ``model`` into ``spec``: embeddings, position tables, each layer, the final norms, the
+    output projection."""
+    cfg = model.cfg
     enc, dec = model.encoder, model.decoder
     spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
     spec.encoder.scale_embeddings = cfg.scale_embeddings  # bool: True = sqrt(D), False = none
@@ -184,19 +213,6 @@ def ctranslate2_spec(
         _norm(spec.decoder.layer_norm, dec.final_norm)
     # Tied weights are written twice here; spec.optimize() aliases identical tensors in model.bin.
     _linear(spec.decoder.projection, dec.output_proj.weight, dec.output_bias)
-
-    spec.register_source_vocabulary(vocab)
-    spec.register_target_vocabulary(tgt_vocab)
-    config = spec.config
-    config.unk_token = vocab[unk_id]
-    config.bos_token = vocab[bos_id]
-    config.eos_token = vocab[eos_id]
-    config.decoder_start_token = vocab[bos_id]  # aiayn decoders start from BOS (Marian: a zero vector)
-    config.add_source_bos = False
-    config.add_source_eos = add_source_eos
-    config.layer_norm_epsilon = cfg.layer_norm_eps
-    spec.validate()
-    return spec
 
 
 def export_ctranslate2(
