@@ -88,7 +88,7 @@ def test_a_config_is_the_same_on_every_machine_and_the_memory_check_is_where_the
         tmp_path, monkeypatch):
     """The same YAML gives the same ModelConfig on a 2 GB and a 64 GB machine; a model too big for the machine is
     refused where it would be built (build_model, aiayn train before anything is written), in one line."""
-    import aiayn.config as config_module
+    import aiayn.config.schema as config_module
     from aiayn.config import ConfigError, load_config
     from aiayn.model import build_model
     from aiayn.train.run import train

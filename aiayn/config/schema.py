@@ -1,10 +1,6 @@
-"""Typed configuration: model, data, training and decoding sections, YAML presets, ``--set`` overrides.
-
-Unknown keys are an error (a typo in a recipe must not be silently ignored), and impossible model
-shapes are rejected when the config is built, not deep inside a forward pass. A config is resolved once
-and read-only after (frozen dataclasses): what training learns later (the model fitted to the tokenizer's
-vocabulary, a run to start from) comes back as a new config (``dataclasses.replace``), never a mutation.
-"""
+"""The config's sections as frozen dataclasses: the model (paper section 3), the data, the training (sections 5.3-5.4
+and the loop) and the decoding options (section 6.1), and :class:`Config` holding them. Each section checks its
+values when it is built (:mod:`aiayn.config.checks`)."""
 
 from __future__ import annotations
 
@@ -13,12 +9,19 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from aiayn.errors import ConfigError, first_line
+from aiayn.config.checks import (
+    MIN_TEMPERATURE,
+    _at_least,
+    _check_limits,
+    _choice,
+    _coerce,
+    _finite,
+    _fraction,
+    _positive,
+)
+from aiayn.errors import ConfigError
 
 # data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
 # SentencePiece. The tokenizer imports this tuple.
@@ -29,69 +32,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 # train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics), each the name of its package.
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
-
-# Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-
-# The largest value of every size and count, one table for the recipes, the command line (--set, the decoding
-# flags) and the server (whose requests go through DecodeOptions): past these a value is a typo or an attack,
-# not a model. The lower bounds sit beside each field's check; a model whose weights would not fit in this
-# machine's memory is refused where it is built (check_fits_in_memory), not here: a config is the same everywhere.
-# docs/configuration.md lists them (a test keeps it true).
-COUNT = 2**62  # updates, steps, epochs, checkpoints: far beyond any real run, and within a 64-bit integer
-SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
-MIN_TEMPERATURE = 1e-6  # logits / a smaller temperature can overflow fp32 (1e-320 gives inf); 0 means greedy
-LIMITS: dict[str, float] = {
-    "model.vocab_size": 2**24, "model.tgt_vocab_size": 2**24, "model.d_model": 65536, "model.n_heads": 4096,
-    "model.d_k": 65536, "model.d_v": 65536,
-    "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
-    "model.pad_id": 2**24, "data.vocab_size": 2**24, "data.tokenizer_sample": 2**40, "data.max_tokens": 2**31,
-    "data.update_tokens": 2**40,
-    "data.max_len": 2**20, "data.block_size": 2**20, "data.batch_size": 2**20, "data.pad_to_multiple": 4096,
-    "train.max_updates": COUNT, "train.max_epochs": COUNT, "train.max_minutes": 1e9, "train.warmup": COUNT,
-    "train.accum_steps": 2**20, "train.seed": SEED, "train.log_every": COUNT, "train.eval_every": COUNT,
-    "train.save_every": COUNT, "train.keep_last": COUNT, "train.patience": COUNT, "train.average_last": 2**20,
-    "train.threads": 4096, "train.useful_updates": COUNT, "train.lr": 1e3, "train.lr_scale": 1e6,
-    "train.clip_norm": 1e12, "train.weight_decay": 1e3,
-    "decode.beam": 1024, "decode.nbest": 1024, "decode.alpha": 1e3, "decode.max_len_a": 1e3, "decode.max_len_b": 2**20,
-    "decode.min_len": 2**20, "decode.no_repeat_ngram": 2**20, "decode.temperature": 1e4, "decode.top_k": 2**24,
-    "decode.seed": SEED, "decode.max_new_tokens": 2**20, "decode.max_tokens": 2**31,
-}
-
-
-def _check_limits(section: str, obj: Any) -> None:
-    """Every field of ``section`` that has a ceiling in :data:`LIMITS` is within it (a one-line ConfigError)."""
-    for key, ceiling in LIMITS.items():
-        sec, _, name = key.partition(".")
-        value = getattr(obj, name) if sec == section else None
-        if isinstance(value, float) and not math.isfinite(value):
-            _finite(key, value)  # inf / nan: said as such, not as "over the ceiling"
-        if value is not None and not isinstance(value, bool) and abs(value) > ceiling:
-            digits = str(value) if isinstance(value, int) else ""
-            shown = f"{value:.3g}" if isinstance(value, float) else (
-                f"{digits[:12]}... ({len(digits)} digits)" if len(digits) > 24 else digits)
-            raise ConfigError(f"{key}={shown}: must be at most {ceiling:g}" if isinstance(ceiling, float)
-                              else f"{key}={shown}: must be at most {ceiling:,}")
-
-
-def physical_memory() -> int | None:
-    """Bytes of memory this machine has (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-        return None
-
-
-def check_fits_in_memory(cfg: ModelConfig) -> None:
-    """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
-    A check of the machine, not of the config (a config is the same on every machine): commands call it before
-    they build a model (:func:`aiayn.model.build_model`, ``aiayn train`` before any work)."""
-    need, have = cfg.memory_bytes(), physical_memory()
-    if have is not None and need > have:
-        raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
-                          f"fp32 (d_model={cfg.d_model}, max_positions={cfg.max_positions}, vocabulary "
-                          f"{cfg.vocab_size}, {cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers), more "
-                          f"than this machine's {have / 2**30:,.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -181,6 +121,26 @@ class ModelConfig:
     def default_head_widths(self) -> bool:
         """True when d_k = d_v = d_model / n_heads, the only widths the HF Marian and CTranslate2 formats hold."""
         return self.d_model % self.n_heads == 0 and self.key_width == self.value_width == self.d_model // self.n_heads
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def check_fits_in_memory(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
+    A check of the machine, not of the config (a config is the same on every machine): commands call it before
+    they build a model (:func:`aiayn.model.build_model`, ``aiayn train`` before any work)."""
+    need, have = cfg.memory_bytes(), physical_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
+                          f"fp32 (d_model={cfg.d_model}, max_positions={cfg.max_positions}, vocabulary "
+                          f"{cfg.vocab_size}, {cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers), more "
+                          f"than this machine's {have / 2**30:,.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -470,6 +430,9 @@ class DecodeOptions:
 DecodeConfig = DecodeOptions  # the config section's name (``decode:`` in a recipe)
 
 
+DECODE_HINTS = typing.get_type_hints(DecodeOptions)  # each option's type, for the coercion of overrides
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole recipe: ``task`` picks encoder-decoder translation or a decoder-only LM."""
@@ -498,270 +461,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def _finite(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ConfigError(f"{name}={value}: expected a finite number")
-
-
-def _at_least(name: str, value: float, low: float, note: str = "") -> None:
-    _finite(name, value)
-    if value < low:
-        raise ConfigError(f"{name}={value}: must be >= {low}" + (f" {note}" if note else ""))
-
-
-def _positive(name: str, value: float) -> None:
-    _finite(name, value)
-    if value <= 0:
-        raise ConfigError(f"{name}={value}: must be > 0")
-
-
-def _fraction(name: str, value: float) -> None:
-    """A probability-like value in [0, 1): dropout, label smoothing, Adam's betas."""
-    _finite(name, value)
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={value}: expected a number in [0, 1)")
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, allowed))}")
-
-
-def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from a dict, recursing into nested sections; reject unknown keys."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})"
-        )
-    kwargs = {}
-    for key, value in values.items():
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, f"{where}.{key}" if where else key)
-        else:
-            kwargs[key] = _coerce(value, hint, f"{where}.{key}" if where else key)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - defensive, fields are checked above
-        raise ConfigError(str(e)) from None
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check (and mildly coerce: int -> float, str -> number from --set) a value against its hint."""
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
-    if value is None:
-        if type(None) in args:
-            return None
-        raise ConfigError(f"{where}: may not be null")
-    if args and type(None) in args:  # Optional[X]
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            value = [value]  # --set train.log_to=tensorboard: one item
-        return [_coerce(v, args[0], where) for v in value]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-DECODE_HINTS = typing.get_type_hints(DecodeOptions)
-
-
-def config_from_dict(values: dict[str, Any]) -> Config:
-    """Build a validated :class:`Config` from nested dicts (as read from YAML)."""
-    return _build(Config, values or {}, "")
-
-
-def model_config(preset_or_values: str | dict[str, Any] | None = None, **overrides: Any) -> ModelConfig:
-    """A :class:`ModelConfig` from a preset name in ``configs/`` (e.g. ``"paper-base"``) or a dict.
-
-    >>> cfg = model_config("tiny", vocab_size=100)
-    """
-    values: dict[str, Any] = {}
-    if isinstance(preset_or_values, str):
-        values = dict(load_yaml(resolve_config_path(preset_or_values)).get("model", {}))
-    elif isinstance(preset_or_values, dict):
-        values = dict(preset_or_values)
-    values.update(overrides)
-    return _build(ModelConfig, values, "model")
-
-
-def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A path as given, or a preset name looked up in ``configs/`` (``paper-base`` -> configs/paper-base.yaml)."""
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    for candidate in (CONFIG_DIR / f"{name_or_path}.yaml", CONFIG_DIR / str(name_or_path)):
-        if candidate.exists():
-            return candidate
-    presets = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))) if CONFIG_DIR.exists() else ""
-    raise ConfigError(f"config {name_or_path}: no such file or preset (presets: {presets})")
-
-
-def preset_summary(path: str | Path) -> str:
-    """A recipe's one-line summary: the first line of the comment at the top of its YAML file."""
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        if line.strip("# "):
-            return line.lstrip("# ").rstrip()
-    return ""
-
-
-def list_presets() -> list[tuple[str, str]]:
-    """(name, one-line summary) of every recipe in ``configs/``, by name."""
-    return [(p.stem, preset_summary(p)) for p in sorted(CONFIG_DIR.glob("*.yaml"))]
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a mapping naming one key twice is an error: PyYAML keeps the last
-    value silently, so a recipe edited by hand could train with a setting its reader does not see."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: the key {key!r} is given twice")
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    """YAML text as Python values; what PyYAML cannot read, what it reads into a crash (nesting deeper than the
-    interpreter's stack, an integer longer than Python converts), and a key given twice in one mapping, is one
-    ConfigError naming ``where``."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply to be a config") from None
-    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion", ...
-        why = "an integer too long to be a setting" if "digits" in str(e) else first_line(e)
-        raise ConfigError(f"{where}: holds {why}") from None
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML file; a directory, a binary file, bad UTF-8 or bad YAML is a one-line ConfigError."""
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{path}: is a directory, expected a YAML file")
-    raw = p.read_bytes()  # a missing or unreadable file: OSError naming it, one line at the command line
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        bad = raw[e.start]
-        raise ConfigError(f"{path}: not a YAML file (line {line}: byte 0x{bad:02x} is not valid UTF-8)") from None
-    data = _parse_yaml(text, str(path)) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=v`` strings; ``v`` is parsed as YAML (so 0.1, true, [0.9, 0.98] work)."""
-    out = dict(values)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key.sub=value")
-        key, raw = item.split("=", 1)
-        try:
-            value = _parse_yaml(raw, f"--set {key}")
-        except ConfigError as e:
-            if "not valid YAML" not in str(e):
-                raise
-            value = raw
-        node: dict[str, Any] = {}
-        cur = node
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            cur[p] = {}
-            cur = cur[p]
-        cur[parts[-1]] = value
-        out = _merge(out, node)
-    return out
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
-    values = load_yaml(resolve_config_path(path))
-    base = values.pop("base", None)
-    if base is not None and not isinstance(base, str):
-        raise ConfigError(f"{path}: base: expected the name or path of a config to extend, got {base!r:.60}")
-    if base is not None:
-        base_values = load_yaml(resolve_config_path(base))
-        base_values.pop("base", None)
-        values = _merge(base_values, values)
-    values = apply_overrides(values, overrides or [])
-    return config_from_dict(values)
-
-
-def read_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
-    """RUN/config.yaml (with ``overrides``) as a validated config; a file that is not UTF-8, not YAML or not a
-    valid config is a one-line CheckpointError naming it."""
-    from aiayn.errors import CheckpointError
-
-    cfg_path = Path(run_dir) / "config.yaml"
-    try:
-        return load_config(cfg_path, overrides)
-    except ConfigError as e:
-        msg = str(e)
-        raise CheckpointError(msg if msg.startswith(str(cfg_path)) else f"{cfg_path}: {msg}") from None
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write ``cfg`` as YAML to ``path`` atomically (a run reads its config.yaml back: never half-written)."""
-    from aiayn.files import atomic_write_text
-
-    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
