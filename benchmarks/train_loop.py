@@ -5,10 +5,11 @@ the update, logging, the clock) of one recipe, this tree and a baseline tree alt
     AIAYN_DATA_DIR=../shared/data python -m benchmarks.train_loop --baseline /tmp/aiayn-base [--rounds 3]
 
 Each measurement trains ``--updates`` updates with one thread and reads the target tokens per second between the
-first and the last logged update (start-up, data preparation and the first window excluded). The two trees run
-in turn, ``--rounds`` times each, so a change in the machine's load touches both; the table gives each round and
-the ratio of medians (this tree / baseline). The baseline is run with its own code (``PYTHONPATH``), the same
-recipe, flags and interpreter.
+first and the last logged update (start-up, data preparation and the first window excluded), and the CPU seconds
+the whole process used (user + system: on a busy machine far steadier than wall-clock speed, since time spent
+waiting for a core is not counted). The two trees run in turn, ``--rounds`` times each, so a change in the
+machine's load touches both; the table gives each round and the ratios of medians (this tree / baseline).
+The baseline is run with its own code (``PYTHONPATH``), the same recipe, flags and interpreter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,20 +42,24 @@ RECIPES = {
 }
 
 
-def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list[str]) -> float:
-    """Target tokens per second of one training by the code in ``tree``, between its first and last logged update."""
+def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list[str]) -> tuple[float, float]:
+    """Target tokens per second of one training by the code in ``tree`` between its first and last logged update,
+    and the CPU seconds (user + system) of its process."""
     run = work / f"run-{len(list(work.iterdir()))}"
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aiayn", "train", recipe[0], "--run-dir", str(run), *recipe[1:], "--no-progress",
            "--set", f"train.max_updates={updates}", "--set", f"train.log_every={max(1, updates // 10)}",
            "--set", "train.threads=1", "--set", f"train.eval_every={updates}", "--set", f"train.save_every={updates}",
            "--set", "train.device=cpu", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tree)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in logs if "train_loss" in r]
     first, last = steps[0], steps[-1]
     tokens = sum(r["tokens_per_update"] * (r["step"] - p["step"]) for p, r in zip(steps, steps[1:]))
-    return tokens / (last["elapsed_s"] - first["elapsed_s"])
+    return tokens / (last["elapsed_s"] - first["elapsed_s"]), cpu_s
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,27 +77,36 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--baseline {baseline}: not a checkout of aiayn (no aiayn/__init__.py)")
     extra = [x for kv in args.set for x in ("--set", kv)]
     rows: dict[str, list[float]] = {"this tree": [], "baseline": []}
+    cpu: dict[str, list[float]] = {"this tree": [], "baseline": []}
     with tempfile.TemporaryDirectory(prefix="aiayn-loop-") as tmp:
         work = Path(tmp)
         for _ in range(args.rounds):
             for name, tree in (("baseline", baseline), ("this tree", HERE)):
-                rows[name].append(measure(tree, RECIPES[args.recipe], args.updates, work, extra))
-                print(f"{name}: {rows[name][-1]:,.0f} target tokens/s", flush=True)
+                speed, cpu_s = measure(tree, RECIPES[args.recipe], args.updates, work, extra)
+                rows[name].append(speed)
+                cpu[name].append(cpu_s)
+                print(f"{name}: {speed:,.0f} target tokens/s, {cpu_s:.1f} CPU s", flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     ratio = med["this tree"] / med["baseline"]
+    cpu_ratio = med_cpu["this tree"] / med_cpu["baseline"]
     result: dict[str, Any] = {"date": utc_now(), "recipe": args.recipe, "updates": args.updates,
                               "baseline": _describe(baseline), "this_tree": _describe(HERE), "tokens_per_s": rows,
-                              "ratio": ratio, "machine": machine_info(1),
+                              "cpu_s": cpu, "ratio": ratio, "cpu_ratio": cpu_ratio, "machine": machine_info(1),
                               "command": command_line("benchmarks.train_loop", argv or sys.argv[1:])}
-    print(f"ratio of medians (this tree / baseline): {ratio:.3f}")
+    print(f"ratio of medians (this tree / baseline): tokens/s {ratio:.3f}, CPU seconds {cpu_ratio:.3f}")
     if args.out_json:
         write_json(args.out_json, result)
     if args.md:
-        table = markdown_table(["tree", *[f"round {i + 1}" for i in range(args.rounds)], "median"],
-                               [[f"{k} ({result['this_tree' if k == 'this tree' else 'baseline']})",
-                                 *[f"{v:,.0f}" for v in vals], f"{med[k]:,.0f}"] for k, vals in rows.items()])
-        body = (f"Target tokens/s of `aiayn train {args.recipe}` ({args.updates} updates, 1 thread, fresh processes, "
-                f"the two trees in turn); this tree / baseline = **{ratio:.3f}**.\n\n{table}\n\n"
+        table = markdown_table(
+            ["tree", "measure", *[f"round {i + 1}" for i in range(args.rounds)], "median"],
+            [[f"{k} ({result['this_tree' if k == 'this tree' else 'baseline']})", what,
+              *[fmt.format(v) for v in vals[k]], fmt.format(mid[k])]
+             for what, vals, mid, fmt in (("target tokens/s", rows, med, "{:,.0f}"), ("CPU s", cpu, med_cpu, "{:.1f}"))
+             for k in vals])
+        body = (f"`aiayn train {args.recipe}` ({args.updates} updates, 1 thread, fresh processes, the two trees in "
+                f"turn): this tree / baseline = **{ratio:.3f}** in target tokens/s, **{cpu_ratio:.3f}** in CPU "
+                f"seconds per training.\n\n{table}\n\n"
                 + provenance(result["machine"], result["command"], result["date"]))
         update_section(args.md, "train_loop", body)
 
