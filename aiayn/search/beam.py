@@ -1,5 +1,33 @@
 """Batched beam search with a KV cache and length penalties by name.
 
+:func:`beam_search` reads the spec's options: ``beam`` N, ``nbest``, ``alpha`` and ``length_penalty``, ``stop``,
+the lengths, ``min_len``, ``no_repeat_ngram``, ``ban_pad``. The rules are those of fairseq and Hugging Face, so
+results can be compared:
+
+* The encoder runs once; memory, its mask and the cache hold B*N rows, and the cache is reordered
+  with ``cache.reorder`` after every step. At the first step only beam 0 of each sentence is live
+  (the others start at -inf) so N copies of the same prefix are not expanded.
+* Each step keeps the 2N best (beam, token) candidates by summed logprob. A candidate ending in
+  EOS among the first N of them becomes a finished hypothesis (EOS candidates ranked lower are
+  dropped); the N best non-EOS candidates are the next live beams. At a sentence's max_len the
+  first N candidates are all finalized, EOS or not.
+* Each sentence keeps its N best finished hypotheses by penalized score (see
+  :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
+  still beat its worst member, judged by ``stop``:
+  ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
+  every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
+  for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
+  ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
+  returns the same hypotheses as ``exact``.) Done sentences leave the batch.
+* ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
+  are set to -inf before the top-k, as fairseq and Hugging Face do).
+
+Built for a GPU: the finished hypotheses stay on the device (:class:`_Finished`) and the cache is
+written in place, so a step waits for the device once, to learn which sentences are done (n-gram
+blocking adds a transfer of the beams' tokens); the hypotheses come back in one transfer at the end.
+Scores are float32 sums of float32 log-probabilities whatever the model's dtype; penalized scores
+and the stopping bound are float64, as Python floats were (float32 on MPS, which has no float64).
+
 Shapes: B batch (sentences), n live sentences, N beam size, S source length, t tokens produced, V vocabulary;
 rows are sentence-major: row = sentence * N + beam.
 """
@@ -108,38 +136,10 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     """Batched beam search with a KV cache. src (B, S) ids, src_mask (B, S) bool (default ``src != spec.pad``).
 
     Returns, per sentence, up to ``nbest`` finished :class:`Hypothesis`, best (highest penalized score) first.
-    The spec's options: ``beam`` N, ``nbest``, ``alpha`` and ``length_penalty``, ``stop``, the lengths,
-    ``min_len``, ``no_repeat_ngram``, ``ban_pad``. The rules are those of fairseq and Hugging Face, so results
-    can be compared:
-
-    * The encoder runs once; memory, its mask and the cache hold B*N rows, and the cache is reordered
-      with ``cache.reorder`` after every step. At the first step only beam 0 of each sentence is live
-      (the others start at -inf) so N copies of the same prefix are not expanded.
-    * Each step keeps the 2N best (beam, token) candidates by summed logprob. A candidate ending in
-      EOS among the first N of them becomes a finished hypothesis (EOS candidates ranked lower are
-      dropped); the N best non-EOS candidates are the next live beams. At a sentence's max_len the
-      first N candidates are all finalized, EOS or not.
-    * Each sentence keeps its N best finished hypotheses by penalized score (see
-      :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
-      still beat its worst member, judged by ``stop``:
-      ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
-      every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
-      for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
-      ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
-      returns the same hypotheses as ``exact``.) Done sentences leave the batch.
-    * ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
-      are set to -inf before the top-k, as fairseq and Hugging Face do).
-
-    Built for a GPU: the finished hypotheses stay on the device (:class:`_Finished`) and the cache is
-    written in place, so a step waits for the device once, to learn which sentences are done (n-gram
-    blocking adds a transfer of the beams' tokens); the hypotheses come back in one transfer at the end.
-    Scores are float32 sums of float32 log-probabilities whatever the model's dtype; penalized scores
-    and the stopping bound are float64, as Python floats were (float32 on MPS, which has no float64).
-    """
+    The rules (fairseq's and Hugging Face's) and the device-side bookkeeping: the module docstring."""
     _check(spec)
     o = spec.options
-    if src_mask is None:
-        src_mask = src != spec.pad
+    src_mask = src != spec.pad if src_mask is None else src_mask
     device = src.device
     process = LogitsProcessor(spec, device)
     free_waits, sdt = waits_are_free(device), score_dtype(device)
