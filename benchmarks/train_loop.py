@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"date": utc_now(), "recipe": args.recipe, "updates": args.updates,
                               "baseline": _describe(baseline), "this_tree": _describe(HERE), "tokens_per_s": rows,
                               "cpu_s": cpu, "ratio": ratio, "cpu_ratio": cpu_ratio, "machine": machine_info(1),
-                              "command": command_line("benchmarks.train_loop", argv or sys.argv[1:])}
+                              "command": command_line("train_loop", argv or sys.argv[1:])}
     print(f"ratio of medians (this tree / baseline): tokens/s {ratio:.3f}, CPU seconds {cpu_ratio:.3f}")
     if args.out_json:
         write_json(args.out_json, result)
