@@ -22,7 +22,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
-from aiayn.serve.protocols import StopScan  # noqa: E402
+from aiayn.serve.completions import StopScan  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
