@@ -261,6 +261,42 @@ def test_stop_scan_never_shows_what_a_stop_string_removes():
     assert s.add("aEN") == "a" and s.finish() == "EN"
 
 
+def test_one_place_maps_every_error_to_each_protocols_shape():
+    """aiayn.serve.errors alone, without a model: the shape a path answers in, and each exception in each shape."""
+    from starlette.requests import Request
+
+    from aiayn.errors import ConfigError
+    from aiayn.serve.batcher import Closed, QueueFull
+    from aiayn.serve.errors import ERRORS, LibreError, OpenAIError, error_response, protocol_of
+    from aiayn.serve.schemas import ApiError
+
+    assert [protocol_of(p) for p in ("/translate", "/frontend/settings", "/v1/completions", "/v1/nothing",
+                                     "/tokenize", "/v1/translate", "/health", "/nothing")] == [
+        "libretranslate", "libretranslate", "openai", "openai", "openai", "aiayn", "aiayn", "aiayn"]
+    request = Request({"type": "http", "method": "POST", "path": "/x", "headers": [], "query_string": b""})
+
+    def answer(protocol: str, e: Exception) -> tuple[int, dict, str | None]:
+        r = ERRORS[protocol](e, request)
+        return r.status_code, json.loads(r.body), r.headers.get("retry-after")
+
+    assert answer("aiayn", QueueFull("full")) == (503, {"error": {"code": "queue_full",
+                                                                 "message": "full: retry later"}}, "1")
+    assert answer("aiayn", ConfigError("bad")) == (422, {"error": {"code": "invalid_request", "message": "bad"}},
+                                                   None)
+    assert answer("libretranslate", QueueFull("full")) == (429, {"error": "full: retry later"}, None)
+    assert answer("libretranslate", Closed("closing")) == (503, {"error": "closing: retry later"}, None)
+    assert answer("libretranslate", ApiError(422, "invalid_request", "bad")) == (400, {"error": "bad"}, None)
+    assert answer("libretranslate", LibreError(403, "Invalid API key")) == (403, {"error": "Invalid API key"}, None)
+    status, body, _ = answer("openai", QueueFull("full"))
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    status, body, _ = answer("openai", ApiError(413, "line_too_long", "long"))
+    assert (status, body["error"]["code"], body["error"]["type"]) == (413, "line_too_long", "invalid_request_error")
+    assert answer("openai", OpenAIError(404, "no", param="model"))[1]["error"]["param"] == "model"
+    status, body, _ = answer("openai", RuntimeError("boom"))
+    assert (status, body["error"]["message"], body["error"]["type"]) == (500, "RuntimeError: boom", "server_error")
+    assert json.loads(error_response("/languages", 405, "method_not_allowed", "no").body) == {"error": "no"}
+
+
 def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):
     """benchmarks/serve_protocols.py runs end to end (its numbers belong to BENCHMARKS.md, not to a test)."""
     from benchmarks import serve_protocols

@@ -231,3 +231,16 @@ def test_no_function_takes_more_than_eight_parameters():
                     if count > 8:
                         wide.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({count})")
     assert not wide, wide
+
+
+def test_serve_functions_are_under_80_lines():
+    """The server's handlers stay small (issue 43): a route's work is split into functions of its class or module
+    (aiayn/serve/service.py, errors.py and each protocol's module), none longer than 80 lines."""
+    long = []
+    for path in sorted((PKG / "serve").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= 80:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
