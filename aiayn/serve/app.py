@@ -145,8 +145,8 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     (:mod:`aiayn.serve.service`). Returns the ASGI app (its ``state.service`` is the
     loaded model, batcher and limits)."""
     budget = max_batch_tokens or model.cfg.decode.batch_tokens(model.device.type)
-    svc = Service(model, Batcher(budget, max_wait_ms, max_queue), limits or Limits(), api_key, budget, max_wait_ms,
-                  max_queue)
+    svc = Service(model, Batcher(budget, max_wait_ms, max_queue), limits or Limits(), api_key=api_key, budget=budget,
+                  max_wait_ms=max_wait_ms, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

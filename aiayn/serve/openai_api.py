@@ -203,11 +203,15 @@ class OpenAIRoutes:
                         "prompt_tokens": len(self.svc.model.tokenizers.src.encode(prompt)) + 1})
         return out
 
+    async def lm_body(self, request: Request, path: str) -> dict[str, Any]:
+        """A tokenizer route's JSON object, once its key is checked and the run is a language model."""
+        self.authorize(request)
+        self.need_lm(path)
+        return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
+
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``POST /tokenize``: ``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``."""
-        self.authorize(request)
-        self.need_lm("/tokenize")
-        body = parse_body(await read_body(request, self.svc.limits), self.svc.limits)
+        body = await self.lm_body(request, "/tokenize")
         prompt, limit = body.get("prompt"), self.svc.limits.max_chars
         if not isinstance(prompt, str) or len(prompt) > limit:
             raise OpenAIError(400, f"prompt: expected a string of at most {limit} characters", param="prompt",
@@ -220,10 +224,7 @@ class OpenAIRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
-        self.authorize(request)
-        self.need_lm("/detokenize")
-        body = parse_body(await read_body(request, self.svc.limits), self.svc.limits)
-        ids = body.get("tokens")
+        ids = (await self.lm_body(request, "/detokenize")).get("tokens")
         vocab = self.svc.model.tokenizers.src.vocab_size
         if not isinstance(ids, list) or not all(is_id(i) and i < vocab for i in ids):
             raise OpenAIError(400, f"tokens: expected a list of token ids below {vocab}", param="tokens",
