@@ -301,11 +301,11 @@ def test_libretranslate_and_completion_requests_are_checked_alone():
     """The request checks of each protocol's module, without a model or a server."""
     from aiayn.serve.completions import choices_for, completion_request
     from aiayn.serve.errors import LibreError, OpenAIError
-    from aiayn.serve.libretranslate import translate_request
+    from aiayn.serve.libretranslate import libre_request
     from aiayn.serve.schemas import Limits
 
     limits = Limits()
-    r = translate_request({"q": ["a", "b"], "source": "auto", "target": "de", "alternatives": "1", "secret": "x"},
+    r = libre_request({"q": ["a", "b"], "source": "auto", "target": "de", "alternatives": "1", "secret": "x"},
                           "en", "de", limits)
     assert (r.texts, r.single, r.source, r.fmt, r.alternatives) == (["a", "b"], False, "auto", "text", 1)
     for fields, message in [({"q": [], "source": "en", "target": "de"}, "missing q"),
@@ -313,7 +313,7 @@ def test_libretranslate_and_completion_requests_are_checked_alone():
                             ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1},
                              "not supported with format html")]:
         with pytest.raises(LibreError, match=message):
-            translate_request(fields, "en", "de", limits)
+            libre_request(fields, "en", "de", limits)
     c = completion_request({"prompt": ["x", "y"], "n": 2, "seed": 7, "stop": "\n"}, limits)
     assert [(i, p, s) for i, p, s in choices_for(c)] == [(0, "x", 7), (1, "x", 8), (2, "y", 9), (3, "y", 10)]
     with pytest.raises(OpenAIError, match="unknown parameter 'suffixes'"):

@@ -56,7 +56,7 @@ async def request_fields(request: Request, limits: Limits) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TranslateRequest:
+class LibreRequest:
     """A checked ``/translate`` request: ``texts`` (``single``: ``q`` was one string), the ``source`` as given
     (the run's or ``auto``), ``fmt`` (text or html) and how many ``alternatives``."""
 
@@ -67,7 +67,7 @@ class TranslateRequest:
     alternatives: int
 
 
-def translate_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) -> TranslateRequest:
+def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) -> LibreRequest:
     """The checked fields of a ``/translate`` request for a ``src`` to ``tgt`` model. Other fields
     (LibreTranslate's ``secret``, a client's extras) are not read, as LibreTranslate ignores them."""
     for name in ("q", "source", "target"):
@@ -99,7 +99,7 @@ def translate_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits
     for i, t in enumerate(texts):
         if len(t) > limits.max_chars:
             raise LibreError(413, f"q[{i}]: {len(t)} characters, the limit is {limits.max_chars}")
-    return TranslateRequest(texts, single, source, fmt, alternatives)
+    return LibreRequest(texts, single, source, fmt, alternatives)
 
 
 class LibreTranslate:
@@ -147,7 +147,7 @@ class LibreTranslate:
         return JSONResponse([{"code": self.src, "name": language_name(self.src), "targets": [self.tgt]}])
 
     async def translate(self, request: Request) -> Response:
-        r = translate_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
+        r = libre_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
         opts = self.svc.model.cfg.decode
         if r.alternatives:
             opts = opts.replace(nbest=r.alternatives + 1, beam=max(opts.beam, r.alternatives + 1))
