@@ -22,7 +22,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
-from aiayn.serve.protocols import StopScan  # noqa: E402
+from aiayn.serve.completions import StopScan  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -259,6 +259,65 @@ def test_stop_scan_never_shows_what_a_stop_string_removes():
     assert s.add("aE") == "a" and s.add("x") == "Ex" and s.finish() == ""
     s = StopScan(("END",))
     assert s.add("aEN") == "a" and s.finish() == "EN"
+
+
+def test_one_place_maps_every_error_to_each_protocols_shape():
+    """aiayn.serve.errors alone, without a model: the shape a path answers in, and each exception in each shape."""
+    from starlette.requests import Request
+
+    from aiayn.errors import ConfigError
+    from aiayn.serve.batcher import Closed, QueueFull
+    from aiayn.serve.errors import ERRORS, LibreError, OpenAIError, error_response, protocol_of
+    from aiayn.serve.schemas import ApiError
+
+    assert [protocol_of(p) for p in ("/translate", "/frontend/settings", "/v1/completions", "/v1/nothing",
+                                     "/tokenize", "/v1/translate", "/health", "/nothing")] == [
+        "libretranslate", "libretranslate", "openai", "openai", "openai", "aiayn", "aiayn", "aiayn"]
+    request = Request({"type": "http", "method": "POST", "path": "/x", "headers": [], "query_string": b""})
+
+    def answer(protocol: str, e: Exception) -> tuple[int, dict, str | None]:
+        r = ERRORS[protocol](e, request)
+        return r.status_code, json.loads(r.body), r.headers.get("retry-after")
+
+    assert answer("aiayn", QueueFull("full")) == (503, {"error": {"code": "queue_full",
+                                                                 "message": "full: retry later"}}, "1")
+    assert answer("aiayn", ConfigError("bad")) == (422, {"error": {"code": "invalid_request", "message": "bad"}},
+                                                   None)
+    assert answer("libretranslate", QueueFull("full")) == (429, {"error": "full: retry later"}, None)
+    assert answer("libretranslate", Closed("closing")) == (503, {"error": "closing: retry later"}, None)
+    assert answer("libretranslate", ApiError(422, "invalid_request", "bad")) == (400, {"error": "bad"}, None)
+    assert answer("libretranslate", LibreError(403, "Invalid API key")) == (403, {"error": "Invalid API key"}, None)
+    status, body, _ = answer("openai", QueueFull("full"))
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    status, body, _ = answer("openai", ApiError(413, "line_too_long", "long"))
+    assert (status, body["error"]["code"], body["error"]["type"]) == (413, "line_too_long", "invalid_request_error")
+    assert answer("openai", OpenAIError(404, "no", param="model"))[1]["error"]["param"] == "model"
+    status, body, _ = answer("openai", RuntimeError("boom"))
+    assert (status, body["error"]["message"], body["error"]["type"]) == (500, "RuntimeError: boom", "server_error")
+    assert json.loads(error_response("/languages", 405, "method_not_allowed", "no").body) == {"error": "no"}
+
+
+def test_libretranslate_and_completion_requests_are_checked_alone():
+    """The request checks of each protocol's module, without a model or a server."""
+    from aiayn.serve.completions import choices_for, completion_request
+    from aiayn.serve.errors import LibreError, OpenAIError
+    from aiayn.serve.libretranslate import libre_request
+    from aiayn.serve.schemas import Limits
+
+    limits = Limits()
+    r = libre_request({"q": ["a", "b"], "source": "auto", "target": "de", "alternatives": "1", "secret": "x"},
+                          "en", "de", limits)
+    assert (r.texts, r.single, r.source, r.fmt, r.alternatives) == (["a", "b"], False, "auto", "text", 1)
+    for fields, message in [({"q": [], "source": "en", "target": "de"}, "missing q"),
+                            ({"q": "a", "source": "fr", "target": "de"}, "fr is not supported"),
+                            ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1},
+                             "not supported with format html")]:
+        with pytest.raises(LibreError, match=message):
+            libre_request(fields, "en", "de", limits)
+    c = completion_request({"prompt": ["x", "y"], "n": 2, "seed": 7, "stop": "\n"}, limits)
+    assert [(i, p, s) for i, p, s in choices_for(c)] == [(0, "x", 7), (1, "x", 8), (2, "y", 9), (3, "y", 10)]
+    with pytest.raises(OpenAIError, match="unknown parameter 'suffixes'"):
+        completion_request({"prompt": "x", "suffixes": 1}, limits)
 
 
 def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):

@@ -81,7 +81,7 @@ class ServeOptions:
     access_log: bool = False
     allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
     cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
-    api_key: str | None = None  # every API request must carry it (aiayn.serve.protocols); None: no key
+    api_key: str | None = None  # every API request must carry it (aiayn.serve.service); None: no key
     api_key_from: str = "--api-key"  # where the key came from, for the message that refuses it ($AIAYN_API_KEY)
 
     def __post_init__(self) -> None:

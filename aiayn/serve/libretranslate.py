@@ -1,0 +1,197 @@
+"""LibreTranslate's API over a translation run, so that its clients (``libretranslatepy``, LibreTranslate's web page
+and plugins) work against ``aiayn serve`` unchanged. docs/serve.md's protocol table lists every difference.
+
+===============================  ==================================================================================
+``POST /translate``              ``q`` (string or list), ``source`` (the run's source language or ``auto``),
+                                 ``target``, ``format`` (text; html: text nodes translated, markup kept,
+                                 :mod:`aiayn.serve.markup`), ``alternatives``, ``api_key``; other fields not read,
+                                 as LibreTranslate; JSON or form-encoded (a repeated form field: its first value).
+                                 -> ``{"translatedText": str | [str]}`` (+ ``alternatives``)
+``GET /languages``               ``[{"code", "name", "targets"}]``, the run's source language
+``POST /detect``                 the run's source language, confidence 100 (nothing is detected)
+``GET /frontend/settings``       LibreTranslate's web page settings
+===============================  ==================================================================================
+
+Errors come in LibreTranslate's shape, ``{"error": message}`` (:mod:`aiayn.serve.errors`). The API key is
+LibreTranslate's ``api_key`` field (:mod:`aiayn.serve.service`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from aiayn.config import DecodeOptions
+from aiayn.data.languages import language_name
+from aiayn.errors import one_line
+from aiayn.serve.errors import LibreError, answering_errors
+from aiayn.serve.markup import join_html, split_html
+from aiayn.serve.schemas import Limits, parse_body, read_body, source_tokens
+from aiayn.serve.service import Service
+
+
+async def request_fields(request: Request, limits: Limits) -> dict[str, Any]:
+    """The request's fields: a JSON object, a form, or (GET) the query string."""
+    params: dict[str, Any] = dict(request.query_params)
+    # libretranslatepy sends its api_key in a form body even on GET /languages
+    has_body = request.method == "POST" or request.headers.get("content-length", "0") not in ("", "0")
+    raw = await read_body(request, limits) if has_body else b""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if raw and ctype == "application/json":
+        params.update(parse_body(raw, limits))
+    elif raw:
+        try:
+            form = urllib.parse.parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False,
+                                         max_num_fields=limits.max_sentences + 16)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise LibreError(400, f"cannot read the form: {one_line(e)}") from None
+        # a repeated field counts once, its first value, as LibreTranslate (Flask's request.values.get) reads it
+        params.update({k: v[0] for k, v in form.items()})
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class LibreRequest:
+    """A checked ``/translate`` request: ``texts`` (``single``: ``q`` was one string), the ``source`` as given
+    (the run's or ``auto``), ``fmt`` (text or html) and how many ``alternatives``."""
+
+    texts: list[str]
+    single: bool
+    source: str
+    fmt: str
+    alternatives: int
+
+
+def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) -> LibreRequest:
+    """The checked fields of a ``/translate`` request for a ``src`` to ``tgt`` model. Other fields
+    (LibreTranslate's ``secret``, a client's extras) are not read, as LibreTranslate ignores them."""
+    for name in ("q", "source", "target"):
+        if fields.get(name) in (None, "", []):
+            raise LibreError(400, f"Invalid request: missing {name} parameter")
+    q, source, target = fields["q"], fields["source"], fields["target"]
+    if not isinstance(source, str) or source not in (src, "auto"):
+        raise LibreError(400, f"{source} is not supported: this model translates {src} to {tgt}")
+    if not isinstance(target, str) or target != tgt:
+        raise LibreError(400, f"{target} is not supported: this model translates {src} to {tgt}")
+    fmt = fields.get("format", "text")
+    if fmt not in ("text", "html"):
+        raise LibreError(400, f"format {fmt!r}: expected text or html")
+    alternatives = fields.get("alternatives", 0)
+    try:
+        alternatives = int(alternatives)
+    except (TypeError, ValueError):
+        raise LibreError(400, f"alternatives: expected an integer, got {alternatives!r}") from None
+    if not 0 <= alternatives < limits.max_nbest:
+        raise LibreError(400, f"alternatives: expected 0 to {limits.max_nbest - 1}")
+    if alternatives and fmt == "html":
+        raise LibreError(400, "alternatives are not supported with format html")
+    single = isinstance(q, str)
+    texts = [q] if single else q
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise LibreError(400, "q: expected a string or a list of strings")
+    if len(texts) > limits.max_sentences:
+        raise LibreError(413, f"q: {len(texts)} texts, the limit is {limits.max_sentences} per request")
+    for i, t in enumerate(texts):
+        if len(t) > limits.max_chars:
+            raise LibreError(413, f"q[{i}]: {len(t)} characters, the limit is {limits.max_chars}")
+    return LibreRequest(texts, single, source, fmt, alternatives)
+
+
+class LibreTranslate:
+    """LibreTranslate's routes over ``svc`` (other runs than translation: 400 naming the endpoint they have)."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        self.src, self.tgt = svc.model.cfg.data.src_lang, svc.model.cfg.data.tgt_lang
+
+    def routes(self) -> list[Route]:
+        def route(path: str, handler, methods: list[str]) -> Route:
+            return Route(path, answering_errors("libretranslate", handler), methods=methods)
+
+        return [route("/languages", self.languages, ["GET", "POST"]),
+                route("/translate", self.translate, ["POST"]),
+                route("/detect", self.detect, ["POST"]),
+                route("/frontend/settings", self.frontend_settings, ["GET"])]
+
+    async def fields(self, request: Request) -> dict[str, Any]:
+        """The request's fields, once its key is checked and the run is a translation run."""
+        fields = await request_fields(request, self.svc.limits)
+        self.check_key(request, fields)
+        self.need_translation()
+        return fields
+
+    def check_key(self, request: Request, fields: dict[str, Any]) -> None:
+        """LibreTranslate's ``api_key`` field: a string in the body (JSON or form), or 403. A key in the URL's query
+        string is refused even where it is right (400): URLs end up in access logs, proxies and browser histories."""
+        if "api_key" in request.query_params:
+            raise LibreError(400, "api_key: send it in the request body (JSON or form), not in the URL, which logs "
+                                  "keep")
+        given = fields.get("api_key")
+        if given is not None and not isinstance(given, str):
+            raise LibreError(400, f"api_key: expected a string, got {type(given).__name__}")
+        if not self.svc.key_matches(given):
+            raise LibreError(403, "Invalid API key")
+
+    def need_translation(self) -> None:
+        if self.svc.task != "translation":
+            raise LibreError(400, f"this server runs a {self.svc.task} run; LibreTranslate's API needs a translation "
+                                  "run (language models answer /v1/completions)")
+
+    async def languages(self, request: Request) -> Response:
+        await self.fields(request)
+        return JSONResponse([{"code": self.src, "name": language_name(self.src), "targets": [self.tgt]}])
+
+    async def translate(self, request: Request) -> Response:
+        r = libre_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
+        opts = self.svc.model.cfg.decode
+        if r.alternatives:
+            opts = opts.replace(nbest=r.alternatives + 1, beam=max(opts.beam, r.alternatives + 1))
+        if r.fmt == "html":
+            best, found = await self.translate_html(r.texts, opts), []
+        else:
+            found, _ = await self.svc.translate(r.texts, opts, field="q")
+            best = [h[0].text if h else "" for h in found]
+        body: dict[str, Any] = {"translatedText": best[0] if r.single else best}
+        if r.source == "auto":
+            detected = {"confidence": 100.0, "language": self.src}
+            body["detectedLanguage"] = detected if r.single else [detected] * len(r.texts)
+        if r.alternatives:
+            alts = [[x.text for x in h[1:]] for h in found]
+            body["alternatives"] = alts[0] if r.single else alts
+        return JSONResponse(body)
+
+    async def translate_html(self, documents: list[str], opts: DecodeOptions) -> list[str]:
+        """The text nodes of every document translated in one call, the markup kept."""
+        docs = [split_html(t) for t in documents]
+        for i, (_, doc_nodes) in enumerate(docs):  # a text node too long for the model: named by its q[i]
+            source_tokens(self.svc.model, doc_nodes, f"q[{i}] text node")
+        nodes = [node for _, doc_nodes in docs for node in doc_nodes]
+        found, _ = await self.svc.translate(nodes, opts) if nodes else ([], None)
+        out = iter(h[0].text if h else "" for h in found)
+        return [join_html(parts, [next(out) for _ in doc_nodes]) for parts, doc_nodes in docs]
+
+    async def detect(self, request: Request) -> Response:
+        """LibreTranslate's ``/detect``: a translation model reads one language, so that is the answer (at
+        confidence 100): no detection is run."""
+        q = (await self.fields(request)).get("q")
+        if q in (None, "", []):
+            raise LibreError(400, "Invalid request: missing q parameter")
+        if not isinstance(q, (str, list)) or (isinstance(q, list) and not all(isinstance(t, str) for t in q)):
+            raise LibreError(400, "q: expected a string or a list of strings")
+        found = [{"confidence": 100.0, "language": self.src}]
+        return JSONResponse(found if isinstance(q, str) else [found] * len(q))
+
+    async def frontend_settings(self, request: Request) -> Response:
+        """LibreTranslate's ``/frontend/settings``, which its web page reads first."""
+        self.need_translation()
+        keyed = self.svc.api_key is not None
+        return JSONResponse({"charLimit": self.svc.limits.max_chars, "frontendTimeout": 500, "apiKeys": keyed,
+                             "keyRequired": keyed, "suggestions": False, "filesTranslation": False,
+                             "supportedFilesFormat": [],
+                             "language": {"source": {"code": self.src, "name": language_name(self.src)},
+                                          "target": {"code": self.tgt, "name": language_name(self.tgt)}}})

@@ -1,0 +1,136 @@
+"""aiayn's own API of ``aiayn serve`` (the protocols of the ecosystem are :mod:`aiayn.serve.libretranslate`'s and
+:mod:`aiayn.serve.openai_api`'s).
+
+==========================  ========================================================================
+``GET /``                   the attention explorer page (static/, served by the package, no CDN)
+``GET /health``             {"status": "ok", "queued", "jobs", "calls", "items", "cancelled"} (batcher counters)
+``GET /v1/model``           task, run, device, precision, parameters, config, limits, batching
+``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
+``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
+``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
+==========================  ========================================================================
+
+Every error is JSON, ``{"error": {"code", "message"}}`` (codes: :mod:`aiayn.serve.schemas`; the mapping:
+:func:`aiayn.serve.errors.aiayn_error`): a bad request gets its 4xx, a full queue 503, a failing model 500, and
+the server goes on serving. All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from aiayn.decode.generate import Generator
+from aiayn.decode.stream import hypothesis_json
+from aiayn.decode.translator import Translation
+from aiayn.model.transformer import count_parameters
+from aiayn.run_dir import Run
+from aiayn.serve.errors import answering_errors
+from aiayn.serve.schemas import ApiError, attention_request, generate_request, parse_body, read_body, translate_request
+from aiayn.serve.service import Service
+from aiayn.viz.attention import KINDS, attention_data
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def translation_json(hyps: list[Translation]) -> dict[str, Any]:
+    """One input's result: the best hypothesis' fields, and all of them best first under ``nbest``."""
+    if not hyps:  # an empty input line: an empty output, as `aiayn translate` writes
+        return {"text": "", "score": None, "logprob": None, "tokens": [], "nbest": []}
+    return {**hypothesis_json(hyps[0]), "nbest": [hypothesis_json(h) for h in hyps]}
+
+
+def attention_json(run: Run, text: str, target: str | None) -> bytes:
+    """The response body of /v1/attention, rendered on the worker thread (it can be large)."""
+    data = attention_data(run, text, target)
+    kinds = {}
+    for kind, m in data.maps.items():
+        L, H, Q, K = m.weights.shape
+        kinds[kind] = {"title": KINDS[kind], "layers": L, "heads": H, "queries": m.queries, "keys": m.keys,
+                       "predicts": m.predicts,  # decoder rows: the token each step predicts (None: encoder)
+                       "weights": np.round(m.weights, 5).tolist()}  # (L, H, Q, K), each row sums to 1
+    body = {"task": run.cfg.task, "source": data.src, "target": data.tgt, "generated": data.generated,
+            "attention": kinds}
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+class NativeRoutes:
+    """aiayn's own routes over ``svc``."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+
+    def routes(self) -> list[Route]:
+        def route(path: str, handler, methods: list[str] | None = None) -> Route:
+            return Route(path, answering_errors("aiayn", handler), methods=methods)
+
+        return [route("/", self.index), route("/health", self.health), route("/v1/model", self.model_info),
+                route("/v1/translate", self.translate, ["POST"]), route("/v1/generate", self.generate, ["POST"]),
+                route("/v1/attention", self.attention, ["POST"])]
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, once its key is checked."""
+        self.svc.check_key(request)
+        return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def health(self, request: Request) -> Response:
+        svc = self.svc
+        s = svc.batcher.stats
+        return JSONResponse({"status": "ok", "queued": svc.batcher.queued, "jobs": s.jobs, "calls": s.calls,
+                             "items": s.items, "cancelled": s.cancelled,
+                             "uptime_s": round(time.time() - svc.started, 3)})
+
+    async def model_info(self, request: Request) -> Response:
+        svc = self.svc
+        svc.check_key(request)
+        m = svc.model
+        return JSONResponse({
+            "task": svc.task, "run": str(m.path), "device": str(m.device),
+            "precision": str(next(m.model.parameters()).dtype).removeprefix("torch."),
+            "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
+            "limits": {**dataclasses.asdict(svc.limits), "attention_tokens": m.cfg.model.max_positions},
+            "batching": {"max_batch_tokens": svc.budget, "max_wait_ms": svc.max_wait_ms, "max_queue": svc.max_queue},
+        })
+
+    async def translate(self, request: Request) -> Response:
+        body = await self.body(request)
+        self.svc.need("/v1/translate", "translation", "summarization")
+        texts, opts = translate_request(body, self.svc.model.cfg.decode, self.svc.limits)
+        found, opts = await self.svc.translate(texts, opts)
+        return JSONResponse({"translations": [translation_json(h) for h in found],
+                             "options": dataclasses.asdict(opts)})
+
+    async def generate(self, request: Request) -> Response:
+        body = await self.body(request)
+        self.svc.need("/v1/generate", "lm")
+        gen: Generator = self.svc.model
+        prompt, opts = generate_request(body, gen.cfg.decode, self.svc.limits)
+        [text] = await self.svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])
+        return JSONResponse({"prompt": prompt, "text": text, "options": dataclasses.asdict(opts)})
+
+    async def attention(self, request: Request) -> Response:
+        body = await self.body(request)
+        text, target = attention_request(body, self.svc.limits)
+        run, task = self.svc.run, self.svc.task
+        n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - (task != "lm")
+        if n > room:
+            raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
+        if target is not None and task != "lm":
+            m, steps = len(run.tokenizers.tgt.encode(target)), run.cfg.model.max_positions - 1
+            if m > steps:  # the whole target or nothing: a map of its first positions would mislead
+                raise ApiError(413, "line_too_long", f"target: {m} tokens, the decoder reads at most {steps} "
+                                                     "after its start token (the model's positions)")
+        [payload] = await self.svc.batcher.run(None, [text], 1,
+                                               lambda items: [attention_json(run, items[0], target)])
+        return Response(payload, media_type="application/json")

@@ -1,0 +1,292 @@
+"""OpenAI's completions and chat completions (with vLLM's tokenizer routes) over aiayn's runs, so that the ``openai``
+package, lm-evaluation-harness and the tools built on them work against ``aiayn serve`` unchanged. docs/serve.md's
+protocol table lists every difference from the originals.
+
+===============================  ==================================================================================
+``GET /v1/models``               the served run as one model (another ``model`` named: 404)
+``POST /v1/completions``         ``prompt`` (strings or token ids), ``max_tokens``, ``temperature``, ``top_p``, ``n``,
+                                 ``stop``, ``seed``, ``stream`` (server-sent events ending in ``data: [DONE]``),
+                                 ``stream_options.include_usage``, ``echo`` and ``logprobs``
+                                 (:mod:`aiayn.serve.scores`); ``usage`` in tokens (:mod:`aiayn.serve.completions`)
+``POST /v1/chat/completions``    chat completions, through one template (:mod:`aiayn.serve.chat`)
+``/tokenize``, ``/detokenize``,  vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer reads them
+``GET /tokenizer_info``
+===============================  ==================================================================================
+
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (:mod:`aiayn.serve.errors`);
+the API key is a bearer token (:mod:`aiayn.serve.service`). What the server does not do is refused, never
+silently ignored.
+
+Translation runs answer both completions APIs too: the prompt (or the last user message) is the sentence to
+translate, the completion its translation by the run's own search, unless the request asks for sampling
+(``temperature`` > 0 given, or ``top_p`` without it). On a translation run a completion goes through
+:meth:`aiayn.serve.service.Service.translate`: the batcher merges it with concurrent requests of every API that
+decode with the same options (LibreTranslate's, aiayn's /v1/translate, other completions).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
+from aiayn.serve.completions import (
+    Completion,
+    Job,
+    StopScan,
+    choices_for,
+    completion_options,
+    completion_request,
+    is_id,
+    lm_cost,
+    lm_group,
+    run_lm,
+    run_scored,
+    usage_of,
+)
+from aiayn.serve.errors import OpenAIError, answering_errors, openai_stream_error
+from aiayn.serve.schemas import parse_body, read_body, source_tokens
+from aiayn.serve.scores import check_scored, encode_with_specials, tokenizer_info
+from aiayn.serve.service import Service, bearer
+from aiayn.serve.streams import EventStream
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event of a streamed answer."""
+    return ("data: " + json.dumps(body, ensure_ascii=False) + "\n\n").encode("utf-8")
+
+
+class OpenAIRoutes:
+    """OpenAI's (and vLLM's tokenizer) routes over ``svc``: the run is the one model, named by its directory."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        self.model_id = svc.run.path.name
+        self.created = int(time.time())
+
+    def routes(self) -> list[Route]:
+        def route(path: str, handler, methods: list[str]) -> Route:
+            return Route(path, answering_errors("openai", handler), methods=methods)
+
+        return [route("/v1/models", self.models, ["GET"]),
+                route("/v1/completions", self.completions, ["POST"]),
+                route("/v1/chat/completions", self.chat_completions, ["POST"]),
+                route("/tokenize", self.tokenize, ["POST"]),
+                route("/detokenize", self.detokenize, ["POST"]),
+                route("/tokenizer_info", self.tokenizer_info, ["GET"])]
+
+    def authorize(self, request: Request) -> None:
+        if not self.svc.key_matches(bearer(request)):
+            raise OpenAIError(401, "Incorrect API key provided", code="invalid_api_key",
+                              kind="invalid_request_error")
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, once its key is checked."""
+        self.authorize(request)
+        return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model",
+                                                         "created": self.created, "owned_by": "aiayn"}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.body(request)
+        c = completion_request(body, self.svc.limits)
+        self.check_model(body)
+        return await self.respond(c, TextShape())
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt, fields = chat_prompt(body, self.svc.task)
+        c = completion_request({**fields, "prompt": prompt}, self.svc.limits)
+        self.check_model(body)
+        return await self.respond(c, ChatShape(strip_leading_space=self.svc.task == "lm"))
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        """The ``model`` a request names must be the one /v1/models lists (none named: that one)."""
+        name = body.get("model")
+        if name is not None and name != self.model_id:
+            raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{self.model_id}`: "
+                                   "GET /v1/models)", param="model", code="model_not_found")
+
+    def check_prompts(self, c: Completion) -> None:
+        """Before batching, so that one request's bad prompt does not fail the others in its batch."""
+        svc = self.svc
+        translation = svc.task == "translation"
+        ids = [p for p in c.prompts if not isinstance(p, str)]
+        if translation and (ids or c.scored):
+            what = "token-id prompts" if ids else "echo and logprobs"
+            raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
+                              code="unsupported")
+        if translation:  # a prompt too long for the model: 413 prompt[i], before a stream's 200
+            source_tokens(svc.model, c.prompts, "prompt")
+            return
+        from aiayn.decode.generate import check_prompt_fits, prompt_ids
+
+        vocab = svc.model.tokenizers.src.vocab_size
+        for p in ids:
+            if max(p) >= vocab:
+                raise OpenAIError(400, f"prompt: token id {max(p)} is not in the model's vocabulary of {vocab}",
+                                  param="prompt", code="out_of_range")
+        for prompt in c.prompts:
+            if c.scored:
+                check_scored(svc.model.run, prompt, c.max_tokens)
+            else:
+                check_prompt_fits(svc.model.cfg, prompt_ids(svc.model.cfg, svc.model.tokenizers.src, prompt))
+
+    async def respond(self, c: Completion, shape: Shape) -> Response:
+        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+        if self.svc.task == "summarization":
+            raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
+                                   "a translation run", code="wrong_task")
+        # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
+        # prompt must not fail the others in its batch) and before a stream's 200.
+        c = completion_options(c, self.svc.model.cfg.decode, language_model=self.svc.task == "lm")
+        self.check_prompts(c)
+        if c.stream:
+            return await CompletionStream(self, c, shape).response()
+        rid, when = shape.new_id(), int(time.time())
+        jobs = choices_for(c)
+        if self.svc.task == "translation":
+            results = await self.translate_choices(c, jobs)
+        elif c.scored:
+            results = await self.svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs),
+                                                 functools.partial(run_scored, self.svc.model))
+        else:
+            results = await self.generate(c, jobs, None)
+        return JSONResponse({"id": rid, "object": shape.object, "created": when, "model": self.model_id,
+                             "choices": [shape.choice(i, r) for r, (i, _, _) in zip(results, jobs)],
+                             "usage": usage_of(c, results, jobs)})
+
+    async def generate(self, c: Completion, jobs: list[Job], stream: CompletionStream | None
+                       ) -> list[dict[str, Any]]:
+        """A language model's completions through the batcher, merged with concurrent requests of the same
+        sampling options; a ``stream`` gets each choice's text as it is decoded."""
+        if stream is None:
+            items = [(prompt, seed, c, None, None) for _, prompt, seed in jobs]
+        else:
+            items = [(prompt, seed, c, functools.partial(stream.text_chunk, index), stream.events.cancelled)
+                     for index, prompt, seed in jobs]
+        return await self.svc.batcher.run(lm_group(c), items, lm_cost(c, jobs),
+                                          functools.partial(run_lm, self.svc.model))
+
+    async def translate_choices(self, c: Completion, jobs: list[Job], cancelled: threading.Event | None = None
+                                ) -> list[dict[str, Any]]:
+        """Every choice of a completion on a translation run: the run's own search (every choice of a prompt is
+        the same translation, decoded once) unless the request asks for sampling (a temperature > 0, or a top_p,
+        given: OpenAI's default temperature of 1 does not count, since its clients send none), through the
+        batcher; ``cancelled`` (a stream's) stops the search at its next step once the client went away."""
+        base = c.options.replace(nbest=1)  # completion_options: the run's own search unless sampling is asked
+        if not (c.sample_asked and c.temperature > 0):
+            prompts = list(dict.fromkeys(p for _, p, _ in jobs))
+            found, _ = await self.svc.translate(prompts, base, cancelled=cancelled)
+            by_prompt = dict(zip(prompts, found))
+            hyps = [by_prompt[p] for _, p, _ in jobs]
+        else:
+            # unseeded draws: one call for all, each row its own draw; seeded ones: one job whose draws each run
+            # alone (a seeded draw must not depend on its batch), so the request's n choices take one queue place
+            seeds = None if c.seed is None else [seed for _, _, seed in jobs]
+            hyps, _ = await self.svc.translate([p for _, p, _ in jobs], base, seeds=seeds, cancelled=cancelled)
+        out = []
+        for (_, prompt, _), h in zip(jobs, hyps):
+            scan = StopScan(c.stop)
+            text = scan.add(h[0].text if h else "") + scan.finish()
+            out.append({"text": text, "finish_reason": "stop", "completion_tokens": len(h[0].ids) if h else 0,
+                        "prompt_tokens": len(self.svc.model.tokenizers.src.encode(prompt)) + 1})
+        return out
+
+    async def lm_body(self, request: Request, path: str) -> dict[str, Any]:
+        """A tokenizer route's JSON object, once its key is checked and the run is a language model."""
+        self.authorize(request)
+        self.need_lm(path)
+        return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: ``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``."""
+        body = await self.lm_body(request, "/tokenize")
+        prompt, limit = body.get("prompt"), self.svc.limits.max_chars
+        if not isinstance(prompt, str) or len(prompt) > limit:
+            raise OpenAIError(400, f"prompt: expected a string of at most {limit} characters", param="prompt",
+                              code="invalid_type")
+        if body.get("add_special_tokens"):  # aiayn's language models read no BOS or EOS around a text
+            raise OpenAIError(400, "add_special_tokens: this server adds none", param="add_special_tokens",
+                              code="unsupported")
+        ids = encode_with_specials(self.svc.model.run, prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.info()["model_max_length"]})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
+        ids = (await self.lm_body(request, "/detokenize")).get("tokens")
+        vocab = self.svc.model.tokenizers.src.vocab_size
+        if not isinstance(ids, list) or not all(is_id(i) and i < vocab for i in ids):
+            raise OpenAIError(400, f"tokens: expected a list of token ids below {vocab}", param="tokens",
+                              code="invalid_type")
+        return JSONResponse({"prompt": self.svc.model.tokenizers.src.decode(ids)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info`` (:func:`aiayn.serve.scores.tokenizer_info`)."""
+        self.authorize(request)
+        self.need_lm("/tokenizer_info")
+        return JSONResponse(self.info())
+
+    def info(self) -> dict[str, Any]:
+        return tokenizer_info(self.svc.model.run, self.model_id)
+
+    def need_lm(self, path: str) -> None:
+        if self.svc.task != "lm":
+            raise OpenAIError(400, f"{path} needs a language-model run; this server runs a {self.svc.task} run",
+                              code="wrong_task")
+
+
+class CompletionStream:
+    """One streamed answer of a checked completion: OpenAI's chunks as server-sent events, through the one
+    cancellation path of streamed answers (:class:`aiayn.serve.streams.EventStream`)."""
+
+    def __init__(self, api: OpenAIRoutes, c: Completion, shape: Shape) -> None:
+        self.api, self.c, self.shape = api, c, shape
+        self.rid, self.when = shape.new_id(), int(time.time())
+        self.jobs = choices_for(c)
+        self.events = EventStream(api.svc.batcher.stats)
+        self.filters = {index: shape.text_filter() for index, _, _ in self.jobs}
+
+    async def response(self) -> Response:
+        for index, _, _ in self.jobs:
+            opening = self.shape.opening(index)
+            if opening is not None:
+                self.events.push(self.chunk(opening))
+        # the headers are sent by the time a failure is known: it is said in the stream, as OpenAI does
+        return await self.events.response(self.answered(), lambda e: sse(openai_stream_error(e)))
+
+    def head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.shape.chunk_object, "created": self.when, "model": self.api.model_id}
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        body = {**self.head(), "choices": [choice]}
+        return sse({**body, "usage": None} if self.c.include_usage else body)  # OpenAI's chunks, with usage asked
+
+    def text_chunk(self, index: int, text: str) -> None:
+        """Each final piece of a choice's text (from the worker thread)."""
+        text = self.filters[index](text)
+        if text:
+            self.events.push(self.chunk(self.shape.delta(index, text, None)))
+
+    async def answered(self) -> None:
+        c, jobs = self.c, self.jobs
+        if self.api.svc.task == "translation":  # a translation is decoded whole: one event per choice
+            results = await self.api.translate_choices(c, jobs, self.events.cancelled)
+            for r, (index, _, _) in zip(results, jobs):
+                self.text_chunk(index, r["text"])
+        else:  # each token as it is decoded, from a shared batch
+            results = await self.api.generate(c, jobs, self)
+        for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
+            self.events.push(self.chunk(self.shape.delta(index, "", r["finish_reason"])))
+        if c.include_usage:  # OpenAI's last chunk: no choices, the usage of the whole request
+            self.events.push(sse({**self.head(), "choices": [], "usage": usage_of(c, results, jobs)}))
