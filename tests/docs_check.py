@@ -51,6 +51,8 @@ SANDBOX = {
 # reading the answer would see it fail).
 SUBSTITUTE = {"localhost:8000": "localhost:{port}"}
 CURL_FLAGS = ["--fail-with-body"]
+INSTALLS = re.compile(r"(?:^|&&|;)\s*(?:sudo\s+)?(?:\S*python3?\s+-m\s+)?(?:pip3?|uv pip|apt-get|apt)\s+install\b",
+                      re.M)
 MARK = re.compile(r"<!--\s*docs-check:\s*(skip|server)\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
@@ -84,7 +86,7 @@ def blocks(pages: list[Path] = PAGES) -> Iterator[Block]:
 
 def problems(pages: list[Path] = PAGES) -> list[str]:
     """What breaks the rules above: an untagged fence, a mark on a non-shell block, a skip without a reason, a
-    server mark naming no SANDBOX run."""
+    server mark naming no SANDBOX run, a block that installs packages without a skip mark."""
     out = []
     for b in blocks(pages):
         if not b.lang:
@@ -95,6 +97,9 @@ def problems(pages: list[Path] = PAGES) -> list[str]:
             out.append(f"{b.name}: docs-check: skip needs a reason: <!-- docs-check: skip (why) -->")
         elif b.mark == "server" and SANDBOX.get(b.arg) not in ("translation", "lm"):
             out.append(f"{b.name}: docs-check: server {b.arg!r} is not a run of the scratch directory")
+        elif b.lang == SHELL and b.mark != "skip" and INSTALLS.search(b.code):
+            # the check runs blocks with this checkout's interpreter: an install would change its environment
+            out.append(f"{b.name}: installs packages; mark it <!-- docs-check: skip (installs ...) -->")
     return out
 
 
