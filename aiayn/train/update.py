@@ -143,7 +143,7 @@ class Update:
             group["lr"] = lr
         if scaler is not None:
             scaler.unscale_(optimizer)
-        params = list(module.parameters())
+        params = list(module.parameters()) if self.clip_norm or measure_norms else []  # not on every update
         grad_norm = None
         if self.clip_norm:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_norm)
