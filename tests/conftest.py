@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,12 @@ sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an insta
 # Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
 # threads are the cores each process has to itself, so the processes never contend for a core.
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+# Token stores a training prepares for itself go to $AIAYN_CACHE_DIR/stores: one directory for the whole test run
+# (every xdist worker shares it, as concurrent runs of a user do), never the user's own ~/.cache/aiayn.
+if "AIAYN_CACHE_DIR" not in os.environ:
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    os.environ["AIAYN_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"aiayn-test-cache-{_run}")
 
 
 # PyTorch's inductor cannot build CPU kernels under ATEN_CPU_CAPABILITY=default: its C++ codegen still emits

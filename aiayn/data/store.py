@@ -82,7 +82,7 @@ class Side:
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
         self.dtype = dtype.newbyteorder("<")
-        self.path = ids
+        self.path, self.offsets_path = ids, offsets
         size = (pairs + 1) * 8
         with open(offsets, "rb") as f:
             data = f.read(size + 1)
@@ -101,6 +101,15 @@ class Side:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A DataLoader worker started by spawn or forkserver gets the side by pickle: its file names, not its
+        # open descriptor or its offsets (read again from the file: a pickle would copy them through a pipe).
+        return {"ids": self.path, "offsets": self.offsets_path, "dtype": self.dtype.str,
+                "pairs": len(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["ids"], state["offsets"], np.dtype(state["dtype"]), state["pairs"])
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -222,6 +231,14 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None) -> st
         parts["tokenizer"] = {p.name: sha256_file(p) for p in tokenizer_files(tokenizer)}
         parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def cached_store_dir(key: str) -> Path:
+    """Where a training that names no ``data.prepared`` keeps its store: ``$AIAYN_CACHE_DIR/stores/<key>``
+    (default ``~/.cache/aiayn``), so every run of the same inputs and settings shares one store."""
+    from aiayn.data.datasets import cache_dir
+
+    return cache_dir() / "stores" / key[:24]
 
 
 def tokenizer_matches(a: Path, b: Path) -> bool:
