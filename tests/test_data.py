@@ -477,14 +477,21 @@ def test_data_dir_missing_and_tampered(tmp_path, monkeypatch):
     assert (tmp_path / "tinyshakespeare" / "input.txt").exists()  # a user's file is never deleted
 
 
-# The tokenized corpus cache ------------------------------------------------------------------------------
+# The tokenized corpus: a token store in the cache ----------------------------------------------------------------
 
 
-def test_the_token_cache_is_used_and_invalidated_by_new_text_or_tokenizer(tmp_path, monkeypatch):
+def test_the_cached_store_is_reused_and_replaced_by_new_text_tokenizer_or_damage(tmp_path, monkeypatch):
+    """A config without data.prepared trains from a store in $AIAYN_CACHE_DIR/stores: a resume or another rank
+    encodes nothing; new text or a new tokenizer gives another store; a damaged cached store is rebuilt, not
+    trusted; a run that has its tokenizer (resume, --init-from) gets ids of that tokenizer even when the cache
+    was emptied, and trains no other."""
+    import shutil
+
     from aiayn.config import config_from_dict
     from aiayn.data import pipeline
     from aiayn.data.tokenizer import SentencePieceTokenizer
 
+    monkeypatch.setenv("AIAYN_CACHE_DIR", str(tmp_path / "cache"))
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
     rng = random.Random(0)
     lines = [" ".join(rng.choices(words, k=rng.randint(2, 6))) for _ in range(300)]
@@ -492,44 +499,49 @@ def test_the_token_cache_is_used_and_invalidated_by_new_text_or_tokenizer(tmp_pa
         (tmp_path / f"{split}.src").write_text("\n".join(part) + "\n", encoding="utf-8")
         (tmp_path / f"{split}.tgt").write_text("\n".join(" ".join(reversed(x.split())) for x in part) + "\n",
                                                encoding="utf-8")
-    cfg = lambda: config_from_dict({"data": {"train_src": str(tmp_path / "train.src"),  # noqa: E731
-                                             "train_tgt": str(tmp_path / "train.tgt"),
-                                             "valid_src": str(tmp_path / "valid.src"),
-                                             "valid_tgt": str(tmp_path / "valid.tgt"), "vocab_size": 280},
-                                    "model": {"d_model": 32, "n_heads": 2, "d_ff": 64}})
+
+    def cfg(vocab: int = 280):
+        return config_from_dict({"data": {"train_src": str(tmp_path / "train.src"),
+                                          "train_tgt": str(tmp_path / "train.tgt"),
+                                          "valid_src": str(tmp_path / "valid.src"),
+                                          "valid_tgt": str(tmp_path / "valid.tgt"), "vocab_size": vocab},
+                                 "model": {"d_model": 32, "n_heads": 2, "d_ff": 64}})
+
+    def stores():
+        return sorted(p.name for p in (tmp_path / "cache" / "stores").iterdir())
+
     calls = []
     real = SentencePieceTokenizer.encode
     monkeypatch.setattr(SentencePieceTokenizer, "encode", lambda self, t: calls.append(t) or real(self, t))
     run = tmp_path / "run"
     first, _ = pipeline.build_translation_data(cfg(), run)
-    assert len(calls) == 2 * 300 and len(list((run / "cache").glob("translation-*.safetensors"))) == 1
+    assert len(calls) == 2 * 300 and len(stores()) == 1
     calls.clear()
     again, _ = pipeline.build_translation_data(cfg(), run)  # --resume, or another DDP rank
-    assert calls == [] and (again.src, again.tgt, again.valid_src, again.valid_tgt) == (
-        first.src, first.tgt, first.valid_src, first.valid_tgt)
-    # new text: encoded again, and the stale cache file replaced
+    assert calls == [] and again.src.path == first.src.path and len(stores()) == 1
+    # new text: another store, encoded again
     (tmp_path / "train.src").write_text("\n".join(lines[:249] + ["golf hotel"]) + "\n", encoding="utf-8")
-    pipeline.build_translation_data(cfg(), run)
-    assert len(calls) == 2 * 300 and len(list((run / "cache").glob("translation-*.safetensors"))) == 1
-    # a new tokenizer (same text): encoded again
+    newer, _ = pipeline.build_translation_data(cfg(), run)
+    assert len(calls) == 2 * 300 and len(stores()) == 2 and newer.src.path != first.src.path
+    # a new tokenizer (same text): another store
     calls.clear()
-    import shutil
-
     shutil.rmtree(run / "tokenizer")
-    pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {**cfg().to_dict()["data"],
-                                                                                  "vocab_size": 290}}), run)
-    assert len(calls) >= 2 * 300  # (the tokenizer's own training may encode too)
-    # a damaged cache file is rebuilt, not trusted
-    (path,) = (run / "cache").glob("translation-*.safetensors")
-    path.write_bytes(b"garbage")
+    pipeline.build_translation_data(cfg(290), run)
+    assert len(calls) >= 2 * 300 and len(stores()) == 3  # (the tokenizer's own training may encode too)
+    # a damaged cached store is rebuilt, not trusted
+    ids = next((tmp_path / "cache" / "stores").glob("*/train.src.bin"))
+    ids.write_bytes(ids.read_bytes()[:-2])
     calls.clear()
-    rebuilt, _ = pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {
-        **cfg().to_dict()["data"], "vocab_size": 290}}), run)
-    assert len(calls) == 2 * 300 and rebuilt.src
+    for vocab in (280, 290):
+        pipeline.build_translation_data(cfg(vocab), tmp_path / f"other{vocab}")
+    assert len(calls) == 2 * 300  # one of the two stores was rebuilt
+    # the cache emptied under a run that has its tokenizer: a store of that tokenizer's ids, no tokenizer trained
+    shutil.rmtree(tmp_path / "cache" / "stores")
+    tokenizer = (run / "tokenizer" / "tokenizer.json").read_bytes()
     calls.clear()
-    pipeline.build_translation_data(config_from_dict({**cfg().to_dict(), "data": {**cfg().to_dict()["data"],
-                                                                                  "vocab_size": 290}}), run)
-    assert calls == []  # the rebuilt file was written back
+    again, tok = pipeline.build_translation_data(cfg(290), run)
+    assert len(calls) == 2 * 300 and (run / "tokenizer" / "tokenizer.json").read_bytes() == tokenizer
+    assert again.src[0] == tok.src.encode(lines[0])
 
 
 def _reference_token_batches(src_lens, tgt_lens, max_tokens, seed, epoch, shuffle, pad_to_multiple, buckets):

@@ -22,7 +22,7 @@ LIMITS: dict[str, float] = {
     "model.d_k": 65536, "model.d_v": 65536,
     "model.d_ff": 2**20, "model.n_encoder_layers": 1024, "model.n_decoder_layers": 1024, "model.max_positions": 2**20,
     "model.pad_id": 2**24, "data.vocab_size": 2**24, "data.tokenizer_sample": 2**40, "data.max_tokens": 2**31,
-    "data.update_tokens": 2**40,
+    "data.update_tokens": 2**40, "data.loader_workers": 256,
     "data.max_len": 2**20, "data.block_size": 2**20, "data.batch_size": 2**20, "data.pad_to_multiple": 4096,
     "train.max_updates": COUNT, "train.max_epochs": COUNT, "train.max_minutes": 1e9, "train.warmup": COUNT,
     "train.accum_steps": 2**20, "train.seed": SEED, "train.log_every": COUNT, "train.eval_every": COUNT,

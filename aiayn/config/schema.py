@@ -174,10 +174,16 @@ class DataConfig:
     # and summarization). When set, each batch gets update_tokens // (processes x train.accum_steps) and max_tokens
     # is not used, so 8 GPUs train with the same batch as 1 GPU with accum_steps 8.
     update_tokens: int | None = None
-    # A directory holding the corpus tokenized once into flat token-id files (aiayn prepare CONFIG --out DIR;
-    # translation). Training then reads batches from it lazily, by position: memory independent of the corpus
-    # size. When it holds nothing yet, or a store of other inputs or settings, the training prepares it first.
+    # Where the corpus tokenized once into flat token-id files (a token store) lives. Training always reads its
+    # batches from a store, lazily, by position: memory independent of the corpus size. Unset: the training
+    # prepares it itself into $AIAYN_CACHE_DIR/stores/<key> (default ~/.cache/aiayn), shared by every run of the
+    # same inputs and settings. Set: this directory (aiayn prepare CONFIG --out DIR fills it ahead of training;
+    # when it holds nothing yet, or a store of other inputs or settings, the training prepares it first).
     prepared: str | None = None
+    # Worker processes that read and collate batches ahead of the step (torch DataLoader), per training process.
+    # None: the cores the training leaves free, at least 1, at most 4 (aiayn.data.loader.loader_workers);
+    # 0: collate in the training process itself.
+    loader_workers: int | None = None
     max_len: int | None = None  # drop longer pairs; None: the model's max_positions
     block_size: int = 256  # language modelling: tokens per training block
     batch_size: int = 32  # language modelling: blocks per batch
@@ -198,15 +204,14 @@ class DataConfig:
         if self.lowercase and self.tokenizer != "bpe":
             raise ConfigError("data.lowercase needs data.tokenizer: bpe (a char tokenizer does not lowercase)")
         _choice("data.pretokenize", self.pretokenize, PRETOKENIZERS)
-        if self.dataset == "wmt14" and self.prepared is None:
-            raise ConfigError("data.dataset: wmt14 (4.5M pairs) trains from a prepared store: set data.prepared "
-                              "to a directory (the training prepares it on its first start)")
         for name in ("vocab_size", "tokenizer_sample", "max_tokens", "block_size", "batch_size"):
             _at_least(f"data.{name}", getattr(self, name), 1)
         if self.max_len is not None:
             _at_least("data.max_len", self.max_len, 2, "(a token and the EOS / BOS)")
         if self.update_tokens is not None:
             _at_least("data.update_tokens", self.update_tokens, 1)
+        if self.loader_workers is not None:
+            _at_least("data.loader_workers", self.loader_workers, 0)
         _finite("data.valid_fraction", self.valid_fraction)
         if not 0.0 < self.valid_fraction < 1.0:
             raise ConfigError(f"data.valid_fraction={self.valid_fraction}: expected a number in (0, 1)")

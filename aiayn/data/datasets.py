@@ -333,7 +333,7 @@ def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
         return multi30k_split("val" if split == "valid" else split, data.src_lang, data.tgt_lang)
     if data.dataset == "wmt14":
         if split == "train":
-            raise DataError("wmt14's 4.5M training pairs are read from a prepared store: set data.prepared")
+            raise DataError("wmt14's 4.5M training pairs are streamed into a token store, never held in a list")
         return wmt14_split(split, data.src_lang, data.tgt_lang)
     if data.dataset is not None:
         raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k, wmt14)")

@@ -1,79 +1,111 @@
-"""Batches built ahead of the training step, in a background thread.
+"""Batches for the training step through PyTorch's ``DataLoader``: worker processes read and collate the planned
+updates ahead of the step.
 
-The training loop asks for one update at a time; a :class:`Prefetcher` collates the next few updates' batches
-(and, for a GPU, copies them into page-locked memory) while the step runs, so the step does not wait for Python
-to pad id lists. Order and content are exactly those of collating in the loop: the thread touches no random
-state, so a resumed run sees the same batches bit for bit.
+The plan (:class:`aiayn.train.plan.EpochPlanner`) decides which batches each update trains on; this module only
+builds them. An :class:`UpdateSampler` yields this process's planned updates of an epoch from a position (the
+resume point), a worker turns one update (its micro-batches' index arrays) into its :class:`Batch` objects with
+the data's ``collate_plan``, and the loader hands them over in the sampler's order. Order and content are those of
+collating in the loop, whatever the number of workers: a worker touches no random state, so a resumed run sees
+the same batches bit for bit. The workers persist across epochs (the sampler is re-pointed at the next epoch's
+updates), copy batches into page-locked memory for a GPU (``pin_memory``), and get the training data by
+``fork`` where the platform has it (no copy), else by pickle (the data pickles as its files' names).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-T = TypeVar("T")
-R = TypeVar("R")
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-_DONE = object()
+from aiayn.data.batching import Batch
+
+log = logging.getLogger("aiayn.data")
+
+PREFETCH_UPDATES = 2  # updates each worker builds ahead of the step
 
 
-class Prefetcher(Generic[T, R]):
-    """``build(items[i])`` for i = start, start + 1, ..., computed up to ``depth`` items ahead in a daemon thread;
-    iterate it (or call :meth:`next`). An exception in ``build`` is raised by the :meth:`next` that would have
-    returned that item. Use it as a context manager: leaving stops the thread, whatever was built ahead."""
+class UpdateSampler(Sampler):
+    """This process's planned updates of the current epoch, from ``start`` on (set by :meth:`point`)."""
 
-    def __init__(self, items: Sequence[T], build: Callable[[T], R], start: int = 0, depth: int = 2) -> None:
-        if depth < 1:
-            raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(items, build, start), daemon=True,
-                                        name="aiayn-prefetch")
-        self._thread.start()
+    def __init__(self) -> None:
+        self.updates: Sequence[Any] = ()
+        self.start = 0
 
-    def _put(self, value: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(value, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def point(self, updates: Sequence[Any], start: int) -> None:
+        """Yield ``updates[start:]`` from the next ``iter``."""
+        self.updates, self.start = updates, start
 
-    def _run(self, items: Sequence[T], build: Callable[[T], R], start: int) -> None:
-        for i in range(start, len(items)):
-            try:
-                value: Any = (True, build(items[i]))
-            except BaseException as e:  # handed to the consumer, which raises it where it would have failed
-                self._put((False, e))
-                return
-            if not self._put(value):
-                return
-        self._put((True, _DONE))
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.updates[self.start :])
 
-    def next(self) -> R:
-        ok, value = self._queue.get()
-        if not ok:
-            raise value
-        if value is _DONE:
-            raise StopIteration
-        return value
+    def __len__(self) -> int:
+        return max(0, len(self.updates) - self.start)
 
-    def __iter__(self) -> Prefetcher[T, R]:
-        return self
 
-    def __next__(self) -> R:
-        return self.next()
+class UpdateBatches(Dataset):
+    """One planned update (the plan items of its micro-batches) -> its batches, collated by ``data``."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __getitem__(self, update: Sequence[Any]) -> list[Batch]:
+        return [self.data.collate_plan(item) for item in update]
+
+    def __len__(self) -> int:  # pragma: no cover - the sampler decides what is read, not a length
+        raise TypeError("UpdateBatches is indexed by planned updates, not by position")
+
+
+def _as_is(batches: list[Batch]) -> list[Batch]:
+    return batches
+
+
+class UpdateLoader:
+    """The batches of each epoch's updates, built by ``workers`` processes (0: in this process, when asked)
+    ``PREFETCH_UPDATES`` updates ahead each. Use it as a context manager: leaving stops the workers."""
+
+    def __init__(self, data: Any, workers: int, pin_memory: bool = False) -> None:
+        self.sampler = UpdateSampler()
+        self.workers = workers
+        extra = {"prefetch_factor": PREFETCH_UPDATES, "persistent_workers": True} if workers > 0 else {}
+        self._loader: DataLoader | None = DataLoader(
+            UpdateBatches(data), sampler=self.sampler, batch_size=None, collate_fn=_as_is, num_workers=workers,
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(0), **extra)  # its own: the workers'
+        # seeds are drawn from it, never from the global generator the training seeds its weights with
+        self._iter: Iterator[list[Batch]] | None = None
+
+    def epoch(self, updates: Sequence[Any], start: int) -> Iterator[list[Batch]]:
+        """The batches of ``updates[start:]``, in order (one list of micro-batches per update)."""
+        if self._loader is None:
+            raise RuntimeError("UpdateLoader: used after close()")
+        self.sampler.point(updates, start)
+        self._iter = iter(self._loader)  # persistent workers: re-pointed, not restarted
+        return self._iter
 
     def close(self) -> None:
-        """Stop building ahead and wait for the thread (it finishes the item it is on)."""
-        self._stop.set()
-        self._thread.join()
+        """Stop the workers (whatever they built ahead) and wait for them."""
+        it, self._iter, self._loader = self._iter, None, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
-    def __enter__(self) -> Prefetcher[T, R]:
+    def __enter__(self) -> UpdateLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def loader_workers(requested: int | None, device: torch.device, threads: int, local_world: int) -> int:
+    """Worker processes of each training process: ``data.loader_workers`` when set, else the cores the training
+    leaves free on this machine (``usable cores - local processes x their compute threads``, a CUDA process
+    counting one), at least 1 and at most 4. At least one even on a full machine: collating is a small part of a
+    step, and in a worker it overlaps the step instead of adding to it."""
+    if requested is not None:
+        return requested
+    from aiayn.engine import usable_cores
+
+    per_process = threads if device.type == "cpu" else 1
+    return max(1, min(4, usable_cores() - local_world * per_process))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,6 @@ from aiayn.data.batching import (
     Batch,
     EagerPlan,
     batch_shape,
-    collate,
     collate_flat,
     lm_batches,
     lm_blocks,
@@ -29,9 +28,11 @@ from aiayn.data.batching import (
     token_batches,
 )
 from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
-from aiayn.data.corpus import DataError, clean_pairs, describe_clean_stats
+from aiayn.data.corpus import DataError, describe_clean_stats
+from aiayn.data.store import PairSource, Side, Store
 from aiayn.data.summarization import (
     SummaryLMData,
+    collapse_whitespace,
     is_summary_lm,
     lm_sequence_ids,
     separator_ids,
@@ -104,22 +105,16 @@ def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-def _sizes(seqs: Sequence[Sequence[int]]) -> np.ndarray:
-    """(N,) int32: the length of every id list, from a prepared store's offsets without reading its ids, else
-    one by one."""
-    lengths = getattr(seqs, "lengths", None)
-    return lengths() if lengths is not None else np.fromiter((len(s) for s in seqs), np.int32, len(seqs))
-
-
 @dataclass
 class TranslationData:
-    """Encoded training/validation pairs (id lists, or the sides of a prepared store, read by position); batches by
-    token budget, reshuffled per epoch."""
+    """Encoded training/validation pairs, the sides of a token store read by position (only their offsets in
+    memory); batches by token budget, reshuffled per epoch. Pickles as file names (:class:`~aiayn.data.store.Side`),
+    so DataLoader workers collate from the files themselves."""
 
-    src: Sequence[Sequence[int]]
-    tgt: Sequence[Sequence[int]]
-    valid_src: Sequence[Sequence[int]]
-    valid_tgt: Sequence[Sequence[int]]
+    src: Side
+    tgt: Side
+    valid_src: Side
+    valid_tgt: Side
     max_tokens: int
     seed: int
     specials: SpecialIds = SpecialIds()  # pad / eos / decoder start of the run's tokenizer
@@ -130,17 +125,17 @@ class TranslationData:
         self._padded = self.pad_to_multiple > 1 or bool(self.buckets)
         self._src_lens = self._lengths(self.src)
         self._tgt_lens = self._lengths(self.tgt)
-        self._tgt_tokens = _sizes(self.tgt) + 1  # tgt_out's non-pad tokens: y and EOS
+        self._tgt_tokens = self.tgt.lengths() + 1  # tgt_out's non-pad tokens: y and EOS
         self._valid: list[Batch] | None = None
 
-    def _lengths(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
+    def _lengths(self, seqs: Side) -> np.ndarray:
         # token_batches adds the EOS / BOS itself, and unpadded batching counts it once more (+1 here): a batch
         # slightly under its budget. Kept because the plan decides which batches a seed gives, and so the recorded
         # results; padded batches cost exactly what collate builds.
-        return _sizes(seqs) + (0 if self._padded else 1)
+        return seqs.lengths() + (0 if self._padded else 1)
 
-    def _batches(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
-                 lens: tuple[np.ndarray, np.ndarray], epoch: int, shuffle: bool) -> list[Batch]:
+    def _batches(self, src: Side, tgt: Side, lens: tuple[np.ndarray, np.ndarray], epoch: int, shuffle: bool
+                 ) -> list[Batch]:
         idx = token_batches(*lens, self.max_tokens, self.seed, epoch, shuffle=shuffle,
                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
         return [self._collate(src, tgt, b) for b in idx]
@@ -172,23 +167,15 @@ class TranslationData:
             self._valid = self._batches(self.valid_src, self.valid_tgt, lens, 0, shuffle=False)
         return self._valid
 
-    def _collate(self, src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]],
-                 indices: list[int]) -> Batch:
-        sp = self.specials
-        gather = getattr(src, "gather", None)
-        if gather is not None:  # a prepared store: a batch's ids read flat and padded with numpy
-            s_flat, t_flat = gather(np.asarray(indices, dtype=np.int64)), tgt.gather(np.asarray(indices, np.int64))
-            shape = None
-            if self._padded:
-                shape = batch_shape((s_flat[1] + 1).tolist(), (t_flat[1] + 1).tolist(), self.max_tokens,
-                                    self.pad_to_multiple, self.buckets)
-            return collate_flat(s_flat, t_flat, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
-        s, t = [src[i] for i in indices], [tgt[i] for i in indices]
+    def _collate(self, src: Side, tgt: Side, indices: list[int]) -> Batch:
+        # a batch's ids read flat (one read per run of adjacent pairs) and padded with numpy
+        sp, idx = self.specials, np.asarray(indices, dtype=np.int64)
+        s_flat, t_flat = src.gather(idx), tgt.gather(idx)
         shape = None
         if self._padded:  # tensor widths: + EOS on the source, + BOS / EOS on the target
-            shape = batch_shape([len(x) + 1 for x in s], [len(y) + 1 for y in t], self.max_tokens,
+            shape = batch_shape((s_flat[1] + 1).tolist(), (t_flat[1] + 1).tolist(), self.max_tokens,
                                 self.pad_to_multiple, self.buckets)
-        return collate(s, t, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
+        return collate_flat(s_flat, t_flat, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
 
 
 @dataclass
@@ -237,14 +224,35 @@ def batch_budget(cfg: Config, world: int = 1) -> int:
     return budget
 
 
-def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str, str]]]], dict[str, str]]:
-    """The train and valid pairs of a translation config as streams (a function giving a fresh iterator each
-    call: corpus files are read line by line, never whole), and what they are read from: each file's sha256, or a
-    known dataset's name, split and languages (its download is checked against its published sha256)."""
+def _known_sources(cfg: Config, split_names: tuple[str, ...]) -> tuple[dict[str, PairSource], dict[str, str]]:
+    """The pairs of a small known dataset (read whole: they are), and what identifies them."""
     d = cfg.data
-    if cfg.task != "translation" or d.dataset not in (None, "multi30k", "wmt14"):
-        raise ConfigError("data.prepared: a prepared corpus is for translation from files or data.dataset: "
-                          "multi30k or wmt14")
+    if d.dataset == "reverse":
+        from aiayn.data.synthetic import SPLITS, reverse_split
+
+        return ({s: (lambda s=s: iter(reverse_split(s))) for s in split_names},
+                {f"reverse/{s}": "synthetic:{}:{}".format(*SPLITS[s]) for s in split_names})
+    if d.dataset == "xsum":
+        from aiayn.data.datasets import DATASETS
+
+        sha = DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
+        return ({s: (lambda s=s: iter(summary_pairs(cfg, s))) for s in split_names},
+                {f"xsum/{s}": sha for s in split_names})
+    from aiayn.data.datasets import config_pairs
+
+    langs = f"{d.src_lang}-{d.tgt_lang}"
+    return ({s: (lambda s=s: iter(config_pairs(d, s))) for s in split_names},
+            {f"{d.dataset}/{s}/{langs}": "published" for s in split_names})
+
+
+def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
+    """The train and valid pairs of a translation or summarization config as streams (a function giving a fresh
+    iterator each call: corpus files are read line by line, never whole), and what they are read from: each
+    file's sha256, or a known dataset's name, split and languages (its download is checked against its published
+    sha256)."""
+    d, splits = cfg.data, ("train", "valid")
+    if cfg.task == "lm":
+        raise ConfigError("a language-model corpus is a token stream, not pairs")
     if d.dataset == "wmt14":
         from aiayn.data.datasets import DATASETS, config_pairs, wmt14_train_pairs
 
@@ -253,24 +261,23 @@ def pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str
                  "valid": lambda: iter(config_pairs(d, "valid"))},
                 {**{f"wmt14/{name}/{langs}": f.sha256 for name, f in DATASETS["wmt14"].files.items()},
                  f"sacrebleu/wmt13/{langs}": "published"})
-    if d.dataset == "multi30k":
-        from aiayn.data.datasets import config_pairs
-
-        def known(split: str) -> Callable[[], Iterator[tuple[str, str]]]:
-            return lambda: iter(config_pairs(d, split))
-
-        langs = f"{d.src_lang}-{d.tgt_lang}"
-        splits = ("train", "valid")
-        return {s: known(s) for s in splits}, {f"multi30k/{s}/{langs}": "published" for s in splits}
+    if d.dataset is not None:
+        return _known_sources(cfg, splits)
     from aiayn.data.corpus import iter_pairs
     from aiayn.data.datasets import sha256_known
 
+    def stream(src: str, tgt: str | None) -> Iterator[tuple[str, str]]:
+        pairs = iter_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
+        if cfg.task == "summarization":  # documents and summaries put on one line, as at inference
+            return ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs)
+        return pairs
+
     sources, inputs = {}, {}
-    for split in ("train", "valid"):
+    for split in splits:
         src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
         if src is None:
             raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
-        sources[split] = (lambda s=src, t=tgt: iter_pairs(d.format, s, t, d.src_field, d.tgt_field))
+        sources[split] = (lambda s=src, t=tgt: stream(s, t))
         for path in (src, tgt):
             if path is not None:
                 inputs[str(path)] = sha256_known(path)
@@ -290,8 +297,8 @@ def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, reb
 def check_prepared(cfg: Config) -> None:
     """Before a training makes its run directory: when ``data.prepared`` holds a store of this config's inputs and
     settings, check it (one DataError naming the file and the fix if it is damaged). A store of other inputs, or
-    none, is (re)built later, under its lock."""
-    if cfg.data.prepared is None:
+    none, is (re)built later, under its lock; a store in the cache (no ``data.prepared``) is rebuilt when damaged."""
+    if cfg.data.prepared is None or cfg.task == "lm":
         return
     from aiayn.data.store import open_store, read_manifest, store_key
 
@@ -304,31 +311,52 @@ def check_prepared(cfg: Config) -> None:
         open_store(out, tuple(sources))
 
 
-def build_prepared_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
-                        ) -> tuple[TranslationData, TokenizerPair]:
-    """Translation data read lazily from the prepared store ``data.prepared`` (prepared first when it holds
-    nothing or a store of other inputs or settings: every process asks, one builds under the store's lock and
-    the others wait on the lock, outside any collective); its tokenizer becomes the run's. A damaged store is
-    refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
-    from aiayn.data.store import tokenizer_matches
+def _run_store(cfg: Config, run_tok: Path | None) -> Store:
+    """The store a run trains from, prepared if needed: ``data.prepared`` when set, else the cache's
+    (:func:`~aiayn.data.store.cached_store_dir`). A run that already has a tokenizer (a resume, ``--init-from``)
+    trains on ids of that tokenizer: the store prepared with it, or a store whose own tokenizer is the same."""
+    from aiayn.data.store import cached_store_dir, prepare, read_manifest, store_key, tokenizer_matches
 
-    budget = batch_budget(cfg, world)
-    out, tdir = Path(cfg.data.prepared), tokenizer_dir(run_dir)
-    store = prepare_corpus(cfg, out, rebuild_damaged=False)
-    if is_main:
-        if not (tdir / "tokenizer.json").exists():
-            shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
-        elif not tokenizer_matches(tdir, store.tokenizer_dir):
-            raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
+    sources, inputs = pair_sources(cfg)
+    named = cfg.data.prepared is not None
+    plain = Path(cfg.data.prepared) if named else cached_store_dir(store_key(cfg, inputs, None))
+    if run_tok is None or named:
+        store = prepare(cfg, plain, sources, inputs, rebuild_damaged=not named)
+        if run_tok is not None and not tokenizer_matches(run_tok, store.tokenizer_dir):
+            raise ConfigError(f"{run_tok}: the run's tokenizer is not the one {plain} was prepared with")
+        return store
+    manifest = read_manifest(plain)
+    if (manifest is not None and manifest.get("key") == store_key(cfg, inputs, None)
+            and tokenizer_matches(run_tok, plain / "tokenizer")):
+        return prepare(cfg, plain, sources, inputs)
+    return prepare(cfg, cached_store_dir(store_key(cfg, inputs, run_tok)), sources, inputs, tokenizer=run_tok)
+
+
+def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
+                           ) -> tuple[TranslationData, TokenizerPair]:
+    """Translation (or summarization) pairs read lazily from a token store (:func:`_run_store`: every process
+    asks, one builds it under the store's lock and the others wait on the lock, outside any collective), batched
+    by :func:`batch_budget` for ``world`` processes. The store's tokenizer becomes the run's. A damaged
+    ``data.prepared`` store is refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
+    budget = batch_budget(cfg, world)  # refused before any reading
+    tdir = tokenizer_dir(run_dir)
+    barrier()  # rank 0 writes nothing before this: every process sees whether the run has a tokenizer alike
+    store = _run_store(cfg, tdir if (tdir / "tokenizer.json").exists() else None)
+    if is_main and not (tdir / "tokenizer.json").exists():
+        shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
     barrier()
     tok = TokenizerPair.load(tdir)
-    fit_model_to_vocab(cfg, tok)
+    if tok.pretokenize != cfg.data.pretokenize:
+        raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
+                          f"says data.pretokenize={cfg.data.pretokenize!r}")
+    fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take
     train, valid = store.splits["train"], store.splits["valid"]
     if is_main:
+        max_len = cfg.data.max_len or cfg.model.max_positions
         for name, info in store.manifest["splits"].items():
-            log.info("%s: %s pairs prepared in %s (%s source + %s target tokens; dropped %d empty, %d too long)",
-                     name, f"{info['pairs']:,}", out, f"{info['src_tokens']:,}", f"{info['tgt_tokens']:,}",
-                     info["stats"]["empty"], info["stats"]["too_long"])
+            log.info("%s: %s; %s source + %s target tokens, from the store %s", name,
+                     describe_clean_stats(info["stats"], max_len), f"{info['src_tokens']:,}",
+                     f"{info['tgt_tokens']:,}", store.path)
         _log_budget(cfg, budget, world)
     return TranslationData(train.src, train.tgt, valid.src, valid.tgt, budget, cfg.train.seed, tok.specials,
                            cfg.data.pad_to_multiple, tuple(cfg.data.length_buckets)), tok
@@ -339,45 +367,6 @@ def _log_budget(cfg: Config, budget: int, world: int) -> None:
     log.info("batches of at most %s tokens; an update: %d process(es) x %d batch(es) = at most %s tokens%s",
              f"{budget:,}", world, k, f"{budget * world * k:,}",
              " (data.update_tokens)" if cfg.data.update_tokens is not None else "")
-
-
-def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
-                           ) -> tuple[TranslationData, TokenizerPair]:
-    """Encoded, cleaned train/valid pairs (from ``RUN/cache`` when the tokenizer and the text are unchanged),
-    batched by :func:`batch_budget` for ``world`` processes; from a prepared store when ``data.prepared``."""
-    if cfg.data.prepared is not None:
-        return build_prepared_data(cfg, run_dir, is_main, barrier, world)
-    budget = batch_budget(cfg, world)  # refused before any reading
-    train, valid = load_pairs(cfg, "train"), load_pairs(cfg, "valid")
-    tok = get_tokenizers(cfg, run_dir, ([s for s, _ in train], [t for _, t in train]), is_main, barrier)
-    fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take, before any encoding
-    max_len = cfg.data.max_len or cfg.model.max_positions
-
-    def encode() -> tuple[dict[str, list[list[int]]], dict]:
-        fields, info = {}, {}
-        for name, pairs in (("train", train), ("valid", valid)):
-            ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
-            if cfg.task == "summarization":  # cut long documents (as Translator does at inference), not drop them
-                ids = [(s[: max_len - 1], t) for s, t in ids]
-            kept, stats = clean_pairs(pairs, ids, max_len)
-            fields[f"{name}_src"], fields[f"{name}_tgt"] = [ids[i][0] for i in kept], [ids[i][1] for i in kept]
-            info[name] = stats
-        return fields, info
-
-    key = fingerprint({"kind": "translation", "task": cfg.task, "max_len": max_len},
-                      (t for pairs in (train, valid) for pair in pairs for t in pair),
-                      tokenizer_files(tokenizer_dir(run_dir)))
-    fields, info = load_or_build(run_dir, "translation", key, encode, is_main, barrier)
-    for name in ("train", "valid"):
-        if is_main:
-            log.info("%s: %s", name, describe_clean_stats(info[name], max_len))
-        if not fields[f"{name}_src"]:
-            raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
-    if is_main:
-        _log_budget(cfg, budget, world)
-    return TranslationData(fields["train_src"], fields["train_tgt"], fields["valid_src"], fields["valid_tgt"],
-                           budget, cfg.train.seed, tok.specials, cfg.data.pad_to_multiple,
-                           tuple(cfg.data.length_buckets)), tok
 
 
 def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None

@@ -510,6 +510,10 @@ def _build_into(cfg: Config, stage: Path, key: str, sources: dict[str, PairSourc
     from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
 
     d = cfg.data
+    # Every input read through once before any work: a malformed file (parallel files of other lengths, a bad
+    # TSV row or JSON line, bad UTF-8) is one line now, not after the tokenizer's training; the counts give the
+    # encoding's progress a total.
+    counts = {name: sum(1 for _ in source()) for name, source in sources.items()}
     tdir = stage / "tokenizer"
     if tok_dir is not None:
         shutil.copytree(tok_dir, tdir)
@@ -531,7 +535,7 @@ def _build_into(cfg: Config, stage: Path, key: str, sources: dict[str, PairSourc
     with _encoders(tdir, max_len, cfg.task == "summarization", workers) as encode:
         for name, source in sources.items():
             writer = _Writer(stage, name, dtype)
-            progress = ItemProgress(None, "pair", f"prepare {name}")
+            progress = ItemProgress(counts[name], "pair", f"prepare {name}")
             for encoded in encode(_chunks(source(), CHUNK)):
                 writer.add(encoded)
                 progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])

@@ -1,6 +1,6 @@
 """Which batches each update trains on: an epoch's plan (a function of the seed and the epoch, the same in every
-process), dealt to the processes and grouped into updates, planned one epoch ahead and collated a few updates
-ahead of the step.
+process), dealt to the processes and grouped into updates, planned one epoch ahead; DataLoader workers collate them
+ahead of the step (:mod:`aiayn.data.loader`).
 
 Update ``i`` of an epoch takes the plan's batches ``i*m ... i*m + m - 1``, ``m = processes x accumulation steps``:
 its micro-batch ``slot`` (``step x processes + rank``) is batch ``i*m + slot``. The updates depend on ``m`` only,
@@ -46,8 +46,8 @@ class EpochPlanner:
     """This process's updates, epoch by epoch. Use it as a context manager: inside, the next epoch is planned in
     a background thread while the current one trains (:meth:`plan_ahead`)."""
 
-    def __init__(self, data: TrainData, accum_steps: int, dist: Dist, pin_memory: bool = False) -> None:
-        self.data, self.accum_steps, self.dist, self.pin_memory = data, accum_steps, dist, pin_memory
+    def __init__(self, data: TrainData, accum_steps: int, dist: Dist) -> None:
+        self.data, self.accum_steps, self.dist = data, accum_steps, dist
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._ahead: dict[int, concurrent.futures.Future] = {}
 
@@ -65,7 +65,7 @@ class EpochPlanner:
 
     def updates(self, epoch: int) -> tuple[list[list[Any]], list[int]]:
         """This process's updates of ``epoch`` (each a list of ``accum_steps`` planned batches, collated when
-        trained on: :meth:`collate`) and the target tokens of each update over all processes. Every process gets
+        trained on by the loader) and the target tokens of each update over all processes. Every process gets
         the same number of updates; a remainder of the plan is left for the next epoch's shuffle."""
         ahead = self._ahead.pop(epoch, None)
         plan, tokens = ahead.result() if ahead is not None else self._plan(epoch)
@@ -85,8 +85,3 @@ class EpochPlanner:
         """An epoch's plan and the target tokens of each planned batch."""
         plan = self.data.epoch_plan(epoch)
         return plan, [self.data.plan_tokens(p) for p in plan]
-
-    def collate(self, update: list[Any]) -> list[Batch]:
-        """The batches of one planned update, in page-locked memory for a GPU (run by the prefetch thread)."""
-        batches = [self.data.collate_plan(p) for p in update]
-        return [b.pin_memory() for b in batches] if self.pin_memory else batches

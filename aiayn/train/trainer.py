@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from torch import nn
 
 import aiayn.engine as engine
 from aiayn.config import Config, ConfigError
-from aiayn.data.loader import Prefetcher
+from aiayn.data.batching import Batch
+from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
 from aiayn.errors import CheckpointError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
@@ -32,8 +34,6 @@ from aiayn.train.validation import evaluate_loss
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
 
 log = logging.getLogger("aiayn.train")
-
-PREFETCH_UPDATES = 2  # updates collated ahead of the step by the loader thread
 
 # With several processes, the time budget (train.max_minutes) is checked every this many updates (and at every
 # logged one): the check is a broadcast from rank 0 that the host waits for.
@@ -165,7 +165,16 @@ class Trainer:
 
     def planner(self) -> EpochPlanner:
         """This process's updates, epoch by epoch (:class:`aiayn.train.plan.EpochPlanner`)."""
-        return EpochPlanner(self.data, self.cfg.train.accum_steps, self.d, pin_memory=self.device.type == "cuda")
+        return EpochPlanner(self.data, self.cfg.train.accum_steps, self.d)
+
+    def loader(self) -> UpdateLoader:
+        """The planned updates' batches, built by DataLoader workers (:class:`aiayn.data.loader.UpdateLoader`)."""
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.d.world > 1 else 1
+        workers = loader_workers(self.cfg.data.loader_workers, self.device, torch.get_num_threads(), local_world)
+        if self.d.main:
+            log.info("batches built by %d DataLoader worker process(es) per training process%s", workers,
+                     "" if self.cfg.data.loader_workers is not None else " (data.loader_workers: the free cores)")
+        return UpdateLoader(self.data, workers, pin_memory=self.device.type == "cuda")
 
     # --- resume and save -------------------------------------------------------------------------
 
@@ -239,10 +248,10 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
         runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
-        with engine.kernels(self.device, self.precision), self.planner() as planner:
-            return self._train(planner)
+        with engine.kernels(self.device, self.precision), self.planner() as planner, self.loader() as loader:
+            return self._train(planner, loader)
 
-    def _train(self, planner: EpochPlanner) -> TrainState:
+    def _train(self, planner: EpochPlanner, loader: UpdateLoader) -> TrainState:
         tc, st, d = self.cfg.train, self.state, self.d
         metrics = MetricsLog(self.run_dir, d.main, st.step if st.step else None, tc.log_to, self.cfg)
         module, loss_fn = training_module(self.model, self.cfg, d)
@@ -261,34 +270,37 @@ class Trainer:
             if not updates:
                 raise ConfigError("the training data gives no full update: lower data.max_tokens "
                                   "or train.accum_steps, or add data")
-            with Prefetcher(updates, planner.collate, start=st.position, depth=PREFETCH_UPDATES) as loader:
-                while st.position < len(updates) and not stop:
-                    micro = [batch_to_device(b, self.device) for b in loader.next()]
-                    step = st.step + 1
-                    lr = learning_rate(tc, self.cfg.model.d_model, step)
-                    log_step = step % tc.log_every == 0 or step == tc.max_updates
-                    sums = update.run(micro, lr, step, totals[st.position], measure_norms=log_step and d.world > 1)
-                    st.step, st.position = step, st.position + 1
-                    planner.plan_ahead(st.epoch + 1)
-                    st.tokens += sums.ntokens
-                    window.add(sums)
-                    if log_step:
-                        if sums.norms is not None:  # the processes still train one model, or stop here
-                            check_agreement(sums.norms, d, step)
-                        st.elapsed_s = time.perf_counter() - start
-                        rec = window.record(st, lr)  # the loop's one host-device synchronization
-                        metrics.write(rec)
-                        progress.record(rec)
-                        window = Window(self.device)
-                    else:  # the host's clock: it may be ahead of the device by the updates queued
-                        st.elapsed_s = time.perf_counter() - start
-                    progress.update(st.step, st.elapsed_s)
-                    stop = self._should_stop(log_step)
-                    if st.step % tc.eval_every == 0 or stop:
-                        stop = self._evaluate(metrics) or stop
-                    if st.step % tc.save_every == 0 or stop:
-                        self._save(tc.keep_last, window)
-                        last_saved = st.step
+            epoch = EpochTimer(st.epoch, st.position)
+            batches = loader.epoch(updates, st.position)
+            while st.position < len(updates) and not stop:
+                micro = [batch_to_device(b, self.device) for b in epoch.wait(batches)]
+                step = st.step + 1
+                lr = learning_rate(tc, self.cfg.model.d_model, step)
+                log_step = step % tc.log_every == 0 or step == tc.max_updates
+                sums = update.run(micro, lr, step, totals[st.position], measure_norms=log_step and d.world > 1)
+                st.step, st.position = step, st.position + 1
+                planner.plan_ahead(st.epoch + 1)
+                st.tokens += sums.ntokens
+                window.add(sums)
+                if log_step:
+                    if sums.norms is not None:  # the processes still train one model, or stop here
+                        check_agreement(sums.norms, d, step)
+                    st.elapsed_s = time.perf_counter() - start
+                    rec = window.record(st, lr)  # the loop's one host-device synchronization
+                    metrics.write(rec)
+                    progress.record(rec)
+                    window = Window(self.device)
+                else:  # the host's clock: it may be ahead of the device by the updates queued
+                    st.elapsed_s = time.perf_counter() - start
+                progress.update(st.step, st.elapsed_s)
+                stop = self._should_stop(log_step)
+                if st.step % tc.eval_every == 0 or stop:
+                    stop = self._evaluate(metrics) or stop
+                if st.step % tc.save_every == 0 or stop:
+                    self._save(tc.keep_last, window)
+                    last_saved = st.step
+            if d.main:
+                epoch.log(st.position)
             if st.position >= len(updates):
                 st.epoch, st.position = st.epoch + 1, 0
         if not self.stop_reason:
@@ -363,6 +375,26 @@ class Trainer:
 
 def _more_minutes(elapsed_s: float, minutes: float) -> str:
     return f"{max(minutes * 2, elapsed_s / 60 + minutes):g}"
+
+
+class EpochTimer:
+    """How long the training step waited for its batches in one epoch (from its first update to its last, or to the
+    stop), against the epoch's whole time: the loader keeps up when the wait is a small share."""
+
+    def __init__(self, epoch: int, position: int) -> None:
+        self.epoch, self.first, self.waited, self.t0 = epoch, position, 0.0, time.perf_counter()
+
+    def wait(self, batches: Iterator[list[Batch]]) -> list[Batch]:
+        """The next update's batches, timing the wait for them."""
+        t = time.perf_counter()
+        out = next(batches)
+        self.waited += time.perf_counter() - t
+        return out
+
+    def log(self, position: int) -> None:
+        total = time.perf_counter() - self.t0
+        log.info("epoch %d: updates %d-%d in %.1f s, of which %.2f s (%.2f%%) waiting for batches", self.epoch,
+                 self.first + 1, position, total, self.waited, 100 * self.waited / max(total, 1e-9))
 
 
 class Window:
