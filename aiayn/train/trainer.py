@@ -249,7 +249,7 @@ class Trainer:
         module.train()
         update = Update(module, self.optimizer, tc.label_smoothing, self.pad_id, tc.clip_norm, d, self.autocast,
                         self.scaler, loss_fn, seed=tc.seed)
-        progress = Progress(tc, st.step, st.elapsed_s, show=d.main, bar=self.progress)
+        progress = Progress(tc, self.cfg.expect, st.step, st.elapsed_s, show=d.main, bar=self.progress)
         window = Window(self.device, st.window)
         start = time.perf_counter() - st.elapsed_s
         stop = st.step >= tc.max_updates
