@@ -13,7 +13,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.config import load_config
-from aiayn.train.progress import Progress, expected_bleu, final_step
+from aiayn.train.console import Console, expected_bleu, final_step
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny_reverse.yaml")
@@ -54,7 +54,7 @@ def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(
 def _projection_warns(caplog, threads: int) -> None:
     cfg = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30", "expect.useful_updates=1000",
                              "expect.bleu=[[300, 10.0], [1200, 30.0]]"])
-    progress = Progress(cfg.train, cfg.expect, step=0, elapsed_s=0.0, show=True, bar=False)
+    progress = Console(cfg.train, cfg.expect, step=0, elapsed_s=0.0, show=True, bar=False)
     with caplog.at_level(logging.INFO, logger="aiayn.train"):
         out = progress.project(step=20, elapsed_s=40.0)  # 0.5 updates/s: 900 updates in 30 minutes
     assert out["final_step"] == 20 + int(0.5 * 1760) and out["expected_bleu"] == pytest.approx(

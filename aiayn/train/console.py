@@ -1,4 +1,5 @@
-"""What a training run tells the person running it, on stderr.
+"""What a training run tells the person running it, on stderr (:class:`Console`; progress over items of other
+commands is :mod:`aiayn.progress`).
 
 On a terminal a progress bar; anywhere else (a log file, a pipe, ``--no-progress``) a plain line at every
 ``train.log_every`` update, never carriage returns. Both count to the limit that ends the run first: after the
@@ -55,8 +56,9 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-class Progress:
-    """The training run's progress on stderr (rank 0 only: ``show`` False on the others)."""
+class Console:
+    """What the training run says on stderr: its progress, the projection, the warnings of an undertrained run
+    (rank 0 only: ``show`` False on the others)."""
 
     def __init__(self, tc: TrainConfig, expect: ExpectConfig, step: int, elapsed_s: float, show: bool,
                  bar: bool) -> None:
