@@ -63,8 +63,8 @@ def trained_updates(run_dir: str | Path) -> int | None:
 
 def warn_if_undertrained(run_dir: Path, cfg: Config) -> bool:
     """One warning when the run trained fewer updates than its recipe needs to be useful
-    (``train.useful_updates``, measured: docs/results.md); returns whether it did."""
-    useful, done = cfg.train.useful_updates, trained_updates(run_dir)
+    (``expect.useful_updates``, measured: docs/results.md); returns whether it did."""
+    useful, done = cfg.expect.useful_updates, trained_updates(run_dir)
     if useful is None or done is None or done >= useful:
         return False
     log.warning("%s trained for %s updates, fewer than the %s its recipe needs to be useful: expect poor output "

@@ -1,12 +1,12 @@
 """Validation BLEU after each kept checkpoint of a translation run: what a recipe's updates give, the numbers a
-recipe's ``train.reference_bleu`` quotes to a user whose machine will only reach some of them.
+recipe's ``expect.bleu`` quotes to a user whose machine will only reach some of them.
 
     python -m benchmarks.bleu_by_updates RUN [--split val] [--beam 1] [--out-json F]
 
 Train the run with every checkpoint kept (e.g. ``--set train.keep_last=1000``). Each checkpoint's weights are
 loaded into the run's model in turn and the split is translated (greedy by default, as validation BLEU during
-training is) and scored with sacreBLEU (13a, cased). Prints one JSON line per checkpoint and a YAML line ready
-for the recipe.
+training is) and scored with sacreBLEU (13a, cased). Prints one JSON line per checkpoint and the YAML ready
+for the recipe's ``expect`` section.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(rows[-1]), flush=True)
     result = {"command": "python -m benchmarks.bleu_by_updates " + " ".join(argv or sys.argv[1:]),
               "split": args.split, "beam": args.beam, "lines": len(pairs), "rows": rows}
-    print("reference_bleu: [" + ", ".join(f"[{r['step']}, {r['bleu']:.1f}]" for r in rows) + "]")
+    print("expect:\n  bleu: [" + ", ".join(f"[{r['step']}, {r['bleu']:.1f}]" for r in rows) + "]")
     if args.out_json:
         Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -452,7 +452,7 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device, order: lis
     return {
         "batch-1": [[i] for i in range(min(len(task.sources), args.batch1_limit or len(task.sources)))],
         "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
-        "tokens": decode_batches([len(s) for s in task.sources], opts, device.type),
+        "tokens": decode_batches([len(s) + 1 for s in task.sources], opts, device.type),  # each source and its EOS
     }
 
 

@@ -13,7 +13,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.config import load_config
-from aiayn.train.progress import Progress, expected_bleu, final_step
+from aiayn.train.console import Console, expected_bleu, final_step
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny_reverse.yaml")
@@ -52,9 +52,9 @@ def test_projection_says_what_the_run_reaches_and_warns_when_that_is_not_enough(
 
 
 def _projection_warns(caplog, threads: int) -> None:
-    tc = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30", "train.useful_updates=1000",
-                            "train.reference_bleu=[[300, 10.0], [1200, 30.0]]"]).train
-    progress = Progress(tc, step=0, elapsed_s=0.0, show=True, bar=False)
+    cfg = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=30", "expect.useful_updates=1000",
+                             "expect.bleu=[[300, 10.0], [1200, 30.0]]"])
+    progress = Console(cfg.train, cfg.expect, step=0, elapsed_s=0.0, show=True, bar=False)
     with caplog.at_level(logging.INFO, logger="aiayn.train"):
         out = progress.project(step=20, elapsed_s=40.0)  # 0.5 updates/s: 900 updates in 30 minutes
     assert out["final_step"] == 20 + int(0.5 * 1760) and out["expected_bleu"] == pytest.approx(
@@ -137,7 +137,7 @@ def test_an_undertrained_run_says_so_at_the_end_and_when_used(tmp_path, caplog, 
     run = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
         assert main(["train", TINY, "--run-dir", str(run), "--no-progress",
-                     *sets(SMALL + ["train.max_updates=4", "train.useful_updates=600"])]) == 0
+                     *sets(SMALL + ["train.max_updates=4", "expect.useful_updates=600"])]) == 0
     assert any("stopped after 4 updates, fewer than the 600" in r.getMessage() for r in caplog.records)
     caplog.clear()
     src = tmp_path / "in.txt"
@@ -146,6 +146,47 @@ def test_an_undertrained_run_says_so_at_the_end_and_when_used(tmp_path, caplog, 
         assert main(["translate", str(run), "--input", str(src), "--device", "cpu"]) == 0
     warned = [r.getMessage() for r in caplog.records if "trained for 4 updates" in r.getMessage()]
     assert len(warned) == 1 and "aiayn train --resume" in warned[0]
+    from aiayn.interop.card import run_facts
+
+    facts = "\n".join(run_facts(run, load_config(run / "config.yaml")))
+    assert "**Undertrained**: its recipe needs 600 updates" in facts  # the model card says so too
+
+
+def _as_before_expect(run: Path) -> None:
+    """Rewrite RUN's config.yaml and marker as runs wrote them when expect's keys sat under train."""
+    import yaml
+
+    from aiayn.files import MARKER
+
+    def old(values: dict) -> dict:
+        if "expect" in values:  # the marker is written once, at the start: a resume leaves it as it was
+            expect = values.pop("expect")
+            values["train"].update(reference_bleu=expect["bleu"], useful_updates=expect["useful_updates"])
+        return values
+
+    values = old(yaml.safe_load((run / "config.yaml").read_text()))
+    (run / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+    marker = json.loads((run / MARKER).read_text())
+    (run / MARKER).write_text(json.dumps({**marker, "config": old(marker["config"])}))
+
+
+def test_an_old_run_directory_resumes_and_restarts_with_its_expect_keys_under_train(tmp_path, caplog):
+    """A run written before the expect section resumes (and, killed before its first checkpoint, restarts) with
+    its own config, whose useful_updates still give the warning."""
+    run = tmp_path / "run"
+    limits = ["train.max_updates=4", "expect.useful_updates=600", "expect.bleu=[[2, 1.0]]"]
+    assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(SMALL + limits)]) == 0
+    _as_before_expect(run)
+    assert "  useful_updates: 600\ndecode:" in (run / "config.yaml").read_text()  # under train:
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.max_updates=6"]) == 0
+    assert any("stopped after 6 updates, fewer than the 600" in r.getMessage() for r in caplog.records)
+    assert load_config(run / "config.yaml").expect.bleu == [(2, 1.0)]
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first checkpoint: --resume restarts it
+    (run / "model.safetensors").unlink()
+    _as_before_expect(run)
+    assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.max_updates=4"]) == 0  # the marker's
+    assert (run / "model.safetensors").exists()
 
 
 def test_evaluate_reports_progress_in_plain_lines_off_a_terminal(tiny_run, tmp_path, caplog, monkeypatch):

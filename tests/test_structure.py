@@ -154,6 +154,14 @@ def test_inference_never_imports_the_training_code(graph):
     assert reached == []
 
 
+def test_decoding_batches_without_the_training_batching(graph):
+    """The search cuts and pads its own batches (aiayn.search.sources, .common): training's cost formula is not
+    inference's, and nothing that decodes or serves reaches it."""
+    reached = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                     if package(m) in ("aiayn.search", *INFERENCE) and t == "aiayn.data.batching")
+    assert reached == [] and "aiayn.data.batching" in graph["aiayn.train.update"]
+
+
 def test_every_module_has_a_layer_and_the_graph_is_not_vacuous(graph):
     assert all(layer(m) >= 0 for m in graph)  # a new package must be placed in LAYERS (layer() raises else)
     assert "aiayn.config" in graph["aiayn.train.trainer"]

@@ -51,8 +51,8 @@ def test_batched_equals_one_by_one(translator, sources):
     texts = sources[:6] + [""] + sources[6:] + ["   "]
     # A budget that makes several length-sorted batches whose order is not the input order.
     max_tokens = 4 * 40
-    batches = token_batches([len(translator.tokenizers.src.encode(t)) for t in sources], None, max_tokens // 4,
-                            shuffle=False)
+    widths = [len(translator.tokenizers.src.encode(t)) + 1 for t in sources]
+    batches = decode_batches(widths, translator.options(max_tokens=max_tokens), "cpu")
     assert len(batches) > 2 and [i for b in batches for i in b] != list(range(len(sources)))
     found = translator.translate_hypotheses(texts, max_tokens=max_tokens)
     batched = [h[0].text if h else "" for h in found]
@@ -150,17 +150,31 @@ def test_options_and_errors(translator, sources):
 
 
 def test_decode_batches_fill_the_device_budget():
-    lengths = [15] * 1500 + [3] * 100  # 16 and 4 tokens with EOS
-    per_device = {d: decode_batches(lengths, DecodeOptions(), d) for d in ("cpu", "cuda", "mps")}
+    widths = [16] * 1500 + [4] * 100  # 15 and 3 tokens and their EOS
+    per_device = {d: decode_batches(widths, DecodeOptions(), d) for d in ("cpu", "cuda", "mps")}
     for device, batches in per_device.items():
-        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every source once
-        budget = DEFAULT_DECODE_TOKENS[device] // 4  # source tokens x beam 4
-        assert all(len(b) * (max(lengths[i] for i in b) + 1) <= budget for b in batches)
-    full = {d: max(len(b) for b in batches if lengths[b[0]] == 15) for d, batches in per_device.items()}
+        assert sorted(i for b in batches for i in b) == list(range(len(widths)))  # every source once
+        budget = DEFAULT_DECODE_TOKENS[device]  # source tokens x beam 4
+        assert all(len(b) * max(widths[i] for i in b) * 4 <= budget for b in batches)
+    full = {d: max(len(b) for b in batches if widths[b[0]] == 16) for d, batches in per_device.items()}
     assert full == {"cpu": 64, "cuda": 512, "mps": 128}  # a GPU gets 8x the CPU's rows
-    assert {len(b) for b in decode_batches([15] * 100, DecodeOptions(max_tokens=640), "cuda")} == {10}
-    sampled = decode_batches([15] * 100, DecodeOptions(sample=True, nbest=2, max_tokens=640), "cpu")
+    assert {len(b) for b in decode_batches([16] * 100, DecodeOptions(max_tokens=640), "cuda")} == {10}
+    sampled = decode_batches([16] * 100, DecodeOptions(sample=True, nbest=2, max_tokens=640), "cpu")
     assert {len(b) for b in sampled} == {20}  # rows are the draws when sampling
+    assert decode_batches([9, 3], DecodeOptions(max_tokens=8), "cpu") == [[1], [0]]  # one over the budget: alone
+
+
+@pytest.mark.parametrize("beam,sample,budget", [(4, False, 120), (1, False, 64), (3, True, 4096), (5, False, 3)])
+def test_decode_batches_are_the_batches_translations_were_made_in(beam, sample, budget):
+    """The search's own batching cuts the batches it cut when it borrowed training's (token_batches with the
+    EOS left to its +1): the same batches, so the same outputs, token for token."""
+    import random
+
+    rng = random.Random(beam * budget)
+    lengths = [rng.randrange(0, 40) for _ in range(300)]
+    opts = DecodeOptions(beam=beam, nbest=beam if sample else 1, sample=sample, max_tokens=budget)
+    before = token_batches(lengths, None, max(1, budget // beam), shuffle=False)
+    assert decode_batches([n + 1 for n in lengths], opts, "cpu") == before
 
 
 def test_decode_ids_searches_the_token_budget_batches(translator, sources, monkeypatch):
@@ -174,7 +188,7 @@ def test_decode_ids_searches_the_token_budget_batches(translator, sources, monke
     ids = [translator.tokenizers.src.encode(t) for t in sources]
     opts = translator.options(max_tokens=4 * 30)
     decode_ids(translator.model, ids, SearchSpec(opts, translator.tokenizers.specials))
-    want = decode_batches([len(x) for x in ids], opts, "cpu")
+    want = decode_batches([len(x) + 1 for x in ids], opts, "cpu")
     assert len(want) > 2 and seen == [sorted(len(ids[i]) + 1 for i in b) for b in want]
 
 

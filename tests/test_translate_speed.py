@@ -24,7 +24,7 @@ def test_tokens_and_batch1_modes(tmp_path):
                                    "--engines", "aiayn", "hf", "--md", str(tmp_path / "B.md"),
                                    "--out-json", str(tmp_path / "s.json")])
     task = translate_speed.smoke_task(8, tmp_path, [])
-    want = decode_batches([len(s) for s in task.sources], DecodeOptions(beam=4, max_tokens=192), "cpu")
+    want = decode_batches([len(s) + 1 for s in task.sources], DecodeOptions(beam=4, max_tokens=192), "cpu")
     assert len(want) > 1
     res = result["modes"]["tokens"]
     assert res["aiayn"]["batches"] == len(want) and res["hf"]["same_as_aiayn"] == 8

@@ -1,4 +1,4 @@
-"""Typed configuration: model, data, training and decoding sections, YAML presets, ``--set`` overrides.
+"""Typed configuration: model, data, training, decoding and expectation sections, YAML presets, ``--set`` overrides.
 
 Unknown keys are an error (a typo in a recipe must not be silently ignored), and impossible model
 shapes are rejected when the config is built, not deep inside a forward pass. A config is resolved once
@@ -18,11 +18,13 @@ from aiayn.config.checks import (
 )
 from aiayn.config.loading import (
     CONFIG_DIR,
+    MOVED_KEYS,
     apply_overrides,
     config_from_dict,
     list_presets,
     load_config,
     load_yaml,
+    migrate,
     model_config,
     preset_summary,
     read_run_config,
@@ -41,6 +43,7 @@ from aiayn.config.schema import (
     DataConfig,
     DecodeConfig,
     DecodeOptions,
+    ExpectConfig,
     Flag,
     ModelConfig,
     TrainConfig,
@@ -52,8 +55,9 @@ from aiayn.errors import ConfigError
 
 __all__ = [
     "COMPILE_MODES", "CONFIG_DIR", "COUNT", "Config", "ConfigError", "DECODE_HINTS", "DEFAULT_DECODE_TOKENS",
-    "DataConfig", "DecodeConfig", "DecodeOptions", "Flag", "LENGTH_PENALTIES", "LIMITS", "LOG_BACKENDS",
-    "MIN_TEMPERATURE", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES", "TrainConfig", "apply_overrides",
-    "check_fits_in_memory", "config_from_dict", "flag", "list_presets", "load_config", "load_yaml", "model_config",
-    "physical_memory", "preset_summary", "read_run_config", "resolve_config_path", "save_config",
+    "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig", "Flag", "LENGTH_PENALTIES", "LIMITS",
+    "LOG_BACKENDS", "MIN_TEMPERATURE", "MOVED_KEYS", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES",
+    "TrainConfig", "apply_overrides", "check_fits_in_memory", "config_from_dict", "flag", "list_presets",
+    "load_config", "load_yaml", "migrate", "model_config", "physical_memory", "preset_summary", "read_run_config",
+    "resolve_config_path", "save_config",
 ]

@@ -27,11 +27,12 @@ LIMITS: dict[str, float] = {
     "train.max_updates": COUNT, "train.max_epochs": COUNT, "train.max_minutes": 1e9, "train.warmup": COUNT,
     "train.accum_steps": 2**20, "train.seed": SEED, "train.log_every": COUNT, "train.eval_every": COUNT,
     "train.save_every": COUNT, "train.keep_last": COUNT, "train.patience": COUNT, "train.average_last": 2**20,
-    "train.threads": 4096, "train.useful_updates": COUNT, "train.lr": 1e3, "train.lr_scale": 1e6,
+    "train.threads": 4096, "train.lr": 1e3, "train.lr_scale": 1e6,
     "train.clip_norm": 1e12, "train.weight_decay": 1e3,
     "decode.beam": 1024, "decode.nbest": 1024, "decode.alpha": 1e3, "decode.max_len_a": 1e3, "decode.max_len_b": 2**20,
     "decode.min_len": 2**20, "decode.no_repeat_ngram": 2**20, "decode.temperature": 1e4, "decode.top_k": 2**24,
     "decode.seed": SEED, "decode.max_new_tokens": 2**20, "decode.max_tokens": 2**31,
+    "expect.useful_updates": COUNT,
 }
 
 

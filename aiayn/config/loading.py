@@ -17,6 +17,28 @@ from aiayn.errors import ConfigError, first_line
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
+# Keys that moved to another section, old name -> new name. Each YAML file is migrated when read, so a run directory
+# written before the move still loads (and resumes); on the command line an old name is refused with its new one.
+MOVED_KEYS = {"train.reference_bleu": "expect.bleu", "train.useful_updates": "expect.useful_updates"}
+
+
+def migrate(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """A copy of one file's mapping with each key of :data:`MOVED_KEYS` at its new place; a file that gives a
+    setting under both names is a ConfigError naming ``where``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        target = out.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # not a mapping: _build says so
+        if new_key in target:
+            raise ConfigError(f"{where}: {old} and {new} are one setting (it moved to {new}): give it once")
+        target[new_key] = section.pop(old_key)
+    return out
+
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     """Build dataclass ``cls`` from a dict, recursing into nested sections; reject unknown keys."""
@@ -27,6 +49,8 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = sorted(set(values) - known)
     if unknown:
         prefix = f"{where}." if where else ""
+        if f"{prefix}{unknown[0]}" in MOVED_KEYS:
+            raise ConfigError(f"config key {prefix}{unknown[0]} is now {MOVED_KEYS[prefix + unknown[0]]}")
         raise ConfigError(
             f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})"
         )
@@ -176,12 +200,12 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
-    values = load_yaml(resolve_config_path(path))
+    values = migrate(load_yaml(resolve_config_path(path)), str(path))
     base = values.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: base: expected the name or path of a config to extend, got {base!r:.60}")
     if base is not None:
-        base_values = load_yaml(resolve_config_path(base))
+        base_values = migrate(load_yaml(resolve_config_path(base)), str(base))
         base_values.pop("base", None)
         values = _merge(base_values, values)
     values = apply_overrides(values, overrides or [])

@@ -1,6 +1,6 @@
 """The config's sections as frozen dataclasses: the model (paper section 3), the data, the training (sections 5.3-5.4
-and the loop) and the decoding options (section 6.1), and :class:`Config` holding them. Each section checks its
-values when it is built (:mod:`aiayn.config.checks`)."""
+and the loop), the decoding options (section 6.1) and what a recipe is expected to reach (the first-hour messages),
+and :class:`Config` holding them. Each section checks its values when it is built (:mod:`aiayn.config.checks`)."""
 
 from __future__ import annotations
 
@@ -269,11 +269,6 @@ class TrainConfig:
     compile_mode: str = "default"
     # CPU threads of the training process (None: chosen for the machine and the model, aiayn.engine.cpu_threads)
     threads: int | None = None
-    # What the recipe's updates gave, measured (docs/results.md): (updates, validation BLEU) points, for the
-    # estimate a run prints once its speed is known; and the updates below which its model is not useful
-    # (train, translate and evaluate say so). Neither changes the training.
-    reference_bleu: list[tuple[int, float]] = field(default_factory=list)
-    useful_updates: int | None = None
 
     def __post_init__(self) -> None:
         _check_limits("train", self)
@@ -307,12 +302,27 @@ class TrainConfig:
         _fraction("train.label_smoothing", self.label_smoothing)
         _at_least("train.seed", self.seed, 0)
         _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
-        for name in ("threads", "useful_updates"):
-            if getattr(self, name) is not None:
-                _at_least(f"train.{name}", getattr(self, name), 1)
-        if [u for u, _ in self.reference_bleu] != sorted({u for u, _ in self.reference_bleu}):
-            raise ConfigError("train.reference_bleu: expected [updates, BLEU] pairs with increasing updates")
+        if self.threads is not None:
+            _at_least("train.threads", self.threads, 1)
         _at_least("train.keep_last", self.keep_last, 0, "(0: keep every checkpoint)")
+
+
+@dataclass(frozen=True)
+class ExpectConfig:
+    """What the recipe's updates gave when it was measured (docs/results.md), for the messages of a run's first
+    hour: ``bleu``, (updates, validation BLEU) points, for the estimate a training prints once its speed is known;
+    ``useful_updates``, the updates below which its model is not useful (train, translate, evaluate and a model
+    card say so). Neither changes the training or the decoding, so a resume may change them."""
+
+    bleu: list[tuple[int, float]] = field(default_factory=list)
+    useful_updates: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_limits("expect", self)
+        if self.useful_updates is not None:
+            _at_least("expect.useful_updates", self.useful_updates, 1)
+        if [u for u, _ in self.bleu] != sorted({u for u, _ in self.bleu}):
+            raise ConfigError("expect.bleu: expected [updates, BLEU] pairs with increasing updates")
 
 
 # Token budget of one decoding batch (source tokens x beam) when neither the options nor the run set one:
@@ -447,6 +457,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    expect: ExpectConfig = field(default_factory=ExpectConfig)
 
     def __post_init__(self) -> None:
         _choice("task", self.task, ("translation", "lm", "summarization"))

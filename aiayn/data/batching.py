@@ -130,7 +130,7 @@ def token_batches(
     """Group example indices into batches of similar length under a token budget.
 
     ``src_lens`` / ``tgt_lens`` are token counts without specials (``tgt_lens=None`` for
-    source-only batches, e.g. inference). A batch costs ``len(batch) * (max length + 1)``, the
+    one sequence per example, e.g. summarization's rows). A batch costs ``len(batch) * (max length + 1)``, the
     +1 being the EOS / BOS ``collate`` adds, and stays within ``max_tokens``, except that an
     example over the budget forms a batch of its own (it is never dropped here).
 

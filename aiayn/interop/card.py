@@ -57,7 +57,7 @@ def run_facts(run_dir: str | Path, cfg: Config) -> list[str]:
         training = "not recorded here" + (" (an imported model)" if source and "imported" in source else "")
     else:
         training = f"{updates:,} updates" + (f"; weights: {source}" if source else "")
-        useful = cfg.train.useful_updates
+        useful = cfg.expect.useful_updates
         if useful is not None and updates < useful:
             training += (f". **Undertrained**: its recipe needs {useful:,} updates to be useful; expect poor "
                          "translations")

@@ -1,11 +1,13 @@
-"""What every search shares: the hypothesis record, length penalties by name, score dtypes, the cache."""
+"""What every search shares: the hypothesis record, length penalties by name, score dtypes, the cache, padded
+rows of ids."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from aiayn.config import LENGTH_PENALTIES, STOP_RULES  # noqa: F401 - the names the searches check, defined once
 
@@ -20,6 +22,14 @@ class Hypothesis:
     tokens: list[int]
     score: float
     logprob: float
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> Tensor:
+    """Right-pad id lists into one (B, longest) long tensor."""
+    out = torch.full((len(rows), max((len(r) for r in rows), default=0)), pad, dtype=torch.long)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
 
 
 def length_penalty_denominator(length: int, alpha: float, kind: str = "gnmt") -> float:

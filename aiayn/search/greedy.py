@@ -10,8 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from aiayn.data.batching import pad_batch
-from aiayn.search.common import Hypothesis, new_cache, penalized_score
+from aiayn.search.common import Hypothesis, new_cache, pad_rows, penalized_score
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.spec import SearchSpec, max_lengths
 
@@ -77,8 +76,8 @@ def score_tokens(model: nn.Module, src: Tensor, src_mask: Tensor, found: Sequenc
     limits = max_lengths(model, src_mask, spec)
     seqs = [list(t) + [spec.eos] if len(t) < lim else list(t) for t, lim in zip(found, limits)]
     width = max(len(q) for q in seqs)
-    tgt_in = pad_batch([[spec.bos] + q[:-1] for q in seqs], spec.pad).to(device)  # (B, T)
-    tgt_out = pad_batch(seqs, spec.pad).to(device)  # (B, T)
+    tgt_in = pad_rows([[spec.bos] + q[:-1] for q in seqs], spec.pad).to(device)  # (B, T)
+    tgt_out = pad_rows(seqs, spec.pad).to(device)  # (B, T)
     memory = model.encode(src, src_mask)
     logits = LogitsProcessor(spec, device).ban(model.decode(tgt_in, memory, src_mask))
     lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)

@@ -2,6 +2,9 @@
 name, results in input order. The translator, training's validation BLEU and the attention explorer all
 decode through :func:`decode_ids`, so they agree (banned ids, lengths, n-gram blocking included).
 
+The batches are the search's own, not training's: a source costs the row the encoder reads (its ids and the
+EOS appended to it) once per row of the search (each beam, or each draw when sampling), and nothing else.
+
 Shapes: B batch, S source length.
 """
 
@@ -12,10 +15,9 @@ from collections.abc import Callable, Sequence
 from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
-from aiayn.data.batching import pad_batch, token_batches
 from aiayn.device import model_device
 from aiayn.search.beam import beam_search
-from aiayn.search.common import Hypothesis
+from aiayn.search.common import Hypothesis, pad_rows
 from aiayn.search.greedy import greedy_search, score_tokens
 from aiayn.search.sampling import sample_search
 from aiayn.search.spec import SearchSpec
@@ -37,14 +39,21 @@ def search_batch(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSp
     return beam_search(model, src, src_mask, spec)
 
 
-def decode_batches(lengths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
-    """The batches (lists of indices) :func:`decode_ids` searches, for sources of ``lengths`` tokens (without
-    EOS): sorted by length, each within ``len(batch) * (longest + 1) * rows <= opts.batch_tokens(device_type)``
-    (rows: the beam, or the draws when sampling; a single longer source forms its own batch). The budget is
-    per device (``DEFAULT_DECODE_TOKENS``: a GPU gets batches 8x the CPU's, so the search's matmuls fill it)."""
-    rows = opts.nbest if opts.sample else opts.beam
-    budget = max(1, opts.batch_tokens(device_type) // rows)
-    return token_batches(list(lengths), None, budget, shuffle=False)
+def decode_batches(widths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
+    """The batches (lists of indices) :func:`decode_ids` searches, for source rows of ``widths`` ids each (a
+    source and its EOS: what a sentence costs): sorted by width, equal widths in input order, each within
+    ``len(batch) * widest * rows <= opts.batch_tokens(device_type)`` (rows: the beam, or the draws when
+    sampling; a single wider source forms its own batch). The budget is per device (``DEFAULT_DECODE_TOKENS``:
+    a GPU gets batches 8x the CPU's, so the search's matmuls fill it)."""
+    rows_each, budget = (opts.nbest if opts.sample else opts.beam), opts.batch_tokens(device_type)
+    batches: list[list[int]] = []
+    for i in sorted(range(len(widths)), key=widths.__getitem__):  # stable: equal widths keep input order
+        # sorted, so the newest source is the widest: the padded batch would be (len + 1) x widths[i]
+        if batches and (len(batches[-1]) + 1) * widths[i] * rows_each <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchSpec, scores: bool = True,
@@ -57,8 +66,9 @@ def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchS
     out: list[list[Hypothesis]] = [[] for _ in sources]
     if not sources:
         return out
-    for idx in decode_batches([len(s) for s in sources], spec.options, device.type):
-        src = pad_batch([list(sources[i]) + [spec.eos] for i in idx], spec.pad).to(device)  # (B, S)
+    rows = [[*s, spec.eos] for s in sources]  # what the encoder reads
+    for idx in decode_batches([len(r) for r in rows], spec.options, device.type):
+        src = pad_rows([rows[i] for i in idx], spec.pad).to(device)  # (B, S)
         for i, hyps in zip(idx, search_batch(model, src, src != spec.pad, spec, scores)):
             out[i] = hyps
         if progress is not None:

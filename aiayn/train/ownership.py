@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from aiayn.config import Config, load_yaml
+from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
@@ -59,7 +59,12 @@ def recipe(cfg: Config) -> dict[str, Any]:
 
 def config_hash(cfg: Config) -> str:
     """sha256 of :func:`recipe` (canonical JSON): equal for the same recipe before and after vocabulary fitting."""
-    text = json.dumps(recipe(cfg), sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return recipe_hash(recipe(cfg))
+
+
+def recipe_hash(values: dict[str, Any]) -> str:
+    """sha256 of a recipe's canonical JSON."""
+    text = json.dumps(values, sort_keys=True, ensure_ascii=False, allow_nan=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -162,8 +167,9 @@ class RunDirectory:
             return "resume"
         if st.has_weights:
             raise weights_only
-        if st.marker["config_sha256"] != self.hash:
-            diff = config_diff(st.marker["config"], recipe(self.cfg))
+        old = migrate(st.marker["config"], str(path / MARKER))  # a marker written before a key moved: its new place
+        if recipe_hash(old) != self.hash:
+            diff = config_diff(old, recipe(self.cfg))
             tok = any(k.startswith(f"data.{t}:") for k in diff for t in TOKENIZER_KEYS)
             why = "; its tokenizer was made for the old values" if tok else ""
             raise CheckpointError(

@@ -131,13 +131,15 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
     return train(cfg, run_dir or default_run_dir(config), resume, progress, init_from)
 
 
-# What a resumed run may change: when and how it stops, what it logs and keeps, where it runs, how it decodes.
+# What a resumed run may change: when and how it stops, what it logs and keeps, where it runs, how it decodes, what
+# its recipe is expected to reach.
 # Everything else (the model, the data, the optimizer and its schedule) is the run's: changing it would make a
 # run that is neither the old one nor a new one.
 RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "train.patience", "train.log_every",
                "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
                "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
-               "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.")
+               "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.",
+               "expect.")
 
 
 def check_resume_changes(cfg: Config, run_dir: Path) -> None:

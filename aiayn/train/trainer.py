@@ -24,10 +24,10 @@ from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
 from aiayn.errors import CheckpointError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
+from aiayn.train.console import Console
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
-from aiayn.train.progress import Progress
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.train.update import Update, UpdateSums, batch_to_device, training_module
 from aiayn.train.validation import evaluate_loss
@@ -258,7 +258,7 @@ class Trainer:
         module.train()
         update = Update(module, self.optimizer, tc.label_smoothing, self.pad_id, tc.clip_norm, d, self.autocast,
                         self.scaler, loss_fn, seed=tc.seed)
-        progress = Progress(tc, st.step, st.elapsed_s, show=d.main, bar=self.progress)
+        progress = Console(tc, self.cfg.expect, st.step, st.elapsed_s, show=d.main, bar=self.progress)
         window = Window(self.device, st.window)
         start = time.perf_counter() - st.elapsed_s
         stop = st.step >= tc.max_updates

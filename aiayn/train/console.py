@@ -1,4 +1,5 @@
-"""What a training run tells the person running it, on stderr.
+"""What a training run tells the person running it, on stderr (:class:`Console`; progress over items of other
+commands is :mod:`aiayn.progress`).
 
 On a terminal a progress bar; anywhere else (a log file, a pipe, ``--no-progress``) a plain line at every
 ``train.log_every`` update, never carriage returns. Both count to the limit that ends the run first: after the
@@ -7,8 +8,8 @@ total and ETA follow that, not ``train.max_updates`` alone.
 
 Once the speed is known (:data:`MEASURE_UPDATES` updates and :data:`MEASURE_SECONDS` seconds after the start),
 one line says what the run will reach: about how many updates, in how many minutes, and, when the recipe
-records what its updates gave (``train.reference_bleu``, measured: docs/results.md), the validation BLEU that
-many updates reached. A run that will end, or ended, before ``train.useful_updates`` is told so in a warning,
+records what its updates gave (``expect.bleu``, measured: docs/results.md), the validation BLEU that
+many updates reached. A run that will end, or ended, before ``expect.useful_updates`` is told so in a warning,
 with what to do about it.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from aiayn.config import TrainConfig
+from aiayn.config import ExpectConfig, TrainConfig
 
 log = logging.getLogger("aiayn.train")
 
@@ -55,11 +56,13 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-class Progress:
-    """The training run's progress on stderr (rank 0 only: ``show`` False on the others)."""
+class Console:
+    """What the training run says on stderr: its progress, the projection, the warnings of an undertrained run
+    (rank 0 only: ``show`` False on the others)."""
 
-    def __init__(self, tc: TrainConfig, step: int, elapsed_s: float, show: bool, bar: bool) -> None:
-        self.tc, self.show = tc, show
+    def __init__(self, tc: TrainConfig, expect: ExpectConfig, step: int, elapsed_s: float, show: bool,
+                 bar: bool) -> None:
+        self.tc, self.expect, self.show = tc, expect, show
         self.start_step, self.start_s = step, elapsed_s
         self.projected = False
         self.bar = None
@@ -90,16 +93,16 @@ class Progress:
         tc, rate = self.tc, self.rate(step, elapsed_s)
         end = final_step(tc, step, elapsed_s, rate)
         limit = "train.max_updates" if end >= tc.max_updates else f"train.max_minutes={tc.max_minutes:g}"
-        bleu = expected_bleu(tc.reference_bleu, end)
+        bleu, useful = expected_bleu(self.expect.bleu, end), self.expect.useful_updates
         gave = f"; this recipe's validation BLEU after {end:,} updates was about {bleu:.0f}" if bleu is not None else ""
         self.write(f"{rate:.2f} updates/s: this run will stop after about {end:,} updates ({limit}), in about "
                    f"{_minutes((end - step) / max(rate, 1e-9))}{gave}")
-        if tc.useful_updates is not None and end < tc.useful_updates:
+        if useful is not None and end < useful:
             # fewer threads help only a run on several (a busy machine's cores are shared)
             threads = "on a busy machine try --threads 1, " if torch.get_num_threads() > 1 else ""
             log.warning("at this speed the run ends after about %s updates, fewer than the %s this recipe needs to "
                         "be useful (docs/results.md): %sgive it more time (--set train.max_minutes=...), or train on "
-                        "a GPU", f"{end:,}", f"{tc.useful_updates:,}", threads)
+                        "a GPU", f"{end:,}", f"{useful:,}", threads)
         return {"rate": rate, "final_step": end, "expected_bleu": bleu}
 
     def record(self, rec: dict[str, Any]) -> None:
@@ -127,7 +130,7 @@ class Progress:
         """The end: close the bar; warn when the run stopped before it was useful."""
         if self.bar is not None:
             self.bar.close()
-        useful = self.tc.useful_updates
+        useful = self.expect.useful_updates
         if self.show and useful is not None and step < useful:
             log.warning("this run stopped after %s updates, fewer than the %s this recipe needs to be useful: its "
                         "translations will be poor (resume it with more time: aiayn train --resume RUN --set "
