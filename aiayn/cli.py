@@ -240,7 +240,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from aiayn.serve import serve_cli
 
-    return serve_cli(args)
+    return serve_cli(args, decode_overrides(args))
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -512,7 +512,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from aiayn.serve import add_serve_options  # stdlib only: --help stays fast
 
     add_serve_options(p)
-    add_device_options(p)
+    add_decode_options(p)  # the server's decoding defaults (LibreTranslate's routes take no decoding options)
     p.set_defaults(func=cmd_serve)
 
 

@@ -110,6 +110,50 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
     assert client_mt.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 200
 
 
+ARGOS_SEARCH = ("--beam", "4", "--alpha", "0.2", "--length-penalty", "power", "--stop", "hf")
+ARGOS_LINES = LINES + ["a b c d e f g h", "d c b a", "one two three four five six", "x", "the dog and the cat"]
+
+
+def test_serve_takes_translates_decoding_flags_for_its_libretranslate_routes(tiny_run, translator, tmp_path, capsys):
+    """``aiayn serve RUN --beam 4 --alpha 0.2 --length-penalty power --stop hf`` (Argos' search): LibreTranslate's
+    /translate answers what ``aiayn translate`` answers with the same flags; aiayn's /v1/translate takes them as
+    its defaults, which a request's own options override."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src.txt"
+    src.write_text("\n".join(ARGOS_LINES) + "\n", encoding="utf-8")
+    # one thread in both processes: the same float sums, so the same batch gives the same hypotheses exactly
+    cli = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(tiny_run), "--input", str(src), "--device",
+                          "cpu", "--threads", "1", *ARGOS_SEARCH], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    proc, url, log = serve_load.start_server(tiny_run, "--threads", "1", *ARGOS_SEARCH)
+    conn = serve_load.connect(url)
+    try:
+        status, got = serve_load.request(conn, "POST", "/translate", {"q": ARGOS_LINES, "source": "en", "target": "de"})
+        assert (status, got) == (200, {"translatedText": cli.stdout.splitlines()})
+        decode = serve_load.request(conn, "GET", "/v1/model")[1]["decode"]
+        assert (decode["beam"], decode["alpha"], decode["length_penalty"], decode["stop"]) == (4, 0.2, "power", "hf")
+        native = serve_load.request(conn, "POST", "/v1/translate", {"text": ARGOS_LINES})[1]
+        assert [t["text"] for t in native["translations"]] == cli.stdout.splitlines()
+        assert {k: native["options"][k] for k in ("beam", "alpha", "length_penalty", "stop")} == {
+            "beam": 4, "alpha": 0.2, "length_penalty": "power", "stop": "hf"}
+        run_own = {k: getattr(translator.cfg.decode, k) for k in ("alpha", "length_penalty", "stop")}
+        native = serve_load.request(conn, "POST", "/v1/translate", {"text": LINES, **run_own})[1]
+        ours = [h[0].text for h in translator.search(LINES, translator.options(beam=4), scores=False)]
+        assert [t["text"] for t in native["translations"]] == ours
+    finally:
+        conn.close()
+        serve_load.stop_server(proc, timeout=30)
+    from aiayn.cli import main
+
+    for flags, word in [(("--beam", "0"), "decode.beam"), (("--max-tokens", "64", "--max-batch-tokens", "64"),
+                                                             "give one"), (("--nbest", "9"), "nbest=9")]:
+        assert main(["serve", str(tiny_run), "--threads", "1", "--port", "0", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and word in err, (flags, err)
+
+
 @pytest.fixture(scope="module")
 def client_mt(translator):
     with TestClient(create_app(translator, max_wait_ms=2.0), base_url="http://localhost") as c:

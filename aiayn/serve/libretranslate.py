@@ -148,7 +148,7 @@ class LibreTranslate:
 
     async def translate(self, request: Request) -> Response:
         r = libre_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
-        opts = self.svc.model.cfg.decode
+        opts = self.svc.decode  # the run's search, or the one aiayn serve's flags chose (Argos')
         if r.alternatives:
             opts = opts.replace(nbest=r.alternatives + 1, beam=max(opts.beam, r.alternatives + 1))
         if r.fmt == "html":

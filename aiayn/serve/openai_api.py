@@ -149,7 +149,7 @@ class OpenAIRoutes:
                                    "a translation run", code="wrong_task")
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
-        c = completion_options(c, self.svc.model.cfg.decode, language_model=self.svc.task == "lm")
+        c = completion_options(c, self.svc.decode, language_model=self.svc.task == "lm")
         self.check_prompts(c)
         if c.stream:
             return await CompletionStream(self, c, shape).response()

@@ -40,8 +40,10 @@ def bearer(request: Request) -> str | None:
 @dataclasses.dataclass
 class Service:
     """What the routes share: the loaded model, its batcher (``budget``: the source tokens x beam of one model
-    call; ``max_wait_ms`` and ``max_queue`` as the batcher was built), the request limits and the API key (None:
-    none asked)."""
+    call; ``max_wait_ms`` and ``max_queue`` as the batcher was built), the request limits, the API key (None:
+    none asked) and the server's decoding options (``overrides``: ``aiayn serve``'s decoding flags, by
+    DecodeOptions field name; ``decode``: the run's ``decode`` section with them, what every route decodes with
+    unless a request says otherwise)."""
 
     model: Translator | Generator
     batcher: Batcher
@@ -51,6 +53,15 @@ class Service:
     max_wait_ms: float = 10.0
     max_queue: int = 256
     started: float = dataclasses.field(default_factory=time.time)
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.decode: DecodeOptions = self.model.cfg.decode.replace(**self.overrides)
+
+    def generate_options(self) -> DecodeOptions:
+        """The base of ``/v1/generate``: as ``aiayn generate``, sampling at temperature 1 unless the server's
+        flags say otherwise (then the request's own options)."""
+        return self.model.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **self.overrides})
 
     @property
     def task(self) -> str:
