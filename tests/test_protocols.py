@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import urllib.error
 from pathlib import Path
 
@@ -608,6 +609,74 @@ def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_l
     assert r.json()["error"] == {"code": "unsupported_media_type", "message": r.json()["error"]["message"]}
 
 
+def lm_eval_rolling_windows(tokens: list[int], prefix: int, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """lm-evaluation-harness 0.4.x's (context, continuation) pairs of a rolling loglikelihood, as its code builds
+    them (``TemplateAPI.loglikelihood_rolling``: ``utils.get_rolling_token_windows`` with ``max_seq_len =
+    max_length - 2``, ``context_len=1``, then ``utils.make_disjoint_window``), written out here as a reference that
+    does not share aiayn's code."""
+    max_seq_len, context_len = max_length - 2, 1
+    pairs = []
+    pred_len, predicted = max_seq_len - context_len + 1, 0
+    first_seq_len = min(max_seq_len, len(tokens))
+    pairs.append(([prefix] + tokens[:first_seq_len - 1], tokens[:first_seq_len]))
+    predicted += first_seq_len
+    while predicted < len(tokens):
+        window_pred_len = min(len(tokens) - predicted, pred_len)
+        window_end = predicted + window_pred_len
+        pairs.append((tokens[window_end - max_seq_len - 1:window_end - 1],
+                      tokens[window_end - window_pred_len:window_end]))
+        predicted += window_pred_len
+    return [(a[:len(a) - (len(b) - 1)], b) for a, b in pairs]
+
+
+def test_rolling_windows_are_lm_evaluation_harnesses():
+    from aiayn.eval.rolling import rolling_windows
+
+    for n in (1, 2, 5, 29, 30, 31, 59, 60, 61, 100):
+        for max_length in (3, 4, 10, 32):
+            tokens = list(range(10, 10 + n))
+            want = [(ctx + cont, len(cont)) for ctx, cont in lm_eval_rolling_windows(tokens, 1, max_length)]
+            assert rolling_windows(tokens, 1, max_length) == want, (n, max_length)
+            assert sum(k for _, k in want) == n and all(len(seq) <= max_length - 1 for seq, _ in want)
+
+
+ROLLING_TEXT = "the dog sat on the log. the cat sat on the mat.\nthe cat sat on the log. " * 2
+
+
+def test_evaluate_rolling_equals_the_servers_echo_logprobs_as_lm_eval_sums_them(client_lm, lm, lm_run, tmp_path,
+                                                                                capsys):
+    """Perplexity equality (issue 43): ``aiayn evaluate LM --src FILE --rolling --max-length 32`` gives the sum that
+    lm-eval's rolling loglikelihood gets from the server: its windows (the first after <s>), each sent as
+    lm-eval's local-completions sends it (token ids, echo, logprobs 1, max_tokens 1) and summed as it parses the
+    answer (``token_logprobs[ctxlen:-1]``)."""
+    from aiayn.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(ROLLING_TEXT, encoding="utf-8")
+    assert main(["evaluate", str(lm_run), "--src", str(doc), "--rolling", "--max-length", "32", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((lm_run / "eval" / "rolling_doc.json").read_text(encoding="utf-8"))
+    assert "rolling windows" in out and result["data"]["max_length"] == 32
+    info = client_lm.get("/tokenizer_info").json()
+    bos = client_lm.post("/tokenize", json={"prompt": info["bos_token"]}).json()["tokens"]
+    tokens = client_lm.post("/tokenize", json={"prompt": ROLLING_TEXT}).json()["tokens"]
+    pairs = lm_eval_rolling_windows(tokens, bos[0], 32)
+    total = 0.0
+    for ctx, cont in pairs:
+        r = client_lm.post("/v1/completions", json={"model": "run", "prompt": ctx + cont, "echo": True, "logprobs": 1,
+                                                    "max_tokens": 1, "temperature": 0, "seed": 1234})
+        assert r.status_code == 200, r.text
+        total += sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(ctx):-1])
+    assert len(pairs) == result["data"]["windows"] > 2 and len(tokens) == result["data"]["n_tokens"]
+    assert result["scores"]["loglikelihood"] == pytest.approx(total, abs=1e-4)
+    words = len(ROLLING_TEXT.split()) + 1  # lm-eval's re.split(r"\s+") also counts the empty piece after the end
+    assert result["scores"]["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+    # the blocks aiayn evaluate scores by default are another number: no <s>, the training blocks of the valid text
+    assert main(["evaluate", str(lm_run), "--max-length", "32"]) == 2
+    assert main(["evaluate", str(lm_run), "--src", str(doc), "--rolling", "--max-length", "33"]) == 2
+    assert "3 to the model's context (32)" in capsys.readouterr().err
+
+
 LM_EVAL_TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -620,8 +689,8 @@ output_type: {kind}
 
 def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     """lm-evaluation-harness's local-completions, its default tokenizer setting (it finds /tokenizer_info), on a
-    local task of each kind; the rolling loglikelihood of a text is the model's own sum of log-probabilities after
-    lm-eval's prefix token <s>. Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
+    local task of each kind; the rolling loglikelihood of a text of several windows is ``aiayn evaluate --rolling``'s
+    (and its word perplexity too). Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
     executable, else `lm_eval` on the PATH; skipped without it."""
     import os
     import shutil
@@ -633,7 +702,7 @@ def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     lm_server = request.getfixturevalue("lm_server")  # started only when lm-eval is there
     rows = {"mc": [{"context": "the dog sat on the", "choices": [" log", " mat"], "label": 0}],
             "ll": [{"context": "the cat sat on", "continuation": " the mat."}],
-            "roll": [{"text": "the dog sat on the log."}],
+            "roll": [{"text": ROLLING_TEXT}],
             "gen": [{"context": "the cat sat on the", "target": " mat"}]}
     rest = {"mc": ('multiple_choice', 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
                    'doc_to_target: "{{label}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
@@ -659,6 +728,11 @@ def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     [samples] = (tmp_path / "out").rglob("samples_aiayn_roll_*.jsonl")
     got = float(json.loads(samples.read_text().splitlines()[0])["filtered_resps"][0])
-    ids = [lm.tokenizers.specials.bos] + lm.tokenizers.src.encode(rows["roll"][0]["text"])
-    want = direct_logprobs(lm, ids)
-    assert got == pytest.approx(sum(float(want[t - 1, ids[t]]) for t in range(1, len(ids))), abs=1e-4)
+    from aiayn.eval.evaluate import EvalData, evaluate_run
+
+    (tmp_path / "doc.txt").write_text(ROLLING_TEXT, encoding="utf-8")
+    ours = evaluate_run(lm.path, EvalData(src=str(tmp_path / "doc.txt"), rolling=True, max_length=32), device="cpu")
+    assert ours["data"]["windows"] > 2 and got == pytest.approx(ours["scores"]["loglikelihood"], abs=1e-4)
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["aiayn_roll"]["word_perplexity,none"]
+    assert theirs == pytest.approx(ours["scores"]["word_perplexity"], rel=1e-4)
