@@ -690,15 +690,17 @@ output_type: {kind}
 def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     """lm-evaluation-harness's local-completions, its default tokenizer setting (it finds /tokenizer_info), on a
     local task of each kind; the rolling loglikelihood of a text of several windows is ``aiayn evaluate --rolling``'s
-    (and its word perplexity too). Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
-    executable, else `lm_eval` on the PATH; skipped without it."""
+    (and its word perplexity too). lm-eval comes with the clients extra (make test installs it); $AIAYN_LM_EVAL
+    names another executable, else `lm_eval` beside this Python or on the PATH; skipped without one."""
     import os
     import shutil
     import subprocess
+    import sys
 
-    exe = os.environ.get("AIAYN_LM_EVAL") or shutil.which("lm_eval")
+    beside = Path(sys.executable).with_name("lm_eval")  # .venv/bin/python -m pytest: .venv/bin is not on the PATH
+    exe = os.environ.get("AIAYN_LM_EVAL") or (str(beside) if beside.is_file() else shutil.which("lm_eval"))
     if not exe:
-        pytest.skip("lm-evaluation-harness not installed ($AIAYN_LM_EVAL or lm_eval on the PATH)")
+        pytest.skip("lm-evaluation-harness not installed (the clients extra; $AIAYN_LM_EVAL or lm_eval on the PATH)")
     lm_server = request.getfixturevalue("lm_server")  # started only when lm-eval is there
     rows = {"mc": [{"context": "the dog sat on the", "choices": [" log", " mat"], "label": 0}],
             "ll": [{"context": "the cat sat on", "continuation": " the mat."}],
