@@ -60,7 +60,8 @@ train: {{max_updates: 30, warmup: 10, eval_every: 30, save_every: 30, log_every:
 
 @pytest.fixture(scope="module")
 def lm_server(lm_run):
-    proc, url, log = serve_load.start_server(lm_run)
+    # gpt-3.5-turbo: the model name LangChain's ChatOpenAI sends unless told another
+    proc, url, log = serve_load.start_server(lm_run, "--model-alias", "gpt-3.5-turbo")
     yield url
     serve_load.stop_server(proc, timeout=30)
 
@@ -76,6 +77,7 @@ def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator)
     assert [lt.translate(line, "en", "de") for line in LINES] == ours
     assert lt.translate(LINES[0], "auto", "de") == ours[0]
     assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
+    assert lt.detect(LINES[0]) == [{"confidence": 100.0, "language": "en"}]  # the run's one source language
     with pytest.raises(urllib.error.HTTPError) as e:  # a language the model does not translate
         lt.translate("a b", "en", "fr")
     assert e.value.code == 400 and "fr is not supported" in json.loads(e.value.read())["error"]
@@ -226,7 +228,8 @@ def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_r
 def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0)
-    [model] = client.models.list().data
+    model, alias = client.models.list().data  # the run first, then the server's --model-alias
+    assert (model.id, alias.id) == (lm_run.name, "gpt-3.5-turbo")
     gen = aiayn.load(lm_run, device="cpu")
     want = gen.generate("the cat", max_new_tokens=12)  # greedy
     done = client.completions.create(model=model.id, prompt="the cat", max_tokens=12, temperature=0)
@@ -521,6 +524,62 @@ def test_openai_chat_client_on_a_language_model_and_a_translation_run(lm_server,
     assert mt.create(model=model.id, messages=messages).choices[0].message.content == ours  # beam: no temperature
     pieces = mt.create(model=model.id, messages=messages, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in pieces) == ours
+
+
+def test_langchain_chat_openai_on_a_language_model_and_a_translation_run(lm_server, mt_server, lm, translator):
+    """LangChain's ChatOpenAI (invoke, stream, batch, async) with its default model name, which the language
+    model's server answers to as an alias (--model-alias gpt-3.5-turbo); a translation run by its own name."""
+    import asyncio
+
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0, temperature=0,
+                                       max_tokens=12)
+    assert chat.model_name == "gpt-3.5-turbo"  # LangChain's default: the server's alias
+    messages = [("system", "be"), ("human", "cat")]
+    want = lm.generate("System: be\nUser: cat\nAssistant:", max_new_tokens=12).split("\nUser:")[0].lstrip()
+    reply = chat.invoke(messages)
+    assert reply.content == want and reply.response_metadata["model_name"] == "run"
+    assert "".join(chunk.content for chunk in chat.stream(messages)) == want
+    assert [r.content for r in chat.batch([messages, messages])] == [want, want]
+    assert asyncio.run(chat.ainvoke(messages)).content == want
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.NotFoundError):  # a name the server was not given
+        langchain_openai.ChatOpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0,
+                                    model="gpt-4o").invoke(messages)
+    mt = langchain_openai.ChatOpenAI(base_url=f"{mt_server}/v1", api_key="unused", max_retries=0, model="tiny")
+    ours = translator.search([LINES[2]], translator.options(), scores=False)[0][0].text
+    assert mt.invoke([("human", LINES[2])]).content == ours
+    assert "".join(chunk.content for chunk in mt.stream([("human", LINES[2])])) == ours
+
+
+def test_litellm_openai_route_chats_plain_and_streamed(lm_server, lm, monkeypatch):
+    """litellm's ``openai/`` route (an OpenAI-compatible server at ``api_base``), plain and streamed. litellm is
+    not in the clients extra (about 245 MB for this one route, docs/serve.md): skipped where it is not installed."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else its import fetches a price list
+    litellm = pytest.importorskip("litellm")
+    messages = [{"role": "system", "content": "be"}, {"role": "user", "content": "cat"}]
+    want = lm.generate("System: be\nUser: cat\nAssistant:", max_new_tokens=12).split("\nUser:")[0].lstrip()
+    args = {"model": "openai/run", "api_base": f"{lm_server}/v1", "api_key": "unused", "messages": messages,
+            "max_tokens": 12, "temperature": 0}
+    assert litellm.completion(**args).choices[0].message.content == want
+    pieces = litellm.completion(**args, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in pieces) == want
+    args.pop("messages")
+    assert litellm.text_completion(**args, prompt="the").choices[0].text == lm.generate("the", max_new_tokens=12)
+
+
+def test_model_aliases_are_listed_and_answered(lm):
+    """``--model-alias``: /v1/models lists the run first, then each alias; a request naming one is served (the
+    answer names the run), another name is 404 naming the option."""
+    from aiayn.serve.service import Choices
+
+    app = create_app(lm, max_wait_ms=1.0, choices=Choices(aliases=("gpt-3.5-turbo", "davinci")))
+    with TestClient(app, base_url="http://localhost") as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["run", "gpt-3.5-turbo", "davinci"]
+        r = c.post("/v1/completions", json={"model": "davinci", "prompt": "the", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "run"
+        r = c.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 404 and "--model-alias" in r.json()["error"]["message"]
 
 
 def test_every_accepted_completion_field_acts_or_is_refused(client_lm, lm):

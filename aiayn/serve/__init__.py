@@ -85,6 +85,7 @@ class ServeOptions:
     api_key_from: str = "--api-key"  # where the key came from, for the message that refuses it ($AIAYN_API_KEY)
     # the decoding flags (DecodeOptions field names): they replace the run's decode section on every route
     decode: dict = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()  # other model names OpenAI's routes answer to (--model-alias)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +101,9 @@ class ServeOptions:
             raise ConfigError(f"{self.api_key_from}: expected at least 8 printable characters without spaces")
         if self.decode.get("max_tokens") is not None and self.max_batch_tokens is not None:
             raise ConfigError("--max-tokens and --max-batch-tokens both set the tokens of one model call: give one")
+        for name in self.model_aliases:
+            if not name or not name.isprintable():
+                raise ConfigError(f"--model-alias {name!r}: expected a model name (printable, not empty)")
         from aiayn.config import DecodeOptions
 
         DecodeOptions().replace(**self.decode)  # a value no run takes (--beam 0) fails before the run is loaded
@@ -122,6 +126,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
 
     from aiayn.decode.generate import load_for_task
     from aiayn.serve.app import create_app, warm_up
+    from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
     model = load_for_task(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
@@ -130,7 +135,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key, o.decode)
+                     o.api_key, Choices(o.decode, o.model_aliases))
     config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
     redact_access_log()
@@ -179,6 +184,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"every API request must carry KEY (Authorization: Bearer KEY, or LibreTranslate's api_key "
                         f"field; default ${API_KEY_ENV}, else none)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="OpenAI's routes also answer to the model name NAME (default: the run directory's name only; "
+                        "e.g. gpt-3.5-turbo, the name LangChain's ChatOpenAI sends unless told)")
 
 
 def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
@@ -188,5 +196,5 @@ def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
     key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
                            args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from,
-                           dict(decode or {}))
+                           dict(decode or {}), tuple(args.model_alias))
     return serve(args.run, options)
