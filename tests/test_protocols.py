@@ -648,6 +648,15 @@ def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, tran
     settings = client_mt.get("/frontend/settings").json()
     assert settings["language"]["source"]["code"] == "en" and settings["language"]["target"]["code"] == "de"
     assert settings["charLimit"] == 2000 and settings["keyRequired"] is False
+    # identity pairs, as Argos' IdentityTranslation answers them in LibreTranslate: the text as it is
+    for source, target in (("en", "en"), ("de", "de"), ("auto", "en")):
+        r = client_mt.post("/translate", json={"q": ["a b", "<b>x</b>"], "source": source, "target": target,
+                                               "alternatives": 2})
+        assert r.status_code == 200 and r.json()["translatedText"] == ["a b", "<b>x</b>"], (source, target)
+        assert r.json()["alternatives"] == [[], []]
+    for source, target in (("de", "en"), ("auto", "de"), ("fr", "fr")):  # the model's one direction, no other
+        r = client_mt.post("/translate", json={"q": "a b", "source": source, "target": target})
+        assert r.status_code == (200 if target == "de" else 400), (source, target)
 
 
 def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_lm):
