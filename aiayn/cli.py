@@ -143,7 +143,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from aiayn.eval.evaluate import EvalData, evaluate_run, summary
 
-    result = evaluate_run(args.run, EvalData(args.split, args.src, args.ref, args.name), device=args.device,
+    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length)
+    result = evaluate_run(args.run, data, device=args.device,
                           precision=args.precision, **decode_overrides(args))
     print(summary(result))
     return 0
@@ -240,7 +241,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from aiayn.serve import serve_cli
 
-    return serve_cli(args)
+    return serve_cli(args, decode_overrides(args))
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -374,6 +375,11 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ref", default=None, help="its reference translations, one per line of --src")
     p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
     p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
+    p.add_argument("--rolling", action="store_true",
+                   help="language models: the validation text (or --src FILE, one document) in lm-evaluation-harness's "
+                        "rolling windows, the first after <s>, as its perplexity tasks score it through aiayn serve")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="with --rolling: lm-evaluation-harness's max_length (default: the run's context)")
     add_decode_options(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -512,7 +518,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from aiayn.serve import add_serve_options  # stdlib only: --help stays fast
 
     add_serve_options(p)
-    add_device_options(p)
+    add_decode_options(p)  # the server's decoding defaults (LibreTranslate's routes take no decoding options)
     p.set_defaults(func=cmd_serve)
 
 

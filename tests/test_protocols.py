@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import urllib.error
 from pathlib import Path
 
@@ -59,7 +60,8 @@ train: {{max_updates: 30, warmup: 10, eval_every: 30, save_every: 30, log_every:
 
 @pytest.fixture(scope="module")
 def lm_server(lm_run):
-    proc, url, log = serve_load.start_server(lm_run)
+    # gpt-3.5-turbo: the model name LangChain's ChatOpenAI sends unless told another
+    proc, url, log = serve_load.start_server(lm_run, "--model-alias", "gpt-3.5-turbo")
     yield url
     serve_load.stop_server(proc, timeout=30)
 
@@ -75,6 +77,7 @@ def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator)
     assert [lt.translate(line, "en", "de") for line in LINES] == ours
     assert lt.translate(LINES[0], "auto", "de") == ours[0]
     assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
+    assert lt.detect(LINES[0]) == [{"confidence": 100.0, "language": "en"}]  # the run's one source language
     with pytest.raises(urllib.error.HTTPError) as e:  # a language the model does not translate
         lt.translate("a b", "en", "fr")
     assert e.value.code == 400 and "fr is not supported" in json.loads(e.value.read())["error"]
@@ -108,6 +111,50 @@ def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator
     r = client_mt.post("/v1/translate", content=b"text=a", headers=form)
     assert r.status_code == 415
     assert client_mt.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 200
+
+
+ARGOS_SEARCH = ("--beam", "4", "--alpha", "0.2", "--length-penalty", "power", "--stop", "hf")
+ARGOS_LINES = LINES + ["a b c d e f g h", "d c b a", "one two three four five six", "x", "the dog and the cat"]
+
+
+def test_serve_takes_translates_decoding_flags_for_its_libretranslate_routes(tiny_run, translator, tmp_path, capsys):
+    """``aiayn serve RUN --beam 4 --alpha 0.2 --length-penalty power --stop hf`` (Argos' search): LibreTranslate's
+    /translate answers what ``aiayn translate`` answers with the same flags; aiayn's /v1/translate takes them as
+    its defaults, which a request's own options override."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src.txt"
+    src.write_text("\n".join(ARGOS_LINES) + "\n", encoding="utf-8")
+    # one thread in both processes: the same float sums, so the same batch gives the same hypotheses exactly
+    cli = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(tiny_run), "--input", str(src), "--device",
+                          "cpu", "--threads", "1", *ARGOS_SEARCH], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    proc, url, log = serve_load.start_server(tiny_run, "--threads", "1", *ARGOS_SEARCH)
+    conn = serve_load.connect(url)
+    try:
+        status, got = serve_load.request(conn, "POST", "/translate", {"q": ARGOS_LINES, "source": "en", "target": "de"})
+        assert (status, got) == (200, {"translatedText": cli.stdout.splitlines()})
+        decode = serve_load.request(conn, "GET", "/v1/model")[1]["decode"]
+        assert (decode["beam"], decode["alpha"], decode["length_penalty"], decode["stop"]) == (4, 0.2, "power", "hf")
+        native = serve_load.request(conn, "POST", "/v1/translate", {"text": ARGOS_LINES})[1]
+        assert [t["text"] for t in native["translations"]] == cli.stdout.splitlines()
+        assert {k: native["options"][k] for k in ("beam", "alpha", "length_penalty", "stop")} == {
+            "beam": 4, "alpha": 0.2, "length_penalty": "power", "stop": "hf"}
+        run_own = {k: getattr(translator.cfg.decode, k) for k in ("alpha", "length_penalty", "stop")}
+        native = serve_load.request(conn, "POST", "/v1/translate", {"text": LINES, **run_own})[1]
+        ours = [h[0].text for h in translator.search(LINES, translator.options(beam=4), scores=False)]
+        assert [t["text"] for t in native["translations"]] == ours
+    finally:
+        conn.close()
+        serve_load.stop_server(proc, timeout=30)
+    from aiayn.cli import main
+
+    for flags, word in [(("--beam", "0"), "decode.beam"), (("--max-tokens", "64", "--max-batch-tokens", "64"),
+                                                             "give one"), (("--nbest", "9"), "nbest=9")]:
+        assert main(["serve", str(tiny_run), "--threads", "1", "--port", "0", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and word in err, (flags, err)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +228,8 @@ def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_r
 def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0)
-    [model] = client.models.list().data
+    model, alias = client.models.list().data  # the run first, then the server's --model-alias
+    assert (model.id, alias.id) == (lm_run.name, "gpt-3.5-turbo")
     gen = aiayn.load(lm_run, device="cpu")
     want = gen.generate("the cat", max_new_tokens=12)  # greedy
     done = client.completions.create(model=model.id, prompt="the cat", max_tokens=12, temperature=0)
@@ -478,6 +526,62 @@ def test_openai_chat_client_on_a_language_model_and_a_translation_run(lm_server,
     assert "".join(c.choices[0].delta.content or "" for c in pieces) == ours
 
 
+def test_langchain_chat_openai_on_a_language_model_and_a_translation_run(lm_server, mt_server, lm, translator):
+    """LangChain's ChatOpenAI (invoke, stream, batch, async) with its default model name, which the language
+    model's server answers to as an alias (--model-alias gpt-3.5-turbo); a translation run by its own name."""
+    import asyncio
+
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0, temperature=0,
+                                       max_tokens=12)
+    assert chat.model_name == "gpt-3.5-turbo"  # LangChain's default: the server's alias
+    messages = [("system", "be"), ("human", "cat")]
+    want = lm.generate("System: be\nUser: cat\nAssistant:", max_new_tokens=12).split("\nUser:")[0].lstrip()
+    reply = chat.invoke(messages)
+    assert reply.content == want and reply.response_metadata["model_name"] == "run"
+    assert "".join(chunk.content for chunk in chat.stream(messages)) == want
+    assert [r.content for r in chat.batch([messages, messages])] == [want, want]
+    assert asyncio.run(chat.ainvoke(messages)).content == want
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.NotFoundError):  # a name the server was not given
+        langchain_openai.ChatOpenAI(base_url=f"{lm_server}/v1", api_key="unused", max_retries=0,
+                                    model="gpt-4o").invoke(messages)
+    mt = langchain_openai.ChatOpenAI(base_url=f"{mt_server}/v1", api_key="unused", max_retries=0, model="tiny")
+    ours = translator.search([LINES[2]], translator.options(), scores=False)[0][0].text
+    assert mt.invoke([("human", LINES[2])]).content == ours
+    assert "".join(chunk.content for chunk in mt.stream([("human", LINES[2])])) == ours
+
+
+def test_litellm_openai_route_chats_plain_and_streamed(lm_server, lm, monkeypatch):
+    """litellm's ``openai/`` route (an OpenAI-compatible server at ``api_base``), plain and streamed. litellm is
+    not in the clients extra (about 245 MB for this one route, docs/serve.md): skipped where it is not installed."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else its import fetches a price list
+    litellm = pytest.importorskip("litellm")
+    messages = [{"role": "system", "content": "be"}, {"role": "user", "content": "cat"}]
+    want = lm.generate("System: be\nUser: cat\nAssistant:", max_new_tokens=12).split("\nUser:")[0].lstrip()
+    args = {"model": "openai/run", "api_base": f"{lm_server}/v1", "api_key": "unused", "messages": messages,
+            "max_tokens": 12, "temperature": 0}
+    assert litellm.completion(**args).choices[0].message.content == want
+    pieces = litellm.completion(**args, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in pieces) == want
+    args.pop("messages")
+    assert litellm.text_completion(**args, prompt="the").choices[0].text == lm.generate("the", max_new_tokens=12)
+
+
+def test_model_aliases_are_listed_and_answered(lm):
+    """``--model-alias``: /v1/models lists the run first, then each alias; a request naming one is served (the
+    answer names the run), another name is 404 naming the option."""
+    from aiayn.serve.service import Choices
+
+    app = create_app(lm, max_wait_ms=1.0, choices=Choices(aliases=("gpt-3.5-turbo", "davinci")))
+    with TestClient(app, base_url="http://localhost") as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["run", "gpt-3.5-turbo", "davinci"]
+        r = c.post("/v1/completions", json={"model": "davinci", "prompt": "the", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "run"
+        r = c.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 404 and "--model-alias" in r.json()["error"]["message"]
+
+
 def test_every_accepted_completion_field_acts_or_is_refused(client_lm, lm):
     """What the server does not do is refused in OpenAI's shape; what it takes changes the answer: more than 4 stop
     strings (lm-evaluation-harness sends a task's every one), stream_options.include_usage, the model's name."""
@@ -544,6 +648,15 @@ def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, tran
     settings = client_mt.get("/frontend/settings").json()
     assert settings["language"]["source"]["code"] == "en" and settings["language"]["target"]["code"] == "de"
     assert settings["charLimit"] == 2000 and settings["keyRequired"] is False
+    # identity pairs, as Argos' IdentityTranslation answers them in LibreTranslate: the text as it is
+    for source, target in (("en", "en"), ("de", "de"), ("auto", "en")):
+        r = client_mt.post("/translate", json={"q": ["a b", "<b>x</b>"], "source": source, "target": target,
+                                               "alternatives": 2})
+        assert r.status_code == 200 and r.json()["translatedText"] == ["a b", "<b>x</b>"], (source, target)
+        assert r.json()["alternatives"] == [[], []]
+    for source, target in (("de", "en"), ("auto", "de"), ("fr", "fr")):  # the model's one direction, no other
+        r = client_mt.post("/translate", json={"q": "a b", "source": source, "target": target})
+        assert r.status_code == (200 if target == "de" else 400), (source, target)
 
 
 def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_lm):
@@ -564,6 +677,74 @@ def test_refusals_before_a_route_come_in_the_protocols_shape(client_mt, client_l
     assert r.json()["error"] == {"code": "unsupported_media_type", "message": r.json()["error"]["message"]}
 
 
+def lm_eval_rolling_windows(tokens: list[int], prefix: int, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """lm-evaluation-harness 0.4.x's (context, continuation) pairs of a rolling loglikelihood, as its code builds
+    them (``TemplateAPI.loglikelihood_rolling``: ``utils.get_rolling_token_windows`` with ``max_seq_len =
+    max_length - 2``, ``context_len=1``, then ``utils.make_disjoint_window``), written out here as a reference that
+    does not share aiayn's code."""
+    max_seq_len, context_len = max_length - 2, 1
+    pairs = []
+    pred_len, predicted = max_seq_len - context_len + 1, 0
+    first_seq_len = min(max_seq_len, len(tokens))
+    pairs.append(([prefix] + tokens[:first_seq_len - 1], tokens[:first_seq_len]))
+    predicted += first_seq_len
+    while predicted < len(tokens):
+        window_pred_len = min(len(tokens) - predicted, pred_len)
+        window_end = predicted + window_pred_len
+        pairs.append((tokens[window_end - max_seq_len - 1:window_end - 1],
+                      tokens[window_end - window_pred_len:window_end]))
+        predicted += window_pred_len
+    return [(a[:len(a) - (len(b) - 1)], b) for a, b in pairs]
+
+
+def test_rolling_windows_are_lm_evaluation_harnesses():
+    from aiayn.eval.rolling import rolling_windows
+
+    for n in (1, 2, 5, 29, 30, 31, 59, 60, 61, 100):
+        for max_length in (3, 4, 10, 32):
+            tokens = list(range(10, 10 + n))
+            want = [(ctx + cont, len(cont)) for ctx, cont in lm_eval_rolling_windows(tokens, 1, max_length)]
+            assert rolling_windows(tokens, 1, max_length) == want, (n, max_length)
+            assert sum(k for _, k in want) == n and all(len(seq) <= max_length - 1 for seq, _ in want)
+
+
+ROLLING_TEXT = "the dog sat on the log. the cat sat on the mat.\nthe cat sat on the log. " * 2
+
+
+def test_evaluate_rolling_equals_the_servers_echo_logprobs_as_lm_eval_sums_them(client_lm, lm, lm_run, tmp_path,
+                                                                                capsys):
+    """Perplexity equality (issue 43): ``aiayn evaluate LM --src FILE --rolling --max-length 32`` gives the sum that
+    lm-eval's rolling loglikelihood gets from the server: its windows (the first after <s>), each sent as
+    lm-eval's local-completions sends it (token ids, echo, logprobs 1, max_tokens 1) and summed as it parses the
+    answer (``token_logprobs[ctxlen:-1]``)."""
+    from aiayn.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(ROLLING_TEXT, encoding="utf-8")
+    assert main(["evaluate", str(lm_run), "--src", str(doc), "--rolling", "--max-length", "32", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((lm_run / "eval" / "rolling_doc.json").read_text(encoding="utf-8"))
+    assert "rolling windows" in out and result["data"]["max_length"] == 32
+    info = client_lm.get("/tokenizer_info").json()
+    bos = client_lm.post("/tokenize", json={"prompt": info["bos_token"]}).json()["tokens"]
+    tokens = client_lm.post("/tokenize", json={"prompt": ROLLING_TEXT}).json()["tokens"]
+    pairs = lm_eval_rolling_windows(tokens, bos[0], 32)
+    total = 0.0
+    for ctx, cont in pairs:
+        r = client_lm.post("/v1/completions", json={"model": "run", "prompt": ctx + cont, "echo": True, "logprobs": 1,
+                                                    "max_tokens": 1, "temperature": 0, "seed": 1234})
+        assert r.status_code == 200, r.text
+        total += sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(ctx):-1])
+    assert len(pairs) == result["data"]["windows"] > 2 and len(tokens) == result["data"]["n_tokens"]
+    assert result["scores"]["loglikelihood"] == pytest.approx(total, abs=1e-4)
+    words = len(ROLLING_TEXT.split()) + 1  # lm-eval's re.split(r"\s+") also counts the empty piece after the end
+    assert result["scores"]["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+    # the blocks aiayn evaluate scores by default are another number: no <s>, the training blocks of the valid text
+    assert main(["evaluate", str(lm_run), "--max-length", "32"]) == 2
+    assert main(["evaluate", str(lm_run), "--src", str(doc), "--rolling", "--max-length", "33"]) == 2
+    assert "3 to the model's context (32)" in capsys.readouterr().err
+
+
 LM_EVAL_TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -576,20 +757,22 @@ output_type: {kind}
 
 def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     """lm-evaluation-harness's local-completions, its default tokenizer setting (it finds /tokenizer_info), on a
-    local task of each kind; the rolling loglikelihood of a text is the model's own sum of log-probabilities after
-    lm-eval's prefix token <s>. Needs lm-eval (not in any extra: it is large): $AIAYN_LM_EVAL names its
-    executable, else `lm_eval` on the PATH; skipped without it."""
+    local task of each kind; the rolling loglikelihood of a text of several windows is ``aiayn evaluate --rolling``'s
+    (and its word perplexity too). lm-eval comes with the clients extra (make test installs it); $AIAYN_LM_EVAL
+    names another executable, else `lm_eval` beside this Python or on the PATH; skipped without one."""
     import os
     import shutil
     import subprocess
+    import sys
 
-    exe = os.environ.get("AIAYN_LM_EVAL") or shutil.which("lm_eval")
+    beside = Path(sys.executable).with_name("lm_eval")  # .venv/bin/python -m pytest: .venv/bin is not on the PATH
+    exe = os.environ.get("AIAYN_LM_EVAL") or (str(beside) if beside.is_file() else shutil.which("lm_eval"))
     if not exe:
-        pytest.skip("lm-evaluation-harness not installed ($AIAYN_LM_EVAL or lm_eval on the PATH)")
+        pytest.skip("lm-evaluation-harness not installed (the clients extra; $AIAYN_LM_EVAL or lm_eval on the PATH)")
     lm_server = request.getfixturevalue("lm_server")  # started only when lm-eval is there
     rows = {"mc": [{"context": "the dog sat on the", "choices": [" log", " mat"], "label": 0}],
             "ll": [{"context": "the cat sat on", "continuation": " the mat."}],
-            "roll": [{"text": "the dog sat on the log."}],
+            "roll": [{"text": ROLLING_TEXT}],
             "gen": [{"context": "the cat sat on the", "target": " mat"}]}
     rest = {"mc": ('multiple_choice', 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
                    'doc_to_target: "{{label}}"\ntarget_delimiter: ""\nmetric_list:\n  - metric: acc\n'),
@@ -615,6 +798,11 @@ def test_lm_evaluation_harness_runs_every_task_kind(request, lm, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     [samples] = (tmp_path / "out").rglob("samples_aiayn_roll_*.jsonl")
     got = float(json.loads(samples.read_text().splitlines()[0])["filtered_resps"][0])
-    ids = [lm.tokenizers.specials.bos] + lm.tokenizers.src.encode(rows["roll"][0]["text"])
-    want = direct_logprobs(lm, ids)
-    assert got == pytest.approx(sum(float(want[t - 1, ids[t]]) for t in range(1, len(ids))), abs=1e-4)
+    from aiayn.eval.evaluate import EvalData, evaluate_run
+
+    (tmp_path / "doc.txt").write_text(ROLLING_TEXT, encoding="utf-8")
+    ours = evaluate_run(lm.path, EvalData(src=str(tmp_path / "doc.txt"), rolling=True, max_length=32), device="cpu")
+    assert ours["data"]["windows"] > 2 and got == pytest.approx(ours["scores"]["loglikelihood"], abs=1e-4)
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["aiayn_roll"]["word_perplexity,none"]
+    assert theirs == pytest.approx(ours["scores"]["word_perplexity"], rel=1e-4)

@@ -14,7 +14,9 @@ papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.metrics`), a diffe
 Summarization runs also get ROUGE-1/2/L.
 
 Language-model runs: mean NLL per token (nats) and perplexity of the held-out text (the last
-``data.valid_fraction`` of the corpus, in the fixed validation blocks training used).
+``data.valid_fraction`` of the corpus, in the fixed validation blocks training used); with ``rolling``, of that
+text or of a file in lm-evaluation-harness's rolling windows (:mod:`aiayn.eval.rolling`), the number its
+perplexity tasks get through ``aiayn serve``.
 
 Files are written atomically (temporary file + rename) so an interrupted evaluation never leaves a
 half-written result in the run directory.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,12 +67,16 @@ def _default_name(src: str) -> str:
 @dataclass(frozen=True)
 class EvalData:
     """What to score: a ``split`` of the run's dataset, or the file ``src`` against the file ``ref``; ``name``: the
-    record's (default: the split, or the source file's stem)."""
+    record's (default: the split, or the source file's stem). Language models: ``rolling`` scores the validation
+    text (or the file ``src``, one document) in lm-evaluation-harness's rolling windows at its ``max_length``
+    (None: the run's context) instead of the training blocks (:mod:`aiayn.eval.rolling`)."""
 
     split: str | None = None
     src: str | None = None
     ref: str | None = None
     name: str | None = None
+    rolling: bool = False
+    max_length: int | None = None
 
 
 def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None,
@@ -168,6 +175,65 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     return result
 
 
+def lm_valid_text(cfg: Config) -> str:
+    """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
+    cut where training cut it (``data.pipeline.build_lm_data``)."""
+    from aiayn.data.pipeline import load_lm_text
+    from aiayn.data.summarization import is_summary_lm
+
+    if is_summary_lm(cfg):
+        raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
+    text = load_lm_text(cfg)
+    return text[int(len(text) * (1 - cfg.data.valid_fraction)):]
+
+
+def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto",
+                        precision: str = "auto") -> dict[str, Any]:
+    """The log-likelihood, NLL per token and perplexity of the validation text (or the file ``data.src``, one
+    document) as lm-evaluation-harness's ``loglikelihood_rolling`` scores it through ``aiayn serve``: its windows
+    at ``data.max_length``, the first after ``<s>``; with lm-eval's word and byte perplexities. Writes
+    eval/<name>.json."""
+    from aiayn.data.corpus import read_text
+    from aiayn.decode.generate import lm_context
+    from aiayn.eval.metrics import perplexity
+    from aiayn.eval.rolling import rolling_windows, score_windows, text_counts
+    from aiayn.run_dir import load_run
+
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, device, precision=precision)
+    context = lm_context(run.cfg)
+    max_length = data.max_length or context
+    if not 3 <= max_length <= context:
+        raise ConfigError(f"--max-length {max_length}: lm-evaluation-harness's windows at max_length N send N - 1 "
+                          f"tokens and ask for one more, so N is 3 to the model's context ({context})")
+    text = read_text(data.src) if data.src is not None else lm_valid_text(run.cfg)
+    name = check_name(data.name or f"rolling_{_default_name(data.src) if data.src else 'valid'}")
+    check_writable(run_dir)
+    ids = run.tokenizers.src.encode(text)
+    windows = rolling_windows(ids, run.tokenizers.specials.bos, max_length)
+    start = time.perf_counter()
+    loglikelihood = score_windows(run, windows)
+    wall = time.perf_counter() - start
+    words, n_bytes = text_counts(text)
+    nll = -loglikelihood / max(len(ids), 1)
+    where = {"src": str(data.src)} if data.src is not None else {"split": "valid"}
+    result = {
+        "name": name, "task": "lm",
+        "data": {**where, "rolling": True, "max_length": max_length, "prefix": "<s>", "windows": len(windows),
+                 "n_tokens": len(ids), "words": words, "bytes": n_bytes},
+        "scores": {"loglikelihood": round(loglikelihood, 6), "nll_per_token": round(nll, 6),
+                   "ppl": round(perplexity(nll), 4),
+                   # lm-eval's names and formulas (its perplexity tasks report these three)
+                   "word_perplexity": round(perplexity(-loglikelihood / words), 4),
+                   "byte_perplexity": round(perplexity(-loglikelihood / max(n_bytes, 1)), 4),
+                   "bits_per_byte": round(-loglikelihood / max(n_bytes, 1) / math.log(2), 6)},
+        "run": weights_info(run_dir), "wall_s": round(wall, 3),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    result["json_path"] = str(write_result(run_dir, name, result, None))
+    return result
+
+
 def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None, device: str = "auto",
                  precision: str = "auto", **overrides) -> dict[str, Any]:
     """Evaluate a run on ``data`` (see the module docstring); dispatches on the run's task. Decoding options: the
@@ -182,6 +248,12 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
         raise CheckpointError(f"{run_dir}: {what}")
     cfg = load_config(cfg_path)
     (options or cfg.decode).replace(**overrides)  # bad options fail here, before any loading
+    if data.max_length is not None and not data.rolling:
+        raise ConfigError("--max-length is lm-evaluation-harness's window length: it goes with --rolling")
+    if data.rolling and cfg.task == "lm":
+        if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
+            raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
+        return evaluate_lm_rolling(run_dir, data, device, precision)
     if split is not None and (cfg.task == "summarization" or is_summary_lm(cfg)):
         # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
         from aiayn.eval.summaries import evaluate_summaries
@@ -189,9 +261,11 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
         return evaluate_summaries(run_dir, split, options, device, precision, **overrides)
     if cfg.task == "lm":
         if src is not None or ref is not None or split not in (None, "valid"):
-            raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref, "
-                              "--split valid at most")
+            raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
+                              "file is scored with --rolling), --split valid at most")
         return evaluate_lm(run_dir, name, device, precision)
+    if data.rolling:
+        raise ConfigError(f"--rolling scores a language model's text; this is a {cfg.task} run")
     if (split is None) == (src is None and ref is None):
         raise ConfigError("evaluate needs either --split NAME or --src FILE --ref FILE")
     if split is None and (src is None or ref is None):
@@ -212,6 +286,13 @@ def summary(result: dict[str, Any]) -> str:
                 f"{k} {result['lead1'][k]:.2f}" for k in ("rouge1", "rouge2", "rougeL")))
         lines.append(f"wrote {result['json_path']}")
         return "\n".join(lines)
+    if result["task"] == "lm" and result["data"].get("rolling"):
+        d = result["data"]
+        return (f"{result['name']}: {d['n_tokens']} tokens in {d['windows']} rolling windows (lm-evaluation-harness, "
+                f"max_length {d['max_length']}, after <s>): loglikelihood {s['loglikelihood']:.4f}, NLL "
+                f"{s['nll_per_token']:.4f} nats/token, perplexity {s['ppl']:.2f}\nword_perplexity "
+                f"{s['word_perplexity']:.4f}, byte_perplexity {s['byte_perplexity']:.4f}, bits_per_byte "
+                f"{s['bits_per_byte']:.4f}\nwrote {result['json_path']}")
     if result["task"] == "lm":
         return (f"{result['name']}: {result['data']['n_tokens']} tokens, NLL {s['nll_per_token']:.4f} nats/token, "
                 f"perplexity {s['ppl']:.2f}\nwrote {result['json_path']}")

@@ -83,6 +83,9 @@ class ServeOptions:
     cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
     api_key: str | None = None  # every API request must carry it (aiayn.serve.service); None: no key
     api_key_from: str = "--api-key"  # where the key came from, for the message that refuses it ($AIAYN_API_KEY)
+    # the decoding flags (DecodeOptions field names): they replace the run's decode section on every route
+    decode: dict = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()  # other model names OpenAI's routes answer to (--model-alias)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +99,14 @@ class ServeOptions:
         if self.api_key is not None and (len(self.api_key) < 8 or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):
             raise ConfigError(f"{self.api_key_from}: expected at least 8 printable characters without spaces")
+        if self.decode.get("max_tokens") is not None and self.max_batch_tokens is not None:
+            raise ConfigError("--max-tokens and --max-batch-tokens both set the tokens of one model call: give one")
+        for name in self.model_aliases:
+            if not name or not name.isprintable():
+                raise ConfigError(f"--model-alias {name!r}: expected a model name (printable, not empty)")
+        from aiayn.config import DecodeOptions
+
+        DecodeOptions().replace(**self.decode)  # a value no run takes (--beam 0) fails before the run is loaded
 
     def access(self, bound_host: str):
         """Who may call the server: the loopback names, the bound address when it is not a wildcard, and what
@@ -115,14 +126,16 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
 
     from aiayn.decode.generate import load_for_task
     from aiayn.serve.app import create_app, warm_up
+    from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
     model = load_for_task(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
+    model.cfg.decode.replace(**o.decode)  # and decoding flags the run's section refuses (--nbest over its beam)
     warm_up(model)
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key)
+                     o.api_key, Choices(o.decode, o.model_aliases))
     config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
     redact_access_log()
@@ -150,7 +163,8 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    """The serve subcommand's own flags (the device flags come from the CLI's add_device_options)."""
+    """The serve subcommand's own flags (the decoding and device flags come from the CLI's add_decode_options,
+    built from DecodeOptions as translate's are)."""
     p.add_argument("run", help="run directory (translation, summarization or language model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
@@ -170,13 +184,17 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"every API request must carry KEY (Authorization: Bearer KEY, or LibreTranslate's api_key "
                         f"field; default ${API_KEY_ENV}, else none)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="OpenAI's routes also answer to the model name NAME (default: the run directory's name only; "
+                        "e.g. gpt-3.5-turbo, the name LangChain's ChatOpenAI sends unless told)")
 
 
-def serve_cli(args: argparse.Namespace) -> int:
-    """``aiayn serve`` from parsed arguments."""
+def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
+    """``aiayn serve`` from parsed arguments; ``decode``: the decoding flags given, by DecodeOptions field name."""
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
     key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
-                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from)
+                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from,
+                           dict(decode or {}), tuple(args.model_alias))
     return serve(args.run, options)

@@ -58,13 +58,15 @@ async def request_fields(request: Request, limits: Limits) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class LibreRequest:
     """A checked ``/translate`` request: ``texts`` (``single``: ``q`` was one string), the ``source`` as given
-    (the run's or ``auto``), ``fmt`` (text or html) and how many ``alternatives``."""
+    (the run's or ``auto``), ``fmt`` (text or html), how many ``alternatives``, and whether it is an identity pair
+    (``identity``: the target is the source language, answered with the text as it is)."""
 
     texts: list[str]
     single: bool
     source: str
     fmt: str
     alternatives: int
+    identity: bool = False
 
 
 def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) -> LibreRequest:
@@ -74,9 +76,12 @@ def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) ->
         if fields.get(name) in (None, "", []):
             raise LibreError(400, f"Invalid request: missing {name} parameter")
     q, source, target = fields["q"], fields["source"], fields["target"]
-    if not isinstance(source, str) or source not in (src, "auto"):
+    # Identity pairs, as Argos (IdentityTranslation) and so LibreTranslate answer them: each of the run's two
+    # languages "translates" into itself, unchanged (auto reads as the run's source language).
+    identity = isinstance(target, str) and target in (src, tgt) and target == (src if source == "auto" else source)
+    if not isinstance(source, str) or (source not in (src, "auto") and not identity):
         raise LibreError(400, f"{source} is not supported: this model translates {src} to {tgt}")
-    if not isinstance(target, str) or target != tgt:
+    if not isinstance(target, str) or (target != tgt and not identity):
         raise LibreError(400, f"{target} is not supported: this model translates {src} to {tgt}")
     fmt = fields.get("format", "text")
     if fmt not in ("text", "html"):
@@ -99,7 +104,7 @@ def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) ->
     for i, t in enumerate(texts):
         if len(t) > limits.max_chars:
             raise LibreError(413, f"q[{i}]: {len(t)} characters, the limit is {limits.max_chars}")
-    return LibreRequest(texts, single, source, fmt, alternatives)
+    return LibreRequest(texts, single, source, fmt, alternatives, identity)
 
 
 class LibreTranslate:
@@ -148,10 +153,12 @@ class LibreTranslate:
 
     async def translate(self, request: Request) -> Response:
         r = libre_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
-        opts = self.svc.model.cfg.decode
+        opts = self.svc.decode  # the run's search, or the one aiayn serve's flags chose (Argos')
         if r.alternatives:
             opts = opts.replace(nbest=r.alternatives + 1, beam=max(opts.beam, r.alternatives + 1))
-        if r.fmt == "html":
+        if r.identity:  # Argos' hypotheses of an identity pair are all the text: no alternative after filtering
+            best, found = list(r.texts), [[] for _ in r.texts]
+        elif r.fmt == "html":
             best, found = await self.translate_html(r.texts, opts), []
         else:
             found, _ = await self.svc.translate(r.texts, opts, field="q")
@@ -161,7 +168,7 @@ class LibreTranslate:
             detected = {"confidence": 100.0, "language": self.src}
             body["detectedLanguage"] = detected if r.single else [detected] * len(r.texts)
         if r.alternatives:
-            alts = [[x.text for x in h[1:]] for h in found]
+            alts = [[x.text for x in h[1:]] for h in found]  # identity: [] each, as LibreTranslate answers
             body["alternatives"] = alts[0] if r.single else alts
         return JSONResponse(body)
 

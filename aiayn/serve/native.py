@@ -99,6 +99,7 @@ class NativeRoutes:
             "task": svc.task, "run": str(m.path), "device": str(m.device),
             "precision": str(next(m.model.parameters()).dtype).removeprefix("torch."),
             "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
+            "decode": dataclasses.asdict(svc.decode),  # the run's decode section with the server's decoding flags
             "limits": {**dataclasses.asdict(svc.limits), "attention_tokens": m.cfg.model.max_positions},
             "batching": {"max_batch_tokens": svc.budget, "max_wait_ms": svc.max_wait_ms, "max_queue": svc.max_queue},
         })
@@ -106,7 +107,7 @@ class NativeRoutes:
     async def translate(self, request: Request) -> Response:
         body = await self.body(request)
         self.svc.need("/v1/translate", "translation", "summarization")
-        texts, opts = translate_request(body, self.svc.model.cfg.decode, self.svc.limits)
+        texts, opts = translate_request(body, self.svc.decode, self.svc.limits)
         found, opts = await self.svc.translate(texts, opts)
         return JSONResponse({"translations": [translation_json(h) for h in found],
                              "options": dataclasses.asdict(opts)})
@@ -115,7 +116,7 @@ class NativeRoutes:
         body = await self.body(request)
         self.svc.need("/v1/generate", "lm")
         gen: Generator = self.svc.model
-        prompt, opts = generate_request(body, gen.cfg.decode, self.svc.limits)
+        prompt, opts = generate_request(body, self.svc.generate_options(), self.svc.limits)
         [text] = await self.svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])
         return JSONResponse({"prompt": prompt, "text": text, "options": dataclasses.asdict(opts)})
 

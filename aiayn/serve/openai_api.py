@@ -94,8 +94,9 @@ class OpenAIRoutes:
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
-        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model",
-                                                         "created": self.created, "owned_by": "aiayn"}]})
+        names = [self.model_id, *self.svc.choices.aliases]  # the run first: the name its answers carry
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                                         "owned_by": "aiayn"} for name in names]})
 
     async def completions(self, request: Request) -> Response:
         body = await self.body(request)
@@ -111,11 +112,12 @@ class OpenAIRoutes:
         return await self.respond(c, ChatShape(strip_leading_space=self.svc.task == "lm"))
 
     def check_model(self, body: dict[str, Any]) -> None:
-        """The ``model`` a request names must be the one /v1/models lists (none named: that one)."""
+        """The ``model`` a request names must be one /v1/models lists: the run, or an alias (none named: the run)."""
         name = body.get("model")
-        if name is not None and name != self.model_id:
+        if name is not None and name != self.model_id and name not in self.svc.choices.aliases:
             raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{self.model_id}`: "
-                                   "GET /v1/models)", param="model", code="model_not_found")
+                                   "GET /v1/models; aiayn serve --model-alias NAME adds a name)", param="model",
+                              code="model_not_found")
 
     def check_prompts(self, c: Completion) -> None:
         """Before batching, so that one request's bad prompt does not fail the others in its batch."""
@@ -149,7 +151,7 @@ class OpenAIRoutes:
                                    "a translation run", code="wrong_task")
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
-        c = completion_options(c, self.svc.model.cfg.decode, language_model=self.svc.task == "lm")
+        c = completion_options(c, self.svc.decode, language_model=self.svc.task == "lm")
         self.check_prompts(c)
         if c.stream:
             return await CompletionStream(self, c, shape).response()

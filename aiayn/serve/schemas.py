@@ -210,11 +210,12 @@ def translate_request(body: dict[str, Any], base: DecodeOptions, limits: Limits)
 
 
 def generate_request(body: dict[str, Any], base: DecodeOptions, limits: Limits) -> tuple[str, DecodeOptions]:
-    """(prompt, options) of ``POST /v1/generate``. Like ``aiayn generate``: sampling at temperature 1
-    unless the request says otherwise (temperature 0 is greedy); 64 new tokens unless asked."""
+    """(prompt, options) of ``POST /v1/generate`` on ``base`` (the server's: as ``aiayn generate``, sampling at
+    temperature 1 unless the server or the request says otherwise; temperature 0 is greedy); 64 new tokens
+    unless asked."""
     _check_fields(body, ("prompt",) + GENERATE_OPTIONS, "generate")
     prompt = string_field(body, "prompt", limits, required=False, default="")
-    base = base.replace(sample=True, temperature=1.0, max_new_tokens=min(64, limits.max_new_tokens))
+    base = base.replace(max_new_tokens=min(64, limits.max_new_tokens))
     return prompt, decode_options(base, body, GENERATE_OPTIONS, limits)
 
 

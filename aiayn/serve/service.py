@@ -37,11 +37,22 @@ def bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What ``aiayn serve``'s operator chose beyond the run: ``decode``, decoding options that replace the run's
+    ``decode`` section on every route (its decoding flags, by DecodeOptions field name); ``aliases``, other model
+    names that OpenAI's routes answer to (``--model-alias``: a client's default name, e.g. LangChain's)."""
+
+    decode: dict[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+
+
 @dataclasses.dataclass
 class Service:
     """What the routes share: the loaded model, its batcher (``budget``: the source tokens x beam of one model
-    call; ``max_wait_ms`` and ``max_queue`` as the batcher was built), the request limits and the API key (None:
-    none asked)."""
+    call; ``max_wait_ms`` and ``max_queue`` as the batcher was built), the request limits, the API key (None:
+    none asked) and the operator's :class:`Choices` (``decode``: the run's ``decode`` section with its decoding
+    flags, what every route decodes with unless a request says otherwise)."""
 
     model: Translator | Generator
     batcher: Batcher
@@ -51,6 +62,15 @@ class Service:
     max_wait_ms: float = 10.0
     max_queue: int = 256
     started: float = dataclasses.field(default_factory=time.time)
+    choices: Choices = dataclasses.field(default_factory=Choices)
+
+    def __post_init__(self) -> None:
+        self.decode: DecodeOptions = self.model.cfg.decode.replace(**self.choices.decode)
+
+    def generate_options(self) -> DecodeOptions:
+        """The base of ``/v1/generate``: as ``aiayn generate``, sampling at temperature 1 unless the server's
+        flags say otherwise (then the request's own options)."""
+        return self.model.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **self.choices.decode})
 
     @property
     def task(self) -> str:
