@@ -97,10 +97,11 @@ def _lm_config(path, tokenizer: str, **data):
                                       "block_size": 16, "batch_size": 8, **data}})
 
 
-@pytest.mark.parametrize("tokenizer, extra, gz", [("char", "", False), ("char", "grüße naïve 東京 ça", True),
-                                                  ("bpe", "", False), ("bpe", "grüße naïve ça", False)])
+@pytest.mark.parametrize("tokenizer, extra, gz, workers", [
+    ("char", "", False, 1), ("char", "grüße naïve 東京 ça", True, 1), ("bpe", "", False, 1),
+    ("bpe", "grüße naïve ça", False, 2)])  # 2: pieces encoded by worker processes, in order
 def test_the_stream_store_holds_the_split_and_ids_of_encoding_each_part_in_one_call(tmp_path, monkeypatch,
-                                                                                    tokenizer, extra, gz):
+                                                                                    tokenizer, extra, gz, workers):
     text = _text(1, extra=extra)
     path = tmp_path / ("corpus.txt.gz" if gz else "corpus.txt")
     raw = text.encode("utf-8")
@@ -109,7 +110,7 @@ def test_the_stream_store_holds_the_split_and_ids_of_encoding_each_part_in_one_c
     cfg = _lm_config(path, tokenizer)
     from aiayn.data.store import prepare_store
 
-    built = prepare_store(tmp_path / "store", stream_store.stream_recipe(cfg, workers=1))
+    built = prepare_store(tmp_path / "store", stream_store.stream_recipe(cfg, workers=workers))
     old_tok, old_train, old_valid = _old_lm(text[1:], cfg, tmp_path / "old_tok")  # read_text drops the BOM
     tok = TokenizerPair.load(built.tokenizer_dir)
     assert [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)] == \

@@ -60,6 +60,7 @@ STREAM = "stream"  # the manifest's kind
 SPLITS = ("train", "valid")
 READ_BYTES = 4 << 20  # text read (and encoded) at a time
 LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
+ITER_BATCHES = 1024  # a plan's batches made at a time when it is walked whole
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
 
 
@@ -455,12 +456,27 @@ class BlockPlan(Sequence):
         if isinstance(i, slice):
             return BlockPlan(self.offset, self.order, self.block_size, self.batch_size, self.batches[i])
         b = self.batches[i]
-        out = np.empty((min(self.batch_size, len(self.order) - b * self.batch_size), 2), dtype=np.int64)
-        out[:, 0] = np.arange(b * self.batch_size, b * self.batch_size + len(out))
-        out[:, 1] = self.order[out[:, 0]]
+        return self._rows(b * self.batch_size, min((b + 1) * self.batch_size, len(self.order)))
+
+    def _rows(self, first: int, stop: int) -> np.ndarray:
+        """(stop - first, 2) int64: blocks ``first .. stop - 1`` of the epoch, their places and starts."""
+        out = np.empty((stop - first, 2), dtype=np.int64)
+        out[:, 0] = np.arange(first, stop)
+        out[:, 1] = self.order[first:stop]
         out[:, 1] *= self.block_size
         out[:, 1] += self.offset
         return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        # a whole plan is walked once per epoch (each batch's tokens): its arrays made many batches at a time
+        if self.batches.step != 1:
+            yield from (self[i] for i in range(len(self)))
+            return
+        B, n = self.batch_size, len(self.order)
+        for lo in range(self.batches.start, self.batches.stop, ITER_BATCHES):
+            hi = min(lo + ITER_BATCHES, self.batches.stop)
+            rows = self._rows(lo * B, min(hi * B, n))
+            yield from (rows[k * B : (k + 1) * B] for k in range(hi - lo))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return list, (list(self),)
