@@ -51,14 +51,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
     from aiayn.data.pipeline import prepare_corpus
+    from aiayn.data.store import describe_store
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     cfg = load_config(args.config, args.set)
     store = prepare_corpus(cfg, args.out, workers=args.workers)
-    for name, info in store.manifest["splits"].items():
-        print(f"{name}: {info['pairs']:,} pairs, {info['src_tokens']:,} source + {info['tgt_tokens']:,} target "
-              f"tokens ({store.manifest['dtype']})")
+    for line in describe_store(store.manifest):
+        print(line)
     sets = "".join(f" --set {x}" for x in args.set)
     print(f"train from it: aiayn train {args.config}{sets} --set data.prepared={args.out}")
     return 0

@@ -114,13 +114,13 @@ def test_lm_data_split_by_characters_and_contiguous_blocks(tmp_path):
     data, tok = build_lm_data(cfg, tmp_path / "run")
     tok = tok.src
     split = int(len(text) * 0.9)  # first 90% of the characters train, the last 10% validate
-    assert tok.decode(data.train_ids.tolist()) == text[:split]
-    assert tok.decode(data.valid_ids.tolist()) == text[split:]
-    stream = data.train_ids.tolist()
+    assert tok.decode(data.train.read().tolist()) == text[:split]
+    assert tok.decode(data.valid.read().tolist()) == text[split:]
+    stream = data.train.read().tolist()
     offsets = []
     for epoch in (0, 1, 2):
         blocks = []
-        for b in data.epoch_batches(epoch):
+        for b in map(data.collate_plan, data.epoch_plan(epoch)):
             assert torch.equal(b.tgt_in[:, 1:], b.tgt_out[:, :-1]) and b.tgt_in.shape[1] == 16
             blocks += [tuple(i + o[-1:]) for i, o in zip(b.tgt_in.tolist(), b.tgt_out.tolist())]
         # the blocks are stream[o + 16k : o + 16k + 17] for one offset o: contiguous slices, consecutive
@@ -133,8 +133,8 @@ def test_lm_data_split_by_characters_and_contiguous_blocks(tmp_path):
     # validation: fixed, non-overlapping blocks from the start of the held-out text
     vb = data.valid_batches
     first = vb[0].tgt_in[0].tolist() + [vb[0].tgt_out[0, -1].item()]
-    assert first == data.valid_ids[:17].tolist()
-    assert sum(b.ntokens for b in vb) == (data.valid_ids.numel() - 1) // 16 * 16
+    assert first == data.valid.read(0, 17).tolist()
+    assert sum(b.ntokens for b in vb) == (len(data.valid) - 1) // 16 * 16
 
 
 # The "document <sep> summary" format ----------------------------------------------------------------------
@@ -185,19 +185,19 @@ def test_summary_lm_rows_one_article_each(articles, tmp_path):
     rows = [json.loads(ln) for ln in (articles / "train.jsonl").read_text().splitlines()]
     # an article whose summary leaves no room for one document token is dropped (and logged)
     rows = [r for r in rows if 2 + len(" <sep> ") + len(r["summary"]) < 41]
-    assert 50 < len(rows) < 200 and len(data.train) == len(rows)
-    for row, ids in zip(rows, data.train):
+    assert 50 < len(rows) < 200 and len(data.rows["train"]) == len(rows)
+    for row, ids in zip(rows, data.rows["train"].rows(range(len(rows)))):
         text = tok.src.decode(ids)
         doc, summ = collapse_whitespace(row["document"]), row["summary"]
         assert len(ids) <= 41 and ids[0] == BOS_ID and ids[-1] == EOS_ID
         assert text.endswith(" <sep> " + summ) and doc.startswith(text[: -len(" <sep> " + summ)])
-    batches = data.epoch_batches(0)
+    batches = [data.collate_plan(p) for p in data.epoch_plan(0)]
     assert sorted(i for b in batches for i in b.indices) == list(range(len(rows)))  # every article once
     for b in batches:
         assert torch.equal(b.tgt_in[:, 1:], b.tgt_out[:, :-1])
         assert b.ntokens == int((b.tgt_out != PAD_ID).sum()) and b.tgt_in.shape[0] * (b.tgt_in.shape[1] + 1) <= 8 * 41
-    assert [b.indices for b in data.epoch_batches(0)] == [b.indices for b in batches]  # deterministic
-    assert [b.indices for b in data.epoch_batches(1)] != [b.indices for b in batches]
+    assert [p.tolist() for p in data.epoch_plan(0)] == [b.indices for b in batches]  # deterministic
+    assert [p.tolist() for p in data.epoch_plan(1)] != [b.indices for b in batches]
 
 
 @pytest.mark.skipif(shared_data_dir() is None or not (shared_data_dir() / "xsum-sample").is_dir(),

@@ -63,22 +63,6 @@ class Batch:
         return self.tgt_in.size(0)
 
 
-class EagerPlan:
-    """The planning interface of training data (``epoch_plan``, ``plan_tokens``, ``collate_plan``) for data
-    whose whole epoch of batches is cheap to build at once (language-model blocks): the plan is the batches."""
-
-    def epoch_plan(self, epoch: int) -> list[Batch]:
-        return self.epoch_batches(epoch)  # type: ignore[attr-defined]
-
-    @staticmethod
-    def plan_tokens(batch: Batch) -> int:
-        return batch.ntokens
-
-    @staticmethod
-    def collate_plan(batch: Batch) -> Batch:
-        return batch
-
-
 def _rng(seed: int, epoch: int) -> random.Random:
     # A string seed is hashed with sha512 by `random`, so this is the same in every process
     # (unlike hash()), and different epochs give unrelated streams.
@@ -289,47 +273,56 @@ def collate_flat(src: tuple[np.ndarray, np.ndarray], tgt: tuple[np.ndarray, np.n
     return Batch(src_, tgt_in, tgt_out, ntokens, list(indices))
 
 
-def lm_blocks(
-    ids: torch.Tensor, block_size: int, seed: int = 1, epoch: int = 0, shuffle: bool = True
-) -> torch.Tensor:
-    """Cut a token stream (N,) into contiguous blocks (n_blocks, L + 1), L = ``block_size``.
+def lm_block_order(n: int, block_size: int, seed: int = 1, epoch: int = 0, shuffle: bool = True
+                   ) -> tuple[int, np.ndarray]:
+    """An epoch's blocks of a token stream of ``n`` tokens: (offset o, order (n_blocks,)), the k-th block trained on
+    starting at ``o + order[k] * L``, L = ``block_size``.
 
-    Block k is ``ids[o + k*L : o + k*L + L + 1]``: input ``block[:-1]``, target ``block[1:]``,
-    so consecutive blocks share one boundary token and every target token after ``o`` is
-    predicted once. With ``shuffle``, the offset ``o`` is drawn in [0, L) per (seed, epoch), so
-    block boundaries move between epochs (nanoGPT draws random windows instead; this way one
-    epoch still covers the stream once), and the block order is shuffled. With ``shuffle=False``
-    (evaluation), ``o = 0`` and blocks are in stream order.
+    Block j is ``ids[o + j*L : o + j*L + L + 1]``: input ``block[:-1]``, target ``block[1:]``, so consecutive blocks
+    share one boundary token and every target token after ``o`` is predicted once. With ``shuffle``, the offset
+    ``o`` is drawn in [0, L) per (seed, epoch), so block boundaries move between epochs (nanoGPT draws random
+    windows instead; this way one epoch still covers the stream once), and the blocks come in the order of a
+    seeded ``torch.randperm``. With ``shuffle=False`` (evaluation), ``o = 0`` and blocks are in stream order.
+    ``order`` is int32 while the blocks fit (4 bytes a block: the plan of a stream that stays on disk).
     """
-    if ids.dim() != 1:
-        raise ValueError(f"lm_blocks: expected a 1-D token stream, got shape {tuple(ids.shape)}")
-    n = ids.numel()
     if block_size <= 0:
         raise ValueError("lm_blocks: block_size must be positive")
     if n < block_size + 1:
         raise ValueError(f"lm_blocks: a stream of {n} tokens is shorter than one block of {block_size + 1}")
     rng = _rng(seed, epoch)
     offset = min(rng.randrange(block_size), n - block_size - 1) if shuffle else 0
-    blocks = ids[offset:].unfold(0, block_size + 1, block_size)  # (n_blocks, L + 1), a view
+    n_blocks = (n - offset - 1) // block_size
+    dtype = torch.int32 if n_blocks < 2**31 else torch.int64  # randperm gives the same order in either
     if shuffle:
-        perm = torch.randperm(blocks.size(0), generator=torch.Generator().manual_seed(rng.getrandbits(63)))
-        return blocks[perm].long()
-    return blocks.clone().long()
+        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(rng.getrandbits(63)), dtype=dtype)
+    else:
+        order = torch.arange(n_blocks, dtype=dtype)
+    return offset, order.numpy()
+
+
+def lm_blocks(
+    ids: torch.Tensor, block_size: int, seed: int = 1, epoch: int = 0, shuffle: bool = True
+) -> torch.Tensor:
+    """Cut a token stream (N,) held in memory into the blocks (n_blocks, L + 1) of :func:`lm_block_order`, in
+    training order."""
+    if ids.dim() != 1:
+        raise ValueError(f"lm_blocks: expected a 1-D token stream, got shape {tuple(ids.shape)}")
+    offset, order = lm_block_order(ids.numel(), block_size, seed, epoch, shuffle)
+    starts = offset + torch.from_numpy(order).long() * block_size
+    return ids[starts[:, None] + torch.arange(block_size + 1)].long()
+
+
+def lm_batch(blocks: torch.Tensor, indices: list[int], pad_id: int = PAD_ID) -> Batch:
+    """The batch of blocks (B, L + 1): ``tgt_in = block[:, :-1]``, ``tgt_out = block[:, 1:]``, both (B, L);
+    ``src`` None; ``indices`` the blocks' places in their epoch."""
+    tgt_out = blocks[:, 1:]
+    return Batch(None, blocks[:, :-1], tgt_out, int((tgt_out != pad_id).sum()), indices)
 
 
 def lm_batches(blocks: torch.Tensor, batch_size: int, pad_id: int = PAD_ID) -> list[Batch]:
-    """Split blocks (n_blocks, L + 1) into batches of ``batch_size`` (the last may be smaller).
-
-    ``tgt_in = block[:, :-1]`` and ``tgt_out = block[:, 1:]``, both (B, L); ``src`` is None;
-    ``indices`` are the rows of ``blocks``.
-    """
+    """Split blocks (n_blocks, L + 1) into batches of ``batch_size`` (the last may be smaller) (:func:`lm_batch`;
+    ``indices`` are the rows of ``blocks``)."""
     if batch_size <= 0:
         raise ValueError("lm_batches: batch_size must be positive")
-    out = []
-    for start in range(0, blocks.size(0), batch_size):
-        b = blocks[start : start + batch_size]
-        tgt_out = b[:, 1:]
-        out.append(
-            Batch(None, b[:, :-1], tgt_out, int((tgt_out != pad_id).sum()), list(range(start, start + b.size(0))))
-        )
-    return out
+    return [lm_batch(blocks[s : s + batch_size], list(range(s, min(s + batch_size, blocks.size(0)))), pad_id)
+            for s in range(0, blocks.size(0), batch_size)]

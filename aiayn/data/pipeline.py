@@ -1,6 +1,8 @@
 """From a config to training data: read the corpus, train or load the tokenizer, encode, filter, batch.
 
-Translation: token-budget batches of (source, target) pairs. Language modelling: contiguous blocks.
+Translation: token-budget batches of (source, target) pairs. Language modelling: windows of one token stream
+read from its store (:mod:`aiayn.data.stream_store`), or "document <sep> summary" rows built from a store of
+(document, summary) pairs; the store a training prepares itself lives in ``$AIAYN_CACHE_DIR/stores/<key>``.
 Every drop (empty line, too long) is counted in the log, never silent.
 """
 
@@ -12,33 +14,30 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import (
     Batch,
-    EagerPlan,
     batch_shape,
     collate_flat,
-    lm_batches,
-    lm_blocks,
     plan_batches,
     token_batches,
 )
-from aiayn.data.cache import fingerprint, load_or_build, tokenizer_files
 from aiayn.data.corpus import DataError, describe_clean_stats
-from aiayn.data.store import PairSource, Side, Store
+from aiayn.data.store import PairSource, Recipe, Side, Store, cached_store_dir, read_manifest
+from aiayn.data.stream_store import LMData, stream_recipe
 from aiayn.data.summarization import (
     SummaryLMData,
     collapse_whitespace,
     is_summary_lm,
-    lm_sequence_ids,
     separator_ids,
+    summary_lm_recipe,
     summary_pairs,
 )
-from aiayn.data.tokenizer import SpecialIds, TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+from aiayn.data.tokenizer import SpecialIds, TokenizerPair
 
 log = logging.getLogger("aiayn.data")
 
@@ -56,39 +55,8 @@ def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
     return config_pairs(cfg.data, split)
 
 
-def load_lm_text(cfg: Config) -> str:
-    """The whole text of a language-modelling corpus."""
-    if cfg.data.dataset == "tinyshakespeare":
-        from aiayn.data.datasets import tinyshakespeare_text
-
-        return tinyshakespeare_text()
-    if cfg.data.train_src is None:
-        raise ConfigError("task lm needs data.dataset: tinyshakespeare or data.train_src: a text file")
-    from aiayn.data.corpus import read_text
-
-    return read_text(cfg.data.train_src)
-
-
 def tokenizer_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "tokenizer"
-
-
-def get_tokenizers(cfg: Config, run_dir: Path, texts: tuple[list[str], list[str]], is_main: bool,
-                   barrier=lambda: None, user_defined_symbols: tuple[str, ...] | list[str] = ()) -> TokenizerPair:
-    """Load the run's tokenizer, or train it on the training texts (main process) and save it."""
-    tdir = tokenizer_dir(run_dir)
-    # Every process passes the barrier, whatever it saw: a rank that looked after the main one had
-    # already written the tokenizer would otherwise skip it and leave the main one waiting forever.
-    if is_main and not (tdir / "tokenizer.json").exists():
-        log.info("training %s on %d + %d texts", tokenizer_plan(cfg.data.tokenizer, cfg.data.vocab_size,
-                 cfg.data.shared_vocab), len(texts[0]), len(texts[1]))
-        train_tokenizer_pair(texts[0], texts[1], tdir, TokenizerSpec.from_config(cfg, user_defined_symbols))
-    barrier()
-    tok = TokenizerPair.load(tdir)
-    if tok.pretokenize != cfg.data.pretokenize:
-        raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
-                          f"says data.pretokenize={cfg.data.pretokenize!r}")
-    return tok
 
 
 # The model keys fit_model_to_vocab sets from the tokenizer, whatever a recipe says (not part of the recipe).
@@ -178,39 +146,6 @@ class TranslationData:
         return collate_flat(s_flat, t_flat, indices, sp.pad, sp.decoder_start, sp.eos, shape=shape)
 
 
-@dataclass
-class LMData(EagerPlan):
-    """A token stream cut into contiguous blocks (new offsets and order every epoch)."""
-
-    train_ids: torch.Tensor  # (N,)
-    valid_ids: torch.Tensor  # (M,)
-    block_size: int
-    batch_size: int
-    seed: int
-
-    def __post_init__(self) -> None:
-        self._valid: list[Batch] | None = None
-        if self.train_ids.numel() <= self.block_size + 1:
-            raise DataError(f"the training text has {self.train_ids.numel()} tokens, fewer than one block "
-                            f"of {self.block_size + 1}")
-
-    def epoch_batches(self, epoch: int) -> list[Batch]:
-        return lm_batches(lm_blocks(self.train_ids, self.block_size, self.seed, epoch), self.batch_size)
-
-    @property
-    def valid_batches(self) -> list[Batch]:
-        if self._valid is None:
-            n = (self.valid_ids.numel() - 1) // self.block_size
-            if n < 1:
-                raise DataError(f"the validation text has {self.valid_ids.numel()} tokens, fewer than one "
-                                f"block of {self.block_size + 1}")
-            # Fixed, non-overlapping blocks: every validation token is predicted exactly once.
-            blocks = torch.stack([self.valid_ids[i * self.block_size : (i + 1) * self.block_size + 1]
-                                  for i in range(n)])
-            self._valid = lm_batches(blocks, self.batch_size)
-        return self._valid
-
-
 def batch_budget(cfg: Config, world: int = 1) -> int:
     """The token budget of one batch of one process: ``data.update_tokens`` shared out over the ``world``
     processes and ``train.accum_steps`` accumulation steps of an update, else ``data.max_tokens``."""
@@ -285,11 +220,14 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
 
 
 def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild_damaged: bool = True):
-    """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs into the store ``out``
-    (:func:`aiayn.data.store.prepare`; reused as it is when its inputs and settings are unchanged, rebuilt when
-    it is damaged, or with ``rebuild_damaged=False`` refused in one line)."""
-    from aiayn.data.store import prepare
+    """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs (a language model's text
+    or (document, summary) pairs: :func:`lm_recipe`) into the store ``out`` (:func:`aiayn.data.store.prepare`;
+    reused as it is when its inputs and settings are unchanged, rebuilt when it is damaged, or with
+    ``rebuild_damaged=False`` refused in one line)."""
+    from aiayn.data.store import prepare, prepare_store
 
+    if cfg.task == "lm":
+        return prepare_store(out, lm_recipe(cfg, None, workers), rebuild_damaged)
     sources, inputs = pair_sources(cfg)
     return prepare(cfg, out, sources, inputs, workers=workers, rebuild_damaged=rebuild_damaged)
 
@@ -300,11 +238,16 @@ def check_prepared(cfg: Config) -> None:
     none, is (re)built later, under its lock; a store in the cache (no ``data.prepared``) is rebuilt when damaged."""
     if cfg.data.prepared is None or cfg.task == "lm":
         return
-    from aiayn.data.store import open_store, read_manifest, store_key
+    from aiayn.data.store import open_locked, open_store, store_key
 
     out = Path(cfg.data.prepared)
     manifest = read_manifest(out)
     if manifest is None:
+        return
+    if cfg.task == "lm":
+        recipe = lm_recipe(cfg)
+        if manifest.get("key") == recipe.key:
+            open_locked(out, recipe.open)
         return
     sources, inputs = pair_sources(cfg)
     if manifest.get("key") == store_key(cfg, inputs, None):
@@ -369,71 +312,81 @@ def _log_budget(cfg: Config, budget: int, world: int) -> None:
              " (data.update_tokens)" if cfg.data.update_tokens is not None else "")
 
 
-def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
-                          ) -> tuple[SummaryLMData, TokenizerPair]:
-    """Train (or load) the tokenizer with the separator as one piece, and encode every article."""
+def lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> Recipe:
+    """The store of a ``task: lm`` config: (document, summary) pairs for summarization as language modelling
+    (:func:`~aiayn.data.summarization.summary_lm_recipe`), else the text as one token stream
+    (:func:`~aiayn.data.stream_store.stream_recipe`); ``tokenizer``: the run's, else the store trains one."""
+    if is_summary_lm(cfg):
+        return summary_lm_recipe(cfg, tokenizer, workers)
+    return stream_recipe(cfg, tokenizer, workers)
+
+
+def _store_dir(cfg: Config, recipe: Recipe) -> Path:
+    """``data.prepared``, else the cache's store of this recipe's key (shared by every run of the same data)."""
+    return Path(cfg.data.prepared) if cfg.data.prepared is not None else cached_store_dir(recipe.key)
+
+
+def lm_store(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None) -> tuple[Any, TokenizerPair]:
+    """The store a language model trains from, prepared when missing (every process asks; one builds under the
+    store's lock), and the run's tokenizer. A run that has a tokenizer (resumed, or ``init_from``) keeps it: the
+    store of its own training is used when it was prepared with that very tokenizer, else a store is prepared
+    with it (its key includes the tokenizer's files); a new run takes the store's tokenizer."""
+    from aiayn.data.store import prepare_store, tokenizer_matches
+
+    barrier()  # the main process may have copied a tokenizer in (init_from): every process now sees the same
+    tdir = tokenizer_dir(run_dir)
+    has = (tdir / "tokenizer.json").exists()
+    recipe = lm_recipe(cfg)
+    out = _store_dir(cfg, recipe)
+    manifest = read_manifest(out)
+    if has and not (manifest is not None and manifest.get("key") == recipe.key
+                    and (out / "tokenizer").is_dir() and tokenizer_matches(tdir, out / "tokenizer")):
+        recipe = lm_recipe(cfg, tdir)
+        out = _store_dir(cfg, recipe)
+    # a store the user named is refused when damaged (aiayn prepare rebuilds it); the cache's is rebuilt
+    store = prepare_store(out, recipe, rebuild_damaged=cfg.data.prepared is None)
+    if is_main and not has:
+        shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
+    barrier()
+    return store, TokenizerPair.load(tdir)
+
+
+def _check_block(cfg: Config) -> None:
     if cfg.data.block_size > cfg.model.max_positions:
         raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
-    sep = cfg.data.separator
-    if not sep.strip():
-        raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
-    train, valid = summary_pairs(cfg, "train"), summary_pairs(cfg, "valid")
-    symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
-    texts = [t for pair in train for t in pair] + [sep]  # the char tokenizer must know the separator's characters
-    tok = get_tokenizers(cfg, run_dir, (texts, []), is_main, barrier, user_defined_symbols=symbols)
-    sep_ids = separator_ids(tok.src, sep)
-    out = []
-    for name, pairs in (("train", train), ("valid", valid)):
-        rows, dropped, cut = [], 0, 0
-        for doc, summ in pairs:
-            if not doc or not summ:
-                dropped += 1
-                continue
-            doc_ids, summ_ids = tok.src.encode(doc), tok.src.encode(summ)
-            row = lm_sequence_ids(doc_ids, summ_ids, sep_ids, cfg.data.block_size)
-            if row is None:
-                dropped += 1
-                continue
-            cut += len(row) < len(doc_ids) + len(sep_ids) + len(summ_ids) + 2
-            rows.append(row)
-        if is_main:
+
+
+def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+                          ) -> tuple[SummaryLMData, TokenizerPair]:
+    """"document <sep> summary" rows, one per article, read from the store of the (document, summary) pairs
+    (:func:`lm_store`; the tokenizer holds the separator as one piece)."""
+    _check_block(cfg)
+    store, tok = lm_store(cfg, run_dir, is_main, barrier)
+    sep_ids = separator_ids(tok.src, cfg.data.separator)
+    data = SummaryLMData(store.splits["train"], store.splits["valid"], sep_ids, cfg.data.block_size,
+                         cfg.data.batch_size, cfg.train.seed)
+    if is_main:
+        for name, rows in data.rows.items():
             log.info("%s: %d document<sep>summary sequences (%d documents cut to fit %d tokens, %d articles "
-                     "dropped: empty, or the summary alone too long)", name, len(rows), cut,
-                     cfg.data.block_size + 1, dropped)
-        if not rows:
-            raise DataError(f"{name}: no usable document/summary pairs")
-        out.append(rows)
-    return SummaryLMData(out[0], out[1], cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
+                     "dropped: empty, or the summary alone too long)", name, len(rows), rows.cut,
+                     cfg.data.block_size + 1, rows.dropped + store.manifest["splits"][name]["stats"]["empty"])
+    return data, tok
 
 
 def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
-                  ) -> tuple[LMData, TokenizerPair]:
+                  ) -> tuple[LMData | SummaryLMData, TokenizerPair]:
+    """A language model's data: windows of the store's token stream (:class:`~aiayn.data.stream_store.LMData`),
+    or "document <sep> summary" rows (:func:`build_summary_lm_data`)."""
     if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
         return build_summary_lm_data(cfg, run_dir, is_main, barrier)
-    text = load_lm_text(cfg)
-    if not text.strip():
-        raise DataError("the language-modelling corpus is empty")
-    split = int(len(text) * (1 - cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
-    train_text, valid_text = text[:split], text[split:]
-    # Tokenizers train on lines; the stream itself keeps every newline.
-    lines = [ln for ln in train_text.splitlines() if ln.strip()]
-    if cfg.data.tokenizer == "char":  # every character of the stream, the newline included (not UNK)
-        lines = [train_text]
-    tok = get_tokenizers(cfg, run_dir, (lines, []), is_main, barrier)
-    key = fingerprint({"kind": "lm", "split": split}, (train_text, valid_text), tokenizer_files(tokenizer_dir(run_dir)))
-    fields, _ = load_or_build(run_dir, "lm", key, lambda: ({"train": [tok.src.encode(train_text)],
-                                                             "valid": [tok.src.encode(valid_text)]}, {}),
-                              is_main, barrier)
-    train_ids = torch.tensor(fields["train"][0], dtype=torch.long)
-    valid_ids = torch.tensor(fields["valid"][0], dtype=torch.long)
+    _check_block(cfg)
+    store, tok = lm_store(cfg, run_dir, is_main, barrier)
+    train, valid = store.splits["train"], store.splits["valid"]
     if is_main:
-        log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d)", train_ids.numel(),
-                 valid_ids.numel(), tok.src.kind, tok.src.vocab_size)
-    if cfg.data.block_size > cfg.model.max_positions:
-        raise ConfigError(f"data.block_size={cfg.data.block_size} exceeds model.max_positions="
-                          f"{cfg.model.max_positions}")
-    return LMData(train_ids, valid_ids, cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
+        log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d; store %s)", len(train), len(valid),
+                 tok.src.kind, tok.src.vocab_size, store.path)
+    return LMData(train, valid, cfg.data.block_size, cfg.data.batch_size, cfg.train.seed), tok
 
 
 def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1):

@@ -28,6 +28,11 @@ store is one DataError naming the file and the fix (``aiayn prepare`` rebuilds i
 input (plain or .gz text pairs, TSV, JSONL: never all of it in memory), trains the tokenizer on a seeded sample
 (``data.tokenizer_sample`` sentences), and encodes in chunks on every core (worker processes when the corpus is
 large enough to pay for them), with progress lines on stderr.
+
+Other kinds of store plug into the same machinery (:func:`prepare_store`: the lock, the staging directory, the
+manifest written last, the key) through a :class:`Recipe`: a language model's text as one flat token stream
+(:mod:`aiayn.data.stream_store`); summarization as language modelling is a :class:`PairRecipe` of (document,
+summary) pairs (:func:`aiayn.data.summarization.summary_lm_recipe`).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,6 +72,7 @@ LOCK = ".aiayn-store.lock"  # flock: exclusive while one process builds, shared 
 CHECK_CHUNK = 1 << 22  # ids read at a time when a store is checked (8-16 MB: memory stays flat)
 CHUNK = 20_000  # pairs encoded per task
 PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker processes (below, one process is faster)
+PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a manifest without a kind is one)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
 
@@ -222,14 +228,19 @@ def settings(cfg: Config) -> dict[str, Any]:
             "tokenizer_sample": d.tokenizer_sample, "seed": cfg.train.seed}
 
 
-def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None) -> str:
-    """sha256 of the version, the settings, the inputs' identities and, when given, the tokenizer's files."""
-    from aiayn.data.cache import tokenizer_files
+def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra: dict[str, Any] | None = None
+              ) -> str:
+    """sha256 of the version, the settings, the inputs' identities and, when given, the tokenizer's files.
+    ``extra``: settings of another kind of store (a language model's split, its separator), kept with a given
+    tokenizer too; a translation store has none, so its key is what it always was."""
+    from aiayn.data.tokenizer import tokenizer_files
 
     parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
     if tokenizer is not None:
         parts["tokenizer"] = {p.name: sha256_file(p) for p in tokenizer_files(tokenizer)}
         parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
+    if extra:
+        parts["settings"] = {**parts["settings"], **extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -241,9 +252,18 @@ def cached_store_dir(key: str) -> Path:
     return cache_dir() / "stores" / key[:24]
 
 
+def describe_store(manifest: dict[str, Any]) -> list[str]:
+    """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
+    dtype = manifest["dtype"]
+    if "pairs" not in next(iter(manifest["splits"].values()), {"pairs": 0}):  # a language model's token stream
+        return [f"{name}: {info['tokens']:,} tokens ({dtype})" for name, info in manifest["splits"].items()]
+    return [f"{name}: {info['pairs']:,} pairs, {info['src_tokens']:,} source + {info['tgt_tokens']:,} target tokens "
+            f"({dtype})" for name, info in manifest["splits"].items()]
+
+
 def tokenizer_matches(a: Path, b: Path) -> bool:
     """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
-    from aiayn.data.cache import tokenizer_files
+    from aiayn.data.tokenizer import tokenizer_files
 
     def digest(d: Path) -> dict[str, str]:
         return {p.name: sha256_file(p) for p in tokenizer_files(d)}
@@ -269,6 +289,8 @@ def _rebuild_hint(path: Path) -> str:
 
 def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | None:
     """What makes a manifest unusable (its shape, or a split ``need`` names that it lacks), None when nothing."""
+    if manifest.get("kind", PAIRS) != PAIRS:
+        return f"holds a {manifest.get('kind')!r} store, not (source, target) pairs"
     splits = manifest.get("splits")
     sizes = [manifest.get(k, 1) for k in ("src_vocab_size", "tgt_vocab_size")] + [manifest.get("vocab_size")]
     if manifest.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
@@ -317,13 +339,18 @@ def open_store(directory: str | Path, need: tuple[str, ...] = ()) -> Store:
     """The prepared store in ``directory``, checked (:meth:`Side.check`; ``need``: splits it must hold): a
     missing, incomplete or damaged store is one DataError naming the file and the fix. Opened under the
     store's shared lock, so never while a builder replaces its files."""
-    path = Path(directory)
-    if not (path / LOCK).is_file():  # a store of an earlier version, or a directory that is no store
-        return _open(path, need)
+    return open_locked(Path(directory), lambda path: _open(path, need))
+
+
+def open_locked(path: Path, opener: Callable[[Path], Any]) -> Any:
+    """``opener(path)`` under the store's shared lock (any kind of store), so never while a builder replaces its
+    files; a directory without a lock file (no store, or one of an earlier version) is opened as it is."""
+    if not (path / LOCK).is_file():
+        return opener(path)
     try:
         with file_lock(path / LOCK, shared=True, waiting=lambda who: log.info(
                 "%s: waiting for the process (pid %s) that prepares it", path, who)):
-            return _open(path, need)
+            return opener(path)
     except FileNotFoundError:  # the directory went while this waited: a failed build removed it
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
 
@@ -366,7 +393,7 @@ class _Writer:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dir: str, max_len: int, cut_source: bool) -> None:
+def _init_worker(tokenizer_dir: str, max_len: int | None, cut_source: bool) -> None:
     from aiayn.data.tokenizer import TokenizerPair
 
     _WORKER.update(tok=TokenizerPair.load(tokenizer_dir), max_len=max_len, cut=cut_source)
@@ -379,7 +406,7 @@ def _encode(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     tok, max_len, cut = _WORKER["tok"], _WORKER["max_len"], _WORKER["cut"]
     ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
     if cut:  # summarization: a long document is cut (as the translator does at inference), not dropped
-        ids = [(s[: max_len - 1], t) for s, t in ids]
+        ids = [(s[: max_len - 1], t) for s, t in ids]  # max_len is set whenever cut is
     kept, stats = clean_pairs(pairs, ids, max_len)
     out: dict[str, Any] = dict(stats)
     for k, side in enumerate(("src", "tgt")):
@@ -398,7 +425,7 @@ def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[
 
 
 @contextlib.contextmanager
-def _encoders(tokenizer_dir: Path, max_len: int, cut: bool, workers: int) -> Iterator[Callable]:
+def _encoders(tokenizer_dir: Path, max_len: int | None, cut: bool, workers: int) -> Iterator[Callable]:
     """A function chunks -> encoded chunks, in order: worker processes (``workers`` > 1) or this process."""
     if workers <= 1:
         _init_worker(str(tokenizer_dir), max_len, cut)
@@ -409,24 +436,43 @@ def _encoders(tokenizer_dir: Path, max_len: int, cut: bool, workers: int) -> Ite
         yield lambda chunks: pool.imap(_encode, chunks)
 
 
+class Recipe(Protocol):
+    """One kind of store as the shared machinery sees it (:func:`prepare_store`: the lock, the staging directory,
+    the manifest written last, the key): pairs (:class:`PairRecipe`), a language model's token stream
+    (:mod:`aiayn.data.stream_store`)."""
+
+    key: str  # sha256 of everything the store's ids depend on (:func:`store_key`)
+
+    def build_into(self, stage: Path) -> dict[str, Any]:
+        """Write the store's files into the empty directory ``stage``; the manifest to write (with ``key``)."""
+        ...
+
+    def open(self, path: Path) -> Any:
+        """Open and check the complete store in ``path``: one DataError naming the file and the fix."""
+        ...
+
+
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
             tokenizer: str | Path | None = None, workers: int | None = None, rebuild_damaged: bool = True) -> Store:
-    """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it; an
-    existing store with the same key is opened as it is (checked: a damaged one is rebuilt, or with
-    ``rebuild_damaged=False`` refused). ``inputs`` names what the sources read (for the key); ``tokenizer``: use
-    this tokenizer directory instead of training one on a sample of the training pairs.
+    """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it
+    (:func:`prepare_store` of a :class:`PairRecipe`). ``inputs`` names what the sources read (for the key);
+    ``tokenizer``: use this tokenizer directory instead of training one on a sample of the training pairs."""
+    recipe = PairRecipe(cfg, sources, inputs, Path(tokenizer) if tokenizer is not None else None, workers)
+    return prepare_store(out, recipe, rebuild_damaged)
+
+
+def prepare_store(out: str | Path, recipe: Recipe, rebuild_damaged: bool = True) -> Any:
+    """Build ``recipe``'s store in ``out`` and open it; an existing store with the same key is opened as it is
+    (checked: a damaged one is rebuilt, or with ``rebuild_damaged=False`` refused).
 
     Safe under concurrent starts: one process builds under ``out``'s lock, the others wait for it and open what
     it built. A builder writes into its own staging directory and moves the files in at the end, the manifest
     last; a failure leaves the store that was there (and removes ``out`` when this call created it)."""
-    out = Path(out)
-    tok_dir = Path(tokenizer) if tokenizer is not None else None
-    key = store_key(cfg, inputs, tok_dir)
-    need = tuple(sources)
+    out, key = Path(out), recipe.key
     manifest = read_manifest(out)
     if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
         try:
-            store = open_store(out, need)
+            store = open_locked(out, recipe.open)
             if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
                 return store
         except DataError as e:
@@ -447,14 +493,14 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
             manifest = read_manifest(out)
             if manifest is not None and manifest.get("key") == key:  # another process built it while we waited
                 try:
-                    return _open(out, need)
+                    return recipe.open(out)
                 except DataError as e:
                     if not rebuild_damaged:
                         raise
                     log.warning("%s; rebuilding it", e)
             _refuse_foreign(out)
-            _build(cfg, out, key, sources, inputs, tok_dir, workers)
-            return _open(out, need)
+            _build_with(out, recipe)
+            return recipe.open(out)
         except BaseException:
             if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
                 shutil.rmtree(made, ignore_errors=True)
@@ -485,6 +531,11 @@ def _refuse_foreign(out: Path) -> None:
 
 def _build(cfg: Config, out: Path, key: str, sources: dict[str, PairSource], inputs: dict[str, str],
            tok_dir: Path | None, workers: int | None) -> None:
+    """Build the pair store ``key`` of ``sources`` in ``out`` (:func:`_build_with`); the caller holds its lock."""
+    _build_with(out, PairRecipe(cfg, sources, inputs, tok_dir, workers, key=key))
+
+
+def _build_with(out: Path, recipe: Recipe) -> None:
     """Build the store in a staging directory inside ``out`` (this builder's own: no other writer's temporaries
     can mix with it) and move it in, the manifest last. The caller holds ``out``'s exclusive lock."""
     (out / MARKER).write_text("a token store prepared by aiayn (aiayn prepare): aiayn may rebuild this directory\n")
@@ -493,7 +544,7 @@ def _build(cfg: Config, out: Path, key: str, sources: dict[str, PairSource], inp
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".build.", suffix=TMP_SUFFIX, dir=out))
     try:
-        manifest = _build_into(cfg, stage, key, sources, inputs, tok_dir, workers)
+        manifest = recipe.build_into(stage)
         (out / MANIFEST).unlink(missing_ok=True)  # from here until the manifest is written, the store is incomplete
         if (out / "tokenizer").exists():
             shutil.rmtree(out / "tokenizer")
@@ -504,46 +555,96 @@ def _build(cfg: Config, out: Path, key: str, sources: dict[str, PairSource], inp
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _build_into(cfg: Config, stage: Path, key: str, sources: dict[str, PairSource], inputs: dict[str, str],
-                tok_dir: Path | None, workers: int | None) -> dict[str, Any]:
-    """Train or copy the tokenizer and encode every split into ``stage``; the manifest to write."""
-    from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+def storage_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of a vocabulary: uint16, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
-    d = cfg.data
-    # Every input read through once before any work: a malformed file (parallel files of other lengths, a bad
-    # TSV row or JSON line, bad UTF-8) is one line now, not after the tokenizer's training; the counts give the
-    # encoding's progress a total.
-    counts = {name: sum(1 for _ in source()) for name, source in sources.items()}
+
+def place_tokenizer(stage: Path, given: Path | None, train: Callable[[Path], None]) -> Path:
+    """``stage/tokenizer``: a copy of the ``given`` tokenizer directory, else the one ``train(dir)`` writes."""
     tdir = stage / "tokenizer"
-    if tok_dir is not None:
-        shutil.copytree(tok_dir, tdir)
-    else:  # two passes over the training pairs (sources, then targets): a sample, never the corpus in memory
-        train = sources["train"]
+    if given is not None:
+        shutil.copytree(given, tdir)
+    else:
+        train(tdir)
+    return tdir
+
+
+def now() -> str:
+    """The manifest's creation time, UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class PairRecipe:
+    """A store of (source, target) pairs from ``sources`` (split -> a function streaming its pairs), named for
+    the key by ``inputs``; ``tokenizer``: a tokenizer directory to use, else one is trained on a sample of the
+    training pairs (``train_tokenizer(dir)`` when given: summarization as language modelling trains its own
+    way). Pairs with an empty side are dropped; so are pairs longer than the config's ``max_len`` unless
+    ``length_filter`` is off (then no pair is cut or dropped for its length). ``extra``: settings of this kind of
+    pair store for the key and the manifest."""
+
+    cfg: Config
+    sources: dict[str, PairSource]
+    inputs: dict[str, str]
+    tokenizer: Path | None = None
+    workers: int | None = None
+    train_tokenizer: Callable[[Path], None] | None = None
+    length_filter: bool = True
+    extra: dict[str, Any] | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra)
+
+    def open(self, path: Path) -> Store:
+        return _open(path, tuple(self.sources))
+
+    def _train(self, tdir: Path) -> None:
+        """The default tokenizer: two passes over the training pairs (sources, then targets), a sample of each,
+        never the corpus in memory."""
+        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+
+        d, train = self.cfg.data, self.sources["train"]
         log.info("training %s on a sample of at most %s sentences",
                  tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), f"{d.tokenizer_sample:,}")
-        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir, TokenizerSpec.from_config(cfg))
-    tok = TokenizerPair.load(tdir)
-    vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
-    dtype = np.dtype(np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32)
-    max_len = d.max_len or cfg.model.max_positions
-    big = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p)) >= PARALLEL_BYTES
-    if workers is None:
-        from aiayn.engine import usable_cores
+        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir,
+                             TokenizerSpec.from_config(self.cfg))
 
-        workers = usable_cores() if big else 1
-    splits: dict[str, Any] = {}
-    with _encoders(tdir, max_len, cfg.task == "summarization", workers) as encode:
-        for name, source in sources.items():
-            writer = _Writer(stage, name, dtype)
-            progress = ItemProgress(counts[name], "pair", f"prepare {name}")
-            for encoded in encode(_chunks(source(), CHUNK)):
-                writer.add(encoded)
-                progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])
-            progress.close()
-            splits[name] = writer.close()
-            if not splits[name]["pairs"]:
-                raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
-    return {"version": STORE_VERSION, "key": key, "created": datetime.datetime.now(datetime.timezone.utc)
-            .isoformat(timespec="seconds"), "settings": settings(cfg), "inputs": inputs, "dtype": dtype.name,
-            "vocab_size": vocab, "src_vocab_size": tok.src.vocab_size, "tgt_vocab_size": tok.tgt.vocab_size,
-            "splits": splits}
+    def build_into(self, stage: Path) -> dict[str, Any]:
+        """Train or copy the tokenizer and encode every split into ``stage``; the manifest to write."""
+        from aiayn.data.tokenizer import TokenizerPair
+
+        cfg = self.cfg
+        # Every input read through once before any work: a malformed file (parallel files of other lengths, a bad
+        # TSV row or JSON line, bad UTF-8) is one line now, not after the tokenizer's training; the counts give the
+        # encoding's progress a total.
+        counts = {name: sum(1 for _ in source()) for name, source in self.sources.items()}
+        tdir = place_tokenizer(stage, self.tokenizer, self.train_tokenizer or self._train)
+        tok = TokenizerPair.load(tdir)
+        vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
+        dtype = storage_dtype(vocab)
+        max_len = (cfg.data.max_len or cfg.model.max_positions) if self.length_filter else None
+        big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
+        workers = self.workers
+        if workers is None:
+            from aiayn.engine import usable_cores
+
+            workers = usable_cores() if big else 1
+        splits: dict[str, Any] = {}
+        cut = cfg.task == "summarization" and max_len is not None
+        with _encoders(tdir, max_len, cut, workers) as encode:
+            for name, source in self.sources.items():
+                writer = _Writer(stage, name, dtype)
+                progress = ItemProgress(counts[name], "pair", f"prepare {name}")
+                for encoded in encode(_chunks(source(), CHUNK)):
+                    writer.add(encoded)
+                    progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])
+                progress.close()
+                splits[name] = writer.close()
+                if not splits[name]["pairs"]:
+                    raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
+        return {"version": STORE_VERSION, "key": self.key, "kind": PAIRS, "created": now(),
+                "settings": {**settings(cfg), **(self.extra or {})}, "inputs": self.inputs, "dtype": dtype.name,
+                "vocab_size": vocab, "src_vocab_size": tok.src.vocab_size, "tgt_vocab_size": tok.tgt.vocab_size,
+                "splits": splits}

@@ -32,11 +32,18 @@ Decisions, and why:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
 
-from aiayn.config import Config
-from aiayn.data.batching import Batch, EagerPlan, pad_batch, token_batches
+import numpy as np
+
+from aiayn.config import Config, ConfigError
+from aiayn.data.batching import Batch, pad_batch, plan_batches
 from aiayn.data.corpus import DataError
+from aiayn.data.store import PairRecipe, Split
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 XSUM_SIZE = 1000
@@ -140,37 +147,132 @@ def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -
     return [BOS_ID] + tok.encode(document)[:room] + sep_ids
 
 
-@dataclass
-class SummaryLMData(EagerPlan):
-    """One padded row per article; batches of similar length within ``batch_size * (block_size + 1)``
-    tokens, in a new order every epoch. Rows are right-padded: with causal attention the padding only
-    follows the real tokens, and the loss ignores it."""
+def summary_pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str, str]]]], dict[str, str]]:
+    """The train and valid (document, summary) pairs of a summarization config as streams (each text on one
+    line, :func:`summary_pairs`; files read line by line), and what they are read from (for a store's key)."""
+    d = cfg.data
+    if d.dataset == "xsum":
+        from aiayn.data.datasets import DATASETS
 
-    train: list[list[int]]
-    valid: list[list[int]]
+        sha = DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
+        return ({s: (lambda s=s: iter(xsum_pairs(s))) for s in ("train", "valid")},
+                {f"xsum/xsum-1000.jsonl/{s}{XSUM_SPLITS[s]}": sha for s in ("train", "valid")})
+    if d.dataset is not None:
+        raise DataError(f"dataset {d.dataset!r} is not a summarization corpus (known: xsum)")
+    from aiayn.data.corpus import iter_pairs
+    from aiayn.data.datasets import sha256_known
+
+    sources, inputs = {}, {}
+    for split in ("train", "valid"):
+        src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
+        if src is None:
+            raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+        sources[split] = (lambda s=src, t=tgt: ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in
+                                                iter_pairs(d.format, s, t, d.src_field, d.tgt_field)))
+        inputs.update({str(p): sha256_known(p) for p in (src, tgt) if p is not None})
+    return sources, inputs
+
+
+def summary_lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> PairRecipe:
+    """The store of a summary LM's (document, summary) pairs: the ids of the one shared tokenizer, trained (when
+    none is given) as a training without a store trains it, on the documents and summaries in corpus order and
+    the separator (a BPE model keeps it as one piece); pairs with an empty side dropped, none for its length
+    (the rows are cut to ``block_size + 1`` when collated)."""
+    from aiayn.data.tokenizer import TokenizerSpec, train_tokenizer_pair
+
+    sep = cfg.data.separator
+    if not sep.strip():
+        raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
+    sources, inputs = summary_pair_sources(cfg)
+    symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
+
+    def train(tdir: Path) -> None:  # the char tokenizer must know the separator's characters
+        texts = chain((t for pair in sources["train"]() for t in pair), [sep])
+        train_tokenizer_pair(texts, [], tdir, TokenizerSpec.from_config(cfg, symbols))
+
+    return PairRecipe(cfg, sources, inputs, tokenizer, workers, train_tokenizer=train, length_filter=False,
+                      extra={"kind": "summary_lm", "separator": sep})
+
+
+class SummaryRows:
+    """The "document <sep> summary" rows of one split of a pair store, built when asked: the pairs whose summary
+    leaves room for a document token (the others are dropped), each row's length known from the store's
+    offsets alone (its document cut to fit ``block_size + 1`` ids)."""
+
+    def __init__(self, split: Split, sep_ids: list[int], block_size: int) -> None:
+        self.split, self.sep_ids, self.block_size = split, list(sep_ids), block_size
+        doc, summ = split.src.lengths().astype(np.int64), split.tgt.lengths().astype(np.int64)
+        room = block_size + 1 - (2 + len(self.sep_ids) + summ)
+        self.pairs = np.flatnonzero(room >= 1)  # (rows,) the store's pair of each row
+        self.lengths = (2 + len(self.sep_ids) + summ + np.minimum(doc, room))[self.pairs]  # (rows,)
+        self.cut = int((doc > room)[self.pairs].sum())
+        self.dropped = len(split) - len(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def rows(self, indices: np.ndarray) -> list[list[int]]:
+        """The id lists of rows ``indices`` (:func:`lm_sequence_ids`), read in one gather per side."""
+        pairs = self.pairs[np.asarray(indices, dtype=np.int64)]
+        (doc, doc_lens), (summ, summ_lens) = self.split.src.gather(pairs), self.split.tgt.gather(pairs)
+        docs = np.split(doc, np.cumsum(doc_lens)[:-1]) if len(pairs) else []
+        summs = np.split(summ, np.cumsum(summ_lens)[:-1]) if len(pairs) else []
+        return [lm_sequence_ids(d.tolist(), s.tolist(), self.sep_ids, self.block_size) for d, s in zip(docs, summs)]
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        """The padded batch of rows ``indices``: ``tgt_in`` = row[:-1], ``tgt_out`` = row[1:], (B, longest)."""
+        padded = pad_batch(self.rows(indices), PAD_ID)  # (B, L + 1)
+        tgt_out = padded[:, 1:]
+        return Batch(None, padded[:, :-1], tgt_out, int((tgt_out != PAD_ID).sum()), np.asarray(indices).tolist())
+
+
+@dataclass
+class SummaryLMData:
+    """One padded row per article, read from a pair store and built when collated; batches of similar length
+    within ``batch_size * (block_size + 1)`` tokens, in a new order every epoch. Rows are right-padded: with
+    causal attention the padding only follows the real tokens, and the loss ignores it."""
+
+    train: Split
+    valid: Split
+    sep_ids: list[int]
     block_size: int
     batch_size: int
     seed: int
 
     def __post_init__(self) -> None:
         self._valid: list[Batch] | None = None
+        self.rows = {"train": SummaryRows(self.train, self.sep_ids, self.block_size),
+                     "valid": SummaryRows(self.valid, self.sep_ids, self.block_size)}
+        for name, rows in self.rows.items():
+            if not len(rows):
+                raise DataError(f"{name}: no usable document/summary pairs")
 
-    def _batches(self, rows: list[list[int]], epoch: int, shuffle: bool) -> list[Batch]:
-        budget = self.batch_size * (self.block_size + 1)
+    def __getstate__(self) -> dict[str, Any]:
+        # the splits pickle as their file names; the row lengths are read again from their offsets
+        return {k: getattr(self, k) for k in ("train", "valid", "sep_ids", "block_size", "batch_size", "seed")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    def _plan(self, rows: SummaryRows, epoch: int, shuffle: bool) -> list[np.ndarray]:
         # token_batches adds one to each length (it counts an EOS): lengths here already hold theirs.
-        groups = token_batches([len(r) - 1 for r in rows], None, budget, self.seed, epoch, shuffle=shuffle)
-        out = []
-        for idx in groups:
-            padded = pad_batch([rows[i] for i in idx], PAD_ID)  # (B, L + 1)
-            tgt_out = padded[:, 1:]
-            out.append(Batch(None, padded[:, :-1], tgt_out, int((tgt_out != PAD_ID).sum()), list(idx)))
-        return out
+        return plan_batches(rows.lengths - 1, None, self.batch_size * (self.block_size + 1), self.seed, epoch,
+                            shuffle=shuffle)
 
-    def epoch_batches(self, epoch: int) -> list[Batch]:
-        return self._batches(self.train, epoch, shuffle=True)
+    def epoch_plan(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's batches as arrays of row indices (from the rows' lengths alone)."""
+        return self._plan(self.rows["train"], epoch, shuffle=True)
+
+    def plan_tokens(self, indices: np.ndarray) -> int:
+        """The target tokens of a planned batch: each row's ids but its first."""
+        return int((self.rows["train"].lengths[indices] - 1).sum())
+
+    def collate_plan(self, indices: np.ndarray) -> Batch:
+        return self.rows["train"].batch(indices)
 
     @property
     def valid_batches(self) -> list[Batch]:
         if self._valid is None:
-            self._valid = self._batches(self.valid, 0, shuffle=False)
+            rows = self.rows["valid"]
+            self._valid = [rows.batch(idx) for idx in self._plan(rows, 0, shuffle=False)]
         return self._valid

@@ -62,6 +62,12 @@ _MAX_SENTENCE_BYTES = 16384
 PAIR_FILE = "tokenizer.json"
 
 
+
+def tokenizer_files(tokenizer_dir: str | Path) -> list[Path]:
+    """The files that define a tokenizer directory (its model files and tokenizer.json): what a store's key hashes
+    and what makes two tokenizers the same."""
+    return sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model (BPE), kept in memory as its serialized protobuf."""
 

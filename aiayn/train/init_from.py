@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiayn.config import Config, DecodeOptions, ModelConfig, load_config
-from aiayn.data.cache import tokenizer_files
 from aiayn.data.pipeline import FITTED_KEYS, tokenizer_dir
-from aiayn.data.tokenizer import PAIR_FILE  # written last: its presence marks a complete tokenizer directory
+from aiayn.data.tokenizer import (
+    PAIR_FILE,  # written last: its presence marks a complete tokenizer directory
+    tokenizer_files,
+)
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.files import atomic_write_bytes
 

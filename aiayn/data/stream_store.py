@@ -1,0 +1,545 @@
+"""A language model's corpus as one flat token stream, prepared once into a store and trained on by windows (the
+nanoGPT way): ``task: lm`` on tinyshakespeare or on ``data.train_src``, a UTF-8 text file (plain or .gz) of any
+size.
+
+    DIR/manifest.json   what the store holds and from what (kind "stream"; written last)
+    DIR/tokenizer/      the tokenizer the ids belong to
+    DIR/train.bin       the training text's ids back to back (uint16 when the vocabulary fits, else uint32)
+    DIR/valid.bin       the held-out text's ids
+
+The lock, the staging directory, the manifest and its key are the pair store's (:func:`aiayn.data.store.
+prepare_store`). Preparing streams the text (:data:`READ_BYTES` at a time, never all of it in memory) in three
+passes: its characters are counted, so that the split is nanoGPT's in characters, exactly: the first
+``int(chars * (1 - data.valid_fraction))`` characters train, the rest validate; the tokenizer is trained on the
+training part (a char tokenizer on its characters; BPE on a seeded sample of its non-blank lines, as
+``data.tokenizer_sample`` bounds); the two parts are encoded piece by piece, and the ids equal those of encoding
+each part in one call (tests/test_lm_store.py): pieces end at a line end (or before a space, in a line longer
+than a read), a char tokenizer maps code points through one table, and a SentencePiece model encodes a piece
+that continues a part behind a newline it then drops (its word-boundary prefix would otherwise start every
+piece). Each epoch starts the blocks of :func:`aiayn.data.batching.lm_block_order` at a new offset, in a new
+order; a batch reads its windows by position (``pread``), not through a memory map (:class:`aiayn.data.store.Side`
+says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import logging
+import multiprocessing
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from aiayn.config import Config, ConfigError
+from aiayn.data.batching import Batch, lm_batch, lm_block_order
+from aiayn.data.store import (
+    CHECK_CHUNK,
+    MANIFEST,
+    PARALLEL_BYTES,
+    STORE_VERSION,
+    now,
+    place_tokenizer,
+    read_manifest,
+    settings,
+    storage_dtype,
+    store_key,
+)
+from aiayn.errors import DataError
+from aiayn.progress import ItemProgress
+
+log = logging.getLogger("aiayn.data")
+
+STREAM = "stream"  # the manifest's kind
+SPLITS = ("train", "valid")
+READ_BYTES = 4 << 20  # text read (and encoded) at a time
+LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
+ITER_BATCHES = 1024  # a plan's batches made at a time when it is walked whole
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
+
+
+# Reading the text --------------------------------------------------------------------------------------------
+
+
+def lm_input(cfg: Config) -> tuple[Path, dict[str, str]]:
+    """The text file of a ``task: lm`` config and what it is for the store's key (a known dataset's published
+    sha256, else the file's)."""
+    if cfg.data.dataset == "tinyshakespeare":
+        from aiayn.data.datasets import DATASETS, dataset_path
+
+        return (dataset_path("tinyshakespeare", "input.txt"),
+                {"tinyshakespeare/input.txt": DATASETS["tinyshakespeare"].files["input.txt"].sha256})
+    if cfg.data.dataset is not None:
+        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not a language-modelling corpus "
+                          "(task lm: tinyshakespeare, xsum, or data.train_src: a text file)")
+    if cfg.data.train_src is None:
+        raise ConfigError("task lm needs data.dataset: tinyshakespeare or data.train_src: a text file")
+    from aiayn.data.corpus import _check_file
+    from aiayn.data.datasets import sha256_known
+
+    path = _check_file(cfg.data.train_src)
+    return path, {str(path): sha256_known(path)}
+
+
+def _decode(chunk: bytes, path: Path, lines_before: int) -> str:
+    """A chunk that ends at a character boundary, as text; invalid UTF-8 names its line and column."""
+    try:
+        return chunk.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = lines_before + chunk.count(b"\n", 0, e.start) + 1
+        col = e.start - (chunk.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{chunk[e.start:e.start + 1].hex()} at "
+                        f"column {col})") from None
+
+
+def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
+    """The text of ``path`` (plain or gzip, by content; a leading byte-order mark dropped, as
+    :func:`aiayn.data.corpus.read_text` reads it) in pieces of about ``size`` bytes (:data:`READ_BYTES`), each
+    ending after a newline, else before a space (else it grows): never inside a character, a line break or a
+    word."""
+    size, gz = size or READ_BYTES, False
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            carry, lines, first = b"", 0, True
+            while True:
+                block = f.read(size)
+                data = carry + block if carry else block
+                cut = len(data) if not block else (data.rfind(b"\n") + 1 or max(data.rfind(b" "), 0))
+                if not cut:
+                    if not block:
+                        return
+                    carry = data
+                    continue
+                chunk, carry = data[:cut], data[cut:]
+                text = _decode(chunk, path, lines)
+                lines += chunk.count(b"\n")
+                if first and text.startswith("\ufeff"):
+                    text = text[1:]
+                first = False
+                if text:
+                    yield text
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({'not a valid gzip file: ' if gz else ''}{e.strerror or e})"
+                        ) from None
+    except (EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a valid gzip file ({e})") from None
+
+
+def count_chars(path: Path) -> tuple[int, bool]:
+    """The characters of the text and whether any is not whitespace (pass 1)."""
+    n, visible = 0, False
+    for text in text_chunks(path):
+        n += len(text)
+        visible = visible or not text.isspace()
+    return n, visible
+
+
+def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
+    """(split name, piece, whether the piece starts its part): the text's pieces, the first ``split``
+    characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
+    pos = 0
+    for text in text_chunks(path):
+        end = pos + len(text)
+        if end <= split:
+            yield "train", text, pos == 0
+        elif pos >= split:
+            yield "valid", text, pos == split
+        else:
+            yield "train", text[: split - pos], pos == 0
+            yield "valid", text[split - pos :], True
+        pos = end
+
+
+def train_lines(path: Path, split: int) -> Iterator[str]:
+    """The lines of the training part, as ``train_text.splitlines()`` gives them (a line split over two pieces
+    joined again; one longer than :data:`LONG_LINE` cut there)."""
+    tail = ""
+    for name, piece, _ in text_parts(path, split):
+        if name != "train":
+            break
+        lines = (tail + piece).splitlines(keepends=True)
+        tail = "" if lines[-1][-1] in LINE_BREAKS else lines.pop()[:LONG_LINE]
+        for line in lines:
+            yield line[:-2] if line.endswith("\r\n") else line[:-1]
+    if tail:
+        yield tail
+
+
+def train_chars(path: Path, split: int) -> str:
+    """Every character of the training part, once each, in code point order."""
+    seen = np.zeros(0x110000, dtype=bool)
+    for name, piece, _ in text_parts(path, split):
+        if name != "train":
+            break
+        seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
+    return "".join(map(chr, np.flatnonzero(seen)))
+
+
+# Encoding ----------------------------------------------------------------------------------------------------
+
+
+class PieceEncoder:
+    """Encodes the pieces of one text so that their ids, back to back, are those of encoding the text in one call:
+    a char tokenizer through a code-point table; a SentencePiece model encodes a piece that continues its part as
+    ``"\\n" + piece`` and drops the ids of that newline and of the word-boundary prefix in front of it (no piece of
+    a model trained on lines holds a newline, so nothing merges across it); any other tokenizer per piece."""
+
+    def __init__(self, tokenizer_dir: str | Path) -> None:
+        from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
+
+        self.tok = TokenizerPair.load(tokenizer_dir).src
+        self.table: np.ndarray | None = None
+        self.head: list[int] | None = None
+        if isinstance(self.tok, CharTokenizer):
+            codes = [ord(c) for c in self.tok.chars]
+            self.table = np.full(max(codes, default=0) + 1, UNK_ID, dtype=np.int64)
+            self.table[codes] = [self.tok.stoi[c] for c in self.tok.chars]
+            self.unk = UNK_ID
+        elif isinstance(self.tok, SentencePieceTokenizer) and not any(
+                "\n" in self.tok.id_to_piece(i) for i in range(self.tok.vocab_size)):
+            self.head = self.tok.encode("\n")
+
+    def __call__(self, part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int]:
+        """(split name, the piece's ids (n,) int64, its characters)."""
+        name, text, starts = part
+        return name, self.encode(text, starts), len(text)
+
+    def encode(self, text: str, starts: bool) -> np.ndarray:
+        """(n,) int64: the ids of ``text``, a piece that ``starts`` its part or continues it."""
+        if self.table is not None:
+            codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
+            known = codes < len(self.table)
+            return np.where(known, self.table[np.where(known, codes, 0)], self.unk)
+        if self.head is None or starts:
+            return np.asarray(self.tok.encode(text), dtype=np.int64)
+        ids = self.tok.encode("\n" + text)
+        if ids[: len(self.head)] != self.head:  # pragma: no cover (a newline after text never merges with it)
+            raise DataError("the tokenizer merged a newline with the text after it: it cannot encode a stream")
+        return np.asarray(ids[len(self.head) :], dtype=np.int64)
+
+
+_WORKER: dict[str, PieceEncoder] = {}
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    _WORKER["encode"] = PieceEncoder(tokenizer_dir)
+
+
+def _encode_in_worker(part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int]:
+    return _WORKER["encode"](part)
+
+
+@contextlib.contextmanager
+def _encoders(tokenizer_dir: Path, workers: int) -> Iterator[Callable[[Iterable], Iterator]]:
+    """A function parts -> (split, ids) in order: worker processes (``workers`` > 1) or this process."""
+    if workers <= 1:
+        encode = PieceEncoder(tokenizer_dir)
+        yield lambda parts: map(encode, parts)
+        return
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+        yield lambda parts: pool.imap(_encode_in_worker, parts)
+
+
+# The store ---------------------------------------------------------------------------------------------------
+
+
+class Stream:
+    """A flat file of token ids (n,), read by position: windows of a batch with one ``preadv`` each, into one
+    (B, width) array (:meth:`windows`). Pickles as its file name (a DataLoader worker reopens it)."""
+
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
+        self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.file_bytes = os.fstat(self._fd).st_size
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "dtype": self.dtype.str, "tokens": self.tokens}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], np.dtype(state["dtype"]), state["tokens"])
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def check(self, vocab_size: int) -> str | None:
+        """What is wrong with the file, None when nothing: its length, and every id below ``vocab_size``
+        (read in bounded chunks, vectorized)."""
+        size = self.dtype.itemsize
+        if self.file_bytes != self.tokens * size:
+            return (f"{self.path.name}: {self.file_bytes:,} bytes where its manifest needs {self.tokens * size:,} "
+                    "(truncated or damaged)")
+        for start in range(0, self.tokens, CHECK_CHUNK):
+            ids = np.frombuffer(os.pread(self._fd, CHECK_CHUNK * size, start * size), dtype=self.dtype)
+            if len(ids) and int(ids.max()) >= vocab_size:
+                return f"{self.path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
+        return None
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """ids[start:stop] (n,) int64."""
+        stop = self.tokens if stop is None else stop
+        return self.windows(np.array([start]), stop - start)[0]
+
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
+            raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
+        out = np.empty((len(starts), width), dtype=self.dtype)
+        size, n = self.dtype.itemsize, width * self.dtype.itemsize
+        view = memoryview(out).cast("B")
+        for b, s in enumerate(starts.tolist()):
+            if n and os.preadv(self._fd, [view[b * n : (b + 1) * n]], s * size) != n:
+                raise DataError(f"{self.path}: shorter than its manifest says (truncated while read?)")
+        return out.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class StreamStore:
+    """An opened stream store: its directory, its manifest, and its train and valid streams."""
+
+    path: Path
+    manifest: dict[str, Any]
+    splits: dict[str, Stream]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+
+def _rebuild_hint(path: Path) -> str:
+    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
+
+
+def open_stream(path: Path) -> StreamStore:
+    """Open and check the stream store in ``path`` (the caller holds its lock, or none exists): one DataError
+    naming the file and the fix for anything wrong."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
+                        "prepares it")
+    splits = manifest.get("splits")
+    if manifest.get("kind") != STREAM:
+        raise DataError(f"{path / MANIFEST}: holds a {manifest.get('kind', 'pairs')!r} store, not a language "
+                        f"model's token stream: {_rebuild_hint(path)}")
+    if (manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int)
+            or not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
+                splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
+        raise DataError(f"{path / MANIFEST}: its dtype, vocabulary size or splits are missing or wrong: "
+                        f"{_rebuild_hint(path)}")
+    streams = {}
+    for name in SPLITS:
+        try:
+            stream = Stream(path / f"{name}.bin", np.dtype(manifest["dtype"]), splits[name]["tokens"])
+        except FileNotFoundError as e:
+            raise DataError(f"{e.filename}: missing (the manifest names split {name}): {_rebuild_hint(path)}"
+                            ) from None
+        except OSError as e:
+            raise DataError(f"{path}/{name}.bin: unreadable ({e}): {_rebuild_hint(path)}") from None
+        problem = stream.check(manifest["vocab_size"])
+        if problem is not None:
+            raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
+        streams[name] = stream
+    return StreamStore(path, manifest, streams)
+
+
+@dataclass
+class StreamRecipe:
+    """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
+    tokenizer directory to use, else one is trained on the training part."""
+
+    cfg: Config
+    path: Path
+    inputs: dict[str, str]
+    tokenizer: Path | None = None
+    workers: int | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra())
+
+    def extra(self) -> dict[str, Any]:
+        """What the ids depend on beside the pair store's settings: the kind, the split."""
+        return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
+
+    def open(self, path: Path) -> StreamStore:
+        return open_stream(path)
+
+    def _train(self, tdir: Path, split: int) -> None:
+        """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
+        seeded sample), or on its characters (char: every one, the newline included)."""
+        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+
+        d = self.cfg.data
+        log.info("training %s on the first %s characters", tokenizer_plan(d.tokenizer, d.vocab_size,
+                 d.shared_vocab), f"{split:,}")
+        texts: Iterable[str] = ([train_chars(self.path, split)] if d.tokenizer == "char"
+                                else (ln for ln in train_lines(self.path, split) if ln.strip()))
+        train_tokenizer_pair(texts, [], tdir, TokenizerSpec.from_config(self.cfg))
+
+    def build_into(self, stage: Path) -> dict[str, Any]:
+        """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
+        from aiayn.data.tokenizer import TokenizerPair
+
+        chars, visible = count_chars(self.path)
+        if not visible:
+            raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
+        split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
+        tdir = place_tokenizer(stage, self.tokenizer, lambda t: self._train(t, split))
+        tok = TokenizerPair.load(tdir)
+        dtype = storage_dtype(tok.src.vocab_size)
+        workers = self.workers
+        if workers is None:
+            from aiayn.engine import usable_cores
+
+            big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
+            workers = usable_cores() if big else 1
+        tokens = {name: 0 for name in SPLITS}
+        files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
+        progress = ItemProgress(chars, "char", "prepare")
+        try:
+            with _encoders(tdir, workers) as encode:
+                for name, ids, n_chars in encode(text_parts(self.path, split)):
+                    files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
+                    tokens[name] += len(ids)
+                    progress.update(n_chars)
+        finally:
+            for f in files.values():
+                f.close()
+            progress.close()
+        return {"version": STORE_VERSION, "key": self.key, "kind": STREAM, "created": now(),
+                "settings": {**settings(self.cfg), **self.extra()}, "inputs": self.inputs, "dtype": dtype.name,
+                "vocab_size": tok.src.vocab_size, "chars": {"train": split, "valid": chars - split},
+                "splits": {name: {"tokens": tokens[name]} for name in SPLITS}}
+
+
+def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
+    """The stream store of a ``task: lm`` config (its text: :func:`lm_input`)."""
+    path, inputs = lm_input(cfg)
+    return StreamRecipe(cfg, path, inputs, tokenizer, workers)
+
+
+# Training on windows -----------------------------------------------------------------------------------------
+
+
+class BlockPlan(Sequence):
+    """An epoch's batches of blocks, planned and not read: batch i is a (B, 2) int64 array, column 0 the blocks'
+    places in the epoch's order, column 1 where each starts in the stream. Holds the epoch's block order
+    (:func:`~aiayn.data.batching.lm_block_order`: 4 bytes a block) and makes a batch's array when asked; a slice
+    is a plan of fewer batches sharing that order, and a plan pickles as the list of its batches' arrays."""
+
+    __slots__ = ("offset", "order", "block_size", "batch_size", "batches")
+
+    def __init__(self, offset: int, order: np.ndarray, block_size: int, batch_size: int,
+                 batches: range | None = None) -> None:
+        self.offset, self.order, self.block_size, self.batch_size = offset, order, block_size, batch_size
+        self.batches = range(-(-len(order) // batch_size)) if batches is None else batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return BlockPlan(self.offset, self.order, self.block_size, self.batch_size, self.batches[i])
+        b = self.batches[i]
+        return self._rows(b * self.batch_size, min((b + 1) * self.batch_size, len(self.order)))
+
+    def _rows(self, first: int, stop: int) -> np.ndarray:
+        """(stop - first, 2) int64: blocks ``first .. stop - 1`` of the epoch, their places and starts."""
+        out = np.empty((stop - first, 2), dtype=np.int64)
+        out[:, 0] = np.arange(first, stop)
+        out[:, 1] = self.order[first:stop]
+        out[:, 1] *= self.block_size
+        out[:, 1] += self.offset
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        # a whole plan is walked once per epoch (each batch's tokens): its arrays made many batches at a time
+        if self.batches.step != 1:
+            yield from (self[i] for i in range(len(self)))
+            return
+        B, n = self.batch_size, len(self.order)
+        for lo in range(self.batches.start, self.batches.stop, ITER_BATCHES):
+            hi = min(lo + ITER_BATCHES, self.batches.stop)
+            rows = self._rows(lo * B, min(hi * B, n))
+            yield from (rows[k * B : (k + 1) * B] for k in range(hi - lo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (list(self),)
+
+
+def collate_windows(stream: Stream, item: np.ndarray, block_size: int) -> Batch:
+    """The batch of a planned (B, 2) array: its blocks of ``block_size + 1`` ids read from ``stream``."""
+    blocks = torch.from_numpy(stream.windows(item[:, 1], block_size + 1))  # (B, L + 1)
+    return lm_batch(blocks, item[:, 0].tolist())
+
+
+class WindowBatches(Sequence):
+    """Batches of a :class:`BlockPlan` read when asked (validation of a long stream holds no ids in memory);
+    a slice is another such sequence (each process evaluates every world-th batch)."""
+
+    def __init__(self, stream: Stream, plan: BlockPlan, block_size: int) -> None:
+        self.stream, self.plan, self.block_size = stream, plan, block_size
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return WindowBatches(self.stream, self.plan[i], self.block_size)
+        return collate_windows(self.stream, self.plan[i], self.block_size)
+
+
+@dataclass
+class LMData:
+    """A language model's training data: the store's train and valid streams cut into blocks of ``block_size + 1``
+    ids (consecutive blocks share one boundary token), ``batch_size`` blocks a batch; each epoch at a new offset
+    and in a new order (:func:`aiayn.data.batching.lm_block_order`), validation on fixed blocks from the start of
+    the held-out stream. The batches of cutting the stream in memory (tests/test_lm_store.py); nothing of the
+    stream in memory, and a pickle of file names."""
+
+    train: Stream
+    valid: Stream
+    block_size: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        L = self.block_size
+        if len(self.train) <= L + 1:
+            raise DataError(f"the training text has {len(self.train)} tokens, fewer than one block of {L + 1}")
+        if (len(self.valid) - 1) // L < 1:
+            raise DataError(f"the validation text has {len(self.valid)} tokens, fewer than one block of {L + 1}")
+
+    def epoch_plan(self, epoch: int) -> BlockPlan:
+        """The epoch's batches as (B, 2) arrays of block places and starts (:class:`BlockPlan`)."""
+        offset, order = lm_block_order(len(self.train), self.block_size, self.seed, epoch)
+        return BlockPlan(offset, order, self.block_size, self.batch_size)
+
+    def plan_tokens(self, item: np.ndarray) -> int:
+        """The target tokens of a planned batch: every position of every block (no block holds padding)."""
+        return len(item) * self.block_size
+
+    def collate_plan(self, item: np.ndarray) -> Batch:
+        return collate_windows(self.train, item, self.block_size)
+
+    @property
+    def valid_batches(self) -> WindowBatches:
+        """Fixed, non-overlapping blocks from the start of the held-out stream: every validation token after the
+        first is predicted once. Read when iterated."""
+        offset, order = lm_block_order(len(self.valid), self.block_size, shuffle=False)
+        return WindowBatches(self.valid, BlockPlan(offset, order, self.block_size, self.batch_size), self.block_size)
