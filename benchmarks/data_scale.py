@@ -1,16 +1,22 @@
 """The data path at the paper's scale: synthetic corpora of WMT-like lengths, prepared once, then trained from.
 
-    python -m benchmarks.data_scale [--sizes 100000 1000000 4500000] [--out-json F] [--smoke]
+    python -m benchmarks.data_scale [--sizes 100000 1000000 4500000] [--auto] [--out-json F] [--smoke]
 
 For each size N: writes N sentence pairs (source lengths drawn like WMT14 En-De's, mean ~23 words, targets of a
 similar length; words from a synthetic 60k-word vocabulary), then measures
 
 - ``aiayn prepare``: wall time, pairs/s, the store's size on disk (and the text's);
 - ``aiayn train`` from the store (``--set data.prepared=DIR``, a 0.6M-parameter model, 20 updates of 4,096
-  tokens): peak RSS of the training process (``wait4``), seconds from the "model: ..." log line to the first
-  logged update, and the step's tokens/s;
-- the data loader alone (the training data of the store, its epoch plan and the collation of its batches, as
-  the trainer's prefetch thread does it): seconds to plan an epoch, and collated tokens/s against the step's.
+  tokens): peak RSS of the training process and its children (``wait4``: the largest of them), seconds from the
+  "model: ..." log line to the first logged update, the step's tokens/s, and the share of the epoch the step
+  waited for its batches (the trainer's "epoch N: ... waiting for batches" line);
+- the data loader alone (the training data of the store and its epoch plan): seconds to plan an epoch, target
+  tokens/s collated in one process, and target tokens/s delivered by the trainer's ``UpdateLoader`` (DataLoader
+  worker processes, ``data.loader_workers``' default here), each against the step's.
+
+``--auto``: what a user writes first: ``aiayn train`` on a config naming the text files, nobody running
+``aiayn prepare`` (the training prepares its store in ``$AIAYN_CACHE_DIR/stores``, here a temporary directory);
+the preparation's time is then read from the training's own log, and the peak RSS covers it.
 
 Each size runs in a fresh temporary directory; nothing is kept. ``--smoke``: 2,000 pairs, 3 updates.
 """
@@ -81,8 +87,12 @@ def _stamp(line: str) -> float:
 
 
 def loader_speed(cfg_args: list[str], updates: int) -> dict[str, float]:
-    """Plan an epoch and collate ``updates`` batches from the store, in this process: seconds and tokens/s."""
+    """Plan an epoch and collate ``updates`` batches from the store, in this process, then through the trainer's
+    DataLoader (default number of workers, one batch per update): seconds and target tokens/s."""
+    import torch
+
     from aiayn.config import load_config
+    from aiayn.data.loader import UpdateLoader, loader_workers
     from aiayn.data.pipeline import build_translation_data
 
     with tempfile.TemporaryDirectory() as run:
@@ -93,12 +103,36 @@ def loader_speed(cfg_args: list[str], updates: int) -> dict[str, float]:
         plan_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         tokens = sum(data.collate_plan(p).ntokens for p in plan[:updates])
+        collate_s = time.perf_counter() - t0
+        workers = loader_workers(None, torch.device("cpu"), torch.get_num_threads(), 1)
+        with UpdateLoader(data, workers) as loader:
+            batches = loader.epoch([[p] for p in plan], 0)
+            next(batches)  # the workers' start: once a run, not per batch
+            t0 = time.perf_counter()
+            delivered = sum(next(batches)[0].ntokens for _ in range(min(updates, len(plan) - 1)))
+            loader_s = time.perf_counter() - t0
         return {"plan_s": round(plan_s, 2), "batches": len(plan),
-                "collate_tokens_per_s": round(tokens / (time.perf_counter() - t0))}
+                "collate_tokens_per_s": round(tokens / collate_s), "workers": workers,
+                "dataloader_tokens_per_s": round(delivered / loader_s)}
 
 
-def measure(n: int, updates: int, work: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _epoch_wait(lines: list[str]) -> float | None:
+    """The share (%) of the first epoch the step waited for batches, from the trainer's log."""
+    for line in lines:
+        m = re.search(r"aiayn.train: epoch \d+: .*\(([\d.]+)%\) waiting for batches", line)
+        if m:
+            return float(m.group(1))
+    return None
+
+
+def _prepare_s(lines: list[str]) -> float | None:
+    """Seconds the training spent preparing its own store: its first line to the store's "kept" lines."""
+    kept = [_stamp(x) for x in lines if "from the store" in x and x[:4].isdigit()]
+    return round(kept[0] - _stamp(lines[0]), 1) if kept and lines[0][:4].isdigit() else None
+
+
+def measure(n: int, updates: int, work: Path, auto: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "AIAYN_CACHE_DIR": str(work / "cache")}
     t0 = time.perf_counter()
     train_src, train_tgt, valid_src, valid_tgt = write_corpus(work, n)
     write_s = time.perf_counter() - t0
@@ -107,40 +141,50 @@ def measure(n: int, updates: int, work: Path) -> dict[str, Any]:
             f"data.train_tgt={train_tgt}", "--set", f"data.valid_src={valid_src}", "--set",
             f"data.valid_tgt={valid_tgt}"] + [x for m in MODEL for x in ("--set", m)]
     recipe = str(REPO / "configs" / "tiny_reverse.yaml")
-    rc, prep_s, prep_rss, err = run_measured([sys.executable, "-m", "aiayn", "prepare", recipe, "--out", str(store),
-                                              *data], env)
-    if rc != 0:
-        raise SystemExit(f"prepare failed:\n{err[-3000:]}")
+    prep_s, prep_rss = None, None
+    if not auto:
+        rc, prep_s, prep_rss, err = run_measured([sys.executable, "-m", "aiayn", "prepare", recipe, "--out",
+                                                  str(store), *data], env)
+        if rc != 0:
+            raise SystemExit(f"prepare failed:\n{err[-3000:]}")
     text_mb = sum(p.stat().st_size for p in (train_src, train_tgt, valid_src, valid_tgt)) / 2**20
-    store_mb = sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) / 2**20
-    args = [*data, "--set", f"data.prepared={store}", "--set", f"train.max_updates={updates}"]
+    args = [*data, *([] if auto else ["--set", f"data.prepared={store}"]), "--set", f"train.max_updates={updates}"]
     rc, train_s, train_rss, err = run_measured([sys.executable, "-m", "aiayn", "train", recipe, "--run-dir",
                                                 str(work / "run"), "--no-progress", *args], env)
     if rc != 0:
         raise SystemExit(f"train failed:\n{err[-3000:]}")
     lines = err.splitlines()
+    if auto:
+        (store,) = (work / "cache" / "stores").iterdir()
+        prep_s = _prepare_s(lines)
+    store_mb = sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) / 2**20
     built = next(_stamp(x) for x in lines if "aiayn.train: model:" in x)
     first = next(_stamp(x) for x in lines if re.search(r"aiayn.train: step 1/", x))
     logs = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in logs if "tokens_per_s" in r][2:] or [r for r in logs if "tokens_per_s" in r]
     step_tps = sorted(r["tokens_per_s"] for r in steps)[len(steps) // 2]
     loader = loader_speed([recipe, *args], min(200, updates * 10))
-    return {"pairs": n, "write_s": round(write_s, 1), "text_mb": round(text_mb, 1),
-            "prepare_s": round(prep_s, 1), "prepare_pairs_per_s": round(n / prep_s),
+    return {"pairs": n, "auto": auto, "write_s": round(write_s, 1), "text_mb": round(text_mb, 1),
+            "prepare_s": prep_s and round(prep_s, 1), "prepare_pairs_per_s": prep_s and round(n / prep_s),
             "prepare_peak_rss_mb": prep_rss, "store_mb": round(store_mb, 1),
-            "train_peak_rss_mb": train_rss, "first_update_s": round(first - built, 2),
-            "step_tokens_per_s": step_tps, **{f"loader_{k}": v for k, v in loader.items()},
-            "loader_over_step": round(loader["collate_tokens_per_s"] / max(step_tps, 1e-9), 1)}
+            "train_peak_rss_mb": train_rss, "train_wall_s": round(train_s, 1),
+            "first_update_s": round(first - built, 2),
+            "epoch_wait_pct": _epoch_wait(lines), "step_tokens_per_s": step_tps,
+            **{f"loader_{k}": v for k, v in loader.items()},
+            "loader_over_step": round(loader["dataloader_tokens_per_s"] / max(step_tps, 1e-9), 1)}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rows = ["| pairs | text (MB) | prepare (s) | pairs/s | store (MB) | training peak RSS (MiB) | model built -> "
-            "first update (s) | epoch plan (s) | loader tokens/s | step tokens/s | loader / step |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| pairs | how | text (MB) | prepare (s) | store (MB) | training peak RSS (MiB) | model built -> "
+            "first update (s) | step waited (% of epoch) | epoch plan (s) | collate tokens/s | DataLoader tokens/s "
+            "(workers) | step tokens/s | DataLoader / step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        rows.append(f"| {r['pairs']:,} | {r['text_mb']:,} | {r['prepare_s']:,} | {r['prepare_pairs_per_s']:,} | "
-                    f"{r['store_mb']:,} | {r['train_peak_rss_mb']:,} | {r['first_update_s']} | "
-                    f"{r['loader_plan_s']} | {r['loader_collate_tokens_per_s']:,} | {r['step_tokens_per_s']:,} | "
+        how = "config names the files" if r["auto"] else "aiayn prepare + data.prepared"
+        rows.append(f"| {r['pairs']:,} | {how} | {r['text_mb']:,} | {r['prepare_s']} | {r['store_mb']:,} | "
+                    f"{r['train_peak_rss_mb']:,} | {r['first_update_s']} | {r['epoch_wait_pct']} | "
+                    f"{r['loader_plan_s']} | {r['loader_collate_tokens_per_s']:,} | "
+                    f"{r['loader_dataloader_tokens_per_s']:,} ({r['loader_workers']}) | {r['step_tokens_per_s']:,} | "
                     f"{r['loader_over_step']}x |")
     return "\n".join(rows)
 
@@ -150,13 +194,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 4_500_000])
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--out-json")
+    p.add_argument("--auto", action="store_true",
+                   help="train on a config naming the text files (the training prepares its own store)")
     p.add_argument("--smoke", action="store_true", help="2,000 pairs and 3 updates: does it run?")
     args = p.parse_args(argv)
     sizes, updates = ([2000], 3) if args.smoke else (args.sizes, args.updates)
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append(measure(n, updates, Path(tmp)))
+            rows.append(measure(n, updates, Path(tmp), args.auto))
         print(json.dumps(rows[-1]), flush=True)
     result = {"command": "python -m benchmarks.data_scale " + " ".join(argv if argv is not None else sys.argv[1:]),
               "cpus": os.cpu_count(), "rows": rows}

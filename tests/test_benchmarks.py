@@ -179,10 +179,12 @@ def test_wmt_like_lengths_have_the_documented_distribution():
 def test_data_scale_smoke_prepares_trains_and_measures(tmp_path):
     from benchmarks import data_scale
 
-    result = data_scale.main(["--smoke", "--out-json", str(tmp_path / "d.json")])
-    (row,) = result["rows"]
-    assert row["pairs"] == 2000 and row["store_mb"] > 0 and row["text_mb"] > 0
+    result = data_scale.main(["--smoke", "--auto", "--out-json", str(tmp_path / "d.json")])
+    (row,) = result["rows"]  # the training prepared its own store from a config naming the files
+    assert row["pairs"] == 2000 and row["auto"] and row["store_mb"] > 0 and row["text_mb"] > 0
     assert row["train_peak_rss_mb"] > 0 and row["loader_collate_tokens_per_s"] > 0
+    assert row["loader_dataloader_tokens_per_s"] > 0 and row["loader_workers"] >= 1
+    assert isinstance(row["prepare_s"], float) and isinstance(row["epoch_wait_pct"], float)
     # a time is not asserted on (wall clock), but it is a number, and the table prints it
     assert isinstance(row["first_update_s"], float) and math.isfinite(row["first_update_s"])
     assert "| 2,000 |" in data_scale.markdown(result) and f"| {row['first_update_s']} |" in data_scale.markdown(result)

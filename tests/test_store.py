@@ -250,9 +250,10 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
     assert str(gone.resolve()) not in json.loads((tmp_path / "cache" / "hashes.json").read_text())
 
 
-def test_training_reads_the_store_without_mapping_it(tmp_path):
-    """Resident memory must not grow with the part of the store an epoch reads: pairs are read by position, and
-    no file of the store is ever mapped into the process (a mapping's page faults map neighbouring pages too)."""
+def test_training_never_leaves_the_store_mapped(tmp_path):
+    """Resident memory must not grow with the part of the store an epoch reads: a batch is gathered through a
+    mapping that lives for that gather only, so after an epoch no file of the store is mapped into the process (a
+    lasting mapping's page faults keep neighbouring pages resident too)."""
     from pathlib import Path
 
     from aiayn.data.pipeline import build_translation_data

@@ -11,10 +11,10 @@ lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare C
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
 Raw little-endian arrays whose dtype and length the manifest states: no pickle, and only the offsets (the pair
-lengths the batches are planned from) live in memory while training. A batch's ids are read with one ``preadv``
-per run of adjacent pairs and padded with numpy (:meth:`Side.gather`,
-:func:`aiayn.data.batching.collate_flat`). Not memory-mapped: the pages of a mapping that training touches at
-random, with their neighbours, would stay in the process's resident memory and make it grow with the store
+lengths the batches are planned from) live in memory while training. A batch's ids are gathered from a mapping of
+the file that lives for that one gather, with one vectorized index, and padded with numpy (:meth:`Side.gather`,
+:func:`aiayn.data.batching.collate_flat`). Nothing stays mapped: the pages of a lasting mapping that training touches
+at random, with their neighbours, would stay in the process's resident memory and make it grow with the store
 (:class:`Side`).
 
 The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
@@ -43,6 +43,7 @@ import datetime
 import hashlib
 import json
 import logging
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -79,12 +80,13 @@ PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (sourc
 
 class Side:
     """One side of a prepared split: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read from the
-    file by position (``pread``): a batch's pairs in one read per run of consecutive pairs (:meth:`gather`).
+    file by position: one pair with ``pread``, a batch's pairs through a mapping that lives for one gather
+    (:meth:`gather`).
 
-    Not memory-mapped: a mapped file's page faults map whole neighbourhoods of pages (the kernel's fault-around),
-    so a training that reads pairs scattered over the store would see its resident memory grow with the store
-    (BENCHMARKS.md, "The data path"). A positional read leaves the pages in the kernel's
-    page cache, not in the process."""
+    Never left mapped: a mapped file's page faults map whole neighbourhoods of pages (the kernel's fault-around), so
+    a lasting mapping that training reads at random would make the process's resident memory grow with the store
+    (BENCHMARKS.md, "The data path"). Unmapped after each gather, the pages stay in the kernel's page cache, not in
+    the process."""
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
         self.dtype = dtype.newbyteorder("<")
@@ -153,39 +155,27 @@ class Side:
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids of the pairs ``indices`` (B,), back to back in that order, (sum of lengths,) int64, and their
-        lengths (B,) int64. Read in file order, one ``preadv`` per run of pairs that lie next to each other in the
-        file, into one buffer; put in the asked order by one vectorized gather."""
+        lengths (B,) int64: one vectorized index into a mapping of the file, unmapped before returning (a Python
+        read per scattered pair cost three times as much)."""
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
         starts, ends = self.offsets[idx], self.offsets[idx + 1]
         lens = ends - starts
-        order = np.argsort(starts, kind="stable")
-        s, e = starts[order], ends[order]
-        # a pair starts a new read unless it begins where the one before it (in file order) ended
-        new = np.ones(len(s), dtype=bool)
-        new[1:] = s[1:] != e[:-1]
-        first = np.flatnonzero(new)
-        run_start = s[first]
-        run_end = np.maximum.reduceat(e, first) if len(first) else run_start
-        size = self.dtype.itemsize
-        buf = bytearray(int((run_end - run_start).sum()) * size)
-        view, at = memoryview(buf), 0
-        for a, b in zip(run_start.tolist(), run_end.tolist()):
-            n = (b - a) * size
-            if n and os.preadv(self._fd, [view[at : at + n]], a * size) != n:
-                raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)")
-            at += n
-        flat = np.frombuffer(buf, dtype=self.dtype)
-        # where each pair (in file order) begins in the buffer: its run's place plus its offset inside the run
-        run_at = np.concatenate(([0], np.cumsum(run_end - run_start)[:-1])) if len(first) else run_start
-        run_of = np.cumsum(new) - 1
-        in_buf = np.empty(len(idx), dtype=np.int64)
-        in_buf[order] = run_at[run_of] + (s - run_start[run_of])
-        # ragged gather: pair k's ids are flat[in_buf[k] : in_buf[k] + lens[k]], laid out in the asked order
+        total = int(lens.sum())
+        if total == 0:
+            return np.zeros(0, dtype=np.int64), lens
+        # ragged gather: pair k's ids are ids[starts[k] : ends[k]], laid out one after another in the asked order
         out_at = np.cumsum(lens) - lens
-        pos = np.repeat(in_buf - out_at, lens) + np.arange(int(lens.sum()), dtype=np.int64)
-        return flat[pos].astype(np.int64), lens
+        pos = np.repeat(starts - out_at, lens) + np.arange(total, dtype=np.int64)
+        try:
+            with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mapped:
+                ids = np.frombuffer(mapped, dtype=self.dtype)
+                out = ids[pos].astype(np.int64)
+                del ids  # the mapping closes only once no array views it
+        except (IndexError, ValueError, OSError):
+            raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)") from None
+        return out, lens
 
 
 @dataclass(frozen=True)
