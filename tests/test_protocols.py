@@ -582,6 +582,87 @@ def test_model_aliases_are_listed_and_answered(lm):
         assert r.status_code == 404 and "--model-alias" in r.json()["error"]["message"]
 
 
+# A chat template of the run's own: Hugging Face's convention (BOS and EOS by their names; the roles spelt in
+# letters the character model knows; a system message refused by the template itself, as many models' templates do)
+OWN_TEMPLATE = """{{ bos_token }}{% for m in messages %}
+{% if m.role == 'system' %}{{ raise_exception('this model takes no system message') }}{% endif %}
+{{ {'user': 'the ', 'assistant': 'a '}[m.role] }}{{ m.content }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}a {% endif %}"""
+
+
+def run_with_template(lm_run: Path, where: Path, template: str) -> Path:
+    """A copy of the language-model run that carries ``template`` as its chat_template.jinja."""
+    import shutil
+
+    run = shutil.copytree(lm_run, where / "run")
+    (run / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return run
+
+
+def test_a_runs_own_chat_template_is_what_its_chat_reads(lm_run, tmp_path):
+    """A run with chat_template.jinja answers chat as that template renders the messages (here, and as
+    transformers renders them): the greedy completion of the rendered prompt, its special-token names read as
+    those tokens (/tokenize), plain and streamed, not stripped; /tokenizer_info shows the template; a template
+    that raises for a request's messages is a 400 in OpenAI's shape and the server goes on."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    lm = aiayn.load(run_with_template(lm_run, tmp_path, OWN_TEMPLATE), device="cpu")
+    messages = [{"role": "user", "content": "cat"}, {"role": "assistant", "content": "sat"},
+                {"role": "user", "content": [{"type": "text", "text": "dog"}]}]
+    plain = [{"role": m["role"], "content": "dog" if isinstance(m["content"], list) else m["content"]}
+             for m in messages]
+    rendered = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(OWN_TEMPLATE).render(
+        messages=plain, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    assert rendered == "<s>the cat</s>\na sat</s>\nthe dog</s>\na "  # a turn per line
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:  # transformers is an oracle here, not a need of the server
+        render_jinja_template = None
+    if render_jinja_template is not None:
+        assert render_jinja_template(conversations=[plain], chat_template=OWN_TEMPLATE, add_generation_prompt=True,
+                                     bos_token="<s>", eos_token="</s>")[0] == [rendered]
+    with TestClient(create_app(lm, max_wait_ms=1.0), base_url="http://localhost") as c:
+        assert c.get("/tokenizer_info").json()["chat_template"] == OWN_TEMPLATE
+        ids = c.post("/tokenize", json={"prompt": rendered}).json()["tokens"]
+        sp = lm.tokenizers.specials
+        assert ids[0] == sp.bos and ids.count(sp.eos) == 3  # the names in the text are the tokens
+        want = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0}).json()
+        body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+        assert r.json()["usage"] == want["usage"] and r.json()["usage"]["prompt_tokens"] == len(ids)
+        streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want["choices"][0]["text"]
+        r = c.post("/v1/chat/completions", json={**body, "messages": [{"role": "system", "content": "be"}, *messages]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "chat_template_error" and error["param"] == "messages"
+        assert "this model takes no system message" in error["message"] and "\n" not in error["message"]
+        again = c.post("/v1/chat/completions", json=body).json()  # the refusal left the server as it was
+        assert again["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+
+
+def test_a_chat_template_that_does_not_parse_stops_serve_before_it_listens(lm_run, tmp_path, capsys):
+    """A run's chat_template.jinja with a syntax error: aiayn serve says so in one line (the file and its line)
+    and exits 2 before anything listens; create_app refuses it the same way. Without the file, chat reads the
+    default template and /tokenizer_info says none."""
+    from aiayn.cli import main
+    from aiayn.errors import ConfigError
+
+    run = run_with_template(lm_run, tmp_path, "{{ bos_token }}\n{% for m in messages %}{{ m.content }}")
+    assert main(["serve", str(run), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chat_template.jinja: line 2:" in err[0] and "endfor" in err[0], err
+    with pytest.raises(ConfigError, match="chat_template.jinja"):
+        create_app(aiayn.load(run, device="cpu"))
+    (run / "chat_template.jinja").unlink()
+    with TestClient(create_app(aiayn.load(run, device="cpu"), max_wait_ms=1.0), base_url="http://localhost") as c:
+        assert c.get("/tokenizer_info").json()["chat_template"] is None
+
+
 def test_every_accepted_completion_field_acts_or_is_refused(client_lm, lm):
     """What the server does not do is refused in OpenAI's shape; what it takes changes the answer: more than 4 stop
     strings (lm-evaluation-harness sends a task's every one), stream_options.include_usage, the model's name."""

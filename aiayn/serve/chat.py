@@ -2,7 +2,10 @@
 
 A chat request becomes one completion prompt (:func:`chat_prompt`):
 
-* A language-model run reads the conversation through this template (aiayn's runs carry none of their own)::
+* A language-model run that carries its own template (``RUN/chat_template.jinja``, Hugging Face's convention:
+  :mod:`aiayn.serve.chat_template`) reads the conversation as that template renders it; the reply is what the
+  model writes next, as it writes it, ending at its EOS, the request's ``stop`` or ``max_tokens``.
+* A language-model run without one reads the conversation through this template::
 
       System: {content}\\n          (each message in order, its role capitalized)
       User: {content}\\n
@@ -23,6 +26,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from aiayn.serve.chat_template import ChatTemplate
 from aiayn.serve.schemas import ApiError
 
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
@@ -49,8 +53,9 @@ def _content(message: Any, i: int) -> tuple[str, str]:
     return message["role"], content
 
 
-def chat_prompt(body: dict[str, Any], task: str) -> tuple[str, dict[str, Any]]:
-    """(the completion prompt, the completion request's other fields) of a chat request on a run of ``task``."""
+def chat_prompt(body: dict[str, Any], task: str, template: ChatTemplate | None = None) -> tuple[str, dict[str, Any]]:
+    """(the completion prompt, the completion request's other fields) of a chat request on a run of ``task``;
+    ``template``: a language model's own (None: the default one above)."""
     unknown = sorted(set(body) - set(CHAT_ONLY) - set(SHARED))
     if unknown:
         raise ApiError(400, "unknown_parameter", f"unknown parameter {unknown[0]!r}")
@@ -73,6 +78,8 @@ def chat_prompt(body: dict[str, Any], task: str) -> tuple[str, dict[str, Any]]:
             raise ApiError(400, "invalid_type", "messages: a translation run translates the last user message; "
                                                 "there is none")
         return users[-1], fields
+    if template is not None:  # the run's own template knows its turns' ends: no stop of ours is added
+        return template.render([{"role": role, "content": text} for role, text in turns]), fields
     stop = fields.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if isinstance(stops, list):

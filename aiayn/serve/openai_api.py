@@ -8,7 +8,8 @@ protocol table lists every difference from the originals.
                                  ``stop``, ``seed``, ``stream`` (server-sent events ending in ``data: [DONE]``),
                                  ``stream_options.include_usage``, ``echo`` and ``logprobs``
                                  (:mod:`aiayn.serve.scores`); ``usage`` in tokens (:mod:`aiayn.serve.completions`)
-``POST /v1/chat/completions``    chat completions, through one template (:mod:`aiayn.serve.chat`)
+``POST /v1/chat/completions``    chat completions, through the run's own template (:mod:`aiayn.serve.chat_template`)
+                                 or the default one (:mod:`aiayn.serve.chat`)
 ``/tokenize``, ``/detokenize``,  vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer reads them
 ``GET /tokenizer_info``
 ===============================  ==================================================================================
@@ -37,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
+from aiayn.serve.chat_template import load_chat_template
 from aiayn.serve.completions import (
     Completion,
     Job,
@@ -70,6 +72,7 @@ class OpenAIRoutes:
         self.svc = svc
         self.model_id = svc.run.path.name
         self.created = int(time.time())
+        self.template = load_chat_template(svc.run)  # a language model's own (RUN/chat_template.jinja), or None
 
     def routes(self) -> list[Route]:
         def route(path: str, handler, methods: list[str]) -> Route:
@@ -106,10 +109,26 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt, fields = chat_prompt(body, self.svc.task)
+        prompt, fields = chat_prompt(body, self.svc.task, self.template)
+        if self.template is not None:
+            prompt = self.template_ids(prompt)
         c = completion_request({**fields, "prompt": prompt}, self.svc.limits)
         self.check_model(body)
-        return await self.respond(c, ChatShape(strip_leading_space=self.svc.task == "lm"))
+        # the default template's reply follows "Assistant:" and a space; a run's own template says where it starts
+        return await self.respond(c, ChatShape(strip_leading_space=self.svc.task == "lm" and self.template is None))
+
+    def template_ids(self, text: str) -> list[int]:
+        """The ids of a prompt the run's chat template rendered: the special tokens' names in it read as those
+        tokens (``<s>``, ``</s>``), as a Hugging Face tokenizer reads a rendered chat."""
+        limit = self.svc.limits.max_chars
+        if len(text) > limit:
+            raise OpenAIError(400, f"messages: the chat template rendered {len(text)} characters, the limit is "
+                                   f"{limit}", param="messages", code="out_of_range")
+        ids = encode_with_specials(self.svc.run, text)
+        if not ids:
+            raise OpenAIError(400, "messages: the run's chat template rendered an empty prompt for these messages",
+                              param="messages", code="chat_template_error")
+        return ids
 
     def check_model(self, body: dict[str, Any]) -> None:
         """The ``model`` a request names must be one /v1/models lists: the run, or an alias (none named: the run)."""
@@ -240,7 +259,8 @@ class OpenAIRoutes:
         return JSONResponse(self.info())
 
     def info(self) -> dict[str, Any]:
-        return tokenizer_info(self.svc.model.run, self.model_id)
+        return tokenizer_info(self.svc.model.run, self.model_id,
+                              None if self.template is None else self.template.source)
 
     def need_lm(self, path: str) -> None:
         if self.svc.task != "lm":

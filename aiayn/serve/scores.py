@@ -71,14 +71,15 @@ def scored_choice(run: Run, prompt: str | list[int], opts, max_tokens: int, echo
     return result
 
 
-def tokenizer_info(run: Run, model_id: str) -> dict[str, Any]:
+def tokenizer_info(run: Run, model_id: str, chat_template: str | None = None) -> dict[str, Any]:
     """``GET /tokenizer_info`` as lm-evaluation-harness's remote tokenizer reads it (vLLM's fields): the special
-    tokens by their text (``/tokenize`` maps each back to its id), the context length, no chat template."""
+    tokens by their text (``/tokenize`` maps each back to its id), the context length, the run's own chat template
+    (``RUN/chat_template.jinja``'s text; None: the run has none, and chat uses the server's default)."""
     tok, sp = run.tokenizers.src, run.tokenizers.specials
     return {"tokenizer_class": f"aiayn-{tok.kind}", "model": model_id, "eos_token": tok.id_to_piece(sp.eos),
             "bos_token": tok.id_to_piece(sp.bos), "pad_token": tok.id_to_piece(sp.pad),
-            "unk_token": tok.id_to_piece(sp.unk), "model_max_length": lm_context(run.cfg), "chat_template": None,
-            "vocab_size": tok.vocab_size}
+            "unk_token": tok.id_to_piece(sp.unk), "model_max_length": lm_context(run.cfg),
+            "chat_template": chat_template, "vocab_size": tok.vocab_size}
 
 
 def encode_with_specials(run: Run, text: str) -> list[int]:
