@@ -5,8 +5,11 @@ the update, logging, the clock) of one recipe, this tree and a baseline tree alt
     AIAYN_DATA_DIR=../shared/data python -m benchmarks.train_loop --baseline /tmp/aiayn-base [--rounds 3]
 
 Each measurement trains ``--updates`` updates with one thread and reads the target tokens per second between the
-first and the last logged update (start-up, data preparation and the first window excluded), and the CPU seconds
-the whole process used (user + system: on a busy machine far steadier than wall-clock speed, since time spent
+first and the last logged update (start-up, data preparation and the first window excluded), the seconds from
+the process's start to its "model: ..." log line (reading the corpus, training the tokenizer, encoding: what a
+user's first run waits before its first update; each training gets an empty ``$AIAYN_CACHE_DIR``, so nothing
+prepared by an earlier one is reused), and the CPU seconds the whole process used (user + system: on a busy
+machine far steadier than wall-clock speed, since time spent
 waiting for a core is not counted). The two trees run in turn, ``--rounds`` times each, so a change in the
 machine's load touches both; the table gives each round and the ratios of medians (this tree / baseline).
 The baseline is run with its own code (``PYTHONPATH``), the same recipe, flags and interpreter.
@@ -22,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +47,26 @@ RECIPES = {
 }
 
 
-def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list[str]) -> tuple[float, float]:
+def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list[str]) -> tuple[float, float, float]:
     """Target tokens per second of one training by the code in ``tree`` between its first and last logged update,
-    and the CPU seconds (user + system) of its process."""
+    the CPU seconds (user + system) of its process, and the seconds from its start to its model line."""
     run = work / f"run-{len(list(work.iterdir()))}"
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "AIAYN_CACHE_DIR": str(run) + "-cache"}
     cmd = [sys.executable, "-m", "aiayn", "train", recipe[0], "--run-dir", str(run), *recipe[1:], "--no-progress",
            "--set", f"train.max_updates={updates}", "--set", f"train.log_every={max(1, updates // 10)}",
            "--set", "train.threads=1", "--set", f"train.eval_every={updates}", "--set", f"train.save_every={updates}",
            "--set", "train.device=cpu", *extra]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tree)
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    proc = subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tree, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    model = next(line for line in proc.stderr.splitlines() if "aiayn.train: model:" in line)
+    setup_s = datetime.strptime(model[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - start
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in logs if "train_loss" in r]
     first, last = steps[0], steps[-1]
     tokens = sum(r["tokens_per_update"] * (r["step"] - p["step"]) for p, r in zip(steps, steps[1:]))
-    return tokens / (last["elapsed_s"] - first["elapsed_s"]), cpu_s
+    return tokens / (last["elapsed_s"] - first["elapsed_s"]), cpu_s, setup_s
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,23 +85,29 @@ def main(argv: list[str] | None = None) -> None:
     extra = [x for kv in args.set for x in ("--set", kv)]
     rows: dict[str, list[float]] = {"this tree": [], "baseline": []}
     cpu: dict[str, list[float]] = {"this tree": [], "baseline": []}
+    setup: dict[str, list[float]] = {"this tree": [], "baseline": []}
     with tempfile.TemporaryDirectory(prefix="aiayn-loop-") as tmp:
         work = Path(tmp)
         for _ in range(args.rounds):
             for name, tree in (("baseline", baseline), ("this tree", HERE)):
-                speed, cpu_s = measure(tree, RECIPES[args.recipe], args.updates, work, extra)
+                speed, cpu_s, setup_s = measure(tree, RECIPES[args.recipe], args.updates, work, extra)
                 rows[name].append(speed)
                 cpu[name].append(cpu_s)
-                print(f"{name}: {speed:,.0f} target tokens/s, {cpu_s:.1f} CPU s", flush=True)
+                setup[name].append(setup_s)
+                print(f"{name}: {speed:,.0f} target tokens/s, {cpu_s:.1f} CPU s, {setup_s:.1f} s to the model line",
+                      flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    med_setup = {k: statistics.median(v) for k, v in setup.items()}
     ratio = med["this tree"] / med["baseline"]
     cpu_ratio = med_cpu["this tree"] / med_cpu["baseline"]
     result: dict[str, Any] = {"date": utc_now(), "recipe": args.recipe, "updates": args.updates,
                               "baseline": _describe(baseline), "this_tree": _describe(HERE), "tokens_per_s": rows,
-                              "cpu_s": cpu, "ratio": ratio, "cpu_ratio": cpu_ratio, "machine": machine_info(1),
+                              "cpu_s": cpu, "setup_s": setup, "ratio": ratio, "cpu_ratio": cpu_ratio,
+                              "machine": machine_info(1),
                               "command": command_line("train_loop", argv or sys.argv[1:])}
-    print(f"ratio of medians (this tree / baseline): tokens/s {ratio:.3f}, CPU seconds {cpu_ratio:.3f}")
+    print(f"ratio of medians (this tree / baseline): tokens/s {ratio:.3f}, CPU seconds {cpu_ratio:.3f}; start to "
+          f"model line: {med_setup['this tree']:.1f} s against {med_setup['baseline']:.1f} s")
     if args.out_json:
         write_json(args.out_json, result)
     if args.md:
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             ["tree", "measure", *[f"round {i + 1}" for i in range(args.rounds)], "median"],
             [[f"{k} ({result['this_tree' if k == 'this tree' else 'baseline']})", what,
               *[fmt.format(v) for v in vals[k]], fmt.format(mid[k])]
-             for what, vals, mid, fmt in (("target tokens/s", rows, med, "{:,.0f}"), ("CPU s", cpu, med_cpu, "{:.1f}"))
+             for what, vals, mid, fmt in (("target tokens/s", rows, med, "{:,.0f}"), ("CPU s", cpu, med_cpu, "{:.1f}"),
+                                          ("start to model line (s)", setup, med_setup, "{:.1f}"))
              for k in vals])
         body = (f"`aiayn train {args.recipe}` ({args.updates} updates, 1 thread, fresh processes, the two trees in "
                 f"turn): this tree / baseline = **{ratio:.3f}** in target tokens/s, **{cpu_ratio:.3f}** in CPU "

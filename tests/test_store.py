@@ -367,7 +367,7 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
     from pathlib import Path
 
     from aiayn.data.pipeline import pair_sources
-    from aiayn.data.store import LOCK, MARKER, _build, store_key
+    from aiayn.data.store import CHECKED, LOCK, MARKER, _build, store_key
     from aiayn.files import file_lock
 
     train = write_pairs(tmp_path, "train", 1500, 0)
@@ -396,7 +396,7 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
     assert "on a sample of at most" not in log.read_text()  # it built nothing: it used this one's store
     store = open_store(out, ("train", "valid"))
     assert len(store.splits["train"]) == 1499 and len(store.splits["valid"]) == 59
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [MARKER, LOCK]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [CHECKED, MARKER, LOCK]  # nothing else
 
 
 def test_a_killed_build_is_never_trusted_and_a_failed_prepare_leaves_no_new_folder(tmp_path):
@@ -469,3 +469,28 @@ def test_collating_a_store_flat_gives_the_batches_of_collating_its_id_lists(tmp_
             for x, y in ((a.src, b.src), (a.tgt_in, b.tgt_in), (a.tgt_out, b.tgt_out)):
                 assert x.dtype == y.dtype and torch.equal(x, y)
             assert a.ntokens == b.ntokens and a.indices == b.indices
+
+
+def test_a_store_found_good_is_not_scanned_again_until_a_file_changes(tmp_path, monkeypatch):
+    """Every start and every rank opens the store: the id scan (all ids against the vocabulary) runs once per
+    unchanged file, remembered by size, times and inode; a rewrite (same bytes, new change time) is scanned again,
+    and a damaged file is still refused."""
+    from aiayn.data import store as store_mod
+
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    scanned = []
+    real = store_mod.os.pread
+    monkeypatch.setattr(store_mod.os, "pread", lambda fd, n, at: scanned.append(fd) or real(fd, n, at))
+    open_store(out)
+    assert scanned == []  # prepare's own opening found every file good
+    ids = out / "train.tgt.bin"
+    ids.write_bytes(ids.read_bytes())  # the same bytes, written again
+    open_store(out)
+    assert len(scanned) == 1  # that file alone
+    scanned.clear()
+    open_store(out)
+    assert scanned == []
+    _id_past_vocab(out)
+    with pytest.raises(DataError, match="past the vocabulary"):
+        open_store(out)

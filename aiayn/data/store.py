@@ -134,13 +134,7 @@ class Side:
         if int(o[-1]) * self.dtype.itemsize != self.file_bytes:
             return (f"{self.path.name}: {self.file_bytes:,} bytes where its offsets need "
                     f"{int(o[-1]) * self.dtype.itemsize:,} (truncated or damaged)")
-        chunk = CHECK_CHUNK
-        for start in range(0, self.n_ids, chunk):
-            ids = np.frombuffer(os.pread(self._fd, chunk * self.dtype.itemsize, start * self.dtype.itemsize),
-                                dtype=self.dtype)
-            if len(ids) and int(ids.max()) >= vocab_size:
-                return f"{self.path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
-        return None
+        return scan_ids(self._fd, self.path, self.dtype, self.n_ids, vocab_size)
 
     def lengths(self) -> np.ndarray:
         """(pairs,) int32: the token count of every pair (no specials)."""
@@ -176,6 +170,40 @@ class Side:
         except (IndexError, ValueError, OSError):
             raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)") from None
         return out, lens
+
+
+CHECKED = ".aiayn-checked.json"  # files whose ids were found below the vocabulary, by identity (see scan_ids)
+
+
+def _identity(fd: int, vocab_size: int) -> list[int]:
+    st = os.fstat(fd)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, vocab_size]
+
+
+def scan_ids(fd: int, path: Path, dtype: np.dtype, n_ids: int, vocab_size: int) -> str | None:
+    """None when every one of the ``n_ids`` ids of the open file ``fd`` (``path``) is below ``vocab_size``, else
+    what is wrong. Vectorized, in bounded chunks. A file found good is remembered in the store's
+    :data:`CHECKED` by its size, modification and change times (ns) and inode, so the next opening of the same,
+    unchanged file (every later start and every rank) skips the scan: any write changes the change time, which
+    cannot be set back. A store in a read-only directory is scanned every time."""
+    memo_path = path.parent / CHECKED
+    try:
+        memo = json.loads(memo_path.read_bytes())
+    except (OSError, ValueError):
+        memo = {}
+    identity = _identity(fd, vocab_size)
+    if isinstance(memo, dict) and memo.get(path.name) == identity:
+        return None
+    size = dtype.itemsize
+    for start in range(0, n_ids, CHECK_CHUNK):
+        ids = np.frombuffer(os.pread(fd, CHECK_CHUNK * size, start * size), dtype=dtype)
+        if len(ids) and int(ids.max()) >= vocab_size:
+            return f"{path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
+    memo = memo if isinstance(memo, dict) else {}
+    memo[path.name] = identity
+    with contextlib.suppress(OSError):  # a read-only store: scanned again next time, nothing lost
+        atomic_write_json(memo_path, memo)
+    return None
 
 
 @dataclass(frozen=True)

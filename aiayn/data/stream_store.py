@@ -40,13 +40,13 @@ import torch
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, lm_batch, lm_block_order
 from aiayn.data.store import (
-    CHECK_CHUNK,
     MANIFEST,
     PARALLEL_BYTES,
     STORE_VERSION,
     now,
     place_tokenizer,
     read_manifest,
+    scan_ids,
     settings,
     storage_dtype,
     store_key,
@@ -283,11 +283,7 @@ class Stream:
         if self.file_bytes != self.tokens * size:
             return (f"{self.path.name}: {self.file_bytes:,} bytes where its manifest needs {self.tokens * size:,} "
                     "(truncated or damaged)")
-        for start in range(0, self.tokens, CHECK_CHUNK):
-            ids = np.frombuffer(os.pread(self._fd, CHECK_CHUNK * size, start * size), dtype=self.dtype)
-            if len(ids) and int(ids.max()) >= vocab_size:
-                return f"{self.path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
-        return None
+        return scan_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size)
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """ids[start:stop] (n,) int64."""
