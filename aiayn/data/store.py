@@ -164,6 +164,8 @@ class Side:
         pos = np.repeat(starts - out_at, lens) + np.arange(total, dtype=np.int64)
         try:
             with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mapped:
+                if hasattr(mmap, "MADV_RANDOM"):  # no read-ahead or fault-around: only the pages the pairs are on
+                    mapped.madvise(mmap.MADV_RANDOM)
                 ids = np.frombuffer(mapped, dtype=self.dtype)
                 out = ids[pos].astype(np.int64)
                 del ids  # the mapping closes only once no array views it
