@@ -385,11 +385,12 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize a translation corpus once into a token store",
-                       description="Trains the tokenizer on a sample and encodes the train and valid pairs into DIR "
+    p = sub.add_parser("prepare", help="tokenize a corpus once into a token store, ahead of training",
+                       description="Trains the tokenizer on a sample and encodes the train and valid data into DIR "
                                    "(flat token-id files + offsets, read by position); train from it with --set "
-                                   "data.prepared=DIR. Safe to run several at once on one DIR (one builds, under a "
-                                   "lock); a damaged store is rebuilt.")
+                                   "data.prepared=DIR. Optional: a training without data.prepared prepares its "
+                                   "store itself in $AIAYN_CACHE_DIR/stores. Safe to run several at once on one DIR "
+                                   "(one builds, under a lock); a damaged store is rebuilt.")
     p.add_argument("config", help="YAML recipe, or a preset name")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="the store's directory (new, empty, or a store: reused when its inputs and settings match "

@@ -201,6 +201,21 @@ def _names(path: Path, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
+# The descriptors of the flocks this process holds. A forked child (a DataLoader worker) shares them, and a flock
+# lasts while any descriptor of it is open: a worker outliving a killed training would keep its run directory or
+# store locked. The child closes its copies first (close_inherited_locks); the parent's locks stay as they were.
+_HELD: set[int] = set()
+
+
+def close_inherited_locks() -> None:
+    """In a forked child: close this process's copies of its parent's lock descriptors (the parent keeps its locks;
+    they end when the parent's own descriptors close, whatever the child does)."""
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
 @contextlib.contextmanager
 def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], None] | None = None
               ) -> Iterator[None]:
@@ -231,10 +246,12 @@ def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], N
             if not shared:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            _HELD.add(fd)
             yield
             return
         finally:
             if fd is not None:
+                _HELD.discard(fd)
                 os.close(fd)  # closing the descriptor releases the flock
 
 
@@ -272,6 +289,7 @@ class RunLock:
             os.close(fd)
             raise CheckpointError(f"{self.path.parent}: changed while this process started; try again")
         self.fd = fd
+        _HELD.add(fd)
 
     def write_pid(self) -> None:
         """The holder's pid into the lock file (for the "in use" message); :meth:`restore` puts the old one back."""
@@ -287,6 +305,7 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
+            _HELD.discard(self.fd)
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = None
 

@@ -187,3 +187,18 @@ def post_held(app: Any, client: Any, requests: list[tuple[str, dict]], queued: i
         responses = [f.result() for f in futures]
     assert all_queued, [r.text for r in responses]
     return responses
+
+
+def side_of(directory: Path, name: str, seqs: Sequence[Sequence[int]]):
+    """A token store's :class:`~aiayn.data.store.Side` holding ``seqs`` (id lists), written into ``directory``: what
+    training data is read from, for tests that build their pairs by hand."""
+    import numpy as np
+
+    from aiayn.data.store import Side
+
+    ids, idx = directory / f"{name}.bin", directory / f"{name}.idx"
+    np.fromiter((i for s in seqs for i in s), dtype="<u4").tofile(ids)
+    offsets = np.zeros(len(seqs) + 1, dtype="<i8")
+    np.cumsum([len(s) for s in seqs], out=offsets[1:])
+    offsets.tofile(idx)
+    return Side(ids, idx, np.dtype(np.uint32), len(seqs))

@@ -168,16 +168,20 @@ def test_two_machines_of_two_processes_train_as_one_process_with_four_steps_and_
 
 
 def _rank_pid(run: Path, rank: int) -> int | None:
-    """The pid of the training process of ``rank`` writing ``run`` (Linux /proc)."""
+    """The pid of the training process of ``rank`` writing ``run`` (Linux /proc): not one of its DataLoader workers,
+    forked children with its command line and environment."""
+    found = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
             env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if str(run).encode() in cmd and b"aiayn" in cmd and f"LOCAL_RANK={rank}".encode() in env:
-            return int(entry.name)
-    return None
+            found[int(entry.name)] = parent
+    trainers = [pid for pid, parent in found.items() if parent not in found]
+    return trainers[0] if len(trainers) == 1 else None
 
 
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

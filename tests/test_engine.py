@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import skip_inductor_under_default_isa  # tests/ is on sys.path under pytest
+from conftest import side_of, skip_inductor_under_default_isa  # tests/ is on sys.path under pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn import build_model, model_config
@@ -101,10 +101,11 @@ def test_padded_batches_respect_the_budget_and_bound_the_shapes():
     assert [padded_length(n, 8, buckets) for n in (1, 16, 17, 64, 65, 71)] == [16, 16, 32, 64, 72, 72]
 
 
-def test_translation_data_pads_as_configured():
+def test_translation_data_pads_as_configured(tmp_path):
     src, tgt = pairs(200, seed=2, high=40)
-    data = TranslationData(src, tgt, src[:20], tgt[:20], max_tokens=256, seed=1, pad_to_multiple=8,
-                           buckets=(16, 32, 48))
+    sides = [side_of(tmp_path, name, seqs) for name, seqs in (("src", src), ("tgt", tgt), ("vsrc", src[:20]),
+                                                               ("vtgt", tgt[:20]))]
+    data = TranslationData(*sides, max_tokens=256, seed=1, pad_to_multiple=8, buckets=(16, 32, 48))
     batches = data.epoch_batches(0)
     assert sorted(i for b in batches for i in b.indices) == list(range(200))
     assert {tuple(b.src.shape) for b in batches} <= {(16, 16), (8, 32), (5, 48)}
@@ -113,7 +114,7 @@ def test_translation_data_pads_as_configured():
         assert b.ntokens == sum(len(tgt[i]) + 1 for i in b.indices) == data.plan_tokens(b.indices)
     assert {tuple(b.src.shape) for b in data.valid_batches} <= {(16, 16), (8, 32), (5, 48)}
     # the default keeps the batches every run so far was trained on (no padding beyond the longest)
-    plain = TranslationData(src, tgt, src, tgt, max_tokens=256, seed=1).epoch_batches(0)
+    plain = TranslationData(sides[0], sides[1], sides[0], sides[1], max_tokens=256, seed=1).epoch_batches(0)
     assert all(b.src.size(1) == max(len(src[i]) + 1 for i in b.indices) for b in plain)
 
 

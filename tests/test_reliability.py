@@ -312,6 +312,18 @@ def test_a_run_in_use_is_refused(run, capsys):
         assert snapshot(run) == before
 
 
+def _processes_of(run: Path) -> list[int]:
+    """The pids of the live processes whose command line names ``run`` (Linux /proc; zombies left out)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(run).encode() in (entry / "cmdline").read_bytes() and " Z " not in (entry / "stat").read_text():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
 def test_two_trainings_into_one_directory_the_second_is_refused_and_a_kill_frees_it(tmp_path, capsys):
     """Two real processes: the first holds the lock while it trains; the second gets one line and exit 2;
     once the first is killed (-9) the lock is free again."""
@@ -333,6 +345,12 @@ def test_two_trainings_into_one_directory_the_second_is_refused_and_a_kill_frees
     finally:
         first.kill()
         first.wait()
+    # Its DataLoader workers die with it (they would hold its stderr, sockets and locks): polled, not timed.
+    left = _processes_of(d)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _processes_of(d)
+    assert left == [], left
     # Killed before its first checkpoint: the lock is free, and a restart needs the same recipe.
     code, err = run_cli(capsys, train_args(d, "train.max_updates=5", resume=True))
     assert code == 2 and len(err) == 1 and "stopped before its first checkpoint with another config" in err[0], err

@@ -22,7 +22,8 @@ from aiayn.errors import DataError
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _check_file(path: str | Path) -> Path:
+def check_file(path: str | Path) -> Path:
+    """``path`` as a Path when it names a file; else one DataError saying what it is instead."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file")
@@ -33,7 +34,7 @@ def _check_file(path: str | Path) -> Path:
 
 def _read_bytes(path: str | Path) -> bytes:
     """The file's bytes, gunzipped when it is gzip (by content, whatever its name)."""
-    p = _check_file(path)
+    p = check_file(path)
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -61,7 +62,7 @@ def _decode(data: bytes, path: str | Path) -> str:
 def iter_lines(path: str | Path) -> Iterator[str]:
     """The lines of a UTF-8 text file (plain or gzip, by content), without their line endings, streamed: memory
     does not grow with the file. Invalid UTF-8 is an error naming the line and column (never replaced)."""
-    p = _check_file(path)
+    p = check_file(path)
     try:
         with open(p, "rb") as f:
             gz = f.read(2) == GZIP_MAGIC

@@ -13,7 +13,13 @@ updates), copy batches into page-locked memory for a GPU (``pin_memory``), and g
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
+import os
+import signal
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +31,7 @@ from aiayn.data.batching import Batch
 log = logging.getLogger("aiayn.data")
 
 PREFETCH_UPDATES = 2  # updates each worker builds ahead of the step
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 
 class UpdateSampler(Sampler):
@@ -62,6 +69,23 @@ def _as_is(batches: list[Batch]) -> list[Batch]:
     return batches
 
 
+def _worker_init(worker_id: int, parent: int) -> None:
+    """In each worker, first: die with the training process, and let go of its locks."""
+    # A training killed with -9 cannot stop its workers, and a worker blocked on its result pipe never notices its
+    # parent is gone: it would live on, holding the training's stderr, sockets and locks (a torchrun restart then
+    # waits on them). Linux kills it with its parent; the check covers a parent that died before the request.
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+    # A forked worker shares the training's lock descriptors (its run directory's, a store's): closed here, so that
+    # a killed training's lock ends with it.
+    from aiayn.files import close_inherited_locks
+
+    close_inherited_locks()
+
+
 class UpdateLoader:
     """The batches of each epoch's updates, built by ``workers`` processes (0: in this process, when asked)
     ``PREFETCH_UPDATES`` updates ahead each. Use it as a context manager: leaving stops the workers."""
@@ -72,6 +96,7 @@ class UpdateLoader:
         extra = {"prefetch_factor": PREFETCH_UPDATES, "persistent_workers": True} if workers > 0 else {}
         self._loader: DataLoader | None = DataLoader(
             UpdateBatches(data), sampler=self.sampler, batch_size=None, collate_fn=_as_is, num_workers=workers,
+            worker_init_fn=functools.partial(_worker_init, parent=os.getpid()) if workers > 0 else None,
             pin_memory=pin_memory, generator=torch.Generator().manual_seed(0), **extra)  # its own: the workers'
         # seeds are drawn from it, never from the global generator the training seeds its weights with
         self._iter: Iterator[list[Batch]] | None = None

@@ -198,7 +198,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
                  f"sacrebleu/wmt13/{langs}": "published"})
     if d.dataset is not None:
         return _known_sources(cfg, splits)
-    from aiayn.data.corpus import iter_pairs
+    from aiayn.data.corpus import check_file, iter_pairs
     from aiayn.data.datasets import sha256_known
 
     def stream(src: str, tgt: str | None) -> Iterator[tuple[str, str]]:
@@ -215,7 +215,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
         sources[split] = (lambda s=src, t=tgt: stream(s, t))
         for path in (src, tgt):
             if path is not None:
-                inputs[str(path)] = sha256_known(path)
+                inputs[str(path)] = sha256_known(check_file(path))
     return sources, inputs
 
 

@@ -80,10 +80,10 @@ def lm_input(cfg: Config) -> tuple[Path, dict[str, str]]:
                           "(task lm: tinyshakespeare, xsum, or data.train_src: a text file)")
     if cfg.data.train_src is None:
         raise ConfigError("task lm needs data.dataset: tinyshakespeare or data.train_src: a text file")
-    from aiayn.data.corpus import _check_file
+    from aiayn.data.corpus import check_file
     from aiayn.data.datasets import sha256_known
 
-    path = _check_file(cfg.data.train_src)
+    path = check_file(cfg.data.train_src)
     return path, {str(path): sha256_known(path)}
 
 
