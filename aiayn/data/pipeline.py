@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from aiayn.data.batching import (
     token_batches,
 )
 from aiayn.data.corpus import DataError, describe_clean_stats
-from aiayn.data.store import PairSource, Recipe, Side, Store, cached_store_dir, read_manifest
+from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
 from aiayn.data.stream_store import LMData, stream_recipe
 from aiayn.data.summarization import (
     SummaryLMData,
@@ -254,41 +254,18 @@ def check_prepared(cfg: Config) -> None:
         open_store(out, tuple(sources))
 
 
-def _run_store(cfg: Config, run_tok: Path | None) -> Store:
-    """The store a run trains from, prepared if needed: ``data.prepared`` when set, else the cache's
-    (:func:`~aiayn.data.store.cached_store_dir`). A run that already has a tokenizer (a resume, ``--init-from``)
-    trains on ids of that tokenizer: the store prepared with it, or a store whose own tokenizer is the same."""
-    from aiayn.data.store import cached_store_dir, prepare, read_manifest, store_key, tokenizer_matches
-
-    sources, inputs = pair_sources(cfg)
-    named = cfg.data.prepared is not None
-    plain = Path(cfg.data.prepared) if named else cached_store_dir(store_key(cfg, inputs, None))
-    if run_tok is None or named:
-        store = prepare(cfg, plain, sources, inputs, rebuild_damaged=not named)
-        if run_tok is not None and not tokenizer_matches(run_tok, store.tokenizer_dir):
-            raise ConfigError(f"{run_tok}: the run's tokenizer is not the one {plain} was prepared with")
-        return store
-    manifest = read_manifest(plain)
-    if (manifest is not None and manifest.get("key") == store_key(cfg, inputs, None)
-            and tokenizer_matches(run_tok, plain / "tokenizer")):
-        return prepare(cfg, plain, sources, inputs)
-    return prepare(cfg, cached_store_dir(store_key(cfg, inputs, run_tok)), sources, inputs, tokenizer=run_tok)
-
-
 def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
                            ) -> tuple[TranslationData, TokenizerPair]:
-    """Translation (or summarization) pairs read lazily from a token store (:func:`_run_store`: every process
+    """Translation (or summarization) pairs read lazily from a token store (:func:`run_store`: every process
     asks, one builds it under the store's lock and the others wait on the lock, outside any collective), batched
     by :func:`batch_budget` for ``world`` processes. The store's tokenizer becomes the run's. A damaged
     ``data.prepared`` store is refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
+    from aiayn.data.store import PairRecipe
+
     budget = batch_budget(cfg, world)  # refused before any reading
+    sources, inputs = pair_sources(cfg)
+    store, tok = run_store(cfg, run_dir, lambda t: PairRecipe(cfg, sources, inputs, t), is_main, barrier)
     tdir = tokenizer_dir(run_dir)
-    barrier()  # rank 0 writes nothing before this: every process sees whether the run has a tokenizer alike
-    store = _run_store(cfg, tdir if (tdir / "tokenizer.json").exists() else None)
-    if is_main and not (tdir / "tokenizer.json").exists():
-        shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
-    barrier()
-    tok = TokenizerPair.load(tdir)
     if tok.pretokenize != cfg.data.pretokenize:
         raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
                           f"says data.pretokenize={cfg.data.pretokenize!r}")
@@ -326,25 +303,37 @@ def _store_dir(cfg: Config, recipe: Recipe) -> Path:
     return Path(cfg.data.prepared) if cfg.data.prepared is not None else cached_store_dir(recipe.key)
 
 
-def lm_store(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None) -> tuple[Any, TokenizerPair]:
-    """The store a language model trains from, prepared when missing (every process asks; one builds under the
-    store's lock), and the run's tokenizer. A run that has a tokenizer (resumed, or ``init_from``) keeps it: the
-    store of its own training is used when it was prepared with that very tokenizer, else a store is prepared
-    with it (its key includes the tokenizer's files); a new run takes the store's tokenizer."""
+def _trained_with(out: Path, key: str, tdir: Path) -> bool:
+    """Whether ``out`` holds the store of ``key`` whose own tokenizer is the one in ``tdir``, byte for byte."""
+    from aiayn.data.store import tokenizer_matches
+
+    manifest = read_manifest(out)
+    return (manifest is not None and manifest.get("key") == key and (out / "tokenizer").is_dir()
+            and tokenizer_matches(tdir, out / "tokenizer"))
+
+
+def run_store(cfg: Config, run_dir: Path, recipe_of: Callable[[Path | None], Recipe], is_main: bool = True,
+              barrier=lambda: None) -> tuple[Any, TokenizerPair]:
+    """The store a run trains from, prepared when missing (every process asks; one builds under the store's lock),
+    and the run's tokenizer. ``recipe_of(tokenizer)``: the config's store, its tokenizer given or (None) trained.
+    The store is ``data.prepared`` when set, else the cache's (:func:`~aiayn.data.store.cached_store_dir`). A new
+    run takes the store's tokenizer. A run that has one (``--resume``, ``--init-from``) keeps it: a cached store of
+    its own training when that store's tokenizer is the same, else a store prepared with it (its key includes the
+    tokenizer's files); a named store must have been prepared with it (never rebuilt for another tokenizer)."""
     from aiayn.data.store import prepare_store, tokenizer_matches
 
-    barrier()  # the main process may have copied a tokenizer in (init_from): every process now sees the same
+    barrier()  # the main process writes nothing before this: every process sees whether the run has a tokenizer
     tdir = tokenizer_dir(run_dir)
-    has = (tdir / "tokenizer.json").exists()
-    recipe = lm_recipe(cfg)
+    has, named = (tdir / "tokenizer.json").exists(), cfg.data.prepared is not None
+    recipe = recipe_of(None)
     out = _store_dir(cfg, recipe)
-    manifest = read_manifest(out)
-    if has and not (manifest is not None and manifest.get("key") == recipe.key
-                    and (out / "tokenizer").is_dir() and tokenizer_matches(tdir, out / "tokenizer")):
-        recipe = lm_recipe(cfg, tdir)
-        out = _store_dir(cfg, recipe)
+    if has and not named and not _trained_with(out, recipe.key, tdir):
+        recipe = recipe_of(tdir)
+        out = cached_store_dir(recipe.key)
     # a store the user named is refused when damaged (aiayn prepare rebuilds it); the cache's is rebuilt
-    store = prepare_store(out, recipe, rebuild_damaged=cfg.data.prepared is None)
+    store = prepare_store(out, recipe, rebuild_damaged=not named)
+    if has and named and not tokenizer_matches(tdir, store.tokenizer_dir):
+        raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
     if is_main and not has:
         shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)
     barrier()
@@ -360,9 +349,9 @@ def _check_block(cfg: Config) -> None:
 def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                           ) -> tuple[SummaryLMData, TokenizerPair]:
     """"document <sep> summary" rows, one per article, read from the store of the (document, summary) pairs
-    (:func:`lm_store`; the tokenizer holds the separator as one piece)."""
+    (:func:`run_store`; the tokenizer holds the separator as one piece)."""
     _check_block(cfg)
-    store, tok = lm_store(cfg, run_dir, is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: lm_recipe(cfg, t), is_main, barrier)
     sep_ids = separator_ids(tok.src, cfg.data.separator)
     data = SummaryLMData(store.splits["train"], store.splits["valid"], sep_ids, cfg.data.block_size,
                          cfg.data.batch_size, cfg.train.seed)
@@ -381,7 +370,7 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
     if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
         return build_summary_lm_data(cfg, run_dir, is_main, barrier)
     _check_block(cfg)
-    store, tok = lm_store(cfg, run_dir, is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: lm_recipe(cfg, t), is_main, barrier)
     train, valid = store.splits["train"], store.splits["valid"]
     if is_main:
         log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d; store %s)", len(train), len(valid),

@@ -149,8 +149,8 @@ class Side:
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids of the pairs ``indices`` (B,), back to back in that order, (sum of lengths,) int64, and their
-        lengths (B,) int64: one vectorized index into a mapping of the file, unmapped before returning (a Python
-        read per scattered pair cost three times as much)."""
+        lengths (B,) int64: one vectorized index into a mapping of the file, unmapped before returning (no Python
+        loop over the pairs)."""
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
