@@ -607,5 +607,20 @@ def test_corpora_of_a_million_pairs_and_more_plan_with_numpy_s_tie_break():
     assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and len(plan) == len(again)
     other = plan_batches(src, tgt, 2048, seed=3, epoch=1)
     assert not all(np.array_equal(a, b) for a, b in zip(plan, other))
+    # exactly the plan of numpy's permutation sorted by np.lexsort, as first written (recorded runs trained on it)
+    from aiayn.data.batching import _numpy_rng, _rng
+
+    true_len = np.maximum(src, tgt) + 1
+    order = _numpy_rng(3, 0).permutation(n)
+    order = order[np.lexsort((src[order], true_len[order]))]
+    cuts, size, widest = [], 0, 0
+    for k, w in enumerate(true_len[order].tolist()):
+        if size and (size + 1) * max(widest, w) > 2048:
+            cuts.append(k)
+            size, widest = 0, 0
+        size, widest = size + 1, max(widest, w)
+    want = np.split(order, cuts)
+    _rng(3, 0).shuffle(want)
+    assert len(want) == len(plan) and all(np.array_equal(a, b) for a, b in zip(plan, want))
     small = [int(x) for x in src[:1000]], [int(x) for x in tgt[:1000]]  # below the threshold: Python's shuffle
     assert token_batches(*small, 512, 3, 0) == _reference_token_batches(*small, 512, 3, 0, True, 1, ())

@@ -93,7 +93,6 @@ class TranslationData:
         self._padded = self.pad_to_multiple > 1 or bool(self.buckets)
         self._src_lens = self._lengths(self.src)
         self._tgt_lens = self._lengths(self.tgt)
-        self._tgt_tokens = self.tgt.lengths() + 1  # tgt_out's non-pad tokens: y and EOS
         self._valid: list[Batch] | None = None
 
     def _lengths(self, seqs: Side) -> np.ndarray:
@@ -118,7 +117,8 @@ class TranslationData:
 
     def plan_tokens(self, indices: np.ndarray) -> int:
         """The target tokens (each target and its EOS) of a planned batch: its ``Batch.ntokens``, uncollated."""
-        return int(self._tgt_tokens[indices].sum())
+        # tgt_out's non-pad tokens are y and EOS: the planning length, which counts the EOS when unpadded
+        return int(self._tgt_lens[indices].sum()) + (len(indices) if self._padded else 0)
 
     def collate_plan(self, indices: np.ndarray) -> Batch:
         """The batch of a planned index array."""
