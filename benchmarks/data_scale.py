@@ -12,7 +12,8 @@ similar length; words from a synthetic 60k-word vocabulary), then measures
   waited for its batches (the trainer's "epoch N: ... waiting for batches" line);
 - the data loader alone (the training data of the store and its epoch plan): seconds to plan an epoch, target
   tokens/s collated in one process, and target tokens/s delivered by the trainer's ``UpdateLoader`` (DataLoader
-  worker processes, ``data.loader_workers``' default here), each against the step's.
+  worker processes, ``data.loader_workers``' default here, and each count of ``--loader-workers``), each against
+  the step's.
 
 ``--auto``: what a user writes first: ``aiayn train`` on a config naming the text files, nobody running
 ``aiayn prepare`` (the training prepares its store in ``$AIAYN_CACHE_DIR/stores``, here a temporary directory);
@@ -87,13 +88,28 @@ def _stamp(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def loader_speed(cfg_args: list[str], updates: int) -> dict[str, float]:
+def _dataloader_rate(data: Any, workers: int, updates: int) -> int:
+    """Target tokens/s the trainer's DataLoader delivers with ``workers`` processes, one batch an update, after
+    the first (the workers' start: once a run, not per batch)."""
+    from aiayn.data.loader import UpdateLoader
+
+    plan = data.epoch_plan(0)
+    with UpdateLoader(data, workers) as loader:
+        batches = loader.epoch([[p] for p in plan], 0)
+        next(batches)
+        t0 = time.perf_counter()
+        delivered = sum(next(batches)[0].ntokens for _ in range(min(updates, len(plan) - 1)))
+        return round(delivered / (time.perf_counter() - t0))
+
+
+def loader_speed(cfg_args: list[str], updates: int, more_workers: Sequence[int] = ()) -> dict[str, Any]:
     """Plan an epoch and collate ``updates`` batches from the store, in this process, then through the trainer's
-    DataLoader (default number of workers, one batch per update): seconds and target tokens/s."""
+    DataLoader (default number of workers, and each of ``more_workers``; one batch per update): seconds and target
+    tokens/s."""
     import torch
 
     from aiayn.config import load_config
-    from aiayn.data.loader import UpdateLoader, loader_workers
+    from aiayn.data.loader import loader_workers
     from aiayn.data.pipeline import build_translation_data
 
     with tempfile.TemporaryDirectory() as run:
@@ -113,13 +129,10 @@ def loader_speed(cfg_args: list[str], updates: int) -> dict[str, float]:
             if budget is not None:
                 data, _ = build_translation_data(dataclasses.replace(
                     cfg, data=dataclasses.replace(cfg.data, max_tokens=budget)), Path(run) / "25k")
-            plan = data.epoch_plan(0)
-            with UpdateLoader(data, workers) as loader:
-                batches = loader.epoch([[p] for p in plan], 0)
-                next(batches)  # the workers' start: once a run, not per batch
-                t0 = time.perf_counter()
-                delivered = sum(next(batches)[0].ntokens for _ in range(min(updates, len(plan) - 1)))
-                rates[f"dataloader{name}_tokens_per_s"] = round(delivered / (time.perf_counter() - t0))
+            rates[f"dataloader{name}_tokens_per_s"] = _dataloader_rate(data, workers, updates)
+            for n in more_workers:
+                rates.setdefault(f"dataloader{name}_tokens_per_s_by_workers", {})[n] = _dataloader_rate(
+                    data, n, updates)
         return {"plan_s": round(plan_s, 2), "batches": len(plan),
                 "collate_tokens_per_s": round(tokens / collate_s), "workers": workers, **rates}
 
@@ -139,7 +152,8 @@ def _prepare_s(lines: list[str]) -> float | None:
     return round(kept[0] - _stamp(lines[0]), 1) if kept and lines[0][:4].isdigit() else None
 
 
-def measure(n: int, updates: int, work: Path, auto: bool = False) -> dict[str, Any]:
+def measure(n: int, updates: int, work: Path, auto: bool = False, more_workers: Sequence[int] = ()
+            ) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "AIAYN_CACHE_DIR": str(work / "cache")}
     t0 = time.perf_counter()
     train_src, train_tgt, valid_src, valid_tgt = write_corpus(work, n)
@@ -171,7 +185,7 @@ def measure(n: int, updates: int, work: Path, auto: bool = False) -> dict[str, A
     logs = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in logs if "tokens_per_s" in r][2:] or [r for r in logs if "tokens_per_s" in r]
     step_tps = sorted(r["tokens_per_s"] for r in steps)[len(steps) // 2]
-    loader = loader_speed([recipe, *args, "--set", f"data.prepared={store}"], min(200, updates * 10))
+    loader = loader_speed([recipe, *args, "--set", f"data.prepared={store}"], min(200, updates * 10), more_workers)
     return {"pairs": n, "auto": auto, "write_s": round(write_s, 1), "text_mb": round(text_mb, 1),
             "prepare_s": prep_s and round(prep_s, 1), "prepare_pairs_per_s": prep_s and round(n / prep_s),
             "prepare_peak_rss_mb": prep_rss, "store_mb": round(store_mb, 1),
@@ -180,6 +194,12 @@ def measure(n: int, updates: int, work: Path, auto: bool = False) -> dict[str, A
             "epoch_wait_pct": _epoch_wait(lines), "step_tokens_per_s": step_tps,
             **{f"loader_{k}": v for k, v in loader.items()},
             "loader_over_step": round(loader["dataloader_tokens_per_s"] / max(step_tps, 1e-9), 1)}
+
+
+def _more(row: dict[str, Any], name: str) -> str:
+    """The DataLoader's rates with other worker counts (``--loader-workers``), as "; rate (workers)"."""
+    by = row.get(f"loader_dataloader{name}_tokens_per_s_by_workers") or {}
+    return "".join(f"; {rate:,} ({n})" for n, rate in by.items())
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -192,8 +212,9 @@ def markdown(result: dict[str, Any]) -> str:
         rows.append(f"| {r['pairs']:,} | {how} | {r['text_mb']:,} | {r['prepare_s']} | {r['store_mb']:,} | "
                     f"{r['train_peak_rss_mb']:,} | {r['first_update_s']} | {r['epoch_wait_pct']} | "
                     f"{r['loader_plan_s']} | {r['loader_collate_tokens_per_s']:,} | "
-                    f"{r['loader_dataloader_tokens_per_s']:,} ({r['loader_workers']}) | "
-                    f"{r.get('loader_dataloader_25k_tokens_per_s', 0):,} | {r['step_tokens_per_s']:,} | "
+                    f"{r['loader_dataloader_tokens_per_s']:,} ({r['loader_workers']}){_more(r, '')} | "
+                    f"{r.get('loader_dataloader_25k_tokens_per_s', 0):,}{_more(r, '_25k')} | "
+                    f"{r['step_tokens_per_s']:,} | "
                     f"{r['loader_over_step']}x |")
     return "\n".join(rows)
 
@@ -205,13 +226,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-json")
     p.add_argument("--auto", action="store_true",
                    help="train on a config naming the text files (the training prepares its own store)")
+    p.add_argument("--loader-workers", type=int, nargs="*", default=[], metavar="N",
+                   help="also measure the DataLoader with N worker processes (besides the trainer's default)")
     p.add_argument("--smoke", action="store_true", help="2,000 pairs and 3 updates: does it run?")
     args = p.parse_args(argv)
     sizes, updates = ([2000], 3) if args.smoke else (args.sizes, args.updates)
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append(measure(n, updates, Path(tmp), args.auto))
+            rows.append(measure(n, updates, Path(tmp), args.auto, args.loader_workers))
         print(json.dumps(rows[-1]), flush=True)
     result = {"command": "python -m benchmarks.data_scale " + " ".join(argv if argv is not None else sys.argv[1:]),
               "cpus": os.cpu_count(), "rows": rows}

@@ -179,12 +179,37 @@ def test_wmt_like_lengths_have_the_documented_distribution():
 def test_data_scale_smoke_prepares_trains_and_measures(tmp_path):
     from benchmarks import data_scale
 
-    result = data_scale.main(["--smoke", "--auto", "--out-json", str(tmp_path / "d.json")])
+    result = data_scale.main(["--smoke", "--auto", "--loader-workers", "2", "--out-json", str(tmp_path / "d.json")])
     (row,) = result["rows"]  # the training prepared its own store from a config naming the files
     assert row["pairs"] == 2000 and row["auto"] and row["store_mb"] > 0 and row["text_mb"] > 0
     assert row["train_peak_rss_mb"] > 0 and row["loader_collate_tokens_per_s"] > 0
     assert row["loader_dataloader_tokens_per_s"] > 0 and row["loader_workers"] >= 1
+    assert row["loader_dataloader_tokens_per_s_by_workers"][2] > 0  # --loader-workers: one more count measured
     assert isinstance(row["prepare_s"], float) and isinstance(row["epoch_wait_pct"], float)
     # a time is not asserted on (wall clock), but it is a number, and the table prints it
     assert isinstance(row["first_update_s"], float) and math.isfinite(row["first_update_s"])
     assert "| 2,000 |" in data_scale.markdown(result) and f"| {row['first_update_s']} |" in data_scale.markdown(result)
+
+
+def test_rss_timeline_follows_a_process_and_its_child_against_its_log_lines(tmp_path):
+    import sys
+
+    from benchmarks import rss_timeline
+
+    script = tmp_path / "grow.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "print('start', file=sys.stderr, flush=True)\n"
+        "big = bytearray(64 << 20)\n"
+        "big[::4096] = b'x' * len(big[::4096])  # touched: resident\n"
+        "print('allocated', file=sys.stderr, flush=True)\n"
+        "child = 'import time; b = bytearray(32 << 20); b[::4096] = b\"y\" * len(b[::4096]); time.sleep(0.5)'\n"
+        "subprocess.run([sys.executable, '-c', child])\n"
+        "print('done', file=sys.stderr, flush=True)\n"
+        "time.sleep(0.3)\n")
+    rec = rss_timeline.main(["--every-s", "0.01", "--", sys.executable, str(script)])
+    assert rec["returncode"] == 0 and [t for _, t in rec["lines"]] == ["start", "allocated", "done"]
+    assert max(s[1] for s in rec["samples"]) >= 64  # the 64 MiB it touched
+    assert max(s[2] for s in rec["samples"]) >= 32  # its child's 32 MiB
+    done = rss_timeline.summary(rec).splitlines()[-1]
+    assert done.endswith("| done") and int(done.split(" s ")[1].split(" MiB")[0].replace(",", "")) >= 64

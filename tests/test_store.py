@@ -251,9 +251,9 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
 
 
 def test_training_never_leaves_the_store_mapped(tmp_path):
-    """Resident memory must not grow with the part of the store an epoch reads: a batch is gathered through a
-    mapping that lives for that gather only, so after an epoch no file of the store is mapped into the process (a
-    lasting mapping's page faults keep neighbouring pages resident too)."""
+    """Resident memory must not grow with the part of the store an epoch reads: a batch's pairs are read, never
+    mapped, so after an epoch no file of the store is mapped into the process (a lasting mapping keeps the pages
+    it touched resident)."""
     from pathlib import Path
 
     from aiayn.data.pipeline import build_translation_data
@@ -269,6 +269,13 @@ def test_training_never_leaves_the_store_mapped(tmp_path):
     assert str(tmp_path / "store") not in maps.read_text()
     with pytest.raises(IndexError):
         lazy.src[len(lazy.src)]
+    ids, lens = lazy.src.gather(np.array([7, 3, 7]))  # in the asked order, repeats included
+    assert lens.tolist() == [len(lazy.src[i]) for i in (7, 3, 7)]
+    assert ids.dtype == np.int64 and ids.tolist() == lazy.src[7] + lazy.src[3] + lazy.src[7]
+    bin_file = lazy.src.path
+    os.truncate(bin_file, os.path.getsize(bin_file) // 2)  # cut while training: one clear error, not garbage
+    with pytest.raises(DataError, match="shorter than its offsets"):
+        lazy.src.gather(np.arange(len(lazy.src)))
 
 
 def test_the_next_epoch_is_planned_after_the_first_update_and_only_once(tmp_path, monkeypatch):

@@ -11,11 +11,10 @@ lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare C
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
 Raw little-endian arrays whose dtype and length the manifest states: no pickle, and only the offsets (the pair
-lengths the batches are planned from) live in memory while training. A batch's ids are gathered from a mapping of
-the file that lives for that one gather, with one vectorized index, and padded with numpy (:meth:`Side.gather`,
-:func:`aiayn.data.batching.collate_flat`). Nothing stays mapped: the pages of a lasting mapping that training touches
-at random, with their neighbours, would stay in the process's resident memory and make it grow with the store
-(:class:`Side`).
+lengths the batches are planned from) live in memory while training. A batch's ids are read from the files, each
+pair with one ``preadv`` into its place in one buffer, and padded with numpy (:meth:`Side.gather`,
+:func:`aiayn.data.batching.collate_flat`). Nothing is mapped: the pages of a lasting mapping that training touches
+at random would stay in the process's resident memory and make it grow with the store (:class:`Side`).
 
 The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
 published checksums), the settings that tokenize, filter or cut the text, the tokenizer's own files when one is
@@ -44,7 +43,6 @@ import datetime
 import hashlib
 import json
 import logging
-import mmap
 import multiprocessing
 import os
 import shutil
@@ -81,13 +79,11 @@ PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (sourc
 
 class Side:
     """One side of a prepared split: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read from the
-    file by position: one pair with ``pread``, a batch's pairs through a mapping that lives for one gather
-    (:meth:`gather`).
+    file by position with ``pread`` (one pair, or a batch's pairs into one buffer: :meth:`gather`).
 
-    Never left mapped: a mapped file's page faults map whole neighbourhoods of pages (the kernel's fault-around), so
-    a lasting mapping that training reads at random would make the process's resident memory grow with the store
-    (BENCHMARKS.md, "The data path"). Unmapped after each gather, the pages stay in the kernel's page cache, not in
-    the process."""
+    Never mapped: a lasting mapping that training reads at random would keep every page it touched in the
+    process's resident memory, which would grow with the store (BENCHMARKS.md, "The data path"). Read, the pages
+    stay in the kernel's page cache, not in the process."""
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
         self.dtype = dtype.newbyteorder("<")
@@ -153,29 +149,23 @@ class Side:
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids of the pairs ``indices`` (B,), back to back in that order, (sum of lengths,) int64, and their
-        lengths (B,) int64: one vectorized index into a mapping of the file, unmapped before returning (no Python
-        loop over the pairs)."""
+        lengths (B,) int64: each pair read with one ``preadv`` straight into its place in one buffer.
+
+        Read, not mapped: a mapping made for each gather pays for a page table and a page fault per pair (the
+        pairs of a batch lie far apart in a large store), which costs more than a read, and a lasting mapping's
+        pages would stay in the process's resident memory (``benchmarks.data_scale``, BENCHMARKS.md)."""
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
-        starts, ends = self.offsets[idx], self.offsets[idx + 1]
-        lens = ends - starts
-        total = int(lens.sum())
-        if total == 0:
-            return np.zeros(0, dtype=np.int64), lens
-        # ragged gather: pair k's ids are ids[starts[k] : ends[k]], laid out one after another in the asked order
-        out_at = np.cumsum(lens) - lens
-        pos = np.repeat(starts - out_at, lens) + np.arange(total, dtype=np.int64)
-        try:
-            with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mapped:
-                if hasattr(mmap, "MADV_RANDOM"):  # no read-ahead or fault-around: only the pages the pairs are on
-                    mapped.madvise(mmap.MADV_RANDOM)
-                ids = np.frombuffer(mapped, dtype=self.dtype)
-                out = ids[pos].astype(np.int64)
-                del ids  # the mapping closes only once no array views it
-        except (IndexError, ValueError, OSError):
-            raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)") from None
-        return out, lens
+        starts, lens = self.offsets[idx], self.offsets[idx + 1] - self.offsets[idx]
+        size = self.dtype.itemsize
+        buf = np.empty(int(lens.sum()), dtype=self.dtype)
+        view, at, fd = memoryview(buf).cast("B"), 0, self._fd
+        for start, n in zip((starts * size).tolist(), (lens * size).tolist()):
+            if n and os.preadv(fd, [view[at : at + n]], start) != n:
+                raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)")
+            at += n
+        return buf.astype(np.int64), lens
 
 
 CHECKED = ".aiayn-checked.json"  # files whose ids were found below the vocabulary, by identity (see scan_ids)
@@ -598,8 +588,8 @@ def place_tokenizer(stage: Path, given: Path | None, train: Callable[[Path], Non
 
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). Training a
-    tokenizer and encoding a corpus free hundreds of MB that the C allocator would otherwise keep for the process,
-    which then trains for hours with it resident (``benchmarks.data_scale``, BENCHMARKS.md "The data path")."""
+    tokenizer and encoding a corpus free memory that the C allocator would otherwise keep for the process, which then
+    trains for hours with it resident (``benchmarks.rss_timeline`` shows it, BENCHMARKS.md "The data path")."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
