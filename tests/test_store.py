@@ -250,7 +250,7 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
     assert str(gone.resolve()) not in json.loads((tmp_path / "cache" / "hashes.json").read_text())
 
 
-def test_training_never_leaves_the_store_mapped(tmp_path):
+def test_training_never_leaves_the_store_mapped(tmp_path, monkeypatch):
     """Resident memory must not grow with the part of the store an epoch reads: a batch's pairs are read, never
     mapped, so after an epoch no file of the store is mapped into the process (a lasting mapping keeps the pages
     it touched resident)."""
@@ -269,9 +269,17 @@ def test_training_never_leaves_the_store_mapped(tmp_path):
     assert str(tmp_path / "store") not in maps.read_text()
     with pytest.raises(IndexError):
         lazy.src[len(lazy.src)]
-    ids, lens = lazy.src.gather(np.array([7, 3, 7]))  # in the asked order, repeats included
-    assert lens.tolist() == [len(lazy.src[i]) for i in (7, 3, 7)]
-    assert ids.dtype == np.int64 and ids.tolist() == lazy.src[7] + lazy.src[3] + lazy.src[7]
+    for asked in ([7, 3, 7], [3, 4, 5, 9, 10, 2], [0], [len(lazy.src) - 1, 0, 1]):  # runs of neighbours read as one
+        ids, lens = lazy.src.gather(np.array(asked))  # in the asked order, repeats included
+        assert lens.tolist() == [len(lazy.src[i]) for i in asked]
+        assert ids.dtype == np.int64 and ids.tolist() == [t for i in asked for t in lazy.src[i]]
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
+    lazy.src.gather(np.array([3, 4, 5, 9, 10, 2]))
+    assert len(reads) == 3  # 3-5, 9-10 and 2
+    monkeypatch.undo()
+    assert lazy.src.gather(np.array([], dtype=np.int64))[0].shape == (0,)
     bin_file = lazy.src.path
     os.truncate(bin_file, os.path.getsize(bin_file) // 2)  # cut while training: one clear error, not garbage
     with pytest.raises(DataError, match="shorter than its offsets"):

@@ -149,7 +149,8 @@ class Side:
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids of the pairs ``indices`` (B,), back to back in that order, (sum of lengths,) int64, and their
-        lengths (B,) int64: each pair read with one ``preadv`` straight into its place in one buffer.
+        lengths (B,) int64: one ``preadv`` for each run of pairs that lie one after another in the file (a pair
+        alone, mostly: a batch's pairs are scattered), straight into its place in one buffer.
 
         Read, not mapped: a mapping made for each gather pays for a page table and a page fault per pair (the
         pairs of a batch lie far apart in a large store), which costs more than a read, and a lasting mapping's
@@ -157,11 +158,20 @@ class Side:
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
-        starts, lens = self.offsets[idx], self.offsets[idx + 1] - self.offsets[idx]
-        size = self.dtype.itemsize
+        starts, ends = self.offsets[idx], self.offsets[idx + 1]
+        lens = ends - starts
         buf = np.empty(int(lens.sum()), dtype=self.dtype)
+        if not len(idx):
+            return buf.astype(np.int64), lens
+        joined = starts[1:] == ends[:-1]  # pair k + 1 follows pair k in the file: one read for both
+        if joined.any():
+            first = np.flatnonzero(np.concatenate(([True], ~joined)))  # where each run of pairs begins
+            starts, lens_read = starts[first], np.add.reduceat(lens, first)
+        else:
+            lens_read = lens
+        size = self.dtype.itemsize
         view, at, fd = memoryview(buf).cast("B"), 0, self._fd
-        for start, n in zip((starts * size).tolist(), (lens * size).tolist()):
+        for start, n in zip((starts * size).tolist(), (lens_read * size).tolist()):
             if n and os.preadv(fd, [view[at : at + n]], start) != n:
                 raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)")
             at += n
