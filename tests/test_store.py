@@ -382,7 +382,7 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
     from pathlib import Path
 
     from aiayn.data.pipeline import pair_sources
-    from aiayn.data.store import CHECKED, LOCK, MARKER, _build, store_key
+    from aiayn.data.store import CHECKED, LOCK, MARKER, PairRecipe, _build_with
     from aiayn.files import file_lock
 
     train = write_pairs(tmp_path, "train", 1500, 0)
@@ -406,7 +406,7 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
             time.sleep(0.05)
         assert f"(pid {os.getpid()}) that prepares it" in log.read_text(), log.read_text()
         sources, inputs = pair_sources(cfg)
-        _build(cfg, out, store_key(cfg, inputs, None), sources, inputs, None, 1)
+        _build_with(out, PairRecipe(cfg, sources, inputs, None, 1))
     assert proc.wait(timeout=300) == 0, log.read_text()
     assert "on a sample of at most" not in log.read_text()  # it built nothing: it used this one's store
     store = open_store(out, ("train", "valid"))

@@ -168,9 +168,8 @@ def plan_batches(
     if pad_to_multiple < 1 or list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
         raise ValueError("token_batches: pad_to_multiple must be >= 1 and buckets increasing positive lengths")
     src = np.asarray(src_lens, dtype=np.int32)
-    true_len = src + 1 if tgt_lens is None else np.maximum(src, np.asarray(tgt_lens, dtype=np.int32))
-    if tgt_lens is not None:
-        true_len += 1  # in place: one array of n, not two
+    true_len = src.copy() if tgt_lens is None else np.maximum(src, np.asarray(tgt_lens, dtype=np.int32))
+    true_len += 1  # in place: one array of n, not two
     padded = pad_to_multiple > 1 or bool(buckets)
     cost_len = _padded_lengths(true_len, pad_to_multiple, buckets) if padded else true_len
     # The tie-break: equal lengths come out in a seeded random order. random.shuffle on a compact array gives

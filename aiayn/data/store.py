@@ -553,12 +553,6 @@ def _refuse_foreign(out: Path) -> None:
         raise DataError(f"{out}: exists and is not a prepared corpus; choose an empty or new directory")
 
 
-def _build(cfg: Config, out: Path, key: str, sources: dict[str, PairSource], inputs: dict[str, str],
-           tok_dir: Path | None, workers: int | None) -> None:
-    """Build the pair store ``key`` of ``sources`` in ``out`` (:func:`_build_with`); the caller holds its lock."""
-    _build_with(out, PairRecipe(cfg, sources, inputs, tok_dir, workers, key=key))
-
-
 def _build_with(out: Path, recipe: Recipe) -> None:
     """Build the store in a staging directory inside ``out`` (this builder's own: no other writer's temporaries
     can mix with it) and move it in, the manifest last. The caller holds ``out``'s exclusive lock."""
