@@ -19,6 +19,8 @@ from aiayn.search import SearchSpec, score_tokens
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
 
+from tiny_recipe import TINY_RUN_OVERRIDES  # noqa: E402  (tests/ is on sys.path under pytest; re-exported)
+
 # Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
 # threads are the cores each process has to itself, so the processes never contend for a core.
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
@@ -138,18 +140,6 @@ NO_EOS = -1
 def spec_of(bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, **options) -> SearchSpec:
     """A SearchSpec from decoding options and the special ids by name (``bos_id`` is the decoder's start)."""
     return SearchSpec.of(SpecialIds(pad=pad_id, bos=bos_id, eos=eos_id, decoder_start=bos_id), **options)
-
-
-# The recipe of the tiny_run fixture: configs/tiny_reverse.yaml with these --set overrides (tests that resume
-# or retrain a copy of the run need the same recipe).
-TINY_RUN_OVERRIDES = [
-    "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0",
-    "train.max_updates=60", "train.warmup=30", "train.eval_every=20", "train.save_every=20", "train.threads=1",
-    "train.log_every=10", "data.max_tokens=512", "decode.max_len_b=5",
-    # Short pieces (most words split in several) make targets long, so after 60 updates the toy model
-    # emits varied non-empty output; with whole-word pieces it would still answer EOS at once.
-    "data.vocab_size=300",
-]
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiny_recipe import TINY_RUN_OVERRIDES  # tests/: the script's own folder, first on sys.path
+
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = "bash"
@@ -119,10 +121,7 @@ def build_runs(work: Path, translation: Path | None = None) -> dict[str, Path]:
     if translation is None:
         translation = work / "translation"
         if not (translation / "model.safetensors").exists():
-            cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", [
-                "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.dropout=0.0", "train.max_updates=60",
-                "train.warmup=30", "train.eval_every=20", "train.save_every=20", "train.threads=1",
-                "data.max_tokens=512", "decode.max_len_b=5", "data.vocab_size=300"])
+            cfg = load_config(REPO / "configs" / "tiny_reverse.yaml", TINY_RUN_OVERRIDES)
             train(cfg, translation, progress=False)
     made["translation"] = translation
     lm = work / "lm"
