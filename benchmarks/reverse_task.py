@@ -22,7 +22,9 @@ import torch
 # What the test trains with. Dropout off: the task has no noise to regularize against. lr_scale 0.5: with
 # the config's 1.0 (a peak lr of 6.3e-3 for d_model 128) the score after 900 updates swings with float
 # rounding (0.877 / 0.853 / 0.953 over seeds 1-3 on the 2026-11-23 CPU; 0.977 for seed 1 before the
-# one-pass loss changed nothing but the rounding); with 0.5 it does not fall below 0.93 there.
+# one-pass loss changed nothing but the rounding); with 0.5 it does not fall below 0.93 there, but another CPU's
+# kernels still move it: 0.833 for seed 2 under ATEN_CPU_CAPABILITY=default, 0.887 for seed 1 under
+# MKL_CBWR=COMPATIBLE (docs/results.md), hence the test's floor of 0.70.
 TEST_OVERRIDES = ("train.eval_every=100000", "train.save_every=100000", "model.dropout=0.0", "train.lr_scale=0.5")
 
 

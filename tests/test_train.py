@@ -337,15 +337,17 @@ def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path)
 # --- end to end ---------------------------------------------------------------------------------------
 
 
-def test_learns_to_reverse_words_to_90_percent_exact_match(tmp_path):
+def test_learns_to_reverse_words_to_70_percent_exact_match(tmp_path):
     from benchmarks.reverse_task import exact_match
 
-    # The settings and their margin over seeds: benchmarks/reverse_task.py (docs/results.md). The time it
-    # takes is printed, not asserted: a busy machine is slow without anything being wrong.
+    # The settings and their spread: benchmarks/reverse_task.py (docs/results.md). After 900 updates the score
+    # moves with float rounding as much as with the seed: 0.833-0.987 over seeds 1-3 and three sets of CPU
+    # kernels (seed 1: 0.887 with MKL_CBWR=COMPATIBLE), so the floor stands below all of them. A model that does
+    # not learn scores ~0. The time it takes is printed, not asserted: a busy machine is slow.
     t0 = time.perf_counter()
     exact = exact_match(tmp_path / "run")
     print(f"reverse task: exact match {exact:.3f} in {time.perf_counter() - t0:.0f} s")
-    assert exact >= 0.90  # a model that does not learn scores ~0
+    assert exact >= 0.70
 
 
 def test_early_stopping_after_patience_evaluations_without_improvement(tmp_path):
