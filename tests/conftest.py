@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_recipe import TINY_RUN_OVERRIDES  # tests/ is on sys.path under pytest (re-exported to tests)
 
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.search import SearchSpec, score_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an installed package
-
-from tiny_recipe import TINY_RUN_OVERRIDES  # noqa: E402  (tests/ is on sys.path under pytest; re-exported)
 
 # Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
 # threads are the cores each process has to itself, so the processes never contend for a core.
