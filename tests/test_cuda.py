@@ -16,12 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import seq2seq_greedy_gap  # tests/ is on sys.path under pytest
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to PyTorch")]
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ["one two three four", "five six seven", "eight nine ten eleven twelve", "a b c d e f", "red green blue"]
+# Sentences of the reverse task's own words: the 300-update model below reverses them with wide margins (fp32
+# greedy margins of 0.8 to 4.6 logits on a CPU-trained copy), where words it never saw give margins of 0.02-0.04,
+# below bf16's rounding of the logits (~0.06), and a GPU's bf16 decoding then legitimately picks otherwise.
+WORDS = ["alpha bravo charlie delta", "echo foxtrot golf", "hotel india juliet kilo lima",
+         "mike november oscar papa quebec romeo", "sierra tango uniform", "victor whiskey xray yankee zulu",
+         "delta alpha kilo echo", "papa lima golf bravo india"]
+# The least fp32 greedy margin (in logits) each sentence's translation must have before another precision's
+# decoding is compared with it token for token: 4x the largest logit change bf16 weights caused on that copy.
+PRECISION_GAP = 0.25
 
 
 def tiny(tmp: Path, *sets: str, updates: int = 6) -> tuple[Path, list[dict]]:
@@ -99,10 +108,17 @@ def trained(tmp_path_factory) -> Path:
 def test_cuda_translation_equals_the_cpu(trained):
     from aiayn.decode.translator import load
 
-    cpu = load(trained, "cpu", "fp32").translate(WORDS)
+    reference = load(trained, "cpu", "fp32")
+    greedy = reference.translate_hypotheses(WORDS, beam=1)
+    for text, hyps in zip(WORDS, greedy):  # margins wider than bf16's rounding, so equality holds by construction
+        src = torch.tensor([reference.tokenizers.src.encode(text) + [reference.tokenizers.specials.eos]])
+        assert seq2seq_greedy_gap(reference.model, src, hyps[0].ids, True) > PRECISION_GAP, text
+    cpu = reference.translate(WORDS)
     assert load(trained, "cuda", "fp32").translate(WORDS) == cpu
-    for precision in ("tf32", "bf16"):  # a trained model's margins are wider than these precisions' errors
-        assert load(trained, "cuda", precision).translate(WORDS) == cpu, precision
+    for precision in ("tf32", "bf16"):
+        tr = load(trained, "cuda", precision)
+        assert tr.translate(WORDS, beam=1) == [h[0].text for h in greedy], precision
+        assert tr.translate(WORDS) == cpu, precision
 
 
 def test_batched_equals_one_by_one_on_cuda(trained):
