@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
 
@@ -63,3 +66,13 @@ def test_an_item_past_its_time_fails_and_the_budget_leaves_the_rest_not_run(tmp_
     result = _run(tmp_path, "--items", "env", "train_fp32", "--budget-s", "1")
     assert {r["status"] for r in result["items"].values()} == {"not run"}
     assert "| train_fp32 | not run |" in (tmp_path / "B.md").read_text(encoding="utf-8")
+
+
+def test_the_cpu_suite_sees_no_gpu():
+    """conftest hides CUDA from every run that does not select the cuda marker, so that `make test` on a GPU
+    machine decodes on the CPU as on CI (and the processes tests start inherit it)."""
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert not torch.cuda.is_available()
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "0"
