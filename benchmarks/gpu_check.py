@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -347,13 +348,14 @@ def _nccl_version() -> str | None:
 
 def cuda_tests_item(work: Path, device: str, size: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-v", "-p", "no:cacheprovider",
-           "-o", "addopts=", "-rs", "--durations=0"]
+           "-o", "addopts=", "-rfEs", "--durations=0"]
     log = work / "items" / "cuda_tests.pytest.log"
     with open(log, "w", encoding="utf-8") as f:  # streamed: a run cut at its time limit still says how far it got
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=child_env())
     out = log.read_text(encoding="utf-8", errors="replace")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out)}
-    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+    # the -v lines name each failure as it happens (a run cut at its limit has no summary)
+    failed = list(dict.fromkeys(re.findall(r"^(tests/\S+) (?:FAILED|ERROR)", out, flags=re.M)))
     res = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)
            + counts.get("errors", 0), "skipped": counts.get("skipped", 0), "failed_tests": failed}
     if device != "cpu" and res["skipped"]:
@@ -465,12 +467,14 @@ def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, A
     plan = data.epoch_plan(0)
     seconds = tokens = flops = timed = 0
     before = 0
+    rates: list[float] = []  # each timed logged window's tokens/s
     for r in steps:
         n, first = r["step"] - before, before
         before = r["step"]
         if first < warm:
             continue
         window = r["tokens_per_update"] * n
+        rates.append(r["tokens_per_s"])
         seconds += window / r["tokens_per_s"]
         tokens += window
         timed += n
@@ -478,6 +482,10 @@ def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, A
     res = {"updates": steps[-1]["step"] if steps else 0, "timed_updates": timed,
            "tokens_per_update": round(tokens / max(timed, 1)),
            "tokens_per_s": round(tokens / seconds) if seconds else None,
+           # a window that compiled a new shape (length buckets meet a new pair of lengths) is far slower than the
+           # rest: the median window is the speed once every shape is compiled, the slowest shows the stall
+           "median_window_tokens_per_s": round(statistics.median(rates)) if rates else None,
+           "slowest_window_tokens_per_s": round(min(rates)) if rates else None,
            "model_tflops": round(flops / seconds / 1e12, 2) if seconds else None,
            "first_logged": [steps[0]["step"], steps[0]["elapsed_s"]] if steps else None,  # (update, seconds)
            "last_loss": steps[-1]["train_loss"] if steps else float("nan")}
@@ -666,7 +674,7 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
                                start_new_session=True)
         while job.poll() is None and not any(s >= save for s in list_checkpoints(run)):
             time.sleep(0.2)
-        killed_at = [r["step"] for r in read_metrics(run) if "tokens_per_s" in r][-1:] or [None]
+        logged = [r["step"] for r in read_metrics(run) if "tokens_per_s" in r][-1:] or [None]
         _kill_group(job)
     first = log1.read_text(encoding="utf-8", errors="replace")
     before = list_checkpoints(run)
@@ -680,7 +688,7 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
     steps = [r["step"] for r in read_metrics(run) if "tokens_per_s" in r]
     resumed = re.search(r"resumed from step (\d+)", second)
     backend = "nccl" if device != "cpu" else "gloo"
-    res = {"processes": procs, "backend": backend, "killed_at_update": killed_at[0],
+    res = {"processes": procs, "backend": backend, "last_logged_before_kill": logged[0],
            "checkpoints_before_kill": before, "resumed_from": int(resumed.group(1)) if resumed else None,
            "last_update": steps[-1] if steps else None, "resume_exit": rc, "job_s": round(time.perf_counter() - t0, 1)}
     if before[-1] >= total:  # the kill came too late to test anything
@@ -738,8 +746,10 @@ def _numbers(name: str, r: dict[str, Any]) -> str:
     if name.startswith("train_"):
         mem = f", peak {r['peak_memory_gib']} GiB" if "peak_memory_gib" in r else ""
         mfu = f", MFU {r['mfu']:.1%} of {r.get('peak_tflops')} TFLOP/s" if r.get("mfu") else ""
-        return (f"{r['tokens_per_s']:,} tgt tok/s ({r['tokens_per_update']:,} per update, {r['timed_updates']} timed)"
-                f"{mfu}{mem}; {_first(r)}graphs {r['graphs']}, breaks "
+        windows = (f", windows of {UPDATES['full'][2]}: median {r['median_window_tokens_per_s']:,}, slowest "
+                   f"{r['slowest_window_tokens_per_s']:,}" if r.get("median_window_tokens_per_s") else "")
+        return (f"{r['tokens_per_s']:,} tgt tok/s ({r['tokens_per_update']:,} per update, {r['timed_updates']} timed"
+                f"{windows}){mfu}{mem}; {_first(r)}graphs {r['graphs']}, breaks "
                 f"{r['graph_breaks']}; loss {r['last_loss']}")
     if name == "multi30k":
         return (f"{r['updates']} updates in {r['train_wall_s']} s (training {r['training_s']} s), test BLEU "
@@ -757,8 +767,8 @@ def _numbers(name: str, r: dict[str, Any]) -> str:
         return (f"{r['requests']} concurrent requests in {r['wall_s']} s, {r['identical_to_translate']}/"
                 f"{r['sentences']} equal to translate, LibreTranslate equal: {r['libretranslate_same']}")
     if name == "torchrun":
-        return (f"{r['processes']} process(es), {r['backend']}: killed at update {r['killed_at_update']}, resumed "
-                f"from {r['resumed_from']}, reached {r['last_update']}")
+        return (f"{r['processes']} process(es), {r['backend']}: killed -9 after the checkpoint of update "
+                f"{r['checkpoints_before_kill'][-1]}, resumed from {r['resumed_from']}, reached {r['last_update']}")
     return ""
 
 

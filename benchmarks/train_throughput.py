@@ -289,16 +289,19 @@ def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed:
 def profile_updates(update: Callable[[Batch], None], batches: Sequence[Batch], device: torch.device, path: Path,
                     title: str, rows: int = 25) -> str:
     """torch.profiler's table of two updates (after one untimed), the top ``rows`` operators by self
-    device time on CUDA (kernels) or self CPU time; appended to ``path`` and returned."""
+    device time on CUDA (kernels) or self CPU time; appended to ``path`` and returned. The updates run with the
+    timed ones' attention backends (:func:`aiayn.engine.kernels`): outside it, PyTorch's default picks cuDNN's
+    attention on Hopper, which the timed updates never use (the first H200 profile had it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    update(batches[0])
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=False) as prof:
-        for b in batches[:2]:
-            update(b)
-        flops.synchronize(device)
+    with kernels(device):
+        update(batches[0])
+        with profile(activities=activities, record_shapes=False) as prof:
+            for b in batches[:2]:
+                update(b)
+            flops.synchronize(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows)
     path.parent.mkdir(parents=True, exist_ok=True)
