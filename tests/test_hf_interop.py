@@ -180,6 +180,31 @@ def fake_hub_cache(cache: Path, repo_id: str, marian_dir: Path, commit: str = "a
     return commit
 
 
+def test_an_offline_hub_that_asks_the_network_falls_back_to_the_cache(monkeypatch, tmp_path):
+    """huggingface_hub 1.x asks the Hub for a pinned commit's file list even with HF_HUB_OFFLINE set (2.x reads
+    the cache): hub_snapshot then takes the cached copy alone, and a copy the cache lacks is aiayn's one line."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    from aiayn.errors import DataError
+    from aiayn.interop.hf import hub_snapshot
+
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False):
+        calls.append(local_files_only)
+        if not local_files_only:
+            raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models/...: offline mode is enabled")
+        if repo_id == "absent/model":
+            raise LocalEntryNotFoundError("not cached")
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert hub_snapshot("owner/model", "a" * 40) == tmp_path / "snapshot" and calls == [False, True]
+    with pytest.raises(DataError, match="not in the Hugging Face cache"):
+        hub_snapshot("absent/model", "b" * 40)
+
+
 def test_hub_id_imports_from_the_cache_offline(marian_dir, imported, tmp_path, capsys, monkeypatch):
     """`aiayn import hf OWNER/NAME RUN` with HF_HUB_OFFLINE=1 imports the cached snapshot (a fresh process: the
     environment variable as a user sets it), as the local directory imports; a pinned revision too; a model the

@@ -329,13 +329,19 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
         GatedRepoError,
         HFValidationError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     at = f"{repo_id}@{revision}" if revision else repo_id
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        try:
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        except OfflineModeIsEnabled:  # huggingface_hub 1.x asks the Hub for a pinned commit's file list even
+            # offline (2.x reads it from the cache): the cache alone, as HF_HUB_OFFLINE means
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                          local_files_only=True))
     except GatedRepoError:
         raise DataError(f"{at}: a gated model on the Hugging Face Hub (accept its terms, then `hf auth login`)") \
             from None
