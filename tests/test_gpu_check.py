@@ -76,3 +76,15 @@ def test_the_cpu_suite_sees_no_gpu():
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
                            capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "0"
+
+
+def test_pytest_items_name_each_failure_with_and_without_xdist(tmp_path):
+    (tmp_path / "test_two.py").write_text("def test_ok():\n    pass\n\n\ndef test_bad():\n    assert 1 == 2\n")
+    for extra in ([], ["-n", "2"]):
+        res = gpu_check._pytest([str(tmp_path / "test_two.py"), *extra], tmp_path / "log.txt")
+        assert (res["passed"], res["failed"], res["status"]) == (1, 1, "fail"), res
+        assert [t.rsplit("::", 1)[1] for t in res["failed_tests"]] == ["test_bad"], res
+
+
+def test_the_isa_item_runs_make_test_isa_s_list():
+    assert gpu_check.isa_tests()[0] == "tests/test_translate.py" and "tests/test_hf_interop.py" in gpu_check.isa_tests()
