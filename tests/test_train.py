@@ -256,7 +256,8 @@ def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["missing_config", "unknown_key", "mismatched", "bad_set", "missing_corpus"])
+@pytest.mark.parametrize("case", ["missing_config", "unknown_key", "mismatched", "bad_set", "missing_corpus",
+                                  "files_beside_a_dataset"])
 def test_bad_training_input_is_one_clear_line(tmp_path, case):
     cfg = tmp_path / "c.yaml"
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -276,6 +277,10 @@ def test_bad_training_input_is_one_clear_line(tmp_path, case):
         cfg.write_text(body)
         args += ["--set", "train.warmup=abc"]
         expect = "train.warmup"
+    elif case == "files_beside_a_dataset":  # they would be ignored: the run would train on the dataset
+        args[1] = "tiny_reverse"
+        args += ["--set", f"data.train_src={a}", "--set", f"data.train_tgt={a}"]
+        expect = "data.dataset=reverse and data.train_src, data.train_tgt are both set"
     else:
         cfg.write_text(body.replace(str(b), str(tmp_path / "missing.de")))
         expect = "missing.de"
@@ -286,6 +291,7 @@ def test_bad_training_input_is_one_clear_line(tmp_path, case):
     assert expect in lines[0]
     if case == "mismatched":
         assert str(a) in lines[0] and str(b) in lines[0] and "2" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before any work
 
 
 # --- data parallel ------------------------------------------------------------------------------------

@@ -232,6 +232,16 @@ def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, reb
     return prepare(cfg, out, sources, inputs, workers=workers, rebuild_damaged=rebuild_damaged)
 
 
+def check_data_sources(cfg: Config) -> None:
+    """Before a new training starts: a named ``data.dataset`` brings its own files, so files given beside it would
+    be ignored without a word (and the run would train on the dataset); one DataError naming both instead."""
+    d = cfg.data
+    files = [f"data.{k}" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt") if getattr(d, k)]
+    if d.dataset is not None and files:
+        raise DataError(f"data.dataset={d.dataset} and {', '.join(files)} are both set: a named dataset brings its "
+                        "own files (add --set data.dataset=null to train on yours)")
+
+
 def check_prepared(cfg: Config) -> None:
     """Before a training makes its run directory: when ``data.prepared`` holds a store of this config's inputs and
     settings, check it (one DataError naming the file and the fix if it is damaged). A store of other inputs, or

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import Config, check_fits_in_memory, load_config, read_run_config, save_config
-from aiayn.data.pipeline import FITTED_KEYS, build_data, check_prepared, fit_model_to_vocab
+from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError
@@ -85,6 +85,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
     init = None
     if init_from is not None:  # before the config is checked and saved
         cfg, init = adopt_init_run(cfg, init_from)
+    if not resume:  # a run that already trained keeps its config
+        check_data_sources(cfg)
     check_prepared(cfg)  # a damaged token store is refused before the run directory is touched
     with own_run_dir(cfg, run_dir, resume, d, device) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
