@@ -50,12 +50,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
-    from aiayn.data.pipeline import prepare_corpus
+    from aiayn.data.pipeline import check_data_sources, prepare_corpus
     from aiayn.data.store import describe_store
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     cfg = load_config(args.config, args.set)
+    check_data_sources(cfg)
     store = prepare_corpus(cfg, args.out, workers=args.workers)
     for line in describe_store(store.manifest):
         print(line)

@@ -596,3 +596,12 @@ def test_a_translation_stream_whose_client_leaves_stops_its_search_within_one_st
         assert live["calls"] == 2
         r = _open_stream(live["port"], 16, prompt).getresponse()  # and the server goes on
         assert r.status == 200 and r.read().endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("argv", [["prepare", TINY, "--out", "OUT"], ["train", TINY, "--run-dir", "OUT"]])
+def test_files_beside_a_named_dataset_are_refused_not_ignored(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("a b c\n")
+    line = one_line(capsys, [*argv, "--set", "data.train_src=mine.txt"])
+    assert "data.dataset=reverse and data.train_src are both set" in line and "data.dataset=null" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]  # refused before any work

@@ -239,7 +239,7 @@ def check_data_sources(cfg: Config) -> None:
     files = [f"data.{k}" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt") if getattr(d, k)]
     if d.dataset is not None and files:
         raise DataError(f"data.dataset={d.dataset} and {', '.join(files)} are both set: a named dataset brings its "
-                        "own files (add --set data.dataset=null to train on yours)")
+                        "own files (add --set data.dataset=null to read yours)")
 
 
 def check_prepared(cfg: Config) -> None:
