@@ -3,6 +3,7 @@ completion against its whole time, LibreTranslate requests per model call under 
 a bad request is refused.
 
     python -m benchmarks.serve_protocols --mt-run RUN --lm-run RUN [--clients 8] [--requests 64] [--out-json F]
+    python -m benchmarks.serve_protocols --lm-run RUN --sections scoring   # one part alone
 
 - Streaming: ``POST /v1/completions`` with ``stream: true`` (greedy, ``--max-tokens`` tokens), timed from the
   request to the first event carrying text and to ``[DONE]``, ``--repeats`` times; the server's decoding step
@@ -14,6 +15,10 @@ a bad request is refused.
   (> 1: concurrent requests share calls; both protocols decode with the run's options, so they share them).
 - Batching on a language model: ``--clients`` threads send greedy ``POST /v1/completions`` (prompts of different
   lengths, ``--max-tokens`` tokens) until ``--requests`` are answered: requests per model call, as above.
+- Scoring on a language model, as lm-evaluation-harness's loglikelihood tasks ask for it: ``--prompts`` prompts
+  (8 to 200 characters, at most the model's context; a fixed seed) with ``echo``, ``logprobs: 1`` and
+  ``max_tokens: 0``, sent as one request (a harness batch) and as one request each, one after the other;
+  prompts/s of each (median of ``--repeats``) and their ratio (> 1: a request's prompts share forward passes).
 - Refusals: each bad request of the list below, timed; every one must be a 4xx in the protocol's shape.
 
 Servers run as ``python -m aiayn serve RUN --port 0 --device cpu`` subprocesses (benchmarks.serve_load).
@@ -43,6 +48,9 @@ BAD_REQUESTS = [  # (path, body, what it tests)
     ("/v1/completions", {"prompt": 5}, "OpenAI: wrong type"),
     ("/v1/completions", {"prompt": "x" * (10 << 20)}, "OpenAI: 10 MB body"),
 ]
+
+
+SECTIONS = ("streaming", "batching", "lm_batching", "scoring")
 
 
 def _post_raw(url: str, path: str, body: Any) -> tuple[int, bytes, float]:
@@ -178,6 +186,43 @@ def lm_batching(lm_run: str, clients: int, requests: int, max_tokens: int) -> di
             "wall_s": round(wall, 2), "requests_per_call": round(jobs / max(calls, 1), 2)}
 
 
+def scoring(lm_run: str, prompts: int, repeats: int) -> dict[str, Any]:
+    """``prompts`` echo / logprobs prompts scored as one request and as one request each: prompts/s of each."""
+    import random
+
+    words = "the cat sat on a mat and my lord is to be or not what then now here".split()
+    rng = random.Random(0)
+    one = {"echo": True, "logprobs": 1, "max_tokens": 0}
+    proc, url, _ = serve_load.start_server(lm_run)
+    try:
+        with closing(serve_load.connect(url)) as conn:  # characters >= tokens: a prompt of ctx characters fits
+            ctx = serve_load.request(conn, "GET", "/tokenizer_info")[1]["model_max_length"]
+        texts = []
+        for _ in range(prompts):
+            text, limit = "", rng.randint(min(8, ctx), min(200, ctx))
+            while len(text) < limit:
+                text += rng.choice(words) + " "
+            texts.append(text[:limit])
+        _post_raw(url, "/v1/completions", {**one, "prompt": texts[:2]})  # warm-up
+        together, apart = [], []
+        for _ in range(repeats):
+            status, payload, seconds = _post_raw(url, "/v1/completions", {**one, "prompt": texts})
+            if status != 200:
+                raise RuntimeError(f"scoring request answered {status}: {payload[:300]!r}")
+            together.append(seconds)
+            start = time.perf_counter()
+            for text in texts:
+                if _post_raw(url, "/v1/completions", {**one, "prompt": text})[0] != 200:
+                    raise RuntimeError("a one-prompt scoring request failed")
+            apart.append(time.perf_counter() - start)
+    finally:
+        serve_load.stop_server(proc)
+    t, a = statistics.median(together), statistics.median(apart)
+    return {"prompts": prompts, "characters": [min(map(len, texts)), max(map(len, texts))], "repeats": repeats,
+            "one_request_prompts_per_s": round(prompts / t, 1), "one_each_prompts_per_s": round(prompts / a, 1),
+            "one_request_over_one_each": round(a / t, 2)}
+
+
 def openai_refusals(lm_run: str) -> list[dict[str, Any]]:
     proc, url, _ = serve_load.start_server(lm_run)
     try:
@@ -195,18 +240,28 @@ def openai_refusals(lm_run: str) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mt-run", required=True)
+    p.add_argument("--mt-run", help="a translation run (needed by the batching section)")
     p.add_argument("--lm-run", required=True)
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompts", type=int, default=64, help="scoring: prompts of one request")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out-json", default=None)
     a = p.parse_args(argv)
-    result = {"streaming": streaming(a.lm_run, a.max_tokens, a.repeats),
-              "batching": batching(a.mt_run, a.clients, a.requests),
-              "lm_batching": lm_batching(a.lm_run, a.clients, a.requests, a.max_tokens)}
-    result["batching"]["refusals"] += openai_refusals(a.lm_run)
+    if "batching" in a.sections and not a.mt_run:
+        p.error("the batching section needs --mt-run")
+    result: dict[str, Any] = {}
+    if "streaming" in a.sections:
+        result["streaming"] = streaming(a.lm_run, a.max_tokens, a.repeats)
+    if "batching" in a.sections:
+        result["batching"] = batching(a.mt_run, a.clients, a.requests)
+        result["batching"]["refusals"] += openai_refusals(a.lm_run)
+    if "lm_batching" in a.sections:
+        result["lm_batching"] = lm_batching(a.lm_run, a.clients, a.requests, a.max_tokens)
+    if "scoring" in a.sections:
+        result["scoring"] = scoring(a.lm_run, a.prompts, a.repeats)
     text = json.dumps(result, indent=1)
     print(text)
     if a.out_json:

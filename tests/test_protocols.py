@@ -374,8 +374,9 @@ def test_protocol_benchmark_smoke(tiny_run, lm_run, tmp_path):
 
     out = tmp_path / "p.json"
     r = serve_protocols.main(["--mt-run", str(tiny_run), "--lm-run", str(lm_run), "--clients", "2", "--requests",
-                              "6", "--max-tokens", "4", "--repeats", "1", "--out-json", str(out)])
+                              "6", "--max-tokens", "4", "--repeats", "1", "--prompts", "6", "--out-json", str(out)])
     assert r["batching"]["errors"] == [] and r["streaming"]["pieces"] >= 1 and r["lm_batching"]["errors"] == []
+    assert r["scoring"]["prompts"] == 6 and r["scoring"]["one_request_prompts_per_s"] > 0
     assert all(400 <= x["status"] < 500 and x["shape"] for x in r["batching"]["refusals"])
     assert len(r["batching"]["refusals"]) == len(serve_protocols.BAD_REQUESTS)
     assert json.loads(out.read_text()) == r
@@ -456,6 +457,42 @@ def test_echo_logprobs_are_the_models_log_softmax(client_lm, lm):
                       ({"prompt": "the", "logprobs": 21}, "logprobs")):
         r = client_lm.post("/v1/completions", json=bad)
         assert r.status_code == 400 and word in r.json()["error"]["message"], (bad, r.text)
+
+
+def test_a_requests_scored_prompts_share_forward_passes(lm, monkeypatch):
+    """Echo / logprobs prompts of one request (a harness's batch) are scored several per forward pass (right-padded
+    rows of a causal model): 6 prompts, one pass; each row's numbers are its own (up to float rounding). With a
+    pass bounded to 12 padded positions the same prompts take several passes, with the same numbers."""
+    import aiayn.decode.logprobs as logprobs
+
+    rows = [[5, 6, 7], [9, 10, 11, 12, 13], [5], [7, 7, 7, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    passes = []
+    real = lm.model.forward
+
+    def counting(tokens):
+        passes.append(tuple(tokens.shape))
+        return real(tokens)
+
+    body = {"prompt": rows, "echo": True, "logprobs": 2, "max_tokens": 0}
+    with TestClient(create_app(lm, max_wait_ms=0.0), base_url="http://localhost") as c:
+        monkeypatch.setattr(lm.model, "forward", counting)
+        one = c.post("/v1/completions", json=body)
+        one_passes, passes[:] = list(passes), []
+        monkeypatch.setattr(logprobs, "SCORE_TOKENS", 12)
+        small = c.post("/v1/completions", json=body)
+        small_passes = list(passes)
+        monkeypatch.setattr(lm.model, "forward", real)
+    assert one_passes == [(len(rows), max(map(len, rows)))]  # one pass, padded to the longest row
+    assert len(small_passes) > 1 and all(b * t <= 12 or b == 1 for b, t in small_passes)
+    for r in (one, small):
+        assert r.status_code == 200, r.text
+        for row, choice in zip(rows, sorted(r.json()["choices"], key=lambda x: x["index"]), strict=True):
+            want = direct_logprobs(lm, row)
+            got = choice["logprobs"]["token_logprobs"]
+            assert got[0] is None and got[1:] == pytest.approx([float(want[t, row[t + 1]])
+                                                                for t in range(len(row) - 1)], abs=1e-5)
+            top = choice["logprobs"]["top_logprobs"]
+            assert all(len(x) == 2 for x in top[1:])  # the request's own top 2 of each position
 
 
 def test_a_multiple_choice_request_as_lm_eval_sends_it(client_lm, lm):

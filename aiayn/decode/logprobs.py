@@ -31,25 +31,57 @@ class TokenScores:
     top: list[list[tuple[int, float]] | None]
 
 
-@torch.no_grad()
+# Padded positions (rows x the longest row) of one scoring pass: its logits are that many rows of V floats.
+SCORE_TOKENS = 4096
+
+
 def score_ids(run: Run, ids: Sequence[int], top: int = 0) -> TokenScores:
     """The log-softmax of the model's logits (temperature 1, nothing filtered) at each of ``ids`` given the ids
     before it, in one forward pass; ``ids`` must fit the model's context (no sliding window: a window would
     change what each token is conditioned on)."""
-    ids = [int(i) for i in ids]
+    return score_many(run, [ids], top)[0]
+
+
+@torch.no_grad()
+def score_many(run: Run, seqs: Sequence[Sequence[int]], top: int = 0) -> list[TokenScores]:
+    """:func:`score_ids` of each of ``seqs``, several per forward pass: rows sorted by length and right-padded,
+    at most :data:`SCORE_TOKENS` padded positions a pass. The model is causal, so a row's padding comes after
+    everything its positions read: each score is the row's own, up to float rounding (other matmul shapes)."""
+    seqs = [[int(i) for i in ids] for ids in seqs]
     ctx = lm_context(run.cfg)
-    if not 0 < len(ids) <= ctx:
-        raise ConfigError(f"{len(ids)} tokens to score: the model reads 1 to {ctx} at once (its training block)")
+    for ids in seqs:
+        if not 0 < len(ids) <= ctx:
+            raise ConfigError(f"{len(ids)} tokens to score: the model reads 1 to {ctx} at once (its training block)")
+    out: list[TokenScores | None] = [None] * len(seqs)
+    group: list[int] = []
+    for k in sorted(range(len(seqs)), key=lambda k: len(seqs[k])):
+        if group and (len(group) + 1) * len(seqs[k]) > SCORE_TOKENS:
+            _score_rows(run, seqs, group, top, out)
+            group = []
+        group.append(k)
+    if group:
+        _score_rows(run, seqs, group, top, out)
+    return out  # type: ignore[return-value]  (every index was filled)
+
+
+def _score_rows(run: Run, seqs: list[list[int]], rows: list[int], top: int, out: list) -> None:
+    """One forward pass over ``seqs[k]`` for k in ``rows`` (shortest first), right-padded to the longest (B, T)."""
     device = model_device(run.model)
+    longest = len(seqs[rows[-1]])
+    batch = torch.full((len(rows), longest), run.tokenizers.specials.pad, dtype=torch.long)
+    for b, k in enumerate(rows):
+        batch[b, :len(seqs[k])] = torch.tensor(seqs[k])
     with kernels(device, run.precision):
-        logits = run.model(torch.tensor([ids], device=device))[0, :-1]  # (T-1, V): row t predicts ids[t + 1]
-    logp = logits.float().log_softmax(dim=-1).cpu()
-    chosen = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    best = [[] for _ in chosen]
-    if top > 0 and chosen:
-        values, index = logp.topk(min(top, logp.size(1)), dim=-1)  # (T-1, top)
-        best = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
-    return TokenScores(ids, [None, *chosen], [None, *best])
+        logits = run.model(batch.to(device))  # (B, T, V): row t predicts the id at t + 1
+    for b, k in enumerate(rows):
+        ids = seqs[k]
+        logp = logits[b, :len(ids) - 1].float().log_softmax(dim=-1).cpu()  # (T_k - 1, V)
+        chosen = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        best: list = [[] for _ in chosen]
+        if top > 0 and chosen:
+            values, index = logp.topk(min(top, logp.size(1)), dim=-1)  # (T_k - 1, top)
+            best = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+        out[k] = TokenScores(ids, [None, *chosen], [None, *best])
 
 
 def continue_ids(run: Run, ids: Sequence[int], opts: DecodeOptions, max_new_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ from aiayn.decode.generate import Generator
 from aiayn.errors import ConfigError
 from aiayn.serve.errors import OpenAIError
 from aiayn.serve.schemas import Limits
-from aiayn.serve.scores import MAX_LOGPROBS, scored_choice
+from aiayn.serve.scores import MAX_LOGPROBS, scored_choices
 
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
                  "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix", "logit_bias",
@@ -304,6 +304,7 @@ def run_lm(gen: Generator, items: list[tuple[str, int | None, Completion, Any, A
 
 
 def run_scored(gen: Generator, items: list[tuple[str | list[int], int | None, Completion]]) -> list[dict[str, Any]]:
-    """Echo / logprobs choices (worker thread), one after the other (:func:`aiayn.serve.scores.scored_choice`)."""
-    return [scored_choice(gen.run, prompt, c.options.replace(seed=seed), c.max_tokens, c.echo, c.logprobs)
-            for prompt, seed, c in items]
+    """Echo / logprobs choices (worker thread): each one's completion by its own search, the log-probabilities of
+    all of them in shared forward passes (:func:`aiayn.serve.scores.scored_choices`)."""
+    return scored_choices(gen.run, [(prompt, c.options.replace(seed=seed), c.max_tokens, c.echo, c.logprobs)
+                                    for prompt, seed, c in items])

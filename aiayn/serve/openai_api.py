@@ -179,6 +179,8 @@ class OpenAIRoutes:
         if self.svc.task == "translation":
             results = await self.translate_choices(c, jobs)
         elif c.scored:
+            # a request's prompts share forward passes (run_scored); requests are not merged: a merge would make
+            # each lone request wait the batching window, and a harness sends its batch as one request
             results = await self.svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs),
                                                  functools.partial(run_scored, self.svc.model))
         else:

@@ -9,17 +9,18 @@ The ``logprobs`` object is OpenAI's legacy one, per choice::
 
 covering the prompt's tokens and then the completion's with ``echo`` (the first token has None: nothing
 predicts it), the completion's only without. The numbers are the model's log-softmax at temperature 1, nothing
-filtered (:func:`aiayn.decode.logprobs.score_ids`), whatever the request's sampling; ``top_logprobs`` holds the
+filtered (:func:`aiayn.decode.logprobs.score_many`), whatever the request's sampling; ``top_logprobs`` holds the
 ``logprobs`` most likely tokens of each position. A token's text is what it adds to the text decoded so far (a
 special token, or a byte of an unfinished character, is named by its piece and adds nothing).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from aiayn.decode.generate import lm_context, prompt_ids
-from aiayn.decode.logprobs import continue_ids, score_ids, token_texts
+from aiayn.decode.logprobs import continue_ids, score_many, token_texts
 from aiayn.errors import ConfigError
 from aiayn.run_dir import Run
 
@@ -42,33 +43,44 @@ def _candidate_text(run: Run, i: int) -> str:
     return run.tokenizers.src.id_to_piece(i).replace("\u2581", " ")
 
 
-def scored_choice(run: Run, prompt: str | list[int], opts, max_tokens: int, echo: bool, top: int | None
-                  ) -> dict[str, Any]:
-    """One choice of an echo / logprobs completion (worker thread): ``max_tokens`` new ids by ``opts``' search,
-    then one teacher-forced pass over prompt and completion for the log-probabilities (``top``: how many most
-    likely tokens per position; None: no ``logprobs`` object)."""
-    ids = check_scored(run, prompt, max_tokens)
-    new = continue_ids(run, ids, opts, max_tokens)
-    texts, offsets, whole = token_texts(run, ids + new)
-    prompt_text = token_texts(run, ids)[2]
+def scored_choices(run: Run, items: Sequence[tuple[str | list[int], Any, int, bool, int | None]]
+                   ) -> list[dict[str, Any]]:
+    """Echo / logprobs completion choices (worker thread), one per ``(prompt, opts, max_tokens, echo, top)``:
+    ``max_tokens`` new ids by ``opts``' search, then the log-probabilities of prompt and completion (``top``: how
+    many most likely tokens per position; None: no ``logprobs`` object), teacher-forced in passes shared by all
+    the choices (:func:`aiayn.decode.logprobs.score_many`): a batch of lm-evaluation-harness's loglikelihood
+    prompts costs a few forward passes, not one per prompt."""
+    rows = []
+    for prompt, opts, max_tokens, _, _ in items:
+        ids = check_scored(run, prompt, max_tokens)
+        rows.append((ids, continue_ids(run, ids, opts, max_tokens)))
+    wanted = [k for k, item in enumerate(items) if item[4] is not None]
+    most = max((items[k][4] or 0 for k in wanted), default=0)
+    scores = dict(zip(wanted, score_many(run, [rows[k][0] + rows[k][1] for k in wanted], most)))
     eos = run.tokenizers.specials.eos
-    result = {"text": whole if echo else whole[len(prompt_text):],
-              "finish_reason": "stop" if new and new[-1] == eos else "length",
-              "prompt_tokens": len(ids), "completion_tokens": len(new), "logprobs": None}
-    if top is not None:
-        s = score_ids(run, ids + new, top)
-        first = 0 if echo else len(ids)
-        shift = 0 if echo else len(prompt_text)
-        tops = []
-        for k in range(first, len(s.ids)):
-            if s.top[k] is None:
-                tops.append(None)
-                continue
-            # the chosen token under its text in context (so its key matches tokens[k]), the others by their pieces
-            tops.append({(texts[k] if i == s.ids[k] else _candidate_text(run, i)): v for i, v in s.top[k]})
-        result["logprobs"] = {"tokens": texts[first:], "token_logprobs": s.logprobs[first:], "top_logprobs": tops,
-                              "text_offset": [o - shift for o in offsets[first:]]}
-    return result
+    results = []
+    for k, ((_, _, _, echo, top), (ids, new)) in enumerate(zip(items, rows)):
+        texts, offsets, whole = token_texts(run, ids + new)
+        prompt_text = token_texts(run, ids)[2]
+        result = {"text": whole if echo else whole[len(prompt_text):],
+                  "finish_reason": "stop" if new and new[-1] == eos else "length",
+                  "prompt_tokens": len(ids), "completion_tokens": len(new), "logprobs": None}
+        if top is not None:
+            s = scores[k]
+            first = 0 if echo else len(ids)
+            shift = 0 if echo else len(prompt_text)
+            tops = []
+            for t in range(first, len(s.ids)):
+                if s.top[t] is None:
+                    tops.append(None)
+                    continue
+                # the chosen token under its text in context (so its key matches tokens[t]), the others by their
+                # pieces; each choice's own ``top`` of the pass's most likely (sorted, best first)
+                tops.append({(texts[t] if i == s.ids[t] else _candidate_text(run, i)): v for i, v in s.top[t][:top]})
+            result["logprobs"] = {"tokens": texts[first:], "token_logprobs": s.logprobs[first:],
+                                  "top_logprobs": tops, "text_offset": [o - shift for o in offsets[first:]]}
+        results.append(result)
+    return results
 
 
 def tokenizer_info(run: Run, model_id: str, chat_template: str | None = None) -> dict[str, Any]:
