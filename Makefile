@@ -72,7 +72,7 @@ lock:
 	$(LATEST)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(LATEST)/bin/python -m pip install -q -e ".[dev,serve,clients,browser]"
 	$(LATEST)/bin/python -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal
-	{ sed -n '/^#/p' $(LOCK); $(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).new
+	{ sed -n '/^#/p' $(LOCK); $(LATEST)/bin/python -m pip freeze --all --exclude-editable | grep -v -e '^torch==' -e '^pip=='; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
 clean:
