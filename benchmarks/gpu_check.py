@@ -362,7 +362,7 @@ def cpu_isa_item(work: Path, device: str, size: str) -> dict[str, Any]:
     PyTorch kernels: GPU machines have been the only AVX-512 CPUs lent to this project, and a test that holds only
     by one CPU's rounding fails there (issue 47). The CPU suite's conftest hides the GPU from these tests. Smoke:
     one quick test."""
-    flags = set(Path("/proc/cpuinfo").read_text(errors="replace").split()) if Path("/proc/cpuinfo").exists() else set()
+    model, flags = _cpuinfo()
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "default"
     tests = isa_tests()
     if size == "smoke":
@@ -371,7 +371,7 @@ def cpu_isa_item(work: Path, device: str, size: str) -> dict[str, Any]:
     env = child_env(ATEN_CPU_CAPABILITY=isa)
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            capture_output=True, text=True, env=env, cwd=REPO)
-    res = {"isa": isa, "torch_cpu_capability": probe.stdout.strip(), "cpu": _cpu_model(), "workers": int(workers)}
+    res = {"isa": isa, "torch_cpu_capability": probe.stdout.strip(), "cpu": model, "workers": int(workers)}
     res.update(_pytest([*tests, "-n", workers, "--dist", "worksteal"], work / "items" / "cpu_isa.pytest.log", env))
     res.pop("skip_lines", None)
     return res
@@ -386,12 +386,13 @@ def isa_tests() -> list[str]:
     return body.group(1).replace("\\\n", " ").split()
 
 
-def _cpu_model() -> str | None:
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    """This CPU's model name and flags (Linux /proc/cpuinfo; none elsewhere)."""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return None
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        names = [x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")]
+        return (names[0] if names else None), set(text.split())
+    return None, set()
 
 
 def _pytest(args: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:

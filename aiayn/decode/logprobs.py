@@ -35,18 +35,14 @@ class TokenScores:
 SCORE_TOKENS = 4096
 
 
-def score_ids(run: Run, ids: Sequence[int], top: int = 0) -> TokenScores:
-    """The log-softmax of the model's logits (temperature 1, nothing filtered) at each of ``ids`` given the ids
-    before it, in one forward pass; ``ids`` must fit the model's context (no sliding window: a window would
-    change what each token is conditioned on)."""
-    return score_many(run, [ids], top)[0]
-
-
 @torch.no_grad()
 def score_many(run: Run, seqs: Sequence[Sequence[int]], top: int = 0) -> list[TokenScores]:
-    """:func:`score_ids` of each of ``seqs``, several per forward pass: rows sorted by length and right-padded,
-    at most :data:`SCORE_TOKENS` padded positions a pass. The model is causal, so a row's padding comes after
-    everything its positions read: each score is the row's own, up to float rounding (other matmul shapes)."""
+    """For each of ``seqs``: the log-softmax of the model's logits (temperature 1, nothing filtered) at each id
+    given the ids before it, and the ``top`` most likely ids there. Each sequence must fit the model's context (no
+    sliding window: a window would change what each token is conditioned on). Several sequences per forward pass:
+    rows sorted by length and right-padded, at most :data:`SCORE_TOKENS` padded positions a pass. The model is
+    causal, so a row's padding comes after everything its positions read: each score is the row's own, up to
+    float rounding (other matmul shapes)."""
     seqs = [[int(i) for i in ids] for ids in seqs]
     ctx = lm_context(run.cfg)
     for ids in seqs:

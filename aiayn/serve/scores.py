@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiayn.decode.generate import lm_context, prompt_ids
-from aiayn.decode.logprobs import continue_ids, score_many, token_texts
+from aiayn.decode.logprobs import TokenScores, continue_ids, score_many, token_texts
 from aiayn.errors import ConfigError
 from aiayn.run_dir import Run
 
@@ -66,21 +66,24 @@ def scored_choices(run: Run, items: Sequence[tuple[str | list[int], Any, int, bo
                   "finish_reason": "stop" if new and new[-1] == eos else "length",
                   "prompt_tokens": len(ids), "completion_tokens": len(new), "logprobs": None}
         if top is not None:
-            s = scores[k]
-            first = 0 if echo else len(ids)
-            shift = 0 if echo else len(prompt_text)
-            tops = []
-            for t in range(first, len(s.ids)):
-                if s.top[t] is None:
-                    tops.append(None)
-                    continue
-                # the chosen token under its text in context (so its key matches tokens[t]), the others by their
-                # pieces; each choice's own ``top`` of the pass's most likely (sorted, best first)
-                tops.append({(texts[t] if i == s.ids[t] else _candidate_text(run, i)): v for i, v in s.top[t][:top]})
-            result["logprobs"] = {"tokens": texts[first:], "token_logprobs": s.logprobs[first:],
-                                  "top_logprobs": tops, "text_offset": [o - shift for o in offsets[first:]]}
+            first, shift = (0, 0) if echo else (len(ids), len(prompt_text))
+            result["logprobs"] = _logprobs_object(run, scores[k], texts[first:], offsets[first:], first, shift, top)
         results.append(result)
     return results
+
+
+def _logprobs_object(run: Run, s: TokenScores, texts: list[str], offsets: list[int], first: int, shift: int,
+                     top: int) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object of ``s``'s positions from ``first`` on (``texts`` and ``offsets``
+    already cut there; offsets moved back by ``shift``): each position's ``top`` most likely of the pass's (sorted,
+    best first), the chosen token under its text in context (so its key matches its entry of ``tokens``), the
+    others by their pieces."""
+    tops: list[dict[str, float] | None] = []
+    for t, text in zip(range(first, len(s.ids)), texts):
+        tops.append(None if s.top[t] is None else
+                    {(text if i == s.ids[t] else _candidate_text(run, i)): v for i, v in s.top[t][:top]})
+    return {"tokens": texts, "token_logprobs": s.logprobs[first:], "top_logprobs": tops,
+            "text_offset": [o - shift for o in offsets]}
 
 
 def tokenizer_info(run: Run, model_id: str, chat_template: str | None = None) -> dict[str, Any]:
