@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rounding  # tests/ is on sys.path under pytest
 import torch
-from tiny_recipe import TINY_RUN_OVERRIDES  # tests/ is on sys.path under pytest (re-exported to tests)
+from tiny_recipe import TINY_RUN_OVERRIDES  # (re-exported to tests)
 
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.search import SearchSpec, score_tokens
@@ -29,6 +30,18 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get(
 if "AIAYN_CACHE_DIR" not in os.environ:
     _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     os.environ["AIAYN_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"aiayn-test-cache-{_run}")
+
+
+# AIAYN_TEST_ROUNDING=SEED[:SCALE] (tests/rounding.py): another CPU's rounding, simulated, in this process and in
+# every Python process a test starts.
+if rounding.install():
+    _site = str(Path(__file__).resolve().parent / "rounding_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    got = rounding.settings()
+    return f"{rounding.ENV}: seed {got[0]}, scale {got[1]:g} (simulated rounding of another CPU)" if got else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
