@@ -247,20 +247,26 @@ def test_export_refusals(tmp_path):
                            tmp_path / "f")
 
 
-def test_ct2_default_early_stop_can_miss_the_best_hypothesis(tmp_path):
+def test_ct2_default_early_stop_is_aiayns_first_and_can_miss_the_best_hypothesis(tmp_path):
     """Why the test above raises ``patience``: with CT2's default (stop once 4 hypotheses finished)
     the search is a prefix of the full one, so its best normalized score can only be lower, and on
-    this model it is strictly lower for some sources (a longer hypothesis wins after the stop)."""
+    this model it is strictly lower for some sources (a longer hypothesis wins after the stop).
+    That default is aiayn's ``stop='first'``: the same 4 hypotheses (Argos Translate decodes so)."""
     model = make_model("preln-concat-gelu-bias")
     translator = ctranslate2.Translator(str(export_ctranslate2(model, SRC_PIECES, tmp_path / "m")), device="cpu")
     results = translator.translate_batch(
-        [as_pieces(s, SRC_PIECES) for s in SOURCES], beam_size=4, length_penalty=1.0, return_end_token=True,
-        max_decoding_length=MAX_LEN, min_decoding_length=0, return_scores=True,
+        [as_pieces(s, SRC_PIECES) for s in SOURCES], beam_size=4, num_hypotheses=4, length_penalty=1.0,
+        return_end_token=True, max_decoding_length=MAX_LEN, min_decoding_length=0, return_scores=True,
     )
-    missed = 0
+    pieces = tgt_pieces(model)
+    missed = swaps = 0
     for s, r in zip(SOURCES, results):
-        best = beam_search(model, src_tensor(s), spec=spec_of(beam=4, alpha=1.0, length_penalty="power",
-                                                              max_len_a=0.0, max_len_b=MAX_LEN))[0][0]
+        kw = dict(beam=4, nbest=4, alpha=1.0, length_penalty="power", max_len_a=0.0, max_len_b=MAX_LEN)
+        best = beam_search(model, src_tensor(s), spec=spec_of(**kw))[0][0]
         assert best.score >= r.scores[0] - TOL
         missed += best.score > r.scores[0] + TOL
+        first = beam_search(model, src_tensor(s), spec=spec_of(stop="first", **kw))[0]
+        theirs = [as_ids(h[:-1] if h and h[-1] == "</s>" else h, pieces) for h in r.hypotheses]
+        swaps += same_hypotheses([(h.tokens, h.score) for h in first], list(zip(theirs, r.scores)), s)
     assert missed > 0
+    assert swaps <= len(SOURCES)  # of 4 ranks x len(SOURCES): only ties may swap

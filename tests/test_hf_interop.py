@@ -509,3 +509,18 @@ def test_staged_directory_replaces_whole_or_not_at_all(tmp_path):
     with staged_directory(target) as stage:
         (stage / "new.txt").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in target.iterdir()] == ["new.txt"]
+
+
+@pytest.mark.parametrize("stop,early_stopping", [("exact", "never"), ("hf", False), ("first", True)])
+def test_each_stop_rule_crosses_to_generate_and_back(stop, early_stopping):
+    """An export writes each aiayn stop rule as generate()'s early_stopping and an import reads it back, with no note
+    (tests/test_search.py proves each pair decodes token for token alike)."""
+    from aiayn.config import DecodeOptions
+    from aiayn.data.tokenizer import SpecialIds
+    from aiayn.interop.hf import decode_options_from, generation_config_for
+
+    opts = DecodeOptions(beam=4, alpha=0.6, length_penalty="power", stop=stop, max_len_a=0.0, max_len_b=20)
+    g = generation_config_for(opts, SpecialIds(pad=0, bos=2, eos=3, decoder_start=0), max_positions=64)
+    assert g.early_stopping == early_stopping
+    back, notes = decode_options_from(g, pad_id=0)
+    assert back.stop == stop and not [n for n in notes if "early_stopping" in n], notes

@@ -253,6 +253,31 @@ def test_case3_longer_hypothesis_wins_only_by_length_penalty_and_exact_stopping(
     assert m.max_decoded() == 5
 
 
+# Case 4: the pool fills at step 2 with two unlikely hypotheses ([] .3, [B] .18) while A C (.45) is still live.
+SCRIPT_4 = {
+    (): {A: 0.5, EOS: 0.3, B: 0.2},
+    (A,): {C: 0.9, EOS: 0.1},
+    (B,): {EOS: 0.9, C: 0.1},
+    (A, C): {EOS: 1.0},
+}
+
+
+def test_case4_first_stops_once_the_pool_is_full():
+    # Beam 2. Step 1: A .5 live, EOS .3 among the first 2 -> [] finished (ln .3); A, B live.
+    # Step 2: A C .45 live, B EOS .18 finished -> the pool ([] ln .3, [B] ln .18) is full.
+    #   first (HF early_stopping=True, CTranslate2's default): done, A C never expanded.
+    m = StubModel(SCRIPT_4)
+    check(hyps(m, stub_src(0), beam=2, length_penalty="none", stop="first")[0],
+          [([], ln(0.3), ln(0.3)), ([B], ln(0.18), ln(0.18))])
+    assert m.max_decoded() == 1
+    #   hf and exact: A C (ln .45) may still beat the worst (ln .18): step 3 finishes A C EOS, the best.
+    for stop in ("hf", "exact"):
+        m = StubModel(SCRIPT_4)
+        check(hyps(m, stub_src(0), beam=2, length_penalty="none", stop=stop)[0],
+              [([A, C], ln(0.45), ln(0.45)), ([], ln(0.3), ln(0.3))])
+        assert m.max_decoded() == 2
+
+
 def test_stub_cases_batched_together_equal_alone():
     alone = [hyps(StubModel(s), stub_src(0), beam=2, length_penalty="power", alpha=1.0)[0]
              for s in (SCRIPT_1, SCRIPT_2, SCRIPT_3)]
@@ -600,7 +625,7 @@ def test_greedy_equals_hf_generate(marian):
     assert any(0 < len(w) < L_HF for w in want) and any(len(w) == L_HF for w in want)
 
 
-@pytest.mark.parametrize("early_stopping,stop", [(False, "hf"), ("never", "exact")])
+@pytest.mark.parametrize("early_stopping,stop", [(False, "hf"), ("never", "exact"), (True, "first")])
 def test_beam_equals_hf_generate(marian, early_stopping, stop):
     hf, ours, src = marian
     out = hf_generate(hf, src, num_beams=4, num_return_sequences=4, length_penalty=1.0,
@@ -611,16 +636,18 @@ def test_beam_equals_hf_generate(marian, early_stopping, stop):
     assert [h.tokens for hs in got for h in hs] == want
     assert [h.score for hs in got for h in hs] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
     best = want[::4]
-    assert any(0 < len(w) < L_HF for w in best) and any(len(w) == L_HF for w in best)
+    assert any(0 < len(w) < L_HF for w in best)
+    # sentences cut at the limit are among them, but under "first", which stops once 4 have ended (early here)
+    assert any(len(w) == L_HF for w in best) or stop == "first"
 
 
-def test_hf_heuristic_and_exact_stop_differ_on_this_model(marian):
-    # So the two tests above pin two different behaviours, each to its Hugging Face counterpart.
+def test_the_three_stop_rules_differ_on_this_model(marian):
+    # So the test above pins three different behaviours, each to its Hugging Face counterpart.
     hf, ours, src = marian
     kw = dict(beam=4, alpha=1.0, length_penalty="power", nbest=4, **MARIAN_IDS)
-    heuristic = beam_search(ours, src, spec=spec_of(stop="hf", **kw))
-    exact = beam_search(ours, src, spec=spec_of(stop="exact", **kw))
-    assert [[h.tokens for h in hs] for hs in heuristic] != [[h.tokens for h in hs] for hs in exact]
+    got = {stop: [[h.tokens for h in hs] for hs in beam_search(ours, src, spec=spec_of(stop=stop, **kw))]
+           for stop in ("exact", "hf", "first")}
+    assert got["hf"] != got["exact"] and got["first"] != got["hf"] and got["first"] != got["exact"]
 
 
 # 6. The per-step logits processing, step by step ----------------------------------------------------------

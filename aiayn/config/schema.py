@@ -331,7 +331,7 @@ DEFAULT_DECODE_TOKENS = {"cpu": 4096, "cuda": 32768, "mps": 8192}
 
 
 LENGTH_PENALTIES = ("gnmt", "power", "none")  # gnmt (paper) | power (fairseq, HF, CTranslate2) | none
-STOP_RULES = ("exact", "hf")  # beam search's stopping rule
+STOP_RULES = ("exact", "hf", "first")  # beam search's stopping rule (aiayn.search.beam says each)
 
 
 @dataclass(frozen=True)
@@ -381,8 +381,9 @@ class DecodeOptions:
     min_len: int = field(default=0, metadata=flag("no EOS before this many tokens", search=True))
     nbest: int = field(default=1, metadata=flag("hypotheses per input (at most the beam; sampling: draws)",
                                                 search=True))
-    stop: str = field(default="exact", metadata=flag("beam stopping rule (exact: never early; hf: HF's)",
-                                                     search=True, choices=STOP_RULES))
+    stop: str = field(default="exact", metadata=flag(
+        "beam stopping rule (exact: never early; hf: HF's default; first: once N have ended, as CTranslate2)",
+        search=True, choices=STOP_RULES))
     # n > 0: no output repeats one of its own n-grams (not in the paper; summaries)
     no_repeat_ngram: int = field(default=0, metadata=flag("never repeat an n-gram of the output (0: off)",
                                                           metavar="N"))

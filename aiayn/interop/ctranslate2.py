@@ -268,7 +268,8 @@ the decoder starts from {start} and stops at {eos}.{marian_note}
 Length penalty: CTranslate2 divides the score by |Y|^length_penalty (aiayn's 'power'). The run's
 config decodes with length_penalty={lp!r}, alpha={alpha}{lp_note}.
 To reproduce aiayn's beam_search(length_penalty='power', stop='exact') token for token,
-also pass patience=1000 (CTranslate2 otherwise stops once beam_size hypotheses have finished),
+also pass patience=1000 (CTranslate2 otherwise stops once beam_size hypotheses have finished:
+aiayn's stop='first'),
 return_end_token=True (|Y| counts the EOS step) and
 max_decoding_length=int({a} * (len(pieces) + 1) + {b}) per sentence.
 """

@@ -246,8 +246,6 @@ def decode_options_from(g: GenerationConfig, pad_id: int) -> tuple[DecodeOptions
     search does not reproduce (outputs may then differ)."""
     notes = []
     early = getattr(g, "early_stopping", False)
-    if early is True:
-        notes.append("early_stopping=True (stop once num_beams hypotheses end) has no aiayn rule: using stop=hf")
     max_new = getattr(g, "max_new_tokens", None)
     steps = int(max_new) if max_new is not None else int(getattr(g, "max_length", None) or 20) - 1
     min_new = getattr(g, "min_new_tokens", None)
@@ -275,7 +273,8 @@ def decode_options_from(g: GenerationConfig, pad_id: int) -> tuple[DecodeOptions
     opts = DecodeOptions(
         beam=1 if sample else int(getattr(g, "num_beams", 1) or 1),
         alpha=float(g.length_penalty if getattr(g, "length_penalty", None) is not None else 1.0),
-        length_penalty="power", stop="exact" if early == "never" else "hf", max_len_a=0.0, max_len_b=max(1, steps),
+        length_penalty="power", stop={"never": "exact", True: "first"}.get(early, "hf"), max_len_a=0.0,
+        max_len_b=max(1, steps),
         min_len=min_len, no_repeat_ngram=no_repeat, ban_pad=ban_pad, sample=sample,
         temperature=float(getattr(g, "temperature", 1.0) or 1.0),
         top_k=(getattr(g, "top_k", None) or None) if sample else None,
@@ -428,7 +427,7 @@ def generation_config_for(opts: DecodeOptions, specials: SpecialIds, max_positio
         decoder_start_token_id=specials.decoder_start, eos_token_id=specials.eos, pad_token_id=specials.pad,
         forced_eos_token_id=None,  # aiayn cuts a sentence at its limit without forcing EOS
         num_beams=1 if opts.sample else opts.beam, length_penalty=0.0 if opts.length_penalty == "none" else opts.alpha,
-        early_stopping="never" if opts.stop == "exact" else False, max_length=steps + 1,
+        early_stopping={"exact": "never", "first": True}.get(opts.stop, False), max_length=steps + 1,
         min_length=opts.min_len + 1 if opts.min_len else 0, no_repeat_ngram_size=opts.no_repeat_ngram,
         do_sample=opts.sample,
     )

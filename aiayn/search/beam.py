@@ -17,8 +17,10 @@ results can be compared:
   ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
   every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
   for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
-  ``length_penalty='power'``. (HF's ``early_stopping="never"`` with alpha > 0 is sound too and
-  returns the same hypotheses as ``exact``.) Done sentences leave the batch.
+  ``length_penalty='power'``; ``first``: done as soon as the pool is full, whatever the live beams
+  could still reach: HF's ``early_stopping=True``, fairseq's rule, and CTranslate2's default with a
+  length penalty (patience 1), hence Argos Translate's. (HF's ``early_stopping="never"`` with
+  alpha > 0 is sound too and returns the same hypotheses as ``exact``.) Done sentences leave the batch.
 * ``no_repeat_ngram`` n > 0: a beam may not repeat one of its own n-grams (its candidates that would
   are set to -inf before the top-k, as fairseq and Hugging Face do).
 
@@ -111,9 +113,11 @@ def _stop_bound(best_live: Tensor, length: int, limit_denominator: Tensor, spec:
     rounded a hair above 0 (log_softmax of p ~ 1). A sentence at its limit is done whatever this says.
     ``hf``: Hugging Face's default heuristic (early_stopping=False) divides by the denominator at the
     *current* length; with alpha > 0 a longer hypothesis can still beat it, so that rule may stop
-    before the best hypothesis is found.
+    before the best hypothesis is found. ``first``: -inf, so a full pool is done (the first N to end).
     """
     alpha, kind = spec.options.alpha, spec.options.length_penalty
+    if spec.options.stop == "first":
+        return torch.full_like(best_live, NEG_INF)
     if spec.options.stop == "hf":
         return best_live / length_penalty_denominator(length, alpha, kind)
     return torch.maximum(best_live / length_penalty_denominator(length + 1, alpha, kind),
