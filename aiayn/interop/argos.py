@@ -13,10 +13,11 @@ An ``.argosmodel`` file is a zip of one directory:
     <name>/README.md            what the package is and how it decodes
 
 How Argos decodes (argostranslate 1.11, ``apply_packaged_translation``): beam ``ARGOS_BEAM_SIZE`` (default 4),
-CTranslate2's length penalty 0.2 (|Y|^0.2, |Y| without the end token), its default early stop (patience 1),
-at most 256 tokens (sources cut at 1,024) and ``replace_unknowns``; then SentencePiece's decode with
-underscores turned into spaces. ``aiayn translate --beam 4 --alpha 0.2 --length-penalty power --stop hf`` is the
-closest aiayn setting; tests/test_argos.py checks that the two agree.
+CTranslate2's length penalty 0.2 (|Y|^0.2, |Y| counting the end token as aiayn's ``power``), its default early
+stop (patience 1: a sentence is done once 4 hypotheses have ended, aiayn's ``stop='first'``), no end token at the
+first step (``min_decoding_length`` 1), at most 256 tokens (sources cut at 1,024) and ``replace_unknowns``; then
+SentencePiece's decode with underscores turned into spaces. :data:`ARGOS_SEARCH` is that search in aiayn's
+options (``aiayn translate`` flags: :data:`ARGOS_FLAGS`); tests/test_argos.py checks that the two agree.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ ARGOS_BEAM = 4  # argostranslate's default ARGOS_BEAM_SIZE
 # Argos leaves CTranslate2's length limits at their defaults: sources cut at 1,024 tokens, up to 256 decoded. A
 # position table shorter than that makes CTranslate2 fail mid-request, so the package's tables cover them.
 CT2_MAX_INPUT, CT2_MAX_DECODING = 1024, 256
+# Argos' search as aiayn's decoding options (DecodeOptions fields): the module docstring says where each comes from.
+ARGOS_SEARCH: dict[str, Any] = dict(beam=ARGOS_BEAM, alpha=ARGOS_LENGTH_PENALTY, length_penalty="power", stop="first",
+                                    min_len=1, max_len_a=0.0, max_len_b=CT2_MAX_DECODING)
+ARGOS_FLAGS = "--beam 4 --alpha 0.2 --length-penalty power --stop first --min-len 1 --max-len-a 0 --max-len-b 256"
 
 _README = """\
 # {src_name} -> {tgt_name} ({src} -> {tgt}), an aiayn Transformer
