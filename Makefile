@@ -42,12 +42,15 @@ test: $(STAMP)
 # take its SSE2 path instead of the one it picks for this CPU (AVX-512 kernels on an AVX-512 Xeon), so a test that
 # holds only by one machine's rounding fails here. CI runs both (.ci/run); CONTRIBUTING.md says how to check the
 # whole suite.
+# ROUNDING=SEED[:SCALE] adds tests/rounding.py's simulated rounding of another CPU (every matrix product, softmax
+# and layer norm result moved by up to SCALE of itself, 1e-6 by default): a machine with other kernels, on any machine.
 ISA ?= default
 MKL_CBWR ?=
+ROUNDING ?=
 ISA_TESTS := tests/test_translate.py tests/test_search.py tests/test_head_widths.py tests/test_export_run.py \
-             tests/test_hf_interop.py tests/test_ctranslate2.py
+             tests/test_hf_interop.py tests/test_ctranslate2.py tests/test_argos.py
 test-isa: $(STAMP)
-	ATEN_CPU_CAPABILITY=$(ISA) MKL_CBWR=$(MKL_CBWR) $(PY) -m pytest $(ISA_TESTS) -n $(TEST_WORKERS) --dist worksteal
+	ATEN_CPU_CAPABILITY=$(ISA) MKL_CBWR=$(MKL_CBWR) AIAYN_TEST_ROUNDING=$(ROUNDING) $(PY) -m pytest $(ISA_TESTS) -n $(TEST_WORKERS) --dist worksteal
 
 test-browser: $(STAMP)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \

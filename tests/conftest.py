@@ -78,6 +78,17 @@ def shared_data_dir() -> Path | None:
 SUM_TOL = dict(rel=1e-5, abs=1e-6)
 
 
+def assert_close_at_scale(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: object = "") -> None:
+    """max |actual - expected| <= ``rel`` x max |expected|: for tensors whose elements are sums of many float terms
+    computed in another order (another shape, another kernel, another CPU). An element near zero then carries the
+    rounding of its terms' magnitude, not of its own, so an element-wise relative tolerance fails on it and an
+    absolute one is a guess at the scale; this one is relative to the tensor's scale. A wrong mask, padding or
+    cache moves a result by a large fraction of that scale, so it still fails."""
+    diff = (actual.detach().double() - expected.detach().double()).abs().max().item()
+    scale = expected.detach().double().abs().max().item()
+    assert diff <= rel * scale, f"{what}: max |difference| {diff:.3g} > {rel:g} x max |expected| {scale:.3g}"
+
+
 # Two hypotheses whose length-penalized scores are this close may come in either order from two paths that sum
 # floats in another order (batched and padded vs alone, aiayn vs Hugging Face or CTranslate2, another CPU's
 # kernels): those move a score by ~1e-6 of it. A wrong token, a wrong length penalty or a broken cache moves a

@@ -14,8 +14,9 @@ perturbation keeps of it:
   says more than passing on one more CPU; each seed stands for another machine.
 
 Installed by tests/conftest.py when the variable is set, and in every Python process the tests start (through
-tests/rounding_site/sitecustomize.py on PYTHONPATH): the CLI's subprocesses round as the test's own process does.
-Native code outside PyTorch's Python functions (CTranslate2) keeps its own rounding, as it would anyway.
+tests/rounding_site/sitecustomize.py on PYTHONPATH, once the process imports torch): the CLI's subprocesses round
+as the test's own process does. Native code outside PyTorch's Python functions (CTranslate2) keeps its own
+rounding, as it would anyway; so does a graph torch.compile builds.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def _wrap(name: str, fn: Callable, seed: int, scale: float) -> Callable:
     if getattr(fn, "_aiayn_rounding", False):
         return fn
 
-    row_wise = name.rpartition(".")[2] in _ROW_WISE
+    row_wise = name in _ROW_WISE
 
     @functools.wraps(fn)
     def rounded(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_inside, "depth", 0):
+        # A compiled graph is another CPU's code of its own (inductor's kernels): left as it is, and the wrapper
+        # adds no graph break to it.
+        if torch.compiler.is_compiling() or getattr(_inside, "depth", 0):
             return fn(*args, **kwargs)
         _inside.depth = 1
         try:
@@ -110,5 +113,6 @@ def install() -> bool:
         return False
     seed, scale = got
     for owner, attr in _OPS:
-        setattr(owner, attr, _wrap(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr), seed, scale))
+        # keyed by the op, not by how it is called: F.softmax, torch.softmax and Tensor.softmax run one kernel
+        setattr(owner, attr, _wrap(attr.strip("_"), getattr(owner, attr), seed, scale))
     return True

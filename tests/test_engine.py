@@ -14,7 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import side_of, skip_inductor_under_default_isa  # tests/ is on sys.path under pytest
+from conftest import (  # tests/ is on sys.path under pytest
+    assert_close_at_scale,
+    side_of,
+    skip_inductor_under_default_isa,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn import build_model, model_config
@@ -74,8 +78,8 @@ def test_extra_padding_leaves_loss_and_gradients_unchanged(path):
         l0, g0 = loss_and_grads(model, plain)
         l1, g1 = loss_and_grads(model, padded)
     assert torch.isfinite(l1) and abs(l1.item() - l0.item()) <= 1e-6 * abs(l0.item())
-    for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k in g0:  # padding changes the shapes, so the sums' order (AIAYN_TEST_ROUNDING=1: up to 6e-6 x scale)
+        assert_close_at_scale(g1[k], g0[k], 1e-5, k)
     assert max(g.abs().max().item() for g in g0.values()) > 1e-3  # the gradients are not all zero
 
 
@@ -262,7 +266,7 @@ def test_compiled_training_step_equals_eager(monkeypatch):
     (l0, n0, g0), (l1, n1, g1) = results
     assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
+        assert_close_at_scale(g1[k], g0[k], 1e-4, k)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs - start == 4  # encoder layer, decoder layer, loss chunk forward and backward: 2 layers each
     other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 22, 14))  # another batch size and lengths
