@@ -20,7 +20,7 @@ from conftest import REPO  # noqa: E402  (tests/ is on sys.path under pytest)
 from aiayn import cli  # noqa: E402
 from aiayn.config import ConfigError  # noqa: E402
 from aiayn.decode.translator import load  # noqa: E402
-from aiayn.interop.argos import ARGOS_SEARCH, export_argos  # noqa: E402
+from aiayn.interop.argos import ARGOS_FLAGS, ARGOS_SEARCH, export_argos  # noqa: E402
 from aiayn.interop.sentence_splitter import sentence_splitter_onnx  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,6 +93,7 @@ def test_package_layout(learned_run, package):
     assert "install_from_path('en_de.argosmodel')" in readme and learned_run.name in readme
     assert "- Languages: English (en) -> German (de)" in readme and "- BLEU: not measured" in readme
     assert "- Training: " in readme and "- License: not set by aiayn" in readme
+    assert f"aiayn translate RUN {ARGOS_FLAGS}" in readme
     assert str(learned_run.resolve().parent) not in readme  # no path of this machine goes into the package
 
 

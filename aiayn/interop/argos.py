@@ -68,7 +68,8 @@ Install and use:
 (`argospm install` takes the name of a package in Argos' online index, not a file.)
 
 Decoding: Argos Translate runs beam search with beam ARGOS_BEAM_SIZE (default 4) and CTranslate2's length
-penalty 0.2; the run itself was configured with beam {beam}, {lp} length penalty alpha {alpha}.
+penalty 0.2; the run itself was configured with beam {beam}, {lp} length penalty alpha {alpha}. With the run,
+`aiayn translate RUN {argos_flags}` decodes as Argos does.
 
 Sentence splitting: {splitter}
 """
@@ -135,6 +136,7 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
         layers=f"{cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers}",
         d_model=cfg.model.d_model, params=sum(p.numel() for p in run.model.parameters()), vocab=len(vocab),
         quant=quantization or "float32", file=out.name, beam=d.beam, lp=d.length_penalty, alpha=d.alpha,
+        argos_flags=ARGOS_FLAGS,
         facts="\n".join(run_facts(run_dir, cfg)),
         splitter=(_MODEL_SPLITTER.format(name=sentence_model.name) if sentence_model is not None
                   else _RULE_SPLITTER.format(lang=src)),
