@@ -89,3 +89,11 @@ def test_a_process_that_never_imports_torch_does_not_get_it():
     code = "import sys, json; print(json.dumps('torch' in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) is False
+
+
+def test_this_process_rounds_exactly_when_asked():
+    """The test process itself (an xdist worker too, where the site hook meets conftest's own import) is wrapped
+    when the variable is set and only then."""
+    import torch.nn.functional as F
+
+    assert getattr(F.linear, "_aiayn_rounding", False) == (rounding.settings() is not None)
