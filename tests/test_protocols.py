@@ -406,10 +406,14 @@ def client_lm(lm):
         yield c
 
 
+# Served log-probabilities come from batches of other shapes (rows padded together) than direct_logprobs': compared
+# within this (a log-softmax near 0 carries the rounding of its logsumexp's size); a wrong row or position moves one
+# by far more.
+LOGPROB_TOL = dict(rel=1e-5, abs=1e-5)
+
+
 def direct_logprobs(lm, ids: list[int]) -> torch.Tensor:
-    """(T-1, V): the model's own log-softmax after each of ``ids`` but the last, computed here. Served scores come
-    from batches of other shapes (rows padded together), so tests compare them with rel=1e-5 and abs=1e-5 (a log-
-    softmax near 0 carries the rounding of its logsumexp's size); a wrong row or position moves one by far more."""
+    """(T-1, V): the model's own log-softmax after each of ``ids`` but the last, computed here."""
     with torch.no_grad():
         return lm.model(torch.tensor([ids]))[0, :-1].float().log_softmax(-1)
 
@@ -429,11 +433,11 @@ def test_echo_logprobs_are_the_models_log_softmax(client_lm, lm):
     want = direct_logprobs(lm, full)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx([float(want[t, full[t + 1]]) for t in range(len(full) - 1)],
-                                                     rel=1e-5, abs=1e-5)
+                                                     **LOGPROB_TOL)
     assert lp["tokens"] == [tok.decode([i]) for i in full] and choice["text"] == tok.decode(full)
     assert lp["text_offset"] == list(range(len(full)))  # one character per token
     for t, top in enumerate(lp["top_logprobs"][1:]):
-        assert sorted(top.values(), reverse=True) == pytest.approx(want[t].topk(3).values.tolist(), rel=1e-5, abs=1e-5)
+        assert sorted(top.values(), reverse=True) == pytest.approx(want[t].topk(3).values.tolist(), **LOGPROB_TOL)
     assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
     # token ids: one prompt, and a batch of two; max_tokens 0 scores the prompt alone
     for prompt_ids, rows in (([5, 6, 7, 8], [[5, 6, 7, 8]]), ([[5, 6, 7], [9, 10, 11, 12, 13]], None)):
@@ -445,7 +449,7 @@ def test_echo_logprobs_are_the_models_log_softmax(client_lm, lm):
             want = direct_logprobs(lm, row)
             got = choice["logprobs"]["token_logprobs"]
             assert got[0] is None and got[1:] == pytest.approx([float(want[t, row[t + 1]])
-                                                                for t in range(len(row) - 1)], rel=1e-5, abs=1e-5)
+                                                                for t in range(len(row) - 1)], **LOGPROB_TOL)
             assert choice["text"] == tok.decode(row) and choice["finish_reason"] == "length"
     # logprobs without echo: the completion's tokens only, offsets in the completion's text
     r = client_lm.post("/v1/completions", json={"prompt": "the", "logprobs": 0, "max_tokens": 3, "temperature": 0})
@@ -492,7 +496,7 @@ def test_a_requests_scored_prompts_share_forward_passes(lm, monkeypatch):
             want = direct_logprobs(lm, row)
             got = choice["logprobs"]["token_logprobs"]
             assert got[0] is None and got[1:] == pytest.approx([float(want[t, row[t + 1]])
-                                                                for t in range(len(row) - 1)], rel=1e-5, abs=1e-5)
+                                                                for t in range(len(row) - 1)], **LOGPROB_TOL)
             top = choice["logprobs"]["top_logprobs"]
             assert all(len(x) == 2 for x in top[1:])  # the request's own top 2 of each position
 
@@ -522,7 +526,7 @@ def test_a_multiple_choice_request_as_lm_eval_sends_it(client_lm, lm):
         greedy = all(t == max(top.values()) for t, top in zip(mine, lp["top_logprobs"][len(context):-1]))
         want = direct_logprobs(lm, row)
         direct = [float(want[t - 1, row[t]]) for t in range(len(context), len(row))]
-        assert mine == pytest.approx(direct, rel=1e-5, abs=1e-5)
+        assert mine == pytest.approx(direct, **LOGPROB_TOL)
         assert greedy == all(int(want[t - 1].argmax()) == row[t] for t in range(len(context), len(row)))
         scores.append(sum(mine))
     assert client_lm.post("/detokenize", json={"tokens": rows[0]}).json() == {"prompt": "the dog sat on the log"}

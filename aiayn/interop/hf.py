@@ -71,6 +71,8 @@ EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safete
                           TARGET_SPM, VOCAB, TARGET_VOCAB, *HF_TOKENIZER_FILES})
 EXPORT_TAG = "aiayn-export"  # in the model card's front matter: marks a directory an export may overwrite
 # Generation settings aiayn's search has no counterpart for (reported at import when set).
+# aiayn's beam stopping rules as generate()'s early_stopping, one for one (aiayn.search.beam says each).
+EARLY_STOPPING: dict[str, bool | str] = {"exact": "never", "hf": False, "first": True}
 _UNSUPPORTED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
                 "forced_bos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
                 "num_beam_groups": 1, "diversity_penalty": 0.0, "exponential_decay_length_penalty": None,
@@ -273,7 +275,7 @@ def decode_options_from(g: GenerationConfig, pad_id: int) -> tuple[DecodeOptions
     opts = DecodeOptions(
         beam=1 if sample else int(getattr(g, "num_beams", 1) or 1),
         alpha=float(g.length_penalty if getattr(g, "length_penalty", None) is not None else 1.0),
-        length_penalty="power", stop={"never": "exact", True: "first"}.get(early, "hf"), max_len_a=0.0,
+        length_penalty="power", stop=next((s for s, e in EARLY_STOPPING.items() if e == early), "hf"), max_len_a=0.0,
         max_len_b=max(1, steps),
         min_len=min_len, no_repeat_ngram=no_repeat, ban_pad=ban_pad, sample=sample,
         temperature=float(getattr(g, "temperature", 1.0) or 1.0),
@@ -427,7 +429,7 @@ def generation_config_for(opts: DecodeOptions, specials: SpecialIds, max_positio
         decoder_start_token_id=specials.decoder_start, eos_token_id=specials.eos, pad_token_id=specials.pad,
         forced_eos_token_id=None,  # aiayn cuts a sentence at its limit without forcing EOS
         num_beams=1 if opts.sample else opts.beam, length_penalty=0.0 if opts.length_penalty == "none" else opts.alpha,
-        early_stopping={"exact": "never", "first": True}.get(opts.stop, False), max_length=steps + 1,
+        early_stopping=EARLY_STOPPING[opts.stop], max_length=steps + 1,
         min_length=opts.min_len + 1 if opts.min_len else 0, no_repeat_ngram_size=opts.no_repeat_ngram,
         do_sample=opts.sample,
     )
