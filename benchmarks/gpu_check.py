@@ -200,7 +200,7 @@ def run_item(item: str, work: Path, device: str, smoke: bool, limit: float) -> d
     if res["status"] == "fail" and "error" not in res:
         res["error"] = "no result written"
     if res["status"] == "fail":
-        res["log_tail"] = tail
+        res.setdefault("log_tail", tail)
     res["seconds"] = seconds
     return res
 
@@ -237,6 +237,28 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+_WORKER_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(aiayn: .*)$")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)\b.*)$")
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def job_error(log: str) -> str:
+    """What a ``torchrun`` job's log says went wrong, in a line: each worker's ``aiayn: ...`` error (else the last
+    exception line a worker printed) and torchrun's root cause (which rank, its exit code). The log's tail is
+    only the launcher's own traceback, which names no cause."""
+    lines = [ln.strip() for ln in log.splitlines()]
+    found = list(dict.fromkeys(m.group(1) for ln in lines if (m := _WORKER_LINE.match(ln))))
+    if not found:
+        raised = [m.group(1) for ln in lines if (m := _EXCEPTION_LINE.match(ln)) and "ChildFailedError" not in ln]
+        found = raised[-1:]
+    root = _ROOT_CAUSE.search(log)
+    if root:
+        code = int(root.group(2))
+        found.append(f"torchrun: rank {root.group(1)} exited with "
+                     + (f"signal {-code}" if code < 0 else f"status {code}"))
+    return "; ".join(found) or "the log names no cause"
 
 
 def _progress_note(item: str, work: Path) -> str:
@@ -728,7 +750,8 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
     first = log1.read_text(encoding="utf-8", errors="replace")
     before = list_checkpoints(run)
     if not before:
-        raise RuntimeError(f"no checkpoint before the job ended (exit {job.returncode}): {first[-1500:]}")
+        return {"status": "fail", "processes": procs, "error": f"no checkpoint before the job ended (exit "
+                f"{job.returncode}): {job_error(first)}", "log_tail": first[-3000:]}
     log2 = work / "items" / "torchrun-2.log"
     with open(log2, "w", encoding="utf-8") as f:
         rc = subprocess.run([*launcher, "-m", "aiayn", "train", "--resume", str(run), "--no-progress"],
@@ -744,7 +767,8 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
         res.update(status="fail", error=f"the job had reached update {before[-1]} of {total} before the kill")
     elif rc != 0 or res["last_update"] != total or res["resumed_from"] != before[-1]:
         res.update(status="fail", error=f"resume exit {rc}, resumed from {res['resumed_from']} (newest checkpoint "
-                                        f"{before[-1]}), last update {res['last_update']}", log_tail=second[-1500:])
+                                        f"{before[-1]}), last update {res['last_update']}"
+                                        + (f": {job_error(second)}" if rc != 0 else ""), log_tail=second[-3000:])
     return res
 
 

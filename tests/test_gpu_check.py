@@ -88,3 +88,41 @@ def test_pytest_items_name_each_failure_with_and_without_xdist(tmp_path):
 
 def test_the_isa_item_runs_make_test_isa_s_list():
     assert gpu_check.isa_tests()[0] == "tests/test_translate.py" and "tests/test_hf_interop.py" in gpu_check.isa_tests()
+
+
+_LAUNCHER_TAIL = """Traceback (most recent call last):
+  File "torch/distributed/run.py", line 1028, in main
+    run(args)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+aiayn FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 9290)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 9289)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_failed_torchrun_job_is_named_by_its_workers_error_not_the_launchers_traceback():
+    """A torchrun job's log ends with the launcher's traceback, which names no cause (CI once reported only that);
+    the item's error quotes the workers' own lines and the root cause's rank and exit code (torch 2.13's format)."""
+    user = ("aiayn: error: train.label_smoothing=7.0: expected a number in [0, 1)\n" * 2
+            + "W1127 api.py:1028] Sending process 9290 closing signal SIGTERM\n"
+            + _LAUNCHER_TAIL.format(rank=0, code=2))
+    assert gpu_check.job_error(user) == ("aiayn: error: train.label_smoothing=7.0: expected a number in [0, 1); "
+                                         "torchrun: rank 0 exited with status 2")
+    crash = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 1, in <module>\n"
+             "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4242\n"
+             + _LAUNCHER_TAIL.format(rank=1, code=1))
+    assert gpu_check.job_error(crash) == ("RuntimeError: Connection closed by peer [127.0.0.1]:4242; "
+                                          "torchrun: rank 1 exited with status 1")
+    assert gpu_check.job_error(_LAUNCHER_TAIL.format(rank=1, code=-9)) == "torchrun: rank 1 exited with signal 9"
+    assert gpu_check.job_error("") == "the log names no cause"
