@@ -72,6 +72,31 @@ def shared_data_dir() -> Path | None:
     return None
 
 
+def loopback_port() -> int:
+    """A free TCP port on 127.0.0.1 for a server that another process binds later (torchrun's ``--master-port``,
+    a process group's ``MASTER_PORT``), picked below the kernel's ephemeral range. A port from ``bind(0)`` is in
+    that range, where the kernel hands ports to every other process's ``bind(0)`` and outgoing connections (gloo's
+    sockets, TCP stores of the torchrun jobs other tests start alongside): between this probe and the server's bind
+    it may become a stranger's socket, which the job's clients would then reach. Below the range only a port that is
+    asked for by number can be taken."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; elsewhere a taken port fails the bind below and another is tried
+    candidates = [p for p in range(max(1024, low - 10000), low) if p != 29500]  # 29500: torchrun's default
+    for port in random.Random().sample(candidates, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range on 127.0.0.1")
+
+
 # Summed log-probabilities (beam scores of -40 and more) compared across code paths: float32 sums of many
 # terms in another order differ by a few ulps of the sum, so the tolerance is relative to it (1e-5 of -42.9
 # is 4e-4; a wrong token or a wrong length penalty moves a score by 1e-1 or more).

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -191,27 +190,26 @@ def sandbox_env(dest: Path) -> dict[str, str]:
 
 # Running ------------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(run: str, cwd: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    """``aiayn serve RUN --port 0``: the server binds a free port itself (a port probed here first could be
+    another process's by the time the server binds it) and its start line names it."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", run, "--port", str(port), "--threads", "1"],
+        proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", run, "--port", "0", "--threads", "1"],
                                 cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"aiayn serve {run} exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.3)
+        started = re.search(r"aiayn serve: .* http://127\.0\.0\.1:(\d+)/", log.read_text(errors="replace"))
+        if started:
+            port = int(started.group(1))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return proc, port
+            except OSError:
+                pass
+        time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"aiayn serve {run} did not answer /health in 120 s")
 

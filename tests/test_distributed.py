@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import loopback_port  # tests/ is on sys.path under pytest
 
 from aiayn.config import ConfigError, load_config, read_run_config
 from aiayn.errors import CheckpointError
@@ -116,9 +116,7 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
 def _two_agents(tmp_path, run_dirs: tuple[str, str], nproc: int = 1, *extra: str) -> list[subprocess.CompletedProcess]:
     """``torchrun --nnodes 2 --nproc-per-node nproc`` as two agents on the loopback (two "machines"), each training
     tiny_reverse for 4 updates into its own ``--run-dir``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = loopback_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
@@ -339,9 +337,7 @@ def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the
     the training collectives' timeout (train.dist_timeout_s): a 3 s preparation passes a 1 s collective timeout."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = loopback_port()
     mp.spawn(_setup_ranks, args=(port, 3.0, str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
@@ -370,9 +366,7 @@ def _agreement_ranks(rank: int, port: int, out: str) -> None:
 def test_processes_whose_norms_differ_stop_with_one_line(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = loopback_port()
     mp.spawn(_agreement_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):  # every process stops, with the same line
         message = (tmp_path / f"rank{rank}").read_text()
