@@ -85,6 +85,11 @@ def as_ids(tokens: list[str], pieces: list[str]) -> list[int]:
     return [pieces.index(t) for t in tokens]
 
 
+def hypotheses_as_ids(result, pieces: list[str]) -> list[list[int]]:
+    """CTranslate2's n-best of one sentence as aiayn's token ids (its ``return_end_token`` ``</s>`` dropped)."""
+    return [as_ids(h[:-1] if h and h[-1] == "</s>" else h, pieces) for h in result.hypotheses]
+
+
 def src_tensor(ids: list[int]) -> torch.Tensor:
     return torch.tensor([ids + [EOS]])  # aiayn's source convention: tokens + EOS
 
@@ -191,7 +196,7 @@ def test_beam_search_matches_aiayn_beam_search(exported, alpha):
     for s, r in zip(SOURCES, results):
         ours = beam_search(model, src_tensor(s), spec=spec_of(beam=4, alpha=alpha, length_penalty="power", nbest=4,
                                                               max_len_a=0.0, max_len_b=MAX_LEN, stop="exact"))[0]
-        theirs = [as_ids(h[:-1] if h and h[-1] == "</s>" else h, pieces) for h in r.hypotheses]
+        theirs = hypotheses_as_ids(r, pieces)
         # the same 4 hypotheses, but for two whose scores tie (conftest.TIE), which may come in either order
         swaps += same_hypotheses([(h.tokens, h.score) for h in ours], list(zip(theirs, r.scores)), s)
         for score, h, t in zip(r.scores, ours, theirs):
@@ -266,7 +271,7 @@ def test_ct2_default_early_stop_is_aiayns_first_and_can_miss_the_best_hypothesis
         assert best.score >= r.scores[0] - TOL
         missed += best.score > r.scores[0] + TOL
         first = beam_search(model, src_tensor(s), spec=spec_of(stop="first", **kw))[0]
-        theirs = [as_ids(h[:-1] if h and h[-1] == "</s>" else h, pieces) for h in r.hypotheses]
+        theirs = hypotheses_as_ids(r, pieces)
         swaps += same_hypotheses([(h.tokens, h.score) for h in first], list(zip(theirs, r.scores)), s)
     assert missed > 0
     assert swaps <= len(SOURCES)  # of 4 ranks x len(SOURCES): only ties may swap
