@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 ENV = "AIAYN_TEST_ROUNDING"
-_M32 = 0xFFFFFFFF
 _inside = threading.local()  # F.softmax calls Tensor.softmax: only the outermost wrapped call perturbs
 
 
@@ -46,20 +45,20 @@ def settings() -> tuple[int, float] | None:
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of each element of ``h`` (int64 holding values below 2**32); every product stays
-    below 2**63, so nothing overflows."""
-    h = ((h ^ (h >> 16)) * 0x045D9F3B) & _M32
-    h = ((h ^ (h >> 16)) * 0x045D9F3B) & _M32
-    return h ^ (h >> 16)
+    """A 32-bit integer hash of each element of ``h`` (int32). The products wrap around, as 32-bit integer
+    multiplication does in every kernel PyTorch has; int32 rather than int64 halves the memory the hash moves,
+    and it runs on the output of every wrapped op."""
+    h = (h ^ ((h >> 16) & 0xFFFF)) * 0x045D9F3B  # the mask: a logical shift (>> keeps an int32's sign)
+    h = (h ^ ((h >> 16) & 0xFFFF)) * 0x045D9F3B
+    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def perturb(t: torch.Tensor, key: int, scale: float) -> torch.Tensor:
     """``t`` with each finite element ``x`` moved to ``x * (1 + scale * u)``, ``u`` in [-1, 1) a hash of ``x``'s
-    bits and ``key``; zeros, infinities and NaNs unchanged. Differentiable (``u`` is a constant)."""
+    bits and ``key`` (below 2**31); zeros, infinities and NaNs unchanged. Differentiable (``u`` is a constant)."""
     if not t.is_floating_point() or t.numel() == 0:
         return t
-    bits = t.detach().float().view(torch.int32).to(torch.int64) & _M32
-    u = _mix(bits ^ key).to(torch.float64) / 2.0**31 - 1.0
+    u = _mix(t.detach().float().view(torch.int32) ^ key).float() * 2.0**-31
     return torch.where(torch.isfinite(t), t + t * (scale * u).to(t.dtype), t)
 
 
