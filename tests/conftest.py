@@ -181,6 +181,20 @@ def greedy_gap(model: torch.nn.Module, prompt: list[int], new: list[int]) -> flo
         return pick_gap(model(torch.tensor([prompt + new]))[0, len(prompt) - 1:], new)
 
 
+def greedy_clear_picks(model: torch.nn.Module, prompt: list[int], new: list[int]) -> int:
+    """How many of the ids ``new`` a decoder-only LM chose greedily after ``prompt`` come before the first pick
+    within :data:`GREEDY_GAP` of its runner-up (``len(new)`` when none is; teacher-forced in one pass). Up to there
+    any float summation order picks the same ids, so two decoding paths must agree; at that pick they may part.
+    For a trained model, whose margins depend on the CPU that trained it, where :func:`greedy_gap` as a
+    precondition could fail on another machine."""
+    if not new:
+        return 0
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new]))[0, len(prompt) - 1:]
+    gaps = [pick_gap(logits[i: i + 1], [t]) for i, t in enumerate(new)]
+    return next((i for i, g in enumerate(gaps) if g <= GREEDY_GAP), len(new))
+
+
 def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
                        bos: int = 2, eos: int = 3) -> float:
     """:func:`pick_gap` of an encoder-decoder's greedy output ``tokens`` for one source ``src`` (1, S), EOS

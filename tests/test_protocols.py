@@ -17,7 +17,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
-from conftest import GREEDY_GAP, greedy_gap, post_held  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import greedy_clear_picks, post_held  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
@@ -266,9 +266,10 @@ def test_openai_client_completes_streamed_and_not(lm_server, lm_run):
 
 def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
     """Completions queued together with the same sampling options run as one batch (prompts of different lengths,
-    limits and stops), streamed or not, and each gives the text it gives alone (greedy picks with a checked margin,
-    so left padding's other float sums cannot swap them); a prompt too long for a batch (it needs the sliding
-    window) runs alone in the same call. The batcher is held until all are queued: no thread timing."""
+    limits and stops), streamed or not, and each gives the text it gives alone, up to a greedy pick within
+    GREEDY_GAP of its runner-up (left padding's other float sums may swap it; at most one prompt has one). A
+    prompt too long for a batch (it needs the sliding window) runs alone in the same call. The batcher is held
+    until all are queued: no thread timing."""
     gen = aiayn.load(lm_run, device="cpu")
     app = create_app(gen, max_wait_ms=0.0, max_batch_tokens=100_000)
     bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, **extra} for p, n, extra in (
@@ -284,10 +285,10 @@ def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
     assert "no new token fits" in responses[-1].json()["error"]["message"]
     assert stats.calls == 1 and stats.largest_call == gen_ok  # all queued together: one model call
     tok = gen.tokenizers.src
+    near_ties = 0
     for b, r in zip(bodies[:gen_ok], responses):
-        alone = gen.generate(b["prompt"], max_new_tokens=b["max_tokens"])
-        if fits_in_batch(gen.run, b["prompt"], b["max_tokens"]):  # batched (left-padded): equal by a clear margin
-            assert greedy_gap(gen.model, tok.encode(b["prompt"]), tok.encode(alone)) > GREEDY_GAP, b
+        full = gen.generate(b["prompt"], max_new_tokens=b["max_tokens"])
+        alone = full
         for stop in b.get("stop", []):
             alone = alone.split(stop)[0]
         if b.get("stream"):
@@ -296,7 +297,16 @@ def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
             text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
         else:
             text = r.json()["choices"][0]["text"]
+        if fits_in_batch(gen.run, b["prompt"], b["max_tokens"]):  # batched, left-padded: other float sums
+            ids = tok.encode(full)
+            clear = greedy_clear_picks(gen.model, tok.encode(b["prompt"]), ids)
+            if clear < len(ids):  # pick `clear` is a near tie (this CPU's training): equal up to it, not after
+                near_ties += 1
+                n = len(tok.decode(ids[:clear]))  # a character model: one id, one character
+                assert text[:n] == alone[:n], (b, clear)
+                continue
         assert text == alone, b
+    assert near_ties <= 1, near_ties  # of the 6 batched prompts
 
 
 def test_stop_scan_never_shows_what_a_stop_string_removes():
