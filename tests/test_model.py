@@ -72,7 +72,7 @@ def test_cross_attention_matches_torch():
     keep = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
     out, _ = ours(x, memory=mem, mask=keep[:, None, None, :])
     ref_out, _ = ref(x, mem, mem, key_padding_mask=~keep)
-    assert (out - ref_out).abs().max().item() <= 1e-5
+    assert_close_at_scale(out, ref_out, 1e-5, "cross-attention output")
 
 
 def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
@@ -84,7 +84,7 @@ def test_fast_and_explicit_attention_paths_agree_and_masked_rows_are_zero():
     slow, probs = scaled_dot_product_attention(q, k, v, mask, need_weights=True)
     assert none is None
     assert torch.isfinite(fast).all() and torch.isfinite(slow).all()
-    assert (fast - slow).abs().max().item() <= 1e-5
+    assert_close_at_scale(fast, slow, 1e-5, "fused vs explicit attention")
     assert fast[0, :, 2].abs().max().item() == 0.0 and probs[0, :, 2].abs().max().item() == 0.0
     # Rows with something to attend to are proper distributions with zero mass on masked keys.
     live = mask.any(-1).expand(2, 2, 5)
@@ -154,7 +154,7 @@ def test_cached_decoding_equals_full_decoding_transformer(norm_first):
     steps = [model.decode(tgt[:, :2], memory, mask, cache)]
     steps += [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(2, tgt.size(1))]
     assert cache.length == tgt.size(1)
-    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5
+    assert_close_at_scale(torch.cat(steps, 1), full, 1e-5, "cached steps")
 
 
 def test_cached_decoding_equals_full_decoding_lm_and_reorder():
@@ -164,13 +164,13 @@ def test_cached_decoding_equals_full_decoding_lm_and_reorder():
     full = model(tokens)
     cache = model.new_cache()
     out = [model.decode(tokens[:, t : t + 1], cache=cache) for t in range(tokens.size(1))]
-    assert (torch.cat(out, 1) - full).abs().max().item() <= 1e-5
+    assert_close_at_scale(torch.cat(out, 1), full, 1e-5, "cached steps")
     # reorder: keep rows 2 and 0 (as beam search does); the next step matches a fresh run of those rows.
     cache = model.new_cache()
     model.decode(tokens[:, :5], cache=cache)
     cache.reorder(torch.tensor([2, 0]))
     nxt = model.decode(tokens[[2, 0], 5:6], cache=cache)
-    assert (nxt - model(tokens[[2, 0], :6])[:, -1:]).abs().max().item() <= 1e-5
+    assert_close_at_scale(nxt, model(tokens[[2, 0], :6])[:, -1:], 1e-5, "after reorder")
 
 
 # 4. Padding invariance ---------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_outputs_do_not_depend_on_padding_or_batch_neighbours():
     batched = model(src, tgt)
     for i, (s, t) in enumerate(zip(srcs, tgts)):
         alone = model(torch.tensor([s]), torch.tensor([t]))
-        assert (batched[i, : len(t)] - alone[0]).abs().max().item() <= 1e-5
+        assert_close_at_scale(batched[i, : len(t)], alone[0], 1e-5, f"row {i} batched vs alone")
 
 
 # 5. Causality ------------------------------------------------------------------------------------------
