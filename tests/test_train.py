@@ -320,8 +320,9 @@ def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path)
     # Adam divides each gradient by its own running RMS, so an element whose gradient is itself near
     # rounding level moves by lr-sized noise (lr ~2e-2 here): an elementwise tolerance fails on a CPU
     # that rounds a little differently, although nothing is wrong. Each tensor is compared as a whole,
-    # relative to its norm; a real fault (ranks on the wrong batches, gradients summed and not averaged)
-    # moves every element by O(lr), a relative difference of 1e-1 or more.
+    # relative to its norm, within 1e-3 (AIAYN_TEST_ROUNDING=3 gave 2.2e-4 on a query/value bias); a real
+    # fault (ranks on the wrong batches, gradients summed and not averaged) moves every element by O(lr), a
+    # relative difference of 1e-1 or more.
     for k in a:
         if k.endswith("in_proj.bias"):
             # The key bias (rows D..2D) has an exactly-zero true gradient (softmax ignores a constant
@@ -330,7 +331,7 @@ def test_torchrun_two_cpu_processes_equal_one_process_accumulating_two(tmp_path)
             d = a[k].numel() // 3
             a[k], b[k] = torch.cat([a[k][:d], a[k][2 * d :]]), torch.cat([b[k][:d], b[k][2 * d :]])
         diff = torch.linalg.vector_norm(a[k] - b[k]).item()
-        assert diff <= 1e-4 * torch.linalg.vector_norm(a[k]).item() + 1e-6, (k, diff)
+        assert diff <= 1e-3 * torch.linalg.vector_norm(a[k]).item() + 1e-6, (k, diff)
     logs = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     single = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs if "lr" in r] == [2, 4]  # one writer: no duplicated lines
