@@ -163,22 +163,29 @@ def agree_up_to_ties(translator: Any, texts: Sequence[str], ours: Sequence[Seque
 GREEDY_GAP = 1e-3
 
 
-def pick_gap(logits: torch.Tensor, picks: Sequence[int]) -> float:
-    """The smallest margin by which each of ``picks`` beat every other id in its row of ``logits`` (T, V), one
-    pick per row (negative where one was not the argmax); ``inf`` for none."""
-    if not picks:
-        return float("inf")
+def pick_gaps(logits: torch.Tensor, picks: Sequence[int]) -> torch.Tensor:
+    """The margin by which each of ``picks`` beat every other id in its row of ``logits`` (T, V), one pick per row
+    (negative where one was not the argmax): (len(picks),)."""
     index = torch.tensor(list(picks))[:, None]
     logits = logits[: len(picks)].float()
-    return float((logits.gather(1, index)[:, 0] - logits.scatter(1, index, float("-inf")).max(dim=1).values).min())
+    return logits.gather(1, index)[:, 0] - logits.scatter(1, index, float("-inf")).max(dim=1).values
+
+
+def pick_gap(logits: torch.Tensor, picks: Sequence[int]) -> float:
+    """The smallest of :func:`pick_gaps`; ``inf`` for no picks."""
+    return float(pick_gaps(logits, picks).min()) if picks else float("inf")
+
+
+def _lm_pick_logits(model: torch.nn.Module, prompt: list[int], new: list[int]) -> torch.Tensor:
+    """A decoder-only LM's logits (len(new), V) at the positions that picked ``new`` after ``prompt``, teacher-forced
+    in one pass."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt + new]))[0, len(prompt) - 1:]
 
 
 def greedy_gap(model: torch.nn.Module, prompt: list[int], new: list[int]) -> float:
     """:func:`pick_gap` of the ids ``new`` a decoder-only LM chose after ``prompt`` (teacher-forced in one pass)."""
-    if not new:
-        return float("inf")
-    with torch.no_grad():
-        return pick_gap(model(torch.tensor([prompt + new]))[0, len(prompt) - 1:], new)
+    return pick_gap(_lm_pick_logits(model, prompt, new), new) if new else float("inf")
 
 
 def greedy_clear_picks(model: torch.nn.Module, prompt: list[int], new: list[int]) -> int:
@@ -189,10 +196,8 @@ def greedy_clear_picks(model: torch.nn.Module, prompt: list[int], new: list[int]
     precondition could fail on another machine."""
     if not new:
         return 0
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + new]))[0, len(prompt) - 1:]
-    gaps = [pick_gap(logits[i: i + 1], [t]) for i, t in enumerate(new)]
-    return next((i for i, g in enumerate(gaps) if g <= GREEDY_GAP), len(new))
+    close = (pick_gaps(_lm_pick_logits(model, prompt, new), new) <= GREEDY_GAP).nonzero()
+    return int(close[0, 0]) if len(close) else len(new)
 
 
 def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
