@@ -23,7 +23,11 @@ sys.path.insert(0, str(REPO))  # benchmarks/ (imported by tests) is not an insta
 
 # Two cores on CI, shared by the test processes (make test runs one per core with pytest-xdist): intra-op
 # threads are the cores each process has to itself, so the processes never contend for a core.
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+def _threads_per_process(processes: int) -> int:
+    return max(1, min(2, (os.cpu_count() or 1) // processes))
+
+
+torch.set_num_threads(_threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Token stores a training prepares for itself go to $AIAYN_CACHE_DIR/stores: one directory for the whole test run
 # (every xdist worker shares it, as concurrent runs of a user do), never the user's own ~/.cache/aiayn.
@@ -39,9 +43,20 @@ if rounding.install():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The CPU kernels the run rounded with, beside its counts (the end of a log is what a CI failure shows): a
+    failure that only one machine shows is read against them. PyTorch picks its kernels by the CPU's instruction
+    sets unless ATEN_CPU_CAPABILITY lowers them; MKL picks its own unless MKL_CBWR pins them."""
+    workers = getattr(config.option, "numprocesses", None) or 0
+    line = (
+        f"cpu kernels: torch {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY="
+        f"{os.environ.get('ATEN_CPU_CAPABILITY') or 'unset'}), MKL_CBWR={os.environ.get('MKL_CBWR') or 'unset'}, "
+        f"{max(workers, 1)} process(es) x {_threads_per_process(max(workers, 1))} intra-op thread(s)"
+    )
     got = rounding.settings()
-    return f"{rounding.ENV}: seed {got[0]}, scale {got[1]:g} (simulated rounding of another CPU)" if got else None
+    if got:
+        line += f"; {rounding.ENV}: seed {got[0]}, scale {got[1]:g} (another CPU's rounding, simulated)"
+    terminalreporter.write_line(line)
 
 
 def pytest_configure(config: pytest.Config) -> None:
