@@ -197,6 +197,7 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
     break (tests/test_engine.py)."""
     if fixed_shapes:
         raise_recompile_limit(n_shapes)
+    key_cpu_kernels_by_vector_width()
     options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
     if not blocks:
         return torch.compile(module, **options)
@@ -214,6 +215,25 @@ def _compile_for_training_mode(block: nn.Module, options: dict) -> None:
         return compiled(*args, **kwargs) if block.training else block._call_impl(*args, **kwargs)
 
     block._compiled_call_impl = call
+
+
+def key_cpu_kernels_by_vector_width() -> None:
+    """Make the vector width of inductor's CPU kernels part of torch.compile's cache key; call before compiling.
+
+    Inductor builds its CPU kernels for the vector instructions it picks by the CPU and ``ATEN_CPU_CAPABILITY``
+    (AVX-512, AVX2 or none), but its on-disk FX graph cache (PyTorch 2.13, ``TORCHINDUCTOR_CACHE_DIR``, by default
+    shared by every process of the user) does not key its entries on that pick. A process under another capability,
+    or another CPU sharing the directory, was served the graph built for the first: on an AVX-512 Xeon, a loss
+    compiled under the default pick and replayed under ``ATEN_CPU_CAPABILITY=avx2`` gave NaN or heap corruption,
+    and under ``=default`` the replayed vector code failed to build (``'at::vec' has not been declared``). The
+    inductor config is part of the key, so the width inductor would pick anyway is written into it
+    (``cpp.simdlen``; 0 where it vectorizes nothing). A width the user set is kept. tests/test_engine.py
+    replays one cache under two capabilities."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if inductor_config.cpp.simdlen is None:
+        inductor_config.cpp.simdlen = pick_vec_isa().bit_width()
 
 
 def raise_recompile_limit(n: int) -> None:
@@ -309,6 +329,6 @@ def set_cpu_threads(threads: int | None) -> int:
 
 __all__ = [
     "ATTENTION_RULE", "AttentionKernel", "CpuDropout", "MAX_THREADS", "attention_path", "busy_cores", "check_threads",
-    "compile_regions", "cpu_threads", "kernels", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
-    "use_fused_optimizer",
+    "compile_regions", "cpu_threads", "key_cpu_kernels_by_vector_width", "kernels", "prepare_model",
+    "set_cpu_threads", "usable_cores", "use_attention", "use_fused_optimizer",
 ]

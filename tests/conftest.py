@@ -70,14 +70,6 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-# PyTorch's inductor cannot build CPU kernels under ATEN_CPU_CAPABILITY=default: its C++ codegen still emits
-# at::vec code that the header setting leaves out ("CppCompileError: 'at::vec' has not been declared"). A bug of
-# PyTorch's, not of aiayn; only tests that compile with inductor on the CPU may skip for it.
-skip_inductor_under_default_isa = pytest.mark.skipif(
-    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
-    reason="ATEN_CPU_CAPABILITY=default: PyTorch inductor's C++ codegen fails ('at::vec' has not been declared)")
-
-
 def shared_data_dir() -> Path | None:
     """$AIAYN_DATA_DIR or ../shared/data beside the repo, if present."""
     env = os.environ.get("AIAYN_DATA_DIR")

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from aiayn.engine import key_cpu_kernels_by_vector_width
+
 # Elements of the fp32 temporaries per chunk: 2^26 floats = 256 MiB, about 1,800 rows of a
 # 37,000-word vocabulary (a 25,000-token batch in ~14 chunks), a whole small batch on a CPU.
 CHUNK_ELEMENTS = 1 << 26
@@ -72,6 +74,7 @@ def compiled_loss(dynamic: bool) -> Callable[[Tensor, Tensor, float, int], tuple
     one graph for every chunk length) and the loop over chunks left to Python, so a compiled training keeps
     the loss's memory bound: at most ``CHUNK_ELEMENTS`` fp32 temporaries at once, not the whole (N, V)
     softmax (1.85 GB for 12,500 tokens x 37,000 words)."""
+    key_cpu_kernels_by_vector_width()
     kernels = ChunkKernels(torch.compile(_forward_chunk, dynamic=dynamic),
                            torch.compile(_backward_chunk, dynamic=dynamic))
 
