@@ -41,12 +41,15 @@ def server_args(run: str | os.PathLike, *extra: str) -> list[str]:
     return ["serve", str(run), "--port", "0", "--device", "cpu", *extra]
 
 
-def start_server(run: str | os.PathLike, *extra: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str, list]:
-    """``python -m aiayn serve RUN --port 0 --device cpu EXTRA...`` as a subprocess; returns the process,
-    its base URL (``http://127.0.0.1:PORT``) once it listens, and the list its stderr lines go to."""
+def start_server(run: str | os.PathLike, *extra: str, timeout: float = 120.0, cwd: os.PathLike | None = None,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, list]:
+    """``python -m aiayn serve RUN --port 0 --device cpu EXTRA...`` as a subprocess (in ``cwd``, with ``env``:
+    by default this process's); returns the process, its base URL (``http://127.0.0.1:PORT``) once it listens,
+    and the list its stderr lines go to. The server binds a free port itself: a port probed here first could be
+    another process's by the time the server binds it."""
     cmd = [sys.executable, "-m", "aiayn", *server_args(run, *extra)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, encoding="utf-8", errors="replace")
+                            text=True, encoding="utf-8", errors="replace", cwd=cwd, env=env)
     lines: list[str] = []
     found = threading.Event()
     url: list[str] = []

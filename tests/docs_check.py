@@ -20,12 +20,10 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,9 @@ from pathlib import Path
 from tiny_recipe import TINY_RUN_OVERRIDES  # tests/: the script's own folder, first on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # benchmarks/ (not an installed package), when run as a script
+from benchmarks import serve_load  # noqa: E402
+
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL = "bash"
 
@@ -190,40 +191,6 @@ def sandbox_env(dest: Path) -> dict[str, str]:
 
 # Running ------------------------------------------------------------------------------------------------------
 
-def _start_server(run: str, cwd: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, int]:
-    """``aiayn serve RUN --port 0``: the server binds a free port itself (a port probed here first could be
-    another process's by the time the server binds it) and its start line names it."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", run, "--port", "0", "--threads", "1"],
-                                cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"aiayn serve {run} exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
-        started = re.search(r"aiayn serve: .* http://127\.0\.0\.1:(\d+)/", log.read_text(errors="replace"))
-        if started:
-            port = int(started.group(1))
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return proc, port
-            except OSError:
-                pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"aiayn serve {run} did not answer /health in 120 s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Servers:
     """``aiayn serve RUN`` for the blocks marked ``server RUN``: started at the first such block, each in a
     scratch directory of its own, shared by the later blocks, stopped on exit."""
@@ -235,7 +202,8 @@ class Servers:
         if run not in self.procs:
             dest = Path(tempfile.mkdtemp(prefix="server-", dir=self.scratch))
             make_sandbox(dest, self.runs, run)
-            self.procs[run] = _start_server(run, dest, sandbox_env(dest), dest / ".server.log")
+            proc, url, _ = serve_load.start_server(run, "--threads", "1", cwd=dest, env=sandbox_env(dest))
+            self.procs[run] = proc, int(url.rsplit(":", 1)[1])
         return self.procs[run][1]
 
     def __enter__(self) -> Servers:
@@ -243,7 +211,7 @@ class Servers:
 
     def __exit__(self, *exc) -> None:
         for proc, _ in self.procs.values():
-            _stop(proc)
+            serve_load.stop_server(proc, timeout=20)
 
 
 def run_block(b: Block, runs: dict[str, Path], scratch: Path, servers: Servers, timeout: float = 600
