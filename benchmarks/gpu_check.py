@@ -33,7 +33,7 @@ the two compiled items did not fit in what was left and need the ``--continue`` 
 - ``torchrun``       ``torchrun --nproc-per-node <GPUs>`` (NCCL) from the same store: a checkpoint, a kill -9 of
                      the whole job, ``--resume``, and the run reaching its last update.
 - ``cpu_isa``        not a GPU path: ``make test-isa``'s decoding comparisons under the machine's widest PyTorch CPU
-                     kernels (AVX-512 on the GPU machines lent so far, a CPU CI never has), the GPU hidden.
+                     kernels (AVX-512 on the GPU machines lent so far, which CI's machine may lack), the GPU hidden.
 
 Data: the synthetic corpus is generated (no registry is needed); Multi30k comes from ``$AIAYN_DATA_DIR/multi30k``
 (carry ``shared/data/multi30k`` to a GPU machine that cannot download it).
@@ -381,9 +381,9 @@ def cuda_tests_item(work: Path, device: str, size: str) -> dict[str, Any]:
 
 def cpu_isa_item(work: Path, device: str, size: str) -> dict[str, Any]:
     """The suite's decoding comparisons (the Makefile's ISA_TESTS, as ``make test-isa``) under this CPU's widest
-    PyTorch kernels: GPU machines have been the only AVX-512 CPUs lent to this project, and a test that holds only
-    by one CPU's rounding fails there (issue 47). The CPU suite's conftest hides the GPU from these tests. Smoke:
-    one quick test."""
+    PyTorch kernels: AVX-512 on the GPU machines lent so far (some sessions' CPU machines have it too, CI's may
+    not), where a test that holds only by one CPU's rounding would fail (issue 47). The CPU suite's conftest hides
+    the GPU from these tests. Smoke: one quick test."""
     model, flags = _cpuinfo()
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "default"
     tests = isa_tests()
