@@ -228,7 +228,7 @@ def key_cpu_kernels_by_vector_width() -> None:
     and under ``=default`` the replayed vector code failed to build (``'at::vec' has not been declared``). The
     inductor config is part of the key, so the width inductor would pick anyway is written into it
     (``cpp.simdlen``; 0 where it vectorizes nothing). A width the user set is kept. tests/test_engine.py
-    replays one cache under two capabilities."""
+    replays one cache under three capabilities."""
     import torch._inductor.config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
