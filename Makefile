@@ -18,7 +18,7 @@ export AIAYN_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/dat
 # skip with its reason.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup demo test test-isa test-browser docs-check lint lock clean
+.PHONY: setup demo test test-alone test-isa test-browser docs-check lint lock clean
 
 setup: $(STAMP)
 	@echo "aiayn is installed in $(VENV): activate it with 'source $(VENV)/bin/activate' to run 'aiayn ...'"
@@ -33,8 +33,15 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: $(STAMP)
 	$(PY) -m aiayn demo
 
+# In a random order (pytest-randomly): the seed is printed at the end, with the option that runs that order again.
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not browser" -n $(TEST_WORKERS) --dist worksteal --durations=15 -rs
+	$(PY) -m pytest tests -m "not browser" -p randomly -n $(TEST_WORKERS) --dist worksteal --durations=15 -rs
+
+# Each test file in a pytest process of its own (tests/alone.py): CI runs one of 4 shares of the files, by the day;
+# ALONE=all runs every file, ALONE=K/4 share K.
+ALONE ?= today
+test-alone: $(STAMP)
+	TEST_WORKERS=$(TEST_WORKERS) $(PY) tests/alone.py --share $(ALONE)
 
 # The tests that compare two decoding paths token for token (batched vs alone, cached vs uncached, aiayn vs
 # Hugging Face and CTranslate2), once more under another set of CPU kernels: ATEN_CPU_CAPABILITY=default (PyTorch's

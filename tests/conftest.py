@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
 import tempfile
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +29,9 @@ def _threads_per_process(processes: int) -> int:
     return max(1, min(2, (os.cpu_count() or 1) // processes))
 
 
-torch.set_num_threads(_threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# AIAYN_TEST_PROCESSES: test processes started side by side without xdist (tests/alone.py).
+_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or os.environ.get("AIAYN_TEST_PROCESSES") or 1)
+torch.set_num_threads(_threads_per_process(_PROCESSES))
 
 # Token stores a training prepares for itself go to $AIAYN_CACHE_DIR/stores: one directory for the whole test run
 # (every xdist worker shares it, as concurrent runs of a user do), never the user's own ~/.cache/aiayn.
@@ -47,7 +51,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     """The CPU kernels the run rounded with, beside its counts (the end of a log is what a CI failure shows): a
     failure that only one machine shows is read against them. PyTorch picks its kernels by the CPU's instruction
     sets unless ATEN_CPU_CAPABILITY lowers them; MKL picks its own unless MKL_CBWR pins them."""
-    workers = getattr(config.option, "numprocesses", None) or 0
+    workers = getattr(config.option, "numprocesses", None) or _PROCESSES
     line = (
         f"cpu kernels: torch {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY="
         f"{os.environ.get('ATEN_CPU_CAPABILITY') or 'unset'}), MKL_CBWR={os.environ.get('MKL_CBWR') or 'unset'}, "
@@ -57,6 +61,32 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if got:
         line += f"; {rounding.ENV}: seed {got[0]}, scale {got[1]:g} (another CPU's rounding, simulated)"
     terminalreporter.write_line(line)
+    terminalreporter.write_line(order_line(config))
+
+
+def order_line(config: pytest.Config) -> str:
+    """The order the tests ran in, and how to run them in it again: pytest-randomly shuffles the modules, the
+    tests in each module and the parameters of each test, by a seed it draws per run (``-p no:randomly``: file
+    order)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is None or not config.pluginmanager.hasplugin("randomly"):
+        return "test order: as written (pytest-randomly off)"
+    return (f"test order: shuffled by pytest-randomly, seed {seed} "
+            f"(this order again: -p randomly --randomly-seed={seed})")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs(request: pytest.FixtureRequest) -> None:
+    """Every test starts with the global random generators (torch, numpy, ``random``) seeded from its own name, so
+    what it draws without a generator of its own is the same alone, in any order and in any subset: a test may not
+    depend on what ran before it in the same process (a batching test did: its lengths came from torch's global
+    generator and it failed when run alone)."""
+    import numpy as np
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -65,6 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
     likely cause of 6 failed decoding comparisons on an H200 machine, 2026-11-27). CUDA stays visible only to a run
     that selects the GPU tests (``pytest -m cuda tests/test_cuda.py``). Set before anything asks CUDA for its
     devices (PyTorch reads the variable then); processes the tests start inherit it."""
+    # pytest-randomly reseeds `random` and numpy before each test by its run's seed, so a test's draws would change
+    # from run to run; _seeded_global_rngs seeds them (and torch) by the test's name instead: the order is random,
+    # what each test draws is not.
+    if hasattr(config.option, "randomly_reset_seed"):
+        config.option.randomly_reset_seed = False
     markexpr = config.getoption("markexpr") or ""
     if "cuda" not in markexpr.replace("not cuda", ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -86,7 +121,6 @@ def loopback_port() -> int:
     sockets, TCP stores of the torchrun jobs other tests start alongside): between this probe and the server's bind
     it may become a stranger's socket, which the job's clients would then reach. Below the range only a port that is
     asked for by number can be taken."""
-    import random
     import socket
 
     try:
@@ -207,6 +241,13 @@ def greedy_clear_picks(model: torch.nn.Module, prompt: list[int], new: list[int]
     return int(close[0, 0]) if len(close) else len(new)
 
 
+def _seq2seq_pick_logits(model: torch.nn.Module, src: torch.Tensor, picks: Sequence[int], bos: int) -> torch.Tensor:
+    """An encoder-decoder's logits (len(picks), V) at the positions that picked ``picks`` for one source ``src``
+    (1, S), teacher-forced in one pass."""
+    with torch.no_grad():
+        return model(src, torch.tensor([[bos] + list(picks)[:-1]], device=src.device))[0]
+
+
 def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
                        bos: int = 2, eos: int = 3) -> float:
     """:func:`pick_gap` of an encoder-decoder's greedy output ``tokens`` for one source ``src`` (1, S), EOS
@@ -214,8 +255,20 @@ def seq2seq_greedy_gap(model: torch.nn.Module, src: torch.Tensor, tokens: Sequen
     picks = list(tokens) + ([eos] if ended else [])
     if not picks:
         return float("inf")
-    with torch.no_grad():
-        return pick_gap(model(src, torch.tensor([[bos] + picks[:-1]]))[0], picks)
+    return pick_gap(_seq2seq_pick_logits(model, src, picks, bos), picks)
+
+
+def seq2seq_clear_picks(model: torch.nn.Module, src: torch.Tensor, tokens: Sequence[int], ended: bool,
+                        gap: float = GREEDY_GAP, bos: int = 2, eos: int = 3) -> int:
+    """How many of an encoder-decoder's greedy picks for ``src`` (1, S), ``tokens`` and then EOS when the output
+    ``ended``, come before the first pick within ``gap`` of its runner-up (all of them when none is): the prefix
+    that any other rounding smaller than ``gap`` (another CPU's kernels, a GPU, a lower precision) must decode
+    the same. For a trained model, whose margins are its training's, never a precondition."""
+    picks = list(tokens) + ([eos] if ended else [])
+    if not picks:
+        return 0
+    close = (pick_gaps(_seq2seq_pick_logits(model, src, picks, bos), picks) <= gap).nonzero()
+    return int(close[0, 0]) if len(close) else len(picks)
 
 
 # An EOS id that no model produces: a language model's sample() then runs to its max_new_tokens.
