@@ -37,8 +37,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests -m "not browser" -p randomly -n $(TEST_WORKERS) --dist worksteal --durations=15 -rs
 
-# Each test file in a pytest process of its own (tests/alone.py): CI runs one of 4 shares of the files, by the day;
-# ALONE=all runs every file, ALONE=K/4 share K.
+# Each test file in a pytest process of its own (tests/alone.py): CI runs one of 6 shares of the files, by the day;
+# ALONE=all runs every file, ALONE=K/6 share K.
 ALONE ?= today
 test-alone: $(STAMP)
 	TEST_WORKERS=$(TEST_WORKERS) $(PY) tests/alone.py --share $(ALONE)

@@ -4,14 +4,14 @@ fixture another module built) fails here, where the full run's order hid it.
 
     python tests/alone.py                  # this run's share of the files (CI: ``make test-alone``)
     python tests/alone.py --share all      # every file (about as long as the suite itself)
-    python tests/alone.py --share 2/4      # share 2 of 4
+    python tests/alone.py --share 2/6      # share 2 of 6
     python tests/alone.py tests/test_x.py  # these files
 
-All files alone take about as long as the whole suite, so CI runs one share of them a run: the files sorted by
-name and dealt into SHARES shares, and the share picked by the day (days since 1970 modulo SHARES), printed with
-the command that runs it again. Over SHARES days every file has run alone; a change to a file that is not in the
-day's share is checked by ``make test-alone ALONE=all`` or by naming it. Each run prints the seed of every file's
-order, and a failed file's command line.
+All files alone take about as long as the whole suite (1,675 s of processes, 2 at a time on 2 busy cores, on
+2026-11-28), so CI runs one share of them a run: the files sorted by name and dealt into SHARES shares, and the
+share picked by the day (days since 1970 modulo SHARES), printed with the command that runs it again. Over SHARES
+days every file has run alone; a change to a file that is not in the day's share is checked by ``make test-alone
+ALONE=all`` or by naming it. Each run prints the seed of every file's order, and a failed file's command line.
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-SHARES = 4
-# The files that only run on their own targets (make test-browser, a GPU): alone they skip, as in the suite.
+SHARES = 6
+# The tests that run on their own targets (make test-browser, a GPU), deselected as in the suite, and the files that
+# hold nothing else (alone they would only start a process).
 MARKERS = "not browser and not cuda"
+OWN_TARGETS = ("test_browser.py", "test_cuda.py")
 
 
 def test_files() -> list[Path]:
-    return sorted(TESTS.glob("test_*.py"))
+    return sorted(p for p in TESTS.glob("test_*.py") if p.name not in OWN_TARGETS)
 
 
 def share_of(files: list[Path], share: str) -> tuple[list[Path], str]:
@@ -51,11 +53,16 @@ def share_of(files: list[Path], share: str) -> tuple[list[Path], str]:
     return files[k - 1 :: n], f"{k}/{n}"
 
 
+def command(path: Path) -> list[str]:
+    """The pytest command line that runs ``path`` alone (in the repository's root)."""
+    return [sys.executable, "-m", "pytest", str(path.relative_to(REPO)), "-m", MARKERS, "-p", "randomly", "-q",
+            "-p", "no:cacheprovider"]
+
+
 def run_alone(path: Path, workers: int) -> tuple[Path, int, float, str]:
     """``pytest PATH`` in a process of its own; (path, exit status, seconds, the last lines of its output)."""
     env = dict(os.environ, AIAYN_TEST_PROCESSES=str(workers))  # conftest: intra-op threads per process
-    cmd = [sys.executable, "-m", "pytest", str(path.relative_to(REPO)), "-m", MARKERS, "-p", "randomly", "-q",
-           "-p", "no:cacheprovider"]
+    cmd = command(path)
     start = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         files, name = share_of(test_files(), args.share)
     print(f"alone.py: share {name}: {len(files)} file(s), each in a process of its own, {args.workers} at a time "
-          f"(again: python tests/alone.py --share {name if name != 'named' else 'all'})", flush=True)
+          f"(again: python tests/alone.py {'--share ' + name if name != 'named' else 'FILES'})", flush=True)
     failed = []
     with ThreadPoolExecutor(max(1, args.workers)) as pool:
         for path, rc, seconds, tail in pool.map(lambda f: run_alone(f, args.workers), files):
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ok  ' if ok else 'FAIL'} {path.relative_to(REPO)} ({seconds:.0f} s) {order}", flush=True)
             if not ok:
                 failed.append(path)
-                print(tail, flush=True)
+                print(f"{tail}\n(alone: {' '.join(command(path))}, with the seed above)", flush=True)
     if failed:
         print(f"alone.py: {len(failed)} file(s) failed alone: {' '.join(str(f.relative_to(REPO)) for f in failed)}")
         return 1

@@ -253,3 +253,17 @@ def test_no_function_is_longer_than_eighty_lines():
                     if lines > 80:
                         long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_the_shares_of_files_run_alone_cover_every_file_once():
+    """tests/alone.py (make test-alone) deals the test files into shares, one a day: together they hold every
+    file of the suite, each once, so every file runs alone within SHARES days."""
+    import alone  # tests/ is on sys.path under pytest
+
+    files = alone.test_files()
+    assert len(files) > 30 and not {f.name for f in files} & set(alone.OWN_TARGETS)
+    shares = [alone.share_of(files, f"{k}/{alone.SHARES}")[0] for k in range(1, alone.SHARES + 1)]
+    assert sorted(f for share in shares for f in share) == files
+    today, name = alone.share_of(files, "today")
+    assert today in shares and name.endswith(f"/{alone.SHARES}")
+    assert alone.share_of(files, "all")[0] == files
