@@ -327,13 +327,17 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
     specialized to the sizes, and the fixed shapes CUDA graphs need for ``reduce-overhead``); the recompile limit is
     raised to the number of shapes. Otherwise token-budget batches change the batch size with almost every update
     and the lengths with the data: one graph with symbolic batch size and lengths (the shape policy above; the model
-    widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The model has no graph
-    break (tests/test_engine.py)."""
+    widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The compiled blocks take
+    PyTorch's fused attention for every key length (:func:`use_attention`). The model has no graph break
+    (tests/test_engine.py)."""
     if fixed_shapes:
         raise_recompile_limit(n_shapes)
     key_cpu_kernels_by_vector_width()
     mode_or_none = None if mode == "default" else mode
     for block in blocks or [module]:
+        # One computation of eq. (1) for every key length: the CPU rule's branch on it (explicit up to 128 keys)
+        # would compile a second graph for the first batch past it. Inductor fuses either, and eval mode runs it too.
+        use_attention(block, "fused")
         compile_for_training_mode(block, "_call_impl", _compile(block._call_impl, mode_or_none, not fixed_shapes))
     return module
 

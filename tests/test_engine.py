@@ -247,8 +247,8 @@ def compiled_tiny():
         mp.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)
         torch.manual_seed(4)
         cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])
-        eager = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
-        compiled_copy = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
+        eager = tiny_model(n_encoder_layers=2, n_decoder_layers=2, max_positions=256)
+        compiled_copy = tiny_model(n_encoder_layers=2, n_decoder_layers=2, max_positions=256)
         compiled_copy.load_state_dict(eager.state_dict())
         counter = CompileCounter()
         module, loss_fn = compile_for_training(compiled_copy, cfg)
@@ -308,7 +308,8 @@ def test_compiled_training_step_equals_eager(compiled_tiny, monkeypatch):
 @pytest.mark.slow
 def test_compiled_training_never_compiles_again_after_its_first_update(compiled_tiny):
     """The shape policy (aiayn.engine): 200 updates of varied rows and lengths through :class:`Update`, one-row
-    batches and targets of BOS alone among them, build no graph after the warm-up update."""
+    batches, targets of BOS alone and sources past the CPU's explicit-attention length (128 keys) among them, build
+    no graph after the warm-up update."""
     from aiayn.engine import CompileCounter
 
     _, compiled_copy, module, loss_fn, _ = compiled_tiny  # warmed up by the fixture's first update
@@ -319,13 +320,15 @@ def test_compiled_training_never_compiles_again_after_its_first_update(compiled_
     shapes = set()
     for step in range(200):
         rows = 1 if step % 50 == 3 else int(torch.randint(1, 9, (1,), generator=g))
-        src, tgt = pairs(rows, seed=100 + step, high=int(torch.randint(2, 30, (1,), generator=g)))
+        low, high = (130, 160) if step % 50 == 10 else (1, int(torch.randint(2, 30, (1,), generator=g)))
+        src, tgt = pairs(rows, seed=100 + step, low=low, high=high)
         if step % 40 == 5:
             tgt = [[] for _ in tgt]  # targets of BOS alone: T = 1
         batch = collate(src, tgt, list(range(rows)))
         shapes.add((*batch.src.shape, batch.tgt_in.size(1)))
         update([batch], 1e-3, step + 1)
     assert len(shapes) > 150 and any(s[0] == 1 for s in shapes) and any(s[2] == 1 for s in shapes)
+    assert any(s[1] > 128 for s in shapes)
     assert counter.recompiles == 0, f"{counter.recompiles} graphs after the first update"
 
 
