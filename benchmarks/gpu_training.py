@@ -78,6 +78,9 @@ TRAIN_ITEMS = {
 # preset on an H200): train_big_bf16_compile measures it through aiayn train.
 SPEED_IMPLS = ["aiayn", "aiayn+cast", "aiayn+fused-loss", "aiayn+fuse-norms", "aiayn+cudnn", "aiayn+cast+fused-loss",
                "aiayn-compile+cast+fused-loss", "hf-marian", "hf-marian-compile", "torch-nn"]
+# smoke (CI): one row of each kind, so the code paths stay run without minutes of CPU
+SMOKE_SPEED_IMPLS = ["aiayn", "aiayn+cast+fused-loss+fuse-norms+cudnn", "aiayn-compile+cast+fused-loss",
+                     "hf-marian-compile", "torch-nn"]
 SPEED_PRESETS = {"train_speed_base": "paper-base", "train_speed_big": "paper-big"}
 # aiayn train's items beside the train_speed rows of the same model and levers (issue 59: the loop keeps >= 0.95x)
 LOOP_PEERS = {"train_big_bf16": ("paper-big", "aiayn"),
@@ -248,8 +251,9 @@ def train_speed_item(item: str, work: Path, device: str, size: str) -> dict[str,
     lengths, bf16, 3 warm-up + 15 timed updates each; smoke: the tiny model on a CPU, compiled variants traced
     without inductor. Its JSON and markdown are in ``--work`` (the check merges them into ``train_throughput_cuda``)."""
     out = work / f"{item}.json"
+    impls = SMOKE_SPEED_IMPLS if size == "smoke" else SPEED_IMPLS
     cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device, "--no-isolate",
-           "--impls", *SPEED_IMPLS, "--out-json", str(out), "--md", str(work / f"{item}.md")]
+           "--impls", *impls, "--out-json", str(out), "--md", str(work / f"{item}.md")]
     if size == "smoke":
         cmd += ["--smoke", "--threads", "1", "--compile-backend", "eager"]
     else:
@@ -337,7 +341,7 @@ def _time_to_first_update(work: Path, name: str, preset: str, over: list[str]) -
 
 
 def levers_match_item(work: Path, device: str, size: str) -> dict[str, Any]:
-    """paper-base, 200 updates (smoke: 8) in bf16 through ``aiayn train``, each update logged: eager with seed 1 and
+    """paper-base, 200 updates (smoke: 4) in bf16 through ``aiayn train``, each update logged: eager with seed 1 and
     seed 2, and compiled with every lever (seed 1; smoke: the eager levers, an inductor build on a CPU takes minutes).
     The levers' largest |train_loss - eager's| over the updates of the second half is compared with the seeds' (the
     run-to-run noise): it must not exceed it. Also each run's tokens/s, and the levers run's recompiles after its
@@ -345,7 +349,7 @@ def levers_match_item(work: Path, device: str, size: str) -> dict[str, Any]:
     from aiayn.config import load_config
     from aiayn.train.run import train
 
-    updates, every = (200, 1) if size == "full" else (8, 1)  # every update logged: its time and the recompiles
+    updates, every = (200, 1) if size == "full" else (4, 1)  # every update logged: its time and the recompiles
     runs = {"eager": [], "eager_seed2": ["train.seed=2"],
             "levers": [*LEVER_KEYS, f"train.compile={str(size == 'full').lower()}"]}
     losses, speed = {}, {}
