@@ -368,8 +368,9 @@ def levers_match_item(work: Path, device: str, size: str) -> dict[str, Any]:
     late = [s for s in losses["eager"] if s > updates // 2]
     noise = max(abs(losses["eager_seed2"][s] - losses["eager"][s]) for s in late)
     moved = max(abs(losses["levers"][s] - losses["eager"][s]) for s in late)
-    res = {"updates": updates, "compared_steps": late, "seed_noise": round(noise, 4),
-           "levers_difference": round(moved, 4),
+    mean = {k: statistics.mean(v[s] for s in late) for k, v in losses.items()}  # the second half's mean loss
+    res = {"updates": updates, "compared_steps": [late[0], late[-1]], "seed_noise": round(noise, 4),
+           "levers_difference": round(moved, 4), "second_half_mean_loss": {k: round(v, 4) for k, v in mean.items()},
            "last_loss": {k: v[updates] for k, v in losses.items()}, "levers": runs["levers"],
            "tokens_per_s": {k: v["tokens_per_s"] for k, v in speed.items()},
            "model_tflops": {k: v["model_tflops"] for k, v in speed.items()},
