@@ -274,18 +274,23 @@ SHAPE_MULTIPLE = 8
 MIN_ROWS = 2
 # torch.compile's backend for training (tests may swap in "aot_eager": the same tracing and autograd, no C++ build).
 COMPILE_BACKEND = "inductor"
-# train.compile: auto compiles on CUDA from this many updates: the first compile of paper-base by regions took 55.7 s
-# on an H200 and then trained 1.19x eager at 74.6 ms per eager update, which pays back after about 4,700 updates
-# (BENCHMARKS.md, "GPU"); shorter runs (the quick recipes, tests) start at once in eager mode.
+# train.compile: auto compiles on CUDA from this many updates and, with a time budget, this many minutes: the first
+# compile of paper-base by regions took 55.7 s on an H200 and then trained 1.19x eager at 74.6 ms per eager update,
+# which pays back after about 4,700 updates (BENCHMARKS.md, "GPU"); shorter runs (the quick recipes, tests) start at
+# once in eager mode.
 COMPILE_AUTO_MIN_UPDATES = 5000
+COMPILE_AUTO_MIN_MINUTES = 10.0
 
 
-def compile_wanted(setting: bool | str, device: torch.device, max_updates: int) -> bool:
+def compile_wanted(setting: bool | str, device: torch.device, max_updates: int,
+                   max_minutes: float | None = None) -> bool:
     """Whether training compiles: ``train.compile`` true or false as set; ``"auto"``: on CUDA, for runs of at least
-    :data:`COMPILE_AUTO_MIN_UPDATES` updates (never on a CPU, where inductor's C++ build takes minutes)."""
+    :data:`COMPILE_AUTO_MIN_UPDATES` updates and no time budget under :data:`COMPILE_AUTO_MIN_MINUTES` (never on a
+    CPU, where inductor's C++ build takes minutes)."""
     if setting != "auto":
         return bool(setting)
-    return device.type == "cuda" and max_updates >= COMPILE_AUTO_MIN_UPDATES
+    long_enough = max_minutes is None or max_minutes >= COMPILE_AUTO_MIN_MINUTES
+    return device.type == "cuda" and max_updates >= COMPILE_AUTO_MIN_UPDATES and long_enough
 
 
 def fit_shape(ids: Tensor, pad_id: int) -> Tensor:

@@ -175,6 +175,7 @@ def test_the_lever_keys_reach_the_levers_and_compile_auto_compiles_long_cuda_run
     assert not engine.compile_wanted("auto", cuda, engine.COMPILE_AUTO_MIN_UPDATES - 1)
     assert engine.compile_wanted("auto", cuda, engine.COMPILE_AUTO_MIN_UPDATES)
     assert engine.compile_wanted(True, cpu, 1) and not engine.compile_wanted(False, cuda, 10**6)
+    assert not engine.compile_wanted("auto", cuda, 10**6, max_minutes=5)  # a short time budget: eager at once
     assert load_config("tiny_reverse", ["train.compile=false"]).train.compile is False
     for bad in ("train.compile=sometimes", "train.attention_backends=[flash,flash]", "train.attention_backends=[xla]"):
         with pytest.raises(ConfigError):

@@ -255,7 +255,7 @@ class TrainConfig:
     clip_norm: float | None = None
     precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | tf32 | bf16 | fp16
     # torch.compile of the layers and the loss: true | false | auto (on CUDA for runs of at least
-    # aiayn.engine.COMPILE_AUTO_MIN_UPDATES updates, where the compile time pays off; never on a CPU)
+    # aiayn.engine.COMPILE_AUTO_MIN_UPDATES updates and minutes, where the compile time pays off; never on a CPU)
     compile: bool | str = "auto"
     seed: int = 1
     log_every: int = 50

@@ -226,7 +226,8 @@ class Levers:
     def from_config(cls, cfg: Config, device: torch.device, precision: str) -> Levers:
         tc = cfg.train
         low = precision in ("bf16", "fp16")
-        return cls(compile=engine.compile_wanted(tc.compile, device, tc.max_updates), compile_mode=tc.compile_mode,
+        return cls(compile=engine.compile_wanted(tc.compile, device, tc.max_updates, tc.max_minutes),
+                   compile_mode=tc.compile_mode,
                    cast_dtype=DTYPES[precision] if tc.cast_weights_once and low else None,
                    fused_output_loss=tc.fused_output_loss, fuse_norms=tc.fuse_norms,
                    attention_backends=tuple(tc.attention_backends))
