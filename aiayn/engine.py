@@ -279,6 +279,8 @@ COMPILE_BACKEND = "inductor"
 # which pays back after about 4,700 updates (BENCHMARKS.md, "GPU"); shorter runs (the quick recipes, tests) start at
 # once in eager mode.
 COMPILE_AUTO_MIN_UPDATES = 5000
+# Graphs of compiled regions one process may hold with the dynamic shape policy (compile_regions).
+REGION_GRAPHS = 16
 COMPILE_AUTO_MIN_MINUTES = 10.0
 
 
@@ -335,8 +337,10 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
     widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The compiled blocks take
     PyTorch's fused attention for every key length (:func:`use_attention`). The model has no graph break
     (tests/test_engine.py)."""
-    if fixed_shapes:
-        raise_recompile_limit(n_shapes)
+    # Every compiled region of the process is a frame of one function, nn.Module._call_impl, whose graphs count
+    # against one recompile limit: an encoder and a decoder layer per model (a benchmark compiles several models in
+    # one process), or one per shape; past the limit dynamo would silently run the regions eagerly.
+    raise_recompile_limit(n_shapes if fixed_shapes else REGION_GRAPHS)
     key_cpu_kernels_by_vector_width()
     mode_or_none = None if mode == "default" else mode
     for block in blocks or [module]:
