@@ -274,10 +274,9 @@ SHAPE_MULTIPLE = 8
 MIN_ROWS = 2
 # torch.compile's backend for training (tests may swap in "aot_eager": the same tracing and autograd, no C++ build).
 COMPILE_BACKEND = "inductor"
-# train.compile: auto compiles on CUDA from this many updates and, with a time budget, this many minutes: the first
-# compile of paper-base by regions took 55.7 s on an H200 and then trained 1.19x eager at 74.6 ms per eager update,
-# which pays back after about 4,700 updates (BENCHMARKS.md, "GPU"); shorter runs (the quick recipes, tests) start at
-# once in eager mode.
+# train.compile: auto compiles on CUDA from this many updates and, with a time budget, this many minutes: about where
+# paper-base's measured cold compile pays back at its measured speed-up over eager (BENCHMARKS.md, "GPU training
+# speed"); shorter runs (the quick recipes, tests) start at once in eager mode.
 COMPILE_AUTO_MIN_UPDATES = 5000
 # Graphs of compiled regions one process may hold with the dynamic shape policy (compile_regions).
 REGION_GRAPHS = 16

@@ -74,8 +74,8 @@ TRAIN_ITEMS = {
     "train_big_bf16_levers": TrainItem("paper-big", compile=True, levers=LEVER_KEYS, updates="big"),
 }
 # The rows of train_speed_*: aiayn eager, each lever alone, the eager levers together, compiled with levers, and the
-# peers (benchmarks/train_peers.py). Plain aiayn-compile is left out for time (a cold inductor compile is ~50 s per
-# preset on an H200): train_big_bf16_compile measures it through aiayn train.
+# peers (benchmarks/train_peers.py). Plain aiayn-compile is left out for time (each compiled row is a cold inductor
+# compile): train_big_bf16_compile measures it through aiayn train.
 SPEED_IMPLS = ["aiayn", "aiayn+cast", "aiayn+fused-loss", "aiayn+fuse-norms", "aiayn+cudnn", "aiayn+cast+fused-loss",
                "aiayn-compile+cast+fused-loss", "hf-marian", "hf-marian-compile", "torch-nn"]
 # smoke (CI): one row of each kind, so the code paths stay run without minutes of CPU
