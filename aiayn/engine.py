@@ -278,9 +278,9 @@ COMPILE_BACKEND = "inductor"
 # paper-base's measured cold compile pays back at its measured speed-up over eager (BENCHMARKS.md, "GPU training
 # speed"); shorter runs (the quick recipes, tests) start at once in eager mode.
 COMPILE_AUTO_MIN_UPDATES = 5000
+COMPILE_AUTO_MIN_MINUTES = 10.0
 # Graphs of compiled regions one process may hold with the dynamic shape policy (compile_regions).
 REGION_GRAPHS = 16
-COMPILE_AUTO_MIN_MINUTES = 10.0
 
 
 def compile_wanted(setting: bool | str, device: torch.device, max_updates: int,

@@ -2,7 +2,7 @@
 device, the dropout seeds, gradient accumulation normalized by target tokens, clipping and the optimizer step,
 with the statistics left on the device until someone reads them; and the training's speed levers
 (:class:`Levers`: compile, the weights cast once, the output projection fused into the loss, fused residual +
-layer norm), each of which computes what the plain update computes (exactly so in fp32: tests/test_engine.py).
+layer norm), each of which computes what the plain update computes (exactly so in fp32: tests/test_train_speed.py).
 
 Shapes: B batch, T target length, V vocabulary, D model width.
 """
@@ -126,9 +126,9 @@ class Update:
     scaler: torch.amp.GradScaler | None = None
     loss_fn: LossFn = label_smoothed_cross_entropy
     seed: int | None = None
-    # The speed levers (Levers.update_fields): the output projection and the loss in one pass over chunks (the
-    # chunks' math: kernels for projected_cross_entropy); the forward in this dtype with the weights cast once per
-    # micro-batch instead of autocast; batches padded to the compiled shape policy.
+    # The speed levers (set by training_module from Levers): the output projection and the loss in one pass over
+    # chunks (the chunks' math: kernels for projected_cross_entropy); the forward in this dtype with the weights cast
+    # once per micro-batch instead of autocast; batches padded to the compiled shape policy.
     output_loss: ChunkKernels | None = None
     compute_dtype: torch.dtype | None = None
     fit_shapes: bool = False
@@ -212,8 +212,8 @@ class Update:
 @dataclass(frozen=True)
 class Levers:
     """The training's speed choices (``train.*`` keys), resolved for its device and precision. Each computes what the
-    plain update computes: exactly in fp32 (tests/test_engine.py), within the rounding of the compute dtype in
-    bf16 / fp16; BENCHMARKS.md measures each on a GPU (``benchmarks.train_throughput --levers``)."""
+    plain update computes: exactly in fp32 (tests/test_train_speed.py), within the rounding of the compute dtype in
+    bf16 / fp16; each is a row of ``benchmarks.train_throughput`` (``--impls aiayn+LEVER``) for a GPU to measure."""
 
     compile: bool = False  # train.compile (auto resolved: aiayn.engine.compile_wanted)
     compile_mode: str = "default"
