@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import LIMITS
+from aiayn.config import LIMITS, SDPA_BACKENDS
 from aiayn.device import resolve_device
 from aiayn.errors import ConfigError
 
@@ -77,27 +78,88 @@ def attention_path(model: nn.Module, path: str) -> Iterator[nn.Module]:
             m.explicit_max_keys = rule
 
 
-def _sdpa_backends() -> list | None:
-    """PyTorch's SDPA backends aiayn uses on CUDA: flash and memory-efficient attention, and the math kernel as
-    the fallback for inputs the fused ones refuse; not cuDNN's (None on a PyTorch without the selector)."""
+# aiayn's choice of PyTorch's SDPA backends on CUDA (by the names of train.attention_backends, SDPA_BACKENDS): flash
+# and memory-efficient attention, with the math kernel as the fallback for inputs the fused ones refuse (not cuDNN's:
+# ``kernels`` says why).
+DEFAULT_SDPA_BACKENDS = ("flash", "efficient", "math")
+
+
+def _sdpa_backends(names: Sequence[str] = DEFAULT_SDPA_BACKENDS) -> list | None:
+    """PyTorch's SDPA backends named ``names`` (:data:`SDPA_BACKENDS`), in that order of preference; None on a
+    PyTorch without the selector."""
     try:
         from torch.nn.attention import SDPBackend
     except ImportError:  # pragma: no cover - torch < 2.3
         return None
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    by_name = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    return [by_name[n] for n in names]
+
+
+def attention_backends(model: nn.Module, run: Callable[[], object]) -> dict[str, str]:
+    """Which computation of eq. (1) each kind of attention of ``model`` takes while ``run()`` runs it (eagerly):
+    {"encoder self-attention" | "decoder self-attention" | "cross-attention" (by the modules' names): "flash",
+    "efficient", "cudnn" or "math" (PyTorch's SDPA backend, as its dispatcher picks it for the call's inputs,
+    padding mask, dropout and the backends enabled around the call, e.g. by :func:`kernels`), "flash (CPU)"
+    on a CPU, or "explicit" (aiayn's matmul + softmax)}. Layers of one kind that took different ones are joined
+    with "+"."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: dict[str, set[str]] = {}
+    current: list[str | None] = [None, None]  # the kind running now, and the backend its call took
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and current[0] is not None:
+                current[1] = _sdpa_choice(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    def begin(kind: str) -> Callable:
+        return lambda module, args: current.__setitem__(slice(None), [kind, None])
+
+    def end(module: nn.Module, args: object, out: object) -> None:
+        seen.setdefault(current[0], set()).add(current[1] or "explicit")
+        current[:] = [None, None]
+
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, AttentionKernel):
+            kind = ("cross-attention" if name.endswith("cross_attn") else "encoder self-attention"
+                    if "encoder" in name else "decoder self-attention")
+            hooks += [m.register_forward_pre_hook(begin(kind)), m.register_forward_hook(end)]
+    try:
+        with Spy():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {kind: "+".join(sorted(names)) for kind, names in seen.items()}
+
+
+def _sdpa_choice(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> str:
+    """The backend ``F.scaled_dot_product_attention`` takes for these arguments (PyTorch's own choice function)."""
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+    name = names.get(int(choice), "none")
+    return f"{name} (CPU)" if name == "flash" and q.device.type == "cpu" else name
 
 
 @contextlib.contextmanager
-def kernels(device: torch.device, precision: str = "fp32") -> Iterator[None]:
+def kernels(device: torch.device, precision: str = "fp32",
+            attention_backends: Sequence[str] | None = None) -> Iterator[None]:
     """Run the block with aiayn's CUDA attention backends (a no-op off CUDA), restoring the previous ones after;
-    with ``precision="tf32"`` (CUDA) fp32 matmuls run on TF32 tensor cores inside the block.
+    with ``precision="tf32"`` (CUDA) fp32 matmuls run on TF32 tensor cores inside the block. ``attention_backends``
+    (``train.attention_backends``; names of :data:`SDPA_BACKENDS`, in order of preference) replaces aiayn's choice,
+    :data:`DEFAULT_SDPA_BACKENDS`.
 
     cuDNN's attention backend is left out: it builds a new execution plan for every new (batch, length) shape,
     and token-budget batches have a new shape almost every update, so planning costs far more host time than
     the kernel saves (BENCHMARKS.md, "GPU"). The choice holds only inside the block: training runs its
     loop in one, the translator and generator their searches, and a program that loads a run keeps its own
     settings everywhere else."""
-    backends = _sdpa_backends() if device.type == "cuda" else None
+    backends = _sdpa_backends(attention_backends or DEFAULT_SDPA_BACKENDS) if device.type == "cuda" else None
     with contextlib.ExitStack() as stack:
         if device.type == "cuda":  # fp32 is IEEE fp32 in the block whatever the host program set; tf32 is TF32
             stack.enter_context(_matmul_precision("high" if precision == "tf32" else "highest"))
@@ -170,11 +232,90 @@ def prepare_model(model: nn.Module, device: str | torch.device, training: bool) 
     return model
 
 
+@contextlib.contextmanager
+def weights_in(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block, every floating-point parameter and buffer of ``module`` reads as its copy in ``dtype``, cast
+    once on entry (a tensor shared by several modules, the tied embedding, once); the originals are back after, also
+    on an exception. Gradients flow through the casts into the originals: a forward in bf16 with fp32 master
+    weights, without autocast's casts at every use (``train.cast_weights_once``). Not thread-safe: the module's
+    parameter tables are swapped in place."""
+    casts: dict[int, Tensor] = {}
+    saved = []
+    for m in module.modules():  # each module once, however many names it has
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_floating_point() and t.dtype != dtype:
+                    saved.append((table, name, t))
+                    table[name] = casts.setdefault(id(t), t.to(dtype))
+    try:
+        yield
+    finally:
+        for table, name, t in reversed(saved):
+            table[name] = t
+
+
 def use_fused_optimizer(params: list[Tensor]) -> bool:
     """Whether Adam takes its fused CUDA kernel (one kernel for every parameter, and no host-device sync under
     an fp16 GradScaler): there are parameters and all are floating-point CUDA tensors. Elsewhere PyTorch's
     default implementation, with which earlier checkpoints and the exact-resume tests were made."""
     return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+
+
+# Compiled training's shape policy (token-budget batches): every batch dimension that changes from update to update
+# (rows, source and target lengths) is symbolic in the one graph each region compiles on its first update, and no
+# size that torch.compile specializes ever reaches it, so no update after the first compiles again
+# (tests/test_engine.py trains 200 updates of varied shapes and counts the graphs). Two things would specialize:
+# a size of 1 (dynamo makes 0 and 1 constants: a one-sentence batch, a target of BOS alone) and equal sizes within
+# one batch (duck shaping gives S == T one symbol, and a later batch with S != T compiles anew). So the update pads
+# a batch to at least MIN_ROWS rows (all-padding rows change nothing: the model zeroes their attention, the loss
+# ignores them) and its lengths to a multiple of SHAPE_MULTIPLE (tensor-core tiles; also never 1), and the compiled
+# calls run without duck shaping.
+SHAPE_MULTIPLE = 8
+MIN_ROWS = 2
+# torch.compile's backend for training (tests may swap in "aot_eager": the same tracing and autograd, no C++ build).
+COMPILE_BACKEND = "inductor"
+# train.compile: auto compiles on CUDA from this many updates and, with a time budget, this many minutes: about where
+# paper-base's measured cold compile pays back at its measured speed-up over eager (BENCHMARKS.md, "GPU training
+# speed"); shorter runs (the quick recipes, tests) start at once in eager mode.
+COMPILE_AUTO_MIN_UPDATES = 5000
+COMPILE_AUTO_MIN_MINUTES = 10.0
+# Graphs of compiled regions one process may hold with the dynamic shape policy (compile_regions).
+REGION_GRAPHS = 16
+
+
+def compile_wanted(setting: bool | str, device: torch.device, max_updates: int,
+                   max_minutes: float | None = None) -> bool:
+    """Whether training compiles: ``train.compile`` true or false as set; ``"auto"``: on CUDA, for runs of at least
+    :data:`COMPILE_AUTO_MIN_UPDATES` updates and no time budget under :data:`COMPILE_AUTO_MIN_MINUTES` (never on a
+    CPU, where inductor's C++ build takes minutes)."""
+    if setting != "auto":
+        return bool(setting)
+    long_enough = max_minutes is None or max_minutes >= COMPILE_AUTO_MIN_MINUTES
+    return device.type == "cuda" and max_updates >= COMPILE_AUTO_MIN_UPDATES and long_enough
+
+
+def fit_shape(ids: Tensor, pad_id: int) -> Tensor:
+    """(B, L) token ids padded with ``pad_id`` to at least :data:`MIN_ROWS` rows and a multiple of
+    :data:`SHAPE_MULTIPLE` columns (the compiled shape policy); ``ids`` itself when it fits already."""
+    rows, cols = max(0, MIN_ROWS - ids.size(0)), -ids.size(1) % SHAPE_MULTIPLE
+    return F.pad(ids, (0, cols, 0, rows), value=pad_id) if rows or cols else ids
+
+
+def compile_dynamic(fn: Callable, mode: str | None = None) -> Callable:
+    """``torch.compile(fn, dynamic=True)`` whose calls trace without duck shaping (the shape policy above)."""
+    compiled = torch.compile(fn, backend=COMPILE_BACKEND, mode=mode, dynamic=True)
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _compile(fn: Callable, mode: str | None, dynamic: bool) -> Callable:
+    return compile_dynamic(fn, mode) if dynamic else torch.compile(fn, backend=COMPILE_BACKEND, mode=mode,
+                                                                   dynamic=False)
 
 
 def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes: bool, n_shapes: int,
@@ -185,36 +326,67 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
     embeddings, the output projection and the loss (which compiles its chunks' math itself:
     :func:`aiayn.train.loss.compiled_loss`) stay around them. A block runs its compiled graph only in training mode:
     validation and decoding (eval mode, with caches) run the plain layer. Without ``blocks`` (a model of other
-    layers) the whole ``module`` is compiled. Returns the module to train (``module`` itself when compiled by
-    regions).
+    layers) the whole ``module`` is compiled, in place and for training mode too. Returns ``module``.
 
     Shapes decide how. With fixed batch shapes (``data.length_buckets``, or language-model blocks: ``fixed_shapes``)
     there are few shapes (``n_shapes``) and each repeats: one static graph per shape (``dynamic=False``: kernels
     specialized to the sizes, and the fixed shapes CUDA graphs need for ``reduce-overhead``); the recompile limit is
     raised to the number of shapes. Otherwise token-budget batches change the batch size with almost every update
-    and the lengths with the data: one graph with symbolic batch size and lengths (``dynamic=True``; the model
-    widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The model has no graph
-    break (tests/test_engine.py)."""
-    if fixed_shapes:
-        raise_recompile_limit(n_shapes)
+    and the lengths with the data: one graph with symbolic batch size and lengths (the shape policy above; the model
+    widths stay static) instead of a recompile per shape. ``mode`` is ``train.compile_mode``. The compiled blocks take
+    PyTorch's fused attention for every key length (:func:`use_attention`). The model has no graph break
+    (tests/test_engine.py)."""
+    # Every compiled region of the process is a frame of one function, nn.Module._call_impl, whose graphs count
+    # against one recompile limit: an encoder and a decoder layer per model (a benchmark compiles several models in
+    # one process), or one per shape; past the limit dynamo would silently run the regions eagerly.
+    raise_recompile_limit(n_shapes if fixed_shapes else REGION_GRAPHS)
     key_cpu_kernels_by_vector_width()
-    options = {"mode": None if mode == "default" else mode, "dynamic": not fixed_shapes}
-    if not blocks:
-        return torch.compile(module, **options)
-    for block in blocks:
-        _compile_for_training_mode(block, options)
+    mode_or_none = None if mode == "default" else mode
+    for block in blocks or [module]:
+        # One computation of eq. (1) for every key length: the CPU rule's branch on it (explicit up to 128 keys)
+        # would compile a second graph for the first batch past it. Inductor fuses either, and eval mode runs it too.
+        use_attention(block, "fused")
+        compile_for_training_mode(block, "_call_impl", _compile(block._call_impl, mode_or_none, not fixed_shapes))
     return module
 
 
-def _compile_for_training_mode(block: nn.Module, options: dict) -> None:
-    """What ``nn.Module.compile`` does (``Module.__call__`` runs ``_compiled_call_impl`` when it is set), with the
-    compiled graph taken only in training mode."""
-    compiled = torch.compile(block._call_impl, **options)
+def compile_for_training_mode(module: nn.Module, name: str, compiled: Callable) -> None:
+    """Make ``module.<name>`` run ``compiled`` in training mode and the plain method otherwise. For ``_call_impl`` this
+    is what ``nn.Module.compile`` does (``Module.__call__`` runs ``_compiled_call_impl`` when it is set); another
+    method (``residual``) is shadowed by an instance attribute."""
+    plain = getattr(module, name)
 
     def call(*args, **kwargs):
-        return compiled(*args, **kwargs) if block.training else block._call_impl(*args, **kwargs)
+        return compiled(*args, **kwargs) if module.training else plain(*args, **kwargs)
 
-    block._compiled_call_impl = call
+    setattr(module, "_compiled_call_impl" if name == "_call_impl" else name, call)
+
+
+class CompileCounter:
+    """The graphs torch.compile (dynamo) has built in this process since the counter was made, and since
+    :meth:`warmed_up` was called: a graph built after warm-up is a recompile (an update that stalls for seconds on a
+    GPU; ``TORCH_LOGS=recompiles`` says why)."""
+
+    def __init__(self) -> None:
+        self.start, self.warm = _graphs_built(), None
+
+    def warmed_up(self) -> None:
+        """Warm-up ends here: later graphs count as recompiles."""
+        self.warm = _graphs_built()
+
+    @property
+    def graphs(self) -> int:
+        return _graphs_built() - self.start
+
+    @property
+    def recompiles(self) -> int:
+        return 0 if self.warm is None else _graphs_built() - self.warm
+
+
+def _graphs_built() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def key_cpu_kernels_by_vector_width() -> None:
@@ -328,7 +500,9 @@ def set_cpu_threads(threads: int | None) -> int:
 
 
 __all__ = [
-    "ATTENTION_RULE", "AttentionKernel", "CpuDropout", "MAX_THREADS", "attention_path", "busy_cores", "check_threads",
-    "compile_regions", "cpu_threads", "key_cpu_kernels_by_vector_width", "kernels", "prepare_model",
-    "set_cpu_threads", "usable_cores", "use_attention", "use_fused_optimizer",
+    "ATTENTION_RULE", "AttentionKernel", "CompileCounter", "CpuDropout", "MAX_THREADS", "SDPA_BACKENDS",
+    "attention_backends", "attention_path", "busy_cores", "check_threads", "compile_dynamic",
+    "compile_for_training_mode", "compile_regions", "compile_wanted", "cpu_threads", "fit_shape",
+    "key_cpu_kernels_by_vector_width", "kernels", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
+    "use_fused_optimizer", "weights_in",
 ]

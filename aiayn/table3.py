@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from aiayn.config import Config, ConfigError, load_config
+from aiayn.config import SPEED_KEYS, Config, ConfigError, load_config
 from aiayn.errors import DataError
 from aiayn.files import atomic_write_json, atomic_write_text, check_writable, lock_holder
 
@@ -207,7 +207,7 @@ def _result_path(out: Path, row: Row, seed: int) -> Path:
 # and the table shows it. Every other setting of the base is part of every result.
 UNSCORED = ("train.threads", "train.device", "train.log_every", "train.log_to", "train.save_every",
             "train.keep_last", "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode",
-            "data.prepared", "train.max_updates")
+            "data.prepared", "train.max_updates", *SPEED_KEYS)
 
 # Every field a result holds, with its JSON type (float: any finite number).
 RESULT_FIELDS: dict[str, type] = {

@@ -12,7 +12,9 @@ check goes on past failures and writes, for every item, pass / fail / not run, i
 (after every item, so a call cut short keeps what it measured):
 JSON (``--json``, default ``benchmarks/results/gpu_check.json``) and the section ``gpu_check`` of
 BENCHMARKS.md (``--md``). Items, in the order they run (on one H100 the first nine took 374 s; the CUDA tests and
-the two compiled items did not fit in what was left and need the ``--continue`` call):
+the two compiled items did not fit in what was left and need the ``--continue`` call; BENCHMARKS.md estimates the
+calls with the paper-big items from the measured H200 times). Every item's process shares one inductor cache in
+``--work`` (``$TORCHINDUCTOR_CACHE_DIR``), so a compile is paid once per machine and a ``--continue`` call reuses it.
 
 - ``env``            torch, CUDA, driver, GPU name, SMs, memory, clocks; measured matmul peaks (bf16, fp32 with and
                      without TF32): the denominators of MFU.
@@ -20,9 +22,16 @@ the two compiled items did not fit in what was left and need the ``--continue`` 
 - ``train_*``        paper-base (65M parameters, 37k shared BPE) on a token store prepared from a synthetic WMT-like
                      corpus (generated here: 100k pairs), 25,000-token updates, through ``aiayn train``'s own code:
                      bf16 eager, bf16 compiled (token-budget shapes, ``dynamic``), bf16 compiled with
-                     ``data.length_buckets`` (static shapes), fp16 with its GradScaler, tf32, strict fp32.
-                     Target tokens/s and MFU (model FLOPs of the batches actually trained, over the measured peak)
-                     after warm-up updates, peak memory, graphs compiled and graph breaks, the last loss.
+                     ``data.length_buckets`` (static shapes), fp16 with its GradScaler, tf32, strict fp32; and
+                     paper-big (213M) in bf16, eager, compiled, and compiled with every lever (``train_big_*``: 10
+                     warm-up + 60 timed updates, each logged). Target tokens/s and MFU (model FLOPs of the batches
+                     actually trained, over the measured peak) after warm-up updates, the slowest update against the
+                     median, peak memory, graphs compiled, recompiles after the first update and graph breaks, the
+                     last loss (``benchmarks/gpu_training.py``).
+- ``train_speed_big``, ``train_speed_base``: issue 59's loader-free comparison with Hugging Face Marian (eager and
+                     compiled) and torch.nn.Transformer, lever by lever, per preset; ``compile_restart``: a second
+                     start of a compiled training against its compile cache; ``levers_match``: 200 updates with every
+                     lever against eager bf16 and the run-to-run noise (``benchmarks/gpu_training.py`` says how).
 - ``multi30k``       the quick Multi30k recipe end to end as the README runs it: wall time, test_2016_flickr BLEU;
                      then the validation BLEU the training logged against ``aiayn evaluate`` of the same weights
                      (the last checkpoint, greedy): the one precision rule.
@@ -44,12 +53,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +67,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.gpu_training import (
+    SPEED_PRESETS,
+    TRAIN_ITEMS,
+    UPDATES,
+    compile_restart_item,
+    levers_match_item,
+    loop_against_benchmark,
+    merged_speed_results,
+    paper_base_overrides,
+    read_metrics,
+    train_item,
+    train_speed_item,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "gpu_check"
@@ -68,6 +88,8 @@ NAME = "gpu_check"
 ITEMS: dict[str, int] = {
     "env": 60,
     "train_bf16": 75,
+    "train_big_bf16": 120,
+    "train_big_bf16_compile": 300,
     "multi30k": 240,
     "translate": 120,
     "serve": 60,
@@ -78,31 +100,17 @@ ITEMS: dict[str, int] = {
     "cuda_tests": 240,
     "train_bf16_compile": 300,
     "train_bf16_compile_buckets": 300,
+    "train_speed_big": 300,
+    "train_big_bf16_levers": 240,
+    "train_speed_base": 300,
+    "compile_restart": 150,
+    "levers_match": 300,
     "cpu_isa": 180,
 }
-TRAIN_ITEMS = {  # item -> (precision, compile, length buckets)
-    "train_bf16": ("bf16", False, False),
-    "train_bf16_compile": ("bf16", True, False),
-    "train_bf16_compile_buckets": ("bf16", True, True),
-    "train_fp16": ("fp16", False, False),
-    "train_tf32": ("tf32", False, False),
-    "train_fp32": ("fp32", False, False),
-}
-# On a CPU: no compiled item (an inductor build takes minutes on 2 cores; tests/test_engine.py compiles once).
-SMOKE_ITEMS = ("env", "cuda_tests", "train_fp32", "multi30k", "translate", "serve", "torchrun", "cpu_isa")
-BUCKETS = [24, 40, 64, 128]  # target-length buckets of the static-shape item: WMT-like lengths, few shapes
-
-# The synthetic WMT-like corpus (benchmarks.data_scale.write_corpus) and its store.
-CORPUS_PAIRS = {"full": 100_000, "smoke": 2_000}
-PAPER_BASE = ["data.dataset=null", "data.vocab_size=37000", "data.update_tokens=25000",
-              "train.eval_every=1000000", "train.save_every=1000000", "train.eval_bleu=false",
-              "train.inference_weights=last", "train.keep_last=1"]
-SMOKE_MODEL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
-               "model.n_decoder_layers=1", "model.max_positions=512", "data.vocab_size=600",
-               "data.update_tokens=null", "data.max_tokens=512", "data.tokenizer_sample=20000"]
-# (warm-up updates, all updates, updates per logged line) of a throughput item: the loop reads the device only at a
-# logged update, so a line every update would add a synchronization to each
-UPDATES = {"full": (10, 30, 5), "smoke": (1, 3, 1)}
+# On a CPU: no compiled item (an inductor build takes minutes on 2 cores; tests/test_engine.py compiles once);
+# train_speed_base traces its compiled rows without inductor, levers_match trains its eager levers.
+SMOKE_ITEMS = ("env", "cuda_tests", "train_fp32", "train_big_bf16", "train_speed_base", "levers_match", "multi30k",
+               "translate", "serve", "torchrun", "cpu_isa")
 MULTI30K_SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
                   "model.n_decoder_layers=1", "data.vocab_size=600", "train.max_updates=40", "train.eval_every=20",
                   "train.save_every=20", "train.warmup=10", "train.max_minutes=5", "decode.max_len_b=5"]
@@ -158,11 +166,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else:
             result["items"][item] = run_item(item, work, args.device, args.smoke, min(limit, left))
         r = result["items"][item]
+        if item in SPEED_PRESETS and r["status"] == "pass" and not args.smoke:
+            _publish_train_speed(result["items"], args)
         print(f"[{NAME}] {item}: {r['status']} ({r.get('seconds', 0):.0f} s) {_brief(r)}", file=sys.stderr, flush=True)
         _write(result, args)  # after every item: a run cut short still leaves what it measured
     result["seconds"] = round(sum(r.get("seconds", 0) for r in result["items"].values()), 1)  # every call's
     _write(result, args)
     return result
+
+
+def _publish_train_speed(items: dict[str, Any], args: argparse.Namespace) -> None:
+    """The train_speed_* items' train_throughput results beside the check's JSON (``train_throughput_cuda.json``)
+    and as their section in ``--md``."""
+    from benchmarks.train_throughput import markdown_accelerator
+
+    result = merged_speed_results(items)
+    common.write_json(Path(args.json).parent / "train_throughput_cuda.json", result)
+    common.update_section(args.md, "train_throughput_cuda", markdown_accelerator(result))
 
 
 def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -178,6 +198,7 @@ def run_item(item: str, work: Path, device: str, smoke: bool, limit: float) -> d
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", f"benchmarks.{NAME}", "--child", item, "--work", str(work), "--device", device]
     env = child_env()
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-cache"))  # one compile cache for every item
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
         proc = subprocess.Popen(cmd + (["--smoke"] if smoke else []), stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -436,136 +457,6 @@ def _pytest(args: list[str], log: Path, env: dict[str, str] | None = None) -> di
     return res
 
 
-# The synthetic WMT-like store and paper-base on it.
-
-
-def corpus(work: Path, size: str) -> dict[str, str]:
-    """The synthetic corpus' files (written once per work directory): train/valid source/target paths."""
-    from benchmarks.data_scale import write_corpus
-
-    folder = work / f"corpus-{size}"
-    files = {k: folder / f"{k.replace('_', '.')}" for k in ("train_src", "train_tgt", "valid_src", "valid_tgt")}
-    done = folder / "done"
-    if not done.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        write_corpus(folder, CORPUS_PAIRS[size])
-        done.write_text("ok")
-    return {k: str(v) for k, v in files.items()}
-
-
-def paper_base_overrides(work: Path, size: str) -> list[str]:
-    """paper-base on the store of the synthetic corpus (prepared by the first training that asks)."""
-    files = corpus(work, size)
-    over = [*PAPER_BASE, *(f"data.{k}={v}" for k, v in files.items()), f"data.prepared={work / f'store-{size}'}"]
-    return over + (SMOKE_MODEL if size == "smoke" else [])
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-
-
-def train_item(item: str, work: Path, device: str, size: str) -> dict[str, Any]:
-    """paper-base trained for a few dozen updates in one precision / compile setting through
-    :func:`aiayn.train.run.train`; tokens/s and MFU over the updates after the warm-up ones."""
-    import torch
-    from torch._dynamo.utils import counters
-
-    from aiayn.config import load_config
-    from aiayn.train.run import train
-
-    precision, compiled, buckets = TRAIN_ITEMS[item]
-    if device == "cpu":
-        precision = "fp32"
-    warm, updates, every = UPDATES[size]
-    over = paper_base_overrides(work, size) + [f"train.max_updates={updates}", f"train.log_every={every}",
-                                               f"train.precision={precision}",
-                                               f"train.compile={str(compiled).lower()}", f"train.device={device}"]
-    if buckets:
-        over.append(f"data.length_buckets={BUCKETS}")
-    cfg = load_config("paper-base", over)
-    run_dir = work / "runs" / item
-    shutil.rmtree(run_dir, ignore_errors=True)
-    _prepare_store(cfg, work)  # outside the timed training (prepared once per work directory)
-    if device != "cpu":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    train(cfg, run_dir, progress=False)
-    wall = time.perf_counter() - t0
-    res = throughput(cfg, run_dir, warm, _peak(work, precision))
-    res.update(precision=precision, compile=compiled, length_buckets=BUCKETS if buckets else None,
-               wall_s=round(wall, 1))
-    if device != "cpu":
-        res["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    res["graphs"] = int(counters["stats"].get("unique_graphs", 0))
-    res["graph_breaks"] = int(sum(counters["graph_break"].values()))
-    if counters["graph_break"]:
-        res["graph_break_reasons"] = [str(k)[:200] for k in list(counters["graph_break"])[:5]]
-    res["recompiles"] = int(sum(counters["recompiles"].values())) if "recompiles" in counters else None
-    if not math.isfinite(res["last_loss"]):
-        res.update(status="fail", error=f"loss is {res['last_loss']} at update {res['updates']}")
-    return res
-
-
-def _prepare_store(cfg, work: Path) -> float:
-    from aiayn.data.pipeline import prepare_corpus
-
-    t0 = time.perf_counter()
-    prepare_corpus(cfg, cfg.data.prepared)
-    return time.perf_counter() - t0
-
-
-def _peak(work: Path, precision: str) -> float | None:
-    path = work / "peaks.json"
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8")).get(precision)
-
-
-def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, Any]:
-    """Target tokens/s and model TFLOP/s of the updates after ``warm``, from the logged lines (each covers the
-    updates since the one before) and the FLOPs of the batches those updates trained on (the run's epoch-0 plan,
-    as the trainer dealt it to one process)."""
-    from aiayn.data.pipeline import build_translation_data
-    from aiayn.run_dir import read_run_config
-    from benchmarks.flops import batch_training_flops
-
-    steps = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
-    run_cfg = read_run_config(run_dir)
-    data, _ = build_translation_data(run_cfg, run_dir)
-    plan = data.epoch_plan(0)
-    seconds = tokens = flops = timed = 0
-    before = 0
-    rates: list[float] = []  # each timed logged window's tokens/s
-    for r in steps:
-        n, first = r["step"] - before, before
-        before = r["step"]
-        if first < warm:
-            continue
-        window = r["tokens_per_update"] * n
-        rates.append(r["tokens_per_s"])
-        seconds += window / r["tokens_per_s"]
-        tokens += window
-        timed += n
-        flops += sum(batch_training_flops(run_cfg.model, data.collate_plan(plan[i])) for i in range(first, before))
-    res = {"updates": steps[-1]["step"] if steps else 0, "timed_updates": timed,
-           "tokens_per_update": round(tokens / max(timed, 1)),
-           "tokens_per_s": round(tokens / seconds) if seconds else None,
-           # a window that compiled a new shape (length buckets meet a new pair of lengths) is far slower than the
-           # rest: the median window is the speed once every shape is compiled, the slowest shows the stall
-           "median_window_tokens_per_s": round(statistics.median(rates)) if rates else None,
-           "slowest_window_tokens_per_s": round(min(rates)) if rates else None,
-           "model_tflops": round(flops / seconds / 1e12, 2) if seconds else None,
-           "first_logged": [steps[0]["step"], steps[0]["elapsed_s"]] if steps else None,  # (update, seconds)
-           "last_loss": steps[-1]["train_loss"] if steps else float("nan")}
-    if peak and seconds:
-        res["mfu"] = round(flops / seconds / peak, 3)
-        res["peak_tflops"] = round(peak / 1e12, 1)
-    return res
-
-
 # Multi30k, translation, serving, torchrun.
 
 
@@ -775,6 +666,8 @@ def torchrun_item(work: Path, device: str, size: str) -> dict[str, Any]:
 CHILDREN: dict[str, Callable[[Path, str, str], dict[str, Any]]] = {
     "env": env_item, "cuda_tests": cuda_tests_item, "multi30k": multi30k_item, "translate": translate_item,
     "serve": serve_item, "torchrun": torchrun_item, "cpu_isa": cpu_isa_item,
+    "compile_restart": compile_restart_item, "levers_match": levers_match_item,
+    **{item: (lambda w, d, s, item=item: train_speed_item(item, w, d, s)) for item in SPEED_PRESETS},
 }
 
 
@@ -796,7 +689,37 @@ def markdown(result: dict[str, Any]) -> str:
         else:
             text = str(r.get("error", "")).replace("|", "/").replace("\n", " ")[:400]
         rows.append(f"| {name} | {r['status']} | {r.get('seconds', '')} | {text} |")
-    return head + "\n" + "\n".join(rows) + "\n"
+    loop = loop_against_benchmark(items)
+    tail = ("\n`aiayn train`'s loop against the loader-free benchmark (train_speed_*):\n\n" + "\n".join(loop) + "\n"
+            if loop else "")
+    return head + "\n" + "\n".join(rows) + "\n" + tail
+
+
+def _training_numbers(name: str, r: dict[str, Any]) -> str:
+    """The numbers of a training item (benchmarks/gpu_training.py)."""
+    if name in SPEED_PRESETS:
+        return "; ".join(
+            f"{preset}: best {c['best']} MFU {c['best_mfu']:.1%}, "
+            + ", ".join(f"{c['best_over'][p]}x {p}" for p in c["best_over"])
+            + f"; slowest update {c['slowest_over_median']:.2f}x the median, recompiles {c['recompiles'] or 0}"
+            for preset, c in r["configs"].items())
+    if name == "compile_restart":
+        return f"second start to its first update {r['second_start_s']} s (first start: {r['first_start']})"
+    if name == "levers_match":
+        return (f"{r['updates']} updates: loss with every lever within {r['levers_difference']} of eager's, seeds "
+                f"1 and 2 {r['seed_noise']} apart; last loss {r['last_loss']}; tok/s {r['tokens_per_s']}; levers: "
+                f"recompiles {r.get('levers_recompiles')}, slowest update "
+                f"{(r.get('slowest_over_median') or {}).get('levers')}x the median")
+    mem = f", peak {r['peak_memory_gib']} GiB" if "peak_memory_gib" in r else ""
+    mfu = f", MFU {r['mfu']:.1%} of {r.get('peak_tflops')} TFLOP/s" if r.get("mfu") else ""
+    every = UPDATES[TRAIN_ITEMS[name].updates]["full"][2] if name in TRAIN_ITEMS else 5
+    windows = (f", windows of {every}: median {r['median_window_tokens_per_s']:,}, slowest "
+               f"{r['slowest_window_tokens_per_s']:,}" if r.get("median_window_tokens_per_s") else "")
+    slowest = (f"; slowest update {r['slowest_over_median']}x the median" if r.get("slowest_over_median") else "")
+    recompiles = f", recompiles {r['recompiles']}" if r.get("recompiles") is not None else ""
+    return (f"{r['tokens_per_s']:,} tgt tok/s ({r['tokens_per_update']:,} per update, {r['timed_updates']} timed"
+            f"{windows}){mfu}{mem}{slowest}; {_first(r)}graphs {r['graphs']}{recompiles}, breaks "
+            f"{r['graph_breaks']}; loss {r['last_loss']}")
 
 
 def _first(r: dict[str, Any]) -> str:
@@ -820,14 +743,8 @@ def _numbers(name: str, r: dict[str, Any]) -> str:
         return (f"ATEN_CPU_CAPABILITY={r['isa']} (PyTorch: {r['torch_cpu_capability']}), {r['cpu']}, "
                 f"{r['workers']} workers: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped"
                 + (f"; failed: {', '.join(r['failed_tests'])}" if r.get("failed_tests") else ""))
-    if name.startswith("train_"):
-        mem = f", peak {r['peak_memory_gib']} GiB" if "peak_memory_gib" in r else ""
-        mfu = f", MFU {r['mfu']:.1%} of {r.get('peak_tflops')} TFLOP/s" if r.get("mfu") else ""
-        windows = (f", windows of {UPDATES['full'][2]}: median {r['median_window_tokens_per_s']:,}, slowest "
-                   f"{r['slowest_window_tokens_per_s']:,}" if r.get("median_window_tokens_per_s") else "")
-        return (f"{r['tokens_per_s']:,} tgt tok/s ({r['tokens_per_update']:,} per update, {r['timed_updates']} timed"
-                f"{windows}){mfu}{mem}; {_first(r)}graphs {r['graphs']}, breaks "
-                f"{r['graph_breaks']}; loss {r['last_loss']}")
+    if name in TRAIN_ITEMS or name in SPEED_PRESETS or name in ("compile_restart", "levers_match"):
+        return _training_numbers(name, r)
     if name == "multi30k":
         return (f"{r['updates']} updates in {r['train_wall_s']} s (training {r['training_s']} s), test BLEU "
                 f"{r['test_bleu']}; validation BLEU logged {r['logged_valid_bleu']:.2f} = evaluate "

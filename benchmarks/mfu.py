@@ -194,9 +194,9 @@ def measure(args: argparse.Namespace, preset: str, lengths: str, impl: str, devi
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model, loss_fn = build_training(impl, cfg, args.seed, args.compile_mode, device)
+    model, fields = build_training(impl, cfg, args.seed, args.compile_mode, device, args.precision)
     with kernels(device):
-        r = time_training(model, batches, args.warmup, args.seed, device, args.precision, loss_fn)
+        r = time_training(model, batches, args.warmup, args.seed, device, args.precision, fields)
     model_flops = sum(flops.batch_training_flops(cfg, b) for b in timed)
     executed = sum(flops.batch_training_flops(cfg, b, padded=True) for b in timed)
     entry = {
@@ -215,7 +215,7 @@ def measure(args: argparse.Namespace, preset: str, lengths: str, impl: str, devi
         entry["counted_over_executed"] = counted / flops.batch_training_flops(cfg, timed[0], True)
     if args.profile:
         title = f"{preset} ({lengths}): {LABELS[impl]} Update, {device}, {args.precision}, {threads} threads"
-        table = profile_updates(updater(model, device, args.precision, loss_fn), timed, device, Path(args.profile),
+        table = profile_updates(updater(model, device, args.precision, fields), timed, device, Path(args.profile),
                                 title)
         if cuda:
             print(table, file=sys.stderr)

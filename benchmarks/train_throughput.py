@@ -1,15 +1,16 @@
 """Benchmark 1: training throughput (target tokens/s) and peak memory: fp32 on CPU, or bf16 / fp16 on a GPU.
 
-Three implementations of the same architecture (the paper's post-LN Transformer, shared and tied
-embeddings, sinusoidal positions, ReLU), built from the same initial weights and checked to compute
-the same logits before anything is timed:
+Implementations of the same architecture (the paper's post-LN Transformer, shared and tied embeddings, sinusoidal
+positions, ReLU), built from the same initial weights and checked to compute the same logits before anything is
+timed (``benchmarks/train_peers.py`` builds them):
 
-* ``aiayn``      aiayn.Transformer
-* ``hf-marian``  Hugging Face ``MarianMTModel`` (converted with aiayn.interop.marian.to_hf_marian)
-* ``torch-nn``   embeddings + sinusoids + ``torch.nn.Transformer(batch_first=True, norm_first=False)``
-                 (final encoder/decoder LayerNorms removed, dropout only where the paper has it)
-                 + the tied output projection
-* ``aiayn-compile`` (optional) aiayn.Transformer and its loss under ``torch.compile``, as ``train.compile``
+* ``aiayn``              aiayn.Transformer, eager; ``aiayn+LEVER+...`` with aiayn's speed levers (``cast``: weights
+                         cast once, ``fused-loss``: output projection fused into the loss, ``fuse-norms``: fused
+                         residual + layer norm, ``cudnn``: cuDNN attention first), as the ``train.*`` keys set them
+* ``aiayn-compile``      aiayn.Transformer and its loss under ``torch.compile``, as ``train.compile`` (levers too)
+* ``hf-marian``          Hugging Face ``MarianMTModel`` (converted with aiayn.interop.marian.to_hf_marian)
+* ``hf-marian-compile``  the same, its layers and the loss compiled by regions in the same shape policy
+* ``torch-nn``           embeddings + sinusoids + ``torch.nn.Transformer`` + the tied output projection
 
 Every update goes through the same code, ``aiayn.train.update.Update``: forward, our
 label-smoothed cross entropy (eps 0.1) on the logits, backward, Adam(0.9, 0.98, 1e-9). So the work
@@ -17,7 +18,9 @@ per update is equal and only the model differs. Each implementation runs W warm-
 updates on the same sequence of length-bucketed batches (Multi30k train pairs tokenized with a run's
 tokenizer, or synthetic pairs with Multi30k's or WMT14-like lengths), in its own process so that its peak
 memory (``ru_maxrss``; on CUDA ``torch.cuda.max_memory_allocated``) is its own. On a GPU it also prints
-MFU against the 989 TFLOP/s datasheet peak and against a matmul peak measured in the same run.
+MFU against the 989 TFLOP/s datasheet peak and against a matmul peak measured in the same run. Each row also
+says the slowest timed update against the median one, the graphs torch.compile built during the timed updates
+(recompiles) and, for aiayn, the SDPA backend of encoder self-, decoder self- and cross-attention.
 
     python -m benchmarks.train_throughput --run-dir runs/multi30k_en_de_quick
     python -m benchmarks.train_throughput --device cuda --precision bf16 --configs paper-base paper-big \\
@@ -31,8 +34,8 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,153 +45,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from aiayn.config import COMPILE_MODES, Config, ModelConfig, TrainConfig, model_config
+import aiayn.engine as engine
+from aiayn.config import COMPILE_MODES, ModelConfig, TrainConfig, model_config
 from aiayn.data.batching import Batch
 from aiayn.device import DTYPES, autocast_context
-from aiayn.engine import kernels, prepare_model
-from aiayn.model.embeddings import sinusoidal_table
-from aiayn.model.transformer import Transformer
+from aiayn.engine import CompileCounter, kernels
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.schedule import build_optimizer
-from aiayn.train.update import LossFn, Update, batch_to_device, compile_for_training
+from aiayn.train.update import Update, batch_to_device
 from benchmarks import common, flops
+from benchmarks.train_peers import (  # noqa: F401  (HFMarianSeq2Seq, TorchNNTransformer, build_impl: re-exported)
+    BASE_LABELS,
+    HFMarianSeq2Seq,
+    TorchNNTransformer,
+    Variant,
+    build_impl,
+    build_variant,
+    label,
+)
 
 NAME = "train_throughput"
 IMPLS = ("aiayn", "hf-marian", "torch-nn")
 COMPILED = "aiayn-compile"
-LABELS = {
-    "aiayn": "aiayn",
-    COMPILED: "aiayn + torch.compile",
-    "hf-marian": "HF MarianMTModel",
-    "torch-nn": "torch.nn.Transformer",
-}
+LABELS = BASE_LABELS  # by base implementation (benchmarks.mfu); a variant's: train_peers.label
 LABEL_SMOOTHING = 0.1
 LR = 1e-4  # any fixed rate: the speed of an update does not depend on it
 
 
-# The peers ------------------------------------------------------------------------------------------
-
-
-class HFMarianSeq2Seq(nn.Module):
-    """``MarianMTModel`` behind aiayn's ``model(src, tgt_in) -> logits`` interface."""
-
-    def __init__(self, hf: nn.Module, pad_id: int = 0) -> None:
-        super().__init__()
-        self.hf, self.pad_id = hf, pad_id
-
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V). No KV cache is kept when training."""
-        out = self.hf(input_ids=src, attention_mask=(src != self.pad_id).long(), decoder_input_ids=tgt_in,
-                      use_cache=False)
-        return out.logits
-
-
-class TorchNNTransformer(nn.Module):
-    """The paper's model on ``torch.nn.Transformer``: scaled shared embedding + sinusoids, post-LN layers,
-    tied output projection.
-
-    ``nn.Transformer`` adds a final LayerNorm to both stacks (a pre-LN habit the paper does not have):
-    they are removed. Its single ``dropout`` also drops attention probabilities and FFN activations;
-    those are set to the config's ``attention_dropout`` / ``activation_dropout`` (0 in the paper), so
-    the three implementations drop the same things.
-    """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        if not (cfg.share_embeddings and cfg.tie_output) or cfg.norm_first or cfg.positional != "sinusoidal":
-            raise ValueError("TorchNNTransformer builds the paper's shared/tied post-LN sinusoidal model only")
-        D = cfg.d_model
-        self.pad_id, self.scale = cfg.pad_id, math.sqrt(D) if cfg.scale_embeddings else 1.0
-        self.embed = nn.Embedding(cfg.vocab_size, D, padding_idx=cfg.pad_id)
-        self.register_buffer("pe", sinusoidal_table(cfg.max_positions, D, cfg.positional_layout), persistent=False)
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.transformer = nn.Transformer(
-            D, cfg.n_heads, cfg.n_encoder_layers, cfg.n_decoder_layers, cfg.d_ff, cfg.dropout,
-            activation=cfg.activation if cfg.activation != "swish" else F.silu,
-            layer_norm_eps=cfg.layer_norm_eps, batch_first=True, norm_first=False,
-        )
-        self.transformer.encoder.norm = None
-        self.transformer.decoder.norm = None
-        for layer in [*self.transformer.encoder.layers, *self.transformer.decoder.layers]:
-            layer.self_attn.dropout = cfg.attention_dropout
-            if hasattr(layer, "multihead_attn"):
-                layer.multihead_attn.dropout = cfg.attention_dropout
-            layer.dropout.p = cfg.activation_dropout
-
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-        S, T = src.size(1), tgt_in.size(1)
-        pad = src == self.pad_id  # (B, S), True = ignore (nn.Transformer's convention)
-        x = self.dropout(self.embed(src) * self.scale + self.pe[:S])
-        y = self.dropout(self.embed(tgt_in) * self.scale + self.pe[:T])
-        causal = torch.ones(T, T, dtype=torch.bool, device=src.device).triu(1)  # True = may not attend
-        h = self.transformer(x, y, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad,
-                             tgt_is_causal=True)
-        return F.linear(h, self.embed.weight)
-
-    @classmethod
-    @torch.no_grad()
-    def from_aiayn(cls, ours: Transformer) -> TorchNNTransformer:
-        """The same weights as ``ours`` (nn.MultiheadAttention stores Q|K|V rows like aiayn's in_proj)."""
-        m = cls(ours.cfg)
-        m.embed.weight.copy_(ours.encoder.embed.weight)
-
-        def attn(dst: nn.MultiheadAttention, src: nn.Module) -> None:
-            dst.in_proj_weight.copy_(src.in_proj.weight)
-            dst.in_proj_bias.copy_(src.in_proj.bias)
-            dst.out_proj.weight.copy_(src.out_proj.weight)
-            dst.out_proj.bias.copy_(src.out_proj.bias)
-
-        def lin(dst: nn.Module, src: nn.Module) -> None:
-            dst.weight.copy_(src.weight)
-            dst.bias.copy_(src.bias)
-
-        for dst, src in zip(m.transformer.encoder.layers, ours.encoder.layers):
-            attn(dst.self_attn, src.self_attn)
-            lin(dst.norm1, src.sub_attn.norm)
-            lin(dst.linear1, src.ffn.fc1)
-            lin(dst.linear2, src.ffn.fc2)
-            lin(dst.norm2, src.sub_ffn.norm)
-        for dst, src in zip(m.transformer.decoder.layers, ours.decoder.layers):
-            attn(dst.self_attn, src.self_attn)
-            lin(dst.norm1, src.sub_self.norm)
-            attn(dst.multihead_attn, src.cross_attn)
-            lin(dst.norm2, src.sub_cross.norm)
-            lin(dst.linear1, src.ffn.fc1)
-            lin(dst.linear2, src.ffn.fc2)
-            lin(dst.norm3, src.sub_ffn.norm)
-        return m.train(ours.training)
-
-
-def build_impl(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "default") -> nn.Module:
-    """The implementation ``impl`` with the initial weights of ``Transformer(cfg)`` under ``seed``."""
-    return build_training(impl, cfg, seed, compile_mode)[0]
-
-
 def build_training(impl: str, cfg: ModelConfig, seed: int = 1, compile_mode: str = "default",
-                   device: str | torch.device = "cpu") -> tuple[nn.Module, LossFn]:
-    """``impl`` on ``device`` and the loss it trains with: aiayn's loss for all, compiled with the model for
-    ``aiayn-compile`` (as ``train.compile: true`` does, :func:`aiayn.train.update.compile_for_training`).
-    aiayn's model gets the engine's training choices for the device, as the trainer gives it."""
-    torch.manual_seed(seed)
-    ours = Transformer(cfg)
-    if impl in ("aiayn", COMPILED):
-        prepare_model(ours, device, training=True)
-    if impl == "aiayn":
-        return ours, label_smoothed_cross_entropy
-    if impl == COMPILED:
-        return compile_for_training(ours, Config(model=cfg, train=TrainConfig(compile=True,
-                                                                              compile_mode=compile_mode)))
-    if impl == "hf-marian":
-        from aiayn.interop.marian import to_hf_marian
-
-        return HFMarianSeq2Seq(to_hf_marian(ours), cfg.pad_id), label_smoothed_cross_entropy
-    if impl == "torch-nn":
-        return TorchNNTransformer.from_aiayn(ours), label_smoothed_cross_entropy
-    raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS + (COMPILED,))})")
+                   device: str | torch.device = "cpu", precision: str = "fp32") -> tuple[nn.Module, dict[str, Any]]:
+    """Variant ``impl`` on ``device`` and the :class:`Update` fields it trains with (its loss and levers)."""
+    built = build_variant(impl, cfg, seed, compile_mode, device, precision)
+    return built.model, built.fields
 
 
 # Configurations and data ---------------------------------------------------------------------------------
@@ -244,16 +134,17 @@ def peak_rss_mib() -> float:
 
 
 def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str = "fp32",
-            loss_fn: LossFn = label_smoothed_cross_entropy) -> Callable[[Batch], None]:
+            fields: dict[str, Any] | None = None) -> Callable[[Batch], None]:
     """One training update per call, as aiayn training runs it: the batch copied to the device (pinned,
-    non-blocking on CUDA), autocast forward, the loss, backward, Adam (fused on CUDA), a GradScaler for fp16."""
+    non-blocking on CUDA), autocast forward, the loss, backward, Adam (fused on CUDA), a GradScaler for fp16;
+    ``fields``: the :class:`Update` fields of the variant (its loss and levers; default: aiayn's plain loss)."""
     device = torch.device(device)
     model.to(device).train()
     optimizer = build_optimizer(model, TrainConfig())
     autocast = autocast_context(precision, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-
-    step = Update(model, optimizer, LABEL_SMOOTHING, pad_id=0, autocast=autocast, scaler=scaler, loss_fn=loss_fn)
+    fields = fields or {"loss_fn": label_smoothed_cross_entropy}
+    step = Update(model, optimizer, LABEL_SMOOTHING, pad_id=0, autocast=autocast, scaler=scaler, **fields)
 
     def update(b: Batch) -> None:
         step([batch_to_device(b, device)], LR)
@@ -263,17 +154,22 @@ def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str
 
 def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed: int = 1,
                   device: torch.device | str = "cpu", precision: str = "fp32",
-                  loss_fn: LossFn = label_smoothed_cross_entropy) -> dict[str, Any]:
-    """W = ``warmup`` untimed then len(batches) - W timed updates through ``aiayn.train.update.Update``."""
+                  fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """W = ``warmup`` untimed then len(batches) - W timed updates through ``aiayn.train.update.Update``; with the
+    slowest timed update against the median and the graphs torch.compile built in the timed updates
+    (``recompiles``: a compiled variant should build all of its graphs in the warm-up)."""
     device = torch.device(device)
-    update = updater(model, device, precision, loss_fn)
+    update = updater(model, device, precision, fields)
     torch.manual_seed(seed)  # reproducible dropout
+    graphs = CompileCounter()
     for b in batches[:warmup]:
         update(b)
+    graphs.warmed_up()
     steps = [flops.timed(lambda b=b: update(b), device) for b in batches[warmup:]]
     timed = batches[warmup:]
     tokens = sum(b.ntokens for b in timed)
     seconds = sum(steps)
+    median = statistics.median(steps)
     return {
         "warmup_steps": warmup,
         "timed_steps": len(timed),
@@ -282,21 +178,26 @@ def time_training(model: nn.Module, batches: Sequence[Batch], warmup: int, seed:
         "source_tokens": sum(int((b.src != 0).sum()) for b in timed),
         "tokens_per_s": tokens / seconds,
         "ms_per_update": 1000 * seconds / len(timed),
+        "median_ms_per_update": 1000 * median,
+        "slowest_over_median": max(steps) / median,
+        "graphs": graphs.graphs,
+        "recompiles": graphs.recompiles,
         "step_seconds": steps,
     }
 
 
 def profile_updates(update: Callable[[Batch], None], batches: Sequence[Batch], device: torch.device, path: Path,
-                    title: str, rows: int = 25) -> str:
+                    title: str, rows: int = 25, backends: Sequence[str] = ()) -> str:
     """torch.profiler's table of two updates (after one untimed), the top ``rows`` operators by self
     device time on CUDA (kernels) or self CPU time; appended to ``path`` and returned. The updates run with the
-    timed ones' attention backends (:func:`aiayn.engine.kernels`): outside it, PyTorch's default picks cuDNN's
-    attention on Hopper, which the timed updates never use (the first H200 profile had it)."""
+    timed ones' attention backends (:func:`aiayn.engine.kernels`, ``backends`` as ``train.attention_backends``):
+    outside it, PyTorch's default picks cuDNN's attention on Hopper, which the timed updates never use (the first
+    H200 profile had it)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with kernels(device):
+    with kernels(device, attention_backends=backends):
         update(batches[0])
         with profile(activities=activities, record_shapes=False) as prof:
             for b in batches[:2]:
@@ -316,14 +217,14 @@ def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], args: argp
     training memory is the peak RSS minus the RSS before the model is built (on CUDA also the peak of GPU memory
     allocated while it trains)."""
     warmup, seed, device, precision = args.warmup, args.seed, args.device, args.precision
-    compile_mode, profile = args.compile_mode, args.profile
     common.set_threads(threads)
+    engine.COMPILE_BACKEND = args.compile_backend
     dev = torch.device(device)
     # One throwaway update of a tiny model of the same kind first, so that library code loaded on first
     # use (transformers modules, autograd and optimizer paths, CUDA kernels) is in the baseline, not the peak.
     primer_cfg = bench_config("smoke")
     primer_data = common.training_batches(common.synthetic_token_pairs(4, primer_cfg.vocab_size), 64, 1)
-    primer = build_impl("aiayn" if impl == COMPILED else impl, primer_cfg, seed)
+    primer = build_impl(Variant.parse(impl).eager_base, primer_cfg, seed)
     time_training(primer, primer_data, 0, seed, dev, precision)
     del primer
     gc.collect()
@@ -331,19 +232,19 @@ def run_worker(impl: str, cfg: ModelConfig, batches: Sequence[Batch], args: argp
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     base = current_rss_mib()
-    model, loss_fn = build_training(impl, cfg, seed, compile_mode, dev)
-    with kernels(dev):  # the same attention backends for every implementation
-        out = time_training(model, batches, warmup, seed, dev, precision, loss_fn)
-    out.update(impl=impl, rss_before_model_mib=base, peak_rss_mib=peak_rss_mib())
+    built = build_variant(impl, cfg, seed, args.compile_mode, dev, precision, probe=batches[0])
+    with kernels(dev, precision, built.backends):  # the same attention backends for every implementation
+        out = time_training(built.model, batches, warmup, seed, dev, precision, built.fields)
+    out.update(impl=impl, rss_before_model_mib=base, peak_rss_mib=peak_rss_mib(), attention=built.attention)
     out["training_memory_mib"] = out["peak_rss_mib"] - base
     if dev.type == "cuda":
         out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    if impl == "hf-marian":
-        out["hf_attn_implementation"] = getattr(model.hf.config, "_attn_implementation", None)
-    if profile:
-        title = f"{cfg.d_model}x{cfg.n_encoder_layers}+{cfg.n_decoder_layers} {LABELS[impl]}, {device}, {precision}"
-        out["profile"] = profile_updates(updater(model, dev, precision, loss_fn), batches[warmup:], dev,
-                                         Path(profile), title)
+    if impl.startswith("hf-marian"):
+        out["hf_attn_implementation"] = getattr(built.model.hf.config, "_attn_implementation", None)
+    if args.profile:
+        title = f"{cfg.d_model}x{cfg.n_encoder_layers}+{cfg.n_decoder_layers} {label(impl)}, {device}, {precision}"
+        out["profile"] = profile_updates(updater(built.model, dev, precision, built.fields), batches[warmup:], dev,
+                                         Path(args.profile), title, backends=built.backends)
     return out
 
 
@@ -357,7 +258,8 @@ def run_isolated(impl: str, cfg: ModelConfig, batches_path: Path, args: argparse
         cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--worker", impl, "--worker-config",
                str(cfg_path), "--worker-batches", str(batches_path), "--worker-result", str(result),
                "--warmup", str(args.warmup), "--threads", str(threads), "--seed", str(args.seed),
-               "--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode]
+               "--device", args.device, "--precision", args.precision, "--compile-mode", args.compile_mode,
+               "--compile-backend", args.compile_backend]
         if args.profile:
             cmd += ["--profile", args.profile]
         subprocess.run(cmd, check=True, cwd=common.REPO)
@@ -371,7 +273,7 @@ def logits_agreement(cfg: ModelConfig, impls: Sequence[str], batch: Batch, seed:
     ref = build_impl("aiayn", cfg, seed).eval()
     out = {}
     for impl in impls:
-        if impl in ("aiayn", COMPILED):
+        if Variant.parse(impl).ours or Variant.parse(impl).compiled:  # aiayn itself; a compiled peer is its eager self
             continue
         m = build_impl(impl, cfg, seed).eval()
         with warnings.catch_warnings():  # nn.Transformer's eval fast path warns about nested tensors
@@ -416,7 +318,7 @@ def markdown(result: dict[str, Any]) -> str:
             diff = c["logit_diff"].get(impl)
             mem = [f"{r['peak_rss_mib']:,.0f}", f"{r['training_memory_mib']:,.0f}"] if a["isolate"] else ["-", "-"]
             name = c["config"] + (f" ({c['lengths']} lengths)" if c.get("lengths") == "wmt" else "")
-            rows.append([name, LABELS[impl], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_update']:,.0f}", *mem,
+            rows.append([name, label(impl), f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_update']:,.0f}", *mem,
                          f"{ratio:.2f}x" if ratio else "", f"{diff:.1e}" if diff is not None else ""])
         hf = c["results"].get("hf-marian")
         if ours and hf:
@@ -429,68 +331,93 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-MFU_GOALS = {"paper-base": 40.0, "paper-big": 50.0}  # % of the datasheet peak, issue 20
+# % of the datasheet peak and tokens/s ratios over the peers (issue 59)
+MFU_GOALS = {"paper-base": 22.0, "paper-big": 40.0}
+PEER_GOALS = {"hf-marian": 1.5, "hf-marian-compile": 1.2, "torch-nn": 1.5}
 
 
 def markdown_accelerator(result: dict[str, Any]) -> str:
     """The section of a run on an accelerator: tokens/s, MFU against the datasheet and the measured peak,
-    peak GPU memory, per implementation, configuration and length distribution."""
+    peak GPU memory, the slowest update and the recompiles, per implementation, configuration and length
+    distribution; the best aiayn variant against each peer; the attention backends aiayn's updates took."""
     a, peak = result["args"], result["peak"]
     lines = [
         f"## Training throughput on {result['machine']['gpu'] or a['device']} ({a['precision']})\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Work: one update = batch copy to the GPU + {a['precision']} autocast forward + label-smoothed "
         f"cross entropy (eps {LABEL_SMOOTHING}) + backward + Adam (fused), all through "
-        "`aiayn.train.update.Update`; the cuDNN attention backend off for every implementation "
-        "(`aiayn.engine.kernels`); `aiayn + torch.compile` compiles the model and the loss as "
-        f"`train.compile: true` does (mode {a['compile_mode']}).",
+        "`aiayn.train.update.Update`; the cuDNN attention backend off for every implementation but `cuDNN attention "
+        "first` (`aiayn.engine.kernels`); `+ torch.compile` compiles the layers by regions and the loss as "
+        f"`train.compile: true` does (mode {a['compile_mode']}), aiayn's levers are the `train.*` keys' "
+        "(`benchmarks/train_peers.py`).",
         f"- Data: batches of <= {a['max_tokens']} tokens (padded lengths counted), the same batches in the "
-        f"same order for every implementation; {a['warmup']} warm-up + {a['steps']} timed updates.",
+        f"same order for every implementation; {a['warmup']} warm-up + {a['steps']} timed updates; *slowest* is the "
+        "slowest timed update over the median one, *recompiles* the graphs torch.compile built in the timed updates.",
         f"- MFU = model FLOPs (3 x forward matmul FLOPs at the real lengths, `benchmarks/flops.py`) per second "
         f"over the {flops.DATASHEET_PEAK_NAME}, and over the best {peak['dtype']} `torch.mm` measured in this "
         f"run ({peak['flops_per_s'] / 1e12:,.0f} TFLOP/s, n = {', '.join(map(str, peak['sizes']))}).",
-        "- Peak GPU memory: `torch.cuda.max_memory_allocated` while the implementation trains, each in its own "
-        "process (model, gradients, Adam state, activations).\n",
+        "- Peak GPU memory: `torch.cuda.max_memory_allocated` while the implementation trains (model, gradients, "
+        "Adam state, activations).\n",
     ]
-    headers = ["config", "lengths", "implementation", "target tokens/s", "ms / update", "peak GPU memory (GiB)",
-               "MFU (989 TFLOP/s)", "MFU (measured peak)", "aiayn / this"]
-    rows, goals = [], []
+    headers = ["config", "lengths", "implementation", "target tokens/s", "ms / update", "slowest", "recompiles",
+               "peak GPU memory (GiB)", "MFU (989 TFLOP/s)", "MFU (measured peak)", "best aiayn / this"]
+    rows, goals, backends = [], [], []
     for c in result["configs"]:
-        ours = c["results"].get("aiayn")
-        best = max((c["results"][i] for i in ("aiayn", COMPILED) if i in c["results"]),
-                   key=lambda r: r["tokens_per_s"], default=None)
-        for impl, r in c["results"].items():
-            ratio = best["tokens_per_s"] / r["tokens_per_s"] if best and impl not in ("aiayn", COMPILED) else None
-            rows.append([c["config"], c["lengths"], LABELS[impl], f"{r['tokens_per_s']:,.0f}",
-                         f"{r['ms_per_update']:,.1f}", f"{r.get('peak_gpu_memory_gib', 0):,.1f}",
+        res = c["results"]
+        best_name = max((i for i in res if Variant.parse(i).ours), key=lambda i: res[i]["tokens_per_s"], default=None)
+        best = res.get(best_name)
+        for impl, r in res.items():
+            ratio = best["tokens_per_s"] / r["tokens_per_s"] if best and not Variant.parse(impl).ours else None
+            rows.append([c["config"], c["lengths"], label(impl), f"{r['tokens_per_s']:,.0f}",
+                         f"{r['ms_per_update']:,.1f}", f"{r.get('slowest_over_median', 0):.2f}x",
+                         str(r.get("recompiles", "")), f"{r.get('peak_gpu_memory_gib', 0):,.1f}",
                          f"{100 * r['mfu_datasheet']:.1f}%", f"{100 * r['mfu_measured']:.1f}%",
                          f"{ratio:.2f}x" if ratio else ""])
-        if best and ours:
+            if r.get("attention") and impl == best_name:
+                backends.append(f"- {c['config']}, {c['lengths']}, {label(impl)}: "
+                                + ", ".join(f"{k} {v}" for k, v in r["attention"].items()))
+        if best:
             goal = MFU_GOALS.get(c["config"])
             if goal:
-                goals.append(f"- {c['config']}, {c['lengths']} lengths: best aiayn MFU = "
+                goals.append(f"- {c['config']}, {c['lengths']} lengths: best aiayn ({label(best_name)}) MFU = "
                              f"{common.goal_cell(100 * best['mfu_datasheet'], goal, '%')}")
-            for peer in ("hf-marian", "torch-nn"):
-                if peer in c["results"]:
-                    goals.append(f"- {c['config']}, {c['lengths']}: best aiayn / {LABELS[peer]} tokens/s = "
-                                 f"{common.goal_cell(best['tokens_per_s'] / c['results'][peer]['tokens_per_s'], 1.5)}")
+            for peer, want in PEER_GOALS.items():
+                if peer in res:
+                    goals.append(f"- {c['config']}, {c['lengths']}: best aiayn / {label(peer)} tokens/s = "
+                                 f"{common.goal_cell(best['tokens_per_s'] / res[peer]['tokens_per_s'], want)}")
     lines.append(common.markdown_table(headers, rows))
     if goals:
-        lines.append("Goals (issue 20: paper-big >= 50% and paper-base >= 40% MFU of 989 TFLOP/s on the WMT-like "
-                     "lengths; >= 1.5x HF Marian and torch.nn.Transformer):\n")
+        lines.append("Goals (issue 59: on the WMT-like lengths paper-big >= 40% and paper-base >= 22% MFU of 989 "
+                     "TFLOP/s; >= 1.5x HF Marian eager and torch.nn.Transformer, >= 1.2x Marian compiled):\n")
         lines += goals
+    if backends:
+        lines.append("\nAttention backends of the best aiayn variant (`aiayn.engine.attention_backends`):\n")
+        lines += backends
     if a.get("profile"):
         lines.append(f"\ntorch.profiler tables (top kernels by GPU time, two updates per implementation): "
                      f"`{a['profile']}`.")
     return "\n".join(lines) + "\n"
 
 
+def _variant(name: str) -> str:
+    try:
+        Variant.parse(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.train_throughput", description=__doc__.split("\n")[0])
     common.add_training_args(p)
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS) + [COMPILED])
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), type=_variant,
+                   help="implementations, each a row: aiayn, aiayn-compile, hf-marian, hf-marian-compile, torch-nn; "
+                        "aiayn's with levers: aiayn+cast+fused-loss+fuse-norms+cudnn (benchmarks/train_peers.py)")
     p.add_argument("--compile-mode", default="default", choices=list(COMPILE_MODES),
                    help="torch.compile mode of aiayn-compile (train.compile_mode)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend of the compiled variants (aot_eager / eager: a CPU dry run of the "
+                        "GPU rows without inductor's C++ build)")
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="run every implementation in this process (faster; memory not comparable)")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}[_cuda].json")

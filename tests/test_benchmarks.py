@@ -218,3 +218,31 @@ def test_rss_timeline_follows_a_process_and_its_child_against_its_log_lines(tmp_
     assert max(s[2] for s in rec["samples"]) >= 32  # its child's 32 MiB
     done = rss_timeline.summary(rec).splitlines()[-1]
     assert done.endswith("| done") and int(done.split(" s ")[1].split(" MiB")[0].replace(",", "")) >= 64
+
+
+def test_training_benchmark_rows_aiayns_levers_and_the_compiled_peers(tmp_path):
+    """Issue 59's rows on a CPU (compiled variants traced by dynamo and run eagerly: no inductor build): each lever a
+    row, HF Marian eager and compiled, the slowest update, the recompiles and aiayn's attention backends; the GPU
+    section renders the goals against both Marians."""
+    from benchmarks.train_peers import Variant
+
+    impls = ["aiayn", "aiayn+cast+fused-loss", "aiayn-compile+fused-loss", "hf-marian", "hf-marian-compile"]
+    result = train_throughput.main(["--smoke", "--threads", "1", "--no-isolate", "--compile-backend", "eager",
+                                    "--impls", *impls, "--md", str(tmp_path / "B.md"),
+                                    "--out-json", str(tmp_path / "t.json")])
+    rows = result["configs"][0]["results"]
+    assert list(rows) == impls and all(_positive(r["tokens_per_s"]) for r in rows.values())
+    assert rows["aiayn-compile+fused-loss"]["graphs"] > 0 and rows["hf-marian-compile"]["graphs"] > 0
+    assert all(r["recompiles"] == 0 and r["slowest_over_median"] >= 1.0 for r in rows.values())
+    assert set(rows["aiayn"]["attention"]) == {"encoder self-attention", "decoder self-attention", "cross-attention"}
+    assert "hf-marian-compile" not in result["configs"][0]["logit_diff"]  # its eager self is checked
+    result["peak"] = {"flops_per_s": 1e12, "dtype": "bfloat16", "sizes": [8192]}
+    result["machine"]["gpu"] = "a GPU"
+    for r in rows.values():
+        r.update(mfu_datasheet=0.1, mfu_measured=0.2, peak_gpu_memory_gib=1.5)
+    text = train_throughput.markdown_accelerator(result)
+    assert "| smoke | multi30k | aiayn + weights cast once + output projection fused into the loss |" in text
+    assert "HF MarianMTModel + torch.compile tokens/s" in text and "(goal >= 1.20x" in text
+    for bad in ("aiayn+turbo", "hf-marian+cast", "fairseq"):
+        with pytest.raises(ValueError):
+            Variant.parse(bad)

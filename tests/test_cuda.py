@@ -84,6 +84,60 @@ def test_compiled_loss_keeps_its_chunks_and_equals_eager(monkeypatch):
     torch.testing.assert_close(g1, g0, rtol=2e-2, atol=1e-4)  # bf16 gradients, fp32 math in both
 
 
+def test_the_projected_loss_in_bf16_is_the_plain_loss_eager_and_compiled():
+    """train.fused_output_loss on the GPU: the output projection and the loss chunk by chunk under bf16 autocast (its
+    chunks eager and compiled) give the plain path's loss and gradients (bf16 logits and matmuls in both)."""
+    import torch.nn.functional as F
+
+    from aiayn.train import loss as loss_module
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = (0.1 * torch.randn(1000, 64, device="cuda")).requires_grad_()
+    target = torch.randint(1, 1000, (300,), device="cuda")
+    target[::7] = 0
+    results = []
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for kind in ("plain", "eager", "compiled"):
+            if kind == "plain":
+                loss, _ = loss_module.label_smoothed_cross_entropy(F.linear(hidden, weight), target, 0.1, 0)
+            else:
+                kernels = loss_module.compiled_kernels(dynamic=True) if kind == "compiled" else None
+                loss, _ = loss_module.projected_cross_entropy(hidden, weight, None, target, 0.1, 0, kernels)
+            results.append((loss.item(), *(g.float() for g in torch.autograd.grad(loss, (hidden, weight)))))
+    (l0, h0, w0), *others = results
+    for l1, h1, w1 in others:
+        assert l1 == pytest.approx(l0, rel=1e-3)
+        torch.testing.assert_close(h1, h0, rtol=3e-2, atol=1e-3)
+        torch.testing.assert_close(w1, w0, rtol=3e-2, atol=1e-3)
+
+
+def test_training_with_every_lever_runs_and_learns(tmp_path):
+    _, records = tiny(tmp_path, "train.precision=bf16", "model.dropout=0.0", "train.cast_weights_once=true",
+                      "train.fused_output_loss=true", "train.fuse_norms=true")
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert all(r["recompiles"] == 0 for r in records if "recompiles" in r)  # fuse_norms compiles its regions
+
+
+def test_padded_attention_takes_a_fused_kernel_not_math():
+    """issue 59: with aiayn's backends, attention with the padding mask (encoder self- and cross-attention) and the
+    causal decoder self-attention take flash or memory-efficient attention, never the math kernel."""
+    from aiayn import build_model, model_config
+    from aiayn.engine import attention_backends, kernels, prepare_model
+
+    model = build_model(model_config("paper-base", vocab_size=1000, n_encoder_layers=1, n_decoder_layers=1))
+    prepare_model(model, "cuda", training=True).train()
+    src, tgt = torch.randint(4, 1000, (8, 40), device="cuda"), torch.randint(4, 1000, (8, 48), device="cuda")
+    src[0, 30:] = 0  # padding
+    with kernels(torch.device("cuda"), "bf16"), torch.autocast("cuda", dtype=torch.bfloat16):
+        found = attention_backends(model, lambda: model(src, tgt))
+    assert set(found) == {"encoder self-attention", "decoder self-attention", "cross-attention"}
+    assert not any("math" in v for v in found.values()), found
+    assert found["decoder self-attention"] == "flash", found
+
+
 def test_tf32_holds_inside_the_kernels_block_only():
     from aiayn.engine import kernels
 

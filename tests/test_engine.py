@@ -26,7 +26,7 @@ from aiayn.device import resolve_precision
 from aiayn.engine import attention_path, kernels, use_fused_optimizer
 from aiayn.errors import DeviceError
 from aiayn.train import loss as loss_module
-from aiayn.train.loss import label_smoothed_cross_entropy
+from aiayn.train.loss import compiled_kernels, label_smoothed_cross_entropy, projected_cross_entropy
 from aiayn.train.parallel import check_rank_device
 from aiayn.train.plan import update_token_totals
 from aiayn.train.schedule import build_optimizer
@@ -236,29 +236,49 @@ def test_forward_and_loss_have_no_graph_break():
     assert explanation.graph_count == 1
 
 
-@pytest.mark.slow
-def test_compiled_training_step_equals_eager(monkeypatch):
-    """The one inductor compile of the suite (a C++ build of the kernels: ~20-60 s on a 2-core CPU): the
-    layers compiled by regions and the compiled loss compute the eager values and gradients; the layers of a stack
-    share their graph; a new batch shape reuses the graphs; eval mode (validation, decoding) runs the plain
-    layers. The loss's chunks are made small, so the compiled loss goes over several chunks (its memory bound) and
-    a last, shorter one."""
-    from torch._dynamo.utils import counters
+@pytest.fixture(scope="module")
+def compiled_tiny():
+    """The one inductor compile of the suite's training tests (a C++ build of the kernels: ~20-60 s on a 2-core CPU):
+    a 2+2-layer model compiled as ``train.compile`` does, warmed up by one update through :class:`Update` on a batch
+    whose rows, source and target lengths are all 8 (so duck shaping, which would give them one symbol, is shown
+    off by the later shapes). Yields (eager twin, compiled model, its module and loss, the compile counter). The
+    loss's chunks are small (30 rows of the 40-word vocabulary), so the compiled loss goes over several chunks."""
+    from aiayn.engine import CompileCounter
 
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)  # 30 rows of the 40-word vocabulary
     torch._dynamo.reset()
-    start = counters["stats"]["unique_graphs"]  # the counters outlive reset(): other tests of this process count
-    torch.manual_seed(4)
-    cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])
-    eager = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
-    compiled_copy = tiny_model(n_encoder_layers=2, n_decoder_layers=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)
+        torch.manual_seed(4)
+        cfg = load_config("tiny_reverse", ["train.compile=true", "model.dropout=0.0"])
+        eager = tiny_model(n_encoder_layers=2, n_decoder_layers=2, max_positions=256)
+        compiled_copy = tiny_model(n_encoder_layers=2, n_decoder_layers=2, max_positions=256)
+        compiled_copy.load_state_dict(eager.state_dict())
+        counter = CompileCounter()
+        module, loss_fn = compile_for_training(compiled_copy, cfg)
+        assert module is compiled_copy and list(module.state_dict()) == list(eager.state_dict())  # in place
+        src, tgt = pairs(8, seed=6, low=7, high=8)  # 8 rows of 7 tokens + EOS / BOS: B = S = T = 8
+        warm = collate(src, tgt, list(range(8)))
+        assert warm.src.shape == warm.tgt_in.shape == (8, 8)
+        warm_up = Update(module, torch.optim.SGD(module.parameters(), lr=0.0), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
+        warm_up([warm], 0.0)
+        counter.warmed_up()
+        yield eager, compiled_copy, module, loss_fn, counter
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_training_step_equals_eager(compiled_tiny, monkeypatch):
+    """The layers compiled by regions and the compiled loss compute the eager values and gradients; the layers of a
+    stack share their graph; a new batch shape reuses the graphs; eval mode (validation, decoding) runs the plain
+    layers; the compiled chunks of the output projection fused into the loss compute the eager ones."""
+    eager, compiled_copy, module, loss_fn, counter = compiled_tiny
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)  # several chunks and a last, shorter one
     compiled_copy.load_state_dict(eager.state_dict())
-    module, loss_fn = compile_for_training(compiled_copy, cfg)
-    assert module is compiled_copy and list(module.state_dict()) == list(eager.state_dict())  # in place
     src, tgt = pairs(5, seed=5)
     batch = collate(src, tgt, list(range(5)), shape=(6, 14, 22))  # lengths unlike any width (duck sizing)
     results = []
     for model, plain, fn in ((eager, eager, label_smoothed_cross_entropy), (module, compiled_copy, loss_fn)):
+        model.zero_grad(set_to_none=True)
         loss, nll = fn(batch_logits(model, batch), batch.tgt_out, 0.1, 0)
         loss.backward()
         results.append((loss.item(), nll.item(), {k: p.grad for k, p in plain.named_parameters()}))
@@ -266,16 +286,53 @@ def test_compiled_training_step_equals_eager(monkeypatch):
     assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
     for k in g0:
         assert_close_at_scale(g1[k], g0[k], 1e-4, k)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs - start == 4  # encoder layer, decoder layer, loss chunk forward and backward: 2 layers each
+    # encoder layer, decoder layer, loss chunk forward and backward: 2 layers each
+    assert counter.graphs == 4 and counter.recompiles == 0
     other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 22, 14))  # another batch size and lengths
     loss_fn(batch_logits(module, other), other.tgt_out, 0.1, 0)[0].backward()
-    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for a new shape
+    assert counter.recompiles == 0  # no recompilation for a new shape
     module.eval()
     with torch.no_grad():
         torch.testing.assert_close(batch_logits(module, other), batch_logits(eager.eval(), other))
-    assert counters["stats"]["unique_graphs"] == graphs  # eval mode ran the plain layers
-    torch._dynamo.reset()
+    module.train()
+    assert counter.recompiles == 0  # eval mode ran the plain layers
+    # the output projection fused into the loss (train.fused_output_loss), its chunks compiled: the eager values
+    hidden = batch_logits(eager.train(), batch, project=False).detach().requires_grad_()
+    weight, _ = eager.decoder.output_projection()
+    results = []
+    for chunk_math in (None, compiled_kernels(dynamic=True)):
+        loss, nll = projected_cross_entropy(hidden, weight, None, batch.tgt_out, 0.1, 0, chunk_math)
+        results.append((loss.item(), nll.item(), torch.autograd.grad(loss, hidden)[0]))
+    (l0, n0, g0), (l1, n1, g1) = results
+    assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
+    assert_close_at_scale(g1, g0, 1e-4, "states")
+
+
+@pytest.mark.slow
+def test_compiled_training_never_compiles_again_after_its_first_update(compiled_tiny):
+    """The shape policy (aiayn.engine): 200 updates of varied rows and lengths through :class:`Update`, one-row
+    batches, targets of BOS alone and sources past the CPU's explicit-attention length (128 keys) among them, build
+    no graph after the warm-up update."""
+    from aiayn.engine import CompileCounter
+
+    _, compiled_copy, module, loss_fn, _ = compiled_tiny  # warmed up by the fixture's first update
+    counter = CompileCounter()
+    counter.warmed_up()
+    update = Update(module, torch.optim.Adam(module.parameters(), lr=1e-3), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
+    g = torch.Generator().manual_seed(7)
+    shapes = set()
+    for step in range(200):
+        rows = 1 if step % 50 == 3 else int(torch.randint(1, 9, (1,), generator=g))
+        low, high = (130, 160) if step % 50 == 10 else (1, int(torch.randint(2, 30, (1,), generator=g)))
+        src, tgt = pairs(rows, seed=100 + step, low=low, high=high)
+        if step % 40 == 5:
+            tgt = [[] for _ in tgt]  # targets of BOS alone: T = 1
+        batch = collate(src, tgt, list(range(rows)))
+        shapes.add((*batch.src.shape, batch.tgt_in.size(1)))
+        update([batch], 1e-3, step + 1)
+    assert len(shapes) > 150 and any(s[0] == 1 for s in shapes) and any(s[2] == 1 for s in shapes)
+    assert any(s[1] > 128 for s in shapes)
+    assert counter.recompiles == 0, f"{counter.recompiles} graphs after the first update"
 
 
 # A process that compiles aiayn's loss (compiled_loss, as train.compile does), checks it against the eager loss

@@ -38,6 +38,8 @@ from aiayn.config.schema import (
     LENGTH_PENALTIES,
     LOG_BACKENDS,
     PRETOKENIZERS,
+    SDPA_BACKENDS,
+    SPEED_KEYS,
     STOP_RULES,
     Config,
     DataConfig,
@@ -55,7 +57,8 @@ from aiayn.errors import ConfigError
 
 __all__ = [
     "COMPILE_MODES", "CONFIG_DIR", "COUNT", "Config", "ConfigError", "DECODE_HINTS", "DEFAULT_DECODE_TOKENS",
-    "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig", "Flag", "LENGTH_PENALTIES", "LIMITS",
+    "SDPA_BACKENDS", "SPEED_KEYS", "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig", "Flag",
+    "LENGTH_PENALTIES", "LIMITS",
     "LOG_BACKENDS", "MIN_TEMPERATURE", "MOVED_KEYS", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES",
     "TrainConfig", "apply_overrides", "check_fits_in_memory", "config_from_dict", "flag", "list_presets",
     "load_config", "load_yaml", "migrate", "model_config", "physical_memory", "preset_summary", "read_run_config",

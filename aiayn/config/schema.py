@@ -30,6 +30,14 @@ PRETOKENIZERS = ("none", "moses")
 # train.compile_mode's values (torch.compile's modes).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
+# The training's speed levers (aiayn.train.update.Levers): how fast an update runs, not what it computes, so a resume
+# may change them and a Table 3 result does not depend on them.
+SPEED_KEYS = ("train.cast_weights_once", "train.fused_output_loss", "train.fuse_norms", "train.attention_backends")
+
+# train.attention_backends' values (PyTorch's SDPA backends by aiayn.engine's names; here, so that reading a config
+# does not import torch).
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
 # train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics), each the name of its package.
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
@@ -246,7 +254,9 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per update
     clip_norm: float | None = None
     precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | tf32 | bf16 | fp16
-    compile: bool = False
+    # torch.compile of the layers and the loss: true | false | auto (on CUDA for runs of at least
+    # aiayn.engine.COMPILE_AUTO_MIN_UPDATES updates and minutes, where the compile time pays off; never on a CPU)
+    compile: bool | str = "auto"
     seed: int = 1
     log_every: int = 50
     eval_every: int = 1000
@@ -269,6 +279,18 @@ class TrainConfig:
     compile_mode: str = "default"
     # CPU threads of the training process (None: chosen for the machine and the model, aiayn.engine.cpu_threads)
     threads: int | None = None
+    # Speed levers (aiayn.train.update.Levers; each computes what the plain update computes, exactly in fp32):
+    # bf16 / fp16: the weights cast to that dtype once per micro-batch and the forward run in it (fp32 master weights in
+    # the optimizer), instead of autocast's casts of weights and activations at every use
+    cast_weights_once: bool = False
+    # the output projection and the label-smoothed loss in one pass over row chunks: the batch's (N, V) logits are
+    # never materialized (aiayn.train.loss.projected_cross_entropy)
+    fused_output_loss: bool = False
+    # each residual + dropout + layer norm compiled into fused kernels (regions; implied by train.compile)
+    fuse_norms: bool = False
+    # CUDA attention backends in order of preference (flash, efficient, cudnn, math); empty: aiayn's choice
+    # (flash, efficient, math; aiayn.engine.kernels)
+    attention_backends: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_limits("train", self)
@@ -302,6 +324,14 @@ class TrainConfig:
         _fraction("train.label_smoothing", self.label_smoothing)
         _at_least("train.seed", self.seed, 0)
         _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
+        compile_ = {"true": True, "false": False}.get(str(self.compile).lower(), self.compile)
+        if compile_ not in (True, False, "auto"):
+            raise ConfigError(f"train.compile={self.compile!r}: expected true, false or auto")
+        object.__setattr__(self, "compile", compile_)  # frozen: set once, while building
+        for name in self.attention_backends:
+            _choice("train.attention_backends", name, SDPA_BACKENDS)
+        if len(set(self.attention_backends)) != len(self.attention_backends):
+            raise ConfigError(f"train.attention_backends={self.attention_backends}: each backend once")
         if self.threads is not None:
             _at_least("train.threads", self.threads, 1)
         _at_least("train.keep_last", self.keep_last, 0, "(0: keep every checkpoint)")

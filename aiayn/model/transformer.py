@@ -84,9 +84,12 @@ class Decoder(nn.Module):
         cache: KVCache | None = None,
         need_weights: bool = False,
         left_pad: Tensor | None = None,
+        project: bool = True,
     ) -> tuple[Tensor, list, list]:
         """tgt (B, T) ids (only the new steps when a cache is given); memory (B, S, D);
-        memory_mask (B, S) bool. Returns logits (B, T, V), self- and cross-attention probs per layer.
+        memory_mask (B, S) bool. Returns logits (B, T, V), self- and cross-attention probs per layer; with
+        ``project=False`` the states (B, T, D) the output projection would read instead of the logits (a loss that
+        projects them itself, chunk by chunk: :meth:`output_projection`).
 
         ``left_pad`` (B,) long: row b's first left_pad[b] columns (from the first step) are padding, so that
         prompts of different lengths end together: its text starts at position 0 there, and no query sees a
@@ -119,8 +122,15 @@ class Decoder(nn.Module):
             cross_probs.append(cp)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if not project:
+            return x, self_probs, cross_probs
         logits = F.linear(x, self.output_proj.weight, self.output_bias)  # (B, T, V)
         return logits, self_probs, cross_probs
+
+    def output_projection(self) -> tuple[Tensor, Tensor | None]:
+        """The pre-softmax linear transformation (section 3.4): weight (V, D) (the tied embedding) and bias (V,) or
+        None; logits = states @ weight.T + bias."""
+        return self.output_proj.weight, self.output_bias
 
 
 class Transformer(nn.Module):
@@ -160,12 +170,13 @@ class Transformer(nn.Module):
         """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
         return KVCache(len(self.decoder.layers), capacity)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """Teacher forcing: src (B, S), tgt_in (B, T) (BOS + target) -> logits (B, T, V)."""
+    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None, project: bool = True) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) (BOS + target) -> logits (B, T, V); with ``project=False``
+        the decoder's last states (B, T, D) instead (:meth:`Decoder.forward`)."""
         if src_mask is None:
             src_mask = self.src_mask(src)
         memory = self.encode(src, src_mask)
-        return self.decode(tgt_in, memory, src_mask)
+        return self.decoder(tgt_in, memory, src_mask, project=project)[0]
 
     @torch.no_grad()
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
@@ -203,8 +214,9 @@ class DecoderOnlyLM(nn.Module):
         """An empty :class:`KVCache` for up to ``capacity`` decoding steps (its storage grows as they come)."""
         return KVCache(len(self.decoder.layers), capacity)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.decode(tokens)
+    def forward(self, tokens: Tensor, project: bool = True) -> Tensor:
+        """tokens (B, T) -> logits (B, T, V); with ``project=False`` the last states (B, T, D) instead."""
+        return self.decoder(tokens, project=project)[0]
 
     @torch.no_grad()
     def attention_maps(self, tokens: Tensor) -> dict[str, Tensor]:

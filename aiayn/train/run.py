@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aiayn.config import Config, check_fits_in_memory, load_config, read_run_config, save_config
+from aiayn.config import SPEED_KEYS, Config, check_fits_in_memory, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
@@ -141,7 +141,7 @@ RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "tr
                "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
                "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
                "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.",
-               "expect.")
+               "expect.", *SPEED_KEYS)
 
 
 def check_resume_changes(cfg: Config, run_dir: Path) -> None:

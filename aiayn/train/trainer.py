@@ -29,7 +29,7 @@ from aiayn.train.metrics import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
 from aiayn.train.schedule import build_optimizer, learning_rate
-from aiayn.train.update import Update, UpdateSums, batch_to_device, training_module
+from aiayn.train.update import Levers, Update, UpdateSums, batch_to_device, training_module
 from aiayn.train.validation import evaluate_loss
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
 
@@ -248,16 +248,19 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
         runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
-        with engine.kernels(self.device, self.precision), self.planner() as planner, self.loader() as loader:
+        backends = self.cfg.train.attention_backends
+        with engine.kernels(self.device, self.precision, backends), self.planner() as planner, self.loader() as loader:
             return self._train(planner, loader)
 
     def _train(self, planner: EpochPlanner, loader: UpdateLoader) -> TrainState:
         tc, st, d = self.cfg.train, self.state, self.d
         metrics = MetricsLog(self.run_dir, d.main, st.step if st.step else None, tc.log_to, self.cfg)
-        module, loss_fn = training_module(self.model, self.cfg, d)
+        levers = Levers.from_config(self.cfg, self.device, self.precision)
+        module, fields = training_module(self.model, self.cfg, d, levers)
         module.train()
         update = Update(module, self.optimizer, tc.label_smoothing, self.pad_id, tc.clip_norm, d, self.autocast,
-                        self.scaler, loss_fn, seed=tc.seed)
+                        self.scaler, seed=tc.seed, **fields)
+        compiles = CompileLog(levers, d.main)
         progress = Console(tc, self.cfg.expect, st.step, st.elapsed_s, show=d.main, bar=self.progress)
         window = Window(self.device, st.window)
         start = time.perf_counter() - st.elapsed_s
@@ -278,6 +281,7 @@ class Trainer:
                 lr = learning_rate(tc, self.cfg.model.d_model, step)
                 log_step = step % tc.log_every == 0 or step == tc.max_updates
                 sums = update.run(micro, lr, step, totals[st.position], measure_norms=log_step and d.world > 1)
+                compiles.updated()
                 st.step, st.position = step, st.position + 1
                 planner.plan_ahead(st.epoch + 1)
                 st.tokens += sums.ntokens
@@ -286,7 +290,7 @@ class Trainer:
                     if sums.norms is not None:  # the processes still train one model, or stop here
                         check_agreement(sums.norms, d, step)
                     st.elapsed_s = time.perf_counter() - start
-                    rec = window.record(st, lr)  # the loop's one host-device synchronization
+                    rec = compiles.add_to(window.record(st, lr))  # the loop's one host-device synchronization
                     metrics.write(rec)
                     progress.record(rec)
                     window = Window(self.device)
@@ -375,6 +379,36 @@ class Trainer:
 
 def _more_minutes(elapsed_s: float, minutes: float) -> str:
     return f"{max(minutes * 2, elapsed_s / 60 + minutes):g}"
+
+
+class CompileLog:
+    """What torch.compile did in a training that compiles (:class:`aiayn.engine.CompileCounter`): the graphs built in
+    its first update (the warm-up: the shape policy compiles everything there), and every graph after it (a
+    recompile, which stalls an update), in each logged metrics line (``graphs``, ``recompiles``) and as a warning."""
+
+    def __init__(self, levers: Levers, main: bool) -> None:
+        self.counter = engine.CompileCounter() if levers.compile or levers.fuse_norms else None
+        self.main, self.reported = main, 0
+        if main:
+            log.info("speed levers: %s", levers.describe())
+
+    def updated(self) -> None:
+        """After each update: the first one ends the warm-up."""
+        if self.counter is not None and self.counter.warm is None:
+            self.counter.warmed_up()
+            if self.main:
+                log.info("torch.compile: %d graph(s) built in the first update", self.counter.graphs)
+
+    def add_to(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` with the graph counts (when compiling); warns of recompiles since the last logged line."""
+        if self.counter is None:
+            return record
+        graphs, recompiles = self.counter.graphs, self.counter.recompiles
+        if recompiles > self.reported and self.main:
+            log.warning("torch.compile built %d more graph(s) after the first update (recompiles, each an update that "
+                        "stalls; TORCH_LOGS=recompiles says why)", recompiles - self.reported)
+        self.reported = recompiles
+        return {**record, "graphs": graphs, "recompiles": recompiles}
 
 
 class EpochTimer:

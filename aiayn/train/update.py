@@ -1,8 +1,10 @@
 """One optimizer update: the module that trains (DDP and ``torch.compile`` around the model), the batches on the
 device, the dropout seeds, gradient accumulation normalized by target tokens, clipping and the optimizer step,
-with the statistics left on the device until someone reads them.
+with the statistics left on the device until someone reads them; and the training's speed levers
+(:class:`Levers`: compile, the weights cast once, the output projection fused into the loss, fused residual +
+layer norm), each of which computes what the plain update computes (exactly so in fp32: tests/test_train_speed.py).
 
-Shapes: B batch, T target length, V vocabulary.
+Shapes: B batch, T target length, V vocabulary, D model width.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from torch import nn
 import aiayn.engine as engine
 from aiayn.config import Config
 from aiayn.data.batching import Batch
-from aiayn.device import model_device
-from aiayn.model.layers import DecoderLayer, EncoderLayer
-from aiayn.train.loss import compiled_loss, label_smoothed_cross_entropy
+from aiayn.device import DTYPES, model_device
+from aiayn.model.layers import DecoderLayer, EncoderLayer, SublayerConnection
+from aiayn.train.loss import (
+    EAGER,
+    ChunkKernels,
+    compiled_kernels,
+    compiled_loss,
+    label_smoothed_cross_entropy,
+    projected_cross_entropy,
+)
 from aiayn.train.parallel import Dist
 
 log = logging.getLogger("aiayn.train")
@@ -31,11 +40,27 @@ log = logging.getLogger("aiayn.train")
 LossFn = Callable[[torch.Tensor, torch.Tensor, float, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Teacher-forced logits (B, T, V) for a translation batch (src given) or an LM batch (src None)."""
+def batch_logits(model: nn.Module, batch: Batch, project: bool = True) -> torch.Tensor:
+    """Teacher-forced logits (B, T, V) for a translation batch (src given) or an LM batch (src None); with
+    ``project=False`` (aiayn's models only) the decoder's last states (B, T, D)."""
+    kwargs = {} if project else {"project": False}
     if batch.src is None:
-        return model(batch.tgt_in)
-    return model(batch.src, batch.tgt_in)
+        return model(batch.tgt_in, **kwargs)
+    return model(batch.src, batch.tgt_in, **kwargs)
+
+
+def fit_batch(batch: Batch, pad_id: int) -> Batch:
+    """``batch`` in the compiled shape policy's shapes (:func:`aiayn.engine.fit_shape`: at least 2 rows, lengths a
+    multiple of 8), padded with ``pad_id``; the loss and gradients are those of ``batch``."""
+    fit = engine.fit_shape
+    src = None if batch.src is None else fit(batch.src, pad_id)
+    return Batch(src, fit(batch.tgt_in, pad_id), fit(batch.tgt_out, pad_id), batch.ntokens, batch.indices)
+
+
+def output_projection(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output projection (weight (V, D), bias or None) of aiayn's model inside ``module`` (DDP or not)."""
+    model = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+    return model.decoder.output_projection()
 
 
 def batch_to_device(batch: Batch, device: torch.device) -> Batch:
@@ -101,6 +126,12 @@ class Update:
     scaler: torch.amp.GradScaler | None = None
     loss_fn: LossFn = label_smoothed_cross_entropy
     seed: int | None = None
+    # The speed levers (set by training_module from Levers): the output projection and the loss in one pass over
+    # chunks (the chunks' math: kernels for projected_cross_entropy); the forward in this dtype with the weights cast
+    # once per micro-batch instead of autocast; batches padded to the compiled shape policy.
+    output_loss: ChunkKernels | None = None
+    compute_dtype: torch.dtype | None = None
+    fit_shapes: bool = False
 
     def __call__(self, micro_batches: Sequence[Batch], lr: float, step: int = 0,
                  total_tokens: int | None = None) -> UpdateStats:
@@ -126,16 +157,13 @@ class Update:
             (total_tokens,) = d.sum([sum(b.ntokens for b in micro_batches)], device)
         scale = d.world / max(total_tokens, 1.0)
         sums = []  # per micro-batch (loss, nll), detached, on the device
-        ctx = self.autocast or contextlib.nullcontext()
         for j, batch in enumerate(micro_batches):
             if self.seed is not None:
                 seed_update(self.seed, step, j * d.world + d.rank)
             last = j == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync()
             with sync:
-                with ctx:
-                    logits = batch_logits(module, batch)
-                loss, nll = self.loss_fn(logits, batch.tgt_out, self.label_smoothing, self.pad_id)
+                loss, nll = self.forward_loss(batch)
                 scaled = loss * scale
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             sums.append(torch.stack([loss.detach(), nll.detach()]))  # a copy: compiled outputs may be reused
@@ -164,14 +192,69 @@ class Update:
             stats = torch.cat([stats, grad_norm.detach().to(stats.dtype).reshape(1)])
         return UpdateSums(stats, int(total_tokens), norms)
 
+    def forward_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed (loss, NLL) of one micro-batch, through the levers this update has: the forward under autocast,
+        or in :attr:`compute_dtype` with the weights cast once; the loss on the logits, or projected chunk by chunk
+        from the decoder's states (:func:`aiayn.train.loss.projected_cross_entropy`)."""
+        module, eps, pad = self.module, self.label_smoothing, self.pad_id
+        if self.fit_shapes:
+            batch = fit_batch(batch, pad)
+        project = self.output_loss is None
+        dtype = self.compute_dtype
+        with engine.weights_in(module, dtype) if dtype is not None else self.autocast or contextlib.nullcontext():
+            out = batch_logits(module, batch, project)
+            if not project:  # the projection read inside the block: the cast weights with weights_in
+                return projected_cross_entropy(out, *output_projection(module), batch.tgt_out, eps, pad,
+                                               self.output_loss)
+        return self.loss_fn(out, batch.tgt_out, eps, pad)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The training's speed choices (``train.*`` keys), resolved for its device and precision. Each computes what the
+    plain update computes: exactly in fp32 (tests/test_train_speed.py), within the rounding of the compute dtype in
+    bf16 / fp16; each is a row of ``benchmarks.train_throughput`` (``--impls aiayn+LEVER``) for a GPU to measure."""
+
+    compile: bool = False  # train.compile (auto resolved: aiayn.engine.compile_wanted)
+    compile_mode: str = "default"
+    cast_dtype: torch.dtype | None = None  # train.cast_weights_once under bf16 / fp16
+    fused_output_loss: bool = False  # train.fused_output_loss
+    fuse_norms: bool = False  # train.fuse_norms (implied by compile, whose layers fuse them)
+    attention_backends: tuple[str, ...] = ()  # train.attention_backends (on CUDA; empty: aiayn's choice)
+
+    @classmethod
+    def from_config(cls, cfg: Config, device: torch.device, precision: str) -> Levers:
+        tc = cfg.train
+        low = precision in ("bf16", "fp16")
+        return cls(compile=engine.compile_wanted(tc.compile, device, tc.max_updates, tc.max_minutes),
+                   compile_mode=tc.compile_mode,
+                   cast_dtype=DTYPES[precision] if tc.cast_weights_once and low else None,
+                   fused_output_loss=tc.fused_output_loss, fuse_norms=tc.fuse_norms,
+                   attention_backends=tuple(tc.attention_backends))
+
+    def describe(self) -> str:
+        """One line for the training log."""
+        on = [f"compile ({self.compile_mode})" if self.compile else "",
+              f"weights cast once to {str(self.cast_dtype).removeprefix('torch.')}" if self.cast_dtype else "",
+              "output projection fused into the loss" if self.fused_output_loss else "",
+              "fused residual + layer norm" if self.fuse_norms and not self.compile else "",
+              f"attention backends {', '.join(self.attention_backends)}" if self.attention_backends else ""]
+        return ", ".join(x for x in on if x) or "none (eager)"
+
+
+def fixed_shapes(cfg: Config) -> bool:
+    """Whether the batches have fixed shapes (``data.length_buckets``, language-model blocks): compiled with a static
+    graph per shape; token-budget batches take the dynamic shape policy."""
+    from aiayn.data.summarization import is_summary_lm
+
+    return bool(cfg.data.length_buckets) if cfg.task != "lm" else not is_summary_lm(cfg)
+
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
     """``torch.compile`` of the training module's layers and of the loss (:func:`aiayn.engine.compile_regions`),
     with what the config says of the batch shapes: fixed with ``data.length_buckets`` (one shape per bucket, plus
     those of over-long examples and last LM batches) or language-model blocks, token-budget shapes otherwise."""
-    from aiayn.data.summarization import is_summary_lm
-
-    fixed = bool(cfg.data.length_buckets) if cfg.task != "lm" else not is_summary_lm(cfg)
+    fixed = fixed_shapes(cfg)
     if not fixed and cfg.train.compile_mode == "reduce-overhead":
         log.warning("train.compile_mode=reduce-overhead records a CUDA graph per batch shape; set "
                     "data.length_buckets so that shapes repeat")
@@ -181,9 +264,22 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
             compiled_loss(dynamic=not fixed))
 
 
-def training_module(model: nn.Module, cfg: Config, d: Dist) -> tuple[nn.Module, LossFn]:
-    """The module that runs forward/backward and its loss: ``model`` in DDP with several processes, its layers
-    compiled with ``train.compile``."""
+def fuse_residual_norms(module: nn.Module) -> None:
+    """``train.fuse_norms``: each residual connection's ``LayerNorm(x + Dropout(out))`` (section 5.4's wrapper)
+    compiled, in training mode, into one kernel per direction instead of three passes over the activations; the
+    attention and matmuls around it stay eager. One graph for every such connection (dynamic shapes)."""
+    engine.key_cpu_kernels_by_vector_width()
+    for m in module.modules():
+        if isinstance(m, SublayerConnection):
+            engine.compile_for_training_mode(m, "residual", engine.compile_dynamic(m.residual))
+
+
+def training_module(model: nn.Module, cfg: Config, d: Dist, levers: Levers | None = None
+                    ) -> tuple[nn.Module, dict[str, Any]]:
+    """The module that runs forward/backward and the :class:`Update` fields of its levers (``loss_fn``,
+    ``output_loss``, ``compute_dtype``, ``fit_shapes``): ``model`` in DDP with several processes, its layers compiled
+    with ``train.compile``, its residual connections with ``train.fuse_norms``."""
+    levers = levers or Levers.from_config(cfg, d.device, "fp32")
     module, loss_fn = model, label_smoothed_cross_entropy
     if d.world > 1:
         ids = [d.device.index] if d.device.type == "cuda" else None
@@ -194,6 +290,13 @@ def training_module(model: nn.Module, cfg: Config, d: Dist) -> tuple[nn.Module, 
                  if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
                  else {"broadcast_buffers": False})
         module = ddp(module, device_ids=ids, gradient_as_bucket_view=True, **quiet)
-    if cfg.train.compile:
+    fields: dict[str, Any] = {"compute_dtype": levers.cast_dtype}
+    if levers.compile:
         module, loss_fn = compile_for_training(module, cfg)
-    return module, loss_fn
+    elif levers.fuse_norms:
+        fuse_residual_norms(model)
+    # compiled graphs see batches in the shape policy's shapes (fixed shapes already repeat)
+    fields["fit_shapes"] = (levers.compile or levers.fuse_norms) and not fixed_shapes(cfg)
+    if levers.fused_output_loss:
+        fields["output_loss"] = compiled_kernels(not fixed_shapes(cfg)) if levers.compile else EAGER
+    return module, {"loss_fn": loss_fn, **fields}
