@@ -218,3 +218,12 @@ def test_rss_timeline_follows_a_process_and_its_child_against_its_log_lines(tmp_
     assert max(s[2] for s in rec["samples"]) >= 32  # its child's 32 MiB
     done = rss_timeline.summary(rec).splitlines()[-1]
     assert done.endswith("| done") and int(done.split(" s ")[1].split(" MiB")[0].replace(",", "")) >= 64
+
+
+def test_store_open_smoke_builds_a_checksummed_store_and_compares_two_trees(tmp_path):
+    from benchmarks import store_open
+
+    result = store_open.main(["--smoke", "--baseline", str(store_open.HERE), "--out-json", str(tmp_path / "s.json")])
+    assert result["store"]["pairs"] == 2000 and result["store"]["files"] >= 9  # 8 id/offset files + the tokenizer
+    assert all(len(v) == 1 and v[0] > 0 for v in result["median_open_s_by_round"].values())
+    assert json.loads((tmp_path / "s.json").read_text())["ratio"] == result["ratio"]
