@@ -568,7 +568,9 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
     assert len(problems) == 1 and "train.tgt.bin: does not match its checksum" in problems[0]
 
 
-def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified(tmp_path, caplog):
+def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified(tmp_path, caplog, capsys):
+    from aiayn.cli import main
+
     out = tmp_path / "store"
     make(tmp_path, out)
     manifest = json.loads((out / MANIFEST).read_text())
@@ -578,6 +580,10 @@ def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified
         store = open_store(out, ("train", "valid"))
     assert len(store.splits["train"]) == 1499
     assert "prepared without checksums (by an older aiayn)" in caplog.text and "unverified" in caplog.text
+    capsys.readouterr()
+    assert main(["prepare", "--verify", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == (f"{out}: its shape and ids are sound; prepared without checksums (by an "
+                                               "older aiayn), its contents are unverified")
     _id_past_vocab(out)  # its shape and ids are still checked
     with pytest.raises(DataError, match="past the vocabulary"):
         open_store(out)

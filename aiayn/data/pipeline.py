@@ -247,15 +247,23 @@ def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, reb
     return prepare_store(out, corpus_recipe(cfg, workers), rebuild, cfg.train.setup_timeout_s)
 
 
-def verify_store(directory: str | Path) -> list[str]:
+def verify_store(directory: str | Path, wait_s: float | None = None) -> list[str]:
     """``aiayn prepare --verify DIR``: every problem of the store in ``directory``, one line each (none: sound).
     Every file is read: its checksum (written when it was prepared) and the store's shape and ids, whatever the memo
-    of earlier openings says; nothing is written."""
+    of earlier openings says; nothing is written. Under the store's shared lock (never while a builder replaces its
+    files), waited for at most ``wait_s`` seconds (``train.setup_timeout_s``'s default)."""
+    from aiayn.config import TrainConfig
+    from aiayn.data.store import open_locked
+
+    path = Path(directory)
+    return open_locked(path, _verify, TrainConfig().setup_timeout_s if wait_s is None else wait_s)
+
+
+def _verify(path: Path) -> list[str]:
     from aiayn.data.integrity import Memo, check_files
     from aiayn.data.store import STREAM_KIND, open_pairs, opened_manifest
     from aiayn.data.stream_store import open_stream
 
-    path = Path(directory)
     try:
         manifest = opened_manifest(path)
     except DataError as e:
