@@ -53,6 +53,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.data.pipeline import check_data_sources, prepare_corpus
     from aiayn.data.store import describe_store
 
+    if args.verify is not None:
+        return _verify_store(args)
+    if args.config is None or args.out is None:
+        raise ConfigError("aiayn prepare needs a CONFIG and --out DIR (or --verify DIR to check a store)")
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     cfg = load_config(args.config, args.set)
@@ -62,6 +66,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(line)
     sets = "".join(f" --set {x}" for x in args.set)
     print(f"train from it: aiayn train {args.config}{sets} --set data.prepared={args.out}")
+    return 0
+
+
+def _verify_store(args: argparse.Namespace) -> int:
+    """``aiayn prepare --verify DIR``: one line per problem on stderr and exit 2, or one line on stdout and 0."""
+    from aiayn.data.pipeline import verify_store
+
+    if args.config is not None or args.out is not None or args.set:
+        raise ConfigError("--verify DIR checks the store DIR as it is: give no CONFIG, --out or --set")
+    problems = verify_store(args.verify)
+    for problem in problems:
+        print(f"aiayn: error: {one_line(problem)}", file=sys.stderr)
+    if problems:
+        return 2
+    from aiayn.data.store import read_manifest
+
+    manifest = read_manifest(Path(args.verify)) or {}
+    print(f"{args.verify}: sound (every file read and checked)" if "files" in manifest else
+          f"{args.verify}: its shape and ids are sound; prepared without checksums (by an older aiayn), its contents "
+          "are unverified")
     return 0
 
 
@@ -391,11 +415,15 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                                    "(flat token-id files + offsets, read by position); train from it with --set "
                                    "data.prepared=DIR. Optional: a training without data.prepared prepares its "
                                    "store itself in $AIAYN_CACHE_DIR/stores. Safe to run several at once on one DIR "
-                                   "(one builds, under a lock); a damaged store is rebuilt.")
-    p.add_argument("config", help="YAML recipe, or a preset name")
-    p.add_argument("--out", required=True, metavar="DIR",
+                                   "(one builds, under a lock); a damaged store is rebuilt. --verify DIR reads "
+                                   "every file of a store and checks it against the checksums written when it was "
+                                   "prepared: one line per problem and exit 2, or exit 0 when it is sound.")
+    p.add_argument("config", nargs="?", help="YAML recipe, or a preset name")
+    p.add_argument("--out", metavar="DIR",
                    help="the store's directory (new, empty, or a store: reused when its inputs and settings match "
                    "and its files check out, else rebuilt)")
+    p.add_argument("--verify", metavar="DIR", help="check the store DIR (no CONFIG): every file against its "
+                   "checksum, and its shape and ids")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override, e.g. data.vocab_size=32000")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "

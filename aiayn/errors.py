@@ -45,6 +45,11 @@ class DeviceError(UserError, RuntimeError):
     """A device or precision this machine does not offer (``--device cuda`` without CUDA, bf16 on CPU, ...)."""
 
 
+class PeerError(UserError, RuntimeError):
+    """Another process this one waits for (a process of the same torchrun job, or one that prepares the data they
+    share) stopped, froze or did not answer within the timeout the config gives it."""
+
+
 class DesyncError(UserError, RuntimeError):
     """The processes of one training no longer hold the same model (their gradient or weight norms differ)."""
 
@@ -89,10 +94,38 @@ def user_error_message(e: BaseException) -> str | None:
     if type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError):
         first = one_line(e).split(". ")[0]
         return f"out of memory{': ' + first if first else ''} (lower data.max_tokens or --max-tokens)"
+    if collective_timed_out(e):
+        return (f"a collective of this torchrun job waited train.dist_timeout_s for another process, which did not "
+                f"answer ({_torch_detail(e)}): that process is stopped, frozen, or busy far longer than the others; "
+                f"this one stops too. {RESTART_HINT}; raise train.dist_timeout_s if one process legitimately works "
+                "that much longer")
+    if type(e).__name__ == "DistStoreError" and "timeout" in str(e):
+        return (f"the processes of this torchrun job did not all meet in its store within train.dist_timeout_s "
+                f"({_torch_detail(e)}): one of them did not start, stopped, or belongs to another attempt of the job. "
+                f"{RESTART_HINT}")
     if _peer_lost(e):
-        return (f"another process of this torchrun job stopped ({one_line(e)[:160]}); this one stops too: "
-                "torchrun --max-restarts N restarts the job from its newest checkpoint")
+        return f"another process of this torchrun job stopped ({_torch_detail(e)}); this one stops too. {RESTART_HINT}"
     return None
+
+
+# What to do when a process of a torchrun job is lost: true whatever torchrun can still do (docs/distributed.md).
+RESTART_HINT = ("torchrun --max-restarts N restarts the job from its newest checkpoint, unless the lost node hosted "
+                "torchrun's rendezvous: then start the job again on every node with --resume (docs/distributed.md)")
+# What gloo says when a collective waited past the process group's timeout (train.dist_timeout_s).
+COLLECTIVE_TIMEOUT = ("Timed out waiting",)
+
+
+def collective_timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that waited past its process group's timeout (gloo's "Timed out waiting")."""
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in COLLECTIVE_TIMEOUT)
+
+
+def _torch_detail(e: BaseException) -> str:
+    """The message of a torch.distributed error without its C++ source location (``[/path/file.cc:78] ``)."""
+    text = one_line(e)
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:160]
 
 
 # What gloo and NCCL say when a process of the group died (kill -9, a node lost): the machine's state, not a bug.
@@ -105,5 +138,5 @@ def _peer_lost(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "UserError", "first_line",
-           "one_line", "require", "user_error_message"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "PeerError", "UserError",
+           "collective_timed_out", "first_line", "one_line", "require", "user_error_message"]

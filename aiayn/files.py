@@ -17,13 +17,16 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiayn.errors import CheckpointError, ConfigError
+from aiayn.errors import CheckpointError, ConfigError, one_line
 
 try:  # POSIX; on Windows a run directory is not locked
     import fcntl
@@ -216,38 +219,124 @@ def close_inherited_locks() -> None:
     _HELD.clear()
 
 
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a lock, as the exclusive holder of :func:`file_lock` wrote it into the lock file: its pid, its host,
+    and what it is doing (:meth:`HeldLock.doing`); "?" and None where it wrote nothing."""
+
+    pid: str = "?"
+    host: str | None = None
+    doing: str | None = None
+
+    @classmethod
+    def read(cls, fd: int) -> LockHolder:
+        text = os.pread(fd, 512, 0).decode("utf-8", "replace")
+        first, _, rest = text.partition("\n")
+        words = first.split()
+        pid = words[0] if words and words[0].isdigit() else "?"
+        return cls(pid, words[1] if len(words) > 1 else None, rest.strip() or None)
+
+    def state(self) -> str | None:
+        """What the holder is now, where this machine can tell (its host, Linux /proc): "stopped" (SIGSTOP or a
+        debugger), "gone" (no such process), "running"; None elsewhere."""
+        if not self.pid.isdigit() or self.host != socket.gethostname():
+            return None
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return None
+        code = stat.rsplit(")", 1)[-1].split()[:1]
+        return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(code[0] if code else "", "running")
+
+    def describe(self) -> str:
+        """``pid N on HOST (DOING), which is stopped (...)``: as much as is known, and what to do about it."""
+        where = f" on {self.host}" if self.host else ""
+        doing = f" ({self.doing})" if self.doing else ""
+        state = {"stopped": f"which is stopped (resume it with kill -CONT {self.pid}, or end it)",
+                 "gone": "which is gone", "running": "which is still running (slow, or stuck)",
+                 None: "which has not finished (stopped, frozen or slow)"}[self.state()]
+        return f"pid {self.pid}{where}{doing}, {state}"
+
+
+class LockTimeout(TimeoutError):
+    """:func:`file_lock` waited its ``timeout_s`` for ``holder``; the caller says what that means in one line."""
+
+    def __init__(self, path: Path, holder: LockHolder, waited_s: float) -> None:
+        super().__init__(f"{path}: held by {holder.describe()} for more than {waited_s:g} s")
+        self.path, self.holder, self.waited_s = path, holder, waited_s
+
+
+class HeldLock:
+    """A lock :func:`file_lock` holds; an exclusive holder can say what it is doing (:meth:`doing`), for the
+    processes that wait on it."""
+
+    def __init__(self, fd: int | None, exclusive: bool) -> None:
+        self.fd, self.exclusive = fd, exclusive
+
+    def doing(self, what: str) -> None:
+        """Write ``pid host`` and ``what`` into the lock file: the line a waiter that gives up shows."""
+        if self.fd is None or not self.exclusive:
+            return
+        text = f"{os.getpid()} {socket.gethostname()}\n{one_line(what)}\n".encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, text, 0)
+
+
+def _acquire(fd: int, mode: int, path: Path, waiting: Callable[[str], None] | None, timeout_s: float | None) -> None:
+    """``flock(fd, mode)``: at once, or after ``waiting(pid)``, blocking (``timeout_s`` None) or polling until
+    ``timeout_s`` has passed (then :class:`LockTimeout`)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    if waiting is not None:
+        waiting(LockHolder.read(fd).pid)
+    if timeout_s is None:
+        fcntl.flock(fd, mode)
+        return
+    start = time.monotonic()
+    pause = 0.02
+    while True:  # a poll: a blocking flock cannot be given up (a holder frozen by SIGSTOP never releases it)
+        left = start + timeout_s - time.monotonic()
+        if left <= 0:
+            raise LockTimeout(path, LockHolder.read(fd), timeout_s)
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            continue
+
+
 @contextlib.contextmanager
-def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], None] | None = None
-              ) -> Iterator[None]:
-    """Hold a blocking ``flock`` on the file ``path``: exclusive for a writer (the file is created if missing, in
-    an existing directory), ``shared`` for readers (the file must exist), who then see no writer at work.
-    ``waiting(holder)`` is called when another process holds it (``holder``: the pid the exclusive holder wrote,
-    or "?"), before blocking. A lock file removed while we waited is opened again (FileNotFoundError when its
-    directory is gone too: a failed writer removed what it had made)."""
+def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], None] | None = None,
+              timeout_s: float | None = None) -> Iterator[HeldLock]:
+    """Hold an ``flock`` on the file ``path``: exclusive for a writer (the file is created if missing, in an existing
+    directory), ``shared`` for readers (the file must exist), who then see no writer at work. ``waiting(holder)`` is
+    called when another process holds it (``holder``: the pid the exclusive holder wrote, or "?"), before waiting: at
+    most ``timeout_s`` seconds (then :class:`LockTimeout`, naming the holder and what it was doing), else for as long
+    as it takes. A lock file removed while we waited is opened again (FileNotFoundError when its directory is gone
+    too: a failed writer removed what it had made). Yields a :class:`HeldLock`."""
     if fcntl is None:  # pragma: no cover
-        yield
+        yield HeldLock(None, not shared)
         return
     path = Path(path)
     while True:
         fd: int | None = os.open(path, os.O_RDONLY) if shared else os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if waiting is not None:
-                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                    waiting(holder if holder.isdigit() else "?")
-                fcntl.flock(fd, mode)
+            _acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, path, waiting, timeout_s)
             if not _names(path, fd):  # opened again (FileNotFoundError when its directory went too)
                 os.close(fd)
                 fd = None
                 continue
-            if not shared:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            held = HeldLock(fd, not shared)
+            held.doing("")
             _HELD.add(fd)
-            yield
+            yield held
             return
         finally:
             if fd is not None:
@@ -368,6 +457,7 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
                           "to end or choose another directory")
 
 
-__all__ = ["LOCK", "MARKER", "RunLock", "atomic_write", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable", "default_file_mode",
-           "file_lock", "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]
+__all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
+           "default_file_mode", "file_lock", "is_temporary", "lock_holder", "locked", "remove_stale_temporaries",
+           "staged_directory"]

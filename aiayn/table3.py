@@ -302,11 +302,16 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    if base_cfg.data.prepared is None and base_cfg.data.dataset in (None, "multi30k"):
-        # One tokenizer and one encoding for every row (a store holds corpus files and Multi30k; any other
-        # dataset trains the same tokenizer again per row, from the same text with the same settings).
-        extra = [*extra, f"data.prepared={out / 'prepared'}"]
-    plans = [(row, seed, row_config(base, row, seed, updates, extra)) for row in chosen for seed in seeds]
+    # One tokenizer and one encoding for every row of a seed (the seed draws the tokenizer's sample, so it is part of
+    # a store's key, and a named store is never rebuilt for another key); a store holds corpus files and Multi30k,
+    # any other dataset trains the same tokenizer again per row, from the same text with the same settings.
+    own_store = base_cfg.data.prepared is None and base_cfg.data.dataset in (None, "multi30k")
+
+    def store(seed: int) -> list[str]:
+        return [f"data.prepared={out / 'prepared' / f'seed{seed}'}"] if own_store else []
+
+    plans = [(row, seed, row_config(base, row, seed, updates, [*extra, *store(seed)]))
+             for row in chosen for seed in seeds]
     settings = base_settings(base_cfg)
     if out.is_dir():  # results of other settings (another --set, a broken file): refused before any work
         check_results(out, settings)

@@ -246,3 +246,12 @@ def test_training_benchmark_rows_aiayns_levers_and_the_compiled_peers(tmp_path):
     for bad in ("aiayn+turbo", "hf-marian+cast", "fairseq"):
         with pytest.raises(ValueError):
             Variant.parse(bad)
+
+
+def test_store_open_smoke_builds_a_checksummed_store_and_compares_two_trees(tmp_path):
+    from benchmarks import store_open
+
+    result = store_open.main(["--smoke", "--baseline", str(store_open.HERE), "--out-json", str(tmp_path / "s.json")])
+    assert result["store"]["pairs"] == 2000 and result["store"]["files"] >= 9  # 8 id/offset files + the tokenizer
+    assert all(len(v) == 1 and v[0] > 0 for v in result["median_open_s_by_round"].values())
+    assert json.loads((tmp_path / "s.json").read_text())["ratio"] == result["ratio"]

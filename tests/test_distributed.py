@@ -102,11 +102,20 @@ def test_the_process_group_gets_the_configured_timeout(monkeypatch):
     monkeypatch.setattr(parallel_module.dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
     monkeypatch.setattr(parallel_module.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(parallel_module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_module.dist, "all_gather_object",
+                        lambda out, obj, group: out.__setitem__(slice(None), [obj, (4321, "node1")]))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent's store, kept across restarts
     d = parallel_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
-    assert (d.rank, d.world, d.setup_group) == (0, 2, "setup group")
+    assert (d.rank, d.world, d.setup_group, d.setup_timeout_s) == (0, 2, "setup group", 99.0)
+    assert d.processes == [(os.getpid(), __import__("socket").gethostname()), (4321, "node1")]
     assert seen == {"backend": "gloo", "timeout": timedelta(seconds=12.5), "rank": 0, "world_size": 2,
                     "store": "aiayn/attempt-3/store",  # a restarted job's keys apart from the dead one's
                     "setup": {"backend": "gloo", "timeout": timedelta(seconds=99.0)}}
+    # a store of its own per rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): no old keys, and no attempt in
+    # the keys (a replacement node's agent counts its restarts from 0)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    parallel_module.init_distributed("cpu", timeout_s=12.5, setup_timeout_s=99.0)
+    assert seen["store"] == "aiayn/store"
     assert load_config("tiny_reverse").train.dist_timeout_s == 1800.0
     assert load_config("tiny_reverse").train.setup_timeout_s == 86400.0
     with pytest.raises(ConfigError, match="dist_timeout_s"):
@@ -342,6 +351,46 @@ def test_a_data_preparation_longer_than_the_collective_timeout_does_not_kill_the
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
+def _setup_timeout_ranks(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes whose setup barrier waits at most 2 s: rank 0 'prepares the data' for 6 s; rank 1
+    writes what its setup barrier raised."""
+    import time
+
+    from aiayn.errors import PeerError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    d = parallel_module.init_distributed("cpu", timeout_s=30.0, setup_timeout_s=2.0)
+    try:
+        if d.main:
+            time.sleep(6)
+            Path(out, "pid0").write_text(str(os.getpid()))
+            return
+        try:
+            d.setup_barrier()
+            message = "no error"
+        except PeerError as e:
+            message = str(e)
+        Path(out, "rank1").write_text(message)
+    finally:
+        parallel_module.dist.destroy_process_group()
+
+
+def test_the_setup_barrier_waits_at_most_the_setup_timeout_and_names_the_process_it_waited_for(tmp_path):
+    """The other processes wait for rank 0's data preparation at most train.setup_timeout_s: then one line (a
+    PeerError, exit 2) naming rank 0 by pid and host, what it does, and the setting."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_setup_timeout_ranks, args=(loopback_port(), str(tmp_path)), nprocs=2, join=True)
+    message, pid = (tmp_path / "rank1").read_text(), (tmp_path / "pid0").read_text()
+    assert message == (f"waited train.setup_timeout_s=2 s at a setup barrier for rank 0, which prepares the data (run "
+                       f"directory, tokenizer, token store) for every process: pid {pid} on {socket.gethostname()}, "
+                       "which is still running (slow, or stuck); or raise train.setup_timeout_s, or prepare the data "
+                       "first (aiayn prepare CONFIG --out DIR, then --set data.prepared=DIR)")
+
+
 def _agreement_ranks(rank: int, port: int, out: str) -> None:
     """One of two gloo processes: the same norms pass, norms 1% apart stop with one line, inf on both passes."""
     from aiayn.errors import DesyncError
@@ -400,3 +449,297 @@ def test_a_resume_of_a_recipe_may_not_change_its_optimizer(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.lr_scale=2.0 but .*config.yaml has 1.0: a resumed run keeps"):
         train(_tiny(tmp_path, 6, "train.lr_scale=2"), run, resume=True, progress=False)
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+class _FakeRank:
+    """Rank ``rank`` of a 2-process job whose other process's answers are given: ``gather_objects`` puts this process's
+    object at its rank and the other's (cut to the same length) at the other."""
+
+    def __init__(self, rank: int, other: tuple) -> None:
+        self.rank, self.world, self.other = rank, 2, other
+        self.main = rank == 0
+
+    def barrier(self) -> None:
+        pass
+
+    def gather_objects(self, obj):
+        other = self.other[: len(obj)] if isinstance(obj, tuple) else "token"
+        return [obj, other] if self.main else [other, obj]
+
+
+def test_each_node_names_its_own_directory_and_rank_when_the_run_directory_is_not_shared(tmp_path):
+    """Issue 58: with a run directory per node, the line on node 1 named node 1's own path as the one "rank 0 writes".
+    Now every process says which directory each rank was given (and, for one directory some cannot see, who)."""
+    import socket
+
+    from aiayn.train.ownership import check_every_process_sees
+
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    node1.mkdir()
+    with pytest.raises(CheckpointError) as e:
+        check_every_process_sees(node1, _FakeRank(1, ("machine0", True, str(node0))))
+    here = socket.gethostname()
+    assert str(e.value) == (f"the processes of this job were given other run directories: rank 0 on machine0 writes "
+                            f"{node0}; {here} (rank 1) was given {node1}: several machines need one run directory, the "
+                            "same --run-dir on a file system they share (docs/distributed.md)")
+    with pytest.raises(CheckpointError) as e:  # rank 0's view of the same job
+        check_every_process_sees(node0, _FakeRank(0, ("machine1", False, str(node1))))
+    assert f"rank 0 on {here} writes {node0}; machine1 (rank 1) was given {node1}:" in str(e.value)
+    with pytest.raises(CheckpointError) as e:  # one path, but another file system behind it on machine 1
+        check_every_process_sees(node0, _FakeRank(0, ("machine1", False, str(node0))))
+    assert str(e.value).startswith(f"{node0}: written by rank 0 on {here}, but not seen by machine1 (rank 1) at that "
+                                   "path: several machines need one run directory")
+    check_every_process_sees(node0, _FakeRank(0, ("machine1", True, str(node0))))  # shared: no error
+    assert not list(node0.glob(".probe-*"))
+
+
+def _ranks(tmp_path, run: Path, *sets: str) -> list[subprocess.Popen]:
+    """Two ranks of one gloo job on the loopback, started as torchrun starts them (``env://``: MASTER_ADDR, RANK...),
+    each ``aiayn train tiny_reverse`` into ``run``, with a fresh store cache of their own."""
+    port = loopback_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               "OMP_NUM_THREADS": "1", "AIAYN_CACHE_DIR": str(tmp_path / "cache"), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "aiayn", "train", "tiny_reverse", "--run-dir", str(run), "--no-progress",
+             *TINY_RUN, *[x for kv in sets for x in ("--set", kv)]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+    return procs
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)  # also a stopped one
+        p.communicate()
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [x for x in stderr.splitlines() if x.startswith("aiayn: ") or "Traceback" in x]
+    assert len(lines) == 1 and lines[0].startswith("aiayn: error: "), stderr[-3000:]
+    return lines[0]
+
+
+def test_a_process_frozen_while_it_prepares_the_store_is_waited_for_at_most_the_setup_timeout(tmp_path):
+    """Issue 58: 2 processes, a fresh cache, train.setup_timeout_s=8, the process that prepared the store stopped
+    (SIGSTOP) while it trained the tokenizer: the other waited "for the process (pid N) that prepares it" 36 minutes
+    later. Now the wait on the store's lock polls, and past train.setup_timeout_s the waiting process ends (exit 2)
+    with one line naming the stopped process, what it was doing and the setting. Whichever rank takes the store's
+    lock first prepares it; that one is stopped from outside as soon as its pid is in the lock file."""
+    import signal
+    import time
+
+    timeout_s = 4
+    procs = _ranks(tmp_path, tmp_path / "run", f"train.setup_timeout_s={timeout_s}", "train.max_updates=2")
+    pids = {p.pid: p for p in procs}
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        while stopped is None:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            for lock in (tmp_path / "cache").glob("stores/*/.aiayn-store.lock"):
+                first = lock.read_text().partition("\n")[0].split()
+                pid = int(first[0]) if first and first[0].isdigit() else None
+                if pid in pids:  # written when it took the lock: it prepares the store now (or has just finished)
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = pid
+                    break
+            time.sleep(0.01)
+        waiter = next(p for p in procs if p.pid != stopped)
+        err = waiter.communicate(timeout=timeout_s + 30)[1]  # ends within the setup timeout + 30 s
+        line = _one_error_line(err)
+        assert waiter.returncode == 2, err[-3000:]
+        assert f"train.setup_timeout_s={timeout_s} s" in line and f"pid {stopped} on " in line, line
+        assert "which is stopped" in line, line
+        if "prepares this store" in line:  # stopped holding the store's lock (the usual case): what it was doing
+            assert "(preparing it: " in line, line
+        else:  # it had just released it: the waiter met it at the setup barrier, bounded by the same setting
+            assert "at a setup barrier" in line, line
+    finally:
+        _end(procs)
+
+
+def test_a_frozen_peer_is_one_line_naming_the_collective_timeout_not_an_internal_error(tmp_path):
+    """Issue 58: with train.dist_timeout_s=20 a frozen peer was "aiayn: internal error (a bug in aiayn...):
+    RuntimeError: ... Timed out waiting 20000ms for recv". Rank 0 stopped (SIGSTOP) after update 5's checkpoint:
+    rank 1 ends within the timeout + 30 s, exit 2, with one line naming train.dist_timeout_s."""
+    import signal
+    import time
+
+    run, timeout_s = tmp_path / "run", 5
+    procs = _ranks(tmp_path, run, f"train.dist_timeout_s={timeout_s}", "train.max_updates=100000",
+                   "train.save_every=5", "train.max_minutes=10")
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "step_000005.json").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        err = procs[1].communicate(timeout=timeout_s + 30)[1]
+        line = _one_error_line(err)
+        assert procs[1].returncode == 2 and "internal error" not in err, err[-3000:]
+        assert "waited train.dist_timeout_s for another process, which did not answer" in line, line
+        assert "raise train.dist_timeout_s" in line and "--resume" in line, line
+    finally:
+        _end(procs)
+
+
+# --- a lost node: torchrun's elastic rendezvous ------------------------------------------------------------------
+
+ELASTIC_RECIPE = ["tiny_reverse", "--no-progress", *TINY_RUN, "--set", "train.max_updates=60", "--set",
+                  "train.save_every=5", "--set", "train.dist_timeout_s=60"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux /proc): a node's agent and its workers (torchrun starts each worker
+    in a session of its own, so a process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _lose_node(agent: subprocess.Popen) -> None:
+    """A machine lost: its torchrun agent and every process under it killed with -9 at once."""
+    import signal
+
+    for pid in _descendants(agent.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
+def _elastic_agent(tmp_path, run: Path, port: int, host: bool, log: str, *extra: str) -> subprocess.Popen:
+    """One node of the documented elastic setup (docs/distributed.md, "A lost node"): c10d rendezvous hosted by node 0
+    (``is_host``), two nodes, one restart, a store of its own per rendezvous round."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with open(tmp_path / log, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aiayn-test",
+             "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=2",
+             "--max-restarts", "1", "-m", "aiayn", "train", *ELASTIC_RECIPE, "--run-dir", str(run), *extra],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the elastic tests' job run without a loss (2 processes)."""
+    from aiayn.weights import read_weights
+
+    run = tmp_path_factory.mktemp("whole") / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1"}
+    whole = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "aiayn", "train", *ELASTIC_RECIPE, "--run-dir", str(run)],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return read_weights(run / "model.safetensors")
+
+
+def _wait_for_checkpoint(run: Path, step: int, agents: list[subprocess.Popen]) -> None:
+    import time
+
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / f"step_{step:06d}.json").exists():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_replaced_and_the_job_ends_as_the_uninterrupted_one(tmp_path, uninterrupted):
+    """Issue 58: two loopback nodes under --max-restarts 1, node 1 killed at step 40 and a replacement started:
+    both agents failed ("DistStoreError: wait timeout ... role_info"). With the documented setup (a c10d rendezvous
+    hosted by the node that stays, --nnodes 2:2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) node 1 is lost after update
+    10's checkpoint, a replacement joins, the job resumes from its newest checkpoint and ends bit for bit as the
+    uninterrupted run."""
+    from aiayn.weights import read_weights
+
+    run, port = tmp_path / "run", loopback_port()
+    node0 = _elastic_agent(tmp_path, run, port, True, "node0.log")
+    node1 = _elastic_agent(tmp_path, run, port, False, "node1.log")
+    agents = [node0, node1]
+    try:
+        _wait_for_checkpoint(run, 10, agents)
+        _lose_node(node1)
+        agents.append(_elastic_agent(tmp_path, run, port, False, "replacement.log"))
+        assert node0.wait(240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        assert agents[-1].wait(60) == 0, (tmp_path / "replacement.log").read_text()[-3000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _lose_node(agent)
+    logs = (tmp_path / "node0.log").read_text() + (tmp_path / "replacement.log").read_text()
+    assert "torchrun restart 1: resuming" in logs and "resumed from step" in logs and "internal error" not in logs
+    got = read_weights(run / "model.safetensors")
+    assert uninterrupted.keys() == got.keys() and all(torch.equal(uninterrupted[k], got[k]) for k in got)
+
+
+@pytest.mark.slow
+def test_a_lost_rendezvous_host_is_one_line_that_says_to_start_again_with_resume(tmp_path, uninterrupted):
+    """Where torchrun cannot recover: the node that hosts the rendezvous is lost, so no agent can meet again. The
+    surviving node's process says so in aiayn's own line (start the job again with --resume); done as it says, the
+    job ends bit for bit as the uninterrupted run."""
+    from aiayn.weights import read_weights
+
+    run, port = tmp_path / "run", loopback_port()
+    node0 = _elastic_agent(tmp_path, run, port, True, "node0.log")
+    node1 = _elastic_agent(tmp_path, run, port, False, "node1.log")
+    try:
+        _wait_for_checkpoint(run, 10, [node0, node1])
+        _lose_node(node0)
+        assert node1.wait(120) != 0
+    finally:
+        for agent in (node0, node1):
+            if agent.poll() is None:
+                _lose_node(agent)
+    err = (tmp_path / "node1.log").read_text()
+    line = _one_error_line("\n".join(x for x in err.splitlines() if x.startswith("aiayn: ")))
+    assert "another process of this torchrun job stopped" in line and "internal error" not in err, err[-3000:]
+    assert "unless the lost node hosted torchrun's rendezvous: then start the job again on every node with --resume" \
+        in line, line
+    port = loopback_port()  # as the line says: both nodes again, the same command with --resume
+    again = [_elastic_agent(tmp_path, run, port, node == 0, f"again{node}.log", "--resume") for node in (0, 1)]
+    try:
+        codes = [a.wait(240) for a in again]
+    finally:
+        for agent in again:
+            if agent.poll() is None:
+                _lose_node(agent)
+    assert codes == [0, 0], (tmp_path / "again0.log").read_text()[-3000:]
+    got = read_weights(run / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], got[k]) for k in got)
+
+
+def test_what_torch_distributed_raises_for_a_frozen_or_lost_peer_is_one_line_never_a_bug():
+    from aiayn.errors import user_error_message
+
+    timeout = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "20000ms for recv operation to complete")
+    line = user_error_message(timeout)
+    assert line.startswith("a collective of this torchrun job waited train.dist_timeout_s for another process, which "
+                           "did not answer (Timed out waiting 20000ms for recv operation to complete)"), line
+    store = torch.distributed.DistStoreError("wait timeout after 60000ms, keys: /aiayn/0//cpu//0/1")
+    assert "did not all meet in its store within train.dist_timeout_s (wait timeout after 60000ms" in \
+        user_error_message(store)
+    reset = RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:47293: Connection reset by peer")
+    assert user_error_message(reset).startswith("another process of this torchrun job stopped (Read error")
+    assert user_error_message(RuntimeError("something else")) is None  # a bug stays a bug

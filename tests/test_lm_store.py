@@ -287,3 +287,41 @@ def test_summary_lm_rows_and_batches_are_those_built_in_memory(tmp_path, tokeniz
     again = pickle.loads(pickle.dumps(data))
     assert len(pickle.dumps(data)) < 2000
     assert torch.equal(again.collate_plan(plan[0]).tgt_in, data.collate_plan(plan[0]).tgt_in)
+
+
+def test_a_named_lm_store_is_only_read_its_checksums_catch_an_id_in_range_and_other_settings_are_refused(
+        tmp_path, capsys):
+    """A language model's stream store has a checksum per file too: one id overwritten by another of the vocabulary
+    is refused (training and `aiayn prepare --verify`), as is a named store of another tokenizer; the store is left
+    byte for byte as it was."""
+    import numpy as np
+
+    from aiayn.cli import main
+
+    path = tmp_path / "corpus.txt"
+    path.write_text(_text(4, lines=200), encoding="utf-8")
+    out = tmp_path / "prepared"
+    sets = ["--set", "task=lm", "--set", "data.dataset=null", "--set", f"data.train_src={path}", "--set",
+            "data.tokenizer=char", "--set", "data.block_size=16", "--set", "model.max_positions=32"]
+    assert main(["prepare", "lm_tinyshakespeare_char_quick", "--out", str(out), *sets]) == 0
+
+    def snapshot():
+        return {p.name: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    train = ["train", "lm_tinyshakespeare_char_quick", "--run-dir", str(tmp_path / "run"), "--set",
+             f"data.prepared={out}", "--set", "train.max_updates=1"]
+    capsys.readouterr()
+    assert main([*train, *sets[:-4], "--set", "data.tokenizer=bpe", *sets[-2:]]) == 2  # another tokenizer
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.tokenizer: 'char' in the store, 'bpe' in this config" in err[0], err
+    ids = np.fromfile(out / "train.bin", dtype="<u2")
+    ids[3] = 1 if ids[3] != 1 else 2
+    ids.tofile(out / "train.bin")
+    before = snapshot()
+    assert main([*train, *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.bin: does not match its checksum" in err[0], err
+    assert f"aiayn prepare CONFIG --out {out}" in err[0] and not (tmp_path / "run").exists()
+    assert main(["prepare", "--verify", str(out)]) == 2
+    assert "train.bin: does not match its checksum" in capsys.readouterr().err
+    assert snapshot() == before

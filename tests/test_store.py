@@ -331,13 +331,37 @@ def _manifest_without_valid(out):
     (out / MANIFEST).write_text(json.dumps(manifest))
 
 
+def _id_in_range(out):
+    """One id overwritten by another id of the vocabulary: no bounds check sees it, the checksum does."""
+    ids = np.fromfile(out / "train.tgt.bin", dtype="<u2")
+    ids[7] = 5 if ids[7] != 5 else 6
+    ids.tofile(out / "train.tgt.bin")
+
+
+def _manifest_integer_edited(out):
+    text = (out / MANIFEST).read_text()
+    tokens = json.loads(text)["splits"]["train"]["src_tokens"]
+    (out / MANIFEST).write_text(text.replace(f'"src_tokens": {tokens}', f'"src_tokens": {tokens + 1}', 1))
+
+
+def _rm_tokenizer(out):
+    import shutil
+
+    shutil.rmtree(out / "tokenizer")
+
+
 DAMAGES = {
     "truncated": (lambda out: (out / "train.src.bin").write_bytes((out / "train.src.bin").read_bytes()[:-2]),
                   "train.src.bin: .* bytes where its offsets need"),
     "swapped offsets": (_swap_offsets, "train.src.idx: its offsets are not non-decreasing"),
     "id past the vocabulary": (_id_past_vocab, "train.tgt.bin: holds id .*, past the vocabulary"),
+    "id overwritten in range": (_id_in_range, "train.tgt.bin: does not match its checksum"),
     "missing split file": (lambda out: (out / "valid.tgt.bin").unlink(), "valid.tgt.bin: missing"),
-    "manifest without a split": (_manifest_without_valid, "manifest.json: names no valid split"),
+    "manifest without a split": (_manifest_without_valid, "manifest.json: does not match its checksum"),
+    "manifest not JSON": (lambda out: (out / MANIFEST).write_text('{"version": 1, "ke'), "manifest.json: not JSON"),
+    "manifest of 0 bytes": (lambda out: (out / MANIFEST).write_bytes(b""), r"manifest.json: empty \(0 bytes\)"),
+    "manifest integer edited": (_manifest_integer_edited, "manifest.json: does not match its checksum"),
+    "tokenizer deleted": (_rm_tokenizer, r"store/tokenizer/\S+: missing"),
 }
 
 
@@ -347,6 +371,10 @@ def _snapshot(directory):
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prepare(tmp_path, capsys, damage):
+    """A store named by data.prepared is only read: any damage, its manifest's included (not JSON, 0 bytes, one
+    integer edited), an id overwritten by another in range, its tokenizer deleted, is one line naming the store and
+    the `aiayn prepare` command, exit 2, and the store left byte for byte as it was; `aiayn prepare --verify` names
+    the same problem; `aiayn prepare` rebuilds it."""
     from aiayn.cli import main
 
     out = tmp_path / "store"
@@ -359,7 +387,7 @@ def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prep
     capsys.readouterr()
     run = tmp_path / "run"
     assert main(["train", "tiny_reverse", "--run-dir", str(run), *sets, "--set", f"data.prepared={out}",
-                 "--no-progress"]) == 2
+                 "--no-progress", "--set", "train.max_updates=1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "aiayn: " in line or "Traceback" in line]
     assert len(err) == 1 and err[0].startswith("aiayn: error: "), err
     assert f"aiayn prepare CONFIG --out {out}" in err[0]
@@ -367,7 +395,14 @@ def test_a_damaged_store_is_one_line_and_exit_2_for_training_and_rebuilt_by_prep
 
     assert re.search(message, err[0]), err[0]
     assert not run.exists() and _snapshot(out) == before  # refused before any work: nothing written, nothing lost
+    assert main(["prepare", "--verify", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and all(x.startswith("aiayn: error: ") for x in lines) and re.search(message, lines[0]), lines
+    assert _snapshot(out) == before
     assert main(["prepare", "tiny_reverse", "--out", str(out), *sets]) == 0  # the fix the line names works
+    capsys.readouterr()
+    assert main(["prepare", "--verify", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"{out}: sound (every file read and checked)"
     store = open_store(out, ("train", "valid"))
     assert len(store.splits["train"]) == 1499 and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
@@ -381,8 +416,9 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
     import time
     from pathlib import Path
 
+    from aiayn.data.integrity import CHECKED
     from aiayn.data.pipeline import pair_sources
-    from aiayn.data.store import CHECKED, LOCK, MARKER, PairRecipe, _build_with
+    from aiayn.data.store import LOCK, MARKER, PairRecipe, _build_with
     from aiayn.files import file_lock
 
     train = write_pairs(tmp_path, "train", 1500, 0)
@@ -509,3 +545,138 @@ def test_a_store_found_good_is_not_scanned_again_until_a_file_changes(tmp_path, 
     _id_past_vocab(out)
     with pytest.raises(DataError, match="past the vocabulary"):
         open_store(out)
+
+
+def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_changed(tmp_path, monkeypatch):
+    """The manifest holds a sha256 of every file; an opening hashes a file only when it changed since it was last
+    found good (the memo's size, times and inode), so an unchanged store is not read again, and one overwritten id
+    (still inside the vocabulary) is refused; `--verify` reads every file whatever the memo says."""
+    from aiayn.data.integrity import file_digest
+
+    out = tmp_path / "store"
+    store, _, _ = make(tmp_path, out)
+    files = store.manifest["files"]
+    assert sorted(files) == sorted(p.relative_to(out).as_posix() for p in out.rglob("*")  # all but the manifest
+                                   if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST)
+    assert all(file_digest(out / name) == digest for name, digest in files.items())
+    _id_in_range(out)
+    with pytest.raises(DataError, match=r"train.tgt.bin: does not match its checksum .*aiayn prepare CONFIG --out"):
+        open_store(out)
+    from aiayn.data.pipeline import verify_store
+
+    problems = verify_store(out)
+    assert len(problems) == 1 and "train.tgt.bin: does not match its checksum" in problems[0]
+
+
+def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified(tmp_path, caplog, capsys):
+    from aiayn.cli import main
+
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["files"], manifest["checksum"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING", logger="aiayn.data"):
+        store = open_store(out, ("train", "valid"))
+    assert len(store.splits["train"]) == 1499
+    assert "prepared without checksums (by an older aiayn)" in caplog.text and "unverified" in caplog.text
+    capsys.readouterr()
+    assert main(["prepare", "--verify", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == (f"{out}: its shape and ids are sound; prepared without checksums (by an "
+                                               "older aiayn), its contents are unverified")
+    _id_past_vocab(out)  # its shape and ids are still checked
+    with pytest.raises(DataError, match="past the vocabulary"):
+        open_store(out)
+
+
+@pytest.mark.parametrize("other", [["data.vocab_size=300"], ["data.src_lang=fr"], "inputs"])
+def test_a_named_store_of_other_settings_is_refused_never_rebuilt(tmp_path, capsys, other):
+    """Issue 62: `aiayn prepare CONFIG --out S --set data.vocab_size=300`, then `aiayn train CONFIG --set
+    data.prepared=S` (vocab 512) gave rc 0 and rebuilt S as a vocab-512 store. A store the user named is only read:
+    one line naming the store, what differs and the `aiayn prepare` command, exit 2, S byte for byte as it was."""
+    from aiayn.cli import main
+
+    train, valid = write_pairs(tmp_path, "train", 1500, 0), write_pairs(tmp_path, "valid", 60, 100)
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    out = tmp_path / "tr" / "other"
+    if other == "inputs":  # the same settings, another corpus
+        other_train = write_pairs(tmp_path, "train_b", 1500, 7)
+        prep = [*sets[:2], "--set", f"data.train_src={other_train[0]}", "--set", f"data.train_tgt={other_train[1]}",
+                *sets[6:]]
+        want = r"prepared from other inputs \(.*train_b.src"
+    else:
+        prep = [*sets, "--set", other[0]]
+        key, value = other[0].split("=")
+        want = {"data.vocab_size": "settings \\(data.vocab_size: 300 in the store, 512 in this config",
+                "data.src_lang": "settings \\(data.src_lang/data.tgt_lang: \\['fr', 'de'\\] in the store, "
+                                 "\\['en', 'de'\\] in this config"}[key]
+    assert main(["prepare", "tiny_reverse", "--out", str(out), *prep]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    run = tmp_path / "run"
+    code = main(["train", "tiny_reverse", "--run-dir", str(run), *sets, "--set", f"data.prepared={out}",
+                 "--no-progress", "--set", "train.max_updates=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "aiayn: " in line or "Traceback" in line]
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"aiayn: error: {out}: "), err
+    import re
+
+    assert re.search(want, err[0]), err[0]
+    assert "only read, never rebuilt" in err[0] and "aiayn prepare CONFIG --out" in err[0]
+    assert not run.exists() and _snapshot(out) == before
+
+
+def test_a_named_store_whose_preparing_never_finished_is_refused_by_training(tmp_path, capsys):
+    from aiayn.cli import main
+
+    out = tmp_path / "store"
+    _, train, valid = make(tmp_path, out)
+    sets = [x for kv in ("data.dataset=null", f"data.train_src={train[0]}", f"data.train_tgt={train[1]}",
+                         f"data.valid_src={valid[0]}", f"data.valid_tgt={valid[1]}") for x in ("--set", kv)]
+    (out / MANIFEST).unlink()  # as a killed `aiayn prepare` leaves it (or a deleted manifest)
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["train", "tiny_reverse", "--run-dir", str(tmp_path / "run"), *sets, "--set",
+                 f"data.prepared={out}", "--no-progress", "--set", "train.max_updates=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "an incomplete store (no manifest.json" in err[0], err
+    assert f"aiayn prepare CONFIG --out {out}" in err[0] and _snapshot(out) == before
+
+
+def test_the_budget_log_says_what_the_batches_are_and_a_budget_below_every_pair_is_refused(tmp_path, caplog):
+    """Issue 58: with 3 processes data.update_tokens=100 is rounded down to 99, and the log says so and why; with 1
+    process data.update_tokens=1 trained while the log said "batches of at most 1 tokens" (every pair formed a batch
+    of its own, over the budget): refused in one line; a budget that some pairs exceed says how many train alone."""
+    from aiayn.data.pipeline import build_translation_data
+    from aiayn.errors import ConfigError
+
+    train, valid = write_pairs(tmp_path, "train", 1500, 0), write_pairs(tmp_path, "valid", 60, 100)
+    store = [f"data.prepared={tmp_path / 'store'}"]
+
+    def build(world, *overrides):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="aiayn.data"):
+            return build_translation_data(file_config(train, valid, [*store, *overrides]), tmp_path / "run",
+                                          world=world)[0]
+
+    build(3, "data.update_tokens=100")
+    assert ("batches of at most 33 tokens; an update: 3 process(es) x 1 batch(es) = at most 99 tokens "
+            "(data.update_tokens=100 rounded down to 99: shared out in whole tokens over 3 process(es) x 1 batch(es))"
+            ) in caplog.text
+    build(2, "data.update_tokens=100")
+    assert "= at most 100 tokens (data.update_tokens)\n" in caplog.text + "\n" and "rounded" not in caplog.text
+    with pytest.raises(ConfigError, match=r"^data.update_tokens=1 gives each batch 1 token\(s\), fewer than the "
+                                          r"shortest training pair needs \(\d+ with its end-of-sequence token\).*"
+                                          r"raise it to at least \d+$"):
+        build(1, "data.update_tokens=1")
+    with pytest.raises(ConfigError, match=r"^data.max_tokens=2 gives each batch 2 token\(s\)"):
+        build(1, "data.max_tokens=2")
+    costs = build(1).pair_costs()
+    middle = int(np.median(costs))
+    data = build(1, f"data.max_tokens={middle}")
+    over = int((costs > middle).sum())
+    assert 0 < over < len(costs)
+    assert (f"{over:,} of {len(costs):,} training pairs need more than {middle} tokens (up to {int(costs.max())}): "
+            "each of them trains in a batch of its own, over the budget") in caplog.text
+    alone = [b for b in data.epoch_plan(0) if data.plan_tokens(b) > middle]
+    assert alone and all(len(b) == 1 for b in alone)  # what the line says the plan does

@@ -97,7 +97,7 @@ def test_runner_trains_evaluates_resumes_and_writes_the_table(file_recipe: Path,
     out = tmp_path / "table"
     table = run_table(file_recipe, out, rows="D3", seeds=[1])
     assert [r["row"] for r in table["rows"]] == ["base", "D3"]
-    assert (out / "prepared" / ".aiayn-store").exists()  # one tokenization for every row
+    assert (out / "prepared" / "seed1" / ".aiayn-store").exists()  # one tokenization for every row of a seed
     base = json.loads((out / "results" / "base-seed1.json").read_text())
     assert table["rows"][0]["parameters"] < 100_000  # counted with the run's own vocabulary (300), not 37,000
     assert base["updates"] == 12 and base["ppl"] > 1 and 0 <= base["bleu"] <= 100 and base["beam"] == 2

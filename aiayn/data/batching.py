@@ -168,8 +168,7 @@ def plan_batches(
     if pad_to_multiple < 1 or list(buckets) != sorted(set(buckets)) or any(b < 1 for b in buckets):
         raise ValueError("token_batches: pad_to_multiple must be >= 1 and buckets increasing positive lengths")
     src = np.asarray(src_lens, dtype=np.int32)
-    true_len = src.copy() if tgt_lens is None else np.maximum(src, np.asarray(tgt_lens, dtype=np.int32))
-    true_len += 1  # in place: one array of n, not two
+    true_len = _true_lengths(src, tgt_lens)
     padded = pad_to_multiple > 1 or bool(buckets)
     cost_len = _padded_lengths(true_len, pad_to_multiple, buckets) if padded else true_len
     # The tie-break: equal lengths come out in a seeded random order. random.shuffle on a compact array gives
@@ -223,6 +222,21 @@ def _sort_key(o: np.ndarray, *columns: np.ndarray | None) -> np.ndarray:
         key *= r
         key += c[o]
     return key
+
+
+def _true_lengths(src: np.ndarray, tgt_lens: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    """(n,) int32: each example's longer side + 1 (the EOS / BOS ``collate`` adds)."""
+    true_len = src.copy() if tgt_lens is None else np.maximum(src, np.asarray(tgt_lens, dtype=np.int32))
+    true_len += 1  # in place: one array of n, not two
+    return true_len
+
+
+def pair_costs(src_lens: Sequence[int] | np.ndarray, tgt_lens: Sequence[int] | np.ndarray | None,
+               pad_to_multiple: int = 1, buckets: Sequence[int] = ()) -> np.ndarray:
+    """(n,) int32: what each example alone costs of a batch's token budget in :func:`token_batches` (its longer
+    side + 1, padded as the batches are); an example that costs more than the budget forms a batch of its own."""
+    true_len = _true_lengths(np.asarray(src_lens, dtype=np.int32), tgt_lens)
+    return _padded_lengths(true_len, pad_to_multiple, buckets) if pad_to_multiple > 1 or buckets else true_len
 
 
 def _padded_lengths(lengths: np.ndarray, pad_to_multiple: int, buckets: Sequence[int]) -> np.ndarray:

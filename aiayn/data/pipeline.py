@@ -23,6 +23,7 @@ from aiayn.data.batching import (
     Batch,
     batch_shape,
     collate_flat,
+    pair_costs,
     plan_batches,
     token_batches,
 )
@@ -114,6 +115,11 @@ class TranslationData:
         when it needs them."""
         return plan_batches(self._src_lens, self._tgt_lens, self.max_tokens, self.seed, epoch, shuffle=True,
                             pad_to_multiple=self.pad_to_multiple, buckets=self.buckets)
+
+    def pair_costs(self) -> np.ndarray:
+        """(pairs,) what each training pair alone costs of a batch's budget, as the plan counts it (a pair over the
+        budget forms a batch of its own)."""
+        return pair_costs(self._src_lens, self._tgt_lens, self.pad_to_multiple, self.buckets)
 
     def plan_tokens(self, indices: np.ndarray) -> int:
         """The target tokens (each target and its EOS) of a planned batch: its ``Batch.ntokens``, uncollated."""
@@ -219,17 +225,61 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
     return sources, inputs
 
 
-def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild_damaged: bool = True):
-    """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs (a language model's text
-    or (document, summary) pairs: :func:`lm_recipe`) into the store ``out`` (:func:`aiayn.data.store.prepare`;
-    reused as it is when its inputs and settings are unchanged, rebuilt when it is damaged, or with
-    ``rebuild_damaged=False`` refused in one line)."""
-    from aiayn.data.store import prepare, prepare_store
+def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
+    """The store a config trains from, its tokenizer trained by the store: a language model's text or (document,
+    summary) pairs (:func:`lm_recipe`), else translation pairs (:class:`~aiayn.data.store.PairRecipe`)."""
+    from aiayn.data.store import PairRecipe
 
     if cfg.task == "lm":
-        return prepare_store(out, lm_recipe(cfg, None, workers), rebuild_damaged)
+        return lm_recipe(cfg, None, workers)
     sources, inputs = pair_sources(cfg)
-    return prepare(cfg, out, sources, inputs, workers=workers, rebuild_damaged=rebuild_damaged)
+    return PairRecipe(cfg, sources, inputs, None, workers)
+
+
+def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild: bool = True):
+    """``aiayn prepare CONFIG --out DIR``: tokenize the config's train and valid pairs (a language model's text
+    or (document, summary) pairs: :func:`corpus_recipe`) into the store ``out`` (:func:`aiayn.data.store.prepare_store`;
+    reused as it is when its inputs and settings are unchanged and its files check out, else rebuilt; with
+    ``rebuild=False`` a store that is there is only read), waiting at most ``train.setup_timeout_s`` for another
+    process that prepares it."""
+    from aiayn.data.store import prepare_store
+
+    return prepare_store(out, corpus_recipe(cfg, workers), rebuild, cfg.train.setup_timeout_s)
+
+
+def verify_store(directory: str | Path, wait_s: float | None = None) -> list[str]:
+    """``aiayn prepare --verify DIR``: every problem of the store in ``directory``, one line each (none: sound).
+    Every file is read: its checksum (written when it was prepared) and the store's shape and ids, whatever the memo
+    of earlier openings says; nothing is written. Under the store's shared lock (never while a builder replaces its
+    files), waited for at most ``wait_s`` seconds (``train.setup_timeout_s``'s default)."""
+    from aiayn.config import TrainConfig
+    from aiayn.data.store import open_locked
+
+    path = Path(directory)
+    return open_locked(path, _verify, TrainConfig().setup_timeout_s if wait_s is None else wait_s)
+
+
+def _verify(path: Path) -> list[str]:
+    from aiayn.data.integrity import Memo, check_files
+    from aiayn.data.store import STREAM_KIND, open_pairs, opened_manifest
+    from aiayn.data.stream_store import open_stream
+
+    try:
+        manifest = opened_manifest(path)
+    except DataError as e:
+        return [str(e)]
+    problems = []
+    try:
+        (open_stream(path, verify_all=True) if manifest.get("kind") == STREAM_KIND else
+         open_pairs(path, (), verify_all=True))
+    except DataError as e:
+        problems.append(str(e))
+    files = manifest.get("files")
+    if isinstance(files, dict):  # every changed file, not only the first the opening stopped at
+        for problem in check_files(path, files, Memo(path, enabled=False)):
+            if not any(problem.split(":")[0] in p for p in problems):
+                problems.append(f"{path}/{problem}")
+    return problems
 
 
 def check_data_sources(cfg: Config) -> None:
@@ -243,25 +293,17 @@ def check_data_sources(cfg: Config) -> None:
 
 
 def check_prepared(cfg: Config) -> None:
-    """Before a training makes its run directory: when ``data.prepared`` holds a store of this config's inputs and
-    settings, check it (one DataError naming the file and the fix if it is damaged). A store of other inputs, or
-    none, is (re)built later, under its lock; a store in the cache (no ``data.prepared``) is rebuilt when damaged."""
-    if cfg.data.prepared is None or cfg.task == "lm":
-        return
-    from aiayn.data.store import open_locked, open_store, store_key
+    """Before a training makes its run directory: a store that ``data.prepared`` names, when it is there, is only
+    read (:func:`aiayn.data.store.open_only`): one DataError naming the store and the ``aiayn prepare`` command
+    if it is damaged or was prepared for other settings or inputs. A named directory that is new or empty is
+    prepared later, under its lock; a store in the cache (no ``data.prepared``) is rebuilt when damaged."""
+    from aiayn.data.integrity import MANIFEST
+    from aiayn.data.store import open_locked, open_only
 
-    out = Path(cfg.data.prepared)
-    manifest = read_manifest(out)
-    if manifest is None:
+    if cfg.data.prepared is None or not (Path(cfg.data.prepared) / MANIFEST).exists():
         return
-    if cfg.task == "lm":
-        recipe = lm_recipe(cfg)
-        if manifest.get("key") == recipe.key:
-            open_locked(out, recipe.open)
-        return
-    sources, inputs = pair_sources(cfg)
-    if manifest.get("key") == store_key(cfg, inputs, None):
-        open_store(out, tuple(sources))
+    recipe = corpus_recipe(cfg)
+    open_locked(Path(cfg.data.prepared), lambda path: open_only(path, recipe), cfg.train.setup_timeout_s)
 
 
 def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
@@ -281,22 +323,55 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
                           f"says data.pretokenize={cfg.data.pretokenize!r}")
     fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take
     train, valid = store.splits["train"], store.splits["valid"]
+    data = TranslationData(train.src, train.tgt, valid.src, valid.tgt, budget, cfg.train.seed, tok.specials,
+                           cfg.data.pad_to_multiple, tuple(cfg.data.length_buckets))
+    costs = check_budget(cfg, data, world)
     if is_main:
         max_len = cfg.data.max_len or cfg.model.max_positions
         for name, info in store.manifest["splits"].items():
             log.info("%s: %s; %s source + %s target tokens, from the store %s", name,
                      describe_clean_stats(info["stats"], max_len), f"{info['src_tokens']:,}",
                      f"{info['tgt_tokens']:,}", store.path)
-        _log_budget(cfg, budget, world)
-    return TranslationData(train.src, train.tgt, valid.src, valid.tgt, budget, cfg.train.seed, tok.specials,
-                           cfg.data.pad_to_multiple, tuple(cfg.data.length_buckets)), tok
+        _log_budget(cfg, budget, world, costs)
+    return data, tok
 
 
-def _log_budget(cfg: Config, budget: int, world: int) -> None:
-    k = cfg.train.accum_steps
+def _budget_setting(cfg: Config, world: int) -> tuple[str, int]:
+    """The setting that makes a batch's budget, and the least value of it that gives each batch ``1`` token."""
+    if cfg.data.update_tokens is None:
+        return f"data.max_tokens={cfg.data.max_tokens}", 1
+    return f"data.update_tokens={cfg.data.update_tokens}", world * cfg.train.accum_steps
+
+
+def check_budget(cfg: Config, data: TranslationData, world: int) -> np.ndarray:
+    """The training pairs' costs against a batch's budget (:func:`~aiayn.data.batching.pair_costs`): a budget below
+    the cheapest pair would train every pair alone, over the budget, and is refused in one line; returns the costs
+    (the log says how many pairs are over it)."""
+    costs = data.pair_costs()
+    least = int(costs.min()) if len(costs) else 0
+    if least > data.max_tokens:
+        setting, per_token = _budget_setting(cfg, world)
+        raise ConfigError(f"{setting} gives each batch {data.max_tokens:,} token(s), fewer than the shortest training "
+                          f"pair needs ({least} with its end-of-sequence token): every batch would be one pair over "
+                          f"the budget; raise it to at least {least * per_token:,}")
+    return costs
+
+
+def _log_budget(cfg: Config, budget: int, world: int, costs: np.ndarray) -> None:
+    """The batches as they are: their budget, an update's, the rounding of data.update_tokens, and the pairs that
+    train alone because they cost more than the budget."""
+    k, update = cfg.train.accum_steps, cfg.data.update_tokens
+    why = ""
+    if update is not None:
+        why = " (data.update_tokens)" if budget * world * k == update else (
+            f" (data.update_tokens={update:,} rounded down to {budget * world * k:,}: shared out in whole tokens "
+            f"over {world} process(es) x {k} batch(es))")
     log.info("batches of at most %s tokens; an update: %d process(es) x %d batch(es) = at most %s tokens%s",
-             f"{budget:,}", world, k, f"{budget * world * k:,}",
-             " (data.update_tokens)" if cfg.data.update_tokens is not None else "")
+             f"{budget:,}", world, k, f"{budget * world * k:,}", why)
+    over = int((costs > budget).sum())
+    if over:
+        log.info("%s of %s training pairs need more than %s tokens (up to %s): each of them trains in a batch of its "
+                 "own, over the budget", f"{over:,}", f"{len(costs):,}", f"{budget:,}", f"{int(costs.max()):,}")
 
 
 def lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> Recipe:
@@ -340,8 +415,9 @@ def run_store(cfg: Config, run_dir: Path, recipe_of: Callable[[Path | None], Rec
     if has and not named and not _trained_with(out, recipe.key, tdir):
         recipe = recipe_of(tdir)
         out = cached_store_dir(recipe.key)
-    # a store the user named is refused when damaged (aiayn prepare rebuilds it); the cache's is rebuilt
-    store = prepare_store(out, recipe, rebuild_damaged=not named)
+    # a store the user named is only read (damage or other settings: one line; aiayn prepare rebuilds it); the
+    # cache's is rebuilt
+    store = prepare_store(out, recipe, rebuild=not named, wait_s=cfg.train.setup_timeout_s)
     if has and named and not tokenizer_matches(tdir, store.tokenizer_dir):
         raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
     if is_main and not has:

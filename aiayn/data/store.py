@@ -59,20 +59,20 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import sha256_file
-from aiayn.errors import DataError
-from aiayn.files import TMP_SUFFIX, atomic_write_json, file_lock, is_temporary
+from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, load_manifest, seal
+from aiayn.errors import DataError, PeerError
+from aiayn.files import TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
 
 STORE_VERSION = 1  # bump when preparing produces other ids from the same inputs
-MANIFEST = "manifest.json"
 MARKER = ".aiayn-store"  # written first and kept: a directory without a manifest but with it may be rebuilt
 LOCK = ".aiayn-store.lock"  # flock: exclusive while one process builds, shared while one opens
-CHECK_CHUNK = 1 << 22  # ids read at a time when a store is checked (8-16 MB: memory stays flat)
 CHUNK = 20_000  # pairs encoded per task
 PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker processes (below, one process is faster)
 PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a manifest without a kind is one)
+STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream (aiayn.data.stream_store)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
 
@@ -122,16 +122,17 @@ class Side:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def check(self, vocab_size: int) -> str | None:
+    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
         """What is wrong with this side, None when nothing: offsets from 0, non-decreasing, ending at the ids
-        file's length; every id below ``vocab_size``. Vectorized; the ids are read in bounded chunks."""
+        file's length; every id below ``vocab_size``, and the file's checksum (``files``, the manifest's; None for a
+        store prepared before checksums) unless ``memo`` found it good as it is. Vectorized, in bounded chunks."""
         o = self.offsets
         if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
-            return f"{self.path.with_suffix('.idx').name}: its offsets are not non-decreasing from 0"
+            return f"{self.offsets_path.name}: its offsets are not non-decreasing from 0"
         if int(o[-1]) * self.dtype.itemsize != self.file_bytes:
             return (f"{self.path.name}: {self.file_bytes:,} bytes where its offsets need "
                     f"{int(o[-1]) * self.dtype.itemsize:,} (truncated or damaged)")
-        return scan_ids(self._fd, self.path, self.dtype, self.n_ids, vocab_size)
+        return check_ids(self._fd, self.path, self.dtype, self.n_ids, vocab_size, files, memo)
 
     def lengths(self) -> np.ndarray:
         """(pairs,) int32: the token count of every pair (no specials)."""
@@ -176,40 +177,6 @@ class Side:
                 raise DataError(f"{self.path}: shorter than its offsets (truncated while read?)")
             at += n
         return buf.astype(np.int64), lens
-
-
-CHECKED = ".aiayn-checked.json"  # files whose ids were found below the vocabulary, by identity (see scan_ids)
-
-
-def _identity(fd: int, vocab_size: int) -> list[int]:
-    st = os.fstat(fd)
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, vocab_size]
-
-
-def scan_ids(fd: int, path: Path, dtype: np.dtype, n_ids: int, vocab_size: int) -> str | None:
-    """None when every one of the ``n_ids`` ids of the open file ``fd`` (``path``) is below ``vocab_size``, else
-    what is wrong. Vectorized, in bounded chunks. A file found good is remembered in the store's
-    :data:`CHECKED` by its size, modification and change times (ns) and inode, so the next opening of the same,
-    unchanged file (every later start and every rank) skips the scan: any write changes the change time, which
-    cannot be set back. A store in a read-only directory is scanned every time."""
-    memo_path = path.parent / CHECKED
-    try:
-        memo = json.loads(memo_path.read_bytes())
-    except (OSError, ValueError):
-        memo = {}
-    identity = _identity(fd, vocab_size)
-    if isinstance(memo, dict) and memo.get(path.name) == identity:
-        return None
-    size = dtype.itemsize
-    for start in range(0, n_ids, CHECK_CHUNK):
-        ids = np.frombuffer(os.pread(fd, CHECK_CHUNK * size, start * size), dtype=dtype)
-        if len(ids) and int(ids.max()) >= vocab_size:
-            return f"{path.name}: holds id {int(ids.max())}, past the vocabulary of {vocab_size:,}"
-    memo = memo if isinstance(memo, dict) else {}
-    memo[path.name] = identity
-    with contextlib.suppress(OSError):  # a read-only store: scanned again next time, nothing lost
-        atomic_write_json(memo_path, memo)
-    return None
 
 
 @dataclass(frozen=True)
@@ -299,16 +266,47 @@ def tokenizer_matches(a: Path, b: Path) -> bool:
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """The manifest of a complete store, None when there is none or it cannot be read (then it is rebuilt)."""
+    """The manifest of a complete store, None when there is none or it cannot be trusted (unreadable, another
+    version, edited: :func:`~aiayn.data.integrity.load_manifest` says which); then aiayn's cache rebuilds it."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_bytes())
-    except (OSError, ValueError):
+        return load_manifest(directory, STORE_VERSION)
+    except DataError:
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("version") == STORE_VERSION else None
 
 
 def _rebuild_hint(path: Path) -> str:
     return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
+
+
+def opened_manifest(path: Path) -> dict[str, Any]:
+    """The checked manifest of the store ``path`` for an opening: a missing one says the store is not (yet) prepared,
+    a damaged one names the problem and the fix; one DataError either way."""
+    if not (path / MANIFEST).exists():
+        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
+                        "prepares it")
+    try:
+        return load_manifest(path, STORE_VERSION)
+    except DataError as e:
+        raise DataError(f"{e}: {_rebuild_hint(path)}") from None
+
+
+def check_store_files(path: Path, manifest: dict[str, Any], memo: Memo, id_files: set[str]) -> None:
+    """The files of an opened store beside its id files (those are checked as they are read): their checksums when
+    its manifest has them (the offsets, the tokenizer), else only its tokenizer's presence and a note in the log
+    that the store is unverified. One DataError naming the first problem and the fix; the memo is written once
+    every check has passed."""
+    files = manifest.get("files")
+    if isinstance(files, dict):
+        problems = check_files(path, files, memo, skip=id_files)
+        if problems:
+            raise DataError(f"{path}/{problems[0]}: {_rebuild_hint(path)}")
+    else:
+        log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
+                    "contents unverified; aiayn prepare into a new directory gives a verified store", path)
+    tokenizer = path / "tokenizer" / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise DataError(f"{tokenizer}: missing (the store's tokenizer): {_rebuild_hint(path)}")
+    memo.save()
 
 
 def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | None:
@@ -322,22 +320,22 @@ def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | 
     if not isinstance(splits, dict) or not all(isinstance(i, dict) and isinstance(i.get("pairs"), int)
                                                and i["pairs"] >= 0 for i in splits.values()):
         return "its splits are missing or malformed"
+    if "files" in manifest and not isinstance(manifest["files"], dict):
+        return "its list of files is malformed"
     missing = [n for n in need if n not in splits]
     return f"names no {', '.join(missing)} split" if missing else None
 
 
-def _open(path: Path, need: tuple[str, ...]) -> Store:
+def open_pairs(path: Path, need: tuple[str, ...], verify_all: bool = False) -> Store:
     """Open and check the store in ``path`` (the caller holds its lock, or none exists): one DataError naming
-    the file and the fix for anything wrong."""
-    manifest = read_manifest(path)
-    if manifest is None:
-        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
-                        "prepares it")
+    the file and the fix for anything wrong. ``verify_all``: every file read and checked, none skipped as unchanged
+    (``aiayn prepare --verify``)."""
+    manifest = opened_manifest(path)
     problem = _manifest_problem(manifest, need)
     if problem is not None:
         raise DataError(f"{path / MANIFEST}: {problem}: {_rebuild_hint(path)}")
-    dtype = np.dtype(manifest["dtype"])
-    splits = {}
+    dtype, memo, files = np.dtype(manifest["dtype"]), Memo(path, enabled=not verify_all), manifest.get("files")
+    splits, id_files = {}, set()
     for name, info in manifest["splits"].items():
         sides = []
         for side in ("src", "tgt"):
@@ -349,31 +347,51 @@ def _open(path: Path, need: tuple[str, ...]) -> Store:
                                 ) from None
             except (OSError, DataError) as e:
                 raise DataError(f"{path}/{name}.{side}: unreadable ({e}): {_rebuild_hint(path)}") from None
-            problem = side_.check(int(manifest.get(f"{side}_vocab_size", manifest["vocab_size"])))
+            problem = side_.check(int(manifest.get(f"{side}_vocab_size", manifest["vocab_size"])), files, memo)
             if problem is not None:
                 raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
             sides.append(side_)
+            id_files.add(ids.name)
         if len(sides[0]) != len(sides[1]):  # pragma: no cover (both sides are sized by the same manifest count)
             raise DataError(f"{path}: split {name}: sides of unequal length: {_rebuild_hint(path)}")
         splits[name] = Split(*sides)
+    check_store_files(path, manifest, memo, id_files)
     return Store(path, manifest, splits)
 
 
-def open_store(directory: str | Path, need: tuple[str, ...] = ()) -> Store:
+def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
     """The prepared store in ``directory``, checked (:meth:`Side.check`; ``need``: splits it must hold): a
     missing, incomplete or damaged store is one DataError naming the file and the fix. Opened under the
-    store's shared lock, so never while a builder replaces its files."""
-    return open_locked(Path(directory), lambda path: _open(path, need))
+    store's shared lock, so never while a builder replaces its files (waiting at most ``wait_s`` for one)."""
+    return open_locked(Path(directory), lambda path: open_pairs(path, need), wait_s)
 
 
-def open_locked(path: Path, opener: Callable[[Path], Any]) -> Any:
+@contextlib.contextmanager
+def store_lock(path: Path, shared: bool, wait_s: float | None) -> Iterator[HeldLock]:
+    """The lock of the store ``path`` (:data:`LOCK`), waited for at most ``wait_s`` seconds (``train.setup_timeout_s``;
+    None: as long as it takes): then one line (:class:`~aiayn.errors.PeerError`) naming the process that holds it,
+    what it was doing, and the setting."""
+    def waiting(who: str) -> None:
+        limit = f" (at most train.setup_timeout_s={wait_s:g} s)" if wait_s is not None else ""
+        log.info("%s: waiting for the process (pid %s) that prepares it%s", path, who, limit)
+
+    try:
+        with file_lock(path / LOCK, shared=shared, waiting=waiting, timeout_s=wait_s) as held:
+            yield held
+    except LockTimeout as e:
+        raise PeerError(f"{path}: waited train.setup_timeout_s={e.waited_s:g} s for the process that prepares this "
+                        f"store, {e.holder.describe()}; or raise train.setup_timeout_s, or prepare the store before "
+                        "training (aiayn prepare CONFIG --out DIR, then --set data.prepared=DIR)") from None
+
+
+def open_locked(path: Path, opener: Callable[[Path], Any], wait_s: float | None = None) -> Any:
     """``opener(path)`` under the store's shared lock (any kind of store), so never while a builder replaces its
-    files; a directory without a lock file (no store, or one of an earlier version) is opened as it is."""
+    files (waited for at most ``wait_s`` seconds: :func:`store_lock`); a directory without a lock file (no store, or
+    one of an earlier version) is opened as it is."""
     if not (path / LOCK).is_file():
         return opener(path)
     try:
-        with file_lock(path / LOCK, shared=True, waiting=lambda who: log.info(
-                "%s: waiting for the process (pid %s) that prepares it", path, who)):
+        with store_lock(path, True, wait_s):
             return opener(path)
     except FileNotFoundError:  # the directory went while this waited: a failed build removed it
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
@@ -466,6 +484,11 @@ class Recipe(Protocol):
     (:mod:`aiayn.data.stream_store`)."""
 
     key: str  # sha256 of everything the store's ids depend on (:func:`store_key`)
+    inputs: dict[str, str]  # what the store is prepared from, for the key and the manifest
+
+    def manifest_settings(self) -> dict[str, Any]:
+        """The settings the manifest records (:func:`settings` and those of this kind of store)."""
+        ...
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Write the store's files into the empty directory ``stage``; the manifest to write (with ``key``)."""
@@ -477,58 +500,110 @@ class Recipe(Protocol):
 
 
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
-            tokenizer: str | Path | None = None, workers: int | None = None, rebuild_damaged: bool = True) -> Store:
+            tokenizer: str | Path | None = None, workers: int | None = None, rebuild: bool = True) -> Store:
     """Tokenize ``sources`` (split -> a function streaming its pairs) into the store ``out`` and open it
-    (:func:`prepare_store` of a :class:`PairRecipe`). ``inputs`` names what the sources read (for the key);
-    ``tokenizer``: use this tokenizer directory instead of training one on a sample of the training pairs."""
+    (:func:`prepare_store` of a :class:`PairRecipe`, waiting at most ``train.setup_timeout_s`` for another process
+    that prepares it). ``inputs`` names what the sources read (for the key); ``tokenizer``: use this tokenizer
+    directory instead of training one on a sample of the training pairs."""
     recipe = PairRecipe(cfg, sources, inputs, Path(tokenizer) if tokenizer is not None else None, workers)
-    return prepare_store(out, recipe, rebuild_damaged)
+    return prepare_store(out, recipe, rebuild, cfg.train.setup_timeout_s)
 
 
-def prepare_store(out: str | Path, recipe: Recipe, rebuild_damaged: bool = True) -> Any:
+def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s: float | None = None) -> Any:
     """Build ``recipe``'s store in ``out`` and open it; an existing store with the same key is opened as it is
-    (checked: a damaged one is rebuilt, or with ``rebuild_damaged=False`` refused).
+    (checked: a damaged one is rebuilt). ``rebuild=False`` (a store the user named, ``data.prepared``): a store
+    that is there is only read (:func:`open_only`: another key or any damage is one line), and only a new or empty
+    directory is built.
 
-    Safe under concurrent starts: one process builds under ``out``'s lock, the others wait for it and open what
-    it built. A builder writes into its own staging directory and moves the files in at the end, the manifest
-    last; a failure leaves the store that was there (and removes ``out`` when this call created it)."""
+    Safe under concurrent starts: one process builds under ``out``'s lock, the others wait for it (at most
+    ``wait_s`` seconds, ``train.setup_timeout_s``: :func:`store_lock`) and open what it built. A builder writes into
+    its own staging directory and moves the files in at the end, the manifest last; a failure leaves the store that
+    was there (and removes ``out`` when this call created it)."""
     out, key = Path(out), recipe.key
+    if not rebuild and out.is_dir():  # read under the shared lock (a waiter writes nothing): a store, or leftovers
+        store = open_locked(out, lambda path: _named(path, recipe), wait_s)
+        if store is not None:
+            return store
     manifest = read_manifest(out)
     if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
         try:
-            store = open_locked(out, recipe.open)
+            store = open_locked(out, recipe.open, wait_s)
             if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
                 return store
         except DataError as e:
-            if not rebuild_damaged:
-                raise
             log.warning("%s; rebuilding it", e)
     _refuse_foreign(out)
     with contextlib.ExitStack() as held:
         while True:
             made = _make_dirs(out)
             try:
-                held.enter_context(file_lock(out / LOCK, waiting=lambda who: log.info(
-                    "%s: waiting for the process (pid %s) that prepares it", out, who)))
+                lock = held.enter_context(store_lock(out, False, wait_s))
                 break
             except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
                 continue
         try:
+            store = _named(out, recipe) if not rebuild else None  # built by another process while we waited?
+            if store is not None:
+                return store
             manifest = read_manifest(out)
             if manifest is not None and manifest.get("key") == key:  # another process built it while we waited
                 try:
                     return recipe.open(out)
                 except DataError as e:
-                    if not rebuild_damaged:
-                        raise
                     log.warning("%s; rebuilding it", e)
             _refuse_foreign(out)
-            _build_with(out, recipe)
+            _build_with(out, recipe, lock)
             return recipe.open(out)
         except BaseException:
             if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
                 shutil.rmtree(made, ignore_errors=True)
             raise
+
+
+def open_only(out: Path, recipe: Recipe) -> Any:
+    """Open the store ``out`` the user named (``data.prepared``) for ``recipe``, never rebuilding it: a damaged
+    manifest or file, or a store of other settings or inputs (another key), is one DataError naming the store and
+    the ``aiayn prepare`` command. The caller holds its lock (or there is none)."""
+    manifest = opened_manifest(out)
+    if manifest.get("key") != recipe.key:
+        raise DataError(f"{out}: prepared from other {explain_mismatch(manifest, recipe)}: a store named by "
+                        "data.prepared is only read, never rebuilt; prepare one for this config (aiayn prepare "
+                        "CONFIG --out NEW_DIR, then --set data.prepared=NEW_DIR), or train with the store's settings")
+    return recipe.open(out)
+
+
+# How the settings a store depends on (:func:`settings`) are named in a config.
+SETTING_NAMES = {"task": "task", "langs": "data.src_lang/data.tgt_lang", "seed": "train.seed"}
+
+
+def explain_mismatch(manifest: dict[str, Any], recipe: Recipe) -> str:
+    """``settings (data.vocab_size: 300 in the store, 512 in this config)`` or ``inputs (...)``: the first few
+    differences between a store's manifest and what ``recipe`` would prepare."""
+    def diff(kind: str, have: Any, want: dict[str, Any], name: Callable[[str], str]) -> str | None:
+        have = have if isinstance(have, dict) else {}
+        keys = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        shown = [f"{name(k)}: {have.get(k, 'none')!r} in the store, {want.get(k, 'none')!r} in this config"
+                 for k in keys[:3]]
+        return f"{kind} ({'; '.join(shown)}{'; ...' if len(keys) > 3 else ''})" if keys else None
+
+    return (diff("settings", manifest.get("settings"), recipe.manifest_settings(),
+                 lambda k: SETTING_NAMES.get(k, f"data.{k}"))
+            or diff("inputs", manifest.get("inputs"), recipe.inputs, str)
+            or "settings (its key differs: prepared with another tokenizer, or by another aiayn)")
+
+
+def _named(out: Path, recipe: Recipe) -> Any:
+    """A store the user named, as it is: opened (:func:`open_only`) when it has a manifest; refused when an
+    unfinished build left its files (``aiayn prepare`` rebuilds it, a training does not); None when there is
+    nothing yet (a new or empty directory: it is built). The caller holds its lock."""
+    if (out / MANIFEST).exists():
+        return open_only(out, recipe)
+    left = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, MARKER) and not is_temporary(p.name))
+    if left:
+        raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {', '.join(left[:3])}"
+                        f"{' ...' if len(left) > 3 else ''}): its preparing never finished; a store named by "
+                        f"data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out} prepares it")
+    return None
 
 
 def _make_dirs(out: Path) -> Path | None:
@@ -553,23 +628,42 @@ def _refuse_foreign(out: Path) -> None:
         raise DataError(f"{out}: exists and is not a prepared corpus; choose an empty or new directory")
 
 
-def _build_with(out: Path, recipe: Recipe) -> None:
+# The lock of the store this process builds now: what it is doing is written there (:func:`note`), for the
+# processes that wait on it (and name it when they give up).
+_BUILDING: list[HeldLock] = []
+
+
+def note(doing: str) -> None:
+    """Say what the build of a store is doing now (training its tokenizer, encoding a split) in its lock file."""
+    for lock in _BUILDING:
+        lock.doing(doing)
+
+
+def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None:
     """Build the store in a staging directory inside ``out`` (this builder's own: no other writer's temporaries
-    can mix with it) and move it in, the manifest last. The caller holds ``out``'s exclusive lock."""
+    can mix with it) and move it in, the manifest last, with the checksum of every file and its own
+    (:func:`~aiayn.data.integrity.seal`). The caller holds ``out``'s exclusive lock (``lock``: where :func:`note`
+    writes what the build is doing)."""
     (out / MARKER).write_text("a token store prepared by aiayn (aiayn prepare): aiayn may rebuild this directory\n")
     for p in out.iterdir():  # what a killed builder left: no process writes there now (we hold the lock)
         if is_temporary(p.name):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".build.", suffix=TMP_SUFFIX, dir=out))
+    _BUILDING[:] = [lock] if lock is not None else []
     try:
+        note("preparing it: reading the corpus")
         manifest = recipe.build_into(stage)
+        note("preparing it: writing the checksums of its files")
+        manifest = seal(manifest, stage)
         (out / MANIFEST).unlink(missing_ok=True)  # from here until the manifest is written, the store is incomplete
         if (out / "tokenizer").exists():
             shutil.rmtree(out / "tokenizer")
         for p in stage.iterdir():
             os.replace(p, out / p.name)
         atomic_write_json(out / MANIFEST, manifest)  # last: its presence marks a complete store
+        note("opening it")
     finally:
+        _BUILDING.clear()
         shutil.rmtree(stage, ignore_errors=True)
         release_free_memory()
 
@@ -585,6 +679,7 @@ def place_tokenizer(stage: Path, given: Path | None, train: Callable[[Path], Non
     if given is not None:
         shutil.copytree(given, tdir)
     else:
+        note("preparing it: training its tokenizer")
         train(tdir)
         release_free_memory()
     return tdir
@@ -628,7 +723,10 @@ class PairRecipe:
         self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra)
 
     def open(self, path: Path) -> Store:
-        return _open(path, tuple(self.sources))
+        return open_pairs(path, tuple(self.sources))
+
+    def manifest_settings(self) -> dict[str, Any]:
+        return {**settings(self.cfg), **(self.extra or {})}
 
     def _train(self, tdir: Path) -> None:
         """The default tokenizer: two passes over the training pairs (sources, then targets), a sample of each,
@@ -665,6 +763,7 @@ class PairRecipe:
         cut = cfg.task == "summarization" and max_len is not None
         with _encoders(tdir, max_len, cut, workers) as encode:
             for name, source in self.sources.items():
+                note(f"preparing it: encoding its {name} split")
                 writer = _Writer(stage, name, dtype)
                 progress = ItemProgress(counts[name], "pair", f"prepare {name}")
                 for encoded in encode(_chunks(source(), CHUNK)):
@@ -675,6 +774,6 @@ class PairRecipe:
                 if not splits[name]["pairs"]:
                     raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
         return {"version": STORE_VERSION, "key": self.key, "kind": PAIRS, "created": now(),
-                "settings": {**settings(cfg), **(self.extra or {})}, "inputs": self.inputs, "dtype": dtype.name,
+                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
                 "vocab_size": vocab, "src_vocab_size": tok.src.vocab_size, "tgt_vocab_size": tok.tgt.vocab_size,
                 "splits": splits}

@@ -39,14 +39,16 @@ import torch
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, lm_batch, lm_block_order
+from aiayn.data.integrity import MANIFEST, Memo, check_ids
 from aiayn.data.store import (
-    MANIFEST,
     PARALLEL_BYTES,
     STORE_VERSION,
+    STREAM_KIND,
+    check_store_files,
+    note,
     now,
+    opened_manifest,
     place_tokenizer,
-    read_manifest,
-    scan_ids,
     settings,
     storage_dtype,
     store_key,
@@ -56,7 +58,7 @@ from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
 
-STREAM = "stream"  # the manifest's kind
+STREAM = STREAM_KIND  # the manifest's kind
 SPLITS = ("train", "valid")
 READ_BYTES = 4 << 20  # text read (and encoded) at a time
 LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
@@ -276,14 +278,15 @@ class Stream:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def check(self, vocab_size: int) -> str | None:
-        """What is wrong with the file, None when nothing: its length, and every id below ``vocab_size``
-        (read in bounded chunks, vectorized)."""
+    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
+        """What is wrong with the file, None when nothing: its length, every id below ``vocab_size``, and its
+        checksum (``files``: the manifest's; None for a store prepared before checksums), unless ``memo`` found it
+        good as it is (read in bounded chunks, vectorized)."""
         size = self.dtype.itemsize
         if self.file_bytes != self.tokens * size:
             return (f"{self.path.name}: {self.file_bytes:,} bytes where its manifest needs {self.tokens * size:,} "
                     "(truncated or damaged)")
-        return scan_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size)
+        return check_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size, files, memo)
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """ids[start:stop] (n,) int64."""
@@ -321,13 +324,11 @@ def _rebuild_hint(path: Path) -> str:
     return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
 
 
-def open_stream(path: Path) -> StreamStore:
+def open_stream(path: Path, verify_all: bool = False) -> StreamStore:
     """Open and check the stream store in ``path`` (the caller holds its lock, or none exists): one DataError
-    naming the file and the fix for anything wrong."""
-    manifest = read_manifest(path)
-    if manifest is None:
-        raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
-                        "prepares it")
+    naming the file and the fix for anything wrong. ``verify_all``: every file read and checked, none skipped as
+    unchanged (``aiayn prepare --verify``)."""
+    manifest = opened_manifest(path)
     splits = manifest.get("splits")
     if manifest.get("kind") != STREAM:
         raise DataError(f"{path / MANIFEST}: holds a {manifest.get('kind', 'pairs')!r} store, not a language "
@@ -337,6 +338,9 @@ def open_stream(path: Path) -> StreamStore:
                 splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
         raise DataError(f"{path / MANIFEST}: its dtype, vocabulary size or splits are missing or wrong: "
                         f"{_rebuild_hint(path)}")
+    memo, files = Memo(path, enabled=not verify_all), manifest.get("files")
+    if files is not None and not isinstance(files, dict):
+        raise DataError(f"{path / MANIFEST}: its list of files is malformed: {_rebuild_hint(path)}")
     streams = {}
     for name in SPLITS:
         try:
@@ -346,10 +350,11 @@ def open_stream(path: Path) -> StreamStore:
                             ) from None
         except OSError as e:
             raise DataError(f"{path}/{name}.bin: unreadable ({e}): {_rebuild_hint(path)}") from None
-        problem = stream.check(manifest["vocab_size"])
+        problem = stream.check(manifest["vocab_size"], files, memo)
         if problem is not None:
             raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
         streams[name] = stream
+    check_store_files(path, manifest, memo, {f"{name}.bin" for name in SPLITS})
     return StreamStore(path, manifest, streams)
 
 
@@ -375,6 +380,9 @@ class StreamRecipe:
     def open(self, path: Path) -> StreamStore:
         return open_stream(path)
 
+    def manifest_settings(self) -> dict[str, Any]:
+        return {**settings(self.cfg), **self.extra()}
+
     def _train(self, tdir: Path, split: int) -> None:
         """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
         seeded sample), or on its characters (char: every one, the newline included)."""
@@ -391,6 +399,7 @@ class StreamRecipe:
         """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
         from aiayn.data.tokenizer import TokenizerPair
 
+        note("preparing it: counting the text's characters")
         chars, visible = count_chars(self.path)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
@@ -407,6 +416,7 @@ class StreamRecipe:
         tokens = {name: 0 for name in SPLITS}
         files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
         progress = ItemProgress(chars, "char", "prepare")
+        note("preparing it: encoding the text")
         try:
             with _encoders(tdir, workers) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
@@ -418,7 +428,7 @@ class StreamRecipe:
                 f.close()
             progress.close()
         return {"version": STORE_VERSION, "key": self.key, "kind": STREAM, "created": now(),
-                "settings": {**settings(self.cfg), **self.extra()}, "inputs": self.inputs, "dtype": dtype.name,
+                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
                 "vocab_size": tok.src.vocab_size, "chars": {"train": split, "valid": chars - split},
                 "splits": {name: {"tokens": tokens[name]} for name in SPLITS}}
 

@@ -301,10 +301,11 @@ def _listing(entries: list[str], limit: int = 3) -> str:
 
 def check_every_process_sees(run_dir: Path, d: Dist) -> None:
     """Rank 0 writes the run directory (tokenizer, prepared data, checkpoints) and every other process reads it,
-    so processes on several machines need it on a file system they share. Rank 0 writes a probe file there; each
-    process says whether it sees it (and on which host it runs); if any does not, every process raises the same
-    one line naming the hosts that do not, within seconds, instead of a missing-file error on one node and a
-    broken collective (or a watchdog timeout) on the others."""
+    so processes on several machines need the same run directory on a file system they share. Rank 0 writes a probe
+    file there; each process says which directory it was given, whether it sees the probe there, and on which host it
+    runs; if any was given another directory or does not see it, every process raises the same one line naming each
+    process's host, rank and directory, within seconds, instead of a missing-file error on one node and a broken
+    collective (or a watchdog timeout) on the others."""
     if d.world == 1:
         return
     import secrets
@@ -316,14 +317,39 @@ def check_every_process_sees(run_dir: Path, d: Dist) -> None:
     if d.main:
         probe.write_text(host, encoding="utf-8")
     d.barrier()
-    seen = d.gather_objects((host, probe.exists()))  # also the barrier before rank 0 removes the probe
+    # also the barrier before rank 0 removes the probe
+    seen = d.gather_objects((host, probe.exists(), os.path.abspath(run_dir)))
     if d.main:
         probe.unlink(missing_ok=True)
-    blind = sorted({f"{h} (rank {r})" for r, (h, ok) in enumerate(seen) if not ok})
+    problem = _unshared_run_dir(seen)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _unshared_run_dir(seen: list[tuple[str, bool, str]]) -> str | None:
+    """The line for processes (``(host, sees rank 0's probe, its run directory)`` in rank order) that do not share
+    rank 0's run directory, None when all do."""
+    def ranks(rows: list[int]) -> str:
+        by_host: dict[str, list[int]] = {}
+        for r in rows:
+            by_host.setdefault(seen[r][0], []).append(r)
+        return ", ".join(f"{h} (rank {', '.join(map(str, rs))})" for h, rs in by_host.items())
+
+    host0, _, dir0 = seen[0]
+    elsewhere: dict[str, list[int]] = {}
+    for r, (_, _, d) in enumerate(seen):
+        if d != dir0:
+            elsewhere.setdefault(d, []).append(r)
+    need = "several machines need one run directory, the same --run-dir on a file system they share " \
+           "(docs/distributed.md)"
+    if elsewhere:
+        given = "; ".join(f"{ranks(rs)} {'was' if len(rs) == 1 else 'were'} given {d}" for d, rs in elsewhere.items())
+        return f"the processes of this job were given other run directories: rank 0 on {host0} writes {dir0}; " \
+               f"{given}: {need}"
+    blind = [r for r, (_, ok, _) in enumerate(seen) if not ok]
     if blind:
-        raise CheckpointError(f"{run_dir}: not seen by the process(es) on {', '.join(blind)}, while rank 0 on "
-                              f"{seen[0][0]} writes it: several machines need the run directory on a file system "
-                              "they share (docs/distributed.md)")
+        return f"{dir0}: written by rank 0 on {host0}, but not seen by {ranks(blind)} at that path: {need}"
+    return None
 
 
 @contextlib.contextmanager

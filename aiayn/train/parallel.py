@@ -5,6 +5,7 @@ its timeouts (:func:`init_distributed`), and the check that the processes still 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -14,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from aiayn.device import resolve_device
-from aiayn.errors import DesyncError, DeviceError
+from aiayn.errors import DesyncError, DeviceError, PeerError, collective_timed_out
+from aiayn.files import LockHolder
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Dist:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     setup_group: Any = None  # the gloo group of the setup barriers (their own, long timeout)
+    setup_timeout_s: float = 86400.0  # train.setup_timeout_s: that group's timeout
+    processes: list[tuple[int, str]] = field(default_factory=list)  # (pid, host) of every rank, in rank order
 
     @property
     def main(self) -> bool:
@@ -37,9 +41,32 @@ class Dist:
 
     def setup_barrier(self) -> None:
         """The barrier where the other processes wait while rank 0 prepares the data (tokenizer, store, caches):
-        on its own gloo group, whose timeout is ``train.setup_timeout_s`` rather than the training collectives'."""
-        if self.world > 1:
+        on its own gloo group, whose timeout is ``train.setup_timeout_s`` rather than the training collectives'.
+        Past it, one line (:class:`~aiayn.errors.PeerError`) naming the process(es) waited for and the setting."""
+        if self.world == 1:
+            return
+        try:
             dist.barrier(group=self.setup_group)
+        except RuntimeError as e:
+            if not collective_timed_out(e):
+                raise
+            raise PeerError(self.setup_timeout_message()) from None
+
+    def setup_timeout_message(self) -> str:
+        """What a process that waited ``train.setup_timeout_s`` at a setup barrier says: rank 0, which prepares the
+        data, or (on rank 0) the others, each by pid and host, and whether it is stopped."""
+        def who(rank: int) -> str:
+            pid, host = self.processes[rank] if rank < len(self.processes) else ("?", None)
+            return LockHolder(str(pid), host).describe()
+
+        if self.main:
+            waited = "the other processes: " + "; ".join(f"rank {r}: {who(r)}" for r in range(1, self.world))
+        else:
+            waited = ("rank 0, which prepares the data (run directory, tokenizer, token store) for every process: "
+                      f"{who(0)}")
+        return (f"waited train.setup_timeout_s={self.setup_timeout_s:g} s at a setup barrier for {waited}; or raise "
+                "train.setup_timeout_s, or prepare the data first (aiayn prepare CONFIG --out DIR, then --set "
+                "data.prepared=DIR)")
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every process's ``obj`` (picklable, small), in rank order, on every process."""
@@ -62,6 +89,14 @@ class Dist:
         if self.world > 1:
             dist.all_reduce(t)
         return t
+
+    def max_of(self, value: int) -> int:
+        """The largest of the processes' ``value``, on every process."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def broadcast_flag(self, flag: bool, device: torch.device) -> bool:
         """Rank 0's decision, for all (so every process stops at the same update)."""
@@ -92,15 +127,27 @@ def init_distributed(device: str | torch.device = "auto", timeout_s: float = 180
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         timeout = timedelta(seconds=timeout_s)
-        # torchrun's store outlives a restart (--max-restarts) and still holds the dead processes' addresses under
-        # the keys a new group reads: each attempt gets keys of its own, or a restarted group may connect to a
-        # dead port (refused, or a hang).
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(
-            f"aiayn/attempt-{attempt}/", store), rank=rank, world_size=world, timeout=timeout)
+            store_prefix(), store), rank=rank, world_size=world, timeout=timeout)
     setup = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup_timeout_s))
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup)
+    processes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(processes, (os.getpid(), socket.gethostname()), group=setup)  # named by a timeout
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup, setup_timeout_s, processes)
+
+
+def store_prefix() -> str:
+    """The keys of this attempt's process group in torchrun's store.
+
+    The agent's own store (``TORCHELASTIC_USE_AGENT_STORE``: static rendezvous, or c10d sharing its store) outlives a
+    restart (``--max-restarts``) and still holds the dead processes' addresses under the keys a new group reads:
+    each attempt gets keys of its own, or a restarted group may connect to a dead port (refused, or a hang). A fresh
+    store per rendezvous round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the setup that takes a replacement node,
+    docs/distributed.md) holds no old keys, and there the restart count is not the same on every node (a
+    replacement's agent counts from 0), so its keys carry none."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"aiayn/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return "aiayn/"
 
 
 def check_rank_device(device: torch.device, local_rank: int, world: int) -> None:

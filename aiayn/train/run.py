@@ -42,13 +42,17 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     check_fits_in_memory(cfg.model)  # likewise a model this machine cannot hold
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart and not resume:  # torchrun --max-restarts restarted the job: go on from its newest checkpoint
-        log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
-        resume = True
     own_group = not (dist.is_available() and dist.is_initialized())  # a caller's own group stays the caller's
     d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s, cfg.train.setup_timeout_s)
     threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
+        # torchrun --max-restarts restarted the job: go on from its newest checkpoint. Agreed by every process: a
+        # replacement node's agent counts its restarts from 0 while the others count on (docs/distributed.md).
+        restart = d.max_of(restart)
+        if restart and not resume:
+            if d.main:
+                log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
+            resume = True
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
