@@ -45,6 +45,10 @@ class DeviceError(UserError, RuntimeError):
     """A device or precision this machine does not offer (``--device cuda`` without CUDA, bf16 on CPU, ...)."""
 
 
+class Interrupted(UserError, RuntimeError):
+    """Work stopped from outside (a signal to one of a runner's worker processes); running it again goes on."""
+
+
 class DesyncError(UserError, RuntimeError):
     """The processes of one training no longer hold the same model (their gradient or weight norms differ)."""
 
@@ -105,5 +109,5 @@ def _peer_lost(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "UserError", "first_line",
-           "one_line", "require", "user_error_message"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "Interrupted", "UserError",
+           "first_line", "one_line", "require", "user_error_message"]
