@@ -198,7 +198,7 @@ def cmd_table3(args: argparse.Namespace) -> int:
     if args.threads is not None:
         args.set = [*args.set, f"train.threads={args.threads}"]
     table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, parallel=args.parallel)
     print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
     return 0
 
@@ -440,6 +440,8 @@ def _add_table3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--updates", type=int, default=None, help="updates per row (default: the base's "
                    "train.max_updates; the big row trains 3x as many, as in the paper)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override on the base")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="rows trained at a time, in N processes (several share one GPU; default 1)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
     p.set_defaults(func=cmd_table3)

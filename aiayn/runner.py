@@ -131,11 +131,11 @@ def _do_jobs(jobs: Sequence[Job], finish: Finish, claims: Path, progress: bool) 
     """Every job of the plan that no other worker has claimed and that is not done: trained and finished. A job
     that fails is logged and the others go on; returns the failures."""
     failures: list[BaseException] = []
-    claims.mkdir(parents=True, exist_ok=True)
     for i, job in enumerate(jobs, 1):
         if job.done.exists():
             log.info("%d/%d %s: done already (%s)", i, len(jobs), job.name, job.done)
             continue
+        claims.mkdir(parents=True, exist_ok=True)  # only now: a plan with nothing to do writes nothing
         with claim(claims / f"{job.name}.lock") as mine:
             if not mine:
                 log.info("%d/%d %s: another worker has it", i, len(jobs), job.name)
