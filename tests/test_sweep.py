@@ -125,3 +125,20 @@ def test_refusals_come_before_any_work(tmp_path: Path, capsys):
         from aiayn.sweep import Sweep, run_sweep
 
         run_sweep(Sweep(config="lm_tinyshakespeare_char_quick", out=out))
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path: Path):
+    """The runner's third case (aiayn.runner.train_job): a run directory with its marker, config and tokenizer but
+    no checkpoint yet is started again (not refused as a run to resume, not written over as a foreign folder)."""
+    import shutil
+
+    from aiayn.config import load_config
+    from aiayn.runner import Job, train_job
+
+    cfg = load_config("tiny_reverse", [*TINY_RUN_OVERRIDES, "train.max_updates=4", "train.save_every=4",
+                                       "train.eval_every=4"])
+    job = Job("x", cfg, tmp_path / "run", tmp_path / "done.json")
+    assert train_job(job).step == 4
+    shutil.rmtree(job.run_dir / "checkpoints")
+    (job.run_dir / "model.safetensors").unlink()
+    assert train_job(job).step == 4 and (job.run_dir / "model.safetensors").is_file()
