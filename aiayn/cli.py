@@ -468,7 +468,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME_OR_KEY=VALUE",
                    help="a variant: NAME KEY=VALUE ... (repeat for more; default one, 'recipe', the recipe as it is)")
     p.add_argument("--variants", default=None, metavar="GRID.yaml",
-                   help="a grid file: set (on every run), variants and decode choices, e.g. configs/sweeps/...")
+                   help="a grid file (or a shipped one by name, e.g. multi30k_search): set (on every run), "
+                        "variants and decode choices")
+    p.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
+                   help="of the grid's variants, only these (a search sized to the time at hand)")
     p.add_argument("--decode", action="append", nargs="+", default=[], metavar="NAME_OR_KEY=VALUE",
                    help="a decoding scored on validation: NAME [average_last=K] [beam=N alpha=A length_penalty=P] "
                         "(default one, 'run': the run's own weights and decoding)")

@@ -132,10 +132,24 @@ def decoding_from(name: str, values: dict[str, Any]) -> Decoding:
     return Decoding(_name("decoding", name), avg, tuple(sorted(values.items())))
 
 
+def grid_path(name: str | Path) -> Path:
+    """A grid file as given, or one shipped in ``configs/sweeps/`` by name (``multi30k_search``)."""
+    from aiayn.config.loading import CONFIG_DIR
+
+    p = Path(name)
+    if p.exists():
+        return p
+    shipped = CONFIG_DIR / "sweeps" / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(q.stem for q in (CONFIG_DIR / "sweeps").glob("*.yaml")))
+    raise ConfigError(f"--variants {name}: no such file or shipped grid (shipped: {known or 'none'})")
+
+
 def read_grid(path: str | Path) -> tuple[list[str], list[Variant], list[Decoding]]:
     """A sweep's grid file: ``set`` (items on every run), ``variants`` (name -> {key: value}) and ``decode``
     (name -> {average_last, beam, alpha, ...}); every other key is refused."""
-    data = load_yaml(path)
+    data = load_yaml(grid_path(path))
     unknown = sorted(set(data) - {"set", "variants", "decode"})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r} (a grid has set, variants and decode)")
@@ -537,7 +551,10 @@ def run_sweep(sweep: Sweep, parallel: int | None = None, progress: bool = False)
     records = read_records(plan)
     chosen = choice_of(plan, records) if failure is None else None
     if chosen is not None and sweep.test:
-        test_chosen(plan, ctx, chosen)
+        try:
+            test_chosen(plan, ctx, chosen)
+        except Exception as e:  # noqa: BLE001 - as above: the table of what is scored, then the error
+            failure = e
         records = read_records(plan)
     table = write_outputs(plan, records, chosen)
     if failure is not None:
@@ -548,6 +565,12 @@ def run_sweep(sweep: Sweep, parallel: int | None = None, progress: bool = False)
 def sweep_cli(args) -> int:
     """``aiayn sweep``: the command line's options as a :class:`Sweep`, run; the table's place printed."""
     common, variants, decodings = read_grid(args.variants) if args.variants else ([], [], [])
+    if args.only:
+        unknown = sorted(set(args.only) - {v.name for v in variants})
+        if unknown:
+            raise ConfigError(f"--only {unknown[0]}: no such variant in {args.variants or 'the sweep'} (variants: "
+                              f"{', '.join(v.name for v in variants) or 'none'})")
+        variants = [v for v in variants if v.name in args.only]
     for name, *items in args.variant:
         parse_items(f"--variant {name}", items)  # each item KEY=VALUE
         variants.append(Variant(_name("variant", name), tuple(items)))

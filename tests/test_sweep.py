@@ -142,3 +142,27 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path: Path):
     shutil.rmtree(job.run_dir / "checkpoints")
     (job.run_dir / "model.safetensors").unlink()
     assert train_job(job).step == 4 and (job.run_dir / "model.safetensors").is_file()
+
+
+def test_the_shipped_multi30k_grid_is_a_valid_search_in_both_directions():
+    """configs/sweeps/multi30k_search.yaml: every variant a valid config of either recipe, every decoding valid
+    options, the literature's row as docs/multi30k_experiments.md reads the 41.02 run's command."""
+    from aiayn.sweep import Sweep, decoding_from, job_config, read_grid
+
+    common, variants, decodings = read_grid("multi30k_search")
+    names = [v.name for v in variants]
+    assert {"recipe", "literature", "lc_b8k", "lc_moses_b8k"} <= set(names) and len(set(names)) == len(names)
+    for config in ("multi30k_en_de", "multi30k_de_en"):
+        sweep = Sweep(config=config, out=Path("unused"), common=tuple(common))
+        for v in variants:
+            cfg = job_config(sweep, v, 1)
+            for d in decodings:
+                cfg.decode.replace(**dict(d.options))
+    lit = job_config(Sweep(config="multi30k_en_de", out=Path("unused")), variants[names.index("literature")], 1)
+    assert (lit.data.lowercase, lit.data.pretokenize, lit.data.update_tokens, lit.train.accum_steps) == (
+        True, "moses", 8192, 2)
+    assert (lit.train.schedule, lit.train.lr, lit.train.warmup, lit.train.label_smoothing, lit.model.dropout,
+            lit.train.max_updates) == ("inverse_sqrt", 0.005, 2000, 0.0, 0.3, 8000)
+    assert lit.train.eval_bleu  # the sweep's default: the figure's lines
+    avg = {d.name: d.average_last for d in decodings}
+    assert avg["avg10_b5_len"] == 10 and dict(decoding_from("x", {"beam": "5"}).options) == {"beam": 5}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aiayn.train.metrics import Series, curves_data
 
-__all__ = ["curves_data", "plot_curves"]  # curves_data: re-exported for the viz command
+__all__ = ["curves_data", "plot_curves", "plot_seed_curves"]  # curves_data: re-exported for the viz command
 
 
 def plot_curves(curves: dict[str, Series], out: str | Path, title: str = "", width: int | None = None,
@@ -59,9 +59,9 @@ def plot_curves(curves: dict[str, Series], out: str | Path, title: str = "", wid
 def plot_seed_curves(runs: dict[str, dict[str, Series]], out: str | Path, title: str = "",
                      width: int | None = None, height: int | None = None) -> Path:
     """Validation BLEU against updates, one line per run (``runs``: label -> its :func:`curves_data`, labels
-    "VARIANT seed S"): a colour per variant, a marker per seed, so the spread between seeds is the spread between
-    lines of one colour. Runs that logged no BLEU (train.eval_bleu off) are drawn by their validation NLL instead,
-    in a second panel."""
+    "VARIANT seed S"): a colour per variant and a line style per seed, so the spread between seeds is the spread
+    between lines of one colour (one variant: a colour per seed). Runs that logged no BLEU (train.eval_bleu off)
+    are drawn by their validation NLL instead, in a second panel."""
     from aiayn.viz.common import new_figure, save_figure, suptitle
 
     with_bleu = {k: c["valid_bleu"] for k, c in runs.items() if "valid_bleu" in c}
@@ -72,12 +72,15 @@ def plot_seed_curves(runs: dict[str, dict[str, Series]], out: str | Path, title:
     axes = fig.subplots(1, max(1, len(panels)), squeeze=False)[0]
     variants = list(dict.fromkeys(label.rsplit(" seed ", 1)[0] for label in runs))
     seeds = list(dict.fromkeys(label.rsplit(" seed ", 1)[-1] for label in runs))
-    markers = "osD^v<>ph*"
+    markers, styles = "osD^v<>ph*", ("-", "--", ":", "-.")
     for ax, (series, what) in zip(axes, panels):
         for label, s in series.items():
             variant, seed = label.rsplit(" seed ", 1)[0], label.rsplit(" seed ", 1)[-1]
-            ax.plot(s.steps, s.values, color=f"C{variants.index(variant) % 10}",
-                    marker=markers[seeds.index(seed) % len(markers)], markersize=3, linewidth=1.2, label=label)
+            i, j = variants.index(variant), seeds.index(seed)
+            # One variant: a colour per seed. Several: a colour per variant, a line style and marker per seed.
+            ax.plot(s.steps, s.values, color=f"C{(i if len(variants) > 1 else j) % 10}", marker=markers[j % 10],
+                    linestyle=styles[j % len(styles)] if len(variants) > 1 else "-", markersize=4, linewidth=1.2,
+                    label=label)
         ax.set_title(what, fontsize=10)
         ax.set_xlabel("update step")
         ax.set_ylabel("BLEU" if "BLEU" in what else "NLL (nats per token)")
