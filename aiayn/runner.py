@@ -17,6 +17,7 @@ reported and the others go on; the first failure is raised once every job has ha
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -25,6 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiayn.config import Config
 from aiayn.errors import Interrupted, user_error_message
@@ -53,6 +55,14 @@ class Trained:
 
 
 Finish = Callable[[Job, Trained], None]
+
+
+def settings_of(cfg: Config, leave_out: Sequence[str]) -> dict[str, Any]:
+    """``cfg`` as ``{"section.key": value}`` (JSON values) without the keys ``leave_out``: what a plan's results
+    were made with, compared when a plan is run again."""
+    from aiayn.train.ownership import flatten
+
+    return json.loads(json.dumps({k: v for k, v in flatten(cfg.to_dict()).items() if k not in leave_out}))
 
 
 def share_cpu(cfg: Config, parallel: int) -> Config:

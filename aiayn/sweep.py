@@ -37,7 +37,7 @@ from typing import Any
 
 from aiayn.config import Config, ConfigError, load_config, load_yaml
 from aiayn.files import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable, staged_directory
-from aiayn.runner import Job, Trained, default_parallel, run_jobs, share_cpu
+from aiayn.runner import Job, Trained, default_parallel, run_jobs, settings_of, share_cpu
 
 log = logging.getLogger("aiayn.sweep")
 
@@ -169,15 +169,6 @@ def read_grid(path: str | Path) -> tuple[list[str], list[Variant], list[Decoding
             else:
                 into.append(decoding_from(str(name), dict(values)))
     return sets, variants, decodings
-
-
-def settings_of(cfg: Config, leave_out: Sequence[str]) -> dict[str, Any]:
-    """``cfg`` as ``{"section.key": value}`` (JSON values) without the keys ``leave_out``."""
-    flat: dict[str, Any] = {}
-    for section, values in cfg.to_dict().items():
-        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
-            flat[f"{section}.{key}" if key else section] = value
-    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in leave_out}))
 
 
 # --- planning: everything checked before the first update -------------------------------------------------------
@@ -396,7 +387,12 @@ def choice_of(plan: Plan, records: dict[str, dict[str, Any]]) -> dict[str, Any] 
     path = plan.sweep.out / "choice.json"
     fresh = choose(plan, records)
     if path.is_file():
-        kept = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            kept["variant"], kept["decoding"]  # noqa: B018 - the fields the test splits are scored for
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{path}: not a sweep's choice; if no test split was scored yet, delete it to "
+                              "choose again") from None
         if fresh is not None and (fresh["variant"], fresh["decoding"]) != (kept["variant"], kept["decoding"]):
             log.warning("the validation scores now favour %s / %s; the choice made before (%s / %s) stays, since "
                         "its test scores were read", fresh["variant"], fresh["decoding"], kept["variant"],

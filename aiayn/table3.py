@@ -34,7 +34,7 @@ import torch
 from aiayn.config import Config, ConfigError, load_config
 from aiayn.errors import DataError
 from aiayn.files import atomic_write_json, atomic_write_text, check_writable
-from aiayn.runner import Job, Trained, run_jobs, share_cpu
+from aiayn.runner import Job, Trained, run_jobs, settings_of, share_cpu
 
 log = logging.getLogger("aiayn.table3")
 
@@ -221,11 +221,7 @@ RESULT_FIELDS: dict[str, type] = {
 def base_settings(cfg: Config) -> dict[str, Any]:
     """The settings of a table's base that all its results share, ``key.sub: value`` (JSON values): the base
     config without :data:`UNSCORED`."""
-    flat: dict[str, Any] = {}
-    for section, values in cfg.to_dict().items():
-        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
-            flat[f"{section}.{key}" if key else section] = value
-    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in UNSCORED}))
+    return settings_of(cfg, UNSCORED)
 
 
 def read_result(path: Path) -> dict[str, Any]:
