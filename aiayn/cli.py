@@ -222,9 +222,15 @@ def cmd_table3(args: argparse.Namespace) -> int:
     if args.threads is not None:
         args.set = [*args.set, f"train.threads={args.threads}"]
     table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, parallel=args.parallel)
     print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from aiayn.sweep import sweep_cli
+
+    return sweep_cli(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -298,7 +304,7 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
 
 
 # Commands that train pass --threads on as train.threads (a resume keeps the count its checkpoints used).
-TRAINING_COMMANDS = ("train", "table3")
+TRAINING_COMMANDS = ("train", "table3", "sweep")
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -462,9 +468,52 @@ def _add_table3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--updates", type=int, default=None, help="updates per row (default: the base's "
                    "train.max_updates; the big row trains 3x as many, as in the paper)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override on the base")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="rows trained at a time, in N processes (several share one GPU; default 1)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
     p.set_defaults(func=cmd_table3)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="seeds and variants of a recipe: trained side by side, chosen on validation, "
+                                     "tested once; mean and deviation per split",
+                       description="Trains each variant x seed of CONFIG (several at once on a GPU: --parallel), "
+                                   "scores every run on validation under each --decode choice, chooses the best mean "
+                                   "on validation, and only then scores the chosen runs on the test splits. Writes "
+                                   "OUT/table.md (mean and standard deviation per split and metric), per-run JSON and "
+                                   "curves.png (validation BLEU against updates, a line per run). Rerun the same "
+                                   "command to go on after an interruption: finished runs are kept.")
+    p.add_argument("config", help="the translation recipe (YAML or preset), e.g. configs/multi30k_en_de.yaml")
+    p.add_argument("--out", required=True, metavar="DIR", help="results: new, empty, or this sweep's own (e.g. "
+                   "results/NAME); another sweep's is refused")
+    p.add_argument("--work", default=None, metavar="DIR", help="where the runs train (checkpoints; default "
+                   "runs/sweeps/<OUT's name>)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1], metavar="SEED", help="train.seed of each run "
+                   "(default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override on every run, over the variants' own (e.g. train.max_minutes=7)")
+    p.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME_OR_KEY=VALUE",
+                   help="a variant: NAME KEY=VALUE ... (repeat for more; default one, 'recipe', the recipe as it is)")
+    p.add_argument("--variants", default=None, metavar="GRID.yaml",
+                   help="a grid file (or a shipped one by name, e.g. multi30k_search): set (on every run), "
+                        "variants and decode choices")
+    p.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
+                   help="of the grid's variants, only these (a search sized to the time at hand)")
+    p.add_argument("--decode", action="append", nargs="+", default=[], metavar="NAME_OR_KEY=VALUE",
+                   help="a decoding scored on validation: NAME [average_last=K] [beam=N alpha=A length_penalty=P] "
+                        "(default one, 'run': the run's own weights and decoding)")
+    p.add_argument("--splits", nargs="+", default=None, metavar="SPLIT",
+                   help="test splits (default: the dataset's, e.g. Multi30k's test_2016_flickr test_2017_flickr "
+                        "test_2017_mscoco)")
+    p.add_argument("--select", default="bleu_lc_tok", choices=["bleu", "chrf", "bleu_lc_tok"],
+                   help="the validation metric the choice maximizes (default bleu_lc_tok)")
+    p.add_argument("--no-test", action="store_true", help="validation only: no choice is tested")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="trainings at a time (default: 3 on a GPU, 1 on a CPU)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
+    p.set_defaults(func=cmd_sweep)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -569,8 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_presets, _add_translate, _add_evaluate, _add_prepare, _add_average, _add_report,
-                _add_table3, _add_generate, _add_summarize, _add_export, _add_import, _add_viz, _add_serve,
-                _add_demo):
+                _add_table3, _add_sweep, _add_generate, _add_summarize, _add_export, _add_import, _add_viz,
+                _add_serve, _add_demo):
         add(sub)
     return parser
 

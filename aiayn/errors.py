@@ -50,6 +50,10 @@ class PeerError(UserError, RuntimeError):
     share) stopped, froze or did not answer within the timeout the config gives it."""
 
 
+class Interrupted(UserError, RuntimeError):
+    """Work stopped from outside (a signal to one of a runner's worker processes); running it again goes on."""
+
+
 class DesyncError(UserError, RuntimeError):
     """The processes of one training no longer hold the same model (their gradient or weight norms differ)."""
 
@@ -138,5 +142,5 @@ def _peer_lost(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "PeerError", "UserError",
-           "collective_timed_out", "first_line", "one_line", "require", "user_error_message"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "Interrupted", "PeerError",
+           "UserError", "collective_timed_out", "first_line", "one_line", "require", "user_error_message"]

@@ -344,6 +344,28 @@ def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], N
                 os.close(fd)  # closing the descriptor releases the flock
 
 
+@contextlib.contextmanager
+def claim(path: str | Path) -> Iterator[bool]:
+    """Try once to take an exclusive ``flock`` on the file ``path`` (created if missing, in an existing directory):
+    yields True while this process holds it, False at once when another process does (several workers sharing a
+    list of jobs: each job is done by the one that claims it). The lock ends with the block, or with the process."""
+    if fcntl is None:  # pragma: no cover
+        yield True
+        return
+    fd = os.open(Path(path), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        _HELD.add(fd)
+        yield True
+    finally:
+        _HELD.discard(fd)
+        os.close(fd)  # closing the descriptor releases the flock
+
+
 class RunLock:
     """The exclusive ``flock`` on RUN/.aiayn-run.lock; :meth:`acquire` fails at once when another process holds it."""
 
@@ -459,5 +481,5 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
 
 __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
-           "default_file_mode", "file_lock", "is_temporary", "lock_holder", "locked", "remove_stale_temporaries",
-           "staged_directory"]
+           "claim", "default_file_mode", "file_lock", "is_temporary", "lock_holder", "locked",
+           "remove_stale_temporaries", "staged_directory"]

@@ -8,9 +8,10 @@ command that runs a small table on a CPU is the recipe for the paper's table on 
 
 Each (row, seed) trains into OUT/runs/ROW-seedS and leaves OUT/results/ROW-seedS.json when evaluated; a
 rerun skips what is done and resumes a row from its last checkpoint, so an interrupted table goes on row by
-row. Several runners may share one OUT (e.g. one per GPU, or two one-thread runners on a 2-core CPU, with
-other --rows): a row whose run another runner holds is skipped, and every runner writes the table of all the
-results there when it ends.
+row. ``--parallel N`` trains N rows at a time in N processes (several small models share one GPU); several
+runners may also share one OUT (e.g. one per GPU, or two one-thread runners on a 2-core CPU, with other --rows):
+a row another runner or process holds is skipped, and every runner writes the table of all the results there
+when it ends (:mod:`aiayn.runner` runs the plan, as for ``aiayn sweep``).
 
 The columns are the paper's: perplexity per subword token on the validation set (the model's valid NLL after
 the last update, no label smoothing) and BLEU on it (sacreBLEU, the recipe's beam search, no checkpoint
@@ -22,9 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 
 from aiayn.config import SPEED_KEYS, Config, ConfigError, load_config
 from aiayn.errors import DataError
-from aiayn.files import atomic_write_json, atomic_write_text, check_writable, lock_holder
+from aiayn.files import atomic_write_json, atomic_write_text, check_writable
+from aiayn.runner import Job, Trained, run_jobs, settings_of, share_cpu
 
 log = logging.getLogger("aiayn.table3")
 
@@ -219,11 +221,7 @@ RESULT_FIELDS: dict[str, type] = {
 def base_settings(cfg: Config) -> dict[str, Any]:
     """The settings of a table's base that all its results share, ``key.sub: value`` (JSON values): the base
     config without :data:`UNSCORED`."""
-    flat: dict[str, Any] = {}
-    for section, values in cfg.to_dict().items():
-        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
-            flat[f"{section}.{key}" if key else section] = value
-    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in UNSCORED}))
+    return settings_of(cfg, UNSCORED)
 
 
 def read_result(path: Path) -> dict[str, Any]:
@@ -278,18 +276,53 @@ def check_results(out: Path, settings: dict[str, Any]) -> None:
         check_result(p, read_result(p), settings)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """What scoring a trained row needs (sent to worker processes): the table's directory and base settings,
+    and which (row, seed) each job is."""
+
+    out: Path
+    settings: dict[str, Any]
+    who: dict[str, tuple[str, int, str]]  # job name -> (row, seed, what the row sets on this base)
+
+
+def _finish_row(ctx: _Rows, job: Job, trained: Trained) -> None:
+    """A trained row scored as the paper's Table 3 scores it (validation perplexity and BLEU); its result written."""
+    from aiayn.eval.evaluate import EvalData, evaluate_translation
+    from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
+    from aiayn.train.report import run_report
+
+    name, seed, here = ctx.who[job.name]
+    row, run_dir = BY_NAME[name], job.run_dir
+    nll = run_report(run_dir)["valid_nll"]
+    if nll is None or nll["last_step"] != trained.step:
+        raise RuntimeError(f"{run_dir}: no validation after the last update")  # the trainer always evaluates
+    ev = evaluate_translation(run_dir, EvalData(split="valid", name="table3_valid"))
+    record = {
+        "row": row.name, "group": row.group, "change": row.change, "seed": seed, "here": here,
+        "updates": trained.step, "parameters": parameters_at(load_config(run_dir / "config.yaml")),
+        "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
+        "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
+        "beam": ev["decode"]["beam"], "train_s": round(trained.elapsed_s, 1), "eval_s": ev["wall_s"],
+        "wall_s": round(trained.elapsed_s + ev["wall_s"], 1),  # training (from its first start) and evaluation
+        "threads": read_checkpoint_state(run_dir, list_checkpoints(run_dir)[-1]).get("cpu_threads"),
+        "base_settings": ctx.settings,
+    }
+    check_results(ctx.out, ctx.settings)  # another runner on this --out may have written others meanwhile
+    atomic_write_json(job.done, record)
+    log.info("table3 %s seed %d: PPL %.2f, BLEU %.2f (%.0f s)", row.name, seed, record["ppl"], record["bleu"],
+             record["wall_s"])
+
+
 def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "all", seeds: Sequence[int] = (1,),
-              updates: int | None = None, extra: Sequence[str] = (), progress: bool = False) -> dict[str, Any]:
-    """Train and evaluate every (row, seed) not done yet into ``out``, then write ``out``/table3.{md,json,png}.
+              updates: int | None = None, extra: Sequence[str] = (), progress: bool = False,
+              parallel: int = 1) -> dict[str, Any]:
+    """Train and evaluate every (row, seed) not done yet into ``out``, ``parallel`` at a time (:mod:`aiayn.runner`:
+    processes sharing one GPU), then write ``out``/table3.{md,json,png}.
 
     Everything that can be refused is refused before the first update: the base (a translation recipe), the
     rows, the seeds, every row's config (a change the base cannot take, e.g. more heads than its width), and a
     writable ``out``. Returns the table (:func:`collect`)."""
-    from aiayn.eval.evaluate import EvalData, evaluate_translation
-    from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
-    from aiayn.train.report import run_report
-    from aiayn.train.run import train
-
     out = Path(out)
     chosen = select_rows(rows)
     seeds = list(dict.fromkeys(seeds))
@@ -297,6 +330,8 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
         raise ConfigError(f"--seeds: give one or more non-negative integers, got {seeds}")
     if updates is not None and updates < 1:
         raise ConfigError(f"--updates must be at least 1, got {updates}")
+    if parallel < 1:
+        raise ConfigError(f"--parallel must be at least 1, got {parallel}")
     base_cfg = load_config(base, list(extra))
     if base_cfg.task != "translation":
         raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
@@ -319,42 +354,14 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     check_writable(out)
     atomic_write_json(out / "table3_base.json", {"base": str(base), "overrides": list(extra), "updates": updates})
 
-    for i, (row, seed, cfg) in enumerate(plans, 1):
-        check_results(out, settings)  # another runner on this --out may have written some since
-        done = _result_path(out, row, seed)
-        if done.exists():
-            log.info("table3 %d/%d: %s seed %d done already (%s)", i, len(plans), row.name, seed, done)
-            continue
-        run_dir = out / "runs" / f"{row.name}-seed{seed}"
-        holder = lock_holder(run_dir)
-        if holder is not None:  # another runner on the same --out trains it: its result joins the table later
-            log.info("table3 %d/%d: %s seed %d is being trained by process %s; skipped here", i, len(plans),
-                     row.name, seed, holder)
-            continue
-        resume = run_dir.is_dir() and bool(list_checkpoints(run_dir))
-        log.info("table3 %d/%d: %s (%s) seed %d: %s, %d updates%s", i, len(plans), row.name, row.change, seed,
-                 _row_label(row, cfg, base_cfg), cfg.train.max_updates, ", resumed" if resume else "")
-        start = time.perf_counter()
-        state = train(cfg, run_dir, resume=resume, progress=progress)
-        rep = run_report(run_dir)
-        nll = rep["valid_nll"]
-        if nll is None or nll["last_step"] != state.step:
-            raise RuntimeError(f"{run_dir}: no validation after the last update")  # the trainer always evaluates
-        ev = evaluate_translation(run_dir, EvalData(split="valid", name="table3_valid"))
-        record = {
-            "row": row.name, "group": row.group, "change": row.change, "seed": seed,
-            "here": _row_label(row, cfg, base_cfg), "updates": state.step,
-            "parameters": parameters_at(load_config(run_dir / "config.yaml")),
-            "valid_nll": nll["last"], "ppl": math.exp(nll["last"]),
-            "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
-            "beam": ev["decode"]["beam"], "train_s": round(state.elapsed_s, 1), "eval_s": ev["wall_s"],
-            "wall_s": round(time.perf_counter() - start, 1),
-            "threads": read_checkpoint_state(run_dir, list_checkpoints(run_dir)[-1]).get("cpu_threads"),
-            "base_settings": settings,
-        }
-        atomic_write_json(_result_path(out, row, seed), record)
-        log.info("table3 %s seed %d: PPL %.2f, BLEU %.2f (%.0f s)", row.name, seed, record["ppl"], record["bleu"],
-                 record["wall_s"])
+    jobs, who = [], {}
+    for row, seed, cfg in plans:
+        name = f"{row.name}-seed{seed}"
+        jobs.append(Job(name, share_cpu(cfg, parallel), out / "runs" / name, _result_path(out, row, seed)))
+        who[name] = (row.name, seed, _row_label(row, cfg, base_cfg))
+        log.info("table3 %s (%s) seed %d: %s, %d updates", row.name, row.change, seed, who[name][2],
+                 cfg.train.max_updates)
+    run_jobs(jobs, partial(_finish_row, _Rows(out, settings, who)), out / "runs" / ".claims", parallel, progress)
     table = collect(out, settings)
     write_table(table, out)
     return table

@@ -147,9 +147,9 @@ def test_refusals_come_before_any_work(file_recipe: Path, tmp_path: Path, capsys
 
 def test_a_row_another_runner_holds_is_left_to_it(file_recipe: Path, tmp_path: Path, monkeypatch):
     """Runners may share one --out (one per GPU): a row whose run is locked by a live process is skipped."""
-    import aiayn.table3 as table3
+    import aiayn.runner as runner
 
-    monkeypatch.setattr(table3, "lock_holder", lambda run: "4242" if run.name == "base-seed1" else None)
+    monkeypatch.setattr(runner, "lock_holder", lambda run: "4242" if run.name == "base-seed1" else None)
     out = tmp_path / "shared"
     table = run_table(file_recipe, out, rows="D3", seeds=[1])
     assert [r["row"] for r in table["rows"]] == ["D3"]

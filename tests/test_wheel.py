@@ -57,8 +57,11 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
 def test_the_wheel_holds_the_presets_and_the_package_comes_from_it(installed):
     venv, env, work = installed
     code = ("import aiayn, aiayn.config as c; print(aiayn.__file__); "
-            "print(sorted(p.stem for p in c.CONFIG_DIR.glob('*.yaml')))")
+            "print(sorted(p.stem for p in c.CONFIG_DIR.glob('*.yaml'))); "
+            "print(sorted(p.stem for p in c.CONFIG_DIR.glob('sweeps/*.yaml')))")
     out = _run([str(venv / "bin" / "python"), "-c", code], work, env).stdout.splitlines()
+    # the grids of aiayn sweep --variants NAME ship too
+    assert eval(out[2]) == sorted(p.stem for p in (REPO / "aiayn" / "configs" / "sweeps").glob("*.yaml"))  # noqa: S307
     assert out[0].startswith(str(venv)) and not out[0].startswith(str(REPO))
     presets = eval(out[1])  # noqa: S307 - our own print of a list of names
     assert {"paper-base", "paper-big", "multi30k_en_de_quick", "tiny_reverse"} <= set(presets)

@@ -17,6 +17,7 @@ import matplotlib
 import numpy as np
 
 from aiayn.config import ConfigError
+from aiayn.files import atomic_write_bytes
 
 DPI = 100
 log = logging.getLogger("aiayn.viz")
@@ -40,16 +41,17 @@ def new_figure(width: int | None, height: int | None, default: tuple[int, int]):
 
 
 def save_figure(fig, out: str | Path, show: bool = False) -> Path:
-    """Write ``fig`` as a PNG at its exact pixel size; close it unless it is to be shown."""
+    """Write ``fig`` as a PNG at its exact pixel size, atomically (a reader, or a kill, never sees half a file);
+    close it unless it is to be shown."""
+    import io
+
     import matplotlib.pyplot as plt
 
-    out = Path(out)
-    if out.parent != Path(""):
-        out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=DPI, format="png")
     if not show:
         plt.close(fig)
-    return out
+    return atomic_write_bytes(out, buf.getvalue())
 
 
 def show_figures() -> None:

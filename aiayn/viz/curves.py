@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aiayn.train.metrics import Series, curves_data
 
-__all__ = ["curves_data", "plot_curves"]  # curves_data: re-exported for the viz command
+__all__ = ["curves_data", "plot_curves", "plot_seed_curves"]  # curves_data: re-exported for the viz command
 
 
 def plot_curves(curves: dict[str, Series], out: str | Path, title: str = "", width: int | None = None,
@@ -54,3 +54,37 @@ def plot_curves(curves: dict[str, Series], out: str | Path, title: str = "", wid
     note = "" if has_bleu else " (no BLEU logged: train.eval_bleu is off)"
     suptitle(fig, f"Training curves{': ' + title if title else ''}{note}")
     return save_figure(fig, out, show)
+
+
+def plot_seed_curves(runs: dict[str, dict[str, Series]], out: str | Path, title: str = "",
+                     width: int | None = None, height: int | None = None) -> Path:
+    """Validation BLEU against updates, one line per run (``runs``: label -> its :func:`curves_data`, labels
+    "VARIANT seed S"): a colour per variant and a line style per seed, so the spread between seeds is the spread
+    between lines of one colour (one variant: a colour per seed). Runs that logged no BLEU (train.eval_bleu off)
+    are drawn by their validation NLL instead, in a second panel."""
+    from aiayn.viz.common import new_figure, save_figure, suptitle
+
+    with_bleu = {k: c["valid_bleu"] for k, c in runs.items() if "valid_bleu" in c}
+    with_nll = {k: c["valid_nll"] for k, c in runs.items() if "valid_bleu" not in c and "valid_nll" in c}
+    panels = [(p, what) for p, what in ((with_bleu, "Validation BLEU (greedy, as logged)"),
+                                        (with_nll, "Validation NLL (no BLEU logged)")) if p]
+    fig = new_figure(width, height, (900 * max(1, len(panels)), 550))
+    axes = fig.subplots(1, max(1, len(panels)), squeeze=False)[0]
+    variants = list(dict.fromkeys(label.rsplit(" seed ", 1)[0] for label in runs))
+    seeds = list(dict.fromkeys(label.rsplit(" seed ", 1)[-1] for label in runs))
+    markers, styles = "osD^v<>ph*", ("-", "--", ":", "-.")
+    for ax, (series, what) in zip(axes, panels):
+        for label, s in series.items():
+            variant, seed = label.rsplit(" seed ", 1)[0], label.rsplit(" seed ", 1)[-1]
+            i, j = variants.index(variant), seeds.index(seed)
+            # One variant: a colour per seed. Several: a colour per variant, a line style and marker per seed.
+            ax.plot(s.steps, s.values, color=f"C{(i if len(variants) > 1 else j) % 10}", marker=markers[j % 10],
+                    linestyle=styles[j % len(styles)] if len(variants) > 1 else "-", markersize=4, linewidth=1.2,
+                    label=label)
+        ax.set_title(what, fontsize=10)
+        ax.set_xlabel("update step")
+        ax.set_ylabel("BLEU" if "BLEU" in what else "NLL (nats per token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    suptitle(fig, f"Seeds{': ' + title if title else ''}")
+    return save_figure(fig, out)
