@@ -8,8 +8,10 @@ is imported until a subcommand runs, so ``aiayn --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -547,6 +549,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted_training(args: argparse.Namespace) -> str:
+    """For an interrupted ``aiayn train``: how to go on (its run directory keeps its checkpoints)."""
+    if getattr(args, "command", None) != "train":
+        return ""
+    from aiayn.train.run import default_run_dir, resume_hint
+
+    run = args.resume if isinstance(args.resume, str) else args.run_dir or (
+        default_run_dir(args.config) if args.config else None)
+    return f"; {resume_hint(Path(run))}" if run is not None and (Path(run) / "config.yaml").is_file() else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The one error boundary of every command: a user-caused error (:func:`aiayn.errors.user_error_message`)
     is one line ``aiayn: error: <what>: <why>`` and exit 2; anything else is a bug: one line saying so and
@@ -558,8 +571,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _set_threads(args)
         return args.func(args)
     except KeyboardInterrupt:
-        print("aiayn: interrupted", file=sys.stderr)
+        print(f"aiayn: interrupted{_interrupted_training(args)}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read our output stopped (`aiayn translate ... | head`): quiet, as `cat` is
+        with contextlib.suppress(OSError):  # no second error when the interpreter flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:

@@ -13,7 +13,7 @@ from aiayn.config import Config, check_fits_in_memory, load_config, read_run_con
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
-from aiayn.errors import CheckpointError, ConfigError
+from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, locked
 from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import read_checkpoint_state
@@ -50,15 +50,27 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     threads = torch.get_num_threads()  # restored afterwards: a program that calls train() keeps its own setting
     try:
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
-    except BaseException:
+    except BaseException as e:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
+        worker = lost_worker(e)  # the machine stopped it (a worker killed), not a bug: say how to go on
+        if worker is not None:
+            raise StoppedError(f"{worker}, so the training stopped; {resume_hint(Path(run_dir), d.world)}") from e
         raise
     finally:
         torch.set_num_threads(threads)
     if d.world > 1 and own_group and dist.is_initialized():  # done: leave the group (torchrun's workers exit)
         dist.destroy_process_group()
     return state
+
+
+def resume_hint(run_dir: Path, world: int = 1) -> str:
+    """What a stopped training's user runs next: its newest checkpoint, and the command that resumes from it."""
+    steps = list_checkpoints(run_dir)
+    kept = f"{run_dir} keeps its checkpoints (newest: update {steps[-1]})" if steps else \
+        f"{run_dir} has no checkpoint yet"
+    torchrun = " (under torchrun, --max-restarts N resumes by itself)" if world > 1 else ""
+    return f"{kept}: resume with aiayn train --resume {run_dir}{torchrun}"
 
 
 def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
