@@ -120,11 +120,23 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str
                 f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name])}")
 
 
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """CheckpointError when a floating tensor holds NaN or an infinity: such weights answer nothing sensible (an
+    empty line for every input), so they are refused in one line rather than served."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{where}: {len(bad)} of {len(tensors)} tensors hold NaN or infinite values (first: "
+                              f"{bad[0]}), so these weights cannot be used (a training that diverged writes such "
+                              "weights; an earlier checkpoint may be sound)")
+
+
 def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -> None:
-    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error
-    (checked before anything is loaded)."""
+    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error, and
+    so are NaN or infinite values (checked before anything is loaded)."""
     tensors = path if isinstance(path, dict) else read_weights(path)
-    check_weights(model, tensors, "weights" if isinstance(path, dict) else str(path))
+    where = "weights" if isinstance(path, dict) else str(path)
+    check_weights(model, tensors, where)
+    check_finite(tensors, where)
     model.load_state_dict(tensors, strict=False)
 
 
@@ -144,3 +156,4 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc
     return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+
