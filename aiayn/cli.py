@@ -70,9 +70,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_average(args: argparse.Namespace) -> int:
     from aiayn.train.run import average_run
 
-    out = average_run(args.run, last=args.last)
+    if args.replace and args.out is not None:
+        raise ConfigError("--out names another file; --replace writes RUN/model.safetensors: give one")
+    out = average_run(args.run, last=args.last, out=args.out, replace=args.replace)
     print(f"wrote {out}")
     return 0
+
+
+def weights_choice(words: list[str] | None) -> str:
+    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
+    ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
+    if not words:
+        return "model"
+    if words[0] == "step":
+        if len(words) != 2 or not words[1].isdigit():
+            raise ConfigError(f"--weights {' '.join(words)}: expected step N, the step of one of the run's checkpoints")
+        return f"step:{int(words[1])}"
+    if len(words) != 1:
+        raise ConfigError(f"--weights {' '.join(words)}: expected last, best, average, model, step N or a "
+                          ".safetensors file")
+    return words[0]
 
 
 def _write_stdout(text: str) -> None:
@@ -146,7 +163,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from aiayn.eval.evaluate import EvalData, evaluate_run, summary
 
-    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length)
+    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length,
+                    weights_choice(args.weights))
     result = evaluate_run(args.run, data, device=args.device,
                           precision=args.precision, **decode_overrides(args))
     print(summary(result))
@@ -377,6 +395,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src", default=None, help="a source file, one sentence per line (with --ref, instead of --split)")
     p.add_argument("--ref", default=None, help="its reference translations, one per line of --src")
     p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
+    p.add_argument("--weights", nargs="+", default=None, metavar="WHICH",
+                   help="score other weights of the run, read only: last (the newest checkpoint), best, average (of "
+                        "the last train.average_last checkpoints, in memory), step N, or a .safetensors file "
+                        "(default: model.safetensors); the record is then eval/<split>.<which>.json")
     p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
     p.add_argument("--rolling", action="store_true",
                    help="language models: the validation text (or --src FILE, one document) in lm-evaluation-harness's "
@@ -407,9 +429,18 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_average(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
+    p = sub.add_parser("average", help="average the last N checkpoints into RUN/average.safetensors (--replace: "
+                                       "into model.safetensors)",
+                       description="Writes the element-wise mean of the last N checkpoints beside the run's "
+                                   "model.safetensors (RUN/average.safetensors, or --out FILE), which it leaves as "
+                                   "it is unless --replace. Compare before replacing: aiayn evaluate RUN --split S "
+                                   "--weights average (or --weights FILE).")
     p.add_argument("run", help="run directory with checkpoints (checkpoints/step_*.safetensors)")
     p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the latest checkpoints (default 5)")
+    p.add_argument("--out", default=None, metavar="FILE", help="where to write the average (default "
+                                                              "RUN/average.safetensors)")
+    p.add_argument("--replace", action="store_true", help="write it as RUN/model.safetensors, the weights "
+                                                          "translate, serve and evaluate use")
     p.set_defaults(func=cmd_average)
 
 

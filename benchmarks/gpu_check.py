@@ -602,7 +602,7 @@ def multi30k_item(work: Path, device: str, size: str) -> dict[str, Any]:
     last = run.parent / "multi30k_last"
     shutil.rmtree(last, ignore_errors=True)
     shutil.copytree(run, last)
-    _aiayn("average", str(last), "--last", "1")
+    _aiayn("average", str(last), "--last", "1", "--replace")
     valid = _evaluate(last, "valid", device, "--beam", "1")
     res.update(logged_valid_bleu=evals[-1]["valid_bleu"], logged_at=evals[-1]["step"],
                evaluate_valid_bleu=round(valid["bleu"], 4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -193,9 +194,14 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
     return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)
 
 
-def average_run(run_dir: str | Path, last: int = 5) -> Path:
-    """Average the last ``last`` checkpoints into RUN/model.safetensors (atomically). Refused, with nothing
-    read or written, for --last < 1, a run without checkpoints, a run a training is writing, or a run
+AVERAGE_FILE = "average.safetensors"  # where `aiayn average` writes, beside model.safetensors
+
+
+def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = None, replace: bool = False) -> Path:
+    """Average the last ``last`` checkpoints into ``out`` (default RUN/average.safetensors, beside the run's
+    model.safetensors, which stays as it is), or with ``replace`` into RUN/model.safetensors, atomically.
+    Refused, with nothing read or written, for --last < 1, a run without checkpoints, an ``out`` that is the run's
+    model.safetensors without ``replace`` or lies among its checkpoints, a run a training is writing, or a
     directory that cannot be written."""
     if last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
@@ -205,11 +211,19 @@ def average_run(run_dir: str | Path, last: int = 5) -> Path:
     steps = list_checkpoints(run_dir)
     if not steps:
         raise CheckpointError(f"{run_dir}: no checkpoints to average")
-    check_writable(run_dir)
-    with locked(run_dir):
+    target = run_dir / "model.safetensors" if replace else Path(out) if out is not None else run_dir / AVERAGE_FILE
+    where = target.resolve()
+    if not replace and where == (run_dir / "model.safetensors").resolve():
+        raise CheckpointError(f"--out {out}: that is the run's inference weights; --replace writes them")
+    if where.parent == (run_dir / "checkpoints").resolve() or target.is_dir():
+        raise CheckpointError(f"--out {out}: a checkpoint's place or a directory; name a new .safetensors file")
+    check_writable(target.parent)
+    inside = where.parent == run_dir.resolve()
+    with locked(run_dir) if inside else contextlib.nullcontext():  # a training may be writing the run
         chosen = steps[-last:]
-        out = run_dir / "model.safetensors"
         avg = average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen])
-        save_weights(avg, out, {"source": f"average of steps {chosen}"})
-    log.info("averaged %d checkpoints (steps %s) into %s", len(chosen), chosen, out)
-    return out
+        save_weights(avg, target, {"source": f"average of steps {chosen}"})
+    log.info("averaged %d checkpoints (steps %s) into %s%s", len(chosen), chosen, target, "" if replace else (
+        f" (the run's model.safetensors is as it was; score both: aiayn evaluate {run_dir} --split S "
+        f"--weights {target})"))
+    return target
