@@ -338,7 +338,8 @@ class Trainer:
         """model.safetensors: the last, best or averaged weights, as ``train.inference_weights`` says, and says
         which in one line. The average of the last checkpoints is used only where validation finds it at least
         as good as the last weights (:func:`prefer_average`: validation BLEU for translation, then NLL; a run cut
-        early averages undertrained checkpoints, which can be much worse); otherwise the last weights are. Rank 0 writes; every process takes part in the validation."""
+        early averages undertrained checkpoints, which can be much worse); otherwise the last weights are. Rank 0
+        writes; every process takes part in the validation."""
         tc, out = self.cfg.train, self.run_dir / "model.safetensors"
         steps = list_checkpoints(self.run_dir)
         chosen: Any = self.model
