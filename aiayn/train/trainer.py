@@ -271,7 +271,7 @@ class Trainer:
             if not updates:
                 raise ConfigError("the training data gives no full update: lower data.max_tokens "
                                   "or train.accum_steps, or add data")
-            epoch = EpochTimer(st.epoch, st.position)
+            epoch = EpochTimer(st.epoch, st.position, st.step)
             batches = loader.epoch(updates, st.position)
             while st.position < len(updates) and not stop:
                 micro = [batch_to_device(b, self.device) for b in epoch.wait(batches)]
@@ -419,10 +419,11 @@ def _more_minutes(elapsed_s: float, minutes: float) -> str:
 
 class EpochTimer:
     """How long the training step waited for its batches in one epoch (from its first update to its last, or to the
-    stop), against the epoch's whole time: the loader keeps up when the wait is a small share."""
+    stop), against the epoch's whole time: the loader keeps up when the wait is a small share. Its line counts
+    updates as the run does (``step``: the run's updates before this epoch's first here), not from 1 each epoch."""
 
-    def __init__(self, epoch: int, position: int) -> None:
-        self.epoch, self.first, self.waited, self.t0 = epoch, position, 0.0, time.perf_counter()
+    def __init__(self, epoch: int, position: int, step: int) -> None:
+        self.epoch, self.first, self.step, self.waited, self.t0 = epoch, position, step, 0.0, time.perf_counter()
 
     def wait(self, batches: Iterator[list[Batch]]) -> list[Batch]:
         """The next update's batches, timing the wait for them."""
@@ -433,8 +434,9 @@ class EpochTimer:
 
     def log(self, position: int) -> None:
         total = time.perf_counter() - self.t0
-        log.info("epoch %d: updates %d-%d in %.1f s, of which %.2f s (%.2f%%) waiting for batches", self.epoch,
-                 self.first + 1, position, total, self.waited, 100 * self.waited / max(total, 1e-9))
+        log.info("epoch %d: updates %d-%d (the epoch's %d-%d) in %.1f s, of which %.2f s (%.2f%%) waiting for "
+                 "batches", self.epoch, self.step + 1, self.step + position - self.first, self.first + 1, position,
+                 total, self.waited, 100 * self.waited / max(total, 1e-9))
 
 
 class Window:
