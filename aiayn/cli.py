@@ -522,13 +522,15 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask",
+    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask, model",
                        description="Draws one figure to a PNG and prints each path it writes. attention writes "
                                    "three files, one per kind of attention: --out X.png gives X_encoder.png, "
                                    "X_decoder_self.png and X_cross.png.")
-    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask"], help="which figure")
+    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask", "model"],
+                   help="which figure (model: the paper's Figure 1 with the run's N, d_model, h, d_ff)")
     p.add_argument("run", nargs="?", default=None,
-                   help="attention, curves: the run directory; schedule: a run, a recipe or a preset (optional)")
+                   help="attention, curves: the run directory; schedule, model: a run, a recipe or a preset "
+                        "(optional; model: paper-base)")
     p.add_argument("--out", default=None, help="PNG path (default WHAT.png); attention: the stem of its three "
                                                "files (X.png -> X_encoder.png, X_decoder_self.png, X_cross.png)")
     p.add_argument("--show", action="store_true", help="also open the figure in a window")
