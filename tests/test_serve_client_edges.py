@@ -201,3 +201,17 @@ def test_langchain_batch_of_80_prompts_is_taken(client_lm):
                     batch_size=100, max_tokens=1, temperature=0, max_retries=0)
     result = llm.generate([f"the {i}" for i in range(80)])
     assert len(result.generations) == 80
+
+
+def test_a_request_without_top_k_keeps_the_servers_top_k(lm, client_lm):
+    """aiayn serve --top-k 1: a request that sends no top_k samples under it (greedy); vLLM's -1 turns it off (the
+    draw of a server without --top-k, the same seed)."""
+    from aiayn.serve.service import Choices
+
+    body = {"prompt": "the cat", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    unfiltered = client_lm.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with TestClient(create_app(lm, max_wait_ms=1.0, choices=Choices(decode={"top_k": 1})),
+                    base_url="http://localhost") as c:
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == lm.generate("the cat",
+                                                                                                max_new_tokens=8)
+        assert c.post("/v1/completions", json={**body, "top_k": -1}).json()["choices"][0]["text"] == unfiltered

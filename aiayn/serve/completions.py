@@ -47,7 +47,7 @@ class Completion:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     sample_asked: bool = False  # temperature or top_p given: a translation run samples only then
     options: DecodeOptions | None = None  # the decoding options, checked before any answer (completion_options)
-    top_k: int | None = None  # vLLM's top_k (None: off; vLLM's -1 and 0 say off too)
+    top_k: int | None = None  # vLLM's top_k (None: not given, the server's own; 0: off, as vLLM's -1 and 0 say)
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read
 
     @property
@@ -99,8 +99,9 @@ def refuse_unsupported(body: dict[str, Any], neutral_values: tuple[tuple[str, tu
 
 
 def vllm_extras(body: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(top_k, truncate_prompt_tokens) of vLLM's extras (their None, -1 and 0 turn top_k off; truncation -1 means
-    the model's context, as vLLM reads it: 0 here); min_p and repetition_penalty refused unless neutral."""
+    """(top_k, truncate_prompt_tokens) of vLLM's extras (top_k: None when not given, 0 for vLLM's -1 and 0, which
+    turn it off; truncation -1 means the model's context, as vLLM reads it: 0 here); min_p and repetition_penalty
+    refused unless neutral."""
     refuse_unsupported(body, VLLM_NEUTRAL)
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
@@ -111,7 +112,7 @@ def vllm_extras(body: dict[str, Any]) -> tuple[int | None, int | None]:
         raise OpenAIError(400, "truncate_prompt_tokens: expected a positive integer (the prompt's last k tokens are "
                                "read) or -1 (the model's context)", param="truncate_prompt_tokens",
                           code="invalid_type")
-    return (top_k if top_k is not None and top_k > 0 else None), (0 if truncate == -1 else truncate)
+    return (None if top_k is None else max(top_k, 0)), (0 if truncate == -1 else truncate)
 
 
 def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
@@ -213,16 +214,17 @@ def completion_options(c: Completion, base: DecodeOptions, language_model: bool)
     is a 400 naming the field, before any streamed 200 is sent."""
     top_p = c.top_p if c.top_p < 1 else None
     sample = c.temperature > 0 and (language_model or c.sample_asked)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"top_k": c.top_k} if c.top_k else {}  # not given: the server's; 0: off (below)
     if sample:
-        overrides.update(sample=True, temperature=c.temperature, top_p=top_p, top_k=c.top_k)
+        overrides.update(sample=True, temperature=c.temperature, top_p=top_p)
     elif language_model:
-        overrides.update(sample=False, top_p=top_p, top_k=c.top_k)
+        overrides.update(sample=False, top_p=top_p)
     if language_model:
         overrides["max_new_tokens"] = c.max_tokens
     try:
         base.replace(temperature=c.temperature, top_p=top_p)  # checked even where the run's own search ignores them
-        return dataclasses.replace(c, options=base.replace(**overrides))
+        options = base.replace(**overrides)  # replace() keeps an option it is given None for: off is set apart
+        return dataclasses.replace(c, options=dataclasses.replace(options, top_k=None) if c.top_k == 0 else options)
     except ConfigError as e:
         message = str(e).removeprefix("decode.")
         param = next((p for p in ("temperature", "top_p") if message.startswith(p)), None)
