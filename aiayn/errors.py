@@ -122,6 +122,8 @@ LOST_WORKER = re.compile(r"DataLoader worker \(pids?\(?s?\)? ?([0-9, ]+)\) (is k
 MACHINE_SAYS = (
     ("can't allocate memory", "out of memory", "lower data.max_tokens or --max-tokens, or free memory"),
     ("Too many open files", "too many open files", "raise the limit (ulimit -n) or lower data.loader_workers"),
+    ("received 0 items of ancdata", "too many open files (DataLoader workers pass batches as file descriptors)",
+     "raise the limit (ulimit -n) or lower data.loader_workers"),
     ("No space left on device", "no space left on device", "free space; DataLoader workers pass batches through "
      "/dev/shm: a container needs a larger --shm-size, or set data.loader_workers=0"),
     ("unable to open shared memory", "out of shared memory", "a container needs a larger --shm-size, or set "

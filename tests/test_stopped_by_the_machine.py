@@ -68,6 +68,7 @@ def test_a_killed_loader_worker_is_one_line_with_the_resume_command_and_the_run_
     (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
                   "tried to allocate 100000000000000 bytes."), ("out of memory", "data.max_tokens")),
     (RuntimeError("Too many open files. Communication with the workers is no longer possible."), ("ulimit -n",)),
+    (RuntimeError("received 0 items of ancdata"), ("too many open files", "ulimit -n")),
     (RuntimeError("unable to write to file </torch_1_2_3>: No space left on device (28)"), ("/dev/shm",)),
     (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), ("connection", "Connection reset")),
     (urllib.error.URLError("timed out"), ("connection", "timed out")),
