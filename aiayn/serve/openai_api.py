@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aiayn.decode.generate import lm_context
+from aiayn.decode.generate import lm_context, prompt_ids
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
 from aiayn.serve.chat_template import load_chat_template
 from aiayn.serve.completions import (
@@ -161,8 +161,6 @@ class OpenAIRoutes:
                 raise OpenAIError(e.status, f"{e.message}: shorten it (a translation model reads one sentence)",
                                   param=param, code=e.code) from None
             return c
-        from aiayn.decode.generate import prompt_ids
-
         vocab = svc.model.tokenizers.src.vocab_size
         for p in ids:
             if max(p) >= vocab:
