@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from aiayn.cli import main
-from aiayn.train.trainer import describe_choice, prefer_average
+from aiayn.config import DecodeOptions
+from aiayn.train.trainer import describe_choice, prefer_average, search_words
 from aiayn.weights import average_weights, checkpoint_paths, read_weights, save_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,8 +51,9 @@ def test_the_guard_chooses_on_bleu_where_nll_would_choose_otherwise():
     assert prefer_average(avg, last) and not prefer_average(last, avg)
     assert not prefer_average({**avg, "valid_bleu": 20.775}, last)  # a tie within 0.01: the lower NLL wins
     assert prefer_average({"valid_nll": 3.0}, {"valid_nll": 3.1})  # a language model: NLL
-    said = describe_choice(avg, last, 446)
-    assert "BLEU of greedy decoding 21.63 against 20.77 for the last step 446" in said and "NLL 3.1545" in said
+    said = describe_choice(avg, last, 446, search_words(DecodeOptions(beam=4, alpha=0.6)))
+    assert "BLEU (the recipe's beam 4, gnmt alpha 0.6) 21.63 against 20.77 for the last step 446" in said
+    assert "NLL 3.1545" in said and "greedy" in search_words(DecodeOptions(beam=1))
 
 
 def test_evaluate_scores_other_weights_without_touching_the_run(run, capsys):

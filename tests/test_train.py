@@ -422,7 +422,7 @@ def test_trackers_receive_the_metrics(tracker, tmp_path, monkeypatch):
 
 def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_path, caplog):
     """train.inference_weights=average over the last 3 checkpoints (steps 10, 20, 30): model.safetensors holds the
-    average or the last weights, whichever is better on validation (BLEU of greedy translations, then NLL; both
+    average or the last weights, whichever is better on validation (BLEU of the recipe's search, then NLL; both
     recomputed here from the files), and the log says which and why. Then step 10's checkpoint is replaced by the
     initial weights (a run cut early averages checkpoints from its first updates): the resume's end finds the
     average worse and keeps the last weights."""
@@ -439,7 +439,7 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
         train(cfg, run, progress=False)
     model_cfg = load_config(run / "config.yaml")
     data, tok = build_data(model_cfg, run)
-    bleu = validation_bleu_fn(model_cfg, data, tok)
+    bleu = validation_bleu_fn(model_cfg, data, tok, model_cfg.decode)  # the recipe's search, as the choice decodes
 
     def scores(weights):
         model = build_model(model_cfg.model, model_cfg.task)

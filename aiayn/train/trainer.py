@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import aiayn.engine as engine
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config, ConfigError, DecodeOptions
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
@@ -368,15 +368,17 @@ class Trainer:
         self.model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in avg.items()}, strict=False)
         avg_scores = self._choice_scores()
         self.model.load_state_dict(own)
-        said = describe_choice(avg_scores, last_scores, last)
+        said = describe_choice(avg_scores, last_scores, last, search_words(self.cfg.decode))
         if prefer_average(avg_scores, last_scores):
             return avg, f"average of steps {steps} (train.inference_weights=average; {said})"
         return self.model, f"last step {last}: the average of steps {steps} is worse on validation ({said}), so it " \
                            "is not used"
 
     def _choice_scores(self) -> dict[str, float]:
-        """The validation NLL of the model's weights, and for a translation run the validation BLEU of their greedy
-        translations (what the user measures; greedy, since the recipe's beam takes beam-times longer)."""
+        """The validation NLL of the model's weights, and for a translation run the validation BLEU of their
+        translations by the recipe's own search (``decode``: what the user's translations get; greedy BLEU, the
+        training's, disagreed with beam search on runs cut early: an average that wins greedy can write too short
+        beam output), greedy for a recipe that samples."""
         scores = {"valid_nll": self._validation(self.model, self.d)["valid_nll"]}
         if self.cfg.task == "translation":
             if self._valid_bleu is None:  # built once: the sources and references of the validation set
@@ -384,7 +386,8 @@ class Trainer:
                 from aiayn.train.validation import validation_bleu_fn
 
                 tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
-                self._valid_bleu = validation_bleu_fn(self.cfg, self.data, tokenizers)
+                search = None if self.cfg.decode.sample else self.cfg.decode
+                self._valid_bleu = validation_bleu_fn(self.cfg, self.data, tokenizers, search)
             with engine.kernels(self.device, inference_precision(self.device)):  # as aiayn translate decodes
                 scores.update(self._valid_bleu(self.model, self.d))
         return scores
@@ -403,14 +406,21 @@ def prefer_average(avg: dict[str, float], last: dict[str, float]) -> bool:
     return avg["valid_nll"] <= last["valid_nll"]
 
 
-def describe_choice(avg: dict[str, float], last: dict[str, float], last_step: int) -> str:
-    """The scores behind :func:`prefer_average`'s choice, in words."""
+def describe_choice(avg: dict[str, float], last: dict[str, float], last_step: int, search: str = "greedy") -> str:
+    """The scores behind :func:`prefer_average`'s choice, in words (``search``: how the BLEU was decoded)."""
     nll = f"NLL {avg['valid_nll']:.4f} against {last['valid_nll']:.4f}"
     if "valid_bleu" not in avg:
         return f"validation {nll} for the last step {last_step}"
     tie = " (a tie: NLL decides)" if abs(avg["valid_bleu"] - last["valid_bleu"]) < BLEU_TIE else ""
-    return (f"validation BLEU of greedy decoding {avg['valid_bleu']:.2f} against {last['valid_bleu']:.2f} for the "
-            f"last step {last_step}{tie}; {nll}")
+    return (f"validation BLEU ({search}) {avg['valid_bleu']:.2f} against {last['valid_bleu']:.2f} for the last "
+            f"step {last_step}{tie}; {nll}")
+
+
+def search_words(o: DecodeOptions) -> str:
+    """How a validation BLEU was decoded, in words: the recipe's beam and length penalty, or greedy."""
+    if o.sample or o.beam == 1:
+        return "greedy"
+    return f"the recipe's beam {o.beam}, {o.length_penalty} alpha {o.alpha:g}"
 
 
 def _more_minutes(elapsed_s: float, minutes: float) -> str:
