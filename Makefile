@@ -1,10 +1,13 @@
 # Two commands: `make demo` (the main job) and `make test`. Both set up .venv/ on a fresh clone.
 # `make test-browser` also installs Debian's chromium + chromedriver (apt) and selenium, then drives the
 # attention explorer page of `aiayn serve` in headless Chromium (tests/test_browser.py).
-# PyTorch is installed first, pinned, from TORCH_INDEX when it is set: pip's default index gives the CUDA
-# build on Linux x86-64 (about 2 GB with its nvidia-* packages); `make TORCH_INDEX=https://download.pytorch.org/whl/cpu`
-# gives the CPU-only wheel (about 200 MB). Then the package, editable, with the test and serve extras, at the
-# exact versions of constraints/test.txt (the test environment's lock; `make lock` refreshes it, see CONTRIBUTING.md).
+# PyTorch first: a PyTorch already in .venv is kept, whatever its version or build (the README's `pip install
+# torch` into .venv, a CUDA build, a nightly), and make says so; otherwise TORCH (the version the suite last passed
+# on) is installed, from TORCH_INDEX when it is set: pip's default index gives the CUDA build on Linux x86-64 (about
+# 2 GB with its nvidia-* packages); `make TORCH_INDEX=https://download.pytorch.org/whl/cpu` gives the CPU-only wheel
+# (about 200 MB). `make TORCH=torch==2.X.Y` given on the command line installs that one over what is there. Then
+# the package, editable, with the test and serve extras, at the exact versions of constraints/test.txt (the test
+# environment's lock, which leaves torch out; `make lock` refreshes it, see CONTRIBUTING.md).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
@@ -26,7 +29,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	@if [ "$(origin TORCH)" = "file" ] && have=$$($(PY) -c "import torch; print(torch.__version__)" 2>/dev/null); then \
+	  echo "keeping the PyTorch already in $(VENV): torch $$have (make TORCH=torch==X.Y.Z installs another; the suite last passed on $(TORCH))"; \
+	else \
+	  echo "installing $(TORCH) into $(VENV)$(if $(TORCH_INDEX), from $(TORCH_INDEX),)"; \
+	  $(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),); \
+	fi
 	$(PY) -m pip install -q -c $(LOCK) -e ".[dev,serve,clients]"
 	touch $(STAMP)
 

@@ -8,8 +8,10 @@ is imported until a subcommand runs, so ``aiayn --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -92,9 +94,26 @@ def _verify_store(args: argparse.Namespace) -> int:
 def cmd_average(args: argparse.Namespace) -> int:
     from aiayn.train.run import average_run
 
-    out = average_run(args.run, last=args.last)
+    if args.replace and args.out is not None:
+        raise ConfigError("--out names another file; --replace writes RUN/model.safetensors: give one")
+    out = average_run(args.run, last=args.last, out=args.out, replace=args.replace)
     print(f"wrote {out}")
     return 0
+
+
+def weights_choice(words: list[str] | None) -> str:
+    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
+    ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
+    if not words:
+        return "model"
+    if words[0] == "step":
+        if len(words) != 2 or not words[1].isdigit():
+            raise ConfigError(f"--weights {' '.join(words)}: expected step N, the step of one of the run's checkpoints")
+        return f"step:{int(words[1])}"
+    if len(words) != 1:
+        raise ConfigError(f"--weights {' '.join(words)}: expected last, best, average, model, step N or a "
+                          ".safetensors file")
+    return words[0]
 
 
 def _write_stdout(text: str) -> None:
@@ -168,7 +187,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from aiayn.eval.evaluate import EvalData, evaluate_run, summary
 
-    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length)
+    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length,
+                    weights_choice(args.weights))
     result = evaluate_run(args.run, data, device=args.device,
                           precision=args.precision, **decode_overrides(args))
     print(summary(result))
@@ -405,6 +425,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--src", default=None, help="a source file, one sentence per line (with --ref, instead of --split)")
     p.add_argument("--ref", default=None, help="its reference translations, one per line of --src")
     p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
+    p.add_argument("--weights", nargs="+", default=None, metavar="WHICH",
+                   help="score other weights of the run, read only: last (the newest checkpoint), best, average (of "
+                        "the last train.average_last checkpoints, in memory), step N, or a .safetensors file "
+                        "(default: model.safetensors); the record is then eval/<split>.<which>.json")
     p.add_argument("--max-new-tokens", type=int, default=None, help="summaries: at most this many tokens (64)")
     p.add_argument("--rolling", action="store_true",
                    help="language models: the validation text (or --src FILE, one document) in lm-evaluation-harness's "
@@ -439,9 +463,18 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_average(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("average", help="average the last N checkpoints into model.safetensors")
+    p = sub.add_parser("average", help="average the last N checkpoints into RUN/average.safetensors (--replace: "
+                                       "into model.safetensors)",
+                       description="Writes the element-wise mean of the last N checkpoints beside the run's "
+                                   "model.safetensors (RUN/average.safetensors, or --out FILE), which it leaves as "
+                                   "it is unless --replace. Compare before replacing: aiayn evaluate RUN --split S "
+                                   "--weights average (or --weights FILE).")
     p.add_argument("run", help="run directory with checkpoints (checkpoints/step_*.safetensors)")
     p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the latest checkpoints (default 5)")
+    p.add_argument("--out", default=None, metavar="FILE", help="where to write the average (default "
+                                                              "RUN/average.safetensors)")
+    p.add_argument("--replace", action="store_true", help="write it as RUN/model.safetensors, the weights "
+                                                          "translate, serve and evaluate use")
     p.set_defaults(func=cmd_average)
 
 
@@ -566,13 +599,15 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask",
+    p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask, model",
                        description="Draws one figure to a PNG and prints each path it writes. attention writes "
                                    "three files, one per kind of attention: --out X.png gives X_encoder.png, "
                                    "X_decoder_self.png and X_cross.png.")
-    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask"], help="which figure")
+    p.add_argument("what", choices=["positional", "attention", "schedule", "curves", "mask", "model"],
+                   help="which figure (model: the paper's Figure 1 with the run's N, d_model, h, d_ff)")
     p.add_argument("run", nargs="?", default=None,
-                   help="attention, curves: the run directory; schedule: a run, a recipe or a preset (optional)")
+                   help="attention, curves: the run directory; schedule, model: a run, a recipe or a preset "
+                        "(optional; model: paper-base)")
     p.add_argument("--out", default=None, help="PNG path (default WHAT.png); attention: the stem of its three "
                                                "files (X.png -> X_encoder.png, X_decoder_self.png, X_cross.png)")
     p.add_argument("--show", action="store_true", help="also open the figure in a window")
@@ -624,6 +659,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted_training(args: argparse.Namespace) -> str:
+    """For an interrupted ``aiayn train``: how to go on (its run directory keeps its checkpoints)."""
+    if getattr(args, "command", None) != "train":
+        return ""
+    from aiayn.train.run import default_run_dir, resume_hint
+
+    run = args.resume if isinstance(args.resume, str) else args.run_dir or (
+        default_run_dir(args.config) if args.config else None)
+    return f"; {resume_hint(Path(run))}" if run is not None and (Path(run) / "config.yaml").is_file() else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The one error boundary of every command: a user-caused error (:func:`aiayn.errors.user_error_message`)
     is one line ``aiayn: error: <what>: <why>`` and exit 2; anything else is a bug: one line saying so and
@@ -635,8 +681,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _set_threads(args)
         return args.func(args)
     except KeyboardInterrupt:
-        print("aiayn: interrupted", file=sys.stderr)
+        print(f"aiayn: interrupted{_interrupted_training(args)}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read our output stopped (`aiayn translate ... | head`): quiet, as `cat` is
+        with contextlib.suppress(OSError):  # no second error when the interpreter flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:

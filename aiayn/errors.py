@@ -9,6 +9,7 @@ keeps its traceback (shown with ``-v``). This module imports nothing of aiayn, s
 from __future__ import annotations
 
 import errno
+import re
 
 
 def one_line(message: object) -> str:
@@ -58,6 +59,11 @@ class DesyncError(UserError, RuntimeError):
     """The processes of one training no longer hold the same model (their gradient or weight norms differ)."""
 
 
+class StoppedError(UserError, RuntimeError):
+    """Work stopped by a signal or the machine (a data loader worker killed, no memory left): not a bug; the
+    message says what stopped and how to go on (a training: its resume command)."""
+
+
 def require(module: str, extra: str, what: str) -> None:
     """Raise a one-line :class:`ConfigError` when the optional ``module`` is not installed, naming the extra
     that brings it (``pip install 'aiayn[extra]'``). Call it before any work starts."""
@@ -81,6 +87,9 @@ def user_error_message(e: BaseException) -> str | None:
     UTF-8); running out of (GPU) memory."""
     if isinstance(e, UserError):
         return one_line(e) or type(e).__name__
+    machine = machine_state_message(e)  # signals, memory, descriptors, the network: never a bug
+    if machine is not None:
+        return machine
     if isinstance(e, OSError):
         why = e.strerror or one_line(e) or type(e).__name__
         if e.filename is not None:
@@ -142,5 +151,60 @@ def _peer_lost(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
+# A DataLoader worker that died (torch's words): killed by a signal (the kernel's out-of-memory killer, kill -9, a
+# bus error when /dev/shm is full) or exited without saying why.
+LOST_WORKER = re.compile(r"DataLoader worker \(pids?\(?s?\)? ?([0-9, ]+)\) (is killed by signal: ([^.]*)|exited "
+                         r"unexpectedly(?: with exit code (-?[0-9]+))?)")
+# What torch and the OS say, inside a RuntimeError, when the machine ran out of something: (pattern, why, what to do).
+MACHINE_SAYS = (
+    ("can't allocate memory", "out of memory", "lower data.max_tokens or --max-tokens, or free memory"),
+    ("Too many open files", "too many open files", "raise the limit (ulimit -n) or lower data.loader_workers"),
+    ("received 0 items of ancdata", "too many open files (DataLoader workers pass batches as file descriptors)",
+     "raise the limit (ulimit -n) or lower data.loader_workers"),
+    ("No space left on device", "no space left on device", "free space; DataLoader workers pass batches through "
+     "/dev/shm: a container needs a larger --shm-size, or set data.loader_workers=0"),
+    ("unable to open shared memory", "out of shared memory", "a container needs a larger --shm-size, or set "
+     "data.loader_workers=0"),
+)
+NETWORK_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
+                            errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE, errno.EAGAIN})
+
+
+def lost_worker(e: BaseException) -> str | None:
+    """``data loader worker (pid N) was killed by signal: Killed`` when ``e`` is torch's word that a DataLoader
+    worker died (the kernel's out-of-memory killer, a kill, no shared memory left); None otherwise."""
+    found = LOST_WORKER.search(str(e)) if isinstance(e, RuntimeError) else None
+    if found is None:
+        return None
+    pids = found.group(1).strip().rstrip(",")
+    who = f"data loader worker (pid{'s' if ',' in pids else ''} {pids})"
+    if found.group(3) is not None:
+        signal = found.group(3).strip()
+        why = " (/dev/shm is full: a container needs a larger --shm-size)" if "Bus error" in signal else (
+            " (the kernel's out-of-memory killer, or a kill)" if signal == "Killed" else "")
+        return f"{who} was killed by signal: {signal}{why}"
+    code = found.group(4)
+    return f"{who} exited unexpectedly{f' with exit code {code}' if code else ''}"
+
+
+def machine_state_message(e: BaseException) -> str | None:
+    """The one line for an error a signal or the machine caused (a DataLoader worker killed, memory, file
+    descriptors or /dev/shm exhausted, a network connection lost or timed out); None for anything else."""
+    worker = lost_worker(e)
+    if worker is not None:
+        return f"{worker}; a training resumes from its newest checkpoint: aiayn train --resume RUN"
+    if isinstance(e, RuntimeError):
+        for pattern, why, what in MACHINE_SAYS:
+            if pattern in str(e):
+                return f"{why}: {one_line(e)[:200]} ({what})"
+    network = isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in ("URLError", "gaierror") or (
+        isinstance(e, OSError) and e.filename is None and e.errno in NETWORK_ERRNOS)
+    if network:
+        why = getattr(e, "reason", None) or e.strerror or one_line(e) or type(e).__name__
+        return one_line(f"the network or a connection failed: {why} (check the connection and retry)")
+    return None
+
+
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "Interrupted", "PeerError",
-           "UserError", "collective_timed_out", "first_line", "one_line", "require", "user_error_message"]
+           "StoppedError", "UserError", "collective_timed_out", "first_line", "lost_worker", "machine_state_message",
+           "one_line", "require", "user_error_message"]

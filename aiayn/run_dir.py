@@ -31,10 +31,11 @@ class Run:
     precision: str = "fp32"  # resolved: fp32 | tf32 | bf16 | fp16 (tf32: fp32 weights, TF32 matmuls in kernels())
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "auto", weights: str | Path | None = None,
-             precision: str = "auto") -> Run:
+def load_run(run_dir: str | Path, device: str | torch.device = "auto",
+             weights: str | Path | dict[str, torch.Tensor] | None = None, precision: str = "auto") -> Run:
     """Read config, tokenizer and weights of a run; the model is on ``device`` (auto: CUDA, else MPS, else CPU)
     in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only).
+    ``weights``: a file or the tensors (:func:`aiayn.weights.select_weights`; None: those inference uses).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev, training=False)

@@ -120,11 +120,23 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str
                 f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name])}")
 
 
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """CheckpointError when a floating tensor holds NaN or an infinity: such weights answer nothing sensible (an
+    empty line for every input), so they are refused in one line rather than served."""
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{where}: {len(bad)} of {len(tensors)} tensors hold NaN or infinite values (first: "
+                              f"{bad[0]}), so these weights cannot be used (a training that diverged writes such "
+                              "weights; an earlier checkpoint may be sound)")
+
+
 def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -> None:
-    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error
-    (checked before anything is loaded)."""
+    """Load weights into ``model``; tied aliases missing from the file are fine, anything else is an error, and
+    so are NaN or infinite values (checked before anything is loaded)."""
     tensors = path if isinstance(path, dict) else read_weights(path)
-    check_weights(model, tensors, "weights" if isinstance(path, dict) else str(path))
+    where = "weights" if isinstance(path, dict) else str(path)
+    check_weights(model, tensors, where)
+    check_finite(tensors, where)
     model.load_state_dict(tensors, strict=False)
 
 
@@ -144,3 +156,43 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc
     return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+
+
+# Which weights of a run -----------------------------------------------------------------------------------
+
+WEIGHT_CHOICES = ("model", "last", "best", "average", "step N", "a .safetensors file")
+
+
+def select_weights(run_dir: str | Path, which: str, average_last: int) -> tuple[Path | dict[str, torch.Tensor], str,
+                                                                              str]:
+    """The weights ``which`` names in a run, read only (nothing is written): ``model`` (model.safetensors, what
+    inference uses), ``last`` (the newest checkpoint), ``best`` (``checkpoints/best.safetensors``), ``average``
+    (the mean of the last ``average_last`` checkpoints, computed in memory), ``step:N`` (checkpoint N), or the path
+    of a ``.safetensors`` file. Returns (a path or the tensors, what they are in words, a label for file names)."""
+    run_dir = Path(run_dir)
+    steps = list_checkpoints(run_dir)
+    if which == "model":
+        path = inference_weights_path(run_dir)
+        return path, str(path.relative_to(run_dir)), "model"
+    if which in ("last", "average") and not steps:
+        raise CheckpointError(f"{run_dir}: no checkpoints, so no {which} weights (it has: {FINAL_WEIGHTS})")
+    if which == "last":
+        return checkpoint_paths(run_dir, steps[-1])[0], f"the last checkpoint, step {steps[-1]}", "last"
+    if which == "average":
+        chosen = steps[-average_last:]
+        return (average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen]),
+                f"the average of steps {chosen}", "average")
+    if which == "best":
+        best = checkpoint_dir(run_dir) / "best.safetensors"
+        if not best.is_file():
+            raise CheckpointError(f"{best}: no such file (a run keeps its best weights when it evaluates)")
+        return best, "the best checkpoint (lowest validation NLL)", "best"
+    if which.startswith("step:"):
+        step = int(which[5:])
+        if step not in steps:
+            raise CheckpointError(f"{run_dir}: no checkpoint of step {step} (it has steps {steps})")
+        return checkpoint_paths(run_dir, step)[0], f"the checkpoint of step {step}", f"step_{step}"
+    path = Path(which)
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise CheckpointError(f"--weights {which}: expected one of {', '.join(WEIGHT_CHOICES)}")
+    return path, str(path), path.stem

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_check                       # on a GPU machine: 8 minutes at most (--budget-s 480)
     python -m benchmarks.gpu_check --continue --budget-s 560  # the items the first call had no time for
-    python -m benchmarks.gpu_check --device cpu --smoke  # the same items on tiny sizes, on a CPU (CI)
+    python -m benchmarks.gpu_check --device cpu --smoke  # tiny sizes, on a CPU (CI): results in --work
     python -m benchmarks.gpu_check --items env train_bf16 translate   # a subset, e.g. to rerun failures
     python -m benchmarks.gpu_check --report --json F     # rewrite BENCHMARKS.md's section from a run's JSON
 
@@ -11,10 +11,12 @@ limit, inside one overall budget (``--budget-s``): an item that would not fit is
 check goes on past failures and writes, for every item, pass / fail / not run, its numbers and the error
 (after every item, so a call cut short keeps what it measured):
 JSON (``--json``, default ``benchmarks/results/gpu_check.json``) and the section ``gpu_check`` of
-BENCHMARKS.md (``--md``). Items, in the order they run (on one H100 the first nine took 374 s; the CUDA tests and
-the two compiled items did not fit in what was left and need the ``--continue`` call; BENCHMARKS.md estimates the
-calls with the paper-big items from the measured H200 times). Every item's process shares one inductor cache in
-``--work`` (``$TORCHINDUCTOR_CACHE_DIR``), so a compile is paid once per machine and a ``--continue`` call reuses it.
+BENCHMARKS.md (``--md``); a ``--smoke`` run writes both into ``--work`` unless told otherwise, and ``--device cpu``
+without ``--smoke`` is refused, so that no CPU run replaces the GPU results the repository keeps. Items, in the
+order they run (on one H100 the first nine took 374 s; the CUDA tests and the two compiled items did not fit in
+what was left and need the ``--continue`` call; BENCHMARKS.md estimates the calls with the paper-big items from the
+measured H200 times). Every item's process shares one inductor cache in ``--work`` (``$TORCHINDUCTOR_CACHE_DIR``),
+so a compile is paid once per machine and a ``--continue`` call reuses it.
 
 - ``env``            torch, CUDA, driver, GPU name, SMs, memory, clocks; measured matmul peaks (bf16, fp32 with and
                      without TF32): the denominators of MFU.
@@ -128,13 +130,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="overall time budget (default 480 s = 8 min)")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "aiayn-gpu-check"),
                    help="working directory, kept for --continue (default: /tmp/aiayn-gpu-check)")
-    p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / f"{NAME}.json"))
-    p.add_argument("--md", default=str(REPO / "BENCHMARKS.md"), help="markdown file whose section is rewritten")
+    p.add_argument("--json", default=None, help=f"the results (default benchmarks/results/{NAME}.json on a GPU; "
+                                                "a --smoke run's go to --work: they never replace a GPU's)")
+    p.add_argument("--md", default=None, help="markdown file whose section is rewritten (default BENCHMARKS.md on a "
+                                              "GPU; --work/BENCHMARKS.md for a --smoke run)")
     p.add_argument("--report", action="store_true", help="only rewrite the --md section from --json (no run)")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="keep the items --json already holds as run (pass or fail); run the rest (same --work)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    if not args.device.startswith("cuda") and not args.smoke and not args.report and args.child is None:
+        p.error(f"--device {args.device} runs the GPU's sizes off a GPU, where every item times out (and its table "
+                "would replace the GPU's measured one): add --smoke for the tiny sizes, or run it on a GPU")
+    # A smoke run (CI, a CPU) writes beside its work, never over the measured GPU results the repository keeps.
+    local = args.smoke and not args.report
+    args.json = args.json or str(Path(args.work) / f"{NAME}.json" if local else
+                                 REPO / "benchmarks" / "results" / f"{NAME}.json")
+    args.md = args.md or str(Path(args.work) / "BENCHMARKS.md" if local else REPO / "BENCHMARKS.md")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -493,7 +506,7 @@ def multi30k_item(work: Path, device: str, size: str) -> dict[str, Any]:
     last = run.parent / "multi30k_last"
     shutil.rmtree(last, ignore_errors=True)
     shutil.copytree(run, last)
-    _aiayn("average", str(last), "--last", "1")
+    _aiayn("average", str(last), "--last", "1", "--replace")
     valid = _evaluate(last, "valid", device, "--beam", "1")
     res.update(logged_valid_bleu=evals[-1]["valid_bleu"], logged_at=evals[-1]["step"],
                evaluate_valid_bleu=round(valid["bleu"], 4))

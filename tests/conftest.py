@@ -293,6 +293,23 @@ def tiny_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def lm_run(tmp_path_factory) -> Path:
+    """A character language model (context 32) trained a few updates on a small text: the serving tests' LM (the
+    protocol, not the text, is tested)."""
+    from aiayn.train.run import train_from_config
+
+    d = tmp_path_factory.mktemp("lm")
+    (d / "text.txt").write_text("the cat sat on the mat. the dog sat on the log.\n" * 200, encoding="utf-8")
+    (d / "lm.yaml").write_text(f"""task: lm
+model: {{d_model: 32, n_heads: 2, d_ff: 64, n_decoder_layers: 2, dropout: 0.0, max_positions: 64}}
+data: {{train_src: {d / 'text.txt'}, tokenizer: char, block_size: 32, batch_size: 8}}
+train: {{max_updates: 30, warmup: 10, eval_every: 30, save_every: 30, log_every: 10, threads: 1}}
+""", encoding="utf-8")
+    train_from_config(d / "lm.yaml", d / "run", progress=False)
+    return d / "run"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for modules of tiny matrices: on a 2-core machine extra threads only contend

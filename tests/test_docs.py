@@ -31,6 +31,18 @@ def test_readme_is_a_front_door():
         assert must in headings
 
 
+def test_readmes_results_say_which_rows_are_gpu_rows():
+    """Issue 62: "no GPU number has been measured yet" stood above a table with an H100 row. Whatever the intro
+    says about GPUs must agree with the table: a GPU row is a row the intro allows."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    results = text[text.index("## Results"):text.index("## Tests")]
+    intro, table = results.split("\n|", 1)
+    gpu_rows = [row for row in table.splitlines() if re.search(r"\b(H100|H200|A100|GPU)\b", row)]
+    assert "no GPU number has been measured" not in intro
+    if gpu_rows:
+        assert "unless the row names a GPU" in intro and "BENCHMARKS.md#gpu" in intro
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_resolve(page):
     text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)

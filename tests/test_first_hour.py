@@ -213,3 +213,38 @@ def test_a_resumed_run_keeps_the_thread_count_it_was_trained_with(tmp_path, monk
     assert _run_threads(free, run, resume=True) == 1  # float sums depend on it: the resume stays bit-identical
     assert _run_threads(free, run, resume=False) == 2
     assert _run_threads(load_config(TINY, SMALL + ["train.threads=2"]), run, resume=True) == 2  # asked for
+
+
+def test_epoch_lines_count_updates_as_the_run_does(caplog):
+    """Issue 62: the second epoch's line said "updates 1-126"; it now counts on from the first epoch's, with the
+    epoch's own positions beside (a resume inside an epoch starts there)."""
+    from aiayn.train.trainer import EpochTimer
+
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        EpochTimer(epoch=1, position=0, step=126).log(126)
+        EpochTimer(epoch=2, position=50, step=302).log(126)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("epoch 1: updates 127-252 (the epoch's 1-126) in ")
+    assert lines[1].startswith("epoch 2: updates 303-378 (the epoch's 51-126) in ")
+
+
+def test_a_moving_forecast_says_it_is_one_and_what_it_was(caplog):
+    """Issue 62: the plain lines' total moved from 230 to 442 without a word: a total the clock sets is a forecast
+    at the speed so far, marked ~, and says the last one when it moved by a tenth or more."""
+    cfg = load_config(TINY, ["train.max_updates=3000", "train.max_minutes=10"])
+    console = Console(cfg.train, cfg.expect, step=0, elapsed_s=0.0, show=True, bar=False)
+    rec = {"train_loss": 5.0, "lr": 1e-3, "tokens_per_s": 100.0}
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        console.record({**rec, "step": 50, "elapsed_s": 130.0})  # 0.38 updates/s: ~230 in 600 s
+        console.record({**rec, "step": 100, "elapsed_s": 150.0})  # faster now: ~400
+        console.record({**rec, "step": 105, "elapsed_s": 157.0})  # about the same: no "was"
+    first, second, third = (r.getMessage() for r in caplog.records)
+    assert first.startswith("step 50/~230 (the forecast of train.max_minutes=10 at 0.38 updates/s so far) "), first
+    assert second.startswith("step 100/~400 (the forecast of train.max_minutes=10 at 0.67 updates/s so far; was "
+                             "~230) "), second
+    assert "was ~" not in third
+    fixed = Console(load_config(TINY, ["train.max_updates=300"]).train, cfg.expect, 0, 0.0, show=True, bar=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        fixed.record({**rec, "step": 50, "elapsed_s": 10.0})
+    assert caplog.records[0].getMessage().startswith("step 50/300 loss")

@@ -126,3 +126,18 @@ def test_a_failed_torchrun_job_is_named_by_its_workers_error_not_the_launchers_t
                                           "torchrun: rank 1 exited with status 1")
     assert gpu_check.job_error(_LAUNCHER_TAIL.format(rank=1, code=-9)) == "torchrun: rank 1 exited with signal 9"
     assert gpu_check.job_error("") == "the log names no cause"
+
+
+def test_a_cpu_run_never_writes_over_the_gpus_results(tmp_path, capsys):
+    """Issue 62: ``--device cpu`` without ``--smoke`` ran the GPU's sizes, timed out and rewrote BENCHMARKS.md's
+    measured H200 table. It is refused in one line; a smoke run's results default to its --work directory."""
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--device", "cpu", "--work", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "add --smoke" in err[-1], err
+    assert not (tmp_path / "work").exists()
+    args = gpu_check.parse_args(["--device", "cpu", "--smoke", "--work", str(tmp_path / "w")])
+    assert args.json == str(tmp_path / "w" / "gpu_check.json") and args.md == str(tmp_path / "w" / "BENCHMARKS.md")
+    gpu = gpu_check.parse_args([])
+    assert gpu.md == str(gpu_check.REPO / "BENCHMARKS.md")  # a GPU run still reports where the repository keeps it
+

@@ -104,7 +104,7 @@ BAD_REQUESTS = [  # (body, status, code, a word the message must contain)
     (b'{"text": ["a"], "alpha": NaN}', 422, "out_of_range", "alpha"),
     ({"text": ["a"], "length_penalty": "loud"}, 422, "out_of_range", "length_penalty"),
     ({"text": ["a"], "max_tokens": 9}, 422, "unknown_field", "max_tokens"),
-    ({"text": ["a"] * 65}, 413, "too_many_sentences", "65"),
+    ({"text": ["a"] * 129}, 413, "too_many_sentences", "129"),
     ({"text": ["a" * 2001]}, 413, "line_too_long", "text[0]"),
     ({"text": ["ok", "a b " * 200]}, 413, "line_too_long", "text[1]"),  # over the model's 64 positions
 ]
@@ -154,7 +154,7 @@ def test_health_and_model(client, translator):
     m = client.get("/v1/model").json()
     assert m["task"] == "translation" and m["device"] == "cpu" and m["precision"] == "float32"
     assert m["parameters"] == count_parameters(translator.model)
-    assert m["config"]["model"]["n_heads"] == 2 and m["limits"]["max_sentences"] == 64
+    assert m["config"]["model"]["n_heads"] == 2 and m["limits"]["max_sentences"] == 128
 
 
 def test_attention_maps(client, translator):

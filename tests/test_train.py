@@ -422,12 +422,14 @@ def test_trackers_receive_the_metrics(tracker, tmp_path, monkeypatch):
 
 def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_path, caplog):
     """train.inference_weights=average over the last 3 checkpoints (steps 10, 20, 30): model.safetensors holds the
-    average or the last weights, whichever has the lower validation NLL (recomputed here from the files), and the
-    log says which and why. Then step 10's checkpoint is replaced by the initial weights (a run cut early averages
-    checkpoints from its first updates): the resume's end finds the average worse and keeps the last weights."""
+    average or the last weights, whichever is better on validation (BLEU of the recipe's search, then NLL; both
+    recomputed here from the files), and the log says which and why. Then step 10's checkpoint is replaced by the
+    initial weights (a run cut early averages checkpoints from its first updates): the resume's end finds the
+    average worse and keeps the last weights."""
     from aiayn.data.pipeline import build_data
     from aiayn.train.run import resume_run
-    from aiayn.train.validation import evaluate_loss
+    from aiayn.train.trainer import prefer_average
+    from aiayn.train.validation import evaluate_loss, validation_bleu_fn
     from aiayn.weights import save_weights
 
     run = tmp_path / "run"
@@ -436,18 +438,21 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
     with caplog.at_level("INFO", logger="aiayn.train"):
         train(cfg, run, progress=False)
     model_cfg = load_config(run / "config.yaml")
-    data, _ = build_data(model_cfg, run)
+    data, tok = build_data(model_cfg, run)
+    bleu = validation_bleu_fn(model_cfg, data, tok, model_cfg.decode)  # the recipe's search, as the choice decodes
 
-    def nll(weights):
+    def scores(weights):
         model = build_model(model_cfg.model, model_cfg.task)
         model.load_state_dict(weights, strict=False)
-        return evaluate_loss(model, data.valid_batches, model_cfg.train.label_smoothing)["valid_nll"]
+        return {**bleu(model), **evaluate_loss(model, data.valid_batches, model_cfg.train.label_smoothing)}
 
     def average():
         return average_weights([checkpoint_paths(run, s)[0] for s in (10, 20, 30)])
 
     last = read_weights(checkpoint_paths(run, 30)[0])
-    better = average() if nll(average()) <= nll(last) else last
+    better = average() if prefer_average(scores(average()), scores(last)) else last
+    assert prefer_average({"valid_bleu": 20.0, "valid_nll": 3.2}, {"valid_bleu": 19.0, "valid_nll": 3.1})  # BLEU
+    assert not prefer_average({"valid_bleu": 20.0, "valid_nll": 3.2}, {"valid_bleu": 20.004, "valid_nll": 3.1})
     chosen = read_weights(run / "model.safetensors")
     assert all(torch.equal(chosen[k], better[k]) for k in better)
     assert "stopped at step 30: train.max_updates=30 reached" in caplog.text
@@ -455,7 +460,8 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
 
     torch.manual_seed(model_cfg.train.seed)
     save_weights(build_model(model_cfg.model, model_cfg.task), checkpoint_paths(run, 10)[0])
-    assert nll(average()) > nll(last) + 0.1  # averaging would now make the model clearly worse
+    assert scores(average())["valid_nll"] > scores(last)["valid_nll"] + 0.1  # averaging would now make it worse
+    assert not prefer_average(scores(average()), scores(last))
     caplog.clear()
     with caplog.at_level("INFO", logger="aiayn.train"):
         resume_run(run, progress=False)

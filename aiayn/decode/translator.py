@@ -124,11 +124,13 @@ class Translator(LoadedRun):
         return [[h.text for h in hyps] for hyps in found]
 
 
-def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto") -> Translator:
-    """A :class:`Translator` for a trained translation or summarization run directory."""
+def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto",
+         weights: str | Path | dict[str, torch.Tensor] | None = None) -> Translator:
+    """A :class:`Translator` for a trained translation or summarization run directory (``weights``: other weights
+    of the run than those inference uses, :func:`aiayn.weights.select_weights`)."""
     from aiayn.run_dir import load_run
 
-    run = load_run(run_dir, device, precision=precision)
+    run = load_run(run_dir, device, weights, precision=precision)
     if run.cfg.task == "lm":
         raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
     return Translator(run)

@@ -34,7 +34,7 @@ from typing import Any
 
 from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.errors import CheckpointError, ConfigError
-from aiayn.eval.results import check_name, check_writable, weights_info, write_result
+from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
 
 log = logging.getLogger("aiayn.eval")
 
@@ -77,6 +77,12 @@ class EvalData:
     name: str | None = None
     rolling: bool = False
     max_length: int | None = None
+    weights: str = "model"  # which weights are scored (aiayn.weights.select_weights): model.safetensors by default
+
+    def record_name(self, base: str, label: str | None) -> str:
+        """The record's name: ``name`` if given, else ``base`` (the split or file), marked with the weights scored
+        when they are not the run's own (``test_2016_flickr.average``)."""
+        return check_name(self.name or (base if label is None else f"{base}.{label}"))
 
 
 def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None,
@@ -93,19 +99,19 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
-    split, src, ref, name = data.split, data.src, data.ref, data.name
-    translator = load(run_dir, device=device, precision=precision)
+    split, src, ref = data.split, data.src, data.ref
+    weights, run_info, label = scored_weights(run_dir, data.weights)
+    translator = load(run_dir, device=device, precision=precision, weights=weights)
     cfg = translator.cfg
     opts = translator.options(options, **overrides)
     if opts.nbest != 1:
         raise ConfigError("evaluate scores one hypothesis per source: nbest must be 1")
     if split is not None:
         pairs, data_info = split_pairs(cfg, split), {"split": split, "dataset": cfg.data.dataset}
-        name = name or split
+        name = data.record_name(split, label)
     else:
         pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
-        name = name or _default_name(src)
-    check_name(name)
+        name = data.record_name(_default_name(src), label)
     check_writable(run_dir)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     _, truncated = translator.encode_sources(sources)
@@ -132,7 +138,7 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
         "bleu_lc_tok_detail": lc_detail,
         "decode": {**asdict(opts), "max_tokens": opts.batch_tokens(translator.device.type),
                    "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype)},
-        "run": weights_info(run_dir),
+        "run": run_info,
         "truncated_lines": [i + 1 for i in truncated],
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -142,8 +148,9 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
 
 
 def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "auto",
-                precision: str = "auto") -> dict[str, Any]:
-    """NLL per token (nats) and perplexity of a language-model run's validation text; writes eval/<name>.json."""
+                precision: str = "auto", weights: str = "model") -> dict[str, Any]:
+    """NLL per token (nats) and perplexity of a language-model run's validation text; writes eval/<name>.json
+    (``weights``: which weights of the run, :class:`EvalData`'s)."""
     import torch
 
     from aiayn.data.pipeline import build_lm_data
@@ -152,8 +159,9 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     from aiayn.train.validation import evaluate_loss
 
     run_dir = Path(run_dir)
-    run = load_run(run_dir, device, precision=precision)
-    name = check_name(name or "valid")
+    chosen, run_info, label = scored_weights(run_dir, weights)
+    run = load_run(run_dir, device, chosen, precision=precision)
+    name = EvalData(name=name).record_name("valid", label)
     check_writable(run_dir)
     data, _ = build_lm_data(run.cfg, run_dir)
     start = time.perf_counter()
@@ -167,7 +175,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
         "data": {"split": "valid", "valid_fraction": run.cfg.data.valid_fraction,
                  "block_size": run.cfg.data.block_size, "n_tokens": int(sum(b.ntokens for b in data.valid_batches))},
         "scores": {"nll_per_token": round(nll, 6), "ppl": round(perplexity(nll), 4)},
-        "run": weights_info(run_dir),
+        "run": run_info,
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -200,14 +208,15 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
     from aiayn.run_dir import load_run
 
     run_dir = Path(run_dir)
-    run = load_run(run_dir, device, precision=precision)
+    chosen, run_info, label = scored_weights(run_dir, data.weights)
+    run = load_run(run_dir, device, chosen, precision=precision)
     context = lm_context(run.cfg)
     max_length = data.max_length or context
     if not 3 <= max_length <= context:
         raise ConfigError(f"--max-length {max_length}: lm-evaluation-harness's windows at max_length N send N - 1 "
                           f"tokens and ask for one more, so N is 3 to the model's context ({context})")
     text = read_text(data.src) if data.src is not None else lm_valid_text(run.cfg)
-    name = check_name(data.name or f"rolling_{_default_name(data.src) if data.src else 'valid'}")
+    name = data.record_name(f"rolling_{_default_name(data.src) if data.src else 'valid'}", label)
     check_writable(run_dir)
     ids = run.tokenizers.src.encode(text)
     windows = rolling_windows(ids, run.tokenizers.specials.bos, max_length)
@@ -227,7 +236,7 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
                    "word_perplexity": round(perplexity(-loglikelihood / words), 4),
                    "byte_perplexity": round(perplexity(-loglikelihood / max(n_bytes, 1)), 4),
                    "bits_per_byte": round(-loglikelihood / max(n_bytes, 1) / math.log(2), 6)},
-        "run": weights_info(run_dir), "wall_s": round(wall, 3),
+        "run": run_info, "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     result["json_path"] = str(write_result(run_dir, name, result, None))
@@ -258,12 +267,12 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
         # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
         from aiayn.eval.summaries import evaluate_summaries
 
-        return evaluate_summaries(run_dir, split, options, device, precision, **overrides)
+        return evaluate_summaries(run_dir, split, options, device, precision, data.weights, **overrides)
     if cfg.task == "lm":
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
                               "file is scored with --rolling), --split valid at most")
-        return evaluate_lm(run_dir, name, device, precision)
+        return evaluate_lm(run_dir, name, device, precision, data.weights)
     if data.rolling:
         raise ConfigError(f"--rolling scores a language model's text; this is a {cfg.task} run")
     if (split is None) == (src is None and ref is None):

@@ -56,6 +56,20 @@ def weights_info(run_dir: Path) -> dict[str, Any]:
     return info
 
 
+def scored_weights(run_dir: Path, which: str) -> tuple[Path | dict | None, dict[str, Any], str | None]:
+    """The weights an evaluation scores (``which``: :func:`aiayn.weights.select_weights`' names; ``model``: those
+    inference uses), read only: (what ``load_run`` loads, None for the run's own; the record's ``run`` field; the
+    suffix of the record's default name, None for the run's own weights, so that scoring other weights never
+    replaces the run's record)."""
+    if which == "model":
+        return None, weights_info(run_dir), None
+    from aiayn.config import read_run_config
+    from aiayn.weights import select_weights
+
+    weights, what, label = select_weights(run_dir, which, read_run_config(run_dir).train.average_last)
+    return weights, {"path": str(run_dir), "weights": what}, label
+
+
 def write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[str] | None) -> Path:
     """Write ``eval/<name>.hyp`` (one line per hypothesis) then ``eval/<name>.json``; returns the JSON path."""
     out = check_writable(run_dir)

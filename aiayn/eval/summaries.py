@@ -22,7 +22,7 @@ from aiayn.config import DecodeOptions
 from aiayn.data.summarization import collapse_whitespace, lead_1, summary_pairs, xsum_split
 from aiayn.errors import UserError, first_line
 from aiayn.eval.metrics import rouge_scores
-from aiayn.eval.results import check_writable, weights_info, write_result
+from aiayn.eval.results import check_writable, scored_weights, write_result
 
 
 def lead1_scores(split: str = "test") -> dict[str, float]:
@@ -32,15 +32,18 @@ def lead1_scores(split: str = "test") -> dict[str, float]:
 
 
 def evaluate_summaries(run_dir: str | Path, split: str = "test", options: DecodeOptions | None = None,
-                       device: str = "auto", precision: str = "auto", **overrides) -> dict[str, Any]:
+                       device: str = "auto", precision: str = "auto", weights: str = "model", **overrides
+                       ) -> dict[str, Any]:
     """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
-    ``RUN/eval/rouge_<split>.json`` and ``.hyp``; return the record. Options: the run's ``decode``
-    section, then ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
+    ``RUN/eval/rouge_<split>.json`` and ``.hyp`` (``rouge_<split>.<weights>`` for other ``weights`` than the run's
+    own, :func:`aiayn.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
+    ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
     from aiayn.decode.generate import new_token_limit, summarize
     from aiayn.run_dir import load_run
 
     run_dir = Path(run_dir)
-    run = load_run(run_dir, device, precision=precision)
+    chosen, run_info, label = scored_weights(run_dir, weights)
+    run = load_run(run_dir, device, chosen, precision=precision)
     opts = (options or run.cfg.decode).replace(**overrides)
     pairs = summary_pairs(run.cfg, split)
     check_writable(run_dir)
@@ -50,12 +53,12 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else f"encoder-decoder: beam {opts.beam}"
     max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
-        "name": f"rouge_{split}",
+        "name": f"rouge_{split}" if label is None else f"rouge_{split}.{label}",
         "task": run.cfg.task,
         "data": {"dataset": run.cfg.data.dataset, "split": split, "n_documents": len(pairs)},
         "scores": {k: round(v, 2) for k, v in rouge_scores(hyps, [s for _, s in pairs]).items()},
         "decode": {"how": kind, "max_new_tokens": max_new, "no_repeat_ngram": opts.no_repeat_ngram},
-        "run": weights_info(run_dir),
+        "run": run_info,
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

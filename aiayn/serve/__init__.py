@@ -175,7 +175,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a request waits for others to share its model call (default 10)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; then 503 (default 256)")
-    p.add_argument("--max-sentences", type=int, default=64, help="sentences per translate request (default 64)")
+    p.add_argument("--max-sentences", type=int, default=Limits.max_sentences, metavar="N",
+                   help="texts per request: sentences to translate, prompts (x n) of a completion (default "
+                        f"{Limits.max_sentences}; LangChain's OpenAI sends batch_size prompts at once)")
     p.add_argument("--max-beam", type=int, default=16, help="largest beam (and nbest) a request may ask (16)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",

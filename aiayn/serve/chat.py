@@ -27,12 +27,14 @@ import secrets
 from typing import Any
 
 from aiayn.serve.chat_template import ChatTemplate
-from aiayn.serve.schemas import ApiError
+from aiayn.serve.completions import refuse_unsupported
+from aiayn.serve.errors import OpenAIError
 
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
              "tool_choice", "parallel_tool_calls")
 SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
-          "presence_penalty", "frequency_penalty", "logit_bias")
+          "presence_penalty", "frequency_penalty", "logit_bias",
+          *("top_k", "min_p", "repetition_penalty", "truncate_prompt_tokens"))  # vLLM's extras
 ROLES = ("system", "developer", "user", "assistant")
 TEMPLATE_STOP = "\nUser:"
 
@@ -40,16 +42,17 @@ TEMPLATE_STOP = "\nUser:"
 def _content(message: Any, i: int) -> tuple[str, str]:
     """(role, text) of one message; text parts of a list content are joined (other parts refused)."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise ApiError(400, "invalid_type", f"messages[{i}]: expected {{'role': one of {', '.join(ROLES)}, "
-                                            "'content': text}")
+        raise OpenAIError(400, f"messages[{i}]: expected {{'role': one of {', '.join(ROLES)}, 'content': text}}",
+                          param="messages", code="invalid_type")
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
-            raise ApiError(400, "unsupported", f"messages[{i}].content: only text parts are supported")
+            raise OpenAIError(400, f"messages[{i}].content: only text parts are supported", param="messages",
+                              code="unsupported")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise ApiError(400, "invalid_type", f"messages[{i}].content: expected a string")
+        raise OpenAIError(400, f"messages[{i}].content: expected a string", param="messages", code="invalid_type")
     return message["role"], content
 
 
@@ -57,17 +60,15 @@ def chat_prompt(body: dict[str, Any], task: str, template: ChatTemplate | None =
     """(the completion prompt, the completion request's other fields) of a chat request on a run of ``task``;
     ``template``: a language model's own (None: the default one above)."""
     unknown = sorted(set(body) - set(CHAT_ONLY) - set(SHARED))
-    if unknown:
-        raise ApiError(400, "unknown_parameter", f"unknown parameter {unknown[0]!r}")
-    for name, neutral in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])),
-                          ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,)),
-                          ("response_format", (None, {"type": "text"}))):
-        value = body.get(name)
-        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
-            raise ApiError(400, "unsupported", f"{name} is not supported by this server's chat completions")
+    if unknown:  # as the completions route names it
+        raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+    refuse_unsupported(body, (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("tools", (None, [])),
+                              ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,)),
+                              ("response_format", (None, {"type": "text"}))))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "invalid_type", "messages: expected a non-empty list of messages")
+        raise OpenAIError(400, "messages: expected a non-empty list of messages", param="messages",
+                          code="invalid_type")
     turns = [_content(m, i) for i, m in enumerate(messages)]
     fields = {k: body[k] for k in SHARED if k in body}
     if body.get("max_completion_tokens") is not None:  # the newer name wins, as OpenAI reads them
@@ -75,8 +76,8 @@ def chat_prompt(body: dict[str, Any], task: str, template: ChatTemplate | None =
     if task == "translation":
         users = [text for role, text in turns if role == "user"]
         if not users:
-            raise ApiError(400, "invalid_type", "messages: a translation run translates the last user message; "
-                                                "there is none")
+            raise OpenAIError(400, "messages: a translation run translates the last user message; there is none",
+                              param="messages", code="invalid_type")
         return users[-1], fields
     if template is not None:  # the run's own template knows its turns' ends: no stop of ours is added
         return template.render([{"role": role, "content": text} for role, text in turns]), fields
@@ -94,6 +95,7 @@ class Shape:
     object = ""
     chunk_object = ""
     id_prefix = ""
+    prompt_param = "prompt"  # what the request calls the text the model reads (named by its errors)
 
     def new_id(self) -> str:
         return f"{self.id_prefix}-{secrets.token_hex(12)}"
@@ -132,6 +134,7 @@ class ChatShape(Shape):
     ``chat.completion.chunk`` with the role first, then ``content`` deltas, then the finish reason."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+    prompt_param = "messages"
 
     def __init__(self, strip_leading_space: bool) -> None:
         self.strip = strip_leading_space  # a language model's reply follows "Assistant:" and its space

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,10 @@ from aiayn.serve.scores import MAX_LOGPROBS, scored_choices
 
 OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
                  "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix", "logit_bias",
-                 "stream_options")
+                 "stream_options", *("top_k", "min_p", "repetition_penalty", "truncate_prompt_tokens"))
+# vLLM's sampling extras that OpenAI's clients send as top-level fields (extra_body): top_k and
+# truncate_prompt_tokens are done; min_p and repetition_penalty are taken at the value that changes nothing.
+VLLM_NEUTRAL = (("min_p", (None, 0, 0.0)), ("repetition_penalty", (None, 1, 1.0)))
 # OpenAI takes 4 stop strings; lm-evaluation-harness sends a task's every `until` string (vLLM takes any number)
 MAX_STOPS = 64
 Job = tuple[int, Any, int | None]  # (choice index, prompt: a text or token ids, seed)
@@ -43,6 +47,8 @@ class Completion:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     sample_asked: bool = False  # temperature or top_p given: a translation run samples only then
     options: DecodeOptions | None = None  # the decoding options, checked before any answer (completion_options)
+    top_k: int | None = None  # vLLM's top_k (None: not given, the server's own; 0: off, as vLLM's -1 and 0 say)
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are read
 
     @property
     def scored(self) -> bool:
@@ -81,22 +87,50 @@ def prompts_of(prompt: Any) -> list[str] | list[list[int]]:
                            "lists (none empty)", param="prompt", code="invalid_type")
 
 
+def refuse_unsupported(body: dict[str, Any], neutral_values: tuple[tuple[str, tuple], ...]) -> None:
+    """Fields taken only at the value that asks for nothing: a request for what this server does not do is refused
+    (400 naming the field), not silently ignored (a penalty of 1.5 would otherwise give the text of 0)."""
+    for name, neutral in neutral_values:
+        value = body.get(name)
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+            takes = [json.dumps(n) for n in neutral if n is not None][:1]
+            raise OpenAIError(400, f"{name} is not supported by this server" + (
+                f" (only {takes[0]}, which asks for nothing)" if takes else ""), param=name, code="unsupported")
+
+
+def vllm_extras(body: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(top_k, truncate_prompt_tokens) of vLLM's extras (top_k: None when not given, 0 for vLLM's -1 and 0, which
+    turn it off; truncation -1 means the model's context, as vLLM reads it: 0 here); min_p and repetition_penalty
+    refused unless neutral."""
+    refuse_unsupported(body, VLLM_NEUTRAL)
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise OpenAIError(400, "top_k: expected an integer (-1 or 0: off)", param="top_k", code="invalid_type")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < -1
+                                 or truncate == 0):
+        raise OpenAIError(400, "truncate_prompt_tokens: expected a positive integer (the prompt's last k tokens are "
+                               "read) or -1 (the model's context)", param="truncate_prompt_tokens",
+                          code="invalid_type")
+    return (None if top_k is None else max(top_k, 0)), (0 if truncate == -1 else truncate)
+
+
 def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
-    """The checked fields of an OpenAI completions request (unknown fields refused by name)."""
+    """The checked fields of an OpenAI completions request (unknown fields refused by name; ``prompt`` required,
+    as vLLM asks for it: OpenAI's implicit start of a document is no prompt a client meant to send)."""
     unknown = sorted(set(body) - set(OPENAI_FIELDS))
     if unknown:
         raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
-    # Accepted only at the value that asks for nothing: a request for what this server does not do is refused,
-    # not silently ignored (a penalty of 1.5 would otherwise give the text of 0).
-    for name, neutral in (("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0))):
-        value = body.get(name)
-        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
-            raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
-    prompts = prompts_of(body.get("prompt", ""))
+    refuse_unsupported(body, (("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+                              ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0))))
+    top_k, truncate = vllm_extras(body)
+    if body.get("prompt") is None:
+        raise OpenAIError(400, "prompt: required (a string, a list of strings, a list of token ids or a list of such "
+                               "lists)", param="prompt", code="missing_required_parameter")
+    prompts = prompts_of(body["prompt"])
     if len(prompts) > limits.max_sentences:
-        raise OpenAIError(400, f"prompt: {len(prompts)} prompts, the limit is {limits.max_sentences}",
-                          param="prompt", code="out_of_range")
+        raise OpenAIError(400, f"prompt: {len(prompts)} prompts, the limit is {limits.max_sentences} per request "
+                               "(the server's aiayn serve --max-sentences)", param="prompt", code="out_of_range")
     for p in prompts:
         if len(p) > limits.max_chars:
             raise OpenAIError(400, f"prompt: {len(p)} characters, the limit is {limits.max_chars}",
@@ -109,8 +143,8 @@ def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
                           code="invalid_type")
     n = number_field(body, "n", 1, 1, limits.max_nbest, integer=True)
     if n * len(prompts) > limits.max_sentences:
-        raise OpenAIError(400, f"n x prompts = {n * len(prompts)} completions, the limit is {limits.max_sentences}",
-                          param="n", code="out_of_range")
+        raise OpenAIError(400, f"n x prompts = {n * len(prompts)} completions, the limit is {limits.max_sentences} "
+                               "per request (the server's aiayn serve --max-sentences)", param="n", code="out_of_range")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise OpenAIError(400, "seed: expected a non-negative integer", param="seed", code="invalid_type")
@@ -139,7 +173,36 @@ def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
     asked = body.get("temperature") is not None or body.get("top_p") is not None
     return Completion(prompts, max_tokens, float(number_field(body, "temperature", 1.0, 0.0, 2.0)),
                       float(number_field(body, "top_p", 1.0, 0.0, 1.0)), n, tuple(stops), seed, stream, echo, logprobs,
-                      bool(options and options.get("include_usage")), asked)
+                      bool(options and options.get("include_usage")), asked, top_k=top_k, truncate=truncate)
+
+
+def truncated(ids: list[int], prompt: str | list[int], keep: int | None, context: int) -> str | list[int]:
+    """``prompt``, or (vLLM's ``truncate_prompt_tokens``: ``keep`` > 0, 0 for the model's ``context``) the last
+    ``keep`` of its ``ids`` when it has more."""
+    if keep is None:
+        return prompt
+    keep = keep or context
+    return ids[-keep:] if len(ids) > keep else prompt
+
+
+def check_context(prompt_tokens: int, new_tokens: int, context: int, param: str, scored: bool) -> None:
+    """A 400 ``context_length_exceeded`` (OpenAI's code) when a prompt of ``prompt_tokens`` and ``new_tokens`` do
+    not fit the model's ``context``, naming what the client can change: ``max_tokens`` when the prompt alone
+    fits, else the prompt (``param``), which vLLM's ``truncate_prompt_tokens`` cuts to its last tokens. With echo
+    or logprobs (``scored``) the new tokens must fit too (scores read every token before: no sliding window);
+    a plain completion needs room for one new token, then slides."""
+    if prompt_tokens + new_tokens <= context:
+        return
+    if scored and prompt_tokens <= context:
+        raise OpenAIError(400, f"max_tokens: the prompt is {prompt_tokens} tokens and max_tokens {new_tokens}, but "
+                               f"with echo or logprobs both must fit the model's context of {context} tokens: send "
+                               f"max_tokens {context - prompt_tokens} or less, or truncate_prompt_tokens to read only "
+                               "the prompt's last tokens", param="max_tokens", code="context_length_exceeded")
+    room = context - (new_tokens if scored else 1)
+    raise OpenAIError(400, f"{param}: the prompt is {prompt_tokens} tokens, past the model's context of {context} "
+                           f"with room for {'max_tokens' if scored else 'a new token'}: shorten it, or send "
+                           f"truncate_prompt_tokens={max(room, 1)} to read only its last {max(room, 1)} tokens",
+                      param=param, code="context_length_exceeded")
 
 
 def completion_options(c: Completion, base: DecodeOptions, language_model: bool) -> Completion:
@@ -151,7 +214,7 @@ def completion_options(c: Completion, base: DecodeOptions, language_model: bool)
     is a 400 naming the field, before any streamed 200 is sent."""
     top_p = c.top_p if c.top_p < 1 else None
     sample = c.temperature > 0 and (language_model or c.sample_asked)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"top_k": c.top_k} if c.top_k else {}  # not given: the server's; 0: off (below)
     if sample:
         overrides.update(sample=True, temperature=c.temperature, top_p=top_p)
     elif language_model:
@@ -160,7 +223,8 @@ def completion_options(c: Completion, base: DecodeOptions, language_model: bool)
         overrides["max_new_tokens"] = c.max_tokens
     try:
         base.replace(temperature=c.temperature, top_p=top_p)  # checked even where the run's own search ignores them
-        return dataclasses.replace(c, options=base.replace(**overrides))
+        options = base.replace(**overrides)  # replace() keeps an option it is given None for: off is set apart
+        return dataclasses.replace(c, options=dataclasses.replace(options, top_k=None) if c.top_k == 0 else options)
     except ConfigError as e:
         message = str(e).removeprefix("decode.")
         param = next((p for p in ("temperature", "top_p") if message.startswith(p)), None)
@@ -242,7 +306,7 @@ def choices_for(c: Completion) -> list[Job]:
 
 def lm_group(c: Completion) -> tuple:
     """Completions that may share a batch: the same sampling options (seeds, limits and stops are per row)."""
-    return ("completion", c.temperature, c.top_p)
+    return ("completion", c.temperature, c.top_p, c.top_k)
 
 
 def lm_cost(c: Completion, jobs: list[Job]) -> int:
@@ -259,16 +323,22 @@ def usage_of(c: Completion, results: list[dict[str, Any]], jobs: list[Job]) -> d
     return usage
 
 
+def sent_tokens(gen: Generator, prompt: str | list[int]) -> int:
+    """The prompt tokens a client sent: an empty prompt sent none (the model starts from the start of a text, which
+    the client did not send and is not counted)."""
+    from aiayn.decode.generate import prompt_ids
+
+    return 0 if prompt == "" else len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
+
+
 def run_one(gen: Generator, prompt: str, c: Completion, seed: int | None, emit: Callable[[str], None] | None,
             cancelled: threading.Event | None) -> dict[str, Any]:
     """Generate one completion by a language model alone (worker thread; the sliding window when the text
     outgrows the context); ``emit`` gets each final piece as it comes; ``cancelled`` stops it at the next
     token (the generator decodes one token per piece asked for)."""
-    from aiayn.decode.generate import prompt_ids
-
     out = CompletionText(c, emit, cancelled)
     pieces = gen.stream(prompt, c.options.replace(seed=seed))
-    prompt_tokens = len(prompt_ids(gen.cfg, gen.tokenizers.src, prompt))
+    prompt_tokens = sent_tokens(gen, prompt)
     for piece in pieces:
         out.add(piece)
         if out.done:
@@ -281,12 +351,12 @@ def run_lm(gen: Generator, items: list[tuple[str, int | None, Completion, Any, A
     (prompt, seed, request, emit or None, cancelled event or None); rows too long for a batch (they need the
     sliding window) run alone. Each row's text, stop and token count are what :func:`run_one` gives it alone.
     The batch decodes until every row is done: ended, stopped, or cancelled by its client."""
-    from aiayn.decode.generate import fits_in_batch, prompt_ids, stream_rows
+    from aiayn.decode.generate import fits_in_batch, stream_rows
 
     results: list[dict[str, Any] | None] = [None] * len(items)
     rows = [k for k, (p, _, c, _, _) in enumerate(items) if fits_in_batch(gen.run, p, c.max_tokens)]
     if rows:
-        opts = items[rows[0]][2].options  # one group: the same temperature and top_p
+        opts = items[rows[0]][2].options  # one group: the same temperature, top_p and top_k
         outs = [CompletionText(items[k][2], items[k][3], items[k][4]) for k in rows]
         for pieces in stream_rows(gen.run, [items[k][0] for k in rows], opts,
                                   [items[k][2].max_tokens for k in rows], [items[k][1] for k in rows]):
@@ -296,7 +366,7 @@ def run_lm(gen: Generator, items: list[tuple[str, int | None, Completion, Any, A
             if all(out.done for out in outs):
                 break
         for out, k in zip(outs, rows):
-            results[k] = out.result(len(prompt_ids(gen.cfg, gen.tokenizers.src, items[k][0])))
+            results[k] = out.result(sent_tokens(gen, items[k][0]))
     for k, (p, seed, c, emit, cancelled) in enumerate(items):  # after the batch: those that need the window
         if results[k] is None:
             results[k] = run_one(gen, p, c, seed, emit, cancelled)

@@ -5,9 +5,11 @@ and plugins) work against ``aiayn serve`` unchanged. docs/serve.md's protocol ta
 ``POST /translate``              ``q`` (string or list), ``source`` (the run's source language or ``auto``),
                                  ``target``, ``format`` (text; html: text nodes translated, markup kept,
                                  :mod:`aiayn.serve.markup`), ``alternatives``, ``api_key``; other fields not read,
-                                 as LibreTranslate; JSON or form-encoded (a repeated form field: its first value).
+                                 as LibreTranslate; JSON or a form, URL-encoded or multipart (a repeated form
+                                 field: its first value).
                                  -> ``{"translatedText": str | [str]}`` (+ ``alternatives``)
-``GET /languages``               ``[{"code", "name", "targets"}]``, the run's source language
+``GET /languages``               ``[{"code", "name", "targets"}]``, the run's source language; no key asked (as
+                                 LibreTranslate: a client lists languages before it has one)
 ``POST /detect``                 the run's source language, confidence 100 (nothing is detected)
 ``GET /frontend/settings``       LibreTranslate's web page settings
 ===============================  ==================================================================================
@@ -19,7 +21,9 @@ LibreTranslate's ``api_key`` field (:mod:`aiayn.serve.service`).
 from __future__ import annotations
 
 import dataclasses
+import email.policy
 import urllib.parse
+from email.parser import BytesParser
 from typing import Any
 
 from starlette.requests import Request
@@ -36,14 +40,18 @@ from aiayn.serve.service import Service
 
 
 async def request_fields(request: Request, limits: Limits) -> dict[str, Any]:
-    """The request's fields: a JSON object, a form, or (GET) the query string."""
+    """The request's fields: a JSON object, a form (URL-encoded or multipart, as ``curl -F`` sends it), or (GET) the
+    query string."""
     params: dict[str, Any] = dict(request.query_params)
     # libretranslatepy sends its api_key in a form body even on GET /languages
     has_body = request.method == "POST" or request.headers.get("content-length", "0") not in ("", "0")
     raw = await read_body(request, limits) if has_body else b""
-    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    header = request.headers.get("content-type", "")
+    ctype = header.split(";", 1)[0].strip().lower()
     if raw and ctype == "application/json":
         params.update(parse_body(raw, limits))
+    elif raw and ctype == "multipart/form-data":
+        params.update(multipart_fields(raw, header, limits.max_sentences + 16))
     elif raw:
         try:
             form = urllib.parse.parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False,
@@ -53,6 +61,33 @@ async def request_fields(request: Request, limits: Limits) -> dict[str, Any]:
         # a repeated field counts once, its first value, as LibreTranslate (Flask's request.values.get) reads it
         params.update({k: v[0] for k, v in form.items()})
     return params
+
+
+def multipart_fields(raw: bytes, content_type: str, max_fields: int) -> dict[str, str]:
+    """The text fields of a ``multipart/form-data`` body, by the standard library's MIME parser: each name's first
+    value, as LibreTranslate (Flask's ``request.values``) reads them; file parts are not read (LibreTranslate's
+    ``/translate_file`` takes those)."""
+    try:
+        head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1")
+    except UnicodeEncodeError:
+        raise LibreError(400, "cannot read the form: its Content-Type header is not Latin-1") from None
+    message = BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    if not message.is_multipart() or message.defects:
+        raise LibreError(400, "cannot read the form: not a multipart/form-data body with its boundary")
+    parts = list(message.iter_parts())
+    if len(parts) > max_fields:
+        raise LibreError(400, f"cannot read the form: {len(parts)} fields, the limit is {max_fields}")
+    fields: dict[str, str] = {}
+    for part in parts:
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str) or part.get_filename() is not None:
+            continue
+        data = part.get_payload(decode=True) or b""
+        try:
+            fields.setdefault(name, data.decode(part.get_content_charset() or "utf-8"))
+        except (UnicodeDecodeError, LookupError) as e:
+            raise LibreError(400, f"cannot read the form: field {name!r}: {one_line(e)}") from None
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +183,10 @@ class LibreTranslate:
                                   "run (language models answer /v1/completions)")
 
     async def languages(self, request: Request) -> Response:
-        await self.fields(request)
+        """LibreTranslate's ``/languages``, which it answers without a key (it has no access check there; its
+        clients, and its own web page, list the languages first): whatever ``api_key`` comes is not read."""
+        await request_fields(request, self.svc.limits)  # a body too large or unreadable: refused all the same
+        self.need_translation()
         return JSONResponse([{"code": self.src, "name": language_name(self.src), "targets": [self.tgt]}])
 
     async def translate(self, request: Request) -> Response:

@@ -3,10 +3,12 @@
 The document is split by Python's own HTML parser (:mod:`html.parser`, the standard library's tokenizer of
 HTML) into markup and text nodes; each text node with words in it is translated as one sentence (its
 surrounding white space kept), the text of ``<script>``, ``<style>``, ``<code>`` and ``<pre>`` is left alone, and
-the pieces are joined again: start tags with their attributes (entities included), comments and declarations
-come back byte for byte, end tags in lower case; text without a letter or digit is kept as it is.
-LibreTranslate does the same with BeautifulSoup (``translatehtml``); a sentence split by inline tags
-(``a <b>dog</b> runs``) is translated piece by piece there too.
+the pieces are joined again. Everything but the translated text comes back byte for byte: the parser says where
+each piece starts (``getpos``), and a piece's source is the document from there to the next piece's start, so tags
+keep their case and attributes, and comments, CDATA sections, declarations and processing instructions their
+exact text (the parser's callbacks hand some of them over cut: a CDATA section without its ``]]>``). Text
+without a letter or digit is kept as it is. LibreTranslate does the same with BeautifulSoup (``translatehtml``);
+a sentence split by inline tags (``a <b>dog</b> runs``) is translated piece by piece there too.
 """
 
 from __future__ import annotations
@@ -18,54 +20,100 @@ KEEP_TEXT_IN = ("script", "style", "code", "pre")
 
 
 class _Splitter(HTMLParser):
-    """Markup and text, in order: ``parts`` holds strings (markup, and text kept as it is) and ints (the index
-    of a text node to translate in ``texts``)."""
+    """The document's pieces in order, each ``(start, kind, text)``: ``kind`` is ``"data"`` (``text``: the
+    character data, entities resolved), ``"keep"`` (data inside ``KEEP_TEXT_IN`` elements) or ``"markup"``;
+    ``start`` is the piece's offset in the document."""
 
-    def __init__(self) -> None:
+    def __init__(self, document: str) -> None:
         super().__init__(convert_charrefs=True)
-        self.parts: list[str | int] = []
-        self.texts: list[str] = []
+        self.document = document
+        self.line_starts = [0] + [i + 1 for i, c in enumerate(document) if c == "\n"]
+        self.pieces: list[tuple[int, str, str]] = []
         self.keep = 0  # inside elements whose text is not prose
 
+    def _offset(self) -> int:
+        line, col = self.getpos()  # where the piece being handed over starts (lines counted from 1)
+        return self.line_starts[line - 1] + col
+
+    def _markup(self) -> None:
+        self.pieces.append((self._offset(), "markup", ""))
+
     def handle_starttag(self, tag, attrs) -> None:
-        self.parts.append(self.get_starttag_text() or "")
+        self._markup()
         self.keep += tag in KEEP_TEXT_IN
 
     def handle_startendtag(self, tag, attrs) -> None:
-        self.parts.append(self.get_starttag_text() or "")
+        self._markup()
 
     def handle_endtag(self, tag) -> None:
-        self.parts.append(f"</{tag}>")
+        self._markup()
         self.keep -= tag in KEEP_TEXT_IN and self.keep > 0
 
     def handle_data(self, data) -> None:
-        if self.keep or not any(c.isalnum() for c in data):  # nothing to translate: spaces, punctuation
-            self.parts.append(html.escape(data, quote=False) if not self.keep else data)
-            return
-        lead, core = data[:len(data) - len(data.lstrip())], data.strip()
-        trail = data[len(lead) + len(core):]
-        self.parts += [html.escape(lead, quote=False), len(self.texts), html.escape(trail, quote=False)]
-        self.texts.append(core)
+        self.pieces.append((self._offset(), "keep" if self.keep else "data", data))
 
     def handle_comment(self, data) -> None:
-        self.parts.append(f"<!--{data}-->")
+        self._markup()
 
     def handle_decl(self, decl) -> None:
-        self.parts.append(f"<!{decl}>")
+        self._markup()
 
     def handle_pi(self, data) -> None:
-        self.parts.append(f"<?{data}>")
+        self._markup()
 
     def unknown_decl(self, data) -> None:
-        self.parts.append(f"<![{data}]>")
+        self._markup()
+
+
+def _data_source(source: str, data: str) -> tuple[str, str]:
+    """A data piece's source cut in two: its own text, and what follows it before the next piece (what the parser
+    skipped without a callback, e.g. ``</>``; kept as markup). Data never holds a ``<`` but a lone one."""
+    if data == "<" or "<" not in source:
+        cut = len(data) if data == "<" else len(source)
+    else:
+        cut = source.index("<")
+    return source[:cut], source[cut:]
 
 
 def split_html(document: str) -> tuple[list[str | int], list[str]]:
-    """(parts, texts): the document as markup strings and indices into ``texts``, the text nodes to translate."""
-    p = _Splitter()
+    """(parts, texts): the document as source strings and indices into ``texts``, the text nodes to translate
+    (entities resolved); ``"".join`` of the parts with each index replaced by its text's source is the document."""
+    p = _Splitter(document)
     p.feed(document)
     p.close()
-    return p.parts, p.texts
+    starts = [start for start, _, _ in p.pieces] + [len(document)]
+    parts: list[str | int] = []
+    texts: list[str] = []
+    run: list[tuple[str, str]] = []  # adjacent data pieces (the parser may hand one text over in several)
+
+    def flush() -> None:
+        if not run:
+            return
+        data, source = "".join(d for d, _ in run), "".join(s for _, s in run)
+        run.clear()
+        if not any(c.isalnum() for c in data):  # nothing to translate: spaces, punctuation
+            parts.append(source)
+            return
+        lead, core = data[:len(data) - len(data.lstrip())], data.strip()
+        trail = data[len(lead) + len(core):]
+        parts.extend([html.escape(lead, quote=False), len(texts), html.escape(trail, quote=False)])
+        texts.append(core)
+
+    for i, (start, kind, data) in enumerate(p.pieces):
+        source = document[start:starts[i + 1]]
+        if kind == "data":
+            own, rest = _data_source(source, data)
+            run.append((data, own))
+            if rest:
+                flush()
+                parts.append(rest)
+            continue
+        flush()
+        parts.append(source)
+    flush()
+    if p.pieces and p.pieces[0][0] > 0:  # never: the parser hands over the document from its first character
+        parts.insert(0, document[:p.pieces[0][0]])
+    return parts, texts
 
 
 def join_html(parts: list[str | int], translated: list[str]) -> str:

@@ -27,6 +27,7 @@ decode with the same options (LibreTranslate's, aiayn's /v1/translate, other com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -37,12 +38,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aiayn.decode.generate import lm_context, prompt_ids
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
 from aiayn.serve.chat_template import load_chat_template
 from aiayn.serve.completions import (
     Completion,
     Job,
     StopScan,
+    check_context,
     choices_for,
     completion_options,
     completion_request,
@@ -51,11 +54,12 @@ from aiayn.serve.completions import (
     lm_group,
     run_lm,
     run_scored,
+    truncated,
     usage_of,
 )
 from aiayn.serve.errors import OpenAIError, answering_errors, openai_stream_error
-from aiayn.serve.schemas import parse_body, read_body, source_tokens
-from aiayn.serve.scores import check_scored, encode_with_specials, tokenizer_info
+from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
+from aiayn.serve.scores import encode_with_specials, tokenizer_info
 from aiayn.serve.service import Service, bearer
 from aiayn.serve.streams import EventStream
 
@@ -138,30 +142,37 @@ class OpenAIRoutes:
                                    "GET /v1/models; aiayn serve --model-alias NAME adds a name)", param="model",
                               code="model_not_found")
 
-    def check_prompts(self, c: Completion) -> None:
-        """Before batching, so that one request's bad prompt does not fail the others in its batch."""
+    def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
+        """Before batching, so that one request's bad prompt does not fail the others in its batch; ``param``: what
+        the request calls its prompt (``messages`` on chat). Returns ``c`` with each prompt cut to its last
+        ``truncate_prompt_tokens`` tokens (vLLM's), where asked."""
         svc = self.svc
         translation = svc.task == "translation"
         ids = [p for p in c.prompts if not isinstance(p, str)]
-        if translation and (ids or c.scored):
-            what = "token-id prompts" if ids else "echo and logprobs"
+        if translation and (ids or c.scored or c.truncate is not None):
+            what = ("token-id prompts" if ids else "echo and logprobs" if c.scored else "truncate_prompt_tokens")
             raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
+                              param="truncate_prompt_tokens" if what == "truncate_prompt_tokens" else param,
                               code="unsupported")
         if translation:  # a prompt too long for the model: 413 prompt[i], before a stream's 200
-            source_tokens(svc.model, c.prompts, "prompt")
-            return
-        from aiayn.decode.generate import check_prompt_fits, prompt_ids
-
+            try:
+                source_tokens(svc.model, c.prompts, "prompt")
+            except ApiError as e:
+                raise OpenAIError(e.status, f"{e.message}: shorten it (a translation model reads one sentence)",
+                                  param=param, code=e.code) from None
+            return c
         vocab = svc.model.tokenizers.src.vocab_size
         for p in ids:
             if max(p) >= vocab:
                 raise OpenAIError(400, f"prompt: token id {max(p)} is not in the model's vocabulary of {vocab}",
                                   param="prompt", code="out_of_range")
-        for prompt in c.prompts:
-            if c.scored:
-                check_scored(svc.model.run, prompt, c.max_tokens)
-            else:
-                check_prompt_fits(svc.model.cfg, prompt_ids(svc.model.cfg, svc.model.tokenizers.src, prompt))
+        cfg, tok = svc.model.cfg, svc.model.tokenizers.src
+        context = lm_context(cfg)
+        prompts = [truncated(prompt_ids(cfg, tok, p), p, c.truncate, context) for p in c.prompts]
+        for prompt in prompts:
+            new = c.max_tokens if c.scored else 1
+            check_context(len(prompt_ids(cfg, tok, prompt)), new, context, param, c.scored)
+        return dataclasses.replace(c, prompts=prompts)
 
     async def respond(self, c: Completion, shape: Shape) -> Response:
         """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
@@ -171,7 +182,7 @@ class OpenAIRoutes:
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
         c = completion_options(c, self.svc.decode, language_model=self.svc.task == "lm")
-        self.check_prompts(c)
+        c = self.check_prompts(c, shape.prompt_param)
         if c.stream:
             return await CompletionStream(self, c, shape).response()
         rid, when = shape.new_id(), int(time.time())

@@ -61,7 +61,7 @@ class Limits:
     """What one request may ask for. Sizes bound memory and time per request; the queue bounds the rest."""
 
     max_body_bytes: int = 1 << 20
-    max_sentences: int = 64
+    max_sentences: int = 128  # texts per request (sentences; prompts x n): room for a client batch of 100
     max_chars: int = 2000  # per text, before tokenization; the model's positions bound the tokens too
     max_beam: int = 16
     max_nbest: int = 16

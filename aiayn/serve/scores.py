@@ -59,12 +59,15 @@ def scored_choices(run: Run, items: Sequence[tuple[str | list[int], Any, int, bo
     scores = dict(zip(wanted, score_many(run, [rows[k][0] + rows[k][1] for k in wanted], most)))
     eos = run.tokenizers.specials.eos
     results = []
-    for k, ((_, _, _, echo, top), (ids, new)) in enumerate(zip(items, rows)):
+    for k, ((prompt, _, _, echo, top), (ids, new)) in enumerate(zip(items, rows)):
         texts, offsets, whole = token_texts(run, ids + new)
         prompt_text = token_texts(run, ids)[2]
+        # An empty prompt is the empty string: the start the model reads it from (prompt_ids) is no token the
+        # client sent, so it is neither echoed nor counted; the completion is scored after it.
+        echo = echo and prompt != ""
         result = {"text": whole if echo else whole[len(prompt_text):],
                   "finish_reason": "stop" if new and new[-1] == eos else "length",
-                  "prompt_tokens": len(ids), "completion_tokens": len(new), "logprobs": None}
+                  "prompt_tokens": len(ids) if prompt != "" else 0, "completion_tokens": len(new), "logprobs": None}
         if top is not None:
             first, shift = (0, 0) if echo else (len(ids), len(prompt_text))
             result["logprobs"] = _logprobs_object(run, scores[k], texts[first:], offsets[first:], first, shift, top)

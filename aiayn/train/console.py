@@ -65,6 +65,7 @@ class Console:
         self.tc, self.expect, self.show = tc, expect, show
         self.start_step, self.start_s = step, elapsed_s
         self.projected = False
+        self.forecast: int | None = None  # the run's last stop forecast a plain line showed (None: none yet)
         self.bar = None
         if show and bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
@@ -116,9 +117,21 @@ class Console:
         tc, step, elapsed = self.tc, rec["step"], rec["elapsed_s"]
         end = final_step(tc, step, elapsed, self.rate(step, elapsed)) if step > self.start_step else tc.max_updates
         eta = (end - step) / max(self.rate(step, elapsed), 1e-9) if step > self.start_step else math.nan
-        self.write(f"step {step:,}/{end:,} loss {rec['train_loss']:.3f} lr {rec['lr']:.2e} "
+        self.write(f"step {step:,}/{self.total(step, elapsed, end)} loss {rec['train_loss']:.3f} lr {rec['lr']:.2e} "
                    f"{rec['tokens_per_s']:,.0f} tokens/s, {_minutes(elapsed)} elapsed"
                    + (f", about {_minutes(eta)} left" if math.isfinite(eta) else ""))
+
+    def total(self, step: int, elapsed_s: float, end: int) -> str:
+        """The updates a plain line counts to: train.max_updates, or where the clock will stop the run, which is a
+        forecast from the speed so far and said to be one, with the last forecast when it moved by a tenth or
+        more (the first updates, slower, make early forecasts low)."""
+        if end >= self.tc.max_updates:
+            return f"{end:,}"
+        was = self.forecast
+        self.forecast = end
+        moved = f"; was ~{was:,}" if was is not None and abs(end - was) >= 0.1 * was else ""
+        return (f"~{end:,} (the forecast of train.max_minutes={self.tc.max_minutes:g} at "
+                f"{self.rate(step, elapsed_s):.2f} updates/s so far{moved})")
 
     def write(self, line: str) -> None:
         if self.bar is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ from aiayn.config import SPEED_KEYS, Config, check_fits_in_memory, load_config, 
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
 from aiayn.device import resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
-from aiayn.errors import CheckpointError, ConfigError
+from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, locked
 from aiayn.model import build_model, count_parameters
 from aiayn.train.checkpoint import read_checkpoint_state
@@ -54,15 +55,27 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
                 log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
             resume = True
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
-    except BaseException:
+    except BaseException as e:
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
+        worker = lost_worker(e)  # the machine stopped it (a worker killed), not a bug: say how to go on
+        if worker is not None:
+            raise StoppedError(f"{worker}, so the training stopped; {resume_hint(Path(run_dir), d.world)}") from e
         raise
     finally:
         torch.set_num_threads(threads)
     if d.world > 1 and own_group and dist.is_initialized():  # done: leave the group (torchrun's workers exit)
         dist.destroy_process_group()
     return state
+
+
+def resume_hint(run_dir: Path, world: int = 1) -> str:
+    """What a stopped training's user runs next: its newest checkpoint, and the command that resumes from it."""
+    steps = list_checkpoints(run_dir)
+    kept = f"{run_dir} keeps its checkpoints (newest: update {steps[-1]})" if steps else \
+        f"{run_dir} has no checkpoint yet"
+    torchrun = " (under torchrun, --max-restarts N resumes by itself)" if world > 1 else ""
+    return f"{kept}: resume with aiayn train --resume {run_dir}{torchrun}"
 
 
 def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
@@ -185,9 +198,14 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
     return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)
 
 
-def average_run(run_dir: str | Path, last: int = 5) -> Path:
-    """Average the last ``last`` checkpoints into RUN/model.safetensors (atomically). Refused, with nothing
-    read or written, for --last < 1, a run without checkpoints, a run a training is writing, or a run
+AVERAGE_FILE = "average.safetensors"  # where `aiayn average` writes, beside model.safetensors
+
+
+def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = None, replace: bool = False) -> Path:
+    """Average the last ``last`` checkpoints into ``out`` (default RUN/average.safetensors, beside the run's
+    model.safetensors, which stays as it is), or with ``replace`` into RUN/model.safetensors, atomically.
+    Refused, with nothing read or written, for --last < 1, a run without checkpoints, an ``out`` that is the run's
+    model.safetensors without ``replace`` or lies among its checkpoints, a run a training is writing, or a
     directory that cannot be written."""
     if last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
@@ -197,11 +215,19 @@ def average_run(run_dir: str | Path, last: int = 5) -> Path:
     steps = list_checkpoints(run_dir)
     if not steps:
         raise CheckpointError(f"{run_dir}: no checkpoints to average")
-    check_writable(run_dir)
-    with locked(run_dir):
+    target = run_dir / "model.safetensors" if replace else Path(out) if out is not None else run_dir / AVERAGE_FILE
+    where = target.resolve()
+    if not replace and where == (run_dir / "model.safetensors").resolve():
+        raise CheckpointError(f"--out {out}: that is the run's inference weights; --replace writes them")
+    if where.parent == (run_dir / "checkpoints").resolve() or target.is_dir():
+        raise CheckpointError(f"--out {out}: a checkpoint's place or a directory; name a new .safetensors file")
+    check_writable(target.parent)
+    inside = where.parent == run_dir.resolve()
+    with locked(run_dir) if inside else contextlib.nullcontext():  # a training may be writing the run
         chosen = steps[-last:]
-        out = run_dir / "model.safetensors"
         avg = average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen])
-        save_weights(avg, out, {"source": f"average of steps {chosen}"})
-    log.info("averaged %d checkpoints (steps %s) into %s", len(chosen), chosen, out)
-    return out
+        save_weights(avg, target, {"source": f"average of steps {chosen}"})
+    log.info("averaged %d checkpoints (steps %s) into %s%s", len(chosen), chosen, target, "" if replace else (
+        f" (the run's model.safetensors is as it was; score both: aiayn evaluate {run_dir} --split S "
+        f"--weights {target})"))
+    return target

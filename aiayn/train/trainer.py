@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import aiayn.engine as engine
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config, ConfigError, DecodeOptions
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
@@ -158,6 +158,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
         self.stop_reason = ""
+        self._valid_bleu: Callable[..., dict[str, float]] | None = None  # the averaging choice's (built when needed)
 
     @property
     def best_path(self) -> Path:
@@ -273,7 +274,7 @@ class Trainer:
             if not updates:
                 raise ConfigError("the training data gives no full update: lower data.max_tokens "
                                   "or train.accum_steps, or add data")
-            epoch = EpochTimer(st.epoch, st.position)
+            epoch = EpochTimer(st.epoch, st.position, st.step)
             batches = loader.epoch(updates, st.position)
             while st.position < len(updates) and not stop:
                 micro = [batch_to_device(b, self.device) for b in epoch.wait(batches)]
@@ -340,8 +341,9 @@ class Trainer:
     def write_inference_weights(self) -> Path:
         """model.safetensors: the last, best or averaged weights, as ``train.inference_weights`` says, and says
         which in one line. The average of the last checkpoints is used only where validation finds it at least
-        as good as the last weights (a run cut early averages undertrained checkpoints, which can be much worse);
-        otherwise the last weights are. Rank 0 writes; every process takes part in the validation."""
+        as good as the last weights (:func:`prefer_average`: validation BLEU for translation, then NLL; a run cut
+        early averages undertrained checkpoints, which can be much worse); otherwise the last weights are. Rank 0
+        writes; every process takes part in the validation."""
         tc, out = self.cfg.train, self.run_dir / "model.safetensors"
         steps = list_checkpoints(self.run_dir)
         chosen: Any = self.model
@@ -360,21 +362,69 @@ class Trainer:
         return out
 
     def _better_of_average(self, avg: dict[str, torch.Tensor], steps: list[int]) -> tuple[Any, str]:
-        """The average of checkpoints ``steps`` or the last weights, whichever has the lower validation NLL
-        (the average on a tie), and why."""
+        """The average of checkpoints ``steps`` or the last weights, whichever scores better on validation
+        (:func:`prefer_average`: BLEU for a translation run, NLL breaking a tie), and why."""
         last = self.state.step
         if len(steps) == 1 and steps[0] == last:
             return self.model, f"last step {last} (the only checkpoint to average)"
         own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        last_nll = self._validation(self.model, self.d)["valid_nll"]
+        last_scores = self._choice_scores()
         self.model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in avg.items()}, strict=False)
-        avg_nll = self._validation(self.model, self.d)["valid_nll"]
+        avg_scores = self._choice_scores()
         self.model.load_state_dict(own)
-        if avg_nll <= last_nll:
-            return avg, (f"average of steps {steps} (train.inference_weights=average; validation NLL "
-                         f"{avg_nll:.4f}, last step {last}: {last_nll:.4f})")
-        return self.model, (f"last step {last}: the average of steps {steps} is worse on validation (NLL "
-                            f"{avg_nll:.4f} against {last_nll:.4f}), so it is not used")
+        said = describe_choice(avg_scores, last_scores, last, search_words(self.cfg.decode))
+        if prefer_average(avg_scores, last_scores):
+            return avg, f"average of steps {steps} (train.inference_weights=average; {said})"
+        return self.model, f"last step {last}: the average of steps {steps} is worse on validation ({said}), so it " \
+                           "is not used"
+
+    def _choice_scores(self) -> dict[str, float]:
+        """The validation NLL of the model's weights, and for a translation run the validation BLEU of their
+        translations by the recipe's own search (``decode``: what the user's translations get; greedy BLEU, the
+        training's, disagreed with beam search on runs cut early: an average that wins greedy can write too short
+        beam output), greedy for a recipe that samples."""
+        scores = {"valid_nll": self._validation(self.model, self.d)["valid_nll"]}
+        if self.cfg.task == "translation":
+            if self._valid_bleu is None:  # built once: the sources and references of the validation set
+                from aiayn.data.tokenizer import TokenizerPair
+                from aiayn.train.validation import validation_bleu_fn
+
+                tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
+                search = None if self.cfg.decode.sample else self.cfg.decode
+                self._valid_bleu = validation_bleu_fn(self.cfg, self.data, tokenizers, search)
+            with engine.kernels(self.device, inference_precision(self.device)):  # as aiayn translate decodes
+                scores.update(self._valid_bleu(self.model, self.d))
+        return scores
+
+
+# Validation BLEU closer than this is a tie (sacreBLEU prints two decimals), which validation NLL decides.
+BLEU_TIE = 0.01
+
+
+def prefer_average(avg: dict[str, float], last: dict[str, float]) -> bool:
+    """Whether the averaged weights beat the last ones: on validation BLEU when both have it and it differs by
+    ``BLEU_TIE`` or more (a run cut early can average undertrained checkpoints; a longer one gains from it, on
+    BLEU even where NLL says otherwise), else on validation NLL, the average winning a tie."""
+    if "valid_bleu" in avg and "valid_bleu" in last and abs(avg["valid_bleu"] - last["valid_bleu"]) >= BLEU_TIE:
+        return avg["valid_bleu"] > last["valid_bleu"]
+    return avg["valid_nll"] <= last["valid_nll"]
+
+
+def describe_choice(avg: dict[str, float], last: dict[str, float], last_step: int, search: str = "greedy") -> str:
+    """The scores behind :func:`prefer_average`'s choice, in words (``search``: how the BLEU was decoded)."""
+    nll = f"NLL {avg['valid_nll']:.4f} against {last['valid_nll']:.4f}"
+    if "valid_bleu" not in avg:
+        return f"validation {nll} for the last step {last_step}"
+    tie = " (a tie: NLL decides)" if abs(avg["valid_bleu"] - last["valid_bleu"]) < BLEU_TIE else ""
+    return (f"validation BLEU ({search}) {avg['valid_bleu']:.2f} against {last['valid_bleu']:.2f} for the last "
+            f"step {last_step}{tie}; {nll}")
+
+
+def search_words(o: DecodeOptions) -> str:
+    """How a validation BLEU was decoded, in words: the recipe's beam and length penalty, or greedy."""
+    if o.sample or o.beam == 1:
+        return "greedy"
+    return f"the recipe's beam {o.beam}, {o.length_penalty} alpha {o.alpha:g}"
 
 
 def _more_minutes(elapsed_s: float, minutes: float) -> str:
@@ -413,10 +463,11 @@ class CompileLog:
 
 class EpochTimer:
     """How long the training step waited for its batches in one epoch (from its first update to its last, or to the
-    stop), against the epoch's whole time: the loader keeps up when the wait is a small share."""
+    stop), against the epoch's whole time: the loader keeps up when the wait is a small share. Its line counts
+    updates as the run does (``step``: the run's updates before this epoch's first here), not from 1 each epoch."""
 
-    def __init__(self, epoch: int, position: int) -> None:
-        self.epoch, self.first, self.waited, self.t0 = epoch, position, 0.0, time.perf_counter()
+    def __init__(self, epoch: int, position: int, step: int) -> None:
+        self.epoch, self.first, self.step, self.waited, self.t0 = epoch, position, step, 0.0, time.perf_counter()
 
     def wait(self, batches: Iterator[list[Batch]]) -> list[Batch]:
         """The next update's batches, timing the wait for them."""
@@ -427,8 +478,9 @@ class EpochTimer:
 
     def log(self, position: int) -> None:
         total = time.perf_counter() - self.t0
-        log.info("epoch %d: updates %d-%d in %.1f s, of which %.2f s (%.2f%%) waiting for batches", self.epoch,
-                 self.first + 1, position, total, self.waited, 100 * self.waited / max(total, 1e-9))
+        log.info("epoch %d: updates %d-%d (the epoch's %d-%d) in %.1f s, of which %.2f s (%.2f%%) waiting for "
+                 "batches", self.epoch, self.step + 1, self.step + position - self.first, self.first + 1, position,
+                 total, self.waited, 100 * self.waited / max(total, 1e-9))
 
 
 class Window:

@@ -17,7 +17,7 @@ import torch
 from sacrebleu.metrics import BLEU
 from torch import nn
 
-from aiayn.config import Config
+from aiayn.config import Config, DecodeOptions
 from aiayn.data.batching import Batch
 from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import model_device
@@ -52,15 +52,17 @@ def evaluate_loss(
     return {"valid_loss": loss / max(tokens, 1), "valid_nll": per_tok, "valid_ppl": math.exp(min(per_tok, 50))}
 
 
-def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair
+def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair, search: DecodeOptions | None = None
                        ) -> Callable[..., dict[str, float]]:
-    """A function ``(model, dist=None) -> {"valid_bleu": sacreBLEU}`` that greedy-decodes ``data.valid_src`` (id
-    lists without specials) and scores the detokenized output against the decoded ``data.valid_tgt``. With a
+    """A function ``(model, dist=None) -> {"valid_bleu": sacreBLEU}`` that decodes ``data.valid_src`` (id lists
+    without specials) greedily, or by ``search`` (e.g. the recipe's beam: the averaging choice, what the user's
+    translations get), and scores the detokenized output against the decoded ``data.valid_tgt``. With a
     :class:`~aiayn.train.parallel.Dist` of several processes each decodes every world-th sentence and the
     hypotheses are gathered, so no process waits on the others inside a collective while one decodes them all
     (every process gets the score). The model is put in eval mode for the decoding and returned to its previous
     mode; the caller's autocast applies."""
-    spec = SearchSpec(cfg.decode.replace(beam=1, nbest=1, sample=False), tokenizers.specials)
+    options = search if search is not None else cfg.decode.replace(beam=1, sample=False)
+    spec = SearchSpec(options.replace(nbest=1), tokenizers.specials)
     limit = max(1, cfg.model.max_positions - 1)
     sources = [list(s)[:limit] for s in data.valid_src]
     refs = [tokenizers.tgt.decode(t) for t in data.valid_tgt]

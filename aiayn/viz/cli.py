@@ -6,6 +6,7 @@ attention RUN --src TEXT [--tgt TEXT] [--layer L] [--head H]
 schedule [RUN | CONFIG | PRESET] [--d-model D] [--warmup W]  -> schedule.png
 curves RUN                                                -> curves.png
 mask [--len 8]                                            -> mask.png
+model [RUN | CONFIG | PRESET]                             -> model.png (Figure 1 with its N, d_model, h, d_ff)
 
 ``--out`` names the PNG (for attention: the stem of the three files); ``--width/--height`` in pixels.
 """
@@ -72,8 +73,15 @@ def _mask(args: argparse.Namespace) -> list[Path]:
     return [plot_mask(causal_mask_matrix(args.length), _out(args, "mask"), args.width, args.height, args.show)]
 
 
+def _model(args: argparse.Namespace) -> list[Path]:
+    from aiayn.viz.model import model_diagram, plot_model
+
+    return [plot_model(model_diagram(args.run or "paper-base"), _out(args, "model"), args.width, args.height,
+                       args.show)]
+
+
 COMMANDS = {"positional": _positional, "attention": _attention, "schedule": _schedule,
-            "curves": _curves, "mask": _mask}
+            "curves": _curves, "mask": _mask, "model": _model}
 
 
 def viz_cli(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from aiayn.config import ConfigError
+from aiayn.config import Config, ConfigError, load_config
 from aiayn.files import atomic_write_bytes
 
 DPI = 100
@@ -91,3 +91,14 @@ def suptitle(fig, text: str, fontsize: int = 12) -> None:
     chars = max(20, int(width_px / (0.55 * fontsize * fig.dpi / 72)))
     lines = [w for line in text.splitlines() for w in (textwrap.wrap(line, chars) or [""])]
     fig.suptitle("\n".join(lines), fontsize=fontsize)
+
+
+def config_of(source: str | Path) -> tuple[Config, str]:
+    """(config, name) of a run directory (its config.yaml), a YAML recipe or a preset name."""
+    p = Path(source)
+    if p.is_dir():
+        if not (p / "config.yaml").exists():
+            raise ConfigError(f"{p}: no config.yaml (is it a run directory?)")
+        return load_config(p / "config.yaml"), p.name
+    cfg = load_config(source)
+    return cfg, (p.stem if p.suffix in (".yaml", ".yml") else str(source))

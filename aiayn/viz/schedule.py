@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aiayn.config import ConfigError, TrainConfig, load_config
+from aiayn.config import ConfigError, TrainConfig
 from aiayn.train.schedule import learning_rate
+from aiayn.viz.common import config_of
 
 PAPER_D_MODEL, PAPER_WARMUP = 512, 4000
 MIN_HORIZON = 20_000  # updates shown at least (unless a config trains for fewer)
@@ -53,17 +54,6 @@ def _describe(cfg: TrainConfig, d_model: int) -> str:
     return f"constant {cfg.lr:g}"
 
 
-def _config_of(source: str | Path):
-    """A run directory's config.yaml, or a YAML recipe / preset name."""
-    p = Path(source)
-    if p.is_dir():
-        if not (p / "config.yaml").exists():
-            raise ConfigError(f"{p}: no config.yaml (is it a run directory?)")
-        return load_config(p / "config.yaml"), p.name
-    cfg = load_config(source)
-    return cfg, (p.stem if p.suffix in (".yaml", ".yml") else str(source))
-
-
 def schedule_data(source: str | Path | None = None, d_model: int | None = None, warmup: int | None = None,
                   max_step: int | None = None) -> list[ScheduleCurve]:
     """The curves of one figure.
@@ -77,7 +67,7 @@ def schedule_data(source: str | Path | None = None, d_model: int | None = None, 
     specs: list[tuple[str, TrainConfig, int]] = []
     limit = None
     if source is not None:
-        cfg, name = _config_of(source)
+        cfg, name = config_of(source)
         tc = cfg.train
         if warmup is not None:
             tc = replace(tc, warmup=warmup)

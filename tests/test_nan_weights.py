@@ -1,0 +1,52 @@
+"""Weights holding NaN (a training that diverged) are refused in one line by every command that loads them (issue
+62): they translated to an empty line with exit status 0 before."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aiayn.cli import main
+from aiayn.errors import CheckpointError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture()
+def nan_run(tiny_run, tmp_path):
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    tensors = load_file(str(run / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(run / "model.safetensors"), {"source": "diverged"})
+    return run
+
+
+@pytest.mark.parametrize("argv", [["translate", "{run}", "--device", "cpu"], ["serve", "{run}", "--port", "0"],
+                                  ["evaluate", "{run}", "--split", "test", "--device", "cpu"]])
+def test_nan_weights_are_one_line_and_exit_2(nan_run, argv, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a b c\n")))
+    before = sorted(p.name for p in nan_run.rglob("*"))
+    assert main([a.format(run=nan_run) for a in argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("aiayn: error: ") and "NaN or infinite values" in err[0], err
+    assert "model.safetensors" in err[0] and captured.out == ""
+    assert sorted(p.name for p in nan_run.rglob("*")) == before  # nothing written
+
+
+def test_an_infinity_is_refused_too_and_a_sound_run_loads(tiny_run, nan_run):
+    import aiayn
+
+    tensors = load_file(str(nan_run / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.nan_to_num(tensors[name], nan=float("inf"))
+    save_file(tensors, str(nan_run / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="NaN or infinite"):
+        aiayn.load(nan_run, device="cpu")
+    assert aiayn.load(tiny_run, device="cpu").translate(["a b"])  # the check passes sound weights
