@@ -19,6 +19,7 @@ from conftest import (  # tests/ is on sys.path under pytest
 )
 
 from aiayn import build_model, model_config
+from aiayn.linear import use_linear
 from aiayn.search import (
     Hypothesis,
     beam_search,
@@ -356,10 +357,14 @@ def test_exact_stop_equals_brute_force(kind, alpha):
 # 3. Batch 1 = batch 32, cached = uncached (random tiny models) ---------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_mt():
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def tiny_mt(request):
+    """A random model whose outputs end at varied lengths, its linear layers computed by each fp32 kernel in turn
+    (aiayn.linear: PyTorch's and oneDNN's prepacked): the search's contracts hold for both. int8's, within its
+    quantization: tests/test_linear.py."""
     torch.manual_seed(1)
     m = build_model(model_config("tiny", vocab_size=50, dropout=0.0, output_bias=True)).eval()
+    use_linear(m, request.param)
     with torch.no_grad():
         m.decoder.output_bias[EOS] = 3.0  # a random model rarely ends; this one ends at varied lengths
     g = torch.Generator().manual_seed(1)
