@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_at_scale  # tests/ is on sys.path under pytest
+from conftest import assert_close_at_scale, spec_of  # tests/ is on sys.path under pytest
 from torch import nn
 
 from aiayn import build_model, model_config
@@ -30,6 +30,7 @@ from aiayn.linear import (
     quantize_rows,
     use_linear,
 )
+from aiayn.search import beam_search
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,9 +165,6 @@ def test_int8_beam_search_batched_equals_alone_up_to_quantization():
     rounding boundary: a logit then moves by ~1e-3 of its scale, not 1e-6. So batched and alone agree here on
     the best hypothesis of most sentences (all of them on this machine's kernels), with scores within 1e-2,
     not fp32's 1e-4 (tests/test_search.py holds fp32's kernels to that)."""
-    from aiayn.search import beam_search
-    from conftest import spec_of
-
     model = tiny(1)
     with torch.no_grad():
         model.decoder.output_bias[3] = 3.0  # a random model rarely ends; this one ends at varied lengths
