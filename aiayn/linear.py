@@ -7,7 +7,7 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
 * ``packed``: fp32 inference on a CPU with oneDNN: each weight is reordered once into oneDNN's blocked layout
   and multiplied by oneDNN's kernels (``torch.ops.mkldnn``), which pick their instructions by the CPU's features.
   MKL, which ``F.linear`` calls, runs its AVX2 code on AMD CPUs that have AVX-512; there oneDNN's products were
-  2.3x faster (BENCHMARKS.md, "Translation speed"). Same math in fp32, summed in another order (the last bits
+  2.3x faster (docs/decoding_speed.md). Same math in fp32, summed in another order (the last bits
   move, as between two CPUs); a row's result does not depend on the other rows of the batch.
 * ``int8``: ``--precision int8`` on a CPU: dynamic int8 quantization, as CTranslate2's int8. Weights are
   quantized once per output row (symmetric, scale = max |w| / 127); each input row is quantized when it comes
@@ -63,10 +63,11 @@ class _Prepared:
 
     def __call__(self, w: Tensor) -> object:
         key = (w.data_ptr(), tuple(w.shape), w.stride())
+        version = 0 if w.is_inference() else w._version  # a tensor made under inference_mode has no counter
         hit = self._forms.get(key)
-        if hit is None or hit[1] != w._version:
+        if hit is None or hit[1] != version:
             with torch.no_grad():
-                hit = self._forms[key] = (w.untyped_storage(), w._version, self._prepare(w.detach()))
+                hit = self._forms[key] = (w.untyped_storage(), version, self._prepare(w.detach()))
         return hit[2]
 
     def __len__(self) -> int:
@@ -94,8 +95,25 @@ class _CpuKernel:
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
+def row_bucket(rows: int) -> int:
+    """``rows`` rounded up to keep 5 significant bits (multiples of 8 up to 256, of 16 up to 512, ...): at most
+    1/16 more rows from 128 on, and a few dozen distinct counts where a search has hundreds."""
+    step = 1 << max(3, rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
 class PackedLinear(_CpuKernel):
-    """fp32 on oneDNN with the weight in its blocked layout, reordered once per weight."""
+    """fp32 on oneDNN with the weight in its blocked layout, reordered once per weight.
+
+    oneDNN builds (JIT-compiles) and keeps a kernel per row count, each holding memory: a beam search, whose row
+    count changes whenever a sentence ends, made hundreds of them, and its peak memory grew by hundreds of MiB
+    (BENCHMARKS.md, "int8 on a CPU"). So the rows are padded with zeros up to :func:`row_bucket`: a row's result
+    does not depend on the other rows, and the padding costs at most 1/16 more rows from 128 on, where a small
+    batch reads the weights anyway. Below :attr:`FEW_ROWS` rows a weight of up to :attr:`SMALL_WEIGHT` elements
+    takes ``F.linear``: there oneDNN's call costs more than the product (``python -m benchmarks.linear_kernels``)."""
+
+    FEW_ROWS = 8
+    SMALL_WEIGHT = 1 << 20
 
     kind = "packed"
     BATCH_HINT = 64  # the row count oneDNN lays the weight out for; any other count runs on it too
@@ -107,7 +125,15 @@ class PackedLinear(_CpuKernel):
         """x (..., K), w (N, K), b (N,) or None -> (..., N)."""
         if not self.applies(x, w) or x.numel() == 0:
             return F.linear(x, w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, self.prepared(w), b, "none", [], "")
+        x2 = x.reshape(-1, x.size(-1))  # (M, K)
+        rows = x2.size(0)
+        if rows < self.FEW_ROWS and w.numel() <= self.SMALL_WEIGHT:
+            return F.linear(x, w, b)
+        padded = row_bucket(rows)
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.prepared(w), b, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], w.size(0))
 
 
 def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,5 +221,6 @@ def inference_linear_kind(device: torch.device, precision: str) -> str:
 
 __all__ = [
     "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Int8Linear", "LinearKernel", "PackedLinear", "check_int8",
-    "inference_linear_kind", "linear_kind", "linear_modules", "packed_available", "quantize_rows", "use_linear",
+    "inference_linear_kind", "linear_kind", "linear_modules", "packed_available", "quantize_rows", "row_bucket",
+    "use_linear",
 ]

@@ -28,6 +28,7 @@ from aiayn.linear import (
     linear_kind,
     packed_available,
     quantize_rows,
+    row_bucket,
     use_linear,
 )
 from aiayn.search import beam_search
@@ -184,3 +185,24 @@ def test_int8_beam_search_batched_equals_alone_up_to_quantization():
             same += 1
             assert alone.score == pytest.approx(batched[i][0].score, rel=1e-2)
     assert same >= 0.75 * len(batched)
+
+
+def test_row_buckets_are_few_and_tight():
+    """oneDNN keeps a kernel per row count: padding to row_bucket bounds their number, at little cost."""
+    buckets = [row_bucket(m) for m in range(1, 4097)]
+    assert all(b >= m for m, b in zip(range(1, 4097), buckets))
+    assert all(b - m < 8 or (b - m) * 16 <= m for m, b in zip(range(1, 4097), buckets))  # <= 1/16 from 128 on
+    assert len(set(buckets)) <= 128 and buckets == sorted(buckets)
+    assert row_bucket(64) == 64 and row_bucket(65) == 72 and row_bucket(257) == 272
+
+
+@pytest.mark.skipif(not packed_available(), reason="this PyTorch has no oneDNN")
+def test_packed_pads_rows_without_changing_them():
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 24), torch.randn(40)
+    kernel = PackedLinear()
+    with torch.no_grad():
+        for rows in (1, 7, 8, 9, 130):  # F.linear below 8 rows for a small weight, padded to 16 and 136 after
+            x = torch.randn(rows, 2, 24)
+            assert_close_at_scale(kernel(x, w, b), F.linear(x, w, b), 1e-5, rows)
+            assert kernel(x, w, b).shape == (rows, 2, 40)

@@ -103,3 +103,26 @@ def test_cpu_goals_int8_and_one_pass_per_thread_count(tmp_path):
                  "batched 2t: aiayn int8 BLEU "):
         assert line in text
     assert "| batched 2t | aiayn int8 (stop=exact) |" in text and "fastest of 2 passes" in text
+
+
+def test_int8_and_linear_kernel_tables(tmp_path):
+    """benchmarks.int8 states int8's BLEU gap against its goal; benchmarks.linear_kernels times every kernel."""
+    from benchmarks import int8, linear_kernels
+
+    def side(bleu: float, peak: float) -> dict:
+        return {"bleu": bleu, "chrf": 60.0, "wall_s": 5.0, "load_s": 0.1, "first_sentence_s": 0.05,
+                "rss_loaded_mib": 260.0, "rss_after_first_mib": 300.0, "peak_rss_mib": peak, "sentences": 1000}
+
+    result = {"fp32": side(35.85, 600.0), "int8": side(35.5, 450.0), "same_outputs": 900,
+              "machine": {"platform": "Linux", "cpu": "x", "cores": 2, "threads": 2, "gpu": None, "python": "3.11",
+                          "torch": "2.13"},
+              "command": "python -m benchmarks.int8", "date": "today",
+              "args": {"run_dir": "R", "split": "S", "repeats": 3}}
+    text = int8.markdown(result)
+    assert "int8 BLEU within 0.3 of fp32: -0.35 (short)" in text and "| peak resident memory" in text
+    assert "Same output as fp32: 900/1000" in text
+    out = linear_kernels.main(["--threads", "1", "--rounds", "1", "--md", str(tmp_path / "B.md"),
+                               "--out-json", str(tmp_path / "k.json")])
+    assert len(out["results"]) == len(linear_kernels.SHAPES) * len(linear_kernels.ROWS)
+    assert {"F.linear", "int8"} <= set(out["results"][0]["us"])
+    assert "## Linear layers on the CPU" in (tmp_path / "B.md").read_text()

@@ -105,6 +105,8 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     else:
         pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
         name = name or _default_name(src)
+    if translator.run.precision == "int8" and data.name is None:
+        name += ".int8"  # beside the fp32 record of the same data, not over it
     check_name(name)
     check_writable(run_dir)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
@@ -131,7 +133,8 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
         "bleu_detail": sb["bleu_detail"],
         "bleu_lc_tok_detail": lc_detail,
         "decode": {**asdict(opts), "max_tokens": opts.batch_tokens(translator.device.type),
-                   "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype)},
+                   "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype),
+                   "precision": translator.run.precision},
         "run": weights_info(run_dir),
         "truncated_lines": [i + 1 for i in truncated],
         "wall_s": round(wall, 3),
