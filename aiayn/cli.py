@@ -318,8 +318,9 @@ THREADS_HELP = "CPU threads (default: the cores not busy with other work; 1 is f
 
 def add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda | cuda:N | mps")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-                   help="weights' precision (auto: fp32; tf32 = fp32 with TF32 matmuls, bf16, fp16: CUDA only)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16", "int8"],
+                   help="weights' precision (auto: fp32; tf32 = fp32 with TF32 matmuls, bf16, fp16: CUDA only; "
+                        "int8: int8 linear layers, CPU only)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 

@@ -9,9 +9,11 @@ Precision: ``fp32`` everywhere, and on CUDA it is IEEE fp32 (TF32 tensor cores s
 ``tf32`` (CUDA only) keeps fp32 weights and activations and lets matmuls run on TF32 tensor cores (10-bit
 mantissa inputs, fp32 accumulation; several times faster than fp32 on an H100, the setting nanoGPT and Lightning
 recommend); ``bf16`` / ``fp16`` autocast on CUDA only (bf16 matmul is not safe on every CPU: it dies with
-"Illegal instruction" on some). ``auto`` means bf16 for training on a CUDA device that supports it, and fp32
-for inference (``aiayn translate``, ``serve``, ``evaluate`` and the validation BLEU of a training, which decodes
-outside the training autocast: one rule, so the BLEU a training reports is the BLEU its run gives).
+"Illegal instruction" on some); ``int8`` (inference on a CPU only) keeps fp32 weights and activations and
+multiplies the linear layers in int8 (dynamic quantization, :mod:`aiayn.linear`). ``auto`` means bf16 for
+training on a CUDA device that supports it, and fp32 for inference (``aiayn translate``, ``serve``, ``evaluate``
+and the validation BLEU of a training, which decodes outside the training autocast: one rule, so the BLEU a
+training reports is the BLEU its run gives); it never means int8.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 from aiayn.errors import DeviceError
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
-PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16", "int8")
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+          "fp16": torch.float16, "int8": torch.float32}  # int8: fp32 weights, int8 products (aiayn.linear)
 
 
 def _mps_available() -> bool:
@@ -67,15 +69,24 @@ def resolve_device(name: str | torch.device | None = "auto", local_rank: int = 0
 
 
 def resolve_precision(precision: str, device: torch.device, training: bool) -> str:
-    """``fp32``, ``tf32``, ``bf16`` or ``fp16`` for ``precision`` (auto | fp32 | tf32 | bf16 | fp16) on ``device``.
+    """``fp32``, ``tf32``, ``bf16``, ``fp16`` or ``int8`` for ``precision`` (auto | fp32 | tf32 | bf16 | fp16 |
+    int8) on ``device``.
 
     ``auto``: bf16 when training on a CUDA device that supports it, fp32 otherwise (inference keeps fp32
-    until bf16 decoding is measured to be as good). tf32 / bf16 / fp16 off CUDA is a :class:`DeviceError`."""
+    until bf16 decoding is measured to be as good). tf32 / bf16 / fp16 off CUDA is a :class:`DeviceError`, and so
+    is int8 off the CPU or for training."""
     if precision not in PRECISIONS:
         raise DeviceError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     cuda = device.type == "cuda"
     if precision == "auto":
         return "bf16" if training and cuda and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "int8":
+        if training:
+            raise DeviceError("precision int8 is for inference (translate, evaluate, serve); train in fp32 or bf16")
+        if device.type != "cpu":
+            raise DeviceError(f"precision int8 runs on the CPU only (this runs on {device.type}); use fp32, or "
+                              "bf16 / fp16 on CUDA")
+        return precision
     if precision != "fp32" and not cuda:
         raise DeviceError(f"precision {precision} needs a CUDA device (this runs on {device.type}); use fp32")
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -104,9 +115,9 @@ def inference_precision(device: torch.device) -> str:
 
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager:
-    """The autocast context of a resolved precision (fp32 and tf32: a no-op context; tf32 is a matmul setting,
-    :func:`aiayn.engine.kernels`)."""
-    if precision in ("fp32", "tf32"):
+    """The autocast context of a resolved precision (fp32, tf32 and int8: a no-op context; tf32 is a matmul setting,
+    :func:`aiayn.engine.kernels`, int8 the linear layers' kernel, :mod:`aiayn.linear`)."""
+    if precision in ("fp32", "tf32", "int8"):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
 

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import LIMITS, SDPA_BACKENDS
-from aiayn.device import resolve_device
+from aiayn.device import resolve_device, resolve_precision
 from aiayn.errors import ConfigError
+from aiayn.linear import check_int8, inference_linear_kind, use_linear
 
 # Attention, eq. (1): the explicit matmul-softmax-matmul (which can also return the probabilities) or PyTorch's
 # fused kernel. Per device type, key lengths up to this many take the explicit path; longer ones (and other
@@ -220,13 +221,20 @@ def _swap_dropouts(module: nn.Module) -> None:
             _swap_dropouts(child)
 
 
-def prepare_model(model: nn.Module, device: str | torch.device, training: bool) -> nn.Module:
+def prepare_model(model: nn.Module, device: str | torch.device, training: bool, precision: str = "fp32"
+                  ) -> nn.Module:
     """Put ``model`` on ``device`` (``"auto"`` resolves as everywhere) with aiayn's speed choices: the
-    attention rule (:data:`ATTENTION_RULE`), and for training on a CPU the faster dropout. Returns ``model``.
-    Used by ``aiayn.run_dir.load_run`` (inference) and the trainer."""
+    attention rule (:data:`ATTENTION_RULE`); the linear layers' kernel (:mod:`aiayn.linear`: for inference on a
+    CPU oneDNN in fp32, int8 at ``precision="int8"``; PyTorch's own in training and elsewhere); for training on a
+    CPU the faster dropout. ``precision`` is a resolved one (:func:`aiayn.device.resolve_precision`). Returns
+    ``model``. Used by ``aiayn.run_dir.load_run`` (inference) and the trainer."""
     dev = resolve_device(device)
+    resolve_precision(precision, dev, training)  # int8 off the CPU or in training: one line, before the move
+    if precision == "int8":
+        check_int8(model)
     model.to(dev)
     use_attention(model)
+    use_linear(model, "plain" if training else inference_linear_kind(dev, precision))
     if training and dev.type == "cpu":
         _swap_dropouts(model)
     return model

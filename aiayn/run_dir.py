@@ -28,13 +28,15 @@ class Run:
     cfg: Config
     model: nn.Module
     tokenizers: TokenizerPair
-    precision: str = "fp32"  # resolved: fp32 | tf32 | bf16 | fp16 (tf32: fp32 weights, TF32 matmuls in kernels())
+    precision: str = "fp32"  # resolved: fp32 | tf32 | bf16 | fp16 | int8 (tf32: fp32 weights, TF32 matmuls in
+    # kernels(); int8: fp32 weights, int8 linear layers, aiayn.linear)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "auto",
              weights: str | Path | dict[str, torch.Tensor] | None = None, precision: str = "auto") -> Run:
     """Read config, tokenizer and weights of a run; the model is on ``device`` (auto: CUDA, else MPS, else CPU)
-    in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only).
+    in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only; int8 on a CPU
+    only: fp32 weights, int8 linear layers).
     ``weights``: a file or the tensors (:func:`aiayn.weights.select_weights`; None: those inference uses).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
@@ -51,7 +53,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))
     model.to(dtype=dtype)
-    prepare_model(model, dev, training=False)
+    prepare_model(model, dev, training=False, precision=precision)
     warn_if_undertrained(run_dir, cfg)
     return Run(run_dir, cfg, model.eval(), tok, precision)
 

@@ -102,6 +102,8 @@ _OPS: list[tuple[Any, str]] = [
     (F, "linear"), (F, "softmax"), (F, "log_softmax"), (F, "layer_norm"), (F, "scaled_dot_product_attention"),
     (torch, "matmul"), (torch, "bmm"), (torch, "baddbmm"), (torch, "softmax"), (torch, "log_softmax"),
     (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"), (torch.Tensor, "softmax"), (torch.Tensor, "log_softmax"),
+    # oneDNN's prepacked linear (aiayn.linear, CPU fp32 inference); int8's integer products are exact everywhere
+    (torch.ops.mkldnn, "_linear_pointwise"),
 ]
 
 

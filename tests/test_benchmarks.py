@@ -51,7 +51,7 @@ def test_run_all_smoke_writes_every_section_and_json(tmp_path):
     modes = results["translate_speed"]["modes"]
     assert set(modes) == {"batch-1", "batched"}
     for res in modes.values():
-        assert list(res) == ["aiayn", "aiayn-exact", "hf", "ct2-fp32", "ct2-int8"]
+        assert list(res) == ["aiayn", "aiayn-exact", "aiayn-first", "aiayn-int8", "hf", "ct2-fp32", "ct2-int8"]
         for r in res.values():
             assert _positive(r["sentences_per_s"]) and _positive(r["tokens_per_s"]) and r["sentences"] == 8
             assert 0 <= r["bleu"] <= 100

@@ -174,6 +174,14 @@ def test_evaluate_split(tiny_run, capsys):
                                                      abs=1e-4)
 
 
+def test_evaluate_int8_writes_beside_fp32(tiny_run, capsys):
+    """--precision int8 keeps its record apart from fp32's of the same split, and says it is int8."""
+    assert cli.main(["evaluate", str(tiny_run), "--split", "test", "--beam", "1", "--precision", "int8"]) == 0
+    assert "test.int8: 300 sentences" in capsys.readouterr().out
+    result = json.loads((tiny_run / "eval" / "test.int8.json").read_text(encoding="utf-8"))
+    assert result["decode"]["precision"] == "int8" and result["n_sentences"] == 300
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--split", "test", "--src", "{tmp}/a"], "either --split NAME or --src FILE --ref FILE"),
     ([], "either --split NAME or --src FILE --ref FILE"),

@@ -19,6 +19,7 @@ from conftest import (  # tests/ is on sys.path under pytest
 )
 
 from aiayn import build_model, model_config
+from aiayn.linear import use_linear
 from aiayn.search import (
     Hypothesis,
     beam_search,
@@ -356,10 +357,14 @@ def test_exact_stop_equals_brute_force(kind, alpha):
 # 3. Batch 1 = batch 32, cached = uncached (random tiny models) ---------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_mt():
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def tiny_mt(request):
+    """A random model whose outputs end at varied lengths, its linear layers computed by each fp32 kernel in turn
+    (aiayn.linear: PyTorch's and oneDNN's prepacked): the search's contracts hold for both. int8's, within its
+    quantization: tests/test_linear.py."""
     torch.manual_seed(1)
     m = build_model(model_config("tiny", vocab_size=50, dropout=0.0, output_bias=True)).eval()
+    use_linear(m, request.param)
     with torch.no_grad():
         m.decoder.output_bias[EOS] = 3.0  # a random model rarely ends; this one ends at varied lengths
     g = torch.Generator().manual_seed(1)
@@ -677,3 +682,33 @@ def test_logits_processing_steps_on_hand_made_logits():
     assert proc.filtered(logits)[0].tolist() == [inf, inf, inf, 1.5, 2.0, 2.5]
     proc = LogitsProcessor(spec_of(sample=True, top_p=0.5), torch.device("cpu"))
     assert torch.isfinite(proc.filtered(logits)).sum(1).tolist() == [1, 1]  # the top token alone holds 0.63
+
+
+@pytest.mark.parametrize("V", [2048, 2049, 8000])
+def test_top_k_by_chunks_equals_topk(V):
+    """The beam search's per-row top-k (by chunk maxima, for wide vocabularies) finds what ``Tensor.topk`` does:
+    a row whose best values share a chunk, a row whose best sit in the columns after the last whole chunk, a row
+    with -inf (banned ids)."""
+    from aiayn.search.common import TOPK_CHUNK, top_k
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g).log_softmax(-1)
+    x[1, 64:72] = 5.0 + torch.arange(8.0)  # all 8 best in one chunk
+    x[2, -(V % TOPK_CHUNK or 3):] = 9.0 + torch.arange(float(V % TOPK_CHUNK or 3))  # the best in the tail
+    x[3, ::2] = float("-inf")
+    values, cols = top_k(x, 8)
+    expected = x.topk(8, dim=-1)
+    assert torch.equal(values, expected.values) and torch.equal(cols, expected.indices)
+
+
+def test_beam_search_by_chunks_equals_plain_topk(tiny_mt, monkeypatch):
+    """The whole search with the chunked top-k (forced onto the tiny vocabulary: chunks of 3 of 50 ids, two left
+    over) returns what it returns with the plain one."""
+    import aiayn.search.common as common
+
+    m, src, _ = tiny_mt
+    spec = spec_of(beam=2, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=2)
+    plain = beam_search(m, src, spec=spec)
+    monkeypatch.setattr(common, "TOPK_CHUNK", 3)
+    assert [[(h.tokens, h.score) for h in hs] for hs in beam_search(m, src, spec=spec)] == \
+        [[(h.tokens, h.score) for h in hs] for hs in plain]

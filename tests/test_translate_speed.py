@@ -51,8 +51,9 @@ def test_a_ct2_engine_that_cannot_run_on_a_gpu_is_reported(tmp_path, monkeypatch
     assert list(fns) == ["aiayn"] and "libcublas.so.12" in checks["ct2-bf16_not_run"]
     with pytest.raises(RuntimeError):  # on the CPU it is a failure, not a note
         translate_speed.build_engines(task, ["ct2-fp32"], 0.6, 8, 1, [0, 1], torch.device("cpu"), "fp32")
-    assert translate_speed.pass_engines(translate_speed.ENGINES, "bf16") == ["aiayn", "aiayn-exact", "hf",
-                                                                             "ct2-bf16"]
+    assert translate_speed.pass_engines(translate_speed.ENGINES, "bf16") == ["aiayn", "aiayn-exact", "aiayn-first",
+                                                                             "hf", "ct2-bf16"]
+    assert "aiayn-int8" in translate_speed.pass_engines(translate_speed.ENGINES, "fp32")
 
 
 def test_gpu_table_states_its_goals():
@@ -81,3 +82,47 @@ def test_gpu_table_states_its_goals():
            "0.3: short)" in text
     assert translate_speed.section_name(torch.device("cuda", 0)) == "translate_speed_gpu"
     assert translate_speed.section_name(torch.device("cpu")) == "translate_speed"
+
+
+def test_cpu_goals_int8_and_one_pass_per_thread_count(tmp_path):
+    """Issue 60's CPU table: the exact search against CTranslate2 fp32, int8 against CTranslate2 int8 with its BLEU
+    against fp32's, for each thread count, the engines taking turns."""
+    md = tmp_path / "B.md"
+    result = translate_speed.main(["--smoke", "--threads", "1", "2", "--repeats", "2", "--modes", "batched",
+                                   "--engines", "aiayn", "aiayn-exact", "aiayn-int8", "ct2-fp32", "ct2-int8",
+                                   "--md", str(md), "--out-json", str(tmp_path / "s.json")])
+    assert list(result["modes"]) == ["batched 1t", "batched 2t"]
+    assert result["keys"]["batched 2t"] == {"mode": "batched", "precision": "fp32", "threads": 2}
+    res = result["modes"]["batched 1t"]
+    assert list(res) == ["aiayn", "aiayn-exact", "aiayn-int8", "ct2-fp32", "ct2-int8"]
+    assert len(res["aiayn-int8"]["passes_seconds"]) == 2
+    assert res["aiayn-int8"]["seconds"] == min(res["aiayn-int8"]["passes_seconds"])
+    text = md.read_text()
+    for line in ("batched 1t: aiayn (stop=exact) / CTranslate2 fp32 sentences/s = ",
+                 "batched 2t: aiayn int8 (stop=exact) / CTranslate2 int8 sentences/s = ",
+                 "batched 2t: aiayn int8 BLEU "):
+        assert line in text
+    assert "| batched 2t | aiayn int8 (stop=exact) |" in text and "fastest of 2 passes" in text
+
+
+def test_int8_and_linear_kernel_tables(tmp_path):
+    """benchmarks.int8 states int8's BLEU gap against its goal; benchmarks.linear_kernels times every kernel."""
+    from benchmarks import int8, linear_kernels
+
+    def side(bleu: float, peak: float) -> dict:
+        return {"bleu": bleu, "chrf": 60.0, "wall_s": 5.0, "load_s": 0.1, "first_sentence_s": 0.05,
+                "rss_loaded_mib": 260.0, "rss_after_first_mib": 300.0, "peak_rss_mib": peak, "sentences": 1000}
+
+    result = {"fp32": side(35.85, 600.0), "int8": side(35.5, 450.0), "same_outputs": 900,
+              "machine": {"platform": "Linux", "cpu": "x", "cores": 2, "threads": 2, "gpu": None, "python": "3.11",
+                          "torch": "2.13"},
+              "command": "python -m benchmarks.int8", "date": "today",
+              "args": {"run_dir": "R", "split": "S", "repeats": 3}}
+    text = int8.markdown(result)
+    assert "int8 BLEU within 0.3 of fp32: -0.35 (short)" in text and "| peak resident memory" in text
+    assert "Same output as fp32: 900/1000" in text
+    out = linear_kernels.main(["--threads", "1", "--rounds", "1", "--md", str(tmp_path / "B.md"),
+                               "--out-json", str(tmp_path / "k.json")])
+    assert len(out["results"]) == len(linear_kernels.SHAPES) * len(linear_kernels.ROWS)
+    assert {"F.linear", "int8"} <= set(out["results"][0]["us"])
+    assert "## Linear layers on the CPU" in (tmp_path / "B.md").read_text()

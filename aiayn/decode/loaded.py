@@ -45,7 +45,7 @@ class LoadedRun:
 
     def to(self, device: str | torch.device) -> LoadedRun:
         """Move the model (``"auto"`` resolves as everywhere), with the engine's choices for it; returns self."""
-        prepare_model(self.model, device, training=False)
+        prepare_model(self.model, device, training=False, precision=self.run.precision)
         return self
 
     def kernels(self):

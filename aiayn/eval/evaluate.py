@@ -112,6 +112,8 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     else:
         pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
         name = data.record_name(_default_name(src), label)
+    if translator.run.precision == "int8" and data.name is None:
+        name = check_name(f"{name}.int8")  # beside the fp32 record of the same data, not over it
     check_writable(run_dir)
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     _, truncated = translator.encode_sources(sources)
@@ -137,7 +139,8 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
         "bleu_detail": sb["bleu_detail"],
         "bleu_lc_tok_detail": lc_detail,
         "decode": {**asdict(opts), "max_tokens": opts.batch_tokens(translator.device.type),
-                   "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype)},
+                   "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype),
+                   "precision": translator.run.precision},
         "run": run_info,
         "truncated_lines": [i + 1 for i in truncated],
         "wall_s": round(wall, 3),

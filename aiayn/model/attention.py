@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.engine import AttentionKernel
+from aiayn.linear import LinearKernel
 from aiayn.model.cache import KVCache
 
 
@@ -90,7 +91,7 @@ def scaled_dot_product_attention(
     return out, probs
 
 
-class MultiHeadAttention(AttentionKernel, nn.Module):
+class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
     (section 3.2.2), with W_i^Q, W_i^K in R^{D x d_k}, W_i^V in R^{D x d_v}, W^O in R^{h d_v x D}.
 
@@ -100,7 +101,8 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
     for Q, K and V; cross-attention uses the Q rows on the decoder states and the K|V rows on the encoder
     memory. ``explicit_max_keys`` (:class:`aiayn.engine.AttentionKernel`) says which computation of eq. (1) runs:
     per device type, key lengths up to it take the explicit path, longer ones PyTorch's fused kernel (empty:
-    always fused); :mod:`aiayn.engine` sets it.
+    always fused); :mod:`aiayn.engine` sets it, and how the projections are multiplied (``linear``,
+    :class:`aiayn.linear.LinearKernel`).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, d_k: int | None = None,
@@ -135,7 +137,7 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder memory (B, S, D) -> (B, H, S, d_k) and (B, H, S, d_v)."""
         qk = self._rows[0]
-        kv = F.linear(memory, self.in_proj.weight[qk:], self.in_proj.bias[qk:])  # (B, S, h d_k + h d_v)
+        kv = self.linear(memory, self.in_proj.weight[qk:], self.in_proj.bias[qk:])  # (B, S, h d_k + h d_v)
         k, v = kv.split(self._rows[1:], dim=-1)
         return self._split(k), self._split(v)
 
@@ -156,21 +158,22 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
         qk = self._rows[0]
         if memory is None:
-            q, k, v = F.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
+            q, k, v = self.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
             q, k, v = self._split(q), self._split(k), self._split(v)
             if cache is not None:
                 k, v = cache.append_self(layer, k, v)
         else:
-            q = self._split(F.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk]))
+            q = self._split(self.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk]))
             if cache is not None and cache.cross_k[layer] is not None:
                 k, v = cache.cross_k[layer], cache.cross_v[layer]
             else:
                 k, v = self.project_kv(memory)
-                if cache is not None:
+                if cache is not None:  # contiguous (B, H, S, K): every later step's matmul reads them without a copy
+                    k, v = k.contiguous(), v.contiguous()
                     cache.cross_k[layer], cache.cross_v[layer] = k, v
         p = self.dropout if self.training else 0.0
         fused = k.size(-2) > self.explicit_max_keys.get(q.device.type, 0)
         out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, causal, fused)
         B, H, Tq, V = out.shape
         out = out.transpose(1, 2).reshape(B, Tq, H * V)  # concat heads: (B, Tq, h d_v)
-        return self.out_proj(out), probs
+        return self.linear(out, self.out_proj.weight, self.out_proj.bias), probs

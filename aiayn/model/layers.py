@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, KVCache, MultiHeadAttention
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 
-class PositionwiseFeedForward(nn.Module):
+class PositionwiseFeedForward(LinearKernel, nn.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2  (eq. 2); gelu or swish in place of ReLU as options."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0) -> None:
@@ -33,7 +34,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, D)."""
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+        h = self.activation(self.linear(x, self.fc1.weight, self.fc1.bias))
+        return self.linear(self.dropout(h), self.fc2.weight, self.fc2.bias)
 
 
 class SublayerConnection(nn.Module):

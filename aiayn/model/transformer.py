@@ -9,11 +9,11 @@ decoding algorithms live in :mod:`aiayn.search`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig, check_fits_in_memory
 from aiayn.engine import use_attention
+from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, padding_mask
 from aiayn.model.cache import KVCache
 from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
@@ -59,7 +59,7 @@ class Encoder(nn.Module):
         return x, probs
 
 
-class Decoder(nn.Module):
+class Decoder(LinearKernel, nn.Module):
     """N decoder layers (masked self-attention, optional cross-attention, FFN) and the output projection."""
 
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding, cross_attention: bool = True) -> None:
@@ -124,7 +124,7 @@ class Decoder(nn.Module):
             x = self.final_norm(x)
         if not project:
             return x, self_probs, cross_probs
-        logits = F.linear(x, self.output_proj.weight, self.output_bias)  # (B, T, V)
+        logits = self.linear(x, self.output_proj.weight, self.output_bias)  # (B, T, V)
         return logits, self_probs, cross_probs
 
     def output_projection(self) -> tuple[Tensor, Tensor | None]:

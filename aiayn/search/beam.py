@@ -48,6 +48,7 @@ from aiayn.search.common import (
     length_penalty_denominator,
     new_cache,
     score_dtype,
+    top_k,
     waits_are_free,
 )
 from aiayn.search.processing import LogitsProcessor
@@ -149,11 +150,10 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     free_waits, sdt = waits_are_free(device), score_dtype(device)
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
-    memory = model.encode(src, src_mask)  # (B, S, D)
-    rows = torch.arange(B, device=device).repeat_interleave(N)
-    memory, mem_mask = memory.index_select(0, rows), src_mask.index_select(0, rows)  # (B*N, S, D), (B*N, S)
+    memory = model.encode(src, src_mask)  # (B, S, D); N rows per sentence from the second step on
+    mem_mask = src_mask
     cache = new_cache(model, max(limits))
-    tokens = torch.full((B * N, 1), spec.bos, dtype=torch.long, device=device)  # (B*N, 1 + t)
+    tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
     scores[:, 0] = 0.0
     sent = torch.arange(B, device=device)  # (n,) original sentence of each live group of N rows
@@ -167,12 +167,21 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     while True:
         spec.check_stop()
         n = scores.size(0)
-        logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (n*N, V)
+        logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
-        V = lprobs.size(-1)
-        cand = (scores.unsqueeze(-1) + lprobs.view(n, N, V)).view(n, N * V)
-        top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
-        top_beam, top_tok = top_idx // V, top_idx % V
+        V, R = lprobs.size(-1), tokens.size(0) // n  # R rows per sentence: 1 on the first step, then N
+        k = min(2 * N, V)
+        if R * k >= min(2 * N, N * V):
+            # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
+            # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
+            row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
+            cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
+            top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+            top_beam, top_tok = top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
+        else:  # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
+            cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
+            top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+            top_beam, top_tok = top_idx // V, top_idx % V
         length = t + 1  # |Y| of every candidate of this step
         is_eos = top_tok == spec.eos
         at_limit = limit <= length  # (n,)
@@ -183,14 +192,16 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
             den = length_penalty_denominator(length, o.alpha, o.length_penalty)
             penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
-            prefix = tokens[:, 1:].view(n, N, t).gather(1, top_beam[:, :N, None].expand(n, N, t))  # (n, N, t)
+            prefix = tokens[:, 1:].view(n, R, t)  # (n, N, t); (n, 1, 0) on the first step
+            prefix = prefix.gather(1, top_beam[:, :N, None].expand(n, N, t)) if t else prefix.expand(n, N, 0)
             finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
 
         # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
         live_lp = top_lp.masked_fill(is_eos, NEG_INF)
         order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
         new_scores = live_lp.gather(1, order)
-        src_rows = offsets[:n] + top_beam.gather(1, order)  # (n, N)
+        # (n, N) the row each next beam continues; on the first step every beam's is its sentence's one row
+        src_rows = offsets[:n] + top_beam.gather(1, order) if t else sent[:, None].expand(n, N)
         new_tok = top_tok.gather(1, order)
 
         best_live = new_scores[:, 0]
@@ -204,13 +215,18 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                 break
             src_rows, new_tok, new_scores = src_rows[keep], new_tok[keep], new_scores[keep]
             sent, limit, limit_den = sent[keep], limit[keep], limit_den[keep]
-            # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
-            # when a sentence leaves the batch, not on every step's beam reorder.
-            sent_rows = (keep[:, None] * N + beams).reshape(-1)
-            cache.reorder_cross(sent_rows)
-            memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
+            if t:
+                # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
+                # when a sentence leaves the batch, not on every step's beam reorder.
+                sent_rows = (keep[:, None] * N + beams).reshape(-1)
+                cache.reorder_cross(sent_rows)
+                memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
         next_rows = src_rows.reshape(-1)  # (n'*N,) beam reorder and dropped sentences
-        cache.reorder(next_rows, cross=False)
+        if t:
+            cache.reorder(next_rows, cross=False)
+        else:  # from one row per sentence to N: memory and cross-attention K/V too, once
+            cache.reorder(next_rows)
+            memory, mem_mask = memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
         tokens = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1)
         scores = new_scores
         t += 1

@@ -64,6 +64,32 @@ def waits_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+# top_k's chunks: each row's maxima are read per chunk of this many ids (one vectorized pass), then only the chunks
+# whose maxima rank in the top k are searched. 64 was fastest among 16 to 256 for 8,000 ids (k 8).
+TOPK_CHUNK = 64
+
+
+def top_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x (R, V), best first, and their columns: (R, k), (R, k) long; what
+    ``x.topk(k)`` gives, found faster for a wide vocabulary.
+
+    The j-th largest value v_j lies in a chunk whose maximum is >= v_j, and fewer than j chunks have a maximum
+    above v_j (each holds a value above it), so the k chunks with the largest maxima hold the k largest values.
+    Among exactly equal values another one of them may be chosen than by ``x.topk``, as between two of
+    PyTorch's top-k kernels: ties in a search are broken by how it is computed, never by a rule."""
+    R, V = x.shape
+    C = TOPK_CHUNK
+    if V < 4 * k * C:
+        return x.topk(k, dim=-1)
+    whole = V // C * C  # the columns in whole chunks; the rest (fewer than C) is always searched
+    best = x[:, :whole].reshape(R, whole // C, C).amax(dim=-1).topk(k, dim=-1).indices  # (R, k) chunks
+    cols = (best[:, :, None] * C + torch.arange(C, device=x.device)).reshape(R, k * C)
+    if whole < V:
+        cols = torch.cat([cols, torch.arange(whole, V, device=x.device).expand(R, V - whole)], dim=1)
+    values, at = x.gather(1, cols).topk(k, dim=-1)
+    return values, cols.gather(1, at)
+
+
 def new_cache(model: nn.Module, steps: int):
     """``model.new_cache()`` with room for ``steps`` decoding steps when the cache can reserve it
     (:class:`~aiayn.model.cache.KVCache` preallocates them; a cache without ``reserve`` is used as is)."""

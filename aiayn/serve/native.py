@@ -97,7 +97,8 @@ class NativeRoutes:
         m = svc.model
         return JSONResponse({
             "task": svc.task, "run": str(m.path), "device": str(m.device),
-            "precision": str(next(m.model.parameters()).dtype).removeprefix("torch."),
+            "precision": ("int8" if m.run.precision == "int8"  # fp32 weights, int8 linear layers (aiayn.linear)
+                          else str(next(m.model.parameters()).dtype).removeprefix("torch.")),
             "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
             "decode": dataclasses.asdict(svc.decode),  # the run's decode section with the server's decoding flags
             "limits": {**dataclasses.asdict(svc.limits), "attention_tokens": m.cfg.model.max_positions},
