@@ -32,7 +32,8 @@ def train_args(run: Path, *extra: str) -> list[str]:
 def test_a_killed_loader_worker_is_one_line_with_the_resume_command_and_the_run_resumes(tmp_path, capsys,
                                                                                         monkeypatch):
     """The worker kills itself (SIGKILL, as the out-of-memory killer would) when asked for its 30th update, after
-    the checkpoint of update 20: the training ends with one line naming the worker and `aiayn train --resume RUN`,
+    the checkpoint of update 20: the training ends with one line naming the worker (killed by SIGKILL, or exited unexpectedly: torch says
+    either, by timing) and `aiayn train --resume RUN`,
     exit 2; the run keeps its checkpoints and resumes to the end."""
     import torch.utils.data
 
@@ -52,7 +53,10 @@ def test_a_killed_loader_worker_is_one_line_with_the_resume_command_and_the_run_
     run = tmp_path / "run"
     assert main(train_args(run)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("aiayn: error: data loader worker (pid ") and "killed by signal: Killed" in err, err
+    # torch names the signal when its SIGCHLD handler sees the death first, and says "exited unexpectedly" when
+    # the main process finds the worker gone while waiting for a batch: which one comes first is the machine's race
+    assert err.startswith("aiayn: error: data loader worker (pid "), err
+    assert "killed by signal: Killed" in err or "exited unexpectedly" in err, err
     assert f"resume with aiayn train --resume {run}" in err and "internal error" not in err
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "step_000020.json").is_file()
     monkeypatch.setattr(loader.UpdateBatches, "__getitem__", real)
