@@ -23,7 +23,7 @@ from aiayn.config import ConfigError, load_config
 from aiayn.data.batching import batch_shape, collate, padded_length, token_batches
 from aiayn.data.pipeline import TranslationData
 from aiayn.device import resolve_precision
-from aiayn.engine import attention_path, kernels, use_fused_optimizer
+from aiayn.engine import CompileCounter, attention_path, kernels, use_fused_optimizer
 from aiayn.errors import DeviceError
 from aiayn.train import loss as loss_module
 from aiayn.train.loss import compiled_kernels, label_smoothed_cross_entropy, projected_cross_entropy
@@ -262,7 +262,7 @@ def compiled_tiny():
         warm_up = Update(module, torch.optim.SGD(module.parameters(), lr=0.0), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
         warm_up([warm], 0.0)
         counter.warmed_up()
-        yield eager, compiled_copy, module, loss_fn, counter
+        yield eager, compiled_copy, module, loss_fn, counter, lambda: warm_up([warm], 0.0)
     torch._dynamo.reset()
 
 
@@ -271,7 +271,11 @@ def test_compiled_training_step_equals_eager(compiled_tiny, monkeypatch):
     """The layers compiled by regions and the compiled loss compute the eager values and gradients; the layers of a
     stack share their graph; a new batch shape reuses the graphs; eval mode (validation, decoding) runs the plain
     layers; the compiled chunks of the output projection fused into the loss compute the eager ones."""
-    eager, compiled_copy, module, loss_fn, counter = compiled_tiny
+    eager, compiled_copy, module, loss_fn, warm_counter, rewarm = compiled_tiny
+    warm_graphs = warm_counter.graphs
+    counter = CompileCounter()
+    rewarm()  # builds nothing unless dynamo was reset since the fixture ran
+    counter.warmed_up()
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 30 * 40)  # several chunks and a last, shorter one
     compiled_copy.load_state_dict(eager.state_dict())
     src, tgt = pairs(5, seed=5)
@@ -286,8 +290,8 @@ def test_compiled_training_step_equals_eager(compiled_tiny, monkeypatch):
     assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
     for k in g0:
         assert_close_at_scale(g1[k], g0[k], 1e-4, k)
-    # encoder layer, decoder layer, loss chunk forward and backward: 2 layers each
-    assert counter.graphs == 4 and counter.recompiles == 0
+    # the fixture's warm-up built the encoder layer, decoder layer, loss chunk forward and backward: 2 layers each
+    assert warm_graphs == 4 and counter.recompiles == 0
     other = collate(src[:3], tgt[:3], [0, 1, 2], shape=(3, 22, 14))  # another batch size and lengths
     loss_fn(batch_logits(module, other), other.tgt_out, 0.1, 0)[0].backward()
     assert counter.recompiles == 0  # no recompilation for a new shape
@@ -315,8 +319,9 @@ def test_compiled_training_never_compiles_again_after_its_first_update(compiled_
     no graph after the warm-up update."""
     from aiayn.engine import CompileCounter
 
-    _, compiled_copy, module, loss_fn, _ = compiled_tiny  # warmed up by the fixture's first update
+    _, compiled_copy, module, loss_fn, _, rewarm = compiled_tiny  # warmed up by the fixture's first update
     counter = CompileCounter()
+    rewarm()  # builds nothing unless dynamo was reset since the fixture ran
     counter.warmed_up()
     update = Update(module, torch.optim.Adam(module.parameters(), lr=1e-3), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
     g = torch.Generator().manual_seed(7)

@@ -135,6 +135,26 @@ def _check(spec: SearchSpec) -> None:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam (got beam={o.beam}, nbest={o.nbest})")
 
 
+def _candidates(lprobs: Tensor, scores: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The 2N best continuations of each sentence: lprobs (n*R, V) of its R rows (1 on the first step, then N),
+    scores (n, N) the live beams' summed logprobs. Returns (summed logprob, beam, token), each (n, min(2N, N*V)),
+    best first."""
+    n, N = scores.shape
+    V = lprobs.size(-1)
+    k = min(2 * N, V)
+    if R * k >= min(2 * N, N * V):
+        # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
+        # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
+        row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
+        cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
+        top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)
+        return top_lp, top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
+    # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
+    cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
+    top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)
+    return top_lp, top_idx // V, top_idx % V
+
+
 @torch.no_grad()
 def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                 spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
@@ -146,12 +166,10 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     o = spec.options
     src_mask = src != spec.pad if src_mask is None else src_mask
     device = src.device
-    process = LogitsProcessor(spec, device)
-    free_waits, sdt = waits_are_free(device), score_dtype(device)
+    process, free_waits, sdt = LogitsProcessor(spec, device), waits_are_free(device), score_dtype(device)
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
-    memory = model.encode(src, src_mask)  # (B, S, D); N rows per sentence from the second step on
-    mem_mask = src_mask
+    memory, mem_mask = model.encode(src, src_mask), src_mask  # (B, S, D); N rows per sentence from step 2 on
     cache = new_cache(model, max(limits))
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
@@ -169,19 +187,8 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         n = scores.size(0)
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
-        V, R = lprobs.size(-1), tokens.size(0) // n  # R rows per sentence: 1 on the first step, then N
-        k = min(2 * N, V)
-        if R * k >= min(2 * N, N * V):
-            # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
-            # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
-            row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
-            cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
-            top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
-            top_beam, top_tok = top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
-        else:  # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
-            cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
-            top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
-            top_beam, top_tok = top_idx // V, top_idx % V
+        R = tokens.size(0) // n  # rows per sentence: 1 on the first step, then N
+        top_lp, top_beam, top_tok = _candidates(lprobs, scores, R)  # (n, 2N) each, best first
         length = t + 1  # |Y| of every candidate of this step
         is_eos = top_tok == spec.eos
         at_limit = limit <= length  # (n,)
@@ -227,7 +234,5 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         else:  # from one row per sentence to N: memory and cross-attention K/V too, once
             cache.reorder(next_rows)
             memory, mem_mask = memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
-        tokens = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1)
-        scores = new_scores
-        t += 1
+        tokens, scores, t = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1), new_scores, t + 1
     return finished.hypotheses(o.nbest)
