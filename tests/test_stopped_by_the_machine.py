@@ -32,9 +32,9 @@ def train_args(run: Path, *extra: str) -> list[str]:
 def test_a_killed_loader_worker_is_one_line_with_the_resume_command_and_the_run_resumes(tmp_path, capsys,
                                                                                         monkeypatch):
     """The worker kills itself (SIGKILL, as the out-of-memory killer would) when asked for its 30th update, after
-    the checkpoint of update 20: the training ends with one line naming the worker (killed by SIGKILL, or exited unexpectedly: torch says
-    either, by timing) and `aiayn train --resume RUN`,
-    exit 2; the run keeps its checkpoints and resumes to the end."""
+    the checkpoint of update 20: the training ends with one line naming the worker (killed by SIGKILL, or exited
+    unexpectedly: torch says either, by timing) and `aiayn train --resume RUN`, exit 2; the run keeps its
+    checkpoints and resumes to the end."""
     import torch.utils.data
 
     from aiayn.data import loader
