@@ -259,6 +259,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=100_000, help="requests per phase at most")
     p.add_argument("--beam", type=int, default=None, help="beam of every request (default: the run's)")
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
+    p.add_argument("--precision", default=None, help="the server's --precision (default: its own, fp32)")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
     p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=str(RESULTS_DIR / "serve_load.json"))
@@ -274,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.clients, args.duration, args.max_requests = [1, 4], 2.0, 400
     texts, inputs = sentences(args.run)
     options = {} if args.beam is None else {"beam": args.beam}
-    extra = ["--max-wait-ms", str(args.max_wait_ms)]
+    extra = ["--max-wait-ms", str(args.max_wait_ms)] + (["--precision", args.precision] if args.precision else [])
     proc, url, log_lines = start_server(args.run, *extra)
     try:
         with closing(connect(url)) as conn:
