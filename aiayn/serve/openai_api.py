@@ -36,7 +36,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from aiayn.decode.generate import lm_context, prompt_ids
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
@@ -57,7 +56,8 @@ from aiayn.serve.completions import (
     truncated,
     usage_of,
 )
-from aiayn.serve.errors import OpenAIError, answering_errors, openai_stream_error
+from aiayn.serve.errors import OpenAIError, openai_stream_error
+from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
 from aiayn.serve.scores import encode_with_specials, tokenizer_info
 from aiayn.serve.service import Service, bearer
@@ -69,25 +69,17 @@ def sse(body: dict[str, Any]) -> bytes:
     return ("data: " + json.dumps(body, ensure_ascii=False) + "\n\n").encode("utf-8")
 
 
-class OpenAIRoutes:
+class OpenAIRoutes(RouteTable):
     """OpenAI's (and vLLM's tokenizer) routes over ``svc``: the run is the one model, named by its directory."""
+
+    protocol = "openai"
+    claims = ("/v1/",)  # any other /v1/ path (OpenAI's clients call many): its 404 in OpenAI's shape
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
         self.model_id = svc.run.path.name
         self.created = int(time.time())
         self.template = load_chat_template(svc.run)  # a language model's own (RUN/chat_template.jinja), or None
-
-    def routes(self) -> list[Route]:
-        def route(path: str, handler, methods: list[str]) -> Route:
-            return Route(path, answering_errors("openai", handler), methods=methods)
-
-        return [route("/v1/models", self.models, ["GET"]),
-                route("/v1/completions", self.completions, ["POST"]),
-                route("/v1/chat/completions", self.chat_completions, ["POST"]),
-                route("/tokenize", self.tokenize, ["POST"]),
-                route("/detokenize", self.detokenize, ["POST"]),
-                route("/tokenizer_info", self.tokenizer_info, ["GET"])]
 
     def authorize(self, request: Request) -> None:
         if not self.svc.key_matches(bearer(request)):
@@ -99,18 +91,21 @@ class OpenAIRoutes:
         self.authorize(request)
         return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
 
+    @route("/v1/models", "GET")
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         names = [self.model_id, *self.svc.choices.aliases]  # the run first: the name its answers carry
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
                                                          "owned_by": "aiayn"} for name in names]})
 
+    @route("/v1/completions", "POST")
     async def completions(self, request: Request) -> Response:
         body = await self.body(request)
         c = completion_request(body, self.svc.limits)
         self.check_model(body)
         return await self.respond(c, TextShape())
 
+    @route("/v1/chat/completions", "POST")
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body(request)
         prompt, fields = chat_prompt(body, self.svc.task, self.template)
@@ -243,6 +238,7 @@ class OpenAIRoutes:
         self.need_lm(path)
         return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
 
+    @route("/tokenize", "POST")
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``POST /tokenize``: ``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``."""
         body = await self.lm_body(request, "/tokenize")
@@ -256,6 +252,7 @@ class OpenAIRoutes:
         ids = encode_with_specials(self.svc.model.run, prompt)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.info()["model_max_length"]})
 
+    @route("/detokenize", "POST")
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
         ids = (await self.lm_body(request, "/detokenize")).get("tokens")
@@ -265,6 +262,7 @@ class OpenAIRoutes:
                               code="invalid_type")
         return JSONResponse({"prompt": self.svc.model.tokenizers.src.decode(ids)})
 
+    @route("/tokenizer_info", "GET")
     async def tokenizer_info(self, request: Request) -> Response:
         """vLLM's ``GET /tokenizer_info`` (:func:`aiayn.serve.scores.tokenizer_info`)."""
         self.authorize(request)
