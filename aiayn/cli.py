@@ -197,11 +197,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
-    from aiayn.decode.generate import generate_text
+    from aiayn.decode.generate import generate_options, generate_text
     from aiayn.run_dir import load_run
 
     run = load_run(args.run, args.device, precision=args.precision)
-    opts = run.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **decode_overrides(args)})
+    opts = generate_options(run.cfg.decode, decode_overrides(args))
     pieces = generate_text(run, args.prompt, opts, args.slide)
     _write_stdout(args.prompt)
     for piece in pieces:
