@@ -317,8 +317,9 @@ def test_one_place_maps_every_error_to_each_protocols_shape():
     from aiayn.serve.openai_api import OpenAIRoutes
     from aiayn.serve.routes import Protocols
     from aiayn.serve.schemas import ApiError
+    from aiayn.serve.tokenizer_routes import TokenizerRoutes
 
-    protocols = Protocols((NativeRoutes, LibreTranslate, OpenAIRoutes))
+    protocols = Protocols((NativeRoutes, LibreTranslate, OpenAIRoutes, TokenizerRoutes))
     assert [protocols.of(p) for p in ("/translate", "/frontend/settings", "/v1/completions", "/v1/nothing",
                                       "/tokenize", "/v1/translate", "/health", "/nothing", "/suggest")] == [
         "libretranslate", "libretranslate", "openai", "openai", "openai", "aiayn", "aiayn", "aiayn", "libretranslate"]

@@ -1,8 +1,8 @@
 """The ASGI application of ``aiayn serve`` (Starlette): the route table of each protocol behind one guard.
 
 The tables (:class:`aiayn.serve.routes.RouteTable`, each path declared once beside its handler): aiayn's own API
-(:mod:`aiayn.serve.native`), LibreTranslate's (:mod:`aiayn.serve.libretranslate`), OpenAI's and vLLM's
-(:mod:`aiayn.serve.openai_api`).
+(:mod:`aiayn.serve.native`), LibreTranslate's (:mod:`aiayn.serve.libretranslate`), OpenAI's
+(:mod:`aiayn.serve.openai_api`) and vLLM's tokenizer routes (:mod:`aiayn.serve.tokenizer_routes`).
 
 Every error is JSON in its protocol's shape (:mod:`aiayn.serve.errors`), also for a route or method that does not
 exist (the mounted tables say which protocol a path answers in: :class:`aiayn.serve.routes.Protocols`); a bad
@@ -39,6 +39,7 @@ from aiayn.serve.openai_api import OpenAIRoutes
 from aiayn.serve.routes import Protocols
 from aiayn.serve.schemas import Limits
 from aiayn.serve.service import Choices, Service
+from aiayn.serve.tokenizer_routes import TokenizerRoutes
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -156,7 +157,8 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         # uvicorn has already waited for the requests in flight; finish anything still queued.
         svc.batcher.close(timeout=60)
 
-    tables = (NativeRoutes(svc), LibreTranslate(svc), OpenAIRoutes(svc))
+    openai = OpenAIRoutes(svc)
+    tables = (NativeRoutes(svc), LibreTranslate(svc), openai, TokenizerRoutes(openai))
     routes = [*(r for table in tables for r in table.routes()),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)

@@ -3,8 +3,8 @@
 * aiayn's own API (:mod:`aiayn.serve.native`, and any path no route table serves or claims):
   ``{"error": {"code", "message"}}`` (:class:`~aiayn.serve.schemas.ApiError`, codes in :mod:`aiayn.serve.schemas`).
 * LibreTranslate's routes (:mod:`aiayn.serve.libretranslate`): ``{"error": message}`` (:class:`LibreError`).
-* OpenAI's and vLLM's (:mod:`aiayn.serve.openai_api`, and any other ``/v1/...`` path):
-  ``{"error": {"message", "type", "param", "code"}}`` (:class:`OpenAIError`).
+* OpenAI's and vLLM's (:mod:`aiayn.serve.openai_api`, :mod:`aiayn.serve.tokenizer_routes`, and any other
+  ``/v1/...`` path): ``{"error": {"message", "type", "param", "code"}}`` (:class:`OpenAIError`).
 
 Each route's handler is wrapped by :func:`answering_errors` with its protocol, which answers whatever it raises:
 its protocol's own error as it says, an :class:`~aiayn.serve.schemas.ApiError` of request checking, a user error
