@@ -30,92 +30,6 @@ def decode_overrides(args: argparse.Namespace) -> dict:
             if getattr(args, f.name, None) is not None}
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from aiayn.train.run import resume_run, train_from_config
-
-    if args.threads is not None:
-        args.set = [*args.set, f"train.threads={args.threads}"]
-    if isinstance(args.resume, str):  # --resume RUN: the run's own config
-        if args.config is not None or args.init_from is not None:
-            raise ConfigError("--resume RUN takes the run's own config: give no CONFIG and no --init-from "
-                              "(or resume a recipe's run: aiayn train CONFIG --run-dir RUN --resume)")
-        if args.run_dir is not None and Path(args.run_dir) != Path(args.resume):
-            raise ConfigError(f"--resume {args.resume} and --run-dir {args.run_dir} name two directories")
-        resume_run(args.resume, args.set, progress=not args.no_progress)
-        return 0
-    if args.config is None:
-        raise ConfigError("aiayn train needs a CONFIG (a YAML recipe or a preset), or --resume RUN")
-    train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=bool(args.resume),
-                      progress=not args.no_progress, init_from=args.init_from)
-    return 0
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from aiayn.config import load_config
-    from aiayn.data.pipeline import check_data_sources, prepare_corpus
-    from aiayn.data.store import describe_store
-
-    if args.verify is not None:
-        return _verify_store(args)
-    if args.config is None or args.out is None:
-        raise ConfigError("aiayn prepare needs a CONFIG and --out DIR (or --verify DIR to check a store)")
-    if args.workers is not None and args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    cfg = load_config(args.config, args.set)
-    check_data_sources(cfg)
-    store = prepare_corpus(cfg, args.out, workers=args.workers)
-    for line in describe_store(store.manifest):
-        print(line)
-    sets = "".join(f" --set {x}" for x in args.set)
-    print(f"train from it: aiayn train {args.config}{sets} --set data.prepared={args.out}")
-    return 0
-
-
-def _verify_store(args: argparse.Namespace) -> int:
-    """``aiayn prepare --verify DIR``: one line per problem on stderr and exit 2, or one line on stdout and 0."""
-    from aiayn.data.pipeline import verify_store
-
-    if args.config is not None or args.out is not None or args.set:
-        raise ConfigError("--verify DIR checks the store DIR as it is: give no CONFIG, --out or --set")
-    problems = verify_store(args.verify)
-    for problem in problems:
-        print(f"aiayn: error: {one_line(problem)}", file=sys.stderr)
-    if problems:
-        return 2
-    from aiayn.data.store import read_manifest
-
-    manifest = read_manifest(Path(args.verify)) or {}
-    print(f"{args.verify}: sound (every file read and checked)" if "files" in manifest else
-          f"{args.verify}: its shape and ids are sound; prepared without checksums (by an older aiayn), its contents "
-          "are unverified")
-    return 0
-
-
-def cmd_average(args: argparse.Namespace) -> int:
-    from aiayn.train.run import average_run
-
-    if args.replace and args.out is not None:
-        raise ConfigError("--out names another file; --replace writes RUN/model.safetensors: give one")
-    out = average_run(args.run, last=args.last, out=args.out, replace=args.replace)
-    print(f"wrote {out}")
-    return 0
-
-
-def weights_choice(words: list[str] | None) -> str:
-    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
-    ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
-    if not words:
-        return "model"
-    if words[0] == "step":
-        if len(words) != 2 or not words[1].isdigit():
-            raise ConfigError(f"--weights {' '.join(words)}: expected step N, the step of one of the run's checkpoints")
-        return f"step:{int(words[1])}"
-    if len(words) != 1:
-        raise ConfigError(f"--weights {' '.join(words)}: expected last, best, average, model, step N or a "
-                          ".safetensors file")
-    return words[0]
-
-
 def _write_stdout(text: str) -> None:
     """UTF-8 whatever the locale says, flushed at once (streaming)."""
     if hasattr(sys.stdout, "buffer"):
@@ -127,192 +41,9 @@ def _write_stdout(text: str) -> None:
         sys.stdout.flush()
 
 
-def _progress(args: argparse.Namespace, path: str | None):
-    """Progress over the input file's lines on stderr (a terminal, or --progress: then plain lines when stderr
-    is not a terminal), else None."""
-    if path in (None, "-") or not (args.progress or (args.progress is None and sys.stderr.isatty())):
-        return None
-    from aiayn.progress import ItemProgress
-
-    with open(path, "rb") as f:
-        total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    return ItemProgress(total, "line", "translate")
-
-
-def cmd_translate(args: argparse.Namespace) -> int:
-    """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
-    from aiayn.data.corpus import stdin_stream
-    from aiayn.decode.stream import iter_lines, translate_stream
-    from aiayn.decode.translator import load
-    from aiayn.errors import DataError
-    from aiayn.files import atomic_write
-
-    fmt = "json" if args.json else args.format
-    if args.chunk is not None and args.chunk < 1:
-        raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
-    from_stdin = args.input in (None, "-")
-    if not from_stdin:
-        p = Path(args.input)
-        if not p.is_file():
-            raise DataError(f"{p}: {'is a directory' if p.is_dir() else 'no such file'}")
-    if args.output not in (None, "-") and Path(args.output).is_dir():
-        raise DataError(f"{args.output}: is a directory (--output names the file to write)")
-    translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
-    opts = translator.options(**decode_overrides(args))
-    source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
-    interactive = from_stdin and sys.stdin.isatty()
-    chunk = args.chunk or (1 if interactive else 2000)
-    if interactive:
-        print("aiayn translate: type a sentence and press Enter (Ctrl-D to end)", file=sys.stderr)
-    bar = _progress(args, args.input)
-    try:
-        lines = iter_lines(source, "<stdin>" if from_stdin else args.input)
-        on_chunk = bar.update if bar is not None else None
-        if args.output in (None, "-"):
-            translate_stream(translator, lines, _write_stdout, opts, fmt, chunk, on_chunk)
-        else:  # streamed into a temporary file, renamed over --output only once everything is written
-            def write(tmp: str) -> None:
-                with open(tmp, "w", encoding="utf-8") as out:  # hidden until renamed: no flush per chunk
-                    translate_stream(translator, lines, out.write, opts, fmt, chunk, on_chunk)
-
-            atomic_write(args.output, write)
-    finally:
-        if bar is not None:
-            bar.close()
-        if not from_stdin:
-            source.close()
-    return 0
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    from aiayn.eval.evaluate import EvalData, evaluate_run, summary
-
-    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length,
-                    weights_choice(args.weights))
-    result = evaluate_run(args.run, data, device=args.device,
-                          precision=args.precision, **decode_overrides(args))
-    print(summary(result))
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
-    from aiayn.decode.generate import generate_text
-    from aiayn.run_dir import load_run
-
-    run = load_run(args.run, args.device, precision=args.precision)
-    opts = run.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **decode_overrides(args)})
-    pieces = generate_text(run, args.prompt, opts, args.slide)
-    _write_stdout(args.prompt)
-    for piece in pieces:
-        if piece:
-            _write_stdout(piece)
-    _write_stdout("\n")
-    return 0
-
-
-def cmd_summarize(args: argparse.Namespace) -> int:
-    """One summary line per input document, in order."""
-    from aiayn.decode.generate import read_documents, summarize
-    from aiayn.files import atomic_write_text
-    from aiayn.run_dir import load_run
-
-    run = load_run(args.run, args.device, precision=args.precision)
-    opts = run.cfg.decode.replace(**decode_overrides(args))
-    field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
-    docs = read_documents(args.input, field)
-    # beam also on its own: summarize() refuses an explicit --beam for a language-model summarizer (greedy only)
-    text = "".join(s + "\n" for s in summarize(run, docs, opts, beam=args.beam))
-    if args.output not in (None, "-"):
-        atomic_write_text(args.output, text)
-    else:
-        _write_stdout(text)
-    return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from aiayn.train.report import report_cli
-
-    return report_cli(args)
-
-
-def cmd_table3(args: argparse.Namespace) -> int:
-    from aiayn.table3 import run_table
-
-    if args.threads is not None:
-        args.set = [*args.set, f"train.threads={args.threads}"]
-    table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
-                      progress=not args.no_progress, parallel=args.parallel)
-    print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
-    return 0
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from aiayn.sweep import sweep_cli
-
-    return sweep_cli(args)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    if args.sentence_model is not None and args.engine != "argos":
-        raise ConfigError("--sentence-model is for Argos packages (aiayn export argos)")
-    if args.engine == "hf":
-        from aiayn.interop.hf import export_hf
-
-        if args.quantization:
-            raise ConfigError("--quantization is for CTranslate2 exports; a Hugging Face export keeps the run's "
-                              "fp32 weights")
-        out = export_hf(args.run, args.out_dir, force=args.force)
-    elif args.engine == "argos":
-        from aiayn.interop.argos import export_argos
-
-        out = export_argos(args.run, args.out_dir, quantization=args.quantization,
-                           sentence_model=args.sentence_model, force=args.force)
-    else:
-        from aiayn.interop.ctranslate2 import export_run
-
-        out = export_run(args.run, args.out_dir, quantization=args.quantization, force=args.force)
-    print(f"wrote {out}")
-    return 0
-
-
-def cmd_import(args: argparse.Namespace) -> int:
-    from aiayn.interop.hf import import_hf
-
-    print(f"wrote {import_hf(args.hf_dir, args.run_dir, force=args.force, revision=args.revision)}")
-    return 0
-
-
-def cmd_viz(args: argparse.Namespace) -> int:
-    from aiayn.viz.cli import viz_cli
-
-    return viz_cli(args)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from aiayn.serve import serve_cli
-
-    return serve_cli(args, decode_overrides(args))
-
-
-def cmd_presets(args: argparse.Namespace) -> int:
-    from aiayn.config import list_presets
-
-    presets = list_presets()
-    width = max(len(name) for name, _ in presets)
-    for name, line in presets:
-        print(f"{name:<{width}}  {line}")
-    print("train one: aiayn train NAME --run-dir runs/NAME (the YAML files: aiayn/configs/)")
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from aiayn.demo import run_demo
-
-    return run_demo(args)
-
-
 RUN_HELP = "run directory (from aiayn train or aiayn import hf)"
+
+
 THREADS_HELP = "CPU threads (default: the cores not busy with other work; 1 is faster on a busy machine)"
 
 
@@ -394,9 +125,40 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from aiayn.train.run import resume_run, train_from_config
+
+    if args.threads is not None:
+        args.set = [*args.set, f"train.threads={args.threads}"]
+    if isinstance(args.resume, str):  # --resume RUN: the run's own config
+        if args.config is not None or args.init_from is not None:
+            raise ConfigError("--resume RUN takes the run's own config: give no CONFIG and no --init-from "
+                              "(or resume a recipe's run: aiayn train CONFIG --run-dir RUN --resume)")
+        if args.run_dir is not None and Path(args.run_dir) != Path(args.resume):
+            raise ConfigError(f"--resume {args.resume} and --run-dir {args.run_dir} name two directories")
+        resume_run(args.resume, args.set, progress=not args.no_progress)
+        return 0
+    if args.config is None:
+        raise ConfigError("aiayn train needs a CONFIG (a YAML recipe or a preset), or --resume RUN")
+    train_from_config(args.config, run_dir=args.run_dir, overrides=args.set, resume=bool(args.resume),
+                      progress=not args.no_progress, init_from=args.init_from)
+    return 0
+
+
 def _add_presets(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("presets", help="list the recipes (presets) aiayn train takes by name, one line each")
     p.set_defaults(func=cmd_presets)
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from aiayn.config import list_presets
+
+    presets = list_presets()
+    width = max(len(name) for name, _ in presets)
+    for name, line in presets:
+        print(f"{name:<{width}}  {line}")
+    print("train one: aiayn train NAME --run-dir runs/NAME (the YAML files: aiayn/configs/)")
+    return 0
 
 
 def _add_translate(sub: argparse._SubParsersAction) -> None:
@@ -419,6 +181,63 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_translate)
 
 
+def cmd_translate(args: argparse.Namespace) -> int:
+    """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
+    from aiayn.data.corpus import stdin_stream
+    from aiayn.decode.stream import iter_lines, translate_stream
+    from aiayn.decode.translator import load
+    from aiayn.errors import DataError
+    from aiayn.files import atomic_write
+
+    fmt = "json" if args.json else args.format
+    if args.chunk is not None and args.chunk < 1:
+        raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
+    from_stdin = args.input in (None, "-")
+    if not from_stdin:
+        p = Path(args.input)
+        if not p.is_file():
+            raise DataError(f"{p}: {'is a directory' if p.is_dir() else 'no such file'}")
+    if args.output not in (None, "-") and Path(args.output).is_dir():
+        raise DataError(f"{args.output}: is a directory (--output names the file to write)")
+    translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
+    opts = translator.options(**decode_overrides(args))
+    source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
+    interactive = from_stdin and sys.stdin.isatty()
+    chunk = args.chunk or (1 if interactive else 2000)
+    if interactive:
+        print("aiayn translate: type a sentence and press Enter (Ctrl-D to end)", file=sys.stderr)
+    bar = _progress(args, args.input)
+    try:
+        lines = iter_lines(source, "<stdin>" if from_stdin else args.input)
+        on_chunk = bar.update if bar is not None else None
+        if args.output in (None, "-"):
+            translate_stream(translator, lines, _write_stdout, opts, fmt, chunk, on_chunk)
+        else:  # streamed into a temporary file, renamed over --output only once everything is written
+            def write(tmp: str) -> None:
+                with open(tmp, "w", encoding="utf-8") as out:  # hidden until renamed: no flush per chunk
+                    translate_stream(translator, lines, out.write, opts, fmt, chunk, on_chunk)
+
+            atomic_write(args.output, write)
+    finally:
+        if bar is not None:
+            bar.close()
+        if not from_stdin:
+            source.close()
+    return 0
+
+
+def _progress(args: argparse.Namespace, path: str | None):
+    """Progress over the input file's lines on stderr (a terminal, or --progress: then plain lines when stderr
+    is not a terminal), else None."""
+    if path in (None, "-") or not (args.progress or (args.progress is None and sys.stderr.isatty())):
+        return None
+    from aiayn.progress import ItemProgress
+
+    with open(path, "rb") as f:
+        total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return ItemProgress(total, "line", "translate")
+
+
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="BLEU/chrF of a translation run, ROUGE of summaries, perplexity of an LM")
     p.add_argument("run", help=RUN_HELP)
@@ -438,6 +257,32 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
                    help="with --rolling: lm-evaluation-harness's max_length (default: the run's context)")
     add_decode_options(p)
     p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from aiayn.eval.evaluate import EvalData, evaluate_run, summary
+
+    data = EvalData(args.split, args.src, args.ref, args.name, args.rolling, args.max_length,
+                    weights_choice(args.weights))
+    result = evaluate_run(args.run, data, device=args.device,
+                          precision=args.precision, **decode_overrides(args))
+    print(summary(result))
+    return 0
+
+
+def weights_choice(words: list[str] | None) -> str:
+    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
+    ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
+    if not words:
+        return "model"
+    if words[0] == "step":
+        if len(words) != 2 or not words[1].isdigit():
+            raise ConfigError(f"--weights {' '.join(words)}: expected step N, the step of one of the run's checkpoints")
+        return f"step:{int(words[1])}"
+    if len(words) != 1:
+        raise ConfigError(f"--weights {' '.join(words)}: expected last, best, average, model, step N or a "
+                          ".safetensors file")
+    return words[0]
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -463,6 +308,47 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prepare)
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from aiayn.config import load_config
+    from aiayn.data.pipeline import check_data_sources, prepare_corpus
+    from aiayn.data.store import describe_store
+
+    if args.verify is not None:
+        return _verify_store(args)
+    if args.config is None or args.out is None:
+        raise ConfigError("aiayn prepare needs a CONFIG and --out DIR (or --verify DIR to check a store)")
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    cfg = load_config(args.config, args.set)
+    check_data_sources(cfg)
+    store = prepare_corpus(cfg, args.out, workers=args.workers)
+    for line in describe_store(store.manifest):
+        print(line)
+    sets = "".join(f" --set {x}" for x in args.set)
+    print(f"train from it: aiayn train {args.config}{sets} --set data.prepared={args.out}")
+    return 0
+
+
+def _verify_store(args: argparse.Namespace) -> int:
+    """``aiayn prepare --verify DIR``: one line per problem on stderr and exit 2, or one line on stdout and 0."""
+    from aiayn.data.pipeline import verify_store
+
+    if args.config is not None or args.out is not None or args.set:
+        raise ConfigError("--verify DIR checks the store DIR as it is: give no CONFIG, --out or --set")
+    problems = verify_store(args.verify)
+    for problem in problems:
+        print(f"aiayn: error: {one_line(problem)}", file=sys.stderr)
+    if problems:
+        return 2
+    from aiayn.data.store import read_manifest
+
+    manifest = read_manifest(Path(args.verify)) or {}
+    print(f"{args.verify}: sound (every file read and checked)" if "files" in manifest else
+          f"{args.verify}: its shape and ids are sound; prepared without checksums (by an older aiayn), its contents "
+          "are unverified")
+    return 0
+
+
 def _add_average(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("average", help="average the last N checkpoints into RUN/average.safetensors (--replace: "
                                        "into model.safetensors)",
@@ -479,11 +365,27 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_average)
 
 
+def cmd_average(args: argparse.Namespace) -> int:
+    from aiayn.train.run import average_run
+
+    if args.replace and args.out is not None:
+        raise ConfigError("--out names another file; --replace writes RUN/model.safetensors: give one")
+    out = average_run(args.run, last=args.last, out=args.out, replace=args.replace)
+    print(f"wrote {out}")
+    return 0
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="what a run did: updates, time, tokens/s, valid NLL, its evaluations")
     p.add_argument("run", help="run directory, results/ copy of one, or a metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from aiayn.train.report import report_cli
+
+    return report_cli(args)
 
 
 def _add_table3(sub: argparse._SubParsersAction) -> None:
@@ -507,6 +409,17 @@ def _add_table3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (plain lines)")
     p.set_defaults(func=cmd_table3)
+
+
+def cmd_table3(args: argparse.Namespace) -> int:
+    from aiayn.table3 import run_table
+
+    if args.threads is not None:
+        args.set = [*args.set, f"train.threads={args.threads}"]
+    table = run_table(args.base, args.out, rows=args.rows, seeds=args.seeds, updates=args.updates, extra=args.set,
+                      progress=not args.no_progress, parallel=args.parallel)
+    print(f"{len(table['rows'])} rows in {args.out}/table3.md (JSON: table3.json, figure: table3.png)")
+    return 0
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -550,6 +463,12 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_sweep)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from aiayn.sweep import sweep_cli
+
+    return sweep_cli(args)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a language model (streams tokens)")
     p.add_argument("run", help="language-model run directory (e.g. trained from lm_tinyshakespeare_char)")
@@ -560,6 +479,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
+    from aiayn.decode.generate import generate_options, generate_text
+    from aiayn.run_dir import load_run
+
+    run = load_run(args.run, args.device, precision=args.precision)
+    opts = generate_options(run.cfg.decode, decode_overrides(args))
+    pieces = generate_text(run, args.prompt, opts, args.slide)
+    _write_stdout(args.prompt)
+    for piece in pieces:
+        if piece:
+            _write_stdout(piece)
+    _write_stdout("\n")
+    return 0
+
+
 def _add_summarize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("summarize", help="summarize documents, one per line (or a .jsonl file's documents)")
     p.add_argument("run", help="summarization run directory (xsum_lm or xsum_seq2seq)")
@@ -568,6 +503,25 @@ def _add_summarize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="at most this many summary tokens (64)")
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
+
+
+def cmd_summarize(args: argparse.Namespace) -> int:
+    """One summary line per input document, in order."""
+    from aiayn.decode.generate import read_documents, summarize
+    from aiayn.files import atomic_write_text
+    from aiayn.run_dir import load_run
+
+    run = load_run(args.run, args.device, precision=args.precision)
+    opts = run.cfg.decode.replace(**decode_overrides(args))
+    field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
+    docs = read_documents(args.input, field)
+    # beam also on its own: summarize() refuses an explicit --beam for a language-model summarizer (greedy only)
+    text = "".join(s + "\n" for s in summarize(run, docs, opts, beam=args.beam))
+    if args.output not in (None, "-"):
+        atomic_write_text(args.output, text)
+    else:
+        _write_stdout(text)
+    return 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -585,6 +539,29 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.sentence_model is not None and args.engine != "argos":
+        raise ConfigError("--sentence-model is for Argos packages (aiayn export argos)")
+    if args.engine == "hf":
+        from aiayn.interop.hf import export_hf
+
+        if args.quantization:
+            raise ConfigError("--quantization is for CTranslate2 exports; a Hugging Face export keeps the run's "
+                              "fp32 weights")
+        out = export_hf(args.run, args.out_dir, force=args.force)
+    elif args.engine == "argos":
+        from aiayn.interop.argos import export_argos
+
+        out = export_argos(args.run, args.out_dir, quantization=args.quantization,
+                           sentence_model=args.sentence_model, force=args.force)
+    else:
+        from aiayn.interop.ctranslate2 import export_run
+
+        out = export_run(args.run, args.out_dir, quantization=args.quantization, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("import", help="make a run from a Hugging Face Marian model (OPUS-MT): a Hub id or a directory",
                        description="Converts a Marian model (weights, tokenizers, generation settings) into a run "
@@ -597,6 +574,13 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--revision", default=None, help="Hub id only: a branch, tag or commit to pin (default main)")
     p.add_argument("--force", action="store_true", help="replace RUN whatever it holds")
     p.set_defaults(func=cmd_import)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from aiayn.interop.hf import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.run_dir, force=args.force, revision=args.revision)}")
+    return 0
 
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
@@ -628,6 +612,12 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_viz)
 
 
+def cmd_viz(args: argparse.Namespace) -> int:
+    from aiayn.viz.cli import viz_cli
+
+    return viz_cli(args)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="HTTP API (translate, generate, attention) and an attention explorer page")
     from aiayn.serve import add_serve_options  # stdlib only: --help stays fast
@@ -635,6 +625,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve_options(p)
     add_decode_options(p)  # the server's decoding defaults (LibreTranslate's routes take no decoding options)
     p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiayn.serve import serve_cli
+
+    return serve_cli(args, decode_overrides(args))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -645,6 +641,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                                                                                     "train.max_minutes=10")
     p.add_argument("--config", default=None, help="recipe to train (default multi30k_en_de_quick)")
     p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from aiayn.demo import run_demo
+
+    return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

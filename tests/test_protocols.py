@@ -305,17 +305,24 @@ def test_stop_scan_never_shows_what_a_stop_string_removes():
 
 
 def test_one_place_maps_every_error_to_each_protocols_shape():
-    """aiayn.serve.errors alone, without a model: the shape a path answers in, and each exception in each shape."""
+    """aiayn.serve.errors alone, without a model: the shape a path answers in (asked of the route tables' classes),
+    and each exception in each shape."""
     from starlette.requests import Request
 
     from aiayn.errors import ConfigError
     from aiayn.serve.batcher import Closed, QueueFull
-    from aiayn.serve.errors import ERRORS, LibreError, OpenAIError, error_response, protocol_of
+    from aiayn.serve.errors import ERRORS, LibreError, OpenAIError
+    from aiayn.serve.libretranslate import LibreTranslate
+    from aiayn.serve.native import NativeRoutes
+    from aiayn.serve.openai_api import OpenAIRoutes
+    from aiayn.serve.routes import Protocols
     from aiayn.serve.schemas import ApiError
+    from aiayn.serve.tokenizer_routes import TokenizerRoutes
 
-    assert [protocol_of(p) for p in ("/translate", "/frontend/settings", "/v1/completions", "/v1/nothing",
-                                     "/tokenize", "/v1/translate", "/health", "/nothing")] == [
-        "libretranslate", "libretranslate", "openai", "openai", "openai", "aiayn", "aiayn", "aiayn"]
+    protocols = Protocols((NativeRoutes, LibreTranslate, OpenAIRoutes, TokenizerRoutes))
+    assert [protocols.of(p) for p in ("/translate", "/frontend/settings", "/v1/completions", "/v1/nothing",
+                                      "/tokenize", "/v1/translate", "/health", "/nothing", "/suggest")] == [
+        "libretranslate", "libretranslate", "openai", "openai", "openai", "aiayn", "aiayn", "aiayn", "libretranslate"]
     request = Request({"type": "http", "method": "POST", "path": "/x", "headers": [], "query_string": b""})
 
     def answer(protocol: str, e: Exception) -> tuple[int, dict, str | None]:
@@ -337,7 +344,39 @@ def test_one_place_maps_every_error_to_each_protocols_shape():
     assert answer("openai", OpenAIError(404, "no", param="model"))[1]["error"]["param"] == "model"
     status, body, _ = answer("openai", RuntimeError("boom"))
     assert (status, body["error"]["message"], body["error"]["type"]) == (500, "RuntimeError: boom", "server_error")
-    assert json.loads(error_response("/languages", 405, "method_not_allowed", "no").body) == {"error": "no"}
+    assert json.loads(protocols.error_response("/languages", 405, "method_not_allowed", "no").body) == {"error": "no"}
+
+
+def error_shape(body: dict) -> str:
+    """Which protocol's error shape a refusal's body is in."""
+    error = body["error"]
+    if isinstance(error, str):
+        return "libretranslate"  # {"error": message}
+    return {frozenset({"code", "message"}): "aiayn",
+            frozenset({"message", "type", "param", "code"}): "openai"}[frozenset(error)]
+
+
+def test_every_mounted_route_refuses_a_bad_request_in_its_own_protocols_shape(client_mt):
+    """Each route of each mounted table (read from the app, no list of paths here), refused by the router (a method
+    no route takes), by the guard (a POST that is not JSON) and by its handler (a JSON body that does not parse)."""
+    from starlette.routing import Route
+
+    app = client_mt.app.app  # the Starlette app behind the guard
+    tables = app.state.protocols.tables
+    expected = {spec.path: table.protocol for table in tables for _, spec in table.specs()}
+    mounted = [r for r in app.routes if isinstance(r, Route)]
+    assert {r.path for r in mounted} == set(expected) and len(mounted) == len(expected) >= 16
+    assert set(expected.values()) == {"aiayn", "libretranslate", "openai"}
+    for r in mounted:
+        answers = {"DELETE": client_mt.request("DELETE", r.path)}
+        if "POST" in r.methods:
+            answers["text/plain"] = client_mt.post(r.path, content=b"x", headers={"Content-Type": "text/plain"})
+            answers["bad JSON"] = client_mt.post(r.path, content=b"{", headers={"Content-Type": "application/json"})
+        for how, a in answers.items():
+            assert 400 <= a.status_code < 500 and error_shape(a.json()) == expected[r.path], (r.path, how, a.text)
+    for path, protocol in [("/suggest", "libretranslate"), ("/v1/embeddings", "openai"), ("/nothing", "aiayn")]:
+        a = client_mt.get(path)  # paths a table claims but does not serve, and one nobody claims
+        assert a.status_code == 404 and error_shape(a.json()) == protocol, (path, a.text)
 
 
 def test_libretranslate_and_completion_requests_are_checked_alone():

@@ -210,6 +210,25 @@ def test_version_is_one_string(capsys):
         pytest.skip("aiayn is not installed")
 
 
+def test_every_package_face_is_in_the_architecture_doc_and_holds_no_code():
+    """docs/architecture.md's table of faces names each package's ``__init__.py``, and a face holds a docstring and
+    re-exports only: no function or class (the front door's ``load`` and lazy ``__getattr__`` aside)."""
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## The packages' faces", 1)[1].split("\n## ", 1)[0]
+    named = {name.strip().strip("`") for line in table.splitlines() if line.startswith("| `")
+             for name in line.split("|")[1].split(",")}
+    faces = sorted(PKG.rglob("__init__.py"))
+    missing = [str(p.relative_to(PKG.parent)) for p in faces
+               if ("aiayn/" if p.parent == PKG else f"{p.parent.name}/") not in named]
+    assert not missing, f"not in docs/architecture.md's table of faces: {missing}"
+    code = []
+    for path in faces:
+        allowed = {"load", "__getattr__"} if path.parent == PKG else set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in allowed:
+                code.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name}")
+    assert len(faces) >= 10 and not code, code
+
 def test_every_module_is_named_in_the_architecture_doc():
     """docs/architecture.md's "Every module" table names each module of aiayn/ (the map is the tree)."""
     doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")

@@ -261,6 +261,15 @@ def read_pairs(
     raise DataError(f"data format {fmt!r}: expected text, tsv or jsonl")
 
 
+def split_files(data: Any, split: str) -> tuple[str | Path, str | Path | None]:
+    """``data.<split>_src`` and ``data.<split>_tgt`` of a config's data section (a file with both sides: no target),
+    or the one error when no source file is set."""
+    src, tgt = getattr(data, f"{split}_src"), getattr(data, f"{split}_tgt")
+    if src is None:
+        raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+    return src, tgt
+
+
 def clean_pairs(
     pairs: Sequence[tuple[str, str]],
     ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,

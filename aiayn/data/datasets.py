@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write, atomic_write_json
-from .corpus import DataError, iter_parallel, read_jsonl_rows, read_pairs, read_parallel, read_text
+from .corpus import DataError, iter_parallel, read_jsonl_rows, read_pairs, read_parallel, read_text, split_files
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
 CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
@@ -321,6 +321,11 @@ def xsum_rows() -> list[dict[str, Any]]:
     return read_jsonl_rows(dataset_path("xsum", "xsum-1000.jsonl"))
 
 
+def xsum_sha256() -> str:
+    """The published sha256 of the XSum sample: what a store of its pairs is keyed by."""
+    return DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
+
+
 def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
     """Sentence pairs for a translation :class:`~aiayn.config.DataConfig` and ``split`` train | valid.
 
@@ -337,7 +342,5 @@ def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
         return wmt14_split(split, data.src_lang, data.tgt_lang)
     if data.dataset is not None:
         raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k, wmt14)")
-    src, tgt = getattr(data, f"{split}_src"), getattr(data, f"{split}_tgt")
-    if src is None:
-        raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+    src, tgt = split_files(data, split)
     return read_pairs(data.format, src, tgt, data.src_field, data.tgt_field)

@@ -27,7 +27,7 @@ from aiayn.data.batching import (
     plan_batches,
     token_batches,
 )
-from aiayn.data.corpus import DataError, describe_clean_stats
+from aiayn.data.corpus import DataError, describe_clean_stats, split_files
 from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
 from aiayn.data.stream_store import LMData, stream_recipe
 from aiayn.data.summarization import (
@@ -174,9 +174,9 @@ def _known_sources(cfg: Config, split_names: tuple[str, ...]) -> tuple[dict[str,
         return ({s: (lambda s=s: iter(reverse_split(s))) for s in split_names},
                 {f"reverse/{s}": "synthetic:{}:{}".format(*SPLITS[s]) for s in split_names})
     if d.dataset == "xsum":
-        from aiayn.data.datasets import DATASETS
+        from aiayn.data.datasets import xsum_sha256
 
-        sha = DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
+        sha = xsum_sha256()
         return ({s: (lambda s=s: iter(summary_pairs(cfg, s))) for s in split_names},
                 {f"xsum/{s}": sha for s in split_names})
     from aiayn.data.datasets import config_pairs
@@ -215,9 +215,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
 
     sources, inputs = {}, {}
     for split in splits:
-        src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
-        if src is None:
-            raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+        src, tgt = split_files(d, split)
         sources[split] = (lambda s=src, t=tgt: stream(s, t))
         for path in (src, tgt):
             if path is not None:

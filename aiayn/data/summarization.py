@@ -42,7 +42,7 @@ import numpy as np
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, pad_batch, plan_batches
-from aiayn.data.corpus import DataError
+from aiayn.data.corpus import DataError, split_files
 from aiayn.data.store import PairRecipe, Split
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -84,9 +84,7 @@ def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
     if split not in ("train", "valid"):
         raise DataError(f"split {split!r}: expected train or valid (files named in the config)")
     d = cfg.data
-    src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
-    if src is None:
-        raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+    src, tgt = split_files(d, split)
     from aiayn.data.corpus import read_pairs
 
     pairs = read_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
@@ -152,9 +150,9 @@ def summary_pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[t
     line, :func:`summary_pairs`; files read line by line), and what they are read from (for a store's key)."""
     d = cfg.data
     if d.dataset == "xsum":
-        from aiayn.data.datasets import DATASETS
+        from aiayn.data.datasets import xsum_sha256
 
-        sha = DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
+        sha = xsum_sha256()
         return ({s: (lambda s=s: iter(xsum_pairs(s))) for s in ("train", "valid")},
                 {f"xsum/xsum-1000.jsonl/{s}{XSUM_SPLITS[s]}": sha for s in ("train", "valid")})
     if d.dataset is not None:
@@ -164,9 +162,7 @@ def summary_pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[t
 
     sources, inputs = {}, {}
     for split in ("train", "valid"):
-        src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
-        if src is None:
-            raise DataError(f"data.{split}_src is not set (and no data.dataset is named)")
+        src, tgt = split_files(d, split)
         sources[split] = (lambda s=src, t=tgt: ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in
                                                 iter_pairs(d.format, s, t, d.src_field, d.tgt_field)))
         inputs.update({str(p): sha256_known(p) for p in (src, tgt) if p is not None})

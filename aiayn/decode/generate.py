@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,12 @@ class TextStream:
 def new_token_limit(opts: DecodeOptions, command: str) -> int:
     """Tokens to generate: ``opts.max_new_tokens``, or the default of ``command`` ("generate", "summarize")."""
     return DEFAULT_NEW_TOKENS[command] if opts.max_new_tokens is None else opts.max_new_tokens
+
+
+def generate_options(base: DecodeOptions, chosen: dict[str, Any]) -> DecodeOptions:
+    """What ``aiayn generate`` and the server's ``/v1/generate`` decode with: ``base`` (the run's ``decode``
+    section) sampling at temperature 1, unless ``chosen`` (flags, by DecodeOptions field name) says otherwise."""
+    return base.replace(**{"sample": True, "temperature": 1.0, **chosen})
 
 
 def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:

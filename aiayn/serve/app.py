@@ -1,15 +1,13 @@
 """The ASGI application of ``aiayn serve`` (Starlette): the route table of each protocol behind one guard.
 
-* aiayn's own API: ``/``, ``/health``, ``/v1/translate``, ``/v1/generate``, ``/v1/attention``, ``/v1/model``
-  (:mod:`aiayn.serve.native`);
-* LibreTranslate's: ``/translate``, ``/languages``, ``/detect``, ``/frontend/settings``
-  (:mod:`aiayn.serve.libretranslate`);
-* OpenAI's and vLLM's: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-  ``/detokenize``, ``/tokenizer_info`` (:mod:`aiayn.serve.openai_api`).
+The tables (:class:`aiayn.serve.routes.RouteTable`, each path declared once beside its handler): aiayn's own API
+(:mod:`aiayn.serve.native`), LibreTranslate's (:mod:`aiayn.serve.libretranslate`), OpenAI's
+(:mod:`aiayn.serve.openai_api`) and vLLM's tokenizer routes (:mod:`aiayn.serve.tokenizer_routes`).
 
 Every error is JSON in its protocol's shape (:mod:`aiayn.serve.errors`), also for a route or method that does not
-exist; a bad request gets its 4xx, a full queue 503 (429 on the ecosystem's protocols), a failing model 500, and
-the server goes on serving. All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
+exist (the mounted tables say which protocol a path answers in: :class:`aiayn.serve.routes.Protocols`); a bad
+request gets its 4xx, a full queue 503 (429 on the ecosystem's protocols), a failing model 500, and the server
+goes on serving. All model work runs on the batcher's worker thread (:mod:`aiayn.serve.batcher`).
 
 Who may call it (:class:`Access`): a request whose ``Host`` header names none of the allowed hosts is refused
 (403 ``host_not_allowed``): a page on another site that rebinds its DNS name to this machine cannot use the
@@ -35,12 +33,13 @@ from starlette.staticfiles import StaticFiles
 from aiayn.decode.generate import Generator
 from aiayn.decode.translator import Translator
 from aiayn.serve.batcher import Batcher
-from aiayn.serve.errors import FORM_PATHS, error_response
 from aiayn.serve.libretranslate import LibreTranslate
 from aiayn.serve.native import STATIC, NativeRoutes
 from aiayn.serve.openai_api import OpenAIRoutes
+from aiayn.serve.routes import Protocols
 from aiayn.serve.schemas import Limits
 from aiayn.serve.service import Choices, Service
+from aiayn.serve.tokenizer_routes import TokenizerRoutes
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -72,8 +71,8 @@ class Access:
 class Guard:
     """ASGI middleware in front of every route: the Host allow-list, the JSON content type of a POST, CORS."""
 
-    def __init__(self, app, access: Access) -> None:
-        self.app, self.access = app, access
+    def __init__(self, app, access: Access, protocols: Protocols) -> None:
+        self.app, self.access, self.protocols = app, access, protocols
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -85,6 +84,7 @@ class Guard:
         cors = self.access.cors is not None and origin == self.access.cors
         extra = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if cors else {}
         path = request.url.path
+        error_response = self.protocols.error_response  # in the shape of the protocol the path answers in
         refusal = None
         if not self.access.allows(host):
             refusal = error_response(path, 403, "host_not_allowed", f"Host {host!r} is not one this server answers "
@@ -101,7 +101,7 @@ class Guard:
         elif request.method == "POST":
             ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
             forms = ("application/json", "application/x-www-form-urlencoded", "multipart/form-data")
-            if ctype != "application/json" and not (request.url.path in FORM_PATHS and ctype in forms):
+            if ctype != "application/json" and not (self.protocols.takes_forms(path) and ctype in forms):
                 refusal = error_response(path, 415, "unsupported_media_type",
                                          f"Content-Type {ctype or 'none'!r}: send application/json", extra)
             elif origin is not None and not cors and not _same_origin(origin, host):
@@ -132,7 +132,7 @@ async def not_found(request: Request, exc: HTTPException) -> Response:
     """No such route or method, in the error shape of the protocol the path belongs to."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     msg = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(request.url.path, exc.status_code, code, msg)
+    return request.app.state.protocols.error_response(request.url.path, exc.status_code, code, msg)
 
 
 def create_app(model: Translator | Generator, max_batch_tokens: int | None = None, max_wait_ms: float = 10.0,
@@ -157,11 +157,14 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
         # uvicorn has already waited for the requests in flight; finish anything still queued.
         svc.batcher.close(timeout=60)
 
-    routes = [*NativeRoutes(svc).routes(), *LibreTranslate(svc).routes(), *OpenAIRoutes(svc).routes(),
+    openai = OpenAIRoutes(svc)
+    tables = (NativeRoutes(svc), LibreTranslate(svc), openai, TokenizerRoutes(openai))
+    routes = [*(r for table in tables for r in table.routes()),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
     app.state.service = svc
-    guarded = Guard(app, access or Access())
+    app.state.protocols = Protocols(tables)  # the error shape of each path, asked of the mounted tables
+    guarded = Guard(app, access or Access(), app.state.protocols)
     guarded.state = app.state  # tests and tools reach the service through it
     return guarded
 

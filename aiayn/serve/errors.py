@@ -1,19 +1,17 @@
 """Every error of ``aiayn serve`` in the shape of the protocol it answers: the one place that maps them.
 
-* aiayn's own API (``/health``, ``/v1/translate``, ``/v1/generate``, ``/v1/attention``, ``/v1/model``, anything
-  unknown): ``{"error": {"code", "message"}}`` (:class:`~aiayn.serve.schemas.ApiError`, codes in
-  :mod:`aiayn.serve.schemas`).
-* LibreTranslate's routes (``/translate``, ``/languages``, ``/detect``, ``/frontend/settings``, ...):
-  ``{"error": message}`` (:class:`LibreError`).
-* OpenAI's (``/v1/...`` but aiayn's own, and vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``):
-  ``{"error": {"message", "type", "param", "code"}}`` (:class:`OpenAIError`).
+* aiayn's own API (:mod:`aiayn.serve.native`, and any path no route table serves or claims):
+  ``{"error": {"code", "message"}}`` (:class:`~aiayn.serve.schemas.ApiError`, codes in :mod:`aiayn.serve.schemas`).
+* LibreTranslate's routes (:mod:`aiayn.serve.libretranslate`): ``{"error": message}`` (:class:`LibreError`).
+* OpenAI's and vLLM's (:mod:`aiayn.serve.openai_api`, :mod:`aiayn.serve.tokenizer_routes`, and any other
+  ``/v1/...`` path): ``{"error": {"message", "type", "param", "code"}}`` (:class:`OpenAIError`).
 
 Each route's handler is wrapped by :func:`answering_errors` with its protocol, which answers whatever it raises:
 its protocol's own error as it says, an :class:`~aiayn.serve.schemas.ApiError` of request checking, a user error
 (options the model rejects), a full queue, a server shutting down, and anything else as a 500, after which the
 server goes on serving (:data:`ERRORS`, one function per protocol). What is refused before any route's handler
-runs (no such route or method, a media type, a host, an origin) goes through :func:`error_response`, which picks
-the shape by the path.
+runs (no such route or method, a media type, a host, an origin) goes through :func:`error_response` in the shape
+of the protocol the path answers in, which the mounted route tables tell (:class:`aiayn.serve.routes.Protocols`).
 """
 
 from __future__ import annotations
@@ -32,12 +30,6 @@ from aiayn.serve.schemas import ApiError
 log = logging.getLogger("aiayn.serve")
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-FORM_PATHS = ("/translate", "/languages", "/detect")  # LibreTranslate's clients post forms, not JSON
-LIBRE_PATHS = (*FORM_PATHS, "/frontend/settings", "/suggest", "/translate_file")  # LibreTranslate's error shape
-# OpenAI's (and vLLM's) routes beside /v1/...: their refusals come in OpenAI's error shape
-OPENAI_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-NATIVE_PATHS = ("/v1/translate", "/v1/generate", "/v1/attention", "/v1/model")  # aiayn's own API (serve.native)
 
 
 class LibreError(Exception):
@@ -63,20 +55,10 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def protocol_of(path: str) -> str:
-    """Which protocol's error shape a path answers in: ``"libretranslate"``, ``"openai"`` or ``"aiayn"``."""
-    if path in LIBRE_PATHS:
-        return "libretranslate"
-    if path in OPENAI_PATHS or (path.startswith("/v1/") and path not in NATIVE_PATHS):
-        return "openai"
-    return "aiayn"
-
-
-def error_response(path: str, status: int, code: str, message: str, headers: dict[str, str] | None = None
+def error_response(protocol: str, status: int, code: str, message: str, headers: dict[str, str] | None = None
                    ) -> JSONResponse:
-    """A refusal made before any route's handler (no such route or method, media type, host, origin) in the
-    error shape of the protocol ``path`` belongs to (:func:`protocol_of`)."""
-    protocol = protocol_of(path)
+    """A refusal made before any route's handler (no such route or method, media type, host, origin) in
+    ``protocol``'s error shape (``"aiayn"``, ``"libretranslate"`` or ``"openai"``)."""
     if protocol == "libretranslate":
         body: dict[str, Any] = {"error": message}
     elif protocol == "openai":

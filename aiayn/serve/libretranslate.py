@@ -28,13 +28,13 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
 from aiayn.errors import one_line
-from aiayn.serve.errors import LibreError, answering_errors
+from aiayn.serve.errors import LibreError
 from aiayn.serve.markup import join_html, split_html
+from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import Limits, parse_body, read_body, source_tokens
 from aiayn.serve.service import Service
 
@@ -142,21 +142,15 @@ def libre_request(fields: dict[str, Any], src: str, tgt: str, limits: Limits) ->
     return LibreRequest(texts, single, source, fmt, alternatives, identity)
 
 
-class LibreTranslate:
+class LibreTranslate(RouteTable):
     """LibreTranslate's routes over ``svc`` (other runs than translation: 400 naming the endpoint they have)."""
+
+    protocol = "libretranslate"
+    claims = ("/suggest", "/translate_file")  # LibreTranslate's, not served here: their 404 in its shape
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
         self.src, self.tgt = svc.model.cfg.data.src_lang, svc.model.cfg.data.tgt_lang
-
-    def routes(self) -> list[Route]:
-        def route(path: str, handler, methods: list[str]) -> Route:
-            return Route(path, answering_errors("libretranslate", handler), methods=methods)
-
-        return [route("/languages", self.languages, ["GET", "POST"]),
-                route("/translate", self.translate, ["POST"]),
-                route("/detect", self.detect, ["POST"]),
-                route("/frontend/settings", self.frontend_settings, ["GET"])]
 
     async def fields(self, request: Request) -> dict[str, Any]:
         """The request's fields, once its key is checked and the run is a translation run."""
@@ -182,6 +176,7 @@ class LibreTranslate:
             raise LibreError(400, f"this server runs a {self.svc.task} run; LibreTranslate's API needs a translation "
                                   "run (language models answer /v1/completions)")
 
+    @route("/languages", "GET", "POST", forms=True)
     async def languages(self, request: Request) -> Response:
         """LibreTranslate's ``/languages``, which it answers without a key (it has no access check there; its
         clients, and its own web page, list the languages first): whatever ``api_key`` comes is not read."""
@@ -189,6 +184,7 @@ class LibreTranslate:
         self.need_translation()
         return JSONResponse([{"code": self.src, "name": language_name(self.src), "targets": [self.tgt]}])
 
+    @route("/translate", "POST", forms=True)
     async def translate(self, request: Request) -> Response:
         r = libre_request(await self.fields(request), self.src, self.tgt, self.svc.limits)
         opts = self.svc.decode  # the run's search, or the one aiayn serve's flags chose (Argos')
@@ -220,6 +216,7 @@ class LibreTranslate:
         out = iter(h[0].text if h else "" for h in found)
         return [join_html(parts, [next(out) for _ in doc_nodes]) for parts, doc_nodes in docs]
 
+    @route("/detect", "POST", forms=True)
     async def detect(self, request: Request) -> Response:
         """LibreTranslate's ``/detect``: a translation model reads one language, so that is the answer (at
         confidence 100): no detection is run."""
@@ -231,6 +228,7 @@ class LibreTranslate:
         found = [{"confidence": 100.0, "language": self.src}]
         return JSONResponse(found if isinstance(q, str) else [found] * len(q))
 
+    @route("/frontend/settings", "GET")
     async def frontend_settings(self, request: Request) -> Response:
         """LibreTranslate's ``/frontend/settings``, which its web page reads first."""
         self.need_translation()

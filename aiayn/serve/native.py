@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route
 
 from aiayn.decode.generate import Generator
 from aiayn.decode.stream import hypothesis_json
 from aiayn.decode.translator import Translation
 from aiayn.model.transformer import count_parameters
 from aiayn.run_dir import Run
-from aiayn.serve.errors import answering_errors
+from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, attention_request, generate_request, parse_body, read_body, translate_request
 from aiayn.serve.service import Service
 from aiayn.viz.attention import KINDS, attention_data
@@ -62,28 +61,24 @@ def attention_json(run: Run, text: str, target: str | None) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-class NativeRoutes:
+class NativeRoutes(RouteTable):
     """aiayn's own routes over ``svc``."""
+
+    protocol = "aiayn"
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
-
-    def routes(self) -> list[Route]:
-        def route(path: str, handler, methods: list[str] | None = None) -> Route:
-            return Route(path, answering_errors("aiayn", handler), methods=methods)
-
-        return [route("/", self.index), route("/health", self.health), route("/v1/model", self.model_info),
-                route("/v1/translate", self.translate, ["POST"]), route("/v1/generate", self.generate, ["POST"]),
-                route("/v1/attention", self.attention, ["POST"])]
 
     async def body(self, request: Request) -> dict[str, Any]:
         """The request's JSON object, once its key is checked."""
         self.svc.check_key(request)
         return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
 
+    @route("/")
     async def index(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
+    @route("/health")
     async def health(self, request: Request) -> Response:
         svc = self.svc
         s = svc.batcher.stats
@@ -91,6 +86,7 @@ class NativeRoutes:
                              "items": s.items, "cancelled": s.cancelled,
                              "uptime_s": round(time.time() - svc.started, 3)})
 
+    @route("/v1/model")
     async def model_info(self, request: Request) -> Response:
         svc = self.svc
         svc.check_key(request)
@@ -105,6 +101,7 @@ class NativeRoutes:
             "batching": {"max_batch_tokens": svc.budget, "max_wait_ms": svc.max_wait_ms, "max_queue": svc.max_queue},
         })
 
+    @route("/v1/translate", "POST")
     async def translate(self, request: Request) -> Response:
         body = await self.body(request)
         self.svc.need("/v1/translate", "translation", "summarization")
@@ -113,6 +110,7 @@ class NativeRoutes:
         return JSONResponse({"translations": [translation_json(h) for h in found],
                              "options": dataclasses.asdict(opts)})
 
+    @route("/v1/generate", "POST")
     async def generate(self, request: Request) -> Response:
         body = await self.body(request)
         self.svc.need("/v1/generate", "lm")
@@ -121,6 +119,7 @@ class NativeRoutes:
         [text] = await self.svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])
         return JSONResponse({"prompt": prompt, "text": text, "options": dataclasses.asdict(opts)})
 
+    @route("/v1/attention", "POST")
     async def attention(self, request: Request) -> Response:
         body = await self.body(request)
         text, target = attention_request(body, self.svc.limits)

@@ -11,7 +11,7 @@ protocol table lists every difference from the originals.
 ``POST /v1/chat/completions``    chat completions, through the run's own template (:mod:`aiayn.serve.chat_template`)
                                  or the default one (:mod:`aiayn.serve.chat`)
 ``/tokenize``, ``/detokenize``,  vLLM's tokenizer routes, as lm-evaluation-harness's remote tokenizer reads them
-``GET /tokenizer_info``
+``GET /tokenizer_info``          (:mod:`aiayn.serve.tokenizer_routes`)
 ===============================  ==================================================================================
 
 Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (:mod:`aiayn.serve.errors`);
@@ -36,7 +36,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from aiayn.decode.generate import lm_context, prompt_ids
 from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
@@ -49,7 +48,6 @@ from aiayn.serve.completions import (
     choices_for,
     completion_options,
     completion_request,
-    is_id,
     lm_cost,
     lm_group,
     run_lm,
@@ -57,9 +55,10 @@ from aiayn.serve.completions import (
     truncated,
     usage_of,
 )
-from aiayn.serve.errors import OpenAIError, answering_errors, openai_stream_error
+from aiayn.serve.errors import OpenAIError, openai_stream_error
+from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, parse_body, read_body, source_tokens
-from aiayn.serve.scores import encode_with_specials, tokenizer_info
+from aiayn.serve.scores import encode_with_specials
 from aiayn.serve.service import Service, bearer
 from aiayn.serve.streams import EventStream
 
@@ -69,25 +68,18 @@ def sse(body: dict[str, Any]) -> bytes:
     return ("data: " + json.dumps(body, ensure_ascii=False) + "\n\n").encode("utf-8")
 
 
-class OpenAIRoutes:
-    """OpenAI's (and vLLM's tokenizer) routes over ``svc``: the run is the one model, named by its directory."""
+class OpenAIRoutes(RouteTable):
+    """OpenAI's routes over ``svc``: the run is the one model, named by its directory (vLLM's tokenizer routes:
+    :class:`aiayn.serve.tokenizer_routes.TokenizerRoutes`)."""
+
+    protocol = "openai"
+    claims = ("/v1/",)  # any other /v1/ path (OpenAI's clients call many): its 404 in OpenAI's shape
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
         self.model_id = svc.run.path.name
         self.created = int(time.time())
         self.template = load_chat_template(svc.run)  # a language model's own (RUN/chat_template.jinja), or None
-
-    def routes(self) -> list[Route]:
-        def route(path: str, handler, methods: list[str]) -> Route:
-            return Route(path, answering_errors("openai", handler), methods=methods)
-
-        return [route("/v1/models", self.models, ["GET"]),
-                route("/v1/completions", self.completions, ["POST"]),
-                route("/v1/chat/completions", self.chat_completions, ["POST"]),
-                route("/tokenize", self.tokenize, ["POST"]),
-                route("/detokenize", self.detokenize, ["POST"]),
-                route("/tokenizer_info", self.tokenizer_info, ["GET"])]
 
     def authorize(self, request: Request) -> None:
         if not self.svc.key_matches(bearer(request)):
@@ -99,18 +91,21 @@ class OpenAIRoutes:
         self.authorize(request)
         return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
 
+    @route("/v1/models", "GET")
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         names = [self.model_id, *self.svc.choices.aliases]  # the run first: the name its answers carry
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
                                                          "owned_by": "aiayn"} for name in names]})
 
+    @route("/v1/completions", "POST")
     async def completions(self, request: Request) -> Response:
         body = await self.body(request)
         c = completion_request(body, self.svc.limits)
         self.check_model(body)
         return await self.respond(c, TextShape())
 
+    @route("/v1/chat/completions", "POST")
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body(request)
         prompt, fields = chat_prompt(body, self.svc.task, self.template)
@@ -236,49 +231,6 @@ class OpenAIRoutes:
             out.append({"text": text, "finish_reason": "stop", "completion_tokens": len(h[0].ids) if h else 0,
                         "prompt_tokens": len(self.svc.model.tokenizers.src.encode(prompt)) + 1})
         return out
-
-    async def lm_body(self, request: Request, path: str) -> dict[str, Any]:
-        """A tokenizer route's JSON object, once its key is checked and the run is a language model."""
-        self.authorize(request)
-        self.need_lm(path)
-        return parse_body(await read_body(request, self.svc.limits), self.svc.limits)
-
-    async def tokenize(self, request: Request) -> Response:
-        """vLLM's ``POST /tokenize``: ``{"prompt"}`` -> ``{"tokens", "count", "max_model_len"}``."""
-        body = await self.lm_body(request, "/tokenize")
-        prompt, limit = body.get("prompt"), self.svc.limits.max_chars
-        if not isinstance(prompt, str) or len(prompt) > limit:
-            raise OpenAIError(400, f"prompt: expected a string of at most {limit} characters", param="prompt",
-                              code="invalid_type")
-        if body.get("add_special_tokens"):  # aiayn's language models read no BOS or EOS around a text
-            raise OpenAIError(400, "add_special_tokens: this server adds none", param="add_special_tokens",
-                              code="unsupported")
-        ids = encode_with_specials(self.svc.model.run, prompt)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.info()["model_max_length"]})
-
-    async def detokenize(self, request: Request) -> Response:
-        """vLLM's ``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
-        ids = (await self.lm_body(request, "/detokenize")).get("tokens")
-        vocab = self.svc.model.tokenizers.src.vocab_size
-        if not isinstance(ids, list) or not all(is_id(i) and i < vocab for i in ids):
-            raise OpenAIError(400, f"tokens: expected a list of token ids below {vocab}", param="tokens",
-                              code="invalid_type")
-        return JSONResponse({"prompt": self.svc.model.tokenizers.src.decode(ids)})
-
-    async def tokenizer_info(self, request: Request) -> Response:
-        """vLLM's ``GET /tokenizer_info`` (:func:`aiayn.serve.scores.tokenizer_info`)."""
-        self.authorize(request)
-        self.need_lm("/tokenizer_info")
-        return JSONResponse(self.info())
-
-    def info(self) -> dict[str, Any]:
-        return tokenizer_info(self.svc.model.run, self.model_id,
-                              None if self.template is None else self.template.source)
-
-    def need_lm(self, path: str) -> None:
-        if self.svc.task != "lm":
-            raise OpenAIError(400, f"{path} needs a language-model run; this server runs a {self.svc.task} run",
-                              code="wrong_task")
 
 
 class CompletionStream:

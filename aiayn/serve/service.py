@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 
 from aiayn.config import DecodeOptions
-from aiayn.decode.generate import Generator
+from aiayn.decode.generate import Generator, generate_options
 from aiayn.decode.translator import Translation, Translator
 from aiayn.run_dir import Run
 from aiayn.serve.batcher import Batcher
@@ -70,7 +70,7 @@ class Service:
     def generate_options(self) -> DecodeOptions:
         """The base of ``/v1/generate``: as ``aiayn generate``, sampling at temperature 1 unless the server's
         flags say otherwise (then the request's own options)."""
-        return self.model.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **self.choices.decode})
+        return generate_options(self.model.cfg.decode, self.choices.decode)
 
     @property
     def task(self) -> str:

@@ -1,11 +1,10 @@
-"""Reliability (issue 26): every bad input and every broken disk state of training, run directories,
-checkpoints and configs is one line on stderr and exit 2 with no file changed (md5 of every file before
-and after), and no run is ever clobbered: run directories are owned (a marker, a lock), a failed start
-leaves nothing behind, files keep the umask's permissions, and the next save removes what a kill left.
-
-The commands run in-process (``aiayn.cli.main``) with the output captured; only the lock between two
-trainings runs real processes. Read-only places are real (chmod) for a normal user and simulated (the
-writes raise EROFS) for root, whom permissions do not stop.
+"""Training's files on disk: every bad input and every broken disk state of training, run directories, checkpoints
+and configs is one line on stderr and exit 2 with no file changed (md5 of every file before and after), and no run
+is ever clobbered: run directories are owned (a marker, a lock), a failed start leaves nothing behind, files keep
+the umask's permissions, the next save removes what a kill left, and a full disk names the file it could not write
+(a checkpoint, a prepared store's). The commands run in-process (``aiayn.cli.main``) with the output captured; only
+the lock between two trainings runs real processes. Read-only places are real (chmod) for a normal user and
+simulated (the writes raise EROFS) for root, whom permissions do not stop. (Issues 26 and 44.)
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ from unittest import mock
 import pytest
 import torch
 from conftest import TINY_RUN_OVERRIDES  # tests/ is on sys.path under pytest
+from refusals import REPO, TINY, run_cli, snapshot
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from aiayn import build_model, model_config
-from aiayn.cli import main
-from aiayn.config import ConfigError, load_config
+from aiayn.config import load_config
 from aiayn.files import LOCK, MARKER, atomic_write_bytes, default_file_mode
 from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.schedule import build_optimizer
@@ -43,8 +42,6 @@ from aiayn.weights import checkpoint_paths, list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = str(REPO / "configs" / "tiny_reverse.yaml")
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
@@ -56,18 +53,6 @@ def train_args(run: Path, *extra: str, resume: bool = False, overrides: list[str
     """``aiayn train`` of the tiny_run recipe into ``run`` (``extra``: more --set overrides)."""
     return ["train", TINY, "--run-dir", str(run), "--no-progress", *(["--resume"] if resume else []),
             *sets(list(overrides) + list(extra))]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under ``root``: the md5 of a file, "dir" for a directory."""
-    return {str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.md5(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*"))}
-
-
-def run_cli(capsys, argv: list[str]) -> tuple[int, list[str]]:
-    capsys.readouterr()
-    code = main(argv)
-    return code, capsys.readouterr().err.strip().splitlines()
 
 
 @contextlib.contextmanager
@@ -160,7 +145,8 @@ def _bad_corpus_config(tmp_path: Path) -> Path:
 
 
 RESUMED = ("train.max_updates=80",)
-# Each case: (make the bad state; return the command line and a piece of the expected line).
+
+
 CASES = {
     # --- the newest checkpoint is damaged: --resume refuses before any work, naming the file --------
     "ckpt_random_bytes": lambda t, r: (
@@ -258,6 +244,8 @@ CASES = {
         "config.yaml: not valid YAML"),
     "translate_device_bogus": lambda t, r: (None, ["translate", str(r), "--device", "bogus"], "device 'bogus'"),
 }
+
+
 if not torch.cuda.is_available():
     CASES["train_device_cuda_without_cuda"] = lambda t, r: (
         None, train_args(t / "new", "train.device=cuda"), "device 'cuda'")
@@ -454,71 +442,6 @@ def test_an_atomic_write_that_fails_names_the_target_and_leaves_it_as_it_was(tmp
     assert target.stat().st_mode & 0o777 == default_file_mode()
 
 
-# --- the error boundary ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("error, code, line", [
-    (OSError(errno.ENOSPC, "No space left on device"), 2, "aiayn: error: No space left on device (free space, or "
-     "write elsewhere: the command's output, --out or --run-dir, or $TMPDIR for its temporary files)"),
-    (PermissionError(errno.EACCES, "Permission denied", "/x/run"), 2, "aiayn: error: /x/run: Permission denied"),
-    (OSError(errno.EROFS, "Read-only file system", "/x/run"), 2, "aiayn: error: /x/run: Read-only file system"),
-    (UnicodeDecodeError("utf-8", b"a\xff", 1, 2, "invalid start byte"), 2,
-     "aiayn: error: input is not valid UTF-8 (byte 0xff at offset 1)"),
-    (ZeroDivisionError("division by zero"), 1,
-     "aiayn: internal error (a bug in aiayn, please report it): ZeroDivisionError: division by zero; "
-     "rerun with -v for the traceback"),
-])
-def test_the_error_boundary_is_one_line_user_errors_exit_2_bugs_exit_1(error, code, line, capsys):
-    with mock.patch("aiayn.train.run.train_from_config", side_effect=error):
-        got, err = run_cli(capsys, ["train", "any.yaml"])
-    assert (got, err) == (code, [line])
-
-
-def test_a_bug_shows_its_traceback_with_v(capsys):
-    with mock.patch("aiayn.train.run.train_from_config", side_effect=ZeroDivisionError("division by zero")):
-        code = main(["-v", "train", "any.yaml"])
-    err = capsys.readouterr().err
-    assert code == 1 and "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
-    assert err.strip().splitlines()[-1].startswith("aiayn: internal error")
-
-
-# --- config ranges ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("override, message", [
-    ("train.warmup=0", "train.warmup=0: must be >= 1 (schedule noam divides by it)"),
-    ("train.max_updates=0", "train.max_updates=0: must be >= 1"),
-    ("train.keep_last=-1", "train.keep_last=-1: must be >= 0 (0: keep every checkpoint)"),
-    ("train.lr=-0.1", "train.lr=-0.1: must be >= 0"),
-    ("train.lr=.inf", "train.lr=inf: expected a finite number"),
-    ("train.adam_betas=[0.9, 1.0]", "train.adam_betas[1]=1.0: expected a number in [0, 1)"),
-    ("train.adam_eps=0", "train.adam_eps=0.0: must be > 0"),
-    ("train.clip_norm=0", "train.clip_norm=0.0: must be > 0"),
-    ("train.max_minutes=.nan", "train.max_minutes=nan: expected a finite number"),
-    ("train.patience=0", "train.patience=0: must be >= 1"),
-    ("train.average_last=0", "train.average_last=0"),
-    ("train.accum_steps=0", "train.accum_steps=0"),
-    ("train.seed=-1", "train.seed=-1"),
-    ("train.label_smoothing=1", "train.label_smoothing=1.0: expected a number in [0, 1)"),
-    ("model.layer_norm_eps=0", "model.layer_norm_eps=0.0: must be > 0"),
-    ("model.max_positions=0", "model.max_positions=0"),
-    ("model.n_decoder_layers=0", "model.n_decoder_layers=0"),
-    ("data.valid_fraction=0", "data.valid_fraction=0.0: expected a number in (0, 1)"),
-    ("data.block_size=0", "data.block_size=0"),
-    ("data.max_len=1", "data.max_len=1: must be >= 2"),
-    ("data.tokenizer_sample=0", "data.tokenizer_sample=0"),
-])
-def test_every_numeric_key_has_its_range(override, message):
-    with pytest.raises(ConfigError) as e:
-        load_config(TINY, [override])
-    assert message in str(e.value)
-
-
-def test_zero_warmup_is_fine_where_the_schedule_does_not_divide_by_it():
-    assert load_config(TINY, ["train.schedule=inverse_sqrt", "train.warmup=0"]).train.warmup == 0
-    assert load_config(TINY, ["train.schedule=constant", "train.warmup=0", "train.lr=0"]).train.lr == 0.0
-
-
 def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
     """Only rank 0 checks and locks RUN; it tells the other ranks, so a refusal ends every rank at once
     (no rank waits forever at a barrier) and RUN is untouched."""
@@ -535,3 +458,35 @@ def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
     assert "aiayn: internal error" not in r.stderr
     assert re.search(r"exitcode\s*:\s*2\b", r.stderr), r.stderr[-3000:]
     assert snapshot(run) == before
+
+
+# --- a prepared store's files --------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
+    import errno
+
+    import numpy as np
+
+    from aiayn.data.store import _Writer
+    from aiayn.errors import user_error_message
+
+    class Full:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no file name
+
+        def close(self):
+            pass
+
+    writer = _Writer(tmp_path, "train", np.dtype(np.uint16))
+    for f in writer.files.values():
+        f.close()
+    writer.files = {"src": Full(), "tgt": Full()}
+    encoded = {"src": np.zeros(3, np.int64), "tgt": np.zeros(3, np.int64), "src_lens": np.array([3]),
+               "tgt_lens": np.array([3]), "empty": 0, "too_long": 0, "kept": 1}
+    with pytest.raises(OSError) as e:
+        writer.add(encoded)
+    assert user_error_message(e.value) == f"{tmp_path / 'train.src.bin'}: No space left on device"
+    # no file at all: the line says where the user can act
+    line = user_error_message(OSError(errno.ENOSPC, "No space left on device"))
+    assert line.startswith("No space left on device (free space, or write elsewhere") and "--run-dir" in line

@@ -1,0 +1,201 @@
+"""Running ``aiayn serve``: its options (checked before the run is loaded), binding the socket, uvicorn, the graceful
+stop, and the subcommand's flags.
+
+It binds 127.0.0.1 unless ``--host`` says otherwise. SIGTERM or Ctrl-C stop it gracefully: no new
+connection is taken, the requests in flight are answered, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from aiayn.errors import ConfigError, UserError, require
+from aiayn.serve.batcher import check_batching
+from aiayn.serve.schemas import API_KEY_ENV, Limits
+
+log = logging.getLogger("aiayn.serve")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one), or a one-line error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class RedactKeys(logging.Filter):
+    """Hides an ``api_key`` given in a URL's query string from the access log (LibreTranslate's routes refuse such
+    a request, but uvicorn logs its line, URL included, all the same)."""
+
+    QUERY_KEY = re.compile(r"([?&]api_key=)[^&\s]*", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.QUERY_KEY.sub(r"\1[hidden]", a) if isinstance(a, str) else a
+                                for a in record.args)
+        return True
+
+
+def redact_access_log() -> None:
+    """Install :class:`RedactKeys` on uvicorn's access logger (once per process)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactKeys) for f in access.filters):
+        access.addFilter(RedactKeys())
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How ``aiayn serve`` runs, checked when built (before the run is loaded or a port is bound)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free one, printed at start
+    device: str = "auto"
+    precision: str = "auto"
+    max_batch_tokens: int | None = None  # default: the device's decoding budget
+    max_wait_ms: float = 10.0
+    max_queue: int = 256
+    limits: Limits = field(default_factory=Limits)
+    access_log: bool = False
+    allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
+    cors: str | None = None  # the one other origin (scheme://host[:port]) whose pages may call the API
+    api_key: str | None = None  # every API request must carry it (aiayn.serve.service); None: no key
+    api_key_from: str = "--api-key"  # where the key came from, for the message that refuses it ($AIAYN_API_KEY)
+    # the decoding flags (DecodeOptions field names): they replace the run's decode section on every route
+    decode: dict = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()  # other model names OpenAI's routes answer to (--model-alias)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
+        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
+        if self.cors is not None and not re.fullmatch(r"https?://[^/\s]+", self.cors):
+            raise ConfigError(f"--cors {self.cors!r}: expected an origin, e.g. https://example.org (no path)")
+        for name in self.allow_hosts:
+            if not name or "/" in name or " " in name:
+                raise ConfigError(f"--allow-host {name!r}: expected a host name or address (or * for any)")
+        if self.api_key is not None and (len(self.api_key) < 8 or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ConfigError(f"{self.api_key_from}: expected at least 8 printable characters without spaces")
+        if self.decode.get("max_tokens") is not None and self.max_batch_tokens is not None:
+            raise ConfigError("--max-tokens and --max-batch-tokens both set the tokens of one model call: give one")
+        for name in self.model_aliases:
+            if not name or not name.isprintable():
+                raise ConfigError(f"--model-alias {name!r}: expected a model name (printable, not empty)")
+        from aiayn.config import DecodeOptions
+
+        DecodeOptions().replace(**self.decode)  # a value no run takes (--beam 0) fails before the run is loaded
+
+    def access(self, bound_host: str):
+        """Who may call the server: the loopback names, the bound address when it is not a wildcard, and what
+        ``--allow-host`` adds (:class:`aiayn.serve.app.Access`)."""
+        from aiayn.serve.app import LOOPBACK_NAMES, Access
+
+        bound = [] if ipaddress.ip_address(bound_host).is_unspecified else [bound_host.lower()]
+        extra = [h.lower().strip("[]") for h in self.allow_hosts]
+        return Access(tuple(dict.fromkeys([*LOOPBACK_NAMES, self.host.lower(), *bound, *extra])), self.cors)
+
+
+def serve(run_dir: str, options: ServeOptions | None = None) -> int:
+    """Load the run, bind, serve until SIGTERM / Ctrl-C, then finish the requests in flight. Returns 0."""
+    require("starlette", "serve", "aiayn serve")
+    require("uvicorn", "serve", "aiayn serve")
+    import uvicorn
+
+    from aiayn.decode.generate import load_for_task
+    from aiayn.serve.app import create_app, warm_up
+    from aiayn.serve.chat_template import load_chat_template
+    from aiayn.serve.service import Choices
+
+    o = options or ServeOptions()
+    model = load_for_task(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
+    model.cfg.decode.replace(**o.decode)  # and decoding flags the run's section refuses (--nbest over its beam)
+    load_chat_template(model.run)  # and a chat template of the run's own that does not parse
+    warm_up(model)
+    sock = listen(o.host, o.port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
+                     o.api_key, Choices(o.decode, o.model_aliases))
+    config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
+                            lifespan="on")
+    redact_access_log()
+    server = uvicorn.Server(config)
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    if not ipaddress.ip_address(bound_host).is_loopback and o.api_key is None:
+        log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model "
+                    "(--api-key or $%s asks every request for a key)", bound_host, API_KEY_ENV)
+    print(f"aiayn serve: {model.cfg.task} run {run_dir} on {model.device}: http://{shown}:{bound_port}/ "
+          "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
+    # uvicorn catches SIGTERM / SIGINT, shuts down gracefully, then re-raises the signal to whatever handler
+    # was there before: a no-op one, so that a requested stop ends with status 0, not as killed by a signal.
+    stopped = []
+    previous = {sig: signal.signal(sig, lambda s, f: stopped.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if not server.started:
+        raise UserError(f"aiayn serve: the server did not start on {o.host}:{bound_port} (see the log above)")
+    log.info("aiayn serve: stopped")
+    return 0
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    """The serve subcommand's own flags (the decoding and device flags come from the CLI's add_decode_options,
+    built from DecodeOptions as translate's are)."""
+    p.add_argument("run", help="run directory (translation, summarization or language model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="source tokens x beam merged into one model call (default: the device's decoding budget)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0,
+                   help="how long a request waits for others to share its model call (default 10)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; then 503 (default 256)")
+    p.add_argument("--max-sentences", type=int, default=Limits.max_sentences, metavar="N",
+                   help="texts per request: sentences to translate, prompts (x n) of a completion (default "
+                        f"{Limits.max_sentences}; LangChain's OpenAI sends batch_size prompts at once)")
+    p.add_argument("--max-beam", type=int, default=16, help="largest beam (and nbest) a request may ask (16)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (default: the loopback names and the "
+                        "bound address only; * for any: then any web page can reach a server on this machine)")
+    p.add_argument("--cors", default=None, metavar="ORIGIN",
+                   help="let pages of ORIGIN (e.g. https://example.org) call the API from a browser (default: none)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"every API request must carry KEY (Authorization: Bearer KEY, or LibreTranslate's api_key "
+                        f"field; default ${API_KEY_ENV}, else none)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="OpenAI's routes also answer to the model name NAME (default: the run directory's name only; "
+                        "e.g. gpt-3.5-turbo, the name LangChain's ChatOpenAI sends unless told)")
+
+
+def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
+    """``aiayn serve`` from parsed arguments; ``decode``: the decoding flags given, by DecodeOptions field name."""
+    limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+    options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
+                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from,
+                           dict(decode or {}), tuple(args.model_alias))
+    return serve(args.run, options)
