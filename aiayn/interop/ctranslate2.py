@@ -170,6 +170,9 @@ def _check_exportable(model: nn.Module, positions: int | None) -> None:
             f"CTranslate2's Transformer heads are d_model / heads wide: model.d_k={cfg.key_width}, "
             f"model.d_v={cfg.value_width} with d_model={cfg.d_model} and {cfg.n_heads} heads cannot be exported"
         )
+    if cfg.positional == "rotary":
+        raise ValueError("CTranslate2's encoder-decoder Transformer adds positions to the embeddings: a model with "
+                         "rotary positions (model.positional=rotary) cannot be exported")
     if positions is not None and positions > cfg.max_positions and cfg.positional != "sinusoidal":
         raise ValueError(f"learned positions end at model.max_positions={cfg.max_positions}; {positions} "
                          "positions need sinusoidal ones (or a model trained with more)")

@@ -3,8 +3,8 @@
 
 A scheme has two capabilities: ``add`` its encodings to the token embeddings (the paper's sinusoids, Table 3 row
 E's learned vectors), and ``rotate`` the queries and keys of self-attention (a scheme that encodes positions in the
-attention scores; none of the paper's does). A stack finds its tokens' :class:`Positions` ONCE per forward
-(:meth:`PositionScheme.at`, left padding included) and hands them to both.
+attention scores, as rotary positions do; none of the paper's does). A stack finds its tokens' :class:`Positions`
+ONCE per forward (:meth:`PositionScheme.at`, left padding included) and hands them to both.
 
 Shapes: B batch, T new tokens, D model width, H heads, K query/key width per head.
 """
@@ -121,10 +121,58 @@ class LearnedPositionalEmbedding(PositionScheme):
         return _rows(self.weight, positions)
 
 
+def rotary_tables(n_positions: int, width: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles pos * base^(-2i/K), i < K/2 (section 3.5's frequencies over a head's width K),
+    each (n_positions, K/2); computed in float64 and rounded once, like :func:`sinusoidal_table`."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    inv_freq = torch.pow(base, -torch.arange(0, width, 2, dtype=torch.float64) / width)  # (K/2,)
+    angles = pos * inv_freq  # (P, K/2)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+class RotaryRotation(NamedTuple):
+    """One forward's rotation: cos and sin at its positions, (T, K/2) or (B, 1, T, K/2) with left padding."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, H, T, K), k (B, H, T, K) -> both rotated: each head's pair (x_i, x_{i+K/2}) turned by its angle."""
+        return self.turn(q), self.turn(k)
+
+    def turn(self, x: Tensor) -> Tensor:
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)  # a half-precision q stays in its precision
+        x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, K/2) each: GPT-NeoX's "rotate half" pairing
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RotaryPositions(PositionScheme):
+    """Rotary positions (RoFormer, Su et al. 2021; not in the paper): nothing is added to the embeddings; every
+    self-attention turns each head's query and key, pair of dimensions by pair, by angles proportional to its
+    position, so that q.k depends on the two positions only through their distance. The pairs are GPT-NeoX's and
+    Llama's "rotate half" (dimension i with i + K/2), over the whole head width K, at section 3.5's frequencies
+    (base 10000). Keys are turned before the KV cache stores them, so a cached key keeps its position.
+    Cross-attention is not rotated: a target position and a source position count in different sequences, so
+    their distance means nothing there."""
+
+    def __init__(self, max_positions: int, head_width: int) -> None:
+        super().__init__(max_positions)
+        cos, sin = rotary_tables(max_positions, head_width)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def rotation(self, positions: Positions) -> RotaryRotation:
+        cos, sin = _rows(self.cos, positions), _rows(self.sin, positions)
+        if positions.index is not None:  # (B, T, K/2) -> (B, 1, T, K/2): one row's angles for all its heads
+            cos, sin = cos[:, None], sin[:, None]
+        return RotaryRotation(cos, sin)
+
+
 # model.positional -> the scheme a stack is built with (config/schema.py names the same keys).
 SCHEMES: dict[str, Callable[[ModelConfig], PositionScheme]] = {
     "sinusoidal": lambda c: SinusoidalPositionalEncoding(c.max_positions, c.d_model, c.positional_layout),
     "learned": lambda c: LearnedPositionalEmbedding(c.max_positions, c.d_model),
+    "rotary": lambda c: RotaryPositions(c.max_positions, c.key_width),
 }
 
 
