@@ -1,12 +1,13 @@
 """Rotary positions (``model.positional: rotary``; RoFormer, not in the paper) through the PositionScheme hook:
 the rotation against the complex-number formula, a run trained with them (the loss falls), decoding with the KV
 cache equal to decoding without it (greedy and beam, encoder-decoder and language model, left-padded batches
-equal to each row alone), and the exports that cannot hold them refusing in one line."""
+equal to each row alone), the Marian export refusing them in one line, CTranslate2 and Argos exporting them."""
 
 from __future__ import annotations
 
 import json
 import math
+import zipfile
 
 import pytest
 import torch
@@ -251,22 +252,45 @@ def test_training_steps_lower_the_loss_of_both_model_kinds():
 # Exports ---------------------------------------------------------------------------------------------------------
 
 
-def test_the_exports_refuse_a_rotary_model_in_one_line(rotary_run, tmp_path, capsys):
+def test_marian_refuses_a_rotary_run_in_one_line_and_ctranslate2_and_argos_export_it(rotary_run, tmp_path, capsys):
+    """HF Marian adds sinusoids to its embeddings: ``export hf`` refuses (exit 2, one line, nothing written).
+    CTranslate2 rotates itself (tests/test_ctranslate2.py proves a rotary model's log-probs, greedy and beam equal
+    there): ``export ctranslate2`` writes the run, whose beam search is aiayn's, and ``export argos`` packages it."""
     from aiayn import cli
-    from aiayn.interop.ctranslate2 import ctranslate2_spec
     from aiayn.interop.marian import to_hf_marian
 
-    model = Transformer(rotary_config(positional_layout="concat"))
     with pytest.raises(ValueError, match="rotary"):
-        to_hf_marian(model)
-    pytest.importorskip("ctranslate2")
-    with pytest.raises(ValueError, match="rotary"):
-        ctranslate2_spec(model, [f"p{i}" for i in range(50)])
-    for kind, out in (("hf", "hf"), ("ctranslate2", "ct2"), ("argos", "x.argosmodel")):
-        if kind == "argos":
-            pytest.importorskip("argostranslate")
-        capsys.readouterr()
-        assert cli.main(["export", kind, str(rotary_run), str(tmp_path / out)]) == 2, kind
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("aiayn: error: ") and "rotary" in err and "\n" not in err, (kind, err)
-        assert not (tmp_path / out).exists()
+        to_hf_marian(Transformer(rotary_config(positional_layout="concat")))
+    capsys.readouterr()
+    assert cli.main(["export", "hf", str(rotary_run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aiayn: error: ") and "rotary" in err and "\n" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    import aiayn
+
+    assert cli.main(["export", "ctranslate2", str(rotary_run), str(tmp_path / "ct2")]) == 0
+    translator = aiayn.load(rotary_run, device="cpu")
+    tok, d = translator.tokenizers, translator.cfg.decode
+    piece_ids = {tok.tgt.id_to_piece(i): i for i in range(tok.tgt.vocab_size)}
+    texts = ["a b c d", "hello world", "the cat", "x y"]
+    pieces = [[tok.src.id_to_piece(i) for i in tok.src.encode(t)] for t in texts]
+    ct2 = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", inter_threads=1, intra_threads=1)
+    results = ct2.translate_batch(pieces, beam_size=d.beam, num_hypotheses=d.beam, length_penalty=d.alpha,
+                                  patience=1000.0, return_end_token=True, max_decoding_length=12,
+                                  min_decoding_length=0, return_scores=True)  # aiayn's exact stop, |Y| with EOS
+    swaps = 0
+    for text, r in zip(texts, results):
+        src = tok.src.encode(text) + [tok.specials.eos]
+        spec = spec_of(beam=d.beam, alpha=d.alpha, length_penalty="power", nbest=d.beam, max_len_a=0.0, max_len_b=12,
+                       stop="exact")
+        ours = beam_search(translator.model, torch.tensor([src]), spec=spec)[0]
+        theirs = [[piece_ids[p] for p in h if p != "</s>"] for h in r.hypotheses]
+        swaps += same_hypotheses([(h.tokens, h.score) for h in ours], list(zip(theirs, r.scores)), text)
+    assert swaps <= len(texts) // 4
+    pytest.importorskip("argostranslate")
+    assert cli.main(["export", "argos", str(rotary_run), str(tmp_path / "en_de.argosmodel")]) == 0
+    with zipfile.ZipFile(tmp_path / "en_de.argosmodel") as z:  # the package holds that very CTranslate2 model
+        [model_bin] = [n for n in z.namelist() if n.endswith("/model/model.bin")]
+        assert z.read(model_bin) == (tmp_path / "ct2" / "model.bin").read_bytes()
