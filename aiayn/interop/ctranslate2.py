@@ -209,7 +209,7 @@ def _fill_weights(spec: Any, model: Transformer, positions: int | None) -> None:
     enc, dec = model.encoder, model.decoder
     spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
     spec.encoder.scale_embeddings = cfg.scale_embeddings  # bool: True = sqrt(D), False = none
-    if cfg.positional != "rotary":  # rotary positions are no table: the spec rotates (_empty_spec)
+    if hasattr(spec.encoder, "position_encodings"):  # none for rotary positions: the spec rotates (_empty_spec)
         spec.encoder.position_encodings.encodings = _positions(enc.positions, cfg, positions)
     for layer_spec, layer in zip(spec.encoder.layer, enc.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_attn.norm)
@@ -219,7 +219,7 @@ def _fill_weights(spec: Any, model: Transformer, positions: int | None) -> None:
 
     spec.decoder.embeddings.weight = _np(dec.embed.weight)
     spec.decoder.scale_embeddings = cfg.scale_embeddings
-    if cfg.positional != "rotary":
+    if hasattr(spec.decoder, "position_encodings"):
         spec.decoder.position_encodings.encodings = _positions(dec.positions, cfg, positions)
     for layer_spec, layer in zip(spec.decoder.layer, dec.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_self.norm)
