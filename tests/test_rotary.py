@@ -216,6 +216,13 @@ def test_lm_greedy_cached_equals_uncached_and_left_padded_rows_equal_each_alone(
         for _ in range(30):  # argmax of a full forward pass each step: no cache
             tokens.append(int(lm(torch.tensor([tokens]))[0, -1].argmax()))
     assert cached == tokens[len(prompt):] == sample_list(lm, prompt, spec, 30, use_cache=False)
+    # past a context limit of 16 the model sees the last 16 tokens only (cached start, then windowed)
+    windowed = list(prompt)
+    with torch.no_grad():
+        for _ in range(30):
+            windowed.append(int(lm(torch.tensor([windowed[-16:]]))[0, -1].argmax()))
+    assert sample_list(lm, prompt, spec, 30, context_limit=16) == windowed[len(prompt):]
+    assert sample_list(lm, prompt, spec, 30, context_limit=16, use_cache=False) == windowed[len(prompt):]
     prompts = [[2, 5, 6, 7], [2, 9], [2, 11, 12, 13, 14, 15, 16, 17], [2]]
     limits, seeds = [10, 6, 12, 3], [11, 12, 13, 14]
     for opts in ({}, {"sample": True, "top_k": 5}):
