@@ -42,9 +42,11 @@ CONFIGS = {
         positional="learned", activation="swish", scale_embeddings=False, share_embeddings=False,
         tgt_vocab_size=TGT_V, tie_output=False, output_bias=True,
     ),
+    # Rotary positions (not the paper): CTranslate2 rotates the self-attentions itself.
+    "rotary-preln-bias": dict(positional="rotary", norm_first=True, tie_output=False, output_bias=True),
 }
 # A raised EOS logit (through the output bias) so hypotheses end at varied lengths, not all at MAX_LEN.
-EOS_BOOST = {"preln-concat-gelu-bias": 1.0, "learned-swish-separate": 2.0}
+EOS_BOOST = {"preln-concat-gelu-bias": 1.0, "learned-swish-separate": 2.0, "rotary-preln-bias": 2.0}
 # Sources as ids, without EOS (CTranslate2 appends it: add_source_eos), of different lengths.
 SOURCES = [[4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 30, 31]]
 

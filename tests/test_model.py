@@ -299,7 +299,8 @@ def test_too_long_input_is_a_clear_error():
     [
         (dict(d_model=30, n_heads=4), "not divisible"),
         (dict(activation="tanh"), "model.activation"),
-        (dict(positional="rotary"), "model.positional"),
+        (dict(positional="alibi"), "model.positional"),
+        (dict(positional="rotary", d_model=36, n_heads=4), "rotary positions need an even"),
         (dict(share_embeddings=True, tgt_vocab_size=10), "share_embeddings"),
         (dict(dropout=1.5), "dropout"),
     ],

@@ -61,7 +61,7 @@ class ModelConfig:
     activation: str = "relu"  # relu (paper) | gelu | swish
     norm_first: bool = False  # False: post-LN as the paper; True: pre-LN + final LayerNorm
     layer_norm_eps: float = 1e-5
-    positional: str = "sinusoidal"  # sinusoidal (paper) | learned (Table 3 row E)
+    positional: str = "sinusoidal"  # sinusoidal (paper) | learned (Table 3 row E) | rotary (RoFormer; not the paper)
     positional_layout: str = "interleaved"  # interleaved (section 3.5) | concat (sin half | cos half)
     max_positions: int = 1024
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
@@ -89,10 +89,13 @@ class ModelConfig:
             )
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"model: sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.positional == "rotary" and self.key_width % 2:
+            raise ConfigError(f"model: rotary positions need an even query/key width per head (they turn pairs of "
+                              f"dimensions), got d_k={self.key_width}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(f"model: pad_id={self.pad_id} outside the vocabulary")
         _choice("model.activation", self.activation, ("relu", "gelu", "swish"))
-        _choice("model.positional", self.positional, ("sinusoidal", "learned"))
+        _choice("model.positional", self.positional, ("sinusoidal", "learned", "rotary"))
         _choice("model.positional_layout", self.positional_layout, ("interleaved", "concat"))
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
             raise ConfigError(

@@ -11,9 +11,10 @@ The spec is filled weight for weight, like CTranslate2's own converters do for f
 
 Positions are written out as an explicit table (our sinusoids in either layout, or the learned
 vectors), because CTranslate2's built-in sinusoid is tensor2tensor's (positions from 1, a different
-frequency spacing), not section 3.5's. ``pre_norm`` follows ``norm_first`` (CTranslate2's pre-norm
-stack ends with a LayerNorm, like ours), ``scale_embeddings`` the sqrt(D) flag, and the LayerNorm
-epsilon is stored in ``config.json``.
+frequency spacing), not section 3.5's. Rotary positions (``model.positional: rotary``) are CTranslate2's
+own rotation of the self-attentions' queries and keys, in halves over the whole head width.
+``pre_norm`` follows ``norm_first`` (CTranslate2's pre-norm stack ends with a LayerNorm, like ours),
+``scale_embeddings`` the sqrt(D) flag, and the LayerNorm epsilon is stored in ``config.json``.
 
 Special tokens, matching how aiayn trains: the source is ``tokens + [EOS]`` (so the exported config
 sets ``add_source_eos`` and callers pass pieces *without* ``</s>``), the decoder starts from BOS
@@ -124,7 +125,7 @@ def ctranslate2_spec(
     more than the model's ``max_positions`` (CTranslate2 fails on a longer input or output); sinusoidal
     positions only, continued by the formula of section 3.5.
     """
-    from ctranslate2.specs import common_spec, transformer_spec
+    from ctranslate2.specs import common_spec
 
     _check_exportable(model, positions)
     cfg = model.cfg
@@ -136,12 +137,7 @@ def ctranslate2_spec(
         "gelu": common_spec.Activation.GELU,  # exact erf GELU, as torch.nn.functional.gelu
         "swish": common_spec.Activation.SWISH,
     }[cfg.activation]
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.n_encoder_layers, cfg.n_decoder_layers),
-        cfg.n_heads,
-        pre_norm=cfg.norm_first,
-        activation=activation,
-    )
+    spec = _empty_spec(cfg, activation)
 
     _fill_weights(spec, model, positions)
     spec.register_source_vocabulary(vocab)
@@ -170,9 +166,27 @@ def _check_exportable(model: nn.Module, positions: int | None) -> None:
             f"CTranslate2's Transformer heads are d_model / heads wide: model.d_k={cfg.key_width}, "
             f"model.d_v={cfg.value_width} with d_model={cfg.d_model} and {cfg.n_heads} heads cannot be exported"
         )
-    if positions is not None and positions > cfg.max_positions and cfg.positional != "sinusoidal":
+    if positions is not None and positions > cfg.max_positions and cfg.positional == "learned":
         raise ValueError(f"learned positions end at model.max_positions={cfg.max_positions}; {positions} "
                          "positions need sinusoidal ones (or a model trained with more)")
+
+
+def _empty_spec(cfg: Any, activation: Any) -> TransformerSpec:
+    """CTranslate2's Transformer for ``cfg``'s layers, heads and norms: with position tables added to the embeddings,
+    or, for rotary positions, rotating each self-attention's queries and keys over the whole head width in halves
+    (``rotary_interleave=False``: GPT-NeoX's pairs, as :class:`aiayn.model.positions.RotaryPositions`), base 10000;
+    CTranslate2 does not rotate cross-attention either."""
+    from ctranslate2.specs import transformer_spec
+
+    layers = (cfg.n_encoder_layers, cfg.n_decoder_layers)
+    if cfg.positional != "rotary":
+        return transformer_spec.TransformerSpec.from_config(layers, cfg.n_heads, pre_norm=cfg.norm_first,
+                                                            activation=activation)
+    kw = dict(pre_norm=cfg.norm_first, activation=activation, rotary_dim=0, rotary_interleave=False, rotary_base=10000)
+    encoder = transformer_spec.TransformerEncoderSpec(layers[0], cfg.n_heads, **kw)
+    del encoder.position_encodings  # the encoder spec always makes a table; without it nothing is added
+    return transformer_spec.TransformerSpec(encoder, transformer_spec.TransformerDecoderSpec(layers[1], cfg.n_heads,
+                                                                                             **kw))
 
 
 def _check_vocabularies(cfg: Any, vocab: list[str], tgt_vocab: list[str], special: dict[str, int]) -> None:
@@ -195,7 +209,8 @@ def _fill_weights(spec: Any, model: Transformer, positions: int | None) -> None:
     enc, dec = model.encoder, model.decoder
     spec.encoder.embeddings[0].weight = _np(enc.embed.weight)
     spec.encoder.scale_embeddings = cfg.scale_embeddings  # bool: True = sqrt(D), False = none
-    spec.encoder.position_encodings.encodings = _positions(enc.positions, cfg, positions)
+    if hasattr(spec.encoder, "position_encodings"):  # none for rotary positions: the spec rotates (_empty_spec)
+        spec.encoder.position_encodings.encodings = _positions(enc.positions, cfg, positions)
     for layer_spec, layer in zip(spec.encoder.layer, enc.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_attn.norm)
         _ffn(layer_spec.ffn, layer.ffn, layer.sub_ffn.norm)
@@ -204,7 +219,8 @@ def _fill_weights(spec: Any, model: Transformer, positions: int | None) -> None:
 
     spec.decoder.embeddings.weight = _np(dec.embed.weight)
     spec.decoder.scale_embeddings = cfg.scale_embeddings
-    spec.decoder.position_encodings.encodings = _positions(dec.positions, cfg, positions)
+    if hasattr(spec.decoder, "position_encodings"):
+        spec.decoder.position_encodings.encodings = _positions(dec.positions, cfg, positions)
     for layer_spec, layer in zip(spec.decoder.layer, dec.layers):
         _self_attention(layer_spec.self_attention, layer.self_attn, layer.sub_self.norm)
         _cross_attention(layer_spec.attention, layer.cross_attn, layer.sub_cross.norm)

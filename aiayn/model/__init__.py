@@ -2,13 +2,15 @@
 
 from aiayn.model.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.model.cache import KVCache
-from aiayn.model.embeddings import (
-    LearnedPositionalEmbedding,
-    SinusoidalPositionalEncoding,
-    TokenEmbedding,
-    sinusoidal_table,
-)
+from aiayn.model.embeddings import TokenEmbedding, sinusoidal_table
 from aiayn.model.layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward
+from aiayn.model.positions import (
+    LearnedPositionalEmbedding,
+    Positions,
+    PositionScheme,
+    SinusoidalPositionalEncoding,
+    position_scheme,
+)
 from aiayn.model.transformer import (
     Decoder,
     DecoderOnlyLM,
@@ -21,7 +23,7 @@ from aiayn.model.transformer import (
 
 __all__ = [
     "Decoder", "DecoderLayer", "DecoderOnlyLM", "Encoder", "EncoderLayer", "KVCache",
-    "LearnedPositionalEmbedding", "MultiHeadAttention", "PositionwiseFeedForward",
+    "LearnedPositionalEmbedding", "MultiHeadAttention", "PositionScheme", "Positions", "PositionwiseFeedForward",
     "SinusoidalPositionalEncoding", "TokenEmbedding", "Transformer", "build_model", "causal_mask",
-    "count_parameters", "scaled_dot_product_attention", "sinusoidal_table",
+    "count_parameters", "position_scheme", "scaled_dot_product_attention", "sinusoidal_table",
 ]

@@ -8,6 +8,7 @@ Masks are boolean and mean "may attend" (True = keep), broadcastable to (B, H, T
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -150,16 +151,21 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         layer: int = 0,
         need_weights: bool = False,
         causal: bool = False,
+        rotate: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, Tq, D) queries. ``memory`` None: self-attention over x (plus cached past steps);
         ``memory`` (B, S, D): cross-attention (keys/values cached once when a cache is given).
         mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk), or an :class:`AttentionMask`;
         ``causal`` in place of a mask: self-attention over x alone (no cached steps), query i sees 0..i.
+        ``rotate`` (self-attention): the position scheme's rotation of the queries and new keys (B, H, Tq, K),
+        applied before the keys are cached, so cached keys keep the positions they were made at.
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
         qk = self._rows[0]
         if memory is None:
             q, k, v = self.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
             q, k, v = self._split(q), self._split(k), self._split(v)
+            if rotate is not None:
+                q, k = rotate(q, k)
             if cache is not None:
                 k, v = cache.append_self(layer, k, v)
         else:

@@ -1,4 +1,5 @@
-"""Token embeddings scaled by sqrt(d_model) (section 3.4) and positional encodings (section 3.5).
+"""Token embeddings scaled by sqrt(d_model) (section 3.4) and the sinusoid table of section 3.5 (the schemes that
+use it: :mod:`aiayn.model.positions`).
 
 Shapes: B batch, T length, D model width.
 """
@@ -52,48 +53,3 @@ def sinusoidal_table(n_positions: int, d_model: int, layout: str = "interleaved"
     else:
         raise ValueError(f"unknown positional layout {layout!r}")
     return table.float()
-
-
-class SinusoidalPositionalEncoding(nn.Module):
-    """Fixed sinusoids added to the embeddings; not a parameter and not saved in checkpoints."""
-
-    def __init__(self, max_positions: int, d_model: int, layout: str = "interleaved") -> None:
-        super().__init__()
-        self.max_positions = max_positions
-        self.register_buffer("table", sinusoidal_table(max_positions, d_model, layout), persistent=False)
-
-    def forward(self, length: int, offset: int = 0) -> Tensor:
-        """Encodings of positions offset .. offset+length-1: (length, D)."""
-        _check_range(offset + length, self.max_positions)
-        return self.table[offset : offset + length]
-
-    def at(self, positions: Tensor) -> Tensor:
-        """Encodings of the positions (B, T) long -> (B, T, D): each row at its own positions."""
-        _check_range(int(positions.max()) + 1, self.max_positions)
-        return self.table[positions]
-
-
-class LearnedPositionalEmbedding(nn.Module):
-    """A learned vector per position (Table 3 row E: "nearly identical results")."""
-
-    def __init__(self, max_positions: int, d_model: int) -> None:
-        super().__init__()
-        self.max_positions = max_positions
-        self.weight = nn.Parameter(torch.empty(max_positions, d_model))
-        nn.init.normal_(self.weight, mean=0.0, std=d_model**-0.5)
-
-    def forward(self, length: int, offset: int = 0) -> Tensor:
-        _check_range(offset + length, self.max_positions)
-        return self.weight[offset : offset + length]
-
-    def at(self, positions: Tensor) -> Tensor:
-        """The vectors of the positions (B, T) long -> (B, T, D): each row at its own positions."""
-        _check_range(int(positions.max()) + 1, self.max_positions)
-        return self.weight[positions]
-
-
-def _check_range(end: int, max_positions: int) -> None:
-    if end > max_positions:
-        raise ValueError(
-            f"sequence needs position {end - 1} but the model has max_positions={max_positions}"
-        )

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, KVCache, MultiHeadAttention
+from aiayn.model.positions import Rotation
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
@@ -74,20 +75,24 @@ class EncoderLayer(nn.Module):
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, mask: AttentionMask | None = None, need_weights: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
-        """x (B, S, D); mask: the key padding, (B, 1, 1, S). Returns (B, S, D) and the attention probabilities
-        (B, H, S, S) when ``need_weights``."""
-        h, probs = self.self_attn(self.sub_attn.sublayer_input(x), mask=mask, need_weights=need_weights)
+    def forward(self, x: Tensor, mask: AttentionMask | None = None, need_weights: bool = False,
+                rotate: Rotation | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, S, D); mask: the key padding, (B, 1, 1, S); ``rotate``: the position scheme's rotation of queries
+        and keys, if it has one. Returns (B, S, D) and the attention probabilities (B, H, S, S) when
+        ``need_weights``."""
+        h, probs = self.self_attn(self.sub_attn.sublayer_input(x), mask=mask, need_weights=need_weights,
+                                  rotate=rotate)
         x = self.sub_attn.residual(x, h)
         return self.sub_ffn(x, self.ffn), probs
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention (omitted in a decoder-only LM), feed-forward."""
+    """Masked self-attention, encoder-decoder attention (omitted in a decoder-only LM), feed-forward. ``index``: the
+    layer's place in the stack, which is its slot in a :class:`KVCache`."""
 
-    def __init__(self, cfg: ModelConfig, cross_attention: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, cross_attention: bool = True, index: int = 0) -> None:
         super().__init__()
+        self.index = index
         d, p, nf, eps = cfg.d_model, cfg.dropout, cfg.norm_first, cfg.layer_norm_eps
         self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attention_dropout, cfg.d_k, cfg.d_v)
         self.sub_self = SublayerConnection(d, p, nf, eps)
@@ -104,15 +109,17 @@ class DecoderLayer(nn.Module):
         memory: Tensor | None = None,
         memory_mask: AttentionMask | None = None,
         cache: KVCache | None = None,
-        layer: int = 0,
         need_weights: bool = False,
         causal: bool = False,
+        rotate: Rotation | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (B, T, D); self_mask (T, T_total) causal, or None with ``causal`` (nothing cached yet: the
-        attention kernel applies the causal mask itself); memory (B, S, D); memory_mask (B, 1, 1, S); ``layer``:
-        this layer's index in ``cache``. Returns (B, T, D), self-attention probs, cross-attention probs."""
+        attention kernel applies the causal mask itself); memory (B, S, D); memory_mask (B, 1, 1, S); ``rotate``:
+        the position scheme's rotation of the self-attention's queries and keys, if it has one (cross-attention
+        is not rotated). Returns (B, T, D), self-attention probs, cross-attention probs."""
+        layer = self.index
         h, self_probs = self.self_attn(self.sub_self.sublayer_input(x), mask=self_mask, cache=cache, layer=layer,
-                                       need_weights=need_weights, causal=causal)
+                                       need_weights=need_weights, causal=causal, rotate=rotate)
         x = self.sub_self.residual(x, h)
         cross_probs = None
         if self.cross_attn is not None:

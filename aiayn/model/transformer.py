@@ -16,8 +16,9 @@ from aiayn.engine import use_attention
 from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, padding_mask
 from aiayn.model.cache import KVCache
-from aiayn.model.embeddings import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, TokenEmbedding
+from aiayn.model.embeddings import TokenEmbedding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
+from aiayn.model.positions import Positions, PositionScheme, position_scheme
 
 
 def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
@@ -29,18 +30,43 @@ def causal_mask(length: int, past: int = 0, device: torch.device | None = None) 
     return k <= q
 
 
-def _positions(cfg: ModelConfig) -> nn.Module:
-    if cfg.positional == "learned":
-        return LearnedPositionalEmbedding(cfg.max_positions, cfg.d_model)
-    return SinusoidalPositionalEncoding(cfg.max_positions, cfg.d_model, cfg.positional_layout)
+def self_attention_mask(length: int, past: int, left_pad: Tensor | None, device: torch.device
+                        ) -> tuple[AttentionMask | None, bool]:
+    """What the decoder's ``length`` new queries may see after ``past`` cached steps, once for all layers: (mask,
+    causal). ``causal`` (nothing cached, several steps, no left padding: training, prefill): the kernel's own
+    causal path, no mask tensor. ``left_pad`` (B,): no query sees a padding column, and a padding query sees no key
+    (its output is zero)."""
+    causal = past == 0 and length > 1 and left_pad is None
+    steps = None if causal else causal_mask(length, past, device)
+    if left_pad is None:
+        return (AttentionMask(steps, None) if steps is not None else None), causal  # a causal row always has a key
+    keys = torch.arange(past + length, device=device)
+    allowed = keys[None, None, None, :] >= left_pad[:, None, None, None]  # (B, 1, 1, past + T)
+    if steps is not None:
+        allowed = allowed & steps
+    empty = ~allowed.any(dim=-1, keepdim=True)  # padding queries: no key at all
+    return AttentionMask(allowed | empty, empty), False
 
 
-class Encoder(nn.Module):
+class _Stack(nn.Module):
+    """What the encoder and the decoder share: token embeddings and a :class:`PositionScheme`; the one place
+    where positions meet the embeddings (section 3.5: "we add positional encodings to the input embeddings")."""
+
+    embed: TokenEmbedding
+    positions: PositionScheme
+    dropout: nn.Dropout
+
+    def inputs(self, tokens: Tensor, pos: Positions) -> Tensor:
+        """tokens (B, T) -> Dropout(embeddings + the scheme's encodings) (B, T, D)."""
+        return self.dropout(self.positions.add(self.embed(tokens), pos))
+
+
+class Encoder(_Stack):
     """N encoder layers over scaled embeddings + positions (dropout on the sum)."""
 
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding) -> None:
         super().__init__()
-        self.embed, self.positions = embed, _positions(cfg)
+        self.embed, self.positions = embed, position_scheme(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         # Pre-LN needs a final LayerNorm (its residual stream is never normalised); post-LN has none.
@@ -48,25 +74,27 @@ class Encoder(nn.Module):
 
     def forward(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         """src (B, S) ids, src_mask (B, S) bool -> memory (B, S, D), per-layer attention probs."""
-        x = self.dropout(self.embed(src) + self.positions(src.size(1)))
+        pos = self.positions.at(src.size(1), device=src.device)  # sources are right-padded: 0 .. S-1 in every row
+        x = self.inputs(src, pos)
         attn_mask = padding_mask(src_mask)  # (B, 1, 1, S): every query sees the real keys; once for all layers
+        rotate = self.positions.rotation(pos)
         probs = []
         for layer in self.layers:
-            x, p = layer(x, mask=attn_mask, need_weights=need_weights)
+            x, p = layer(x, mask=attn_mask, need_weights=need_weights, rotate=rotate)
             probs.append(p)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x, probs
 
 
-class Decoder(LinearKernel, nn.Module):
+class Decoder(LinearKernel, _Stack):
     """N decoder layers (masked self-attention, optional cross-attention, FFN) and the output projection."""
 
     def __init__(self, cfg: ModelConfig, embed: TokenEmbedding, cross_attention: bool = True) -> None:
         super().__init__()
-        self.embed, self.positions = embed, _positions(cfg)
+        self.embed, self.positions = embed, position_scheme(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention) for _ in range(cfg.n_decoder_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross_attention, i) for i in range(cfg.n_decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm_first else None
         V = embed.weight.size(0)
         self.output_proj = nn.Linear(cfg.d_model, V, bias=False)
@@ -96,28 +124,15 @@ class Decoder(LinearKernel, nn.Module):
         padding column (a padding query's output is zero)."""
         past = cache.length if cache is not None else 0
         T = tgt.size(1)
-        if left_pad is None:
-            pos = self.positions(T, offset=past)
-        else:
-            cols = torch.arange(past, past + T, device=tgt.device)
-            pos = self.positions.at((cols[None, :] - left_pad[:, None]).clamp(min=0))  # (B, T, D)
-        x = self.dropout(self.embed(tgt) + pos)
-        # Nothing cached and several steps (training, prefill): the kernel's own causal path, no mask tensor.
-        causal = past == 0 and T > 1 and left_pad is None
-        steps = None if causal else causal_mask(T, past, tgt.device)
-        self_mask = AttentionMask(steps, None) if steps is not None else None  # a causal row always has a key
-        if left_pad is not None:
-            keys = torch.arange(past + T, device=tgt.device)
-            allowed = keys[None, None, None, :] >= left_pad[:, None, None, None]  # (B, 1, 1, past + T)
-            if steps is not None:
-                allowed = allowed & steps
-            empty = ~allowed.any(dim=-1, keepdim=True)  # padding queries: no key at all
-            self_mask = AttentionMask(allowed | empty, empty)
+        pos = self.positions.at(T, past, left_pad, tgt.device)  # once: the encodings and every layer's rotation
+        x = self.inputs(tgt, pos)
+        self_mask, causal = self_attention_mask(T, past, left_pad, tgt.device)
         mem_mask = padding_mask(memory_mask) if memory_mask is not None else None  # once for all layers
         self_probs, cross_probs = [], []
-        for i, layer in enumerate(self.layers):
-            x, sp, cp = layer(x, self_mask=self_mask, memory=memory, memory_mask=mem_mask, cache=cache, layer=i,
-                              need_weights=need_weights, causal=causal)
+        rotate = self.positions.rotation(pos)
+        for layer in self.layers:
+            x, sp, cp = layer(x, self_mask=self_mask, memory=memory, memory_mask=mem_mask, cache=cache,
+                              need_weights=need_weights, causal=causal, rotate=rotate)
             self_probs.append(sp)
             cross_probs.append(cp)
         if self.final_norm is not None:
