@@ -201,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from aiayn.run_dir import load_run
 
     run = load_run(args.run, args.device, precision=args.precision)
-    opts = run.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **decode_overrides(args)})
+    opts = run.cfg.decode.replace(**{**run.cfg.kind.decoding, **decode_overrides(args)})
     pieces = generate_text(run, args.prompt, opts, args.slide)
     _write_stdout(args.prompt)
     for piece in pieces:

@@ -333,7 +333,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     if parallel < 1:
         raise ConfigError(f"--parallel must be at least 1, got {parallel}")
     base_cfg = load_config(base, list(extra))
-    if base_cfg.task != "translation":
+    if not base_cfg.kind.translates:
         raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")

@@ -49,7 +49,7 @@ def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
         from aiayn.data.synthetic import reverse_split
 
         return reverse_split(split)
-    if cfg.data.dataset == "xsum" or cfg.task == "summarization":
+    if cfg.data.dataset == "xsum" or cfg.kind.summarizes:
         return summary_pairs(cfg, split)
     from aiayn.data.datasets import config_pairs
 
@@ -192,7 +192,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
     file's sha256, or a known dataset's name, split and languages (its download is checked against its published
     sha256)."""
     d, splits = cfg.data, ("train", "valid")
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         raise ConfigError("a language-model corpus is a token stream, not pairs")
     if d.dataset == "wmt14":
         from aiayn.data.datasets import DATASETS, config_pairs, wmt14_train_pairs
@@ -209,7 +209,7 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
 
     def stream(src: str, tgt: str | None) -> Iterator[tuple[str, str]]:
         pairs = iter_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
-        if cfg.task == "summarization":  # documents and summaries put on one line, as at inference
+        if cfg.kind.summarizes:  # documents and summaries put on one line, as at inference
             return ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs)
         return pairs
 
@@ -230,7 +230,7 @@ def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
     summary) pairs (:func:`lm_recipe`), else translation pairs (:class:`~aiayn.data.store.PairRecipe`)."""
     from aiayn.data.store import PairRecipe
 
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         return lm_recipe(cfg, None, workers)
     sources, inputs = pair_sources(cfg)
     return PairRecipe(cfg, sources, inputs, None, workers)
@@ -466,6 +466,6 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
 
 def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1):
     """Task dispatch: (TrainData, TokenizerPair) for one of ``world`` processes."""
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         return build_lm_data(cfg, run_dir, is_main, barrier)
     return build_translation_data(cfg, run_dir, is_main, barrier, world)

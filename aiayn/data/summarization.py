@@ -95,7 +95,7 @@ def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
 
 def is_summary_lm(cfg: Config) -> bool:
     """A language model trained on "document <sep> summary" sequences (rather than a text stream)."""
-    return cfg.task == "lm" and (cfg.data.dataset == "xsum" or cfg.data.format == "jsonl")
+    return not cfg.kind.encoder and (cfg.data.dataset == "xsum" or cfg.data.format == "jsonl")
 
 
 def lead_1(document: str) -> str:

@@ -116,7 +116,7 @@ def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, sl
     ``opts.no_repeat_ngram``. Checks happen here, before the first token: a prompt too long for the
     context (without ``slide``) raises :class:`ConfigError`."""
     cfg, tok = run.cfg, run.tokenizers.src
-    if cfg.task != "lm":
+    if cfg.kind.encoder:
         raise ConfigError(f"{run.path} is a {cfg.task} run: `aiayn generate` needs a language model "
                           "(use translate or summarize)")
     ids = prompt_ids(cfg, tok, prompt)
@@ -225,17 +225,18 @@ def summarize(run: Run, documents: Sequence[str], options: DecodeOptions | None 
     opts = (options or run.cfg.decode).replace(**overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
-    if run.cfg.task == "lm":
+    kind = run.cfg.kind
+    if not kind.encoder:
         if not is_summary_lm(run.cfg):
             raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
                               "sequences (data.dataset xsum or JSONL files): it cannot summarize")
         if overrides.get("beam") not in (None, 1) or opts.sample:
             raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
                               "needs an encoder-decoder (task: summarization) run")
-    elif run.cfg.task != "summarization":
+    elif not kind.summarizes:
         raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
     with kernels(model_device(run.model), run.precision):
-        return summarize_lm(run, documents, opts) if run.cfg.task == "lm" else summarize_seq2seq(run, documents, opts)
+        return (summarize_seq2seq if kind.encoder else summarize_lm)(run, documents, opts)
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -260,7 +261,7 @@ class Generator(LoadedRun):
     ``summarize(documents)`` works for runs trained on "document <sep> summary" sequences."""
 
     def __init__(self, run: Run) -> None:
-        if run.cfg.task != "lm":
+        if run.cfg.kind.encoder:
             raise ConfigError(f"{run.path} is a {run.cfg.task} run, not a language model")
         super().__init__(run)
 
@@ -286,4 +287,4 @@ def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", prec
     from aiayn.run_dir import load_run
 
     run = load_run(run_dir, device, precision=precision)
-    return Generator(run) if run.cfg.task == "lm" else Translator(run)
+    return {"translator": Translator, "generator": Generator}[run.cfg.kind.loader](run)

@@ -131,6 +131,6 @@ def load(run_dir: str | Path, device: str | torch.device = "auto", precision: st
     from aiayn.run_dir import load_run
 
     run = load_run(run_dir, device, weights, precision=precision)
-    if run.cfg.task == "lm":
+    if not run.cfg.kind.encoder:
         raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
     return Translator(run)

@@ -35,6 +35,7 @@ from typing import Any
 from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
+from aiayn.task import TASKS
 
 log = logging.getLogger("aiayn.eval")
 
@@ -127,7 +128,7 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     sb = sacrebleu_scores(hyps, refs)
     lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
     scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
-    if cfg.task == "summarization":
+    if cfg.kind.summarizes:
         scores.update(rouge_scores(hyps, refs))
     result = {
         "name": name,
@@ -262,16 +263,16 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
     (options or cfg.decode).replace(**overrides)  # bad options fail here, before any loading
     if data.max_length is not None and not data.rolling:
         raise ConfigError("--max-length is lm-evaluation-harness's window length: it goes with --rolling")
-    if data.rolling and cfg.task == "lm":
+    if data.rolling and not cfg.kind.encoder:
         if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
             raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
         return evaluate_lm_rolling(run_dir, data, device, precision)
-    if split is not None and (cfg.task == "summarization" or is_summary_lm(cfg)):
+    if split is not None and (cfg.kind.summarizes or is_summary_lm(cfg)):
         # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
         from aiayn.eval.summaries import evaluate_summaries
 
         return evaluate_summaries(run_dir, split, options, device, precision, data.weights, **overrides)
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
                               "file is scored with --rolling), --split valid at most")
@@ -298,14 +299,15 @@ def summary(result: dict[str, Any]) -> str:
                 f"{k} {result['lead1'][k]:.2f}" for k in ("rouge1", "rouge2", "rougeL")))
         lines.append(f"wrote {result['json_path']}")
         return "\n".join(lines)
-    if result["task"] == "lm" and result["data"].get("rolling"):
+    lm = not TASKS[result["task"]].encoder
+    if lm and result["data"].get("rolling"):
         d = result["data"]
         return (f"{result['name']}: {d['n_tokens']} tokens in {d['windows']} rolling windows (lm-evaluation-harness, "
                 f"max_length {d['max_length']}, after <s>): loglikelihood {s['loglikelihood']:.4f}, NLL "
                 f"{s['nll_per_token']:.4f} nats/token, perplexity {s['ppl']:.2f}\nword_perplexity "
                 f"{s['word_perplexity']:.4f}, byte_perplexity {s['byte_perplexity']:.4f}, bits_per_byte "
                 f"{s['bits_per_byte']:.4f}\nwrote {result['json_path']}")
-    if result["task"] == "lm":
+    if lm:
         return (f"{result['name']}: {result['data']['n_tokens']} tokens, NLL {s['nll_per_token']:.4f} nats/token, "
                 f"perplexity {s['ppl']:.2f}\nwrote {result['json_path']}")
     d, sig = result["decode"], result["signatures"]

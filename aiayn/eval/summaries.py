@@ -50,7 +50,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     start = time.perf_counter()
     hyps = summarize(run, [d for d, _ in pairs], opts)
     wall = time.perf_counter() - start
-    kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else f"encoder-decoder: beam {opts.beam}"
+    kind = "lm: greedy after 'document <sep>'" if not run.cfg.kind.encoder else f"encoder-decoder: beam {opts.beam}"
     max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
         "name": f"rouge_{split}" if label is None else f"rouge_{split}.{label}",

@@ -26,8 +26,7 @@ from aiayn.decode.translator import Translation, Translator
 from aiayn.run_dir import Run
 from aiayn.serve.batcher import Batcher
 from aiayn.serve.schemas import ApiError, Limits, source_tokens
-
-TASK_NAMES = {"translation": "translation", "summarization": "summarization", "lm": "language-model (task lm)"}
+from aiayn.task import TASKS, Task
 
 
 def bearer(request: Request) -> str | None:
@@ -70,23 +69,26 @@ class Service:
     def generate_options(self) -> DecodeOptions:
         """The base of ``/v1/generate``: as ``aiayn generate``, sampling at temperature 1 unless the server's
         flags say otherwise (then the request's own options)."""
-        return self.model.cfg.decode.replace(**{"sample": True, "temperature": 1.0, **self.choices.decode})
+        return self.model.cfg.decode.replace(**{**self.kind.decoding, **self.choices.decode})
 
     @property
     def task(self) -> str:
         return self.model.cfg.task
 
     @property
+    def kind(self) -> Task:
+        return self.model.cfg.kind
+
+    @property
     def run(self) -> Run:
         return self.model.run
 
-    def need(self, endpoint: str, *tasks: str) -> None:
+    def need(self, endpoint: str) -> None:
         """aiayn's own API: a 400 naming the endpoint a run of another task has."""
-        if self.task not in tasks:
-            other = "/v1/generate" if self.task == "lm" else "/v1/translate"
-            wanted = " or ".join(TASK_NAMES[t] for t in tasks)
+        if self.kind.endpoint != endpoint:
+            wanted = " or ".join(t.label for t in TASKS.values() if t.endpoint == endpoint)
             raise ApiError(400, "wrong_task", f"{endpoint} needs a {wanted} run; this server runs a "
-                                              f"{TASK_NAMES[self.task]} run (use {other})")
+                                              f"{self.kind.label} run (use {self.kind.endpoint})")
 
     def key_matches(self, given: str | None) -> bool:
         """Whether ``given`` is the server's key (always, when the server has none); constant time."""
