@@ -340,7 +340,9 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     # One tokenizer and one encoding for every row of a seed (the seed draws the tokenizer's sample, so it is part of
     # a store's key, and a named store is never rebuilt for another key); a store holds corpus files and Multi30k,
     # any other dataset trains the same tokenizer again per row, from the same text with the same settings.
-    own_store = base_cfg.data.prepared is None and base_cfg.data.dataset in (None, "multi30k")
+    from aiayn.data.registry import dataset_of
+
+    own_store = base_cfg.data.prepared is None and dataset_of(base_cfg).shared_store
 
     def store(seed: int) -> list[str]:
         return [f"data.prepared={out / 'prepared' / f'seed{seed}'}"] if own_store else []

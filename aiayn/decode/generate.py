@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from aiayn.config import Config, DecodeOptions
-from aiayn.data.summarization import collapse_whitespace, is_summary_lm, lm_prompt, separator_ids
+from aiayn.data.registry import is_summary_lm
+from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
 from aiayn.decode.loaded import LoadedRun
 from aiayn.device import model_device

@@ -46,18 +46,9 @@ def split_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
     ``reverse``: train / valid / test; ``multi30k``: train, val (or valid), test_2016_flickr, ...;
     parallel files named in the config: train / valid.
     """
-    ds = cfg.data.dataset
-    if ds == "reverse":
-        from aiayn.data.synthetic import reverse_split
+    from aiayn.data.registry import pairs
 
-        return reverse_split(split)
-    if ds == "multi30k":
-        from aiayn.data.datasets import multi30k_split
-
-        return multi30k_split("val" if split == "valid" else split, cfg.data.src_lang, cfg.data.tgt_lang)
-    from aiayn.data.pipeline import load_pairs
-
-    return load_pairs(cfg, split)
+    return pairs(cfg, split)
 
 
 def _default_name(src: str) -> str:
@@ -191,7 +182,7 @@ def lm_valid_text(cfg: Config) -> str:
     """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
     cut where training cut it (``data.pipeline.build_lm_data``)."""
     from aiayn.data.pipeline import load_lm_text
-    from aiayn.data.summarization import is_summary_lm
+    from aiayn.data.registry import is_summary_lm
 
     if is_summary_lm(cfg):
         raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
@@ -251,7 +242,7 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
                  precision: str = "auto", **overrides) -> dict[str, Any]:
     """Evaluate a run on ``data`` (see the module docstring); dispatches on the run's task. Decoding options: the
     run's ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
-    from aiayn.data.summarization import is_summary_lm
+    from aiayn.data.registry import is_summary_lm
 
     run_dir = Path(run_dir)
     split, src, ref, name = data.split, data.src, data.ref, data.name

@@ -245,7 +245,7 @@ class Levers:
 def fixed_shapes(cfg: Config) -> bool:
     """Whether the batches have fixed shapes (``data.length_buckets``, language-model blocks): compiled with a static
     graph per shape; token-budget batches take the dynamic shape policy."""
-    from aiayn.data.summarization import is_summary_lm
+    from aiayn.data.registry import is_summary_lm
 
     return bool(cfg.data.length_buckets) if cfg.kind.encoder else not is_summary_lm(cfg)
 
