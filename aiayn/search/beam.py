@@ -135,6 +135,34 @@ def _check(spec: SearchSpec) -> None:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam (got beam={o.beam}, nbest={o.nbest})")
 
 
+def _candidates(lprobs: Tensor, scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The 2N best (beam, token) candidates of each live sentence, best first, from lprobs (rows, V) of its R
+    rows (1 on the first step, then N) and scores (n, N), the live beams' summed logprobs: (summed logprob,
+    beam, token), each (n, 2N) (fewer when N * V < 2N)."""
+    (n, N), V = scores.shape, lprobs.size(-1)
+    R, k = lprobs.size(0) // n, min(2 * N, V)
+    if R * k >= min(2 * N, N * V):
+        # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
+        # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
+        row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
+        cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
+        top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+        return top_lp, top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
+    # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
+    cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
+    top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
+    return top_lp, top_idx // V, top_idx % V
+
+
+def _first_candidates(tokens: Tensor, top_beam: Tensor, top_tok: Tensor, N: int) -> Tensor:
+    """(n, N, t + 1) the tokens of each sentence's first N candidates: their beam's prefix (tokens (rows, 1 + t),
+    BOS first), then the candidate's token (top_beam, top_tok (n, 2N))."""
+    n, t = top_beam.size(0), tokens.size(1) - 1
+    prefix = tokens[:, 1:].view(n, tokens.size(0) // n, t)  # (n, R, t); (n, 1, 0) on the first step
+    prefix = prefix.gather(1, top_beam[:, :N, None].expand(n, N, t)) if t else prefix.expand(n, N, 0)
+    return torch.cat([prefix, top_tok[:, :N, None]], 2)
+
+
 @torch.no_grad()
 def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                 spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
@@ -150,8 +178,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     free_waits, sdt = waits_are_free(device), score_dtype(device)
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
-    memory = model.encode(src, src_mask)  # (B, S, D); N rows per sentence from the second step on
-    mem_mask = src_mask
+    memory, mem_mask = model.encode(src, src_mask), src_mask  # (B, S, D); N rows per sentence from the 2nd step
     cache = new_cache(model, max(limits))
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
@@ -169,19 +196,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         n = scores.size(0)
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
-        V, R = lprobs.size(-1), tokens.size(0) // n  # R rows per sentence: 1 on the first step, then N
-        k = min(2 * N, V)
-        if R * k >= min(2 * N, N * V):
-            # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
-            # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
-            row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
-            cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
-            top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
-            top_beam, top_tok = top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
-        else:  # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
-            cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
-            top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
-            top_beam, top_tok = top_idx // V, top_idx % V
+        top_lp, top_beam, top_tok = _candidates(lprobs, scores)
         length = t + 1  # |Y| of every candidate of this step
         is_eos = top_tok == spec.eos
         at_limit = limit <= length  # (n,)
@@ -192,9 +207,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
             den = length_penalty_denominator(length, o.alpha, o.length_penalty)
             penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
-            prefix = tokens[:, 1:].view(n, R, t)  # (n, N, t); (n, 1, 0) on the first step
-            prefix = prefix.gather(1, top_beam[:, :N, None].expand(n, N, t)) if t else prefix.expand(n, N, 0)
-            finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
+            finished.offer(penalized, lp, _first_candidates(tokens, top_beam, top_tok, N), t + (~eos).long())
 
         # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
         live_lp = top_lp.masked_fill(is_eos, NEG_INF)
