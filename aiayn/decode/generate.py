@@ -43,7 +43,7 @@ from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, decode_ids, sample, sample_rows
+from aiayn.search import SearchSpec, decode_ids, sample_rows, strategy_for
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -124,8 +124,8 @@ def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, sl
     ctx = lm_context(cfg)
     if not slide:
         check_prompt_fits(cfg, ids)
-    tokens = sample(run.model, ids, SearchSpec(opts, run.tokenizers.specials), new_token_limit(opts, "generate"),
-                    context_limit=ctx)
+    tokens = strategy_for(opts).stream(run.model, ids, SearchSpec(opts, run.tokenizers.specials),
+                                       new_token_limit(opts, "generate"), ctx)
 
     def stream() -> Iterator[str]:
         text = TextStream(tok, ids)
@@ -190,7 +190,8 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
             continue
         found: list[int] = []
         text = ""
-        for t in sample(run.model, lm_prompt(tok, doc, sep, ctx - reserve), spec, max_new, context_limit=ctx):
+        for t in strategy_for(spec.options).stream(run.model, lm_prompt(tok, doc, sep, ctx - reserve), spec, max_new,
+                                                    ctx):
             found.append(t)
             text = tok.decode(found)
             if any(s in text for s in stops):

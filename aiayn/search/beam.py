@@ -36,15 +36,19 @@ rows are sentence-major: row = sentence * N + beam.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.config import DecodeOptions
 from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
     STOP_RULES,
     Hypothesis,
+    Strategy,
     length_penalty_denominator,
     new_cache,
     score_dtype,
@@ -52,6 +56,7 @@ from aiayn.search.common import (
     waits_are_free,
 )
 from aiayn.search.processing import LogitsProcessor
+from aiayn.search.sampling import sample
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -244,3 +249,24 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         scores = new_scores
         t += 1
     return finished.hypotheses(o.nbest)
+
+
+class Beam(Strategy):
+    """Beam search (beam > 1, no sampling). A language model's stream has no beams: it continues greedily, the
+    options' beam aside."""
+
+    name = "beam"
+
+    def chosen(self, options: DecodeOptions) -> bool:
+        return not options.sample and options.beam > 1
+
+    def rows(self, options: DecodeOptions) -> int:
+        return options.beam
+
+    def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
+               ) -> list[list[Hypothesis]]:
+        return beam_search(model, src, src_mask, spec)
+
+    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
+               context_limit: int | None) -> Iterator[int]:
+        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax

@@ -24,6 +24,7 @@ from aiayn.config import DecodeOptions
 from aiayn.decode.generate import Generator
 from aiayn.decode.translator import Translation, Translator
 from aiayn.run_dir import Run
+from aiayn.search import rows_per_source
 from aiayn.serve.batcher import Batcher
 from aiayn.serve.schemas import ApiError, Limits, source_tokens
 from aiayn.task import TASKS, Task
@@ -112,7 +113,7 @@ class Service:
         stop = self.batcher.call_cancelled
         tr: Translator = self.model
         opts = opts.replace(max_tokens=self.budget)
-        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * (opts.nbest if opts.sample else opts.beam)
+        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * rows_per_source(opts)
         if seeds is not None:
             draws = [opts.replace(sample=True, seed=seed) for seed in seeds]
             found = await self.batcher.run(None, list(zip(texts, draws)), max(cost, 1), lambda items: [
