@@ -283,10 +283,7 @@ class Generator(LoadedRun):
 
 def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto"
                   ) -> Translator | Generator:
-    """A trained run, ready to use (what ``aiayn.load`` returns): a :class:`~aiayn.decode.translator.Translator`
-    for translation and summarization runs, a :class:`Generator` for language models."""
-    from aiayn.decode.translator import Translator
-    from aiayn.run_dir import load_run
+    """:func:`aiayn.decode.load` (what ``aiayn.load`` returns), by its older name."""
+    from aiayn.decode import load
 
-    run = load_run(run_dir, device, precision=precision)
-    return {"translator": Translator, "generator": Generator}[run.cfg.kind.loader](run)
+    return load(run_dir, device, precision)
