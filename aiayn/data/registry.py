@@ -8,7 +8,7 @@ entry of :data:`REGISTRY`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -24,13 +24,13 @@ from aiayn.data.datasets import (
     wmt14_split,
     wmt14_train_pairs,
 )
+from aiayn.data.store import PairSource
 from aiayn.data.summarization import XSUM_SPLITS, collapse_whitespace, xsum_pairs
 from aiayn.data.synthetic import SPLITS as REVERSE_SPLITS
 from aiayn.data.synthetic import reverse_split
 from aiayn.task import TASKS, Task
 
 Pair = tuple[str, str]
-PairSource = Callable[[], Iterator[Pair]]  # a fresh stream of (source, target) texts each call
 Sources = tuple[dict[str, PairSource], dict[str, str]]  # the train and valid streams, and what they are read from
 TRAIN_VALID = ("train", "valid")
 
@@ -44,7 +44,7 @@ class Dataset:
     same tokenizer again). ``lm_summaries``: a language model of it trains on "document <sep> summary" rows."""
 
     name: str | None = None
-    kind: str | None = None
+    kind: Task | None = None
     test_splits: tuple[str, ...] = ()
     lead_1 = False
     shared_store = True
@@ -52,7 +52,7 @@ class Dataset:
 
     def serves(self, task: Task) -> bool:
         """Whether a config of ``task`` can read it."""
-        return self.kind is None or self.kind == task.name
+        return self.kind is None or self.kind is task
 
     def summaries(self, data: DataConfig) -> bool:
         """Whether a language model of it trains on "document <sep> summary" rows (JSONL files: (document,
@@ -125,7 +125,7 @@ class Named(Dataset):
 class Reverse(Named):
     """The synthetic reversal task (:mod:`aiayn.data.synthetic`), for any encoder-decoder."""
 
-    name, kind, test_splits, shared_store = "reverse", "translation", ("test",), False
+    name, kind, test_splits, shared_store = "reverse", TASKS["translation"], ("test",), False
 
     def serves(self, task: Task) -> bool:
         return task.encoder
@@ -140,7 +140,7 @@ class Reverse(Named):
 class Multi30k(Named):
     """Multi30k (valid = its val split; the test sets by their names)."""
 
-    name, kind = "multi30k", "translation"
+    name, kind = "multi30k", TASKS["translation"]
     test_splits = tuple(s for s in MULTI30K_SPLITS if s.startswith("test"))
 
     def split_pairs(self, data: DataConfig, split: str) -> list[Pair]:
@@ -150,7 +150,7 @@ class Multi30k(Named):
 class WMT14(Named):
     """WMT14 En-De: 4.5M training pairs streamed from their files; valid and test through sacreBLEU."""
 
-    name, kind, test_splits, shared_store = "wmt14", "translation", ("test",), False
+    name, kind, test_splits, shared_store = "wmt14", TASKS["translation"], ("test",), False
 
     def split_pairs(self, data: DataConfig, split: str) -> list[Pair]:
         if split == "train":
@@ -168,7 +168,7 @@ class WMT14(Named):
 class XSum(Named):
     """The 1,000-row XSum sample: (document, summary) pairs for an encoder-decoder or a language model."""
 
-    name, kind, lead_1, shared_store, lm_summaries = "xsum", "summarization", True, False, True
+    name, kind, lead_1, shared_store, lm_summaries = "xsum", TASKS["summarization"], True, False, True
 
     def serves(self, task: Task) -> bool:
         return True
@@ -187,7 +187,7 @@ class XSum(Named):
 class TinyShakespeare(Named):
     """tinyshakespeare: one text, a language model's."""
 
-    name, kind, shared_store = "tinyshakespeare", "lm", False
+    name, kind, shared_store = "tinyshakespeare", TASKS["lm"], False
 
     def text(self, data: DataConfig) -> tuple[Path, dict[str, str]]:
         return (dataset_path("tinyshakespeare", "input.txt"),
@@ -205,7 +205,7 @@ def lookup(name: str | None, task: Task) -> Dataset:
     entry = FILES if name is None else REGISTRY.get(name)
     if entry is not None and entry.serves(task):
         return entry
-    known = sorted(n for n, d in REGISTRY.items() if d.kind == task.name or (not task.encoder and d.lm_summaries))
+    known = sorted(n for n, d in REGISTRY.items() if d.kind is task or (not task.encoder and d.lm_summaries))
     if not task.encoder:
         raise ConfigError(f"data.dataset={name!r} is not a language-modelling corpus "
                           f"(task lm: {', '.join(known)}, or data.train_src: a text file)")
