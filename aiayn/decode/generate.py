@@ -43,7 +43,7 @@ from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, decode_ids, sample_rows, strategy_for
+from aiayn.search import SearchSpec, decode_ids, strategy_for
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -157,7 +157,7 @@ def stream_rows(run: Run, prompts: Sequence[str | Sequence[int]], opts: DecodeOp
     cfg, tok = run.cfg, run.tokenizers.src
     ids = [prompt_ids(cfg, tok, p) for p in prompts]
     spec = SearchSpec(opts, run.tokenizers.specials)
-    steps = sample_rows(run.model, ids, spec, list(max_new_tokens), list(seeds))
+    steps = strategy_for(opts).stream_rows(run.model, ids, spec, list(max_new_tokens), list(seeds))
     texts = [TextStream(tok, i) for i in ids]
     device = model_device(run.model)
     while True:

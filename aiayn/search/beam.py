@@ -56,7 +56,7 @@ from aiayn.search.common import (
     waits_are_free,
 )
 from aiayn.search.processing import LogitsProcessor
-from aiayn.search.sampling import sample
+from aiayn.search.sampling import sample, sample_rows
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -270,3 +270,7 @@ class Beam(Strategy):
     def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
                context_limit: int | None) -> Iterator[int]:
         return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

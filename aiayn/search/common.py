@@ -54,6 +54,12 @@ class Strategy(Protocol):
         reading at most ``context_limit`` tokens (:func:`aiayn.search.sampling.sample`)."""
         ...
 
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        """:meth:`stream` for several prompts in one batch: per step, each row's new id (None once it has ended;
+        :func:`aiayn.search.sampling.sample_rows`)."""
+        ...
+
 
 def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> Tensor:
     """Right-pad id lists into one (B, longest) long tensor."""

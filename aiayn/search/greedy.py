@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from aiayn.config import DecodeOptions
 from aiayn.search.common import Hypothesis, Strategy, new_cache, pad_rows, penalized_score
 from aiayn.search.processing import LogitsProcessor
-from aiayn.search.sampling import sample
+from aiayn.search.sampling import sample, sample_rows
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -113,3 +113,7 @@ class Greedy(Strategy):
     def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
                context_limit: int | None) -> Iterator[int]:
         return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

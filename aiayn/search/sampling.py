@@ -219,3 +219,7 @@ class Sampling(Strategy):
     def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
                context_limit: int | None) -> Iterator[int]:
         return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)
