@@ -28,7 +28,7 @@ from aiayn.data.batching import (
     token_batches,
 )
 from aiayn.data.corpus import DataError, describe_clean_stats
-from aiayn.data.registry import dataset_of, is_summary_lm, pairs
+from aiayn.data.registry import dataset_of, is_summary_lm
 from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
 from aiayn.data.stream_store import LMData, stream_recipe
 from aiayn.data.summarization import (
@@ -39,11 +39,6 @@ from aiayn.data.summarization import (
 from aiayn.data.tokenizer import SpecialIds, TokenizerPair
 
 log = logging.getLogger("aiayn.data")
-
-
-def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
-    """Text pairs of ``split`` (train / valid or a named split) for the config's dataset or files."""
-    return pairs(cfg, split)
 
 
 def tokenizer_dir(run_dir: str | Path) -> Path:
