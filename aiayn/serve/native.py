@@ -125,7 +125,8 @@ class NativeRoutes:
         body = await self.body(request)
         text, target = attention_request(body, self.svc.limits)
         run, encoder = self.svc.run, self.svc.kind.encoder
-        n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - encoder  # a source ends in EOS
+        room = run.cfg.model.max_positions - int(encoder)  # an encoder's source ends in EOS
+        n = len(run.tokenizers.src.encode(text))
         if n > room:
             raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
         if target is not None and encoder:
