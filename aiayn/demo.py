@@ -18,10 +18,10 @@ from aiayn.weights import list_checkpoints
 log = logging.getLogger("aiayn.demo")
 
 DEFAULT_CONFIG = CONFIG_DIR / "multi30k_en_de_quick.yaml"
-TEST_SPLIT = "test_2016_flickr"
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from aiayn.data.registry import dataset_of
     from aiayn.eval.evaluate import EvalData, evaluate_run, summary
     from aiayn.train.run import train
 
@@ -38,7 +38,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"training {config.name} into {run_dir} (budget: {cfg.train.max_minutes or '-'} minutes, "
               f"{cfg.train.max_updates} updates at most)")
         train(cfg, run_dir, resume=resume, progress=True)
-    split = TEST_SPLIT if cfg.data.dataset == "multi30k" else "test"
+    split = (dataset_of(cfg).test_splits or ("test",))[0]  # Multi30k's first: test_2016_flickr
     result = evaluate_run(run_dir, EvalData(split=split))
     print()
     print(summary(result))

@@ -55,10 +55,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+]*$")
 
 def dataset_test_splits(cfg: Config) -> tuple[str, ...]:
     """The test splits of the recipe's dataset (none for corpus files: name them with --splits)."""
-    from aiayn.data.datasets import MULTI30K_SPLITS
+    from aiayn.data.registry import dataset_of
 
-    return {"multi30k": tuple(s for s in MULTI30K_SPLITS if s.startswith("test")), "reverse": ("test",),
-            "wmt14": ("test",)}.get(cfg.data.dataset or "", ())
+    return dataset_of(cfg).test_splits
 
 
 def setting(key: str, value: Any) -> str:
@@ -214,7 +213,7 @@ def plan_sweep(sweep: Sweep, parallel: int | None) -> Plan:
     for variant in sweep.variants:
         for seed in dict.fromkeys(sweep.seeds):
             cfg = job_config(sweep, variant, seed)
-            if cfg.task != "translation":
+            if not cfg.kind.translates:
                 raise ConfigError(f"{sweep.config}: a sweep scores translations; this recipe's task is {cfg.task}")
             for d in sweep.decodings:
                 cfg.decode.replace(**dict(d.options))  # a bad option fails here

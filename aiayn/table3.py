@@ -333,14 +333,16 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     if parallel < 1:
         raise ConfigError(f"--parallel must be at least 1, got {parallel}")
     base_cfg = load_config(base, list(extra))
-    if base_cfg.task != "translation":
+    if not base_cfg.kind.translates:
         raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     # One tokenizer and one encoding for every row of a seed (the seed draws the tokenizer's sample, so it is part of
     # a store's key, and a named store is never rebuilt for another key); a store holds corpus files and Multi30k,
     # any other dataset trains the same tokenizer again per row, from the same text with the same settings.
-    own_store = base_cfg.data.prepared is None and base_cfg.data.dataset in (None, "multi30k")
+    from aiayn.data.registry import dataset_of
+
+    own_store = base_cfg.data.prepared is None and dataset_of(base_cfg).shared_store
 
     def store(seed: int) -> list[str]:
         return [f"data.prepared={out / 'prepared' / f'seed{seed}'}"] if own_store else []

@@ -367,7 +367,8 @@ def test_evaluate_summary_lm_reports_perplexity(summary_lm, capsys):
     assert "perplexity" in capsys.readouterr().out
     res = json.loads((summary_lm / "eval" / "valid.json").read_text(encoding="utf-8"))
     # recompute: every valid article as one sequence, every token after BOS predicted once
-    from aiayn.data.summarization import lm_sequence, separator_ids, summary_pairs
+    from aiayn.data.registry import pairs as summary_pairs
+    from aiayn.data.summarization import lm_sequence, separator_ids
 
     run = load_run(summary_lm)
     tok = run.tokenizers.src

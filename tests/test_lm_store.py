@@ -228,7 +228,8 @@ def _articles(path, n: int, seed: int) -> None:
 def _old_summary_rows(cfg, tok, split):
     """The rows the in-memory path built: each article encoded, cut to the block, dropped when empty or when
     its summary leaves no room."""
-    from aiayn.data.summarization import lm_sequence_ids, separator_ids, summary_pairs
+    from aiayn.data.registry import pairs as summary_pairs
+    from aiayn.data.summarization import lm_sequence_ids, separator_ids
 
     sep_ids = separator_ids(tok.src, cfg.data.separator)
     rows = []
@@ -254,7 +255,7 @@ def _old_summary_batches(rows, cfg, epoch, shuffle):
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_summary_lm_rows_and_batches_are_those_built_in_memory(tmp_path, tokenizer):
     from aiayn.data.pipeline import build_lm_data
-    from aiayn.data.summarization import summary_pairs
+    from aiayn.data.registry import pairs as summary_pairs
 
     for name, n, seed in (("train", 150, 1), ("valid", 30, 2)):
         _articles(tmp_path / f"{name}.jsonl", n, seed)

@@ -712,3 +712,57 @@ def test_beam_search_by_chunks_equals_plain_topk(tiny_mt, monkeypatch):
     monkeypatch.setattr(common, "TOPK_CHUNK", 3)
     assert [[(h.tokens, h.score) for h in hs] for hs in beam_search(m, src, spec=spec)] == \
         [[(h.tokens, h.score) for h in hs] for hs in plain]
+
+
+# Strategies by name ---------------------------------------------------------------------------------------
+
+
+def test_the_table_chooses_as_the_options_say():
+    from aiayn.search import STRATEGIES, rows_per_source, strategy_for
+
+    assert list(STRATEGIES) == ["sample", "greedy", "beam"]
+    o = spec_of().options
+    assert strategy_for(o.replace(beam=1)).name == "greedy" and rows_per_source(o.replace(beam=1)) == 1
+    assert strategy_for(o.replace(beam=4)).name == "beam" and rows_per_source(o.replace(beam=4)) == 4
+    drawn = o.replace(beam=4, sample=True, nbest=3)
+    assert strategy_for(drawn).name == "sample" and rows_per_source(drawn) == 3
+
+
+def test_a_new_strategy_is_one_entry_of_the_table(tiny_mt, lm_run, monkeypatch):
+    """A strategy added to the table (and nowhere else) is what decode_ids searches with, what its batches and the
+    server's cost count per source, and what a language model's generation streams with."""
+    from aiayn.decode.generate import generate_text
+    from aiayn.run_dir import load_run
+    from aiayn.search import Greedy, decode_batches, decode_ids, rows_per_source, sources
+
+    streamed = []
+
+    class Reversed(Greedy):  # greedy's tokens backwards: an output no other strategy gives
+        name = "reversed"
+
+        def chosen(self, options):
+            return not options.sample and options.beam == 3
+
+        def rows(self, options):
+            return 5
+
+        def search(self, model, src, src_mask, spec, scores):
+            return [[Hypothesis(h[0].tokens[::-1], h[0].score, h[0].logprob)]
+                    for h in super().search(model, src, src_mask, spec, scores)]
+
+        def stream(self, model, prompt, spec, max_new_tokens, context_limit):
+            streamed.append(max_new_tokens)
+            return iter(())
+
+    monkeypatch.setattr(sources, "STRATEGIES", {"reversed": Reversed(), **sources.STRATEGIES})
+    m, src, lengths = tiny_mt
+    rows = [src[i, :n].tolist() for i, n in enumerate(lengths.tolist()[:4])]
+    greedy = decode_ids(m, rows, spec_of(beam=1, max_len_b=5), scores=False)
+    found = decode_ids(m, rows, spec_of(beam=3, nbest=1, max_len_b=5), scores=False)
+    assert [h[0].tokens for h in found] == [h[0].tokens[::-1] for h in greedy]
+    opts = spec_of(beam=3, max_tokens=49).options
+    assert rows_per_source(opts) == 5
+    assert decode_batches([5, 5, 5], opts, "cpu") == [[0], [1], [2]]  # 2 sources x 5 ids x 5 rows > 49 (x 3 beams: 30)
+    run = load_run(lm_run, "cpu")
+    assert "".join(generate_text(run, "a", run.cfg.decode.replace(beam=3, max_new_tokens=4))) == ""
+    assert streamed == [4]

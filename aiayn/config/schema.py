@@ -22,6 +22,7 @@ from aiayn.config.checks import (
     _positive,
 )
 from aiayn.errors import ConfigError
+from aiayn.task import TASKS, Task
 
 # data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
 # SentencePiece. The tokenizer imports this tuple.
@@ -494,11 +495,16 @@ class Config:
     expect: ExpectConfig = field(default_factory=ExpectConfig)
 
     def __post_init__(self) -> None:
-        _choice("task", self.task, ("translation", "lm", "summarization"))
-        if self.data.pretokenize != "none" and self.task != "translation":
+        _choice("task", self.task, tuple(TASKS))
+        if self.data.pretokenize != "none" and not self.kind.translates:
             raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
-        if not self.data.shared_vocab and self.model.share_embeddings and self.task != "lm":
+        if not self.data.shared_vocab and self.model.share_embeddings and self.kind.encoder:
             raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+
+    @property
+    def kind(self) -> Task:
+        """What the ``task`` named means (:mod:`aiayn.task`): asked, never compared as a string."""
+        return TASKS[self.task]
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dicts and lists (YAML and JSON have no tuples)."""

@@ -15,12 +15,12 @@ from .corpus import (
 )
 from .datasets import (
     DATASETS,
-    config_pairs,
     dataset_path,
     multi30k_split,
     tinyshakespeare_text,
     xsum_rows,
 )
+from .registry import config_pairs
 from .tokenizer import (
     BOS_ID,
     EOS_ID,

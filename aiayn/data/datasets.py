@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write, atomic_write_json
-from .corpus import DataError, iter_parallel, read_jsonl_rows, read_pairs, read_parallel, read_text, split_files
+from .corpus import DataError, iter_parallel, read_jsonl_rows, read_parallel, read_text
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
 CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
@@ -324,23 +324,3 @@ def xsum_rows() -> list[dict[str, Any]]:
 def xsum_sha256() -> str:
     """The published sha256 of the XSum sample: what a store of its pairs is keyed by."""
     return DATASETS["xsum"].files["xsum-1000.jsonl"].sha256
-
-
-def config_pairs(data: Any, split: str) -> list[tuple[str, str]]:
-    """Sentence pairs for a translation :class:`~aiayn.config.DataConfig` and ``split`` train | valid.
-
-    ``data.dataset == 'multi30k'``: the Multi30k split (valid = val) in ``src_lang -> tgt_lang``;
-    otherwise the files ``train_src``/``train_tgt`` or ``valid_src``/``valid_tgt`` in ``data.format``.
-    """
-    if split not in ("train", "valid"):
-        raise DataError(f"split {split!r}: expected train or valid")
-    if data.dataset == "multi30k":
-        return multi30k_split("val" if split == "valid" else split, data.src_lang, data.tgt_lang)
-    if data.dataset == "wmt14":
-        if split == "train":
-            raise DataError("wmt14's 4.5M training pairs are streamed into a token store, never held in a list")
-        return wmt14_split(split, data.src_lang, data.tgt_lang)
-    if data.dataset is not None:
-        raise DataError(f"dataset {data.dataset!r} is not a translation corpus (known: multi30k, wmt14)")
-    src, tgt = split_files(data, split)
-    return read_pairs(data.format, src, tgt, data.src_field, data.tgt_field)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,33 +27,18 @@ from aiayn.data.batching import (
     plan_batches,
     token_batches,
 )
-from aiayn.data.corpus import DataError, describe_clean_stats, split_files
+from aiayn.data.corpus import DataError, describe_clean_stats
+from aiayn.data.registry import dataset_of, is_summary_lm
 from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
 from aiayn.data.stream_store import LMData, stream_recipe
 from aiayn.data.summarization import (
     SummaryLMData,
-    collapse_whitespace,
-    is_summary_lm,
     separator_ids,
     summary_lm_recipe,
-    summary_pairs,
 )
 from aiayn.data.tokenizer import SpecialIds, TokenizerPair
 
 log = logging.getLogger("aiayn.data")
-
-
-def load_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
-    """Text pairs of ``split`` (train / valid or a named split) for the config's dataset or files."""
-    if cfg.data.dataset == "reverse":
-        from aiayn.data.synthetic import reverse_split
-
-        return reverse_split(split)
-    if cfg.data.dataset == "xsum" or cfg.task == "summarization":
-        return summary_pairs(cfg, split)
-    from aiayn.data.datasets import config_pairs
-
-    return config_pairs(cfg.data, split)
 
 
 def tokenizer_dir(run_dir: str | Path) -> Path:
@@ -165,62 +150,14 @@ def batch_budget(cfg: Config, world: int = 1) -> int:
     return budget
 
 
-def _known_sources(cfg: Config, split_names: tuple[str, ...]) -> tuple[dict[str, PairSource], dict[str, str]]:
-    """The pairs of a small known dataset (read whole: they are), and what identifies them."""
-    d = cfg.data
-    if d.dataset == "reverse":
-        from aiayn.data.synthetic import SPLITS, reverse_split
-
-        return ({s: (lambda s=s: iter(reverse_split(s))) for s in split_names},
-                {f"reverse/{s}": "synthetic:{}:{}".format(*SPLITS[s]) for s in split_names})
-    if d.dataset == "xsum":
-        from aiayn.data.datasets import xsum_sha256
-
-        sha = xsum_sha256()
-        return ({s: (lambda s=s: iter(summary_pairs(cfg, s))) for s in split_names},
-                {f"xsum/{s}": sha for s in split_names})
-    from aiayn.data.datasets import config_pairs
-
-    langs = f"{d.src_lang}-{d.tgt_lang}"
-    return ({s: (lambda s=s: iter(config_pairs(d, s))) for s in split_names},
-            {f"{d.dataset}/{s}/{langs}": "published" for s in split_names})
-
-
 def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
     """The train and valid pairs of a translation or summarization config as streams (a function giving a fresh
     iterator each call: corpus files are read line by line, never whole), and what they are read from: each
     file's sha256, or a known dataset's name, split and languages (its download is checked against its published
     sha256)."""
-    d, splits = cfg.data, ("train", "valid")
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         raise ConfigError("a language-model corpus is a token stream, not pairs")
-    if d.dataset == "wmt14":
-        from aiayn.data.datasets import DATASETS, config_pairs, wmt14_train_pairs
-
-        langs = f"{d.src_lang}-{d.tgt_lang}"
-        return ({"train": lambda: wmt14_train_pairs(d.src_lang, d.tgt_lang),
-                 "valid": lambda: iter(config_pairs(d, "valid"))},
-                {**{f"wmt14/{name}/{langs}": f.sha256 for name, f in DATASETS["wmt14"].files.items()},
-                 f"sacrebleu/wmt13/{langs}": "published"})
-    if d.dataset is not None:
-        return _known_sources(cfg, splits)
-    from aiayn.data.corpus import check_file, iter_pairs
-    from aiayn.data.datasets import sha256_known
-
-    def stream(src: str, tgt: str | None) -> Iterator[tuple[str, str]]:
-        pairs = iter_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
-        if cfg.task == "summarization":  # documents and summaries put on one line, as at inference
-            return ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs)
-        return pairs
-
-    sources, inputs = {}, {}
-    for split in splits:
-        src, tgt = split_files(d, split)
-        sources[split] = (lambda s=src, t=tgt: stream(s, t))
-        for path in (src, tgt):
-            if path is not None:
-                inputs[str(path)] = sha256_known(check_file(path))
-    return sources, inputs
+    return dataset_of(cfg).sources(cfg.data, cfg.kind)
 
 
 def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
@@ -228,7 +165,7 @@ def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
     summary) pairs (:func:`lm_recipe`), else translation pairs (:class:`~aiayn.data.store.PairRecipe`)."""
     from aiayn.data.store import PairRecipe
 
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         return lm_recipe(cfg, None, workers)
     sources, inputs = pair_sources(cfg)
     return PairRecipe(cfg, sources, inputs, None, workers)
@@ -377,7 +314,8 @@ def lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = 
     (:func:`~aiayn.data.summarization.summary_lm_recipe`), else the text as one token stream
     (:func:`~aiayn.data.stream_store.stream_recipe`); ``tokenizer``: the run's, else the store trains one."""
     if is_summary_lm(cfg):
-        return summary_lm_recipe(cfg, tokenizer, workers)
+        sources, inputs = dataset_of(cfg).sources(cfg.data, cfg.kind)
+        return summary_lm_recipe(cfg, sources, inputs, tokenizer, workers)
     return stream_recipe(cfg, tokenizer, workers)
 
 
@@ -464,6 +402,6 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
 
 def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1):
     """Task dispatch: (TrainData, TokenizerPair) for one of ``world`` processes."""
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         return build_lm_data(cfg, run_dir, is_main, barrier)
     return build_translation_data(cfg, run_dir, is_main, barrier, world)

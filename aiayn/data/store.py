@@ -760,7 +760,7 @@ class PairRecipe:
 
             workers = usable_cores() if big else 1
         splits: dict[str, Any] = {}
-        cut = cfg.task == "summarization" and max_len is not None
+        cut = cfg.kind.summarizes and max_len is not None
         with _encoders(tdir, max_len, cut, workers) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config
 from aiayn.data.batching import Batch, lm_batch, lm_block_order
 from aiayn.data.integrity import MANIFEST, Memo, check_ids
 from aiayn.data.store import (
@@ -67,26 +67,6 @@ LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines
 
 
 # Reading the text --------------------------------------------------------------------------------------------
-
-
-def lm_input(cfg: Config) -> tuple[Path, dict[str, str]]:
-    """The text file of a ``task: lm`` config and what it is for the store's key (a known dataset's published
-    sha256, else the file's)."""
-    if cfg.data.dataset == "tinyshakespeare":
-        from aiayn.data.datasets import DATASETS, dataset_path
-
-        return (dataset_path("tinyshakespeare", "input.txt"),
-                {"tinyshakespeare/input.txt": DATASETS["tinyshakespeare"].files["input.txt"].sha256})
-    if cfg.data.dataset is not None:
-        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not a language-modelling corpus "
-                          "(task lm: tinyshakespeare, xsum, or data.train_src: a text file)")
-    if cfg.data.train_src is None:
-        raise ConfigError("task lm needs data.dataset: tinyshakespeare or data.train_src: a text file")
-    from aiayn.data.corpus import check_file
-    from aiayn.data.datasets import sha256_known
-
-    path = check_file(cfg.data.train_src)
-    return path, {str(path): sha256_known(path)}
 
 
 def _decode(chunk: bytes, path: Path, lines_before: int) -> str:
@@ -434,8 +414,10 @@ class StreamRecipe:
 
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
-    """The stream store of a ``task: lm`` config (its text: :func:`lm_input`)."""
-    path, inputs = lm_input(cfg)
+    """The stream store of a ``task: lm`` config (its text: the dataset registry's)."""
+    from aiayn.data.registry import dataset_of
+
+    path, inputs = dataset_of(cfg).text(cfg.data)
     return StreamRecipe(cfg, path, inputs, tokenizer, workers)
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch, pad_batch, plan_batches
-from aiayn.data.corpus import DataError, split_files
+from aiayn.data.corpus import DataError
 from aiayn.data.store import PairRecipe, Split
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -71,29 +71,6 @@ def xsum_split(split: str) -> list[dict]:
 def xsum_pairs(split: str) -> list[tuple[str, str]]:
     """(document, summary) pairs of an XSum split, each put on one line."""
     return [(collapse_whitespace(r["document"]), collapse_whitespace(r["summary"])) for r in xsum_split(split)]
-
-
-def summary_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
-    """(document, summary) pairs of ``split`` for a summarization config, texts on one line: the XSum
-    sample (``data.dataset: xsum``; train | valid | test) or the files ``data.<split>_src`` (and
-    ``_tgt``) in ``data.format``, e.g. JSONL with fields ``data.src_field`` / ``data.tgt_field``."""
-    if cfg.data.dataset == "xsum":
-        return xsum_pairs(split)
-    if cfg.data.dataset is not None:
-        raise DataError(f"dataset {cfg.data.dataset!r} is not a summarization corpus (known: xsum)")
-    if split not in ("train", "valid"):
-        raise DataError(f"split {split!r}: expected train or valid (files named in the config)")
-    d = cfg.data
-    src, tgt = split_files(d, split)
-    from aiayn.data.corpus import read_pairs
-
-    pairs = read_pairs(d.format, src, tgt, d.src_field, d.tgt_field)
-    return [(collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs]
-
-
-def is_summary_lm(cfg: Config) -> bool:
-    """A language model trained on "document <sep> summary" sequences (rather than a text stream)."""
-    return cfg.task == "lm" and (cfg.data.dataset == "xsum" or cfg.data.format == "jsonl")
 
 
 def lead_1(document: str) -> str:
@@ -145,31 +122,8 @@ def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -
     return [BOS_ID] + tok.encode(document)[:room] + sep_ids
 
 
-def summary_pair_sources(cfg: Config) -> tuple[dict[str, Callable[[], Iterator[tuple[str, str]]]], dict[str, str]]:
-    """The train and valid (document, summary) pairs of a summarization config as streams (each text on one
-    line, :func:`summary_pairs`; files read line by line), and what they are read from (for a store's key)."""
-    d = cfg.data
-    if d.dataset == "xsum":
-        from aiayn.data.datasets import xsum_sha256
-
-        sha = xsum_sha256()
-        return ({s: (lambda s=s: iter(xsum_pairs(s))) for s in ("train", "valid")},
-                {f"xsum/xsum-1000.jsonl/{s}{XSUM_SPLITS[s]}": sha for s in ("train", "valid")})
-    if d.dataset is not None:
-        raise DataError(f"dataset {d.dataset!r} is not a summarization corpus (known: xsum)")
-    from aiayn.data.corpus import iter_pairs
-    from aiayn.data.datasets import sha256_known
-
-    sources, inputs = {}, {}
-    for split in ("train", "valid"):
-        src, tgt = split_files(d, split)
-        sources[split] = (lambda s=src, t=tgt: ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in
-                                                iter_pairs(d.format, s, t, d.src_field, d.tgt_field)))
-        inputs.update({str(p): sha256_known(p) for p in (src, tgt) if p is not None})
-    return sources, inputs
-
-
-def summary_lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> PairRecipe:
+def summary_lm_recipe(cfg: Config, sources: dict[str, Callable[[], Iterator[tuple[str, str]]]],
+                      inputs: dict[str, str], tokenizer: Path | None = None, workers: int | None = None) -> PairRecipe:
     """The store of a summary LM's (document, summary) pairs: the ids of the one shared tokenizer, trained (when
     none is given) as a training without a store trains it, on the documents and summaries in corpus order and
     the separator (a BPE model keeps it as one piece); pairs with an empty side dropped, none for its length
@@ -179,7 +133,6 @@ def summary_lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int |
     sep = cfg.data.separator
     if not sep.strip():
         raise ConfigError("data.separator must contain a visible symbol, e.g. ' <sep> '")
-    sources, inputs = summary_pair_sources(cfg)
     symbols = [sep.strip()] if cfg.data.tokenizer == "bpe" else []
 
     def train(tdir: Path) -> None:  # the char tokenizer must know the separator's characters

@@ -35,14 +35,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aiayn.config import Config, DecodeOptions
-from aiayn.data.summarization import collapse_whitespace, is_summary_lm, lm_prompt, separator_ids
+from aiayn.data.registry import is_summary_lm
+from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
 from aiayn.decode.loaded import LoadedRun
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, decode_ids, sample, sample_rows
+from aiayn.search import SearchSpec, decode_ids, strategy_for
+from aiayn.task import TASKS
 
 if TYPE_CHECKING:
     from aiayn.decode.translator import Translator
@@ -102,7 +104,7 @@ def new_token_limit(opts: DecodeOptions, command: str) -> int:
 def generate_options(base: DecodeOptions, chosen: dict[str, Any]) -> DecodeOptions:
     """What ``aiayn generate`` and the server's ``/v1/generate`` decode with: ``base`` (the run's ``decode``
     section) sampling at temperature 1, unless ``chosen`` (flags, by DecodeOptions field name) says otherwise."""
-    return base.replace(**{"sample": True, "temperature": 1.0, **chosen})
+    return base.replace(**{**TASKS["lm"].decoding, **chosen})
 
 
 def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:
@@ -122,15 +124,15 @@ def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, sl
     ``opts.no_repeat_ngram``. Checks happen here, before the first token: a prompt too long for the
     context (without ``slide``) raises :class:`ConfigError`."""
     cfg, tok = run.cfg, run.tokenizers.src
-    if cfg.task != "lm":
+    if cfg.kind.encoder:
         raise ConfigError(f"{run.path} is a {cfg.task} run: `aiayn generate` needs a language model "
                           "(use translate or summarize)")
     ids = prompt_ids(cfg, tok, prompt)
     ctx = lm_context(cfg)
     if not slide:
         check_prompt_fits(cfg, ids)
-    tokens = sample(run.model, ids, SearchSpec(opts, run.tokenizers.specials), new_token_limit(opts, "generate"),
-                    context_limit=ctx)
+    tokens = strategy_for(opts).stream(run.model, ids, SearchSpec(opts, run.tokenizers.specials),
+                                       new_token_limit(opts, "generate"), ctx)
 
     def stream() -> Iterator[str]:
         text = TextStream(tok, ids)
@@ -162,7 +164,7 @@ def stream_rows(run: Run, prompts: Sequence[str | Sequence[int]], opts: DecodeOp
     cfg, tok = run.cfg, run.tokenizers.src
     ids = [prompt_ids(cfg, tok, p) for p in prompts]
     spec = SearchSpec(opts, run.tokenizers.specials)
-    steps = sample_rows(run.model, ids, spec, list(max_new_tokens), list(seeds))
+    steps = strategy_for(opts).stream_rows(run.model, ids, spec, list(max_new_tokens), list(seeds))
     texts = [TextStream(tok, i) for i in ids]
     device = model_device(run.model)
     while True:
@@ -195,7 +197,8 @@ def summarize_lm(run: Run, documents: Sequence[str], opts: DecodeOptions) -> lis
             continue
         found: list[int] = []
         text = ""
-        for t in sample(run.model, lm_prompt(tok, doc, sep, ctx - reserve), spec, max_new, context_limit=ctx):
+        for t in strategy_for(spec.options).stream(run.model, lm_prompt(tok, doc, sep, ctx - reserve), spec, max_new,
+                                                    ctx):
             found.append(t)
             text = tok.decode(found)
             if any(s in text for s in stops):
@@ -231,17 +234,18 @@ def summarize(run: Run, documents: Sequence[str], options: DecodeOptions | None 
     opts = (options or run.cfg.decode).replace(**overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
-    if run.cfg.task == "lm":
+    kind = run.cfg.kind
+    if not kind.encoder:
         if not is_summary_lm(run.cfg):
             raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
                               "sequences (data.dataset xsum or JSONL files): it cannot summarize")
         if overrides.get("beam") not in (None, 1) or opts.sample:
             raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
                               "needs an encoder-decoder (task: summarization) run")
-    elif run.cfg.task != "summarization":
+    elif not kind.summarizes:
         raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
     with kernels(model_device(run.model), run.precision):
-        return summarize_lm(run, documents, opts) if run.cfg.task == "lm" else summarize_seq2seq(run, documents, opts)
+        return (summarize_seq2seq if kind.encoder else summarize_lm)(run, documents, opts)
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -266,7 +270,7 @@ class Generator(LoadedRun):
     ``summarize(documents)`` works for runs trained on "document <sep> summary" sequences."""
 
     def __init__(self, run: Run) -> None:
-        if run.cfg.task != "lm":
+        if run.cfg.kind.encoder:
             raise ConfigError(f"{run.path} is a {run.cfg.task} run, not a language model")
         super().__init__(run)
 
@@ -286,10 +290,7 @@ class Generator(LoadedRun):
 
 def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto"
                   ) -> Translator | Generator:
-    """A trained run, ready to use (what ``aiayn.load`` returns): a :class:`~aiayn.decode.translator.Translator`
-    for translation and summarization runs, a :class:`Generator` for language models."""
-    from aiayn.decode.translator import Translator
-    from aiayn.run_dir import load_run
+    """:func:`aiayn.decode.load` (what ``aiayn.load`` returns), by its older name."""
+    from aiayn.decode import load
 
-    run = load_run(run_dir, device, precision=precision)
-    return Generator(run) if run.cfg.task == "lm" else Translator(run)
+    return load(run_dir, device, precision)

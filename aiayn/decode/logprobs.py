@@ -18,7 +18,7 @@ from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError
 from aiayn.run_dir import Run
-from aiayn.search import SearchSpec, sample_list
+from aiayn.search import SearchSpec, strategy_for
 
 
 @dataclass
@@ -81,13 +81,14 @@ def _score_rows(run: Run, seqs: list[list[int]], rows: list[int], top: int, out:
 
 
 def continue_ids(run: Run, ids: Sequence[int], opts: DecodeOptions, max_new_tokens: int) -> list[int]:
-    """Up to ``max_new_tokens`` ids after ``ids`` by :func:`aiayn.search.sample` (``opts``' sampling, or greedy),
-    EOS included when the model ends with it: a client that scores "the next token" gets one, whichever it is."""
+    """Up to ``max_new_tokens`` ids after ``ids`` by the stream of ``opts``' strategy (:func:`aiayn.search.sample`:
+    ``opts``' sampling, or greedy), EOS included when the model ends with it: a client that scores "the next
+    token" gets one, whichever it is."""
     if max_new_tokens == 0:
         return []
     spec = SearchSpec(opts, run.tokenizers.specials)
     with kernels(model_device(run.model), run.precision):
-        new = sample_list(run.model, list(ids), spec, max_new_tokens, context_limit=lm_context(run.cfg))
+        new = list(strategy_for(opts).stream(run.model, list(ids), spec, max_new_tokens, lm_context(run.cfg)))
     return new + [spec.eos] if len(new) < max_new_tokens else new  # sample() stops at EOS without giving it
 
 

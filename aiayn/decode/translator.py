@@ -127,10 +127,11 @@ class Translator(LoadedRun):
 def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto",
          weights: str | Path | dict[str, torch.Tensor] | None = None) -> Translator:
     """A :class:`Translator` for a trained translation or summarization run directory (``weights``: other weights
-    of the run than those inference uses, :func:`aiayn.weights.select_weights`)."""
-    from aiayn.run_dir import load_run
+    of the run than those inference uses, :func:`aiayn.weights.select_weights`): :func:`aiayn.decode.load`, for a
+    run that loads as a Translator."""
+    from aiayn.decode import load as load_any
 
-    run = load_run(run_dir, device, weights, precision=precision)
-    if run.cfg.task == "lm":
+    loaded = load_any(run_dir, device, precision, weights)
+    if not isinstance(loaded, Translator):
         raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
-    return Translator(run)
+    return loaded

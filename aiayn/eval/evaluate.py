@@ -35,6 +35,7 @@ from typing import Any
 from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
+from aiayn.task import TASKS
 
 log = logging.getLogger("aiayn.eval")
 
@@ -45,18 +46,9 @@ def split_pairs(cfg: Config, split: str) -> list[tuple[str, str]]:
     ``reverse``: train / valid / test; ``multi30k``: train, val (or valid), test_2016_flickr, ...;
     parallel files named in the config: train / valid.
     """
-    ds = cfg.data.dataset
-    if ds == "reverse":
-        from aiayn.data.synthetic import reverse_split
+    from aiayn.data.registry import pairs
 
-        return reverse_split(split)
-    if ds == "multi30k":
-        from aiayn.data.datasets import multi30k_split
-
-        return multi30k_split("val" if split == "valid" else split, cfg.data.src_lang, cfg.data.tgt_lang)
-    from aiayn.data.pipeline import load_pairs
-
-    return load_pairs(cfg, split)
+    return pairs(cfg, split)
 
 
 def _default_name(src: str) -> str:
@@ -127,7 +119,7 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     sb = sacrebleu_scores(hyps, refs)
     lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
     scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
-    if cfg.task == "summarization":
+    if cfg.kind.summarizes:
         scores.update(rouge_scores(hyps, refs))
     result = {
         "name": name,
@@ -190,7 +182,7 @@ def lm_valid_text(cfg: Config) -> str:
     """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
     cut where training cut it (``data.pipeline.build_lm_data``)."""
     from aiayn.data.pipeline import load_lm_text
-    from aiayn.data.summarization import is_summary_lm
+    from aiayn.data.registry import is_summary_lm
 
     if is_summary_lm(cfg):
         raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
@@ -250,7 +242,7 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
                  precision: str = "auto", **overrides) -> dict[str, Any]:
     """Evaluate a run on ``data`` (see the module docstring); dispatches on the run's task. Decoding options: the
     run's ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
-    from aiayn.data.summarization import is_summary_lm
+    from aiayn.data.registry import is_summary_lm
 
     run_dir = Path(run_dir)
     split, src, ref, name = data.split, data.src, data.ref, data.name
@@ -262,16 +254,16 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
     (options or cfg.decode).replace(**overrides)  # bad options fail here, before any loading
     if data.max_length is not None and not data.rolling:
         raise ConfigError("--max-length is lm-evaluation-harness's window length: it goes with --rolling")
-    if data.rolling and cfg.task == "lm":
+    if data.rolling and not cfg.kind.encoder:
         if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
             raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
         return evaluate_lm_rolling(run_dir, data, device, precision)
-    if split is not None and (cfg.task == "summarization" or is_summary_lm(cfg)):
+    if split is not None and (cfg.kind.summarizes or is_summary_lm(cfg)):
         # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
         from aiayn.eval.summaries import evaluate_summaries
 
         return evaluate_summaries(run_dir, split, options, device, precision, data.weights, **overrides)
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         if src is not None or ref is not None or split not in (None, "valid"):
             raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
                               "file is scored with --rolling), --split valid at most")
@@ -298,14 +290,15 @@ def summary(result: dict[str, Any]) -> str:
                 f"{k} {result['lead1'][k]:.2f}" for k in ("rouge1", "rouge2", "rougeL")))
         lines.append(f"wrote {result['json_path']}")
         return "\n".join(lines)
-    if result["task"] == "lm" and result["data"].get("rolling"):
+    lm = not TASKS[result["task"]].encoder
+    if lm and result["data"].get("rolling"):
         d = result["data"]
         return (f"{result['name']}: {d['n_tokens']} tokens in {d['windows']} rolling windows (lm-evaluation-harness, "
                 f"max_length {d['max_length']}, after <s>): loglikelihood {s['loglikelihood']:.4f}, NLL "
                 f"{s['nll_per_token']:.4f} nats/token, perplexity {s['ppl']:.2f}\nword_perplexity "
                 f"{s['word_perplexity']:.4f}, byte_perplexity {s['byte_perplexity']:.4f}, bits_per_byte "
                 f"{s['bits_per_byte']:.4f}\nwrote {result['json_path']}")
-    if result["task"] == "lm":
+    if lm:
         return (f"{result['name']}: {result['data']['n_tokens']} tokens, NLL {s['nll_per_token']:.4f} nats/token, "
                 f"perplexity {s['ppl']:.2f}\nwrote {result['json_path']}")
     d, sig = result["decode"], result["signatures"]

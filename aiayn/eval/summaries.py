@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import DecodeOptions
-from aiayn.data.summarization import collapse_whitespace, lead_1, summary_pairs, xsum_split
+from aiayn.data.registry import dataset_of
+from aiayn.data.summarization import collapse_whitespace, lead_1, xsum_split
 from aiayn.errors import UserError, first_line
 from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, scored_weights, write_result
@@ -45,12 +46,12 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     chosen, run_info, label = scored_weights(run_dir, weights)
     run = load_run(run_dir, device, chosen, precision=precision)
     opts = (options or run.cfg.decode).replace(**overrides)
-    pairs = summary_pairs(run.cfg, split)
+    pairs = dataset_of(run.cfg).pairs(run.cfg.data, run.cfg.kind, split)
     check_writable(run_dir)
     start = time.perf_counter()
     hyps = summarize(run, [d for d, _ in pairs], opts)
     wall = time.perf_counter() - start
-    kind = "lm: greedy after 'document <sep>'" if run.cfg.task == "lm" else f"encoder-decoder: beam {opts.beam}"
+    kind = "lm: greedy after 'document <sep>'" if not run.cfg.kind.encoder else f"encoder-decoder: beam {opts.beam}"
     max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
         "name": f"rouge_{split}" if label is None else f"rouge_{split}.{label}",
@@ -62,7 +63,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
         "wall_s": round(wall, 3),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    if run.cfg.data.dataset == "xsum":
+    if dataset_of(run.cfg).lead_1:
         result["lead1"] = {k: round(v, 2) for k, v in lead1_scores(split).items()}
     result["json_path"] = str(write_result(run_dir, result["name"], result, hyps))
     return result

@@ -38,7 +38,6 @@ from aiayn.errors import ConfigError, first_line, require
 from aiayn.files import LOCK, TMP_SUFFIX, RunLock, check_output_dir, default_file_mode, lock_holder
 from aiayn.interop.card import run_facts
 from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
-from aiayn.model.transformer import Transformer
 
 ARGOS_VERSION = "1.9"  # the package format (metadata fields, minisbd/ directory) argostranslate 1.9-1.11 reads
 ARGOS_LENGTH_PENALTY = 0.2  # hard-coded in argostranslate's translate_batch call
@@ -165,7 +164,7 @@ def _check_packageable(run: Any, run_dir: str | os.PathLike) -> None:
     """What an Argos package cannot reproduce, refused in one line: language models, separate or character
     vocabularies, Moses pretokenization."""
     cfg, tok = run.cfg, run.tokenizers
-    if not isinstance(run.model, Transformer) or cfg.task != "translation":
+    if not cfg.kind.exports_to("argos"):
         raise ConfigError(f"{run_dir}: a {cfg.task} run; Argos packages hold translation models")
     if tok.src.kind != "bpe" or not tok.shared:
         what = "separate source and target vocabularies" if tok.src.kind == "bpe" else f"a {tok.src.kind} tokenizer"

@@ -332,7 +332,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force)
     run = load_run(run_dir, "cpu")
-    if not isinstance(run.model, Transformer):
+    if not run.cfg.kind.exports_to("ctranslate2"):
         raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models export to CTranslate2")
     tok = run.tokenizers
     vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]

@@ -57,7 +57,6 @@ from aiayn.files import (
 )
 from aiayn.interop.card import run_facts
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
-from aiayn.model.transformer import Transformer
 from aiayn.weights import save_weights
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -532,7 +531,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force or is_earlier_export(out))
     run = load_run(run_dir, "cpu", precision="fp32")
-    if not isinstance(run.model, Transformer):
+    if not run.cfg.kind.exports_to("marian"):
         raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models are Marian models")
     tok, sp = run.tokenizers, run.tokenizers.specials
     if tok.pretokenize != "none":

@@ -19,6 +19,7 @@ from aiayn.model.cache import KVCache
 from aiayn.model.embeddings import TokenEmbedding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.model.positions import Positions, PositionScheme, position_scheme
+from aiayn.task import TASKS
 
 
 def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
@@ -245,7 +246,7 @@ def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
     engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`); a model too big for
     this machine's memory is refused before anything is allocated (:func:`aiayn.config.check_fits_in_memory`)."""
     check_fits_in_memory(cfg)
-    return use_attention(DecoderOnlyLM(cfg) if task == "lm" else Transformer(cfg))
+    return use_attention(Transformer(cfg) if TASKS[task].encoder else DecoderOnlyLM(cfg))
 
 
 def count_parameters(model: nn.Module) -> int:

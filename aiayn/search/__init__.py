@@ -36,24 +36,25 @@ Models are not switched to eval mode here: callers decode with ``model.eval()`` 
 """
 
 from aiayn.device import model_device
-from aiayn.search.beam import beam_search
+from aiayn.search.beam import Beam, beam_search
 from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
     STOP_RULES,
     Hypothesis,
+    Strategy,
     length_penalty_denominator,
     penalized_score,
 )
-from aiayn.search.greedy import greedy_search, score_tokens
+from aiayn.search.greedy import Greedy, greedy_search, score_tokens
 from aiayn.search.processing import LogitsProcessor, filter_top_k, filter_top_p, repeated_ngram_bans
-from aiayn.search.sampling import sample, sample_list, sample_rows, sample_search
-from aiayn.search.sources import decode_batches, decode_ids, search_batch
+from aiayn.search.sampling import Sampling, sample, sample_list, sample_rows, sample_search
+from aiayn.search.sources import STRATEGIES, decode_batches, decode_ids, rows_per_source, search_batch, strategy_for
 from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
 
 __all__ = [
-    "LENGTH_PENALTIES", "NEG_INF", "STOP_RULES", "Hypothesis", "LogitsProcessor", "SearchSpec", "SearchStopped",
-    "beam_search",
+    "LENGTH_PENALTIES", "NEG_INF", "STOP_RULES", "STRATEGIES", "Beam", "Greedy", "Hypothesis", "LogitsProcessor",
+    "Sampling", "SearchSpec", "SearchStopped", "Strategy", "beam_search", "rows_per_source", "strategy_for",
     "decode_batches", "decode_ids", "filter_top_k", "filter_top_p", "greedy_search", "length_penalty_denominator",
     "max_lengths", "model_device", "penalized_score", "repeated_ngram_bans", "sample", "sample_list", "sample_rows",
     "sample_search", "score_tokens", "search_batch",

@@ -36,15 +36,19 @@ rows are sentence-major: row = sentence * N + beam.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.config import DecodeOptions
 from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
     STOP_RULES,
     Hypothesis,
+    Strategy,
     length_penalty_denominator,
     new_cache,
     score_dtype,
@@ -52,6 +56,7 @@ from aiayn.search.common import (
     waits_are_free,
 )
 from aiayn.search.processing import LogitsProcessor
+from aiayn.search.sampling import sample, sample_rows
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -135,24 +140,32 @@ def _check(spec: SearchSpec) -> None:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam (got beam={o.beam}, nbest={o.nbest})")
 
 
-def _candidates(lprobs: Tensor, scores: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The 2N best continuations of each sentence: lprobs (n*R, V) of its R rows (1 on the first step, then N),
-    scores (n, N) the live beams' summed logprobs. Returns (summed logprob, beam, token), each (n, min(2N, N*V)),
-    best first."""
-    n, N = scores.shape
-    V = lprobs.size(-1)
-    k = min(2 * N, V)
+def _candidates(lprobs: Tensor, scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The 2N best (beam, token) candidates of each live sentence, best first, from lprobs (rows, V) of its R
+    rows (1 on the first step, then N) and scores (n, N), the live beams' summed logprobs: (summed logprob,
+    beam, token), each (n, 2N) (fewer when N * V < 2N)."""
+    (n, N), V = scores.shape, lprobs.size(-1)
+    R, k = lprobs.size(0) // n, min(2 * N, V)
     if R * k >= min(2 * N, N * V):
         # Each row's best k first (the 2N best of a sentence are among its rows' best 2N), then the 2N best
         # of those R * k per sentence: the same candidates as a top-k over all N * V, without writing them.
         row_lp, row_tok = top_k(lprobs, k)  # (rows, k)
         cand = (scores[:, :R, None] + row_lp.view(n, R, k)).view(n, R * k)
-        top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)
+        top_lp, top_pos = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
         return top_lp, top_pos // k, row_tok.view(n, R * k).gather(1, top_pos)
     # a vocabulary smaller than 2N on the first step: every beam's candidates, the others' at -inf
     cand = (scores.unsqueeze(-1) + lprobs.view(n, R, V)).view(n, N * V)
-    top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)
+    top_lp, top_idx = cand.topk(min(2 * N, N * V), dim=-1)  # (n, 2N), best first
     return top_lp, top_idx // V, top_idx % V
+
+
+def _first_candidates(tokens: Tensor, top_beam: Tensor, top_tok: Tensor, N: int) -> Tensor:
+    """(n, N, t + 1) the tokens of each sentence's first N candidates: their beam's prefix (tokens (rows, 1 + t),
+    BOS first), then the candidate's token (top_beam, top_tok (n, 2N))."""
+    n, t = top_beam.size(0), tokens.size(1) - 1
+    prefix = tokens[:, 1:].view(n, tokens.size(0) // n, t)  # (n, R, t); (n, 1, 0) on the first step
+    prefix = prefix.gather(1, top_beam[:, :N, None].expand(n, N, t)) if t else prefix.expand(n, N, 0)
+    return torch.cat([prefix, top_tok[:, :N, None]], 2)
 
 
 @torch.no_grad()
@@ -169,7 +182,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     process, free_waits, sdt = LogitsProcessor(spec, device), waits_are_free(device), score_dtype(device)
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
-    memory, mem_mask = model.encode(src, src_mask), src_mask  # (B, S, D); N rows per sentence from step 2 on
+    memory, mem_mask = model.encode(src, src_mask), src_mask  # (B, S, D); N rows per sentence from the 2nd step
     cache = new_cache(model, max(limits))
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
@@ -187,8 +200,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         n = scores.size(0)
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
-        R = tokens.size(0) // n  # rows per sentence: 1 on the first step, then N
-        top_lp, top_beam, top_tok = _candidates(lprobs, scores, R)  # (n, 2N) each, best first
+        top_lp, top_beam, top_tok = _candidates(lprobs, scores)
         length = t + 1  # |Y| of every candidate of this step
         is_eos = top_tok == spec.eos
         at_limit = limit <= length  # (n,)
@@ -199,9 +211,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
             den = length_penalty_denominator(length, o.alpha, o.length_penalty)
             penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
-            prefix = tokens[:, 1:].view(n, R, t)  # (n, N, t); (n, 1, 0) on the first step
-            prefix = prefix.gather(1, top_beam[:, :N, None].expand(n, N, t)) if t else prefix.expand(n, N, 0)
-            finished.offer(penalized, lp, torch.cat([prefix, top_tok[:, :N, None]], 2), t + (~eos).long())
+            finished.offer(penalized, lp, _first_candidates(tokens, top_beam, top_tok, N), t + (~eos).long())
 
         # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
         live_lp = top_lp.masked_fill(is_eos, NEG_INF)
@@ -236,3 +246,28 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
             memory, mem_mask = memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
         tokens, scores, t = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1), new_scores, t + 1
     return finished.hypotheses(o.nbest)
+
+
+class Beam(Strategy):
+    """Beam search (beam > 1, no sampling). A language model's stream has no beams: it continues greedily, the
+    options' beam aside."""
+
+    name = "beam"
+
+    def chosen(self, options: DecodeOptions) -> bool:
+        return not options.sample and options.beam > 1
+
+    def rows(self, options: DecodeOptions) -> int:
+        return options.beam
+
+    def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
+               ) -> list[list[Hypothesis]]:
+        return beam_search(model, src, src_mask, spec)
+
+    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
+               context_limit: int | None) -> Iterator[int]:
+        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

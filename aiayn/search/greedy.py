@@ -5,13 +5,15 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from aiayn.search.common import Hypothesis, new_cache, pad_rows, penalized_score
+from aiayn.config import DecodeOptions
+from aiayn.search.common import Hypothesis, Strategy, new_cache, pad_rows, penalized_score
 from aiayn.search.processing import LogitsProcessor
+from aiayn.search.sampling import sample, sample_rows
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -87,3 +89,31 @@ def score_tokens(model: nn.Module, src: Tensor, src_mask: Tensor, found: Sequenc
     sums = tok_lp.masked_fill(~real, 0.0).sum(dim=1).tolist()
     return [Hypothesis(list(t), penalized_score(lp, len(q), o.alpha, o.length_penalty), lp)
             for t, q, lp in zip(found, seqs, sums)]
+
+
+class Greedy(Strategy):
+    """Beam 1 without sampling (nbest is then 1: DecodeOptions allows no more hypotheses than the beam): argmax,
+    its score and logprob from a teacher-forced pass when asked for (else NaN)."""
+
+    name = "greedy"
+
+    def chosen(self, options: DecodeOptions) -> bool:
+        return not options.sample and options.beam == 1
+
+    def rows(self, options: DecodeOptions) -> int:
+        return 1
+
+    def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
+               ) -> list[list[Hypothesis]]:
+        found = greedy_search(model, src, src_mask, spec)
+        if not scores:
+            return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
+        return [[h] for h in score_tokens(model, src, src_mask, found, spec)]
+
+    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
+               context_limit: int | None) -> Iterator[int]:
+        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

@@ -12,8 +12,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from aiayn.config import DecodeOptions
 from aiayn.device import model_device
-from aiayn.search.common import Hypothesis, new_cache, penalized_score
+from aiayn.search.common import Hypothesis, Strategy, new_cache, penalized_score
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.spec import SearchSpec, max_lengths
 
@@ -197,3 +198,28 @@ def sample_list(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSp
                 **kwargs) -> list[int]:
     """:func:`sample` collected into a list (same arguments)."""
     return list(sample(model, prompt, spec, max_new_tokens, **kwargs))
+
+
+class Sampling(Strategy):
+    """``sample``: ``nbest`` independent draws per source (:func:`sample_search`); a language model's tokens
+    drawn one at a time (:func:`sample`)."""
+
+    name = "sample"
+
+    def chosen(self, options: DecodeOptions) -> bool:
+        return options.sample
+
+    def rows(self, options: DecodeOptions) -> int:
+        return options.nbest
+
+    def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
+               ) -> list[list[Hypothesis]]:
+        return sample_search(model, src, src_mask, spec)
+
+    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
+               context_limit: int | None) -> Iterator[int]:
+        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)

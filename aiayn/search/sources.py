@@ -10,33 +10,40 @@ Shapes: B batch, S source length.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
 from aiayn.device import model_device
-from aiayn.search.beam import beam_search
-from aiayn.search.common import Hypothesis, pad_rows
-from aiayn.search.greedy import greedy_search, score_tokens
-from aiayn.search.sampling import sample_search
+from aiayn.search.beam import Beam
+from aiayn.search.common import Hypothesis, Strategy, pad_rows
+from aiayn.search.greedy import Greedy
+from aiayn.search.sampling import Sampling
 from aiayn.search.spec import SearchSpec
+
+# The decoding strategies by name, in the order they are asked whether a call's options choose them: a new
+# strategy is its class (beside its search) and one entry here, before any it specializes.
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in (Sampling(), Greedy(), Beam())})
+
+
+def strategy_for(options: DecodeOptions) -> Strategy:
+    """The strategy ``options`` choose: the first of :data:`STRATEGIES` that says so."""
+    return next(s for s in STRATEGIES.values() if s.chosen(options))
+
+
+def rows_per_source(options: DecodeOptions) -> int:
+    """The rows a source costs a search of ``options`` (the beam, or the draws when sampling): a batch's cost
+    is its sources' ids and EOS times this."""
+    return strategy_for(options).rows(options)
 
 
 def search_batch(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool = True
                  ) -> list[list[Hypothesis]]:
-    """The hypotheses of one padded batch, best first: src (B, S) ids (EOS included), src_mask (B, S).
-
-    ``options.sample``: :func:`~aiayn.search.sampling.sample_search`; beam 1: greedy search (its score and
-    logprob from a teacher-forced pass when ``scores``, else NaN); beam > 1: beam search."""
-    if spec.options.sample:
-        return sample_search(model, src, src_mask, spec)
-    if spec.options.beam == 1:  # nbest is 1: DecodeOptions allows no more hypotheses than the beam
-        found = greedy_search(model, src, src_mask, spec)
-        if not scores:
-            return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
-        return [[h] for h in score_tokens(model, src, src_mask, found, spec)]
-    return beam_search(model, src, src_mask, spec)
+    """The hypotheses of one padded batch, best first: src (B, S) ids (EOS included), src_mask (B, S), by the
+    strategy the options choose (``scores=False``: greedy search spares the teacher-forced pass, scores NaN)."""
+    return strategy_for(spec.options).search(model, src, src_mask, spec, scores)
 
 
 def decode_batches(widths: Sequence[int], opts: DecodeOptions, device_type: str) -> list[list[int]]:
@@ -45,7 +52,7 @@ def decode_batches(widths: Sequence[int], opts: DecodeOptions, device_type: str)
     ``len(batch) * widest * rows <= opts.batch_tokens(device_type)`` (rows: the beam, or the draws when
     sampling; a single wider source forms its own batch). The budget is per device (``DEFAULT_DECODE_TOKENS``:
     a GPU gets batches 8x the CPU's, so the search's matmuls fill it)."""
-    rows_each, budget = (opts.nbest if opts.sample else opts.beam), opts.batch_tokens(device_type)
+    rows_each, budget = rows_per_source(opts), opts.batch_tokens(device_type)
     batches: list[list[int]] = []
     for i in sorted(range(len(widths)), key=widths.__getitem__):  # stable: equal widths keep input order
         # sorted, so the newest source is the widest: the padded batch would be (len + 1) x widths[i]

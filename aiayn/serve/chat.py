@@ -29,6 +29,7 @@ from typing import Any
 from aiayn.serve.chat_template import ChatTemplate
 from aiayn.serve.completions import refuse_unsupported
 from aiayn.serve.errors import OpenAIError
+from aiayn.task import Task
 
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
              "tool_choice", "parallel_tool_calls")
@@ -56,7 +57,7 @@ def _content(message: Any, i: int) -> tuple[str, str]:
     return message["role"], content
 
 
-def chat_prompt(body: dict[str, Any], task: str, template: ChatTemplate | None = None) -> tuple[str, dict[str, Any]]:
+def chat_prompt(body: dict[str, Any], task: Task, template: ChatTemplate | None = None) -> tuple[str, dict[str, Any]]:
     """(the completion prompt, the completion request's other fields) of a chat request on a run of ``task``;
     ``template``: a language model's own (None: the default one above)."""
     unknown = sorted(set(body) - set(CHAT_ONLY) - set(SHARED))
@@ -73,7 +74,7 @@ def chat_prompt(body: dict[str, Any], task: str, template: ChatTemplate | None =
     fields = {k: body[k] for k in SHARED if k in body}
     if body.get("max_completion_tokens") is not None:  # the newer name wins, as OpenAI reads them
         fields["max_tokens"] = body["max_completion_tokens"]
-    if task == "translation":
+    if task.translates:
         users = [text for role, text in turns if role == "user"]
         if not users:
             raise OpenAIError(400, "messages: a translation run translates the last user message; there is none",

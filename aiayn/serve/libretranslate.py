@@ -172,7 +172,7 @@ class LibreTranslate(RouteTable):
             raise LibreError(403, "Invalid API key")
 
     def need_translation(self) -> None:
-        if self.svc.task != "translation":
+        if not self.svc.kind.translates:
             raise LibreError(400, f"this server runs a {self.svc.task} run; LibreTranslate's API needs a translation "
                                   "run (language models answer /v1/completions)")
 

@@ -104,7 +104,7 @@ class NativeRoutes(RouteTable):
     @route("/v1/translate", "POST")
     async def translate(self, request: Request) -> Response:
         body = await self.body(request)
-        self.svc.need("/v1/translate", "translation", "summarization")
+        self.svc.need("/v1/translate")
         texts, opts = translate_request(body, self.svc.decode, self.svc.limits)
         found, opts = await self.svc.translate(texts, opts)
         return JSONResponse({"translations": [translation_json(h) for h in found],
@@ -113,7 +113,7 @@ class NativeRoutes(RouteTable):
     @route("/v1/generate", "POST")
     async def generate(self, request: Request) -> Response:
         body = await self.body(request)
-        self.svc.need("/v1/generate", "lm")
+        self.svc.need("/v1/generate")
         gen: Generator = self.svc.model
         prompt, opts = generate_request(body, self.svc.generate_options(), self.svc.limits)
         [text] = await self.svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])
@@ -123,11 +123,12 @@ class NativeRoutes(RouteTable):
     async def attention(self, request: Request) -> Response:
         body = await self.body(request)
         text, target = attention_request(body, self.svc.limits)
-        run, task = self.svc.run, self.svc.task
-        n, room = len(run.tokenizers.src.encode(text)), run.cfg.model.max_positions - (task != "lm")
+        run, encoder = self.svc.run, self.svc.kind.encoder
+        room = run.cfg.model.max_positions - int(encoder)  # an encoder's source ends in EOS
+        n = len(run.tokenizers.src.encode(text))
         if n > room:
             raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
-        if target is not None and task != "lm":
+        if target is not None and encoder:
             m, steps = len(run.tokenizers.tgt.encode(target)), run.cfg.model.max_positions - 1
             if m > steps:  # the whole target or nothing: a map of its first positions would mislead
                 raise ApiError(413, "line_too_long", f"target: {m} tokens, the decoder reads at most {steps} "

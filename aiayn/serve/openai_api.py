@@ -108,13 +108,13 @@ class OpenAIRoutes(RouteTable):
     @route("/v1/chat/completions", "POST")
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt, fields = chat_prompt(body, self.svc.task, self.template)
+        prompt, fields = chat_prompt(body, self.svc.kind, self.template)
         if self.template is not None:
             prompt = self.template_ids(prompt)
         c = completion_request({**fields, "prompt": prompt}, self.svc.limits)
         self.check_model(body)
         # the default template's reply follows "Assistant:" and a space; a run's own template says where it starts
-        return await self.respond(c, ChatShape(strip_leading_space=self.svc.task == "lm" and self.template is None))
+        return await self.respond(c, ChatShape(strip_leading_space=not self.svc.kind.encoder and self.template is None))
 
     def template_ids(self, text: str) -> list[int]:
         """The ids of a prompt the run's chat template rendered: the special tokens' names in it read as those
@@ -142,7 +142,7 @@ class OpenAIRoutes(RouteTable):
         the request calls its prompt (``messages`` on chat). Returns ``c`` with each prompt cut to its last
         ``truncate_prompt_tokens`` tokens (vLLM's), where asked."""
         svc = self.svc
-        translation = svc.task == "translation"
+        translation = svc.kind.translates
         ids = [p for p in c.prompts if not isinstance(p, str)]
         if translation and (ids or c.scored or c.truncate is not None):
             what = ("token-id prompts" if ids else "echo and logprobs" if c.scored else "truncate_prompt_tokens")
@@ -171,18 +171,18 @@ class OpenAIRoutes(RouteTable):
 
     async def respond(self, c: Completion, shape: Shape) -> Response:
         """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
-        if self.svc.task == "summarization":
+        if self.svc.kind.summarizes:
             raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
                                    "a translation run", code="wrong_task")
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
-        c = completion_options(c, self.svc.decode, language_model=self.svc.task == "lm")
+        c = completion_options(c, self.svc.decode, language_model=not self.svc.kind.encoder)
         c = self.check_prompts(c, shape.prompt_param)
         if c.stream:
             return await CompletionStream(self, c, shape).response()
         rid, when = shape.new_id(), int(time.time())
         jobs = choices_for(c)
-        if self.svc.task == "translation":
+        if self.svc.kind.translates:
             results = await self.translate_choices(c, jobs)
         elif c.scored:
             # a request's prompts share forward passes (run_scored); requests are not merged: a merge would make
@@ -267,7 +267,7 @@ class CompletionStream:
 
     async def answered(self) -> None:
         c, jobs = self.c, self.jobs
-        if self.api.svc.task == "translation":  # a translation is decoded whole: one event per choice
+        if self.api.svc.kind.translates:  # a translation is decoded whole: one event per choice
             results = await self.api.translate_choices(c, jobs, self.events.cancelled)
             for r, (index, _, _) in zip(results, jobs):
                 self.text_chunk(index, r["text"])

@@ -24,10 +24,10 @@ from aiayn.config import DecodeOptions
 from aiayn.decode.generate import Generator, generate_options
 from aiayn.decode.translator import Translation, Translator
 from aiayn.run_dir import Run
+from aiayn.search import rows_per_source
 from aiayn.serve.batcher import Batcher
 from aiayn.serve.schemas import ApiError, Limits, source_tokens
-
-TASK_NAMES = {"translation": "translation", "summarization": "summarization", "lm": "language-model (task lm)"}
+from aiayn.task import TASKS, Task
 
 
 def bearer(request: Request) -> str | None:
@@ -77,16 +77,19 @@ class Service:
         return self.model.cfg.task
 
     @property
+    def kind(self) -> Task:
+        return self.model.cfg.kind
+
+    @property
     def run(self) -> Run:
         return self.model.run
 
-    def need(self, endpoint: str, *tasks: str) -> None:
+    def need(self, endpoint: str) -> None:
         """aiayn's own API: a 400 naming the endpoint a run of another task has."""
-        if self.task not in tasks:
-            other = "/v1/generate" if self.task == "lm" else "/v1/translate"
-            wanted = " or ".join(TASK_NAMES[t] for t in tasks)
+        if self.kind.endpoint != endpoint:
+            wanted = " or ".join(t.label for t in TASKS.values() if t.endpoint == endpoint)
             raise ApiError(400, "wrong_task", f"{endpoint} needs a {wanted} run; this server runs a "
-                                              f"{TASK_NAMES[self.task]} run (use {other})")
+                                              f"{self.kind.label} run (use {self.kind.endpoint})")
 
     def key_matches(self, given: str | None) -> bool:
         """Whether ``given`` is the server's key (always, when the server has none); constant time."""
@@ -110,7 +113,7 @@ class Service:
         stop = self.batcher.call_cancelled
         tr: Translator = self.model
         opts = opts.replace(max_tokens=self.budget)
-        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * (opts.nbest if opts.sample else opts.beam)
+        cost = sum(n + 1 for n in source_tokens(tr, texts, field) if n) * rows_per_source(opts)
         if seeds is not None:
             draws = [opts.replace(sample=True, seed=seed) for seed in seeds]
             found = await self.batcher.run(None, list(zip(texts, draws)), max(cost, 1), lambda items: [

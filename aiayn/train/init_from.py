@@ -68,9 +68,9 @@ def adopt_init_run(cfg: Config, init_from: str | Path) -> tuple[Config, InitFrom
     if not (tok / PAIR_FILE).is_file():
         raise CheckpointError(f"--init-from {run}: no tokenizer/{PAIR_FILE}")
     init_cfg = load_config(run / "config.yaml")
-    if init_cfg.task != cfg.task or cfg.task == "lm":
+    if init_cfg.kind is not cfg.kind or not cfg.kind.encoder:
         raise ConfigError(f"--init-from {run}: a {init_cfg.task} run cannot start a {cfg.task} training"
-                          + (" (language models: not supported)" if cfg.task == "lm" else ""))
+                          + (" (language models: not supported)" if not cfg.kind.encoder else ""))
     bad = _contradictions(cfg.model, init_cfg.model)
     if bad:
         raise ConfigError(f"--init-from {run}: the config's {bad[0]}; the model comes from the run, so drop "

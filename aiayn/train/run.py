@@ -124,7 +124,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
             log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, threads, d.world)
         evaluate_extra = None
-        if cfg.train.eval_bleu and cfg.task != "lm":
+        if cfg.train.eval_bleu and cfg.kind.encoder:
             from aiayn.train.validation import validation_bleu_fn
 
             evaluate_extra = validation_bleu_fn(cfg, data, tok)

@@ -85,7 +85,7 @@ def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, devi
     src_ids = tok.src.encode(src)
     limit = cfg.model.max_positions
     dev = model_device(model)
-    if cfg.task == "lm":
+    if not cfg.kind.encoder:
         if tgt is not None:
             log.warning("viz attention: %s is a language model; --tgt is ignored", run.path)
         if len(src_ids) > limit:

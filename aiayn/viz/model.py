@@ -45,7 +45,7 @@ def model_diagram(source: str | Path = "paper-base") -> ModelDiagram:
     m = cfg.model
     with torch.device("meta"):  # the parameter count of exactly this architecture, without allocating it
         parameters = count_parameters(build_model(m, cfg.task))
-    n_encoder = 0 if cfg.task == "lm" else m.n_encoder_layers
+    n_encoder = m.n_encoder_layers if cfg.kind.encoder else 0
     return ModelDiagram(name=name, n_encoder=n_encoder, n_decoder=m.n_decoder_layers, d_model=m.d_model,
                         heads=m.n_heads, d_k=m.d_k or m.d_model // m.n_heads, d_v=m.d_v or m.d_model // m.n_heads,
                         d_ff=m.d_ff, activation=m.activation, positional=m.positional, norm_first=m.norm_first,

@@ -1,0 +1,37 @@
+"""The Task table (aiayn/task.py): what each ``task:`` means, asked through ``cfg.kind`` instead of comparing the
+name (issue 63)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiayn.config import Config
+from aiayn.errors import ConfigError
+from aiayn.task import EXPORTS, TASKS, task_named
+
+
+def test_each_task_answers_what_was_asked_by_name():
+    t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
+    assert (t.encoder, s.encoder, lm.encoder) == (True, True, False)
+    assert (t.translates, s.translates, lm.translates) == (True, False, False)
+    assert (t.summarizes, s.summarizes, lm.summarizes) == (False, True, False)
+    assert (t.endpoint, s.endpoint, lm.endpoint) == ("/v1/translate", "/v1/translate", "/v1/generate")
+    assert (t.loader, s.loader, lm.loader) == ("translator", "translator", "generator")
+    assert dict(lm.decoding) == {"sample": True, "temperature": 1.0} and not t.decoding and not s.decoding
+    assert [x for x in EXPORTS if t.exports_to(x)] == list(EXPORTS)  # Marian, CTranslate2, Argos
+    assert [x for x in EXPORTS if s.exports_to(x)] == ["marian", "ctranslate2"]  # an encoder-decoder, not Argos'
+    assert not any(lm.exports_to(x) for x in EXPORTS)
+
+
+def test_a_config_resolves_its_task_and_refuses_an_unknown_one():
+    assert Config(task="lm").kind is TASKS["lm"] is task_named("lm")
+    assert Config().kind is TASKS["translation"] and str(Config().kind) == "translation"
+    with pytest.raises(ConfigError, match="task='speech': expected one of translation, lm, summarization"):
+        Config(task="speech")
+
+
+def test_the_language_model_default_decoding_is_the_one_generate_uses():
+    from aiayn.config import DecodeOptions
+
+    opts = DecodeOptions().replace(**{**TASKS["lm"].decoding, "temperature": 0.7})
+    assert opts.sample and opts.temperature == 0.7
