@@ -48,6 +48,6 @@ def load(run_dir: str | Path, device: str = "auto", precision: str = "auto") -> 
 
     >>> tr = aiayn.load("runs/demo"); tr.translate(["A dog runs on the beach."])
     """
-    from aiayn.decode import load as load_run_for_use
+    from aiayn.decode.open_run import load as load_run_for_use
 
     return load_run_for_use(run_dir, device, precision)

@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.registry import is_summary_lm
@@ -47,7 +44,7 @@ from aiayn.search import SearchSpec, decode_ids, strategy_for
 from aiayn.task import TASKS
 
 if TYPE_CHECKING:
-    from aiayn.decode.translator import Translator
+    pass
 
 log = logging.getLogger("aiayn.generate")
 
@@ -286,11 +283,3 @@ class Generator(LoadedRun):
 
     def summarize(self, documents: Sequence[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
         return summarize(self.run, documents, options, **overrides)
-
-
-def load_for_task(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto"
-                  ) -> Translator | Generator:
-    """:func:`aiayn.decode.load` (what ``aiayn.load`` returns), by its older name."""
-    from aiayn.decode import load
-
-    return load(run_dir, device, precision)

@@ -127,11 +127,11 @@ class Translator(LoadedRun):
 def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto",
          weights: str | Path | dict[str, torch.Tensor] | None = None) -> Translator:
     """A :class:`Translator` for a trained translation or summarization run directory (``weights``: other weights
-    of the run than those inference uses, :func:`aiayn.weights.select_weights`): :func:`aiayn.decode.load`, for a
-    run that loads as a Translator."""
-    from aiayn.decode import load as load_any
+    of the run than those inference uses, :func:`aiayn.weights.select_weights`); a language-model run is refused
+    in one line. :func:`aiayn.decode.open_run.load` (``aiayn.load``) opens a run of any task."""
+    from aiayn.run_dir import load_run
 
-    loaded = load_any(run_dir, device, precision, weights)
-    if not isinstance(loaded, Translator):
+    run = load_run(run_dir, device, weights, precision=precision)
+    if run.cfg.kind.loader != "translator":
         raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
-    return loaded
+    return Translator(run)

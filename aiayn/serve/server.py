@@ -121,13 +121,13 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     require("uvicorn", "serve", "aiayn serve")
     import uvicorn
 
-    from aiayn.decode.generate import load_for_task
+    from aiayn.decode.open_run import load
     from aiayn.serve.app import create_app, warm_up
     from aiayn.serve.chat_template import load_chat_template
     from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
-    model = load_for_task(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
+    model = load(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
     model.cfg.decode.replace(**o.decode)  # and decoding flags the run's section refuses (--nbest over its beam)
     load_chat_template(model.run)  # and a chat template of the run's own that does not parse
     warm_up(model)
