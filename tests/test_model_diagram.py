@@ -9,7 +9,7 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.model import count_parameters
-from aiayn.viz.model import model_diagram, stack_labels, title
+from aiayn.viz.model import model_diagram, positions_label, stack_labels, title
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,3 +48,11 @@ def test_paper_base_by_default_and_a_language_model_without_cross_attention(tmp_
     labels = stack_labels(d, encoder=False)
     assert not any("encoder-decoder" in x for x in labels) and "Norm, then the sub-layer; Add" in labels
     assert "decoder-only language model: N = 3" in title(d) and "pre-LN" in title(d)
+
+
+def test_rotary_positions_are_drawn_as_turned_queries_and_keys_not_added(tmp_path):
+    lm = Path(tmp_path / "lm.yaml")
+    lm.write_text("task: lm\nmodel: {d_model: 64, n_heads: 4, d_ff: 256, n_decoder_layers: 2, positional: rotary}\n"
+                  "data: {dataset: tinyshakespeare, tokenizer: char}\n", encoding="utf-8")
+    assert positions_label(model_diagram(lm)) == "(rotary positions: self-attention turns Q and K)"
+    assert positions_label(model_diagram()) == "+ Sinusoidal Positional Encoding"

@@ -29,7 +29,7 @@ class ModelDiagram:
     d_v: int
     d_ff: int
     activation: str
-    positional: str  # sinusoidal (section 3.5) | learned
+    positional: str  # sinusoidal (section 3.5) | learned | rotary (not in the paper)
     norm_first: bool  # pre-LN (norm before each sub-layer, one more at the top) instead of the paper's post-LN
     dropout: float
     src_vocab: int
@@ -92,6 +92,14 @@ def _colour(label: str) -> str:
             else COLOURS["norm"])
 
 
+def positions_label(d: ModelDiagram) -> str:
+    """What the figure says above the embeddings: the positions added there (sinusoidal, learned), or that
+    rotary positions are not added but turn each self-attention's queries and keys."""
+    if d.positional == "rotary":
+        return "(rotary positions: self-attention turns Q and K)"
+    return f"+ {d.positional.capitalize()} Positional Encoding"
+
+
 def _column(ax, d: ModelDiagram, x: float, encoder: bool) -> tuple[float, float]:
     """One column (embedding, positions, the N x stack), bottom to top; returns the y of the stack's top and of
     its cross-attention box (decoder) or output (encoder)."""
@@ -101,7 +109,7 @@ def _column(ax, d: ModelDiagram, x: float, encoder: bool) -> tuple[float, float]
     ax.text(x + w / 2, 0.025, below, ha="center", fontsize=8.5)
     embedding = "Input" if encoder else "Output" if d.n_encoder else "Token"
     _box(ax, x, 0.06, w, h, f"{embedding} Embedding\n{vocab:,} x {d.d_model}", COLOURS["embedding"])
-    ax.text(x + w / 2, 0.145, f"+ {d.positional.capitalize()} Positional Encoding", ha="center", fontsize=8.5)
+    ax.text(x + w / 2, 0.145, positions_label(d), ha="center", fontsize=8.5)
     labels = stack_labels(d, encoder)
     y, cross = 0.19, 0.0
     stack_bottom = y - 0.012
