@@ -5,7 +5,7 @@ ahead of the step (:mod:`aiayn.data.loader`).
 Update ``i`` of an epoch takes the plan's batches ``i*m ... i*m + m - 1``, ``m = processes x accumulation steps``:
 its micro-batch ``slot`` (``step x processes + rank``) is batch ``i*m + slot``. The updates depend on ``m`` only,
 so 2 processes x 1 step and 1 process x 2 steps train on the same batches, and a resume may change one for the
-other (:func:`aiayn.train.trainer.resume_config`).
+other (:func:`aiayn.train.resume.resume_config`).
 """
 
 from __future__ import annotations

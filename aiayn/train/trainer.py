@@ -1,16 +1,15 @@
 """The training loop: the paper's schedule over planned updates (:mod:`aiayn.train.plan`, :mod:`aiayn.train.update`),
-evaluation and early stopping, atomic resumable checkpoints, progress and metrics, and the weights inference
-uses. Several processes (torchrun): :mod:`aiayn.train.parallel`.
+evaluation and early stopping, resumable checkpoints (:mod:`aiayn.train.resume`), progress and metrics, and at the
+end the weights inference uses (:mod:`aiayn.train.inference_weights`). Several processes (torchrun):
+:mod:`aiayn.train.parallel`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,115 +17,27 @@ import torch
 from torch import nn
 
 import aiayn.engine as engine
-from aiayn.config import Config, ConfigError, DecodeOptions
+from aiayn.config import Config, ConfigError
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
-from aiayn.errors import CheckpointError
-from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
+from aiayn.train import resume
 from aiayn.train.console import Console
+from aiayn.train.inference_weights import WeightsChoice, best_path
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
+from aiayn.train.resume import EMPTY_WINDOW, TrainState
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.train.update import Levers, Update, UpdateSums, batch_to_device, training_module
 from aiayn.train.validation import evaluate_loss
-from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
+from aiayn.weights import save_weights
 
 log = logging.getLogger("aiayn.train")
 
 # With several processes, the time budget (train.max_minutes) is checked every this many updates (and at every
 # logged one): the check is a broadcast from rank 0 that the host waits for.
 CLOCK_EVERY = 10
-
-EMPTY_WINDOW = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0}
-
-
-@dataclass
-class TrainState:
-    """Where training is: saved in every checkpoint's JSON and restored by --resume."""
-
-    step: int = 0
-    epoch: int = 0
-    position: int = 0  # index of the next update within the current epoch
-    best_valid: float | None = None
-    best_step: int | None = None
-    bad_evals: int = 0
-    elapsed_s: float = 0.0
-    tokens: int = 0
-    # the logging window the run is in: loss and NLL sums, target tokens and updates since the last logged update,
-    # so that a resume inside a window logs what the uninterrupted run logs
-    window: dict[str, float] = field(default_factory=lambda: dict(EMPTY_WINDOW))
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("step", "epoch", "position", "best_valid", "best_step",
-                                              "bad_evals", "elapsed_s", "tokens", "window")}
-
-    @classmethod
-    def from_json(cls, values: Any, step: int) -> TrainState:
-        """The state a checkpoint of ``step`` saved, checked: exactly the keys of :meth:`to_json`, counts
-        non-negative integers, ``step`` the checkpoint's. ValueError says what is wrong."""
-        if not isinstance(values, dict):
-            raise ValueError(f"train_state is {type(values).__name__}, expected an object")
-        keys = cls().to_json()
-        values = {"window": dict(EMPTY_WINDOW), **values}  # a checkpoint from before windows were saved
-        missing, extra = sorted(set(keys) - set(values)), sorted(set(values) - set(keys))
-        if missing or extra:
-            raise ValueError(f"train_state: {'no key' if missing else 'unexpected key'} {(missing or extra)[0]!r}")
-        for k in ("step", "epoch", "position", "bad_evals", "tokens"):
-            if type(values[k]) is not int or values[k] < 0:
-                raise ValueError(f"train_state.{k} is {values[k]!r}, expected a non-negative integer")
-        if values["best_step"] is not None and (type(values["best_step"]) is not int or values["best_step"] < 0):
-            raise ValueError(f"train_state.best_step is {values['best_step']!r}, expected an integer or null")
-        best = values["best_valid"]  # NaN is possible: a diverged run still checkpoints
-        if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
-            raise ValueError(f"train_state.best_valid is {best!r}, expected a number or null")
-        elapsed = values["elapsed_s"]
-        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not elapsed >= 0:
-            raise ValueError(f"train_state.elapsed_s is {elapsed!r}, expected seconds >= 0")
-        window = values["window"]
-        if not isinstance(window, dict) or set(window) != set(EMPTY_WINDOW) or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) for v in window.values()):
-            raise ValueError(f"train_state.window is {window!r}, expected numbers {', '.join(EMPTY_WINDOW)}")
-        if values["step"] != step:
-            raise ValueError(f"train_state.step is {values['step']}, the checkpoint's step is {step}")
-        return cls(**values)
-
-
-def resume_config(cfg: Config, run_dir: Path, world: int) -> Config:
-    """The config a resume of ``run_dir`` on ``world`` processes trains with, checked against the run's newest
-    checkpoint before any work: the run's micro-batches per update (processes x ``train.accum_steps``) shared out
-    over ``world`` processes, so every update takes the batches it would have taken (:mod:`aiayn.train.plan`);
-    refused with one line when ``world`` does not divide them, or when the run has spent its
-    ``train.max_minutes`` (counted from its first start)."""
-    steps = list_checkpoints(run_dir)
-    if not steps:
-        return cfg
-    _, _, jpath = checkpoint_paths(run_dir, steps[-1])
-    meta = read_checkpoint_state(run_dir, steps[-1])
-    elapsed = (meta.get("train_state") or {}).get("elapsed_s")
-    step = (meta.get("train_state") or {}).get("step", 0)
-    tc = cfg.train
-    if isinstance(elapsed, (int, float)) and tc.max_minutes is not None and elapsed >= tc.max_minutes * 60 \
-            and isinstance(step, int) and step < tc.max_updates:
-        raise ConfigError(f"{run_dir} has trained {elapsed / 60:.1f} minutes, its train.max_minutes="
-                          f"{tc.max_minutes:g} (counted from the run's first start): give it more to go on, e.g. "
-                          f"--set train.max_minutes={_more_minutes(elapsed, tc.max_minutes)}")
-    saved_world = meta.get("world_size") or 1
-    saved_accum = meta.get("accum_steps") or tc.accum_steps  # older checkpoints: the run's config says it
-    micro = saved_world * saved_accum
-    if micro == world * tc.accum_steps:
-        return cfg
-    if micro % world:
-        raise CheckpointError(
-            f"{jpath}: each update of this run takes {micro} micro-batches ({saved_world} process(es) x "
-            f"train.accum_steps={saved_accum}), which {world} processes cannot share out evenly; resume with a "
-            f"number of processes that divides {micro}")
-    accum = micro // world
-    log.info("resumed by %d process(es) instead of %d: train.accum_steps=%d keeps the run's %d micro-batches per "
-             "update (the same batches)", world, saved_world, accum, micro)
-    return dataclasses.replace(cfg, train=dataclasses.replace(tc, accum_steps=accum))
-
 
 class Trainer:
     """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
@@ -158,11 +69,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
         self.stop_reason = ""
-        self._valid_bleu: Callable[..., dict[str, float]] | None = None  # the averaging choice's (built when needed)
-
-    @property
-    def best_path(self) -> Path:
-        return self.run_dir / "checkpoints" / "best.safetensors"
 
     def planner(self) -> EpochPlanner:
         """This process's updates, epoch by epoch (:class:`aiayn.train.plan.EpochPlanner`)."""
@@ -180,32 +86,17 @@ class Trainer:
     # --- resume and save -------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Restore the newest complete checkpoint; False when there is none."""
-        steps = list_checkpoints(self.run_dir)
-        if not steps:
-            return False
-        _, _, jpath = checkpoint_paths(self.run_dir, steps[-1])
-        meta = read_checkpoint_state(self.run_dir, steps[-1])
-        try:  # checked before the weights are loaded: a damaged state leaves the model as it was
-            state = TrainState.from_json(meta.get("train_state"), steps[-1])
-        except ValueError as e:
-            raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
-        saved = (meta.get("world_size") or 1) * (meta.get("accum_steps") or self.cfg.train.accum_steps)
-        if saved != self.d.world * self.cfg.train.accum_steps:  # resume_config makes them equal, or refuses
-            raise CheckpointError(f"{jpath}: each update took {saved} micro-batches, this resume would take "
-                                  f"{self.d.world * self.cfg.train.accum_steps}; other batches: refused")
-        load_checkpoint(self.run_dir, steps[-1], self.model, self.optimizer)
-        self.state = state
-        set_rng_state(meta["rng"])  # Python's and NumPy's; torch's is seeded again for every micro-batch
-        return True
+        """Restore the newest complete checkpoint (:func:`aiayn.train.resume.restore`); False when there is none."""
+        state = resume.restore(self.run_dir, self.model, self.optimizer, world=self.d.world,
+                               accum_steps=self.cfg.train.accum_steps)
+        self.state = state or self.state
+        return state is not None
 
     def _save(self, keep_last: int, window: Window) -> None:
         self.state.window = window.to_json()  # a synchronization, at saves only
         if self.d.main:
-            save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
-                            {"train_state": self.state.to_json(), "world_size": self.d.world,
-                             "accum_steps": self.cfg.train.accum_steps, "cpu_threads": torch.get_num_threads()},
-                            keep_last=keep_last)
+            resume.save(self.run_dir, self.model, self.optimizer, self.state, world=self.d.world,
+                        accum_steps=self.cfg.train.accum_steps, keep_last=keep_last)
         self.d.barrier()
 
     # --- evaluate --------------------------------------------------------------------------------
@@ -225,7 +116,7 @@ class Trainer:
         if improved:
             st.best_valid, st.best_step, st.bad_evals = result["valid_nll"], st.step, 0
             if self.d.main:  # kept apart from the rotating checkpoints, so 'best' is always on disk
-                save_weights(self.model, self.best_path, {"source": f"best step {st.step}",
+                save_weights(self.model, best_path(self.run_dir), {"source": f"best step {st.step}",
                                                           "valid_nll": str(result["valid_nll"])})
         else:
             st.bad_evals += 1
@@ -336,99 +227,11 @@ class Trainer:
             return True
         return False
 
-    # --- the weights inference uses ------------------------------------------------------------------
+    # --- the end ----------------------------------------------------------------------------------
 
     def write_inference_weights(self) -> Path:
-        """model.safetensors: the last, best or averaged weights, as ``train.inference_weights`` says, and says
-        which in one line. The average of the last checkpoints is used only where validation finds it at least
-        as good as the last weights (:func:`prefer_average`: validation BLEU for translation, then NLL; a run cut
-        early averages undertrained checkpoints, which can be much worse); otherwise the last weights are. Rank 0
-        writes; every process takes part in the validation."""
-        tc, out = self.cfg.train, self.run_dir / "model.safetensors"
-        steps = list_checkpoints(self.run_dir)
-        chosen: Any = self.model
-        if tc.inference_weights == "average" and steps:
-            averaged = steps[-tc.average_last :]
-            avg = average_weights([checkpoint_paths(self.run_dir, s)[0] for s in averaged])
-            chosen, why = self._better_of_average(avg, averaged)
-        elif tc.inference_weights == "best" and self.best_path.exists():
-            chosen = read_weights(self.best_path)
-            why = f"best step {self.state.best_step} (train.inference_weights=best)"
-        else:
-            why = f"last step {self.state.step}"
-        if self.d.main:
-            save_weights(chosen, out, {"source": why})
-            log.info("inference weights (%s): %s", out.name, why)
-        return out
-
-    def _better_of_average(self, avg: dict[str, torch.Tensor], steps: list[int]) -> tuple[Any, str]:
-        """The average of checkpoints ``steps`` or the last weights, whichever scores better on validation
-        (:func:`prefer_average`: BLEU for a translation run, NLL breaking a tie), and why."""
-        last = self.state.step
-        if len(steps) == 1 and steps[0] == last:
-            return self.model, f"last step {last} (the only checkpoint to average)"
-        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        last_scores = self._choice_scores()
-        self.model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in avg.items()}, strict=False)
-        avg_scores = self._choice_scores()
-        self.model.load_state_dict(own)
-        said = describe_choice(avg_scores, last_scores, last, search_words(self.cfg.decode))
-        if prefer_average(avg_scores, last_scores):
-            return avg, f"average of steps {steps} (train.inference_weights=average; {said})"
-        return self.model, f"last step {last}: the average of steps {steps} is worse on validation ({said}), so it " \
-                           "is not used"
-
-    def _choice_scores(self) -> dict[str, float]:
-        """The validation NLL of the model's weights, and for a translation run the validation BLEU of their
-        translations by the recipe's own search (``decode``: what the user's translations get; greedy BLEU, the
-        training's, disagreed with beam search on runs cut early: an average that wins greedy can write too short
-        beam output), greedy for a recipe that samples."""
-        scores = {"valid_nll": self._validation(self.model, self.d)["valid_nll"]}
-        if self.cfg.task == "translation":
-            if self._valid_bleu is None:  # built once: the sources and references of the validation set
-                from aiayn.data.tokenizer import TokenizerPair
-                from aiayn.train.validation import validation_bleu_fn
-
-                tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
-                search = None if self.cfg.decode.sample else self.cfg.decode
-                self._valid_bleu = validation_bleu_fn(self.cfg, self.data, tokenizers, search)
-            with engine.kernels(self.device, inference_precision(self.device)):  # as aiayn translate decodes
-                scores.update(self._valid_bleu(self.model, self.d))
-        return scores
-
-
-# Validation BLEU closer than this is a tie (sacreBLEU prints two decimals), which validation NLL decides.
-BLEU_TIE = 0.01
-
-
-def prefer_average(avg: dict[str, float], last: dict[str, float]) -> bool:
-    """Whether the averaged weights beat the last ones: on validation BLEU when both have it and it differs by
-    ``BLEU_TIE`` or more (a run cut early can average undertrained checkpoints; a longer one gains from it, on
-    BLEU even where NLL says otherwise), else on validation NLL, the average winning a tie."""
-    if "valid_bleu" in avg and "valid_bleu" in last and abs(avg["valid_bleu"] - last["valid_bleu"]) >= BLEU_TIE:
-        return avg["valid_bleu"] > last["valid_bleu"]
-    return avg["valid_nll"] <= last["valid_nll"]
-
-
-def describe_choice(avg: dict[str, float], last: dict[str, float], last_step: int, search: str = "greedy") -> str:
-    """The scores behind :func:`prefer_average`'s choice, in words (``search``: how the BLEU was decoded)."""
-    nll = f"NLL {avg['valid_nll']:.4f} against {last['valid_nll']:.4f}"
-    if "valid_bleu" not in avg:
-        return f"validation {nll} for the last step {last_step}"
-    tie = " (a tie: NLL decides)" if abs(avg["valid_bleu"] - last["valid_bleu"]) < BLEU_TIE else ""
-    return (f"validation BLEU ({search}) {avg['valid_bleu']:.2f} against {last['valid_bleu']:.2f} for the last "
-            f"step {last_step}{tie}; {nll}")
-
-
-def search_words(o: DecodeOptions) -> str:
-    """How a validation BLEU was decoded, in words: the recipe's beam and length penalty, or greedy."""
-    if o.sample or o.beam == 1:
-        return "greedy"
-    return f"the recipe's beam {o.beam}, {o.length_penalty} alpha {o.alpha:g}"
-
-
-def _more_minutes(elapsed_s: float, minutes: float) -> str:
-    return f"{max(minutes * 2, elapsed_s / 60 + minutes):g}"
+        """model.safetensors: the last, best or averaged weights (:mod:`aiayn.train.inference_weights`)."""
+        return WeightsChoice(self.cfg, self.run_dir, self.data, self.d, self._validation).write(self.model, self.state)
 
 
 class CompileLog:
