@@ -33,6 +33,12 @@ def best_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints" / "best.safetensors"
 
 
+def keep_best(model: nn.Module, run_dir: str | Path, step: int, valid_nll: float) -> None:
+    """Save ``model`` as the run's best weights (validation NLL ``valid_nll`` at ``step``): kept apart from the
+    rotating checkpoints, so that 'best' is always on disk for ``train.inference_weights=best``."""
+    save_weights(model, best_path(run_dir), {"source": f"best step {step}", "valid_nll": str(valid_nll)})
+
+
 class WeightsChoice:
     """Chooses and writes a run's inference weights. ``validation``: the training's validation scores of a model
     (``valid_nll``: :func:`aiayn.train.validation.evaluate_loss`, under the training's autocast)."""

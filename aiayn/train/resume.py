@@ -48,6 +48,16 @@ class TrainState:
         return {k: getattr(self, k) for k in ("step", "epoch", "position", "best_valid", "best_step",
                                               "bad_evals", "elapsed_s", "tokens", "window")}
 
+    def evaluated(self, valid_nll: float) -> bool:
+        """Count a validation of update :attr:`step` for early stopping: whether its NLL beats the best so far (by
+        more than 1e-6), which makes it the best and the bad evaluations 0; else one more bad evaluation."""
+        improved = self.best_valid is None or valid_nll < self.best_valid - 1e-6
+        if improved:
+            self.best_valid, self.best_step, self.bad_evals = valid_nll, self.step, 0
+        else:
+            self.bad_evals += 1
+        return improved
+
     @classmethod
     def from_json(cls, values: Any, step: int) -> TrainState:
         """The state a checkpoint of ``step`` saved, checked: exactly the keys of :meth:`to_json`, counts

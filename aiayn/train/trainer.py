@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,13 @@ import torch
 from torch import nn
 
 import aiayn.engine as engine
-from aiayn.config import Config, ConfigError
+from aiayn.config import Config, ConfigError, TrainConfig
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
 from aiayn.train import resume
 from aiayn.train.console import Console
-from aiayn.train.inference_weights import WeightsChoice, best_path
+from aiayn.train.inference_weights import WeightsChoice, keep_best
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
@@ -31,7 +32,6 @@ from aiayn.train.resume import EMPTY_WINDOW, TrainState
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.train.update import Levers, Update, UpdateSums, batch_to_device, training_module
 from aiayn.train.validation import evaluate_loss
-from aiayn.weights import save_weights
 
 log = logging.getLogger("aiayn.train")
 
@@ -42,17 +42,9 @@ CLOCK_EVERY = 10
 class Trainer:
     """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        model: nn.Module,
-        data: TrainData,
-        run_dir: str | Path,
-        dist_info: Dist | None = None,
-        precision: str = "fp32",
-        progress: bool = True,
-        evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None,
-    ) -> None:
+    def __init__(self, cfg: Config, model: nn.Module, data: TrainData, run_dir: str | Path,
+                 dist_info: Dist | None = None, precision: str = "fp32", progress: bool = True,
+                 evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None) -> None:
         """``dist_info``: the process and its device (:func:`aiayn.train.parallel.init_distributed`);
         ``precision``: the resolved ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.resolve_precision`);
         ``evaluate_extra``: more validation scores (validation BLEU)."""
@@ -69,19 +61,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
         self.stop_reason = ""
-
-    def planner(self) -> EpochPlanner:
-        """This process's updates, epoch by epoch (:class:`aiayn.train.plan.EpochPlanner`)."""
-        return EpochPlanner(self.data, self.cfg.train.accum_steps, self.d)
-
-    def loader(self) -> UpdateLoader:
-        """The planned updates' batches, built by DataLoader workers (:class:`aiayn.data.loader.UpdateLoader`)."""
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.d.world > 1 else 1
-        workers = loader_workers(self.cfg.data.loader_workers, self.device, torch.get_num_threads(), local_world)
-        if self.d.main:
-            log.info("batches built by %d DataLoader worker process(es) per training process%s", workers,
-                     "" if self.cfg.data.loader_workers is not None else " (data.loader_workers: the free cores)")
-        return UpdateLoader(self.data, workers, pin_memory=self.device.type == "cuda")
 
     # --- resume and save -------------------------------------------------------------------------
 
@@ -103,23 +82,15 @@ class Trainer:
 
     def _evaluate(self, metrics: MetricsLog) -> bool:
         """Validation; returns True when early stopping says stop."""
-        tc = self.cfg.train
+        tc, st = self.cfg.train, self.state
         result = self._validation(self.model, self.d)
         if self.evaluate_extra is not None:  # every process decodes its share (validation BLEU)
             # in the inference precision (what `aiayn translate` decodes in), not the training autocast: the
             # BLEU a training reports is the BLEU of its run's translations (fp32 weights, fp32 math).
             with engine.kernels(self.device, inference_precision(self.device)):
-                extra = self.evaluate_extra(self.model, self.d)
-            result.update(extra)
-        st = self.state
-        improved = st.best_valid is None or result["valid_nll"] < st.best_valid - 1e-6
-        if improved:
-            st.best_valid, st.best_step, st.bad_evals = result["valid_nll"], st.step, 0
-            if self.d.main:  # kept apart from the rotating checkpoints, so 'best' is always on disk
-                save_weights(self.model, best_path(self.run_dir), {"source": f"best step {st.step}",
-                                                          "valid_nll": str(result["valid_nll"])})
-        else:
-            st.bad_evals += 1
+                result.update(self.evaluate_extra(self.model, self.d))
+        if st.evaluated(result["valid_nll"]) and self.d.main:
+            keep_best(self.model, self.run_dir, st.step, result["valid_nll"])
         record = {"step": st.step, "epoch": st.epoch, **{k: round(v, 6) for k, v in result.items()},
                   "best_step": st.best_step}
         metrics.write(record)
@@ -140,26 +111,18 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until max_updates / max_epochs / max_minutes / early stop; returns the final state. The loop
         runs inside the engine's kernel choice for the device (:func:`aiayn.engine.kernels`)."""
-        backends = self.cfg.train.attention_backends
-        with engine.kernels(self.device, self.precision, backends), self.planner() as planner, self.loader() as loader:
+        tc = self.cfg.train
+        with engine.kernels(self.device, self.precision, tc.attention_backends), \
+                EpochPlanner(self.data, tc.accum_steps, self.d) as planner, \
+                update_loader(self.cfg, self.data, self.d) as loader:
             return self._train(planner, loader)
 
     def _train(self, planner: EpochPlanner, loader: UpdateLoader) -> TrainState:
         tc, st, d = self.cfg.train, self.state, self.d
-        metrics = MetricsLog(self.run_dir, d.main, st.step if st.step else None, tc.log_to, self.cfg)
-        levers = Levers.from_config(self.cfg, self.device, self.precision)
-        module, fields = training_module(self.model, self.cfg, d, levers)
-        module.train()
-        update = Update(module, self.optimizer, tc.label_smoothing, self.pad_id, tc.clip_norm, d, self.autocast,
-                        self.scaler, seed=tc.seed, **fields)
-        compiles = CompileLog(levers, d.main)
-        progress = Console(tc, self.cfg.expect, st.step, st.elapsed_s, show=d.main, bar=self.progress)
-        window = Window(self.device, st.window)
-        start = time.perf_counter() - st.elapsed_s
+        loop = self._begin(planner)
         stop = st.step >= tc.max_updates
         if stop:
             self.stop_reason = f"train.max_updates={tc.max_updates} reached"
-        last_saved = st.step
         while not stop and (tc.max_epochs is None or st.epoch < tc.max_epochs):
             updates, totals = planner.updates(st.epoch)
             if not updates:
@@ -169,69 +132,113 @@ class Trainer:
             batches = loader.epoch(updates, st.position)
             while st.position < len(updates) and not stop:
                 micro = [batch_to_device(b, self.device) for b in epoch.wait(batches)]
-                step = st.step + 1
-                lr = learning_rate(tc, self.cfg.model.d_model, step)
-                log_step = step % tc.log_every == 0 or step == tc.max_updates
-                sums = update.run(micro, lr, step, totals[st.position], measure_norms=log_step and d.world > 1)
-                compiles.updated()
-                st.step, st.position = step, st.position + 1
-                planner.plan_ahead(st.epoch + 1)
-                st.tokens += sums.ntokens
-                window.add(sums)
-                if log_step:
-                    if sums.norms is not None:  # the processes still train one model, or stop here
-                        check_agreement(sums.norms, d, step)
-                    st.elapsed_s = time.perf_counter() - start
-                    rec = compiles.add_to(window.record(st, lr))  # the loop's one host-device synchronization
-                    metrics.write(rec)
-                    progress.record(rec)
-                    window = Window(self.device)
-                else:  # the host's clock: it may be ahead of the device by the updates queued
-                    st.elapsed_s = time.perf_counter() - start
-                progress.update(st.step, st.elapsed_s)
-                stop = self._should_stop(log_step)
-                if st.step % tc.eval_every == 0 or stop:
-                    stop = self._evaluate(metrics) or stop
-                if st.step % tc.save_every == 0 or stop:
-                    self._save(tc.keep_last, window)
-                    last_saved = st.step
+                stop = self._step(loop, micro, totals[st.position])
             if d.main:
                 epoch.log(st.position)
             if st.position >= len(updates):
                 st.epoch, st.position = st.epoch + 1, 0
         if not self.stop_reason:
             self.stop_reason = f"train.max_epochs={tc.max_epochs} reached"
-        if last_saved != st.step:  # max_epochs reached between saves
-            self._evaluate(metrics)
-            self._save(tc.keep_last, window)
-        progress.close(st.step)
-        metrics.close()
+        if loop.last_saved != st.step:  # max_epochs reached between saves
+            self._evaluate(loop.metrics)
+            self._save(tc.keep_last, loop.window)
+        loop.progress.close(st.step)
+        loop.metrics.close()
         if d.main:
             log.info("stopped at step %d: %s", st.step, self.stop_reason)
         self.write_inference_weights()
         d.barrier()
         return st
 
-    def _should_stop(self, log_step: bool) -> bool:
-        """max_updates or max_minutes reached (the reason kept in :attr:`stop_reason`). Rank 0's clock decides for
-        all processes: a collective (and a synchronization) with several, so then only every few updates;
-        nothing at all with one."""
-        tc, st = self.cfg.train, self.state
-        if st.step >= tc.max_updates:
-            self.stop_reason = f"train.max_updates={tc.max_updates} reached"
-            return True
-        clock = tc.max_minutes is not None and (self.d.world == 1 or log_step or st.step % CLOCK_EVERY == 0)
-        if clock and self.d.broadcast_flag(st.elapsed_s >= tc.max_minutes * 60, self.device):
-            self.stop_reason = (f"train.max_minutes={tc.max_minutes:g} reached ({st.elapsed_s / 60:.1f} minutes of "
-                                "training, counted from the run's first start)")
-            return True
-        return False
+    def _begin(self, planner: EpochPlanner) -> Loop:
+        """What the loop keeps from update to update: the :class:`Update` (its module in train mode), the logs."""
+        tc, st, d = self.cfg.train, self.state, self.d
+        levers = Levers.from_config(self.cfg, self.device, self.precision)
+        module, fields = training_module(self.model, self.cfg, d, levers)
+        module.train()
+        update = Update(module=module, optimizer=self.optimizer, label_smoothing=tc.label_smoothing,
+                        pad_id=self.pad_id, clip_norm=tc.clip_norm, dist=d, autocast=self.autocast,
+                        scaler=self.scaler, seed=tc.seed, **fields)
+        return Loop(planner=planner, update=update, compiles=CompileLog(levers, d.main),
+                    metrics=MetricsLog(self.run_dir, d.main, st.step if st.step else None, tc.log_to, self.cfg),
+                    progress=Console(tc, self.cfg.expect, st.step, st.elapsed_s, show=d.main, bar=self.progress),
+                    window=Window(self.device, st.window), start=time.perf_counter() - st.elapsed_s,
+                    last_saved=st.step)
+
+    def _step(self, loop: Loop, micro: list[Batch], total_tokens: int) -> bool:
+        """One update, then what follows it: log, evaluate, save. Whether to stop."""
+        tc, st, d = self.cfg.train, self.state, self.d
+        step = st.step + 1
+        lr = learning_rate(tc, self.cfg.model.d_model, step)
+        log_step = step % tc.log_every == 0 or step == tc.max_updates
+        sums = loop.update.run(micro, lr, step, total_tokens, measure_norms=log_step and d.world > 1)
+        loop.compiles.updated()
+        st.step, st.position = step, st.position + 1
+        loop.planner.plan_ahead(st.epoch + 1)
+        st.tokens += sums.ntokens
+        loop.window.add(sums)
+        if log_step:
+            if sums.norms is not None:  # the processes still train one model, or stop here
+                check_agreement(sums.norms, d, step)
+            st.elapsed_s = time.perf_counter() - loop.start
+            rec = loop.compiles.add_to(loop.window.record(st, lr))  # the loop's one host-device synchronization
+            loop.metrics.write(rec)
+            loop.progress.record(rec)
+            loop.window = Window(self.device)
+        else:  # the host's clock: it may be ahead of the device by the updates queued
+            st.elapsed_s = time.perf_counter() - loop.start
+        loop.progress.update(st.step, st.elapsed_s)
+        reason = limit_reached(tc, st, d, log_step)
+        self.stop_reason, stop = reason or self.stop_reason, bool(reason)
+        if st.step % tc.eval_every == 0 or stop:
+            stop = self._evaluate(loop.metrics) or stop
+        if st.step % tc.save_every == 0 or stop:
+            self._save(tc.keep_last, loop.window)
+            loop.last_saved = st.step
+        return stop
 
     # --- the end ----------------------------------------------------------------------------------
 
     def write_inference_weights(self) -> Path:
         """model.safetensors: the last, best or averaged weights (:mod:`aiayn.train.inference_weights`)."""
         return WeightsChoice(self.cfg, self.run_dir, self.data, self.d, self._validation).write(self.model, self.state)
+
+
+@dataclass(kw_only=True)
+class Loop:
+    """What :meth:`Trainer._train` carries from update to update."""
+
+    planner: EpochPlanner
+    update: Update
+    compiles: CompileLog
+    metrics: MetricsLog
+    progress: Console
+    window: Window  # the updates since the last logged one
+    start: float  # perf_counter() when the run began, its earlier sessions' time included
+    last_saved: int  # the step of the last checkpoint
+
+
+def update_loader(cfg: Config, data: TrainData, d: Dist) -> UpdateLoader:
+    """The planned updates' batches, built by DataLoader workers (:class:`aiayn.data.loader.UpdateLoader`)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if d.world > 1 else 1
+    workers = loader_workers(cfg.data.loader_workers, d.device, torch.get_num_threads(), local_world)
+    if d.main:
+        log.info("batches built by %d DataLoader worker process(es) per training process%s", workers,
+                 "" if cfg.data.loader_workers is not None else " (data.loader_workers: the free cores)")
+    return UpdateLoader(data, workers, pin_memory=d.device.type == "cuda")
+
+
+def limit_reached(tc: TrainConfig, st: TrainState, d: Dist, log_step: bool) -> str:
+    """Why to stop after update ``st.step`` (``""``: go on): train.max_updates or train.max_minutes reached. Rank 0's
+    clock decides for all processes: a collective (and a synchronization) with several, so then only every few
+    updates; nothing at all with one."""
+    if st.step >= tc.max_updates:
+        return f"train.max_updates={tc.max_updates} reached"
+    clock = tc.max_minutes is not None and (d.world == 1 or log_step or st.step % CLOCK_EVERY == 0)
+    if clock and d.broadcast_flag(st.elapsed_s >= tc.max_minutes * 60, d.device):
+        return (f"train.max_minutes={tc.max_minutes:g} reached ({st.elapsed_s / 60:.1f} minutes of training, "
+                "counted from the run's first start)")
+    return ""
 
 
 class CompileLog:
