@@ -288,8 +288,8 @@ class EpochTimer:
 
     def log(self, position: int) -> None:
         total = time.perf_counter() - self.t0
-        log.info("epoch %d: updates %d-%d (the epoch's %d-%d) in %.1f s, of which %.2f s (%.2f%%) waiting for "
-                 "batches", self.epoch, self.step + 1, self.step + position - self.first, self.first + 1, position,
+        updates = f"{self.step + 1}-{self.step + position - self.first} (the epoch's {self.first + 1}-{position})"
+        log.info("epoch %d: updates %s in %.1f s, of which %.2f s (%.2f%%) waiting for batches", self.epoch, updates,
                  total, self.waited, 100 * self.waited / max(total, 1e-9))
 
 
