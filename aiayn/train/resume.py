@@ -1,6 +1,6 @@
 """Resuming a training: what a checkpoint's JSON says of its run (:class:`CheckpointMeta`, read and checked once,
 here), the loop's place it restores (:class:`TrainState`), the micro-batches of an update that every resume keeps
-(:func:`micro_batches`), and the config a resume trains with (:func:`resume_config`).
+(:func:`aiayn.train.plan.micro_batches`), and the config a resume trains with (:func:`resume_config`).
 
 The checkpoint files themselves (weights, optimizer, RNG, the JSON's schema) are :mod:`aiayn.train.checkpoint`'s;
 this module is the one place that reads or writes the training's own keys of that JSON (``train_state``,
@@ -21,6 +21,7 @@ from torch import nn
 from aiayn.config import Config, ConfigError
 from aiayn.errors import CheckpointError
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
+from aiayn.train.plan import micro_batches
 from aiayn.weights import checkpoint_paths, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
@@ -89,12 +90,6 @@ class TrainState:
         return cls(**values)
 
 
-def micro_batches(world: int, accum_steps: int) -> int:
-    """The micro-batches of one update: processes x accumulation steps. The batches an update trains on depend on
-    this product only (:mod:`aiayn.train.plan`), so every resume keeps it."""
-    return world * accum_steps
-
-
 @dataclass(frozen=True)
 class CheckpointMeta:
     """What checkpoint ``step``'s JSON says of its run, checked when read (:meth:`read`): the schema
@@ -132,7 +127,7 @@ class CheckpointMeta:
         return micro_batches(self.world_size, self.accum_steps or accum_steps)
 
 
-def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, world: int,
+def save_state(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, world: int,
          accum_steps: int, keep_last: int | None) -> None:
     """Checkpoint ``state.step`` (:func:`aiayn.train.checkpoint.save_checkpoint`) with what :meth:`CheckpointMeta.read`
     reads back: the state, the micro-batches of an update as processes x accumulation steps, the CPU threads."""
@@ -141,7 +136,7 @@ def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stat
                      "cpu_threads": torch.get_num_threads()}, keep_last=keep_last)
 
 
-def restore(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
+def restore_newest(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
             accum_steps: int) -> TrainState | None:
     """Load the newest checkpoint of ``run_dir`` into ``model`` and ``optimizer`` and set torch's generators; its
     state, None when there is none. Everything is checked before anything is loaded: a damaged checkpoint, or one

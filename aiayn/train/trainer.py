@@ -22,13 +22,12 @@ from aiayn.config import Config, ConfigError, TrainConfig
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import autocast_context, inference_precision
-from aiayn.train import resume
 from aiayn.train.console import Console
 from aiayn.train.inference_weights import WeightsChoice, keep_best
 from aiayn.train.metrics import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
-from aiayn.train.resume import EMPTY_WINDOW, TrainState
+from aiayn.train.resume import EMPTY_WINDOW, TrainState, restore_newest, save_state
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.train.update import Levers, Update, UpdateSums, batch_to_device, training_module
 from aiayn.train.validation import evaluate_loss
@@ -65,8 +64,8 @@ class Trainer:
     # --- resume and save -------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Restore the newest complete checkpoint (:func:`aiayn.train.resume.restore`); False when there is none."""
-        state = resume.restore(self.run_dir, self.model, self.optimizer, world=self.d.world,
+        """Restore the newest complete checkpoint (:func:`~aiayn.train.resume.restore_newest`); False if none."""
+        state = restore_newest(self.run_dir, self.model, self.optimizer, world=self.d.world,
                                accum_steps=self.cfg.train.accum_steps)
         self.state = state or self.state
         return state is not None
@@ -74,8 +73,8 @@ class Trainer:
     def _save(self, keep_last: int, window: Window) -> None:
         self.state.window = window.to_json()  # a synchronization, at saves only
         if self.d.main:
-            resume.save(self.run_dir, self.model, self.optimizer, self.state, world=self.d.world,
-                        accum_steps=self.cfg.train.accum_steps, keep_last=keep_last)
+            save_state(self.run_dir, self.model, self.optimizer, self.state, world=self.d.world,
+                       accum_steps=self.cfg.train.accum_steps, keep_last=keep_last)
         self.d.barrier()
 
     # --- evaluate --------------------------------------------------------------------------------
