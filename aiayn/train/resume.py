@@ -128,7 +128,7 @@ class CheckpointMeta:
 
 
 def save_state(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, world: int,
-         accum_steps: int, keep_last: int | None) -> None:
+               accum_steps: int, keep_last: int | None) -> None:
     """Checkpoint ``state.step`` (:func:`aiayn.train.checkpoint.save_checkpoint`) with what :meth:`CheckpointMeta.read`
     reads back: the state, the micro-batches of an update as processes x accumulation steps, the CPU threads."""
     save_checkpoint(run_dir, state.step, model, optimizer,
@@ -137,7 +137,7 @@ def save_state(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def restore_newest(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
-            accum_steps: int) -> TrainState | None:
+                   accum_steps: int) -> TrainState | None:
     """Load the newest checkpoint of ``run_dir`` into ``model`` and ``optimizer`` and set torch's generators; its
     state, None when there is none. Everything is checked before anything is loaded: a damaged checkpoint, or one
     whose updates took other micro-batches than ``world`` x ``accum_steps`` (:func:`resume_config` makes them equal,
