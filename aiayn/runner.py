@@ -89,31 +89,26 @@ def default_parallel(cfg: Config, jobs: int) -> int:
 def _finished_state(run_dir: Path) -> Trained | None:
     """The updates and training time of a run whose training ended (its inference weights are written), from its
     newest checkpoint; None for a run still to train."""
-    from aiayn.train.checkpoint import read_checkpoint_state
-    from aiayn.weights import FINAL_WEIGHTS, list_checkpoints
+    from aiayn.train.resume import CheckpointMeta
+    from aiayn.weights import FINAL_WEIGHTS
 
-    steps = list_checkpoints(run_dir)
-    if not steps or not (run_dir / FINAL_WEIGHTS).is_file():
-        return None
-    state = read_checkpoint_state(run_dir, steps[-1]).get("train_state") or {}
-    return Trained(steps[-1], float(state.get("elapsed_s") or 0.0))
+    meta = CheckpointMeta.newest(run_dir) if (run_dir / FINAL_WEIGHTS).is_file() else None
+    return Trained(meta.step, float(meta.state.elapsed_s)) if meta is not None else None
 
 
 def _ended_without_weights(cfg: Config, run_dir: Path) -> Config | None:
     """For a run killed after its training ended (its time or updates spent) but before it wrote its inference
     weights: the config that resumes it to write them and train no further (``max_updates`` = its step; a resume
     whose minutes are spent is refused otherwise). None when the run has training left."""
-    from aiayn.train.checkpoint import read_checkpoint_state
-    from aiayn.weights import list_checkpoints
+    from aiayn.train.resume import CheckpointMeta
 
-    steps = list_checkpoints(run_dir)
-    if not steps:
+    meta = CheckpointMeta.newest(run_dir)
+    if meta is None:
         return None
-    state = read_checkpoint_state(run_dir, steps[-1]).get("train_state") or {}
-    elapsed, tc = float(state.get("elapsed_s") or 0.0), cfg.train
-    if steps[-1] < tc.max_updates and (tc.max_minutes is None or elapsed < tc.max_minutes * 60):
+    elapsed, tc = meta.state.elapsed_s, cfg.train
+    if meta.step < tc.max_updates and (tc.max_minutes is None or elapsed < tc.max_minutes * 60):
         return None
-    return dataclasses.replace(cfg, train=dataclasses.replace(tc, max_updates=steps[-1]))
+    return dataclasses.replace(cfg, train=dataclasses.replace(tc, max_updates=meta.step))
 
 
 def train_job(job: Job, progress: bool = False) -> Trained | None:

@@ -289,8 +289,8 @@ class _Rows:
 def _finish_row(ctx: _Rows, job: Job, trained: Trained) -> None:
     """A trained row scored as the paper's Table 3 scores it (validation perplexity and BLEU); its result written."""
     from aiayn.eval.evaluate import EvalData, evaluate_translation
-    from aiayn.train.checkpoint import list_checkpoints, read_checkpoint_state
     from aiayn.train.report import run_report
+    from aiayn.train.resume import CheckpointMeta
 
     name, seed, here = ctx.who[job.name]
     row, run_dir = BY_NAME[name], job.run_dir
@@ -305,7 +305,7 @@ def _finish_row(ctx: _Rows, job: Job, trained: Trained) -> None:
         "bleu": ev["scores"]["bleu"], "chrf": ev["scores"]["chrf"], "bleu_signature": ev["signatures"]["bleu"],
         "beam": ev["decode"]["beam"], "train_s": round(trained.elapsed_s, 1), "eval_s": ev["wall_s"],
         "wall_s": round(trained.elapsed_s + ev["wall_s"], 1),  # training (from its first start) and evaluation
-        "threads": read_checkpoint_state(run_dir, list_checkpoints(run_dir)[-1]).get("cpu_threads"),
+        "threads": CheckpointMeta.newest(run_dir).cpu_threads,
         "base_settings": ctx.settings,
     }
     check_results(ctx.out, ctx.settings)  # another runner on this --out may have written others meanwhile

@@ -144,7 +144,8 @@ def updater(model: nn.Module, device: torch.device | str = "cpu", precision: str
     autocast = autocast_context(precision, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     fields = fields or {"loss_fn": label_smoothed_cross_entropy}
-    step = Update(model, optimizer, LABEL_SMOOTHING, pad_id=0, autocast=autocast, scaler=scaler, **fields)
+    step = Update(module=model, optimizer=optimizer, label_smoothing=LABEL_SMOOTHING, pad_id=0, autocast=autocast,
+                  scaler=scaler, **fields)
 
     def update(b: Batch) -> None:
         step([batch_to_device(b, device)], LR)

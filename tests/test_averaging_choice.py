@@ -14,7 +14,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.config import DecodeOptions
-from aiayn.train.trainer import describe_choice, prefer_average, search_words
+from aiayn.train.inference_weights import describe_choice, prefer_average, search_words
 from aiayn.weights import average_weights, checkpoint_paths, read_weights, save_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

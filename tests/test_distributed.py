@@ -18,8 +18,8 @@ from conftest import loopback_port  # tests/ is on sys.path under pytest
 from aiayn.config import ConfigError, load_config, read_run_config
 from aiayn.errors import CheckpointError
 from aiayn.train import parallel as parallel_module
+from aiayn.train.resume import resume_config
 from aiayn.train.run import resume_run, train
-from aiayn.train.trainer import resume_config
 from aiayn.train.update import Update, seed_update, update_seed
 
 REPO = Path(__file__).resolve().parent.parent

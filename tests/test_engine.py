@@ -109,7 +109,8 @@ def test_translation_data_pads_as_configured(tmp_path):
     src, tgt = pairs(200, seed=2, high=40)
     sides = [side_of(tmp_path, name, seqs) for name, seqs in (("src", src), ("tgt", tgt), ("vsrc", src[:20]),
                                                                ("vtgt", tgt[:20]))]
-    data = TranslationData(*sides, max_tokens=256, seed=1, pad_to_multiple=8, buckets=(16, 32, 48))
+    data = TranslationData(src=sides[0], tgt=sides[1], valid_src=sides[2], valid_tgt=sides[3], max_tokens=256, seed=1,
+                           pad_to_multiple=8, buckets=(16, 32, 48))
     batches = data.epoch_batches(0)
     assert sorted(i for b in batches for i in b.indices) == list(range(200))
     assert {tuple(b.src.shape) for b in batches} <= {(16, 16), (8, 32), (5, 48)}
@@ -118,7 +119,8 @@ def test_translation_data_pads_as_configured(tmp_path):
         assert b.ntokens == sum(len(tgt[i]) + 1 for i in b.indices) == data.plan_tokens(b.indices)
     assert {tuple(b.src.shape) for b in data.valid_batches} <= {(16, 16), (8, 32), (5, 48)}
     # the default keeps the batches every run so far was trained on (no padding beyond the longest)
-    plain = TranslationData(sides[0], sides[1], sides[0], sides[1], max_tokens=256, seed=1).epoch_batches(0)
+    plain = TranslationData(src=sides[0], tgt=sides[1], valid_src=sides[0], valid_tgt=sides[1], max_tokens=256,
+                            seed=1).epoch_batches(0)
     assert all(b.src.size(1) == max(len(src[i]) + 1 for i in b.indices) for b in plain)
 
 
@@ -206,7 +208,7 @@ def test_forward_backward_and_update_read_the_device_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # SGD: no optimizer-internal scalar reads
     with _SyncOps() as mode:
-        stats = Update(model, opt, label_smoothing=0.1, clip_norm=1.0)(batches, lr=0.1)
+        stats = Update(module=model, optimizer=opt, label_smoothing=0.1, clip_norm=1.0)(batches, lr=0.1)
     assert mode.seen == []  # no .item(), bool(tensor), masked_select, nonzero in forward, loss, backward, clip
     assert reads == [torch.Size([3])]  # one read: loss, nll and gradient norm together
     assert stats.ntokens == sum(b.ntokens for b in batches) and min(stats.loss, stats.nll, stats.grad_norm) > 0
@@ -259,7 +261,8 @@ def compiled_tiny():
         src, tgt = pairs(8, seed=6, low=7, high=8)  # 8 rows of 7 tokens + EOS / BOS: B = S = T = 8
         warm = collate(src, tgt, list(range(8)))
         assert warm.src.shape == warm.tgt_in.shape == (8, 8)
-        warm_up = Update(module, torch.optim.SGD(module.parameters(), lr=0.0), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
+        warm_up = Update(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0), label_smoothing=0.1,
+                         pad_id=0, loss_fn=loss_fn, fit_shapes=True)
         warm_up([warm], 0.0)
         counter.warmed_up()
         yield eager, compiled_copy, module, loss_fn, counter, lambda: warm_up([warm], 0.0)
@@ -323,7 +326,8 @@ def test_compiled_training_never_compiles_again_after_its_first_update(compiled_
     counter = CompileCounter()
     rewarm()  # builds nothing unless dynamo was reset since the fixture ran
     counter.warmed_up()
-    update = Update(module, torch.optim.Adam(module.parameters(), lr=1e-3), 0.1, 0, loss_fn=loss_fn, fit_shapes=True)
+    update = Update(module=module, optimizer=torch.optim.Adam(module.parameters(), lr=1e-3), label_smoothing=0.1,
+                    pad_id=0, loss_fn=loss_fn, fit_shapes=True)
     g = torch.Generator().manual_seed(7)
     shapes = set()
     for step in range(200):
@@ -489,7 +493,7 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
         model = tiny_model()
         opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=fused)
         for _ in range(2):
-            Update(model, opt, label_smoothing=0.1, clip_norm=1.0, scaler=scaler)([batch], lr=1e-3)
+            Update(module=model, optimizer=opt, label_smoothing=0.1, clip_norm=1.0, scaler=scaler)([batch], lr=1e-3)
         weights.append(model.state_dict())
     for k in weights[0]:
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6, msg=k)
@@ -501,7 +505,7 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
     with torch.no_grad():
         model.encoder.layers[0].ffn.fc1.weight[0, 0] = float("inf")
     before["encoder.layers.0.ffn.fc1.weight"][0, 0] = float("inf")
-    Update(model, opt, label_smoothing=0.1, scaler=scaler)([batch], lr=1e-3)
+    Update(module=model, optimizer=opt, label_smoothing=0.1, scaler=scaler)([batch], lr=1e-3)
     assert scaler.get_scale() == 2.0**11
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

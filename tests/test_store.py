@@ -442,7 +442,7 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
             time.sleep(0.05)
         assert f"(pid {os.getpid()}) that prepares it" in log.read_text(), log.read_text()
         sources, inputs = pair_sources(cfg)
-        _build_with(out, PairRecipe(cfg, sources, inputs, None, 1))
+        _build_with(out, PairRecipe(cfg=cfg, sources=sources, inputs=inputs, workers=1))
     assert proc.wait(timeout=300) == 0, log.read_text()
     assert "on a sample of at most" not in log.read_text()  # it built nothing: it used this one's store
     store = open_store(out, ("train", "valid"))

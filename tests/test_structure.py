@@ -260,6 +260,61 @@ def test_no_function_takes_more_than_eight_parameters():
     assert not wide, wide
 
 
+def positional_dataclasses(tree: ast.AST) -> list[str]:
+    """``name:line (n fields)`` of each dataclass in ``tree`` with more than 8 fields that is not keyword-only."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for dec in node.decorator_list:
+            target = dec.func if isinstance(dec, ast.Call) else dec
+            if (target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")) != "dataclass":
+                continue
+            fields = [x for x in node.body if isinstance(x, ast.AnnAssign) and isinstance(x.target, ast.Name)
+                      and "ClassVar" not in ast.unparse(x.annotation)]
+            kw_only = isinstance(dec, ast.Call) and any(k.arg == "kw_only" and isinstance(k.value, ast.Constant)
+                                                        and k.value.value is True for k in dec.keywords)
+            if len(fields) > 8 and not kw_only:
+                out.append(f"{node.name}:{node.lineno} ({len(fields)} fields)")
+    return out
+
+
+def wide_calls(tree: ast.AST) -> list[str]:
+    """``callee:line (n)`` of each call in ``tree`` that passes more than 8 arguments by position (``*args`` aside)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            n = sum(not isinstance(a, ast.Starred) for a in node.args)
+            if n > 8:
+                out.append(f"{ast.unparse(node.func)}:{node.lineno} ({n})")
+    return out
+
+
+def test_wide_dataclasses_are_keyword_only():
+    """A parameter object of more than 8 fields is built by keyword (``@dataclass(kw_only=True)``): two neighbouring
+    fields passed by position can swap silently, and no test notices (ServeOptions, Completion, Update...)."""
+    found = [f"{path.relative_to(PKG.parent)} {c}" for root in (PKG, PKG.parent / "benchmarks")
+             for path in sorted(root.rglob("*.py")) for c in positional_dataclasses(ast.parse(path.read_text("utf-8")))]
+    assert not found, found
+
+
+def test_no_call_passes_more_than_eight_positional_arguments():
+    """The call side: nowhere in aiayn/ does a call pass more than 8 arguments by position (``*args`` aside); past
+    that, a reader counts commas to know which value is which."""
+    found = [f"{path.relative_to(PKG.parent)} {c}" for path in sorted(PKG.rglob("*.py"))
+             for c in wide_calls(ast.parse(path.read_text("utf-8")))]
+    assert not found, found
+
+
+def test_the_width_rules_find_what_they_refuse():
+    fields = "".join(f"    f{i}: int\n" for i in range(9))
+    wide = ast.parse(f"@dataclass(frozen=True)\nclass A:\n{fields}\nA(1, 2, 3, 4, 5, 6, 7, 8, 9)\nf(*xs, 1, 2)\n")
+    assert positional_dataclasses(wide) == ["A:2 (9 fields)"] and wide_calls(wide) == ["A:13 (9)"]
+    ok = ast.parse(f"@dataclasses.dataclass(kw_only=True)\nclass B:\n{fields}    c: ClassVar[int] = 0\n"
+                   "@dataclass\nclass C:\n" + "".join(f"    g{i}: int\n" for i in range(8)))
+    assert positional_dataclasses(ok) == [] and wide_calls(ok) == []
+
+
 def test_no_function_is_longer_than_eighty_lines():
     """A function reads on a screen or two: none in aiayn/ or benchmarks/ over 80 lines (docstring included); the
     server's routes are split into functions of their classes and modules (issue 43)."""

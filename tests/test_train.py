@@ -109,7 +109,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger():
         # SGD, so the update is lr * gradient: Adam's first step is lr * sign(g), which turns rounding
         # noise on exactly-zero gradients (e.g. the key biases, which softmax ignores) into +-lr.
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        stats = Update(model, opt, label_smoothing=0.1, clip_norm=1.0)(micro, lr=1.0)
+        stats = Update(module=model, optimizer=opt, label_smoothing=0.1, clip_norm=1.0)(micro, lr=1.0)
         results.append((model.state_dict(), stats))
     (a, sa), (b, sb) = results
     assert sa.ntokens == sb.ntokens == whole.ntokens
@@ -427,8 +427,8 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
     initial weights (a run cut early averages checkpoints from its first updates): the resume's end finds the
     average worse and keeps the last weights."""
     from aiayn.data.pipeline import build_data
+    from aiayn.train.inference_weights import prefer_average
     from aiayn.train.run import resume_run
-    from aiayn.train.trainer import prefer_average
     from aiayn.train.validation import evaluate_loss, validation_bleu_fn
     from aiayn.weights import save_weights
 

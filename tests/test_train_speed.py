@@ -131,7 +131,8 @@ def train_with(levers: Levers, model: torch.nn.Module, steps: list) -> tuple[lis
     cfg = load_config("tiny_reverse", ["model.dropout=0.0"])
     module, fields = training_module(model, cfg, Dist(), levers)
     module.train()
-    update = Update(module, torch.optim.SGD(model.parameters(), lr=0.5), 0.1, 0, **fields)
+    update = Update(module=module, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), label_smoothing=0.1, pad_id=0,
+                    **fields)
     losses = [update([b], 0.5, i + 1).loss for i, b in enumerate(steps)]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -43,7 +43,7 @@ SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of the Transformer (paper section 3). Defaults are paper-base (Table 3)."""
 
@@ -155,7 +155,7 @@ def check_fits_in_memory(cfg: ModelConfig) -> None:
                           f"than this machine's {have / 2**30:,.1f} GiB")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the text comes from and how it becomes batches."""
 
@@ -240,7 +240,7 @@ class DataConfig:
         object.__setattr__(self, "length_buckets", list(buckets))  # frozen: set once, while building
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Optimisation (paper section 5.3-5.4) and the loop around it."""
 
@@ -385,7 +385,7 @@ def flag(help: str, search: bool = False, choices: tuple[str, ...] | None = None
     return {"flag": Flag(help, search, choices, metavar)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeOptions:
     """How to decode, in one object: the run's ``decode`` section, then per-call overrides from the CLI,
     the Python API and the server (:meth:`replace`). Defaults are the paper's (section 6.1: beam 4,

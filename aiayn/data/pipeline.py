@@ -59,7 +59,7 @@ def fit_model_to_vocab(cfg: Config, tok: TokenizerPair) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TranslationData:
     """Encoded training/validation pairs, the sides of a token store read by position (only their offsets in
     memory); batches by token budget, reshuffled per epoch. Pickles as file names (:class:`~aiayn.data.store.Side`),
@@ -168,7 +168,7 @@ def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
     if not cfg.kind.encoder:
         return lm_recipe(cfg, None, workers)
     sources, inputs = pair_sources(cfg)
-    return PairRecipe(cfg, sources, inputs, None, workers)
+    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, workers=workers)
 
 
 def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild: bool = True):
@@ -251,15 +251,17 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
 
     budget = batch_budget(cfg, world)  # refused before any reading
     sources, inputs = pair_sources(cfg)
-    store, tok = run_store(cfg, run_dir, lambda t: PairRecipe(cfg, sources, inputs, t), is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=t),
+                           is_main, barrier)
     tdir = tokenizer_dir(run_dir)
     if tok.pretokenize != cfg.data.pretokenize:
         raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
                           f"says data.pretokenize={cfg.data.pretokenize!r}")
     fit_model_to_vocab(cfg, tok)  # refuses a tokenizer the model cannot take
     train, valid = store.splits["train"], store.splits["valid"]
-    data = TranslationData(train.src, train.tgt, valid.src, valid.tgt, budget, cfg.train.seed, tok.specials,
-                           cfg.data.pad_to_multiple, tuple(cfg.data.length_buckets))
+    data = TranslationData(src=train.src, tgt=train.tgt, valid_src=valid.src, valid_tgt=valid.tgt,
+                           max_tokens=budget, seed=cfg.train.seed, specials=tok.specials,
+                           pad_to_multiple=cfg.data.pad_to_multiple, buckets=tuple(cfg.data.length_buckets))
     costs = check_budget(cfg, data, world)
     if is_main:
         max_len = cfg.data.max_len or cfg.model.max_positions

@@ -505,7 +505,8 @@ def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs
     (:func:`prepare_store` of a :class:`PairRecipe`, waiting at most ``train.setup_timeout_s`` for another process
     that prepares it). ``inputs`` names what the sources read (for the key); ``tokenizer``: use this tokenizer
     directory instead of training one on a sample of the training pairs."""
-    recipe = PairRecipe(cfg, sources, inputs, Path(tokenizer) if tokenizer is not None else None, workers)
+    recipe = PairRecipe(cfg=cfg, sources=sources, inputs=inputs,
+                        tokenizer=Path(tokenizer) if tokenizer is not None else None, workers=workers)
     return prepare_store(out, recipe, rebuild, cfg.train.setup_timeout_s)
 
 
@@ -700,7 +701,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PairRecipe:
     """A store of (source, target) pairs from ``sources`` (split -> a function streaming its pairs), named for
     the key by ``inputs``; ``tokenizer``: a tokenizer directory to use, else one is trained on a sample of the

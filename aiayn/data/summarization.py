@@ -139,7 +139,8 @@ def summary_lm_recipe(cfg: Config, sources: dict[str, Callable[[], Iterator[tupl
         texts = chain((t for pair in sources["train"]() for t in pair), [sep])
         train_tokenizer_pair(texts, [], tdir, TokenizerSpec.from_config(cfg, symbols))
 
-    return PairRecipe(cfg, sources, inputs, tokenizer, workers, train_tokenizer=train, length_filter=False,
+    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=tokenizer, workers=workers,
+                      train_tokenizer=train, length_filter=False,
                       extra={"kind": "summary_lm", "separator": sep})
 
 

@@ -238,7 +238,7 @@ def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
     raise DataError(f"no tokenizer {name} in {directory} (expected {model.name} or {chars.name})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizerSpec:
     """What tokenizer to train: ``kind`` bpe (SentencePiece BPE, ``vocab_size`` pieces at most: a soft limit, a
     small corpus gives fewer) or char (every character seen; ``vocab_size`` ignored); at most ``max_sentences``

@@ -148,8 +148,8 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     choices = choices or Choices()
     base = model.cfg.decode.replace(**choices.decode)  # a bad option fails here, before anything is served
     budget = max_batch_tokens or base.batch_tokens(model.device.type)
-    svc = Service(model, Batcher(budget, max_wait_ms, max_queue), limits or Limits(), api_key=api_key, budget=budget,
-                  max_wait_ms=max_wait_ms, max_queue=max_queue, choices=choices)
+    svc = Service(model=model, batcher=Batcher(budget, max_wait_ms, max_queue), limits=limits or Limits(),
+                  api_key=api_key, budget=budget, max_wait_ms=max_wait_ms, max_queue=max_queue, choices=choices)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

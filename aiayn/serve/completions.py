@@ -30,7 +30,7 @@ MAX_STOPS = 64
 Job = tuple[int, Any, int | None]  # (choice index, prompt: a text or token ids, seed)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Completion:
     """A checked ``/v1/completions`` request."""
 
@@ -171,9 +171,12 @@ def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
     # max_tokens 0 asks for the prompt's log-probabilities only (echo), as lm-evaluation-harness may
     max_tokens = number_field(body, "max_tokens", 16, 0 if echo else 1, limits.max_new_tokens, integer=True)
     asked = body.get("temperature") is not None or body.get("top_p") is not None
-    return Completion(prompts, max_tokens, float(number_field(body, "temperature", 1.0, 0.0, 2.0)),
-                      float(number_field(body, "top_p", 1.0, 0.0, 1.0)), n, tuple(stops), seed, stream, echo, logprobs,
-                      bool(options and options.get("include_usage")), asked, top_k=top_k, truncate=truncate)
+    return Completion(prompts=prompts, max_tokens=max_tokens,
+                      temperature=float(number_field(body, "temperature", 1.0, 0.0, 2.0)),
+                      top_p=float(number_field(body, "top_p", 1.0, 0.0, 1.0)), n=n, stop=tuple(stops), seed=seed,
+                      stream=stream, echo=echo, logprobs=logprobs,
+                      include_usage=bool(options and options.get("include_usage")), sample_asked=asked, top_k=top_k,
+                      truncate=truncate)
 
 
 def truncated(ids: list[int], prompt: str | list[int], keep: int | None, context: int) -> str | list[int]:

@@ -63,7 +63,7 @@ def redact_access_log() -> None:
         access.addFilter(RedactKeys())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """How ``aiayn serve`` runs, checked when built (before the run is loaded or a port is bound)."""
 
@@ -195,7 +195,9 @@ def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
     limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
     key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
-    options = ServeOptions(args.host, args.port, args.device, args.precision, args.max_batch_tokens, args.max_wait_ms,
-                           args.max_queue, limits, args.access_log, tuple(args.allow_host), args.cors, key, key_from,
-                           dict(decode or {}), tuple(args.model_alias))
+    options = ServeOptions(host=args.host, port=args.port, device=args.device, precision=args.precision,
+                           max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
+                           max_queue=args.max_queue, limits=limits, access_log=args.access_log,
+                           allow_hosts=tuple(args.allow_host), cors=args.cors, api_key=key, api_key_from=key_from,
+                           decode=dict(decode or {}), model_aliases=tuple(args.model_alias))
     return serve(args.run, options)

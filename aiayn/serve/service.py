@@ -47,7 +47,7 @@ class Choices:
     aliases: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Service:
     """What the routes share: the loaded model, its batcher (``budget``: the source tokens x beam of one model
     call; ``max_wait_ms`` and ``max_queue`` as the batcher was built), the request limits, the API key (None:

@@ -38,9 +38,8 @@ from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
-from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.parallel import Dist
-from aiayn.train.trainer import TrainState
+from aiayn.train.resume import CheckpointMeta
 from aiayn.weights import checkpoint_dir, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
@@ -181,12 +180,7 @@ class RunDirectory:
         """The newest checkpoint's state and the tokenizer keys, checked before any work starts."""
         step = st.steps[-1]
         try:
-            meta = read_checkpoint_state(self.path, step)
-            try:
-                TrainState.from_json(meta.get("train_state"), step)
-            except ValueError as e:
-                jpath = checkpoint_dir(self.path) / f"step_{step:06d}.json"
-                raise CheckpointError(f"{jpath}: not a valid checkpoint state ({e})") from None
+            CheckpointMeta.read(self.path, step)
         except CheckpointError as e:
             hint = (f"; delete {checkpoint_dir(self.path) / f'step_{step:06d}'}.* to resume from step {st.steps[-2]}"
                     if len(st.steps) > 1 else "")

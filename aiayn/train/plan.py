@@ -5,7 +5,7 @@ ahead of the step (:mod:`aiayn.data.loader`).
 Update ``i`` of an epoch takes the plan's batches ``i*m ... i*m + m - 1``, ``m = processes x accumulation steps``:
 its micro-batch ``slot`` (``step x processes + rank``) is batch ``i*m + slot``. The updates depend on ``m`` only,
 so 2 processes x 1 step and 1 process x 2 steps train on the same batches, and a resume may change one for the
-other (:func:`aiayn.train.trainer.resume_config`).
+other (:func:`aiayn.train.resume.resume_config`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ class TrainData(Protocol):
     def valid_batches(self) -> list[Batch]: ...
 
 
+def micro_batches(world: int, accum_steps: int) -> int:
+    """``m``, the micro-batches of one update: processes x accumulation steps. The batches an update trains on
+    depend on this product only, so every resume keeps it (:func:`aiayn.train.resume.resume_config`)."""
+    return world * accum_steps
+
+
 def update_token_totals(tokens: Sequence[int], accum_steps: int, world: int) -> list[int]:
     """Target tokens of each update of an epoch summed over all processes, from the target tokens of each
     planned batch. Batches are dealt round-robin (process r takes r, r + world, ...), so every process can
     count what the others hold instead of all-reducing the count before every update."""
-    n_updates = len(tokens) // (accum_steps * world)
+    n_updates = len(tokens) // micro_batches(world, accum_steps)
     k = accum_steps
     ranks = [tokens[r::world][: n_updates * k] for r in range(world)]
     return [sum(n for mine in ranks for n in mine[i * k : (i + 1) * k]) for i in range(n_updates)]
@@ -70,7 +76,7 @@ class EpochPlanner:
         ahead = self._ahead.pop(epoch, None)
         plan, tokens = ahead.result() if ahead is not None else self._plan(epoch)
         k, w = self.accum_steps, self.dist.world
-        n_updates = len(plan) // (k * w)
+        n_updates = len(plan) // micro_batches(w, k)
         mine = plan[self.dist.rank :: w][: n_updates * k]
         return [mine[i * k : (i + 1) * k] for i in range(n_updates)], update_token_totals(tokens, k, w)
 

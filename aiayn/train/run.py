@@ -17,12 +17,12 @@ from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, locked
 from aiayn.model import build_model, count_parameters
-from aiayn.train.checkpoint import read_checkpoint_state
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
 from aiayn.train.ownership import flatten, own_run_dir
 from aiayn.train.parallel import Dist, init_distributed
-from aiayn.train.trainer import Trainer, TrainState, resume_config
+from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
+from aiayn.train.trainer import Trainer
 from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, load_weights, save_weights
 
 log = logging.getLogger("aiayn.train")
@@ -83,14 +83,12 @@ def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
     checkpoint was trained with (float sums depend on it: the same count keeps a resume bit-identical); else
     the machine's free cores (:func:`aiayn.engine.cpu_threads`)."""
     if cfg.train.threads is None and resume:
-        steps = list_checkpoints(run_dir)
-        if steps:
-            try:
-                recorded = read_checkpoint_state(run_dir, steps[-1]).get("cpu_threads")
-            except CheckpointError:  # the resume itself says what is wrong with it, and what to do
-                recorded = None
-            if recorded is not None:
-                return recorded
+        try:
+            meta = CheckpointMeta.newest(run_dir)
+        except CheckpointError:  # the resume itself says what is wrong with it, and what to do
+            meta = None
+        if meta is not None and meta.cpu_threads is not None:
+            return meta.cpu_threads
     return cpu_threads(cfg.train.threads)
 
 

@@ -110,7 +110,7 @@ class UpdateSums:
         return UpdateStats(values[0], values[1], self.ntokens, values[2] if len(values) > 2 else None)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Update:
     """How every update of a training runs: the module that runs forward/backward (the model, or DDP /
     compiled around it), its optimizer and loss, clipping, the distributed place, autocast and the fp16 scaler,

@@ -16,7 +16,7 @@ from aiayn.model import build_model, count_parameters
 from aiayn.viz.common import config_of, new_figure, save_figure, suptitle
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelDiagram:
     """What Figure 1 shows, for one config: the stacks' depths, the widths, the embeddings and the norm's place."""
 
