@@ -19,11 +19,16 @@ training reports is the BLEU its run gives); it never means int8.
 from __future__ import annotations
 
 import contextlib
+import os
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
-from aiayn.errors import DeviceError
+from aiayn.errors import ConfigError, DeviceError
+
+if TYPE_CHECKING:
+    from aiayn.config import ModelConfig
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
 PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16", "int8")
@@ -122,7 +127,28 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def check_fits_in_memory(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
+    A check of the machine, not of the config (a config is the same on every machine) nor of the model: what opens
+    a run or trains one calls it before building the model (:func:`aiayn.run_dir.load_run`, ``aiayn train`` before
+    any work, ``aiayn import hf``)."""
+    need, have = cfg.memory_bytes(), physical_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
+                          f"fp32 (d_model={cfg.d_model}, max_positions={cfg.max_positions}, vocabulary "
+                          f"{cfg.vocab_size}, {cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers), more "
+                          f"than this machine's {have / 2**30:,.1f} GiB")
+
+
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "inference_precision", "model_device", "move_module",
-    "resolve_device", "resolve_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "check_fits_in_memory", "inference_precision",
+    "model_device", "move_module", "physical_memory", "resolve_device", "resolve_precision",
 ]

@@ -11,7 +11,7 @@ from torch import nn
 
 from aiayn.config import Config, read_run_config
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import DTYPES, resolve_device, resolve_precision
+from aiayn.device import DTYPES, check_fits_in_memory, resolve_device, resolve_precision
 from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
@@ -50,6 +50,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
         raise CheckpointError(f"{run_dir}: no config.yaml (is it a run directory?)")
     cfg = read_run_config(run_dir)
     tok = TokenizerPair.load(run_dir / "tokenizer")
+    check_fits_in_memory(cfg.model)
     model = build_model(cfg.model, cfg.task)
     load_weights(model, weights or inference_weights_path(run_dir))
     model.to(dtype=dtype)

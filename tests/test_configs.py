@@ -82,27 +82,34 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
         load_config(p)
 
 
-def test_a_config_is_the_same_on_every_machine_and_the_memory_check_is_where_the_model_is_built(
-        tmp_path, monkeypatch):
+def test_a_config_is_the_same_on_every_machine_and_the_memory_check_is_before_the_model_is_built(
+        tmp_path, monkeypatch, tiny_run):
     """The same YAML gives the same ModelConfig on a 2 GB and a 64 GB machine; a model too big for the machine is
-    refused where it would be built (build_model, aiayn train before anything is written), in one line."""
-    import aiayn.config.schema as config_module
+    refused, in one line, by what trains or opens a run (aiayn train before anything is written, load_run), before
+    the model is built; the model itself knows no host (build_model builds what it is given)."""
+    import aiayn.device as device_module
     from aiayn.config import ConfigError, load_config
+    from aiayn.device import check_fits_in_memory
     from aiayn.model import build_model
+    from aiayn.run_dir import load_run
     from aiayn.train.run import train
 
     made = {}
     for gib in (2, 64):
-        monkeypatch.setattr(config_module, "physical_memory", lambda gib=gib: gib * 2**30)
+        monkeypatch.setattr(device_module, "physical_memory", lambda gib=gib: gib * 2**30)
         made[gib] = load_config("paper-big")
     assert made[2] == made[64] and made[2].model.memory_bytes() > 2**20
-    monkeypatch.setattr(config_module, "physical_memory", lambda: 2**20)  # 1 MiB
+    monkeypatch.setattr(device_module, "physical_memory", lambda: 2**20)  # 1 MiB
     cfg = load_config("tiny_reverse")
     with pytest.raises(ConfigError, match=r"^model: its weights .* more than this machine's 0.0 GiB$"):
-        build_model(cfg.model, cfg.task)
+        check_fits_in_memory(cfg.model)
+    assert build_model(cfg.model, cfg.task) is not None
     with pytest.raises(ConfigError, match="more than this machine's"):
         train(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(device_module, "physical_memory", lambda: 2**10)  # 1 KiB: less than the tiny run's model
+    with pytest.raises(ConfigError, match="more than this machine's"):
+        load_run(tiny_run, "cpu")
 
 
 OLD_RUN = REPO / "results" / "multi30k_en_de_quick_busy_2026-11-25"  # written when expect's keys sat under train

@@ -49,9 +49,7 @@ from aiayn.config.schema import (
     Flag,
     ModelConfig,
     TrainConfig,
-    check_fits_in_memory,
     flag,
-    physical_memory,
 )
 from aiayn.errors import ConfigError
 
@@ -60,7 +58,7 @@ __all__ = [
     "SDPA_BACKENDS", "SPEED_KEYS", "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig", "Flag",
     "LENGTH_PENALTIES", "LIMITS",
     "LOG_BACKENDS", "MIN_TEMPERATURE", "MOVED_KEYS", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES",
-    "TrainConfig", "apply_overrides", "check_fits_in_memory", "config_from_dict", "flag", "list_presets",
-    "load_config", "load_yaml", "migrate", "model_config", "physical_memory", "preset_summary", "read_run_config",
+    "TrainConfig", "apply_overrides", "config_from_dict", "flag", "list_presets",
+    "load_config", "load_yaml", "migrate", "model_config", "preset_summary", "read_run_config",
     "resolve_config_path", "save_config",
 ]

@@ -12,8 +12,8 @@ from aiayn.errors import ConfigError
 # The largest value of every size and count, one table for the recipes, the command line (--set, the decoding
 # flags) and the server (whose requests go through DecodeOptions): past these a value is a typo or an attack,
 # not a model. The lower bounds sit beside each field's check; a model whose weights would not fit in this
-# machine's memory is refused where it is built (check_fits_in_memory), not here: a config is the same everywhere.
-# docs/configuration.md lists them (a test keeps it true).
+# machine's memory is refused before it is built (aiayn.device.check_fits_in_memory), not here: a config is
+# the same everywhere. docs/configuration.md lists them (a test keeps it true).
 COUNT = 2**62  # updates, steps, epochs, checkpoints: far beyond any real run, and within a 64-bit integer
 SEED = 2**64 - 1  # torch.manual_seed takes 0 .. 2**64 - 1
 MIN_TEMPERATURE = 1e-6  # logits / a smaller temperature can overflow fp32 (1e-320 gives inf); 0 means greedy

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,26 +132,6 @@ class ModelConfig:
     def default_head_widths(self) -> bool:
         """True when d_k = d_v = d_model / n_heads, the only widths the HF Marian and CTranslate2 formats hold."""
         return self.d_model % self.n_heads == 0 and self.key_width == self.value_width == self.d_model // self.n_heads
-
-
-def physical_memory() -> int | None:
-    """Bytes of memory this machine has (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-        return None
-
-
-def check_fits_in_memory(cfg: ModelConfig) -> None:
-    """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
-    A check of the machine, not of the config (a config is the same on every machine): commands call it before
-    they build a model (:func:`aiayn.model.build_model`, ``aiayn train`` before any work)."""
-    need, have = cfg.memory_bytes(), physical_memory()
-    if have is not None and need > have:
-        raise ConfigError(f"model: its weights and position tables alone need about {need / 2**30:,.1f} GiB in "
-                          f"fp32 (d_model={cfg.d_model}, max_positions={cfg.max_positions}, vocabulary "
-                          f"{cfg.vocab_size}, {cfg.n_encoder_layers}+{cfg.n_decoder_layers} layers), more "
-                          f"than this machine's {have / 2**30:,.1f} GiB")
 
 
 @dataclass(frozen=True, kw_only=True)

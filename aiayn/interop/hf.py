@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiayn.config import Config, DataConfig, DecodeOptions, check_fits_in_memory, save_config
+from aiayn.config import Config, DataConfig, DecodeOptions, save_config
 from aiayn.data.marian_tokenizer import (
     SOURCE_SPM,
     TARGET_SPM,
@@ -46,6 +46,7 @@ from aiayn.data.marian_tokenizer import (
     save_marian_pair,
 )
 from aiayn.data.tokenizer import SentencePieceTokenizer, SpecialIds, TokenizerPair
+from aiayn.device import check_fits_in_memory
 from aiayn.errors import CheckpointError, ConfigError, DataError, first_line, require
 from aiayn.files import (
     atomic_write_bytes,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig, check_fits_in_memory
+from aiayn.config import ModelConfig
 from aiayn.engine import use_attention
 from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, padding_mask
@@ -243,9 +243,9 @@ class DecoderOnlyLM(nn.Module):
 
 def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
     """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``, with the
-    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`); a model too big for
-    this machine's memory is refused before anything is allocated (:func:`aiayn.config.check_fits_in_memory`)."""
-    check_fits_in_memory(cfg)
+    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`). Whether it fits
+    this machine is for the caller to ask first (:func:`aiayn.device.check_fits_in_memory`): the model knows no
+    host."""
     return use_attention(Transformer(cfg) if TASKS[task].encoder else DecoderOnlyLM(cfg))
 
 

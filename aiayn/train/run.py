@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from aiayn.config import SPEED_KEYS, Config, check_fits_in_memory, load_config, read_run_config, save_config
+from aiayn.config import SPEED_KEYS, Config, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
-from aiayn.device import resolve_precision
+from aiayn.device import check_fits_in_memory, resolve_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, locked
@@ -114,6 +114,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         cfg = fit_model_to_vocab(cfg, tok)
         if d.main and not existing:  # the vocabulary sizes are now known: record the config the model is built from
             save_config(cfg, run_dir / "config.yaml")
+        check_fits_in_memory(cfg.model)  # again with the vocabulary's final size
         torch.manual_seed(cfg.train.seed)  # same initial weights on every process
         model = build_model(cfg.model, cfg.task)
         if init is not None and not existing:
