@@ -452,6 +452,58 @@ def _spread(values: list[float], centre: float) -> tuple[float, float]:
     return centre - min(values), max(values) - centre
 
 
+def _panel_values(rows: list[dict[str, Any]], base: dict[str, Any], key: str
+                  ) -> tuple[list[float], list[float], list[tuple[float, float]], list[float]]:
+    """One panel's numbers against base (``key`` bleu: differences; ppl: ratios): ours and the paper's per row,
+    the whiskers of our seeds per row (below, above), and base's seeds (the band)."""
+    bm = base["mean"]
+    if key == "bleu":
+        ours = [r["mean"]["bleu"] - bm["bleu"] for r in rows]
+        paper = [r["paper"]["bleu"] - base["paper"]["bleu"] for r in rows]
+        whiskers = [_spread([v - bm["bleu"] for v in r["bleu"]], o) for r, o in zip(rows, ours)]
+        return ours, paper, whiskers, [v - bm["bleu"] for v in base["bleu"]]
+    ours = [r["mean"]["ppl"] / bm["ppl"] for r in rows]
+    paper = [r["paper"]["ppl"] / base["paper"]["ppl"] for r in rows]
+    whiskers = [_spread([v / bm["ppl"] for v in r["ppl"]], o) for r, o in zip(rows, ours)]
+    return ours, paper, whiskers, [v / bm["ppl"] for v in base["ppl"]]
+
+
+def _ratio_axis(ax: Any, values: list[float]) -> None:
+    """A log x axis spanning ``values`` (perplexity ratios), ticked at the :data:`RATIO_TICKS` inside it."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log")
+    lo, hi = min(values) / 1.15, max(values) * 1.15
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(FixedLocator([t for t in RATIO_TICKS if lo <= t <= hi]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def _panel(ax: Any, key: str, label: str, rows: list[dict[str, Any]], base: dict[str, Any], y: list[int]) -> None:
+    """Draw one panel on ``ax``: ours beside the paper's bar per row (at heights ``y``), our seeds' whiskers,
+    base's seeds as a grey band, and the no-change line (``key`` bleu: 0; ppl: 1 on a log axis)."""
+    ours, paper, whiskers, band = _panel_values(rows, base, key)
+    if len(band) > 1:
+        what = (f"{max(band) - min(band):.1f} BLEU" if key == "bleu"
+                else f"{min(band):.2f}-{max(band):.2f}x")
+        ax.axvspan(min(band), max(band), color="#999999", alpha=0.3, linewidth=0,
+                   label=f"base's {len(band)} seeds: {what}")
+    several = [i for i, r in enumerate(rows) if len(r["seeds"]) > 1]
+    ax.barh([v + 0.2 for v in y], ours, height=0.4, color="#3a6ea5",
+            label="here" + (" (whiskers: its seeds)" if several else ""))
+    if several:
+        ax.errorbar([ours[i] for i in several], [y[i] + 0.2 for i in several], fmt="none", ecolor="black",
+                    elinewidth=1, capsize=2, xerr=[[whiskers[i][0] for i in several],
+                                                   [whiskers[i][1] for i in several]])
+    ax.barh([v - 0.2 for v in y], paper, height=0.4, label="paper", color="#c8a24a")
+    ax.axvline(0 if key == "bleu" else 1, color="black", linewidth=0.8)
+    if key == "ppl":
+        _ratio_axis(ax, [*ours, *paper, *band])
+    ax.set_xlabel(label)
+    ax.grid(axis="x", alpha=0.3)
+
+
 def figure(table: dict[str, Any], path: str | Path) -> Path:
     """Each row's BLEU and perplexity against its base row, ours beside the paper's (two panels). With several
     seeds, a bar's whiskers span its seeds and a grey band spans base's: a change inside the band is within
@@ -465,7 +517,6 @@ def figure(table: dict[str, Any], path: str | Path) -> Path:
     import io
 
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     rows = [r for r in table["rows"] if r["row"] != "base"]
     base = next(r for r in table["rows"] if r["row"] == "base")
@@ -473,44 +524,9 @@ def figure(table: dict[str, Any], path: str | Path) -> Path:
     lines = sum(label.count("\n") + 1 for label in labels)
     fig = new_figure(1200, 150 + 17 * lines + 14 * len(rows), (1200, 600))
     axes = fig.subplots(1, 2, sharey=True)
-    y = list(range(len(rows)))[::-1]
-    bm = base["mean"]
-    for ax, key, label in ((axes[0], "bleu", "Δ BLEU vs base (higher is better)"),
-                           (axes[1], "ppl", "PPL / base PPL (lower is better)")):
-        if key == "bleu":
-            ours = [r["mean"]["bleu"] - bm["bleu"] for r in rows]
-            paper = [r["paper"]["bleu"] - base["paper"]["bleu"] for r in rows]
-            whiskers = [_spread([v - bm["bleu"] for v in r["bleu"]], o) for r, o in zip(rows, ours)]
-            band = [v - bm["bleu"] for v in base["bleu"]]
-        else:
-            ours = [r["mean"]["ppl"] / bm["ppl"] for r in rows]
-            paper = [r["paper"]["ppl"] / base["paper"]["ppl"] for r in rows]
-            whiskers = [_spread([v / bm["ppl"] for v in r["ppl"]], o) for r, o in zip(rows, ours)]
-            band = [v / bm["ppl"] for v in base["ppl"]]
-        if len(band) > 1:
-            what = (f"{max(band) - min(band):.1f} BLEU" if key == "bleu"
-                    else f"{min(band):.2f}-{max(band):.2f}x")
-            ax.axvspan(min(band), max(band), color="#999999", alpha=0.3, linewidth=0,
-                       label=f"base's {len(band)} seeds: {what}")
-        several = [i for i, r in enumerate(rows) if len(r["seeds"]) > 1]
-        ax.barh([v + 0.2 for v in y], ours, height=0.4, color="#3a6ea5",
-                label="here" + (" (whiskers: its seeds)" if several else ""))
-        if several:
-            ax.errorbar([ours[i] for i in several], [y[i] + 0.2 for i in several], fmt="none", ecolor="black",
-                        elinewidth=1, capsize=2, xerr=[[whiskers[i][0] for i in several],
-                                                       [whiskers[i][1] for i in several]])
-        ax.barh([v - 0.2 for v in y], paper, height=0.4, label="paper", color="#c8a24a")
-        ax.axvline(0 if key == "bleu" else 1, color="black", linewidth=0.8)
-        if key == "ppl":
-            ax.set_xscale("log")
-            values = [*ours, *paper, *band]
-            lo, hi = min(values) / 1.15, max(values) * 1.15
-            ax.set_xlim(lo, hi)
-            ax.xaxis.set_major_locator(FixedLocator([t for t in RATIO_TICKS if lo <= t <= hi]))
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-            ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel(label)
-        ax.grid(axis="x", alpha=0.3)
+    y = list(range(len(rows)))[::-1]  # the first row at the top
+    _panel(axes[0], "bleu", "Δ BLEU vs base (higher is better)", rows, base, y)
+    _panel(axes[1], "ppl", "PPL / base PPL (lower is better)", rows, base, y)
     axes[0].set_yticks(y, labels, fontsize=9)
     axes[0].set_ylim(-0.7, len(rows) - 0.3)
     axes[0].legend(loc="upper right", fontsize=9)

@@ -296,11 +296,9 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path | None = None, spe
     return tok
 
 
-def _train_bpe(
-    texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int,
-    user_defined_symbols: Sequence[str] = (), lowercase: bool = False,
-) -> SentencePieceTokenizer:
-    symbols = [s for s in dict.fromkeys(user_defined_symbols) if s]
+def _check_vocab_size(vocab_size: int, byte_fallback: bool, symbols: list[str]) -> None:
+    """Refuse (DataError) a ``vocab_size`` without room for the specials, the byte pieces (with
+    ``byte_fallback``), the user-defined ``symbols`` and one piece more."""
     min_vocab = len(SPECIAL_PIECES) + (N_BYTES if byte_fallback else 0) + len(symbols) + 1
     if vocab_size < min_vocab:
         need = "the 4 specials + 256 byte pieces + 1" if byte_fallback else "the 4 specials + 1"
@@ -308,6 +306,31 @@ def _train_bpe(
             f"vocab_size={vocab_size} is too small for a BPE tokenizer"
             f"{' with byte_fallback' if byte_fallback else ''}: it needs at least {min_vocab} ({need})"
         )
+
+
+def _training_error(e: RuntimeError, vocab_size: int, byte_fallback: bool) -> DataError:
+    """SentencePiece's training failure ``e`` as one line: a vocabulary too small for the corpus' alphabet
+    says how large it must be."""
+    msg = first_line(e)
+    m = re.search(r"required_chars\. (\d+) vs (\d+)", msg)
+    if m:
+        # character_coverage=1.0 keeps every character, so the corpus alphabet must fit.
+        return DataError(
+            f"vocab_size={vocab_size} is too small for this corpus: the specials"
+            f"{', 256 byte pieces' if byte_fallback else ''} and its distinct characters "
+            f"need at least {m.group(2)}"
+        )
+    return DataError(f"SentencePiece training failed: {msg}")
+
+
+def _train_bpe(
+    texts: Iterable[str], vocab_size: int, byte_fallback: bool, max_sentences: int, seed: int, threads: int,
+    user_defined_symbols: Sequence[str] = (), lowercase: bool = False,
+) -> SentencePieceTokenizer:
+    """A SentencePiece BPE model of up to ``vocab_size`` pieces (fewer from a small corpus), trained on a seeded
+    sample of ``texts``: lossless, or lowercasing with ``lowercase``."""
+    symbols = [s for s in dict.fromkeys(user_defined_symbols) if s]
+    _check_vocab_size(vocab_size, byte_fallback, symbols)
     sample = [t for t in _sample(texts, max_sentences, seed) if t.strip()]
     if not sample:
         raise DataError("cannot train a BPE tokenizer: the training text is empty")
@@ -343,16 +366,7 @@ def _train_bpe(
             minloglevel=2,
         )
     except RuntimeError as e:
-        msg = first_line(e)
-        m = re.search(r"required_chars\. (\d+) vs (\d+)", msg)
-        if m:
-            # character_coverage=1.0 keeps every character, so the corpus alphabet must fit.
-            raise DataError(
-                f"vocab_size={vocab_size} is too small for this corpus: the specials"
-                f"{', 256 byte pieces' if byte_fallback else ''} and its distinct characters "
-                f"need at least {m.group(2)}"
-            ) from None
-        raise DataError(f"SentencePiece training failed: {msg}") from None
+        raise _training_error(e, vocab_size, byte_fallback) from None
     finally:
         if rules is not None:
             rules.unlink(missing_ok=True)

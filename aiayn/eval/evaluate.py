@@ -77,6 +77,36 @@ class EvalData:
         return check_name(self.name or (base if label is None else f"{base}.{label}"))
 
 
+def _scored_pairs(cfg: Config, data: EvalData, label: str | None) -> tuple[list[tuple[str, str]], dict[str, str], str]:
+    """The (source, reference) pairs ``data`` names, the record's ``data`` field and the record's name: a split
+    of the run's dataset, or the file ``src`` against the file ``ref``."""
+    from aiayn.data.corpus import read_parallel
+
+    if data.split is not None:
+        info = {"split": data.split, "dataset": cfg.data.dataset}
+        return split_pairs(cfg, data.split), info, data.record_name(data.split, label)
+    info = {"src": str(data.src), "ref": str(data.ref)}
+    return read_parallel(data.src, data.ref), info, data.record_name(_default_name(data.src), label)
+
+
+def _score_fields(cfg: Config, hyps: list[str], refs: list[str]) -> dict[str, Any]:
+    """The record's scores (rounded), their signatures and the BLEU details of hypotheses ``hyps`` against
+    ``refs``: sacreBLEU's BLEU and chrF, the lowercased tokenized BLEU, and ROUGE for a summarizing run."""
+    from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
+
+    sb = sacrebleu_scores(hyps, refs)
+    lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
+    scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
+    if cfg.kind.summarizes:
+        scores.update(rouge_scores(hyps, refs))
+    return {
+        "scores": {k: round(v, 4) for k, v in scores.items()},
+        "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
+        "bleu_detail": sb["bleu_detail"],
+        "bleu_lc_tok_detail": lc_detail,
+    }
+
+
 def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOptions | None = None,
                          device: str = "auto", precision: str = "auto", **overrides) -> dict[str, Any]:
     """Decode ``data`` (a split, or ``src`` scored against ``ref``), write eval/<name>.json + .hyp; return the
@@ -84,26 +114,18 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
 
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``. Everything
     that can fail (the run, the data, the options, a writable ``RUN/eval``) is checked before decoding."""
-    from aiayn.data.corpus import read_parallel
     from aiayn.decode.stream import no_newlines
     from aiayn.decode.translator import load
-    from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
     from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
-    split, src, ref = data.split, data.src, data.ref
     weights, run_info, label = scored_weights(run_dir, data.weights)
     translator = load(run_dir, device=device, precision=precision, weights=weights)
     cfg = translator.cfg
     opts = translator.options(options, **overrides)
     if opts.nbest != 1:
         raise ConfigError("evaluate scores one hypothesis per source: nbest must be 1")
-    if split is not None:
-        pairs, data_info = split_pairs(cfg, split), {"split": split, "dataset": cfg.data.dataset}
-        name = data.record_name(split, label)
-    else:
-        pairs, data_info = read_parallel(src, ref), {"src": str(src), "ref": str(ref)}
-        name = data.record_name(_default_name(src), label)
+    pairs, data_info, name = _scored_pairs(cfg, data, label)
     if translator.run.precision == "int8" and data.name is None:
         name = check_name(f"{name}.int8")  # beside the fp32 record of the same data, not over it
     check_writable(run_dir)
@@ -115,21 +137,12 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     progress.close()
     hyps = [no_newlines(h[0].text if h else "") for h in found]
     wall = time.perf_counter() - start
-
-    sb = sacrebleu_scores(hyps, refs)
-    lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
-    scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
-    if cfg.kind.summarizes:
-        scores.update(rouge_scores(hyps, refs))
     result = {
         "name": name,
         "task": cfg.task,
         "data": data_info,
         "n_sentences": len(sources),
-        "scores": {k: round(v, 4) for k, v in scores.items()},
-        "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
-        "bleu_detail": sb["bleu_detail"],
-        "bleu_lc_tok_detail": lc_detail,
+        **_score_fields(cfg, hyps, refs),
         "decode": {**asdict(opts), "max_tokens": opts.batch_tokens(translator.device.type),
                    "device": str(translator.device), "dtype": str(next(translator.model.parameters()).dtype),
                    "precision": translator.run.precision},

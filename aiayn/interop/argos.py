@@ -83,6 +83,33 @@ def _package_name(src: str, tgt: str, version: str) -> str:
     return f"translate-{src}_{tgt}-{version.replace('.', '_')}"
 
 
+def _ctranslate2_model(run: Any, run_dir: str | os.PathLike, vocab: list[str], quantization: str | None) -> Any:
+    """The run's model as a CTranslate2 model spec over the shared ``vocab``, quantized (None: float32), with
+    position rows for what Argos decodes. What CTranslate2 cannot hold is refused in one line (ConfigError)."""
+    from aiayn.interop.ctranslate2 import ctranslate2_spec
+
+    cfg, sp = run.cfg, run.tokenizers.specials
+    # sinusoids continue past max_positions by their formula; learned vectors must cover what Argos decodes
+    rows = max(cfg.model.max_positions, CT2_MAX_INPUT if cfg.model.positional == "sinusoidal" else CT2_MAX_DECODING)
+    try:
+        spec = ctranslate2_spec(run.model, vocab, unk_id=sp.unk, bos_id=sp.decoder_start, eos_id=sp.eos,
+                                positions=rows)
+        spec.optimize(quantization=quantization)
+    except ValueError as e:  # a bad quantization name, head widths CTranslate2 cannot hold, ...
+        why = f"Argos decodes up to {CT2_MAX_DECODING} tokens: " if "positions" in str(e) else ""
+        raise ConfigError(f"cannot export {run_dir}: {why}{first_line(e)}") from None
+    return spec
+
+
+def _metadata(src: str, tgt: str, package_version: str) -> dict[str, Any]:
+    """The package's metadata.json: a translate package from ``src`` to ``tgt`` (language codes)."""
+    return {
+        "package_version": package_version, "argos_version": ARGOS_VERSION, "type": "translate",
+        "from_code": src, "from_name": language_name(src), "to_code": tgt, "to_name": language_name(tgt),
+        "code": f"translate-{src}_{tgt}", "links": [],
+    }
+
+
 def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, quantization: str | None = None,
                  sentence_model: str | os.PathLike | None = None, package_version: str = "1.0",
                  force: bool = False) -> Path:
@@ -95,7 +122,6 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     language models, Moses-pretokenized runs, separate or character vocabularies, imported Marian runs, head
     widths other than d_model / heads. The zip is written beside ``out_file`` and renamed into place.
     """
-    from aiayn.interop.ctranslate2 import ctranslate2_spec
     from aiayn.run_dir import load_run
 
     require("ctranslate2", "ct2", "aiayn export argos")
@@ -109,25 +135,11 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     run = load_run(run_dir, "cpu")
     cfg, tok = run.cfg, run.tokenizers
     _check_packageable(run, run_dir)
-    sp = tok.specials
     vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
-    # sinusoids continue past max_positions by their formula; learned vectors must cover what Argos decodes
-    rows = max(cfg.model.max_positions, CT2_MAX_INPUT if cfg.model.positional == "sinusoidal" else CT2_MAX_DECODING)
-    try:
-        spec = ctranslate2_spec(run.model, vocab, unk_id=sp.unk, bos_id=sp.decoder_start, eos_id=sp.eos,
-                                positions=rows)
-        spec.optimize(quantization=quantization)
-    except ValueError as e:  # a bad quantization name, head widths CTranslate2 cannot hold, ...
-        why = f"Argos decodes up to {CT2_MAX_DECODING} tokens: " if "positions" in str(e) else ""
-        raise ConfigError(f"cannot export {run_dir}: {why}{first_line(e)}") from None
+    spec = _ctranslate2_model(run, run_dir, vocab, quantization)
 
     src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
     name = _package_name(src, tgt, package_version)
-    metadata = {
-        "package_version": package_version, "argos_version": ARGOS_VERSION, "type": "translate",
-        "from_code": src, "from_name": language_name(src), "to_code": tgt, "to_name": language_name(tgt),
-        "code": f"translate-{src}_{tgt}", "links": [],
-    }
     sp_model = Path(run_dir) / "tokenizer" / "shared.model"
     d = cfg.decode
     readme = _README.format(
@@ -141,7 +153,7 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
                   else _RULE_SPLITTER.format(lang=src)),
     )
     files = {"model": spec, "sentencepiece.model": sp_model, "sentence_model": sentence_model,
-             "metadata.json": metadata, "README.md": readme}
+             "metadata.json": _metadata(src, tgt, package_version), "README.md": readme}
     _write_package(out, name, src, files)
     return out
 

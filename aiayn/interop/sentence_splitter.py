@@ -140,10 +140,9 @@ def _node(op: str, inputs: list[str], outputs: list[str]) -> bytes:
             + _bytes(4, op))
 
 
-def sentence_splitter_onnx(lang: str) -> bytes:
-    """The splitter as the bytes of an ONNX model file in MiniSBD's format (inputs ``units`` (B, T) int64 and
-    ``features`` (B, T, 0) float; output (B, T, 5) label scores; vocabulary and settings in its metadata)."""
-    units = _units()
+def _initializers(units: list[str]) -> list[bytes]:
+    """The graph's constants (TensorProto): a 0/1 table over the vocabulary ``units`` (V,) for each class of
+    character the rule asks about, the slicing and padding constants, and the label scores' weight and bias."""
     end = [1.0 if u in END_MARKS else 0.0 for u in units]
     always = [1.0 if u in ALWAYS_END else 0.0 for u in units]
     closer = [1.0 if u in CLOSERS else 0.0 for u in units]
@@ -151,7 +150,7 @@ def sentence_splitter_onnx(lang: str) -> bytes:
     start = [1.0 if _starts_sentence(u) else 0.0 for u in units]
     V = len(units)
     big = 2**62
-    inits = [
+    return [
         _tensor("end_table", FLOAT, end, [V]), _tensor("always_table", FLOAT, always, [V]),
         _tensor("space_table", FLOAT, space, [V]),
         _tensor("closer_table", FLOAT, closer, [V]), _tensor("start_table", FLOAT, start, [V]),
@@ -165,7 +164,12 @@ def sentence_splitter_onnx(lang: str) -> bytes:
         _tensor("w", FLOAT, [0.0, 0.0, 10.0, 0.0, 0.0], [LABELS]),
         _tensor("b", FLOAT, [1.0, 0.0, 0.0, 0.0, 0.0], [LABELS]),
     ]
-    nodes = [
+
+
+def _nodes() -> list[bytes]:
+    """The graph's nodes (NodeProto): a character ends a sentence (label 2) when it is a mark that always ends
+    one, or a mark (or a closer after one) followed by whitespace and then a sentence start."""
+    return [
         _node("Gather", ["end_table", "units"], ["end"]),          # (B, T): a mark that may end a sentence
         _node("Gather", ["always_table", "units"], ["always"]),    # (B, T): a mark that always ends one
         _node("Gather", ["closer_table", "units"], ["closer"]),
@@ -188,6 +192,13 @@ def sentence_splitter_onnx(lang: str) -> bytes:
         _node("Mul", ["m3", "w"], ["mw"]),
         _node("Add", ["mw", "b"], ["scores"]),      # (B, T, 5)
     ]
+
+
+def sentence_splitter_onnx(lang: str) -> bytes:
+    """The splitter as the bytes of an ONNX model file in MiniSBD's format (inputs ``units`` (B, T) int64 and
+    ``features`` (B, T, 0) float; output (B, T, 5) label scores; vocabulary and settings in its metadata)."""
+    units = _units()
+    inits, nodes = _initializers(units), _nodes()
     graph = (b"".join(_bytes(1, n) for n in nodes) + _bytes(2, "aiayn_sentence_splitter")
              + b"".join(_bytes(5, t) for t in inits)
              + _bytes(11, _value_info("units", INT64, ["batch", "chars"]))

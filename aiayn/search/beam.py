@@ -37,6 +37,7 @@ rows are sentence-major: row = sentence * N + beam.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,62 @@ def _first_candidates(tokens: Tensor, top_beam: Tensor, top_tok: Tensor, N: int)
     return torch.cat([prefix, top_tok[:, :N, None]], 2)
 
 
+class _Step(NamedTuple):
+    """One step's 2N best candidates of each live sentence, best first (:func:`_candidates`), each (n, 2N): summed
+    logprob, beam, token, and whether the token is EOS."""
+
+    lp: Tensor
+    beam: Tensor
+    tok: Tensor
+    eos: Tensor
+
+
+def _offer_finished(finished: _Finished, step: _Step, tokens: Tensor, at_limit: Tensor, t: int, spec: SearchSpec,
+                    free_waits: bool) -> None:
+    """Offer the step's finished hypotheses to the pools: EOS among each sentence's first N candidates, or all
+    first N when the sentence is at its limit (at_limit (n,)); tokens (rows, 1 + t) the live beams' prefixes."""
+    N, o = finished.N, spec.options
+    lp, eos = step.lp[:, :N], step.eos[:, :N]
+    new = (eos | at_limit[:, None]) & (lp > NEG_INF)
+    if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
+        den = length_penalty_denominator(t + 1, o.alpha, o.length_penalty)
+        penalized = (lp.to(finished.score.dtype) / den).masked_fill(~new, NEG_INF)
+        finished.offer(penalized, lp, _first_candidates(tokens, step.beam, step.tok, N), t + (~eos).long())
+
+
+def _next_beams(step: _Step, N: int, first_rows: Tensor, sent: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The next live beams, the N best non-EOS candidates (a stable sort keeps the topk order): their summed
+    logprobs, the row each continues and its token, each (n, N). first_rows (n, 1) is each sentence's first row,
+    sent (n,) its original index (on the first step, t = 0, every beam continues its sentence's one row)."""
+    n = step.lp.size(0)
+    live_lp = step.lp.masked_fill(step.eos, NEG_INF)
+    order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
+    src_rows = first_rows + step.beam.gather(1, order) if t else sent[:, None].expand(n, N)
+    return live_lp.gather(1, order), src_rows, step.tok.gather(1, order)
+
+
+def _keep_sentences(keep: Tensor, beams: Tensor, cache: Any, memory: Tensor, mem_mask: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """Memory (rows, S, D), its mask (rows, S) and the cache's cross-attention K/V of the kept sentences keep (n',),
+    N rows each (beams: arange(N)). They are the same for every beam of a sentence: select them only when a
+    sentence leaves the batch, not on every step's beam reorder."""
+    sent_rows = (keep[:, None] * beams.numel() + beams).reshape(-1)
+    cache.reorder_cross(sent_rows)
+    return memory[sent_rows], mem_mask[sent_rows]
+
+
+def _reorder_beams(next_rows: Tensor, t: int, cache: Any, memory: Tensor, mem_mask: Tensor
+                   ) -> tuple[Tensor, Tensor]:
+    """Reorder the cache to the next beams' rows next_rows (n'*N,) (beam reorder and dropped sentences). After
+    the first step, self-attention only; on the first step (t = 0) each sentence goes from one row to N:
+    memory (rows, S, D), its mask (rows, S) and the cross-attention K/V too, once."""
+    if t:
+        cache.reorder(next_rows, cross=False)
+        return memory, mem_mask
+    cache.reorder(next_rows)
+    return memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
+
+
 @torch.no_grad()
 def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                 spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
@@ -201,25 +258,11 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
         top_lp, top_beam, top_tok = _candidates(lprobs, scores)
+        step = _Step(top_lp, top_beam, top_tok, top_tok == spec.eos)
         length = t + 1  # |Y| of every candidate of this step
-        is_eos = top_tok == spec.eos
         at_limit = limit <= length  # (n,)
-
-        # Finished hypotheses: EOS among the first N candidates, or all first N at the limit.
-        lp, eos = top_lp[:, :N], is_eos[:, :N]
-        new = (eos | at_limit[:, None]) & (lp > NEG_INF)
-        if not free_waits or bool(new.any()):  # skip the merge when nothing finished, if asking is free
-            den = length_penalty_denominator(length, o.alpha, o.length_penalty)
-            penalized = (lp.to(sdt) / den).masked_fill(~new, NEG_INF)
-            finished.offer(penalized, lp, _first_candidates(tokens, top_beam, top_tok, N), t + (~eos).long())
-
-        # Next live beams: the N best non-EOS candidates (a stable sort keeps the topk order).
-        live_lp = top_lp.masked_fill(is_eos, NEG_INF)
-        order = live_lp.sort(dim=-1, descending=True, stable=True).indices[:, :N]  # (n, N)
-        new_scores = live_lp.gather(1, order)
-        # (n, N) the row each next beam continues; on the first step every beam's is its sentence's one row
-        src_rows = offsets[:n] + top_beam.gather(1, order) if t else sent[:, None].expand(n, N)
-        new_tok = top_tok.gather(1, order)
+        _offer_finished(finished, step, tokens, at_limit, t, spec, free_waits)
+        new_scores, src_rows, new_tok = _next_beams(step, N, offsets[:n], sent, t)
 
         best_live = new_scores[:, 0]
         bound = _stop_bound(best_live.to(sdt), length, limit_den, spec)
@@ -233,17 +276,9 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
             src_rows, new_tok, new_scores = src_rows[keep], new_tok[keep], new_scores[keep]
             sent, limit, limit_den = sent[keep], limit[keep], limit_den[keep]
             if t:
-                # Memory and cross-attention K/V are the same for every beam of a sentence: select them only
-                # when a sentence leaves the batch, not on every step's beam reorder.
-                sent_rows = (keep[:, None] * N + beams).reshape(-1)
-                cache.reorder_cross(sent_rows)
-                memory, mem_mask = memory[sent_rows], mem_mask[sent_rows]
+                memory, mem_mask = _keep_sentences(keep, beams, cache, memory, mem_mask)
         next_rows = src_rows.reshape(-1)  # (n'*N,) beam reorder and dropped sentences
-        if t:
-            cache.reorder(next_rows, cross=False)
-        else:  # from one row per sentence to N: memory and cross-attention K/V too, once
-            cache.reorder(next_rows)
-            memory, mem_mask = memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
+        memory, mem_mask = _reorder_beams(next_rows, t, cache, memory, mem_mask)
         tokens, scores, t = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1), new_scores, t + 1
     return finished.hypotheses(o.nbest)
 

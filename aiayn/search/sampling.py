@@ -31,6 +31,33 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator | None
     return torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
 
+class _Draws:
+    """The ended draws of :func:`sample_search`, on the device until the one transfer at the end: tokens (R, steps),
+    their lengths without EOS and |Y| with it (R,), and summed log-probabilities (R,)."""
+
+    def __init__(self, R: int, steps: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(R, steps, dtype=torch.long, device=device)
+        self.length = torch.zeros(R, dtype=torch.long, device=device)
+        self.steps = torch.zeros(R, dtype=torch.long, device=device)
+        self.logprob = torch.zeros(R, device=device)
+
+    def record(self, live: Tensor, tokens: Tensor, ended: Tensor, logprob: Tensor) -> None:
+        """Record every live row (original rows ``live`` (R',)): tokens (R', t + 1) produced, ``ended`` (R',) bool
+        (the last is EOS), logprob (R',). The ended ones are final; the others are overwritten later."""
+        produced = tokens.size(1)
+        self.tokens[:, :produced].index_copy_(0, live, tokens)
+        self.length.index_copy_(0, live, produced - ended.long())
+        self.steps.index_copy_(0, live, torch.full_like(live, produced))
+        self.logprob.index_copy_(0, live, logprob)
+
+    def hypotheses(self, o: DecodeOptions) -> list[list[Hypothesis]]:
+        """Each source's ``nbest`` draws (source i: rows i * nbest onwards), length-penalized, best score first."""
+        draws = [Hypothesis(seq[:n], penalized_score(lp, y, o.alpha, o.length_penalty), lp)
+                 for seq, n, y, lp in zip(*(x.tolist() for x in (self.tokens, self.length, self.steps, self.logprob)))]
+        # best score first; a stable sort keeps the draw order of equal scores
+        return [sorted(draws[i:i + o.nbest], key=lambda h: -h.score) for i in range(0, len(draws), o.nbest)]
+
+
 @torch.no_grad()
 def sample_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                   spec: SearchSpec = SearchSpec()) -> list[list[Hypothesis]]:
@@ -62,10 +89,7 @@ def sample_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     tokens = torch.full((R, 1), spec.bos, dtype=torch.long, device=device)  # (R', 1 + t)
     logprob = torch.zeros(R, device=device)  # (R',) summed log-probabilities of the live rows
     cache = new_cache(model, steps)
-    out = torch.zeros(R, steps, dtype=torch.long, device=device)  # tokens of ended rows
-    out_len = torch.zeros(R, dtype=torch.long, device=device)  # their lengths without EOS
-    out_steps = torch.zeros(R, dtype=torch.long, device=device)  # their |Y| (EOS counted)
-    out_lp = torch.zeros(R, device=device)
+    draws = _Draws(R, steps, device)
     t = 0
     while True:
         spec.check_stop()
@@ -78,21 +102,14 @@ def sample_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
         ended = nxt == spec.eos
         keep = (~(ended | (limit <= t + 1))).nonzero().squeeze(1)  # the step's one wait for the device
         if keep.numel() < live.numel():
-            # Record every live row (the ended ones are final; the others are overwritten later).
-            out[:, : t + 1].index_copy_(0, live, tokens[:, 1:])
-            out_len.index_copy_(0, live, t + 1 - ended.long())
-            out_steps.index_copy_(0, live, torch.full_like(live, t + 1))
-            out_lp.index_copy_(0, live, logprob)
+            draws.record(live, tokens[:, 1:], ended, logprob)
             if keep.numel() == 0:
                 break
             tokens, memory, mem_mask, logprob = tokens[keep], memory[keep], mem_mask[keep], logprob[keep]
             live, limit = live[keep], limit[keep]
             cache.reorder(keep)
         t += 1
-    draws = [Hypothesis(seq[:n], penalized_score(lp, y, o.alpha, o.length_penalty), lp)
-             for seq, n, y, lp in zip(out.tolist(), out_len.tolist(), out_steps.tolist(), out_lp.tolist())]
-    # best score first; a stable sort keeps the draw order of equal scores
-    return [sorted(draws[i * o.nbest:(i + 1) * o.nbest], key=lambda h: -h.score) for i in range(src.size(0))]
+    return draws.hypotheses(o)
 
 
 @torch.no_grad()
