@@ -64,6 +64,14 @@ def argos_translate(package_file: Path, lines: Sequence[str], home: Path, src: s
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    """The table of decoders on stdout: lines identical to Argos' fp32, BLEU, chrF, seconds."""
+    print(f"{'decoder':52} {'identical to Argos fp32':>23} {'BLEU':>6} {'chrF':>6} {'seconds':>8}")
+    for r in rows:
+        print(f"{r['decoder']:52} {r['identical_to_argos']:>17}/{r['lines']:<5} {r['bleu']:6.2f} {r['chrf']:6.2f} "
+              f"{r['seconds']:8.1f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.argos_agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a translation run directory (shared SentencePiece vocabulary)")
@@ -112,10 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"decoder": name, "lines": len(sources), "identical_to_argos": same,
                      "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
                      "seconds": round(r["seconds"], 1)})
-    print(f"{'decoder':52} {'identical to Argos fp32':>23} {'BLEU':>6} {'chrF':>6} {'seconds':>8}")
-    for r in rows:
-        print(f"{r['decoder']:52} {r['identical_to_argos']:>17}/{r['lines']:<5} {r['bleu']:6.2f} {r['chrf']:6.2f} "
-              f"{r['seconds']:8.1f}")
+    print_rows(rows)
     differ = [(s, a, b) for s, a, b in zip(sources, argos, results["aiayn, Argos' settings"]["out"]) if a != b]
     for s, a, b in differ[:5]:
         print(json.dumps({"source": s, "argos": a, "aiayn": b}, ensure_ascii=False))

@@ -337,12 +337,10 @@ MFU_GOALS = {"paper-base": 22.0, "paper-big": 40.0}
 PEER_GOALS = {"hf-marian": 1.5, "hf-marian-compile": 1.2, "torch-nn": 1.5}
 
 
-def markdown_accelerator(result: dict[str, Any]) -> str:
-    """The section of a run on an accelerator: tokens/s, MFU against the datasheet and the measured peak,
-    peak GPU memory, the slowest update and the recompiles, per implementation, configuration and length
-    distribution; the best aiayn variant against each peer; the attention backends aiayn's updates took."""
+def _accelerator_intro(result: dict[str, Any]) -> list[str]:
+    """The accelerator section's heading, provenance and what was measured (work, data, MFU, memory)."""
     a, peak = result["args"], result["peak"]
-    lines = [
+    return [
         f"## Training throughput on {result['machine']['gpu'] or a['device']} ({a['precision']})\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Work: one update = batch copy to the GPU + {a['precision']} autocast forward + label-smoothed "
@@ -360,6 +358,14 @@ def markdown_accelerator(result: dict[str, Any]) -> str:
         "- Peak GPU memory: `torch.cuda.max_memory_allocated` while the implementation trains (model, gradients, "
         "Adam state, activations).\n",
     ]
+
+
+def markdown_accelerator(result: dict[str, Any]) -> str:
+    """The section of a run on an accelerator: tokens/s, MFU against the datasheet and the measured peak,
+    peak GPU memory, the slowest update and the recompiles, per implementation, configuration and length
+    distribution; the best aiayn variant against each peer; the attention backends aiayn's updates took."""
+    a = result["args"]
+    lines = _accelerator_intro(result)
     headers = ["config", "lengths", "implementation", "target tokens/s", "ms / update", "slowest", "recompiles",
                "peak GPU memory (GiB)", "MFU (989 TFLOP/s)", "MFU (measured peak)", "best aiayn / this"]
     rows, goals, backends = [], [], []
