@@ -36,7 +36,6 @@ rows are sentence-major: row = sentence * N + beam.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -57,7 +56,7 @@ from aiayn.search.common import (
     waits_are_free,
 )
 from aiayn.search.processing import LogitsProcessor
-from aiayn.search.sampling import sample, sample_rows
+from aiayn.search.sampling import SampledStream
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -283,7 +282,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     return finished.hypotheses(o.nbest)
 
 
-class Beam(Strategy):
+class Beam(SampledStream, Strategy):
     """Beam search (beam > 1, no sampling). A language model's stream has no beams: it continues greedily, the
     options' beam aside."""
 
@@ -298,11 +297,3 @@ class Beam(Strategy):
     def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
                ) -> list[list[Hypothesis]]:
         return beam_search(model, src, src_mask, spec)
-
-    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
-               context_limit: int | None) -> Iterator[int]:
-        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
-
-    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
-                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
-        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

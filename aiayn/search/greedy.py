@@ -5,7 +5,7 @@ Shapes: B batch, S source length, T target length, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from aiayn.config import DecodeOptions
 from aiayn.search.common import Hypothesis, Strategy, new_cache, pad_rows, penalized_score
 from aiayn.search.processing import LogitsProcessor
-from aiayn.search.sampling import sample, sample_rows
+from aiayn.search.sampling import SampledStream
 from aiayn.search.spec import SearchSpec, max_lengths
 
 
@@ -91,7 +91,7 @@ def score_tokens(model: nn.Module, src: Tensor, src_mask: Tensor, found: Sequenc
             for t, q, lp in zip(found, seqs, sums)]
 
 
-class Greedy(Strategy):
+class Greedy(SampledStream, Strategy):
     """Beam 1 without sampling (nbest is then 1: DecodeOptions allows no more hypotheses than the beam): argmax,
     its score and logprob from a teacher-forced pass when asked for (else NaN)."""
 
@@ -109,11 +109,3 @@ class Greedy(Strategy):
         if not scores:
             return [[Hypothesis(t, float("nan"), float("nan"))] for t in found]
         return [[h] for h in score_tokens(model, src, src_mask, found, spec)]
-
-    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
-               context_limit: int | None) -> Iterator[int]:
-        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)  # temperature 0: argmax
-
-    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
-                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
-        return sample_rows(model, prompts, spec, max_new_tokens, seeds)  # temperature 0: argmax

@@ -217,7 +217,20 @@ def sample_list(model: nn.Module, prompt: Sequence[int] | Tensor, spec: SearchSp
     return list(sample(model, prompt, spec, max_new_tokens, **kwargs))
 
 
-class Sampling(Strategy):
+class SampledStream:
+    """A language model's stream, the same for every strategy: :func:`sample` / :func:`sample_rows` draw at the
+    options' temperature, and temperature 0 (greedy, beam: a stream has no beams) is the argmax."""
+
+    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
+               context_limit: int | None) -> Iterator[int]:
+        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)
+
+    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
+                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
+        return sample_rows(model, prompts, spec, max_new_tokens, seeds)
+
+
+class Sampling(SampledStream, Strategy):
     """``sample``: ``nbest`` independent draws per source (:func:`sample_search`); a language model's tokens
     drawn one at a time (:func:`sample`)."""
 
@@ -232,11 +245,3 @@ class Sampling(Strategy):
     def search(self, model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec, scores: bool
                ) -> list[list[Hypothesis]]:
         return sample_search(model, src, src_mask, spec)
-
-    def stream(self, model: nn.Module, prompt: Sequence[int], spec: SearchSpec, max_new_tokens: int,
-               context_limit: int | None) -> Iterator[int]:
-        return sample(model, prompt, spec, max_new_tokens, context_limit=context_limit)
-
-    def stream_rows(self, model: nn.Module, prompts: Sequence[Sequence[int]], spec: SearchSpec,
-                    max_new_tokens: Sequence[int], seeds: Sequence[int | None]) -> Iterator[list[int | None]]:
-        return sample_rows(model, prompts, spec, max_new_tokens, seeds)
