@@ -7,7 +7,7 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
 * ``packed``: fp32 inference on a CPU with oneDNN: each weight is reordered once into oneDNN's blocked layout
   and multiplied by oneDNN's kernels (``torch.ops.mkldnn``), which pick their instructions by the CPU's features.
   MKL, which ``F.linear`` calls, runs its AVX2 code on AMD CPUs that have AVX-512; there oneDNN's products were
-  2.3x faster (BENCHMARKS.md, "Linear layers on the CPU"). Same math in fp32, summed in another order (the last bits
+  faster (BENCHMARKS.md, "Linear layers on the CPU"). Same math in fp32, summed in another order (the last bits
   move, as between two CPUs); a row's result does not depend on the other rows of the batch.
 * ``int8``: ``--precision int8`` on a CPU: dynamic int8 quantization, as CTranslate2's int8. Weights are
   quantized once per output row (symmetric, scale = max |w| / 127); each input row is quantized when it comes
