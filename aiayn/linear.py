@@ -96,8 +96,11 @@ class _CpuKernel:
 
 
 def row_bucket(rows: int) -> int:
-    """``rows`` rounded up to keep 5 significant bits (multiples of 8 up to 256, of 16 up to 512, ...): at most
-    1/16 more rows from 128 on, and a few dozen distinct counts where a search has hundreds."""
+    """``rows`` rounded up to keep 5 significant bits (up to 8 as they are, then multiples of 8 up to 256, of 16 up
+    to 512, ...): at most 1/16 more rows from 128 on, and a few dozen distinct counts where a search has hundreds.
+    A beam of 4 decoding one sentence is 4 rows, not 8: there padding would double the product."""
+    if rows <= 8:
+        return rows
     step = 1 << max(3, rows.bit_length() - 5)
     return -(-rows // step) * step
 
@@ -109,11 +112,11 @@ class PackedLinear(_CpuKernel):
     count changes whenever a sentence ends, made hundreds of them, and its peak memory grew by hundreds of MiB
     (BENCHMARKS.md, "int8 on a CPU"). So the rows are padded with zeros up to :func:`row_bucket`: a row's result
     does not depend on the other rows, and the padding costs at most 1/16 more rows from 128 on, where a small
-    batch reads the weights anyway. Below :attr:`FEW_ROWS` rows a weight of up to :attr:`SMALL_WEIGHT` elements
-    takes ``F.linear``: there oneDNN's call costs more than the product (``python -m benchmarks.linear_kernels``)."""
+    batch reads the weights anyway. A product of at most :attr:`SMALL_PRODUCT` rows x weight elements (one row
+    and a 768 x 256 weight, four rows and a 256 x 256 one) takes ``F.linear``: there oneDNN's call costs more than
+    the product (``python -m benchmarks.linear_kernels``)."""
 
-    FEW_ROWS = 8
-    SMALL_WEIGHT = 1 << 20
+    SMALL_PRODUCT = 1 << 18
 
     kind = "packed"
     BATCH_HINT = 64  # the row count oneDNN lays the weight out for; any other count runs on it too
@@ -127,7 +130,7 @@ class PackedLinear(_CpuKernel):
             return F.linear(x, w, b)
         x2 = x.reshape(-1, x.size(-1))  # (M, K)
         rows = x2.size(0)
-        if rows < self.FEW_ROWS and w.numel() <= self.SMALL_WEIGHT:
+        if rows * w.numel() <= self.SMALL_PRODUCT:
             return F.linear(x, w, b)
         padded = row_bucket(rows)
         if padded != rows:

@@ -193,7 +193,7 @@ def test_row_buckets_are_few_and_tight():
     assert all(b >= m for m, b in zip(range(1, 4097), buckets))
     assert all(b - m < 8 or (b - m) * 16 <= m for m, b in zip(range(1, 4097), buckets))  # <= 1/16 from 128 on
     assert len(set(buckets)) <= 128 and buckets == sorted(buckets)
-    assert row_bucket(64) == 64 and row_bucket(65) == 72 and row_bucket(257) == 272
+    assert row_bucket(4) == 4 and row_bucket(64) == 64 and row_bucket(65) == 72 and row_bucket(257) == 272
 
 
 @pytest.mark.skipif(not packed_available(), reason="this PyTorch has no oneDNN")
