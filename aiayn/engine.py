@@ -507,10 +507,40 @@ def set_cpu_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
+# glibc's mallopt parameters (malloc.h) and the values keep_freed_memory sets.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_BLOCK_MAX = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+KEPT_FREE = 256 << 20  # freed memory the heap may keep at its top instead of handing it back
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def keep_freed_memory() -> bool:
+    """Let the C allocator keep freed blocks of up to 32 MiB for the next ones, instead of handing them back to the
+    OS and taking fresh (zeroed, page-faulting) pages for the next block. A search on the CPU frees and allocates
+    the same few-MiB tensors (a step's logits, its log-probabilities, the int8 products) every step; with glibc's
+    defaults each came back as new pages (400,000 page faults in a 300-sentence int8 pass), which cost int8 decoding
+    about a sixth of its time (BENCHMARKS.md, "Decoding on a CPU"). Process-wide, so the commands call it (the
+    ``aiayn`` CLI, at start), never the library on loading a run; a program that embeds aiayn may call it itself.
+    Nothing is changed where the environment already tunes the allocator (``MALLOC_*``, ``GLIBC_TUNABLES``, a
+    preloaded jemalloc or tcmalloc) or where the C library is not glibc. Returns whether it was set."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or any(os.environ.get(k) for k in _MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc's; another C library may lack it
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # Both: setting one turns off glibc's own adjustment of the other (which is what kept handing pages back).
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, KEPT_FREE))
+
+
 __all__ = [
     "ATTENTION_RULE", "AttentionKernel", "CompileCounter", "CpuDropout", "MAX_THREADS", "SDPA_BACKENDS",
     "attention_backends", "attention_path", "busy_cores", "check_threads", "compile_dynamic",
-    "compile_for_training_mode", "compile_regions", "compile_wanted", "cpu_threads", "fit_shape",
-    "key_cpu_kernels_by_vector_width", "kernels", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
+    "compile_for_training_mode", "compile_regions", "compile_wanted", "cpu_threads", "fit_shape", "keep_freed_memory",
+    "kernels", "key_cpu_kernels_by_vector_width", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
     "use_fused_optimizer", "weights_in",
 ]

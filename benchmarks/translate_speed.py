@@ -60,6 +60,7 @@ from aiayn.config import DecodeOptions, ModelConfig
 from aiayn.data.batching import pad_batch
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.device import DTYPES, resolve_device, resolve_precision
+from aiayn.engine import keep_freed_memory
 from aiayn.errors import UserError
 from aiayn.linear import inference_linear_kind, use_linear
 from aiayn.model.transformer import Transformer
@@ -554,6 +555,7 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     args.device = str(device)
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa == "on")
+    args.kept_freed_memory = keep_freed_memory()  # as the aiayn command does at its start (CTranslate2 has its own)
     thread_counts = args.threads or [None]
     threads = common.set_threads(thread_counts[0])
     result: dict[str, Any] = {

@@ -614,3 +614,19 @@ def test_the_empty_row_fix_up_is_computed_once_per_decoder_call(monkeypatch):
         for _ in range(4):
             model.decode(tok, memory, mask, cache)
     assert counts["any"] == 4  # one per step for 3 layers of cross-attention, none for self-attention
+
+
+def test_keep_freed_memory_sets_glibc_once_and_leaves_a_tuned_allocator_alone(monkeypatch):
+    import ctypes
+    import sys
+
+    from aiayn.engine import _MALLOC_ENV, keep_freed_memory
+
+    for name in _MALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    glibc = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallopt")
+    assert keep_freed_memory() is bool(glibc)  # glibc accepts both values (mallopt returns 1)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD"):  # the user's own tuning, or jemalloc / tcmalloc
+        monkeypatch.setenv(name, "1")
+        assert keep_freed_memory() is False
+        monkeypatch.delenv(name)
