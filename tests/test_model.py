@@ -157,6 +157,34 @@ def test_cached_decoding_equals_full_decoding_transformer(norm_first):
     assert_close_at_scale(torch.cat(steps, 1), full, 1e-5, "cached steps")
 
 
+@pytest.mark.parametrize("path", ["explicit", "fused"])
+def test_beams_sharing_a_memory_row_equal_a_copy_per_beam(path):
+    """Beam search keeps one memory row per sentence for its N beams (grouped cross-attention): the logits, cached
+    or not, and the cross-attention probabilities equal those of a memory copied to every beam, on both attention
+    paths (the fused one rests on PyTorch's kernel, the explicit one on the matmuls)."""
+    from aiayn.engine import attention_path
+
+    torch.manual_seed(7)
+    model = tiny()
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    mask = model.src_mask(src)
+    memory, G = model.encode(src, mask), 3
+    tgt = torch.randint(4, 53, (2 * G, 5))  # rows 0-2: sentence 0's beams, rows 3-5: sentence 1's
+    copied, copied_mask = memory.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    with attention_path(model, path):
+        assert_close_at_scale(model.decode(tgt, memory, mask), model.decode(tgt, copied, copied_mask), 1e-5, "full")
+        shared, per_beam = model.new_cache(), model.new_cache()
+        for t in range(tgt.size(1)):
+            got = model.decode(tgt[:, t: t + 1], memory, mask, shared)
+            want = model.decode(tgt[:, t: t + 1], copied, copied_mask, per_beam)
+            assert_close_at_scale(got, want, 1e-5, f"cached step {t}")
+    _, _, cross = model.decoder(tgt, memory, mask, need_weights=True)
+    _, _, cross_copied = model.decoder(tgt, copied, copied_mask, need_weights=True)
+    for a, b in zip(cross, cross_copied):
+        assert a.shape == b.shape == (2 * G, 4, 5, 5)
+        assert_close_at_scale(a, b, 1e-5, "cross-attention probabilities")
+
+
 def test_cached_decoding_equals_full_decoding_lm_and_reorder():
     torch.manual_seed(5)
     model = tiny("lm")

@@ -100,7 +100,8 @@ class StubModel:
         for i, row in enumerate(rows):
             prefix = tuple(row[1:])
             self.decoded.append(prefix)
-            k = int(memory[i, 0, 0]) if memory is not None else 0
+            # memory: one row per G consecutive rows (beam search: a sentence's beams share it)
+            k = int(memory[i // (len(rows) // memory.size(0)), 0, 0]) if memory is not None else 0
             probs = torch.zeros(V_STUB, dtype=torch.float64)
             for tok, p in self.distribution(k, prefix).items():
                 probs[tok] = p
@@ -341,17 +342,25 @@ def random_script(seed: int):
 @pytest.mark.parametrize("kind,alpha", [("none", 0.0), ("gnmt", 0.6), ("gnmt", 2.0), ("power", 1.0),
                                         ("power", -0.5)])
 def test_exact_stop_equals_brute_force(kind, alpha):
-    max_len, stopped_early = 7, 0
+    max_len, stopped_early, sooner = 7, 0, 0
     for seed in range(6):
         for beam in (1, 2, 3, 4):
             m = StubModel(random_script(seed))
             got = beam_search(m, stub_src(0), spec=spec_of(beam=beam, alpha=alpha, length_penalty=kind, max_len_a=0,
                                                            max_len_b=max_len, nbest=beam))[0]
+            max_decoded = m.max_decoded()
             want = reference_beam(random_script(seed), beam, alpha, kind, max_len)
             assert [h.tokens for h in got] == [w[0] for w in want], (seed, beam)
             assert [h.score for h in got] == pytest.approx([w[1] for w in want], abs=1e-5)
             stopped_early += m.max_decoded() < max_len - 1
+            for nbest in range(1, beam):  # fewer returned: the search may stop sooner, with the same best ones
+                m = StubModel(random_script(seed))
+                few = beam_search(m, stub_src(0), spec=spec_of(beam=beam, alpha=alpha, length_penalty=kind,
+                                                               max_len_a=0, max_len_b=max_len, nbest=nbest))[0]
+                assert [(h.tokens, h.score) for h in few] == [(h.tokens, h.score) for h in got[:nbest]], (seed, nbest)
+                sooner += m.max_decoded() < max_decoded
     assert stopped_early > 0  # the stopping rule was exercised, not just the step limit
+    assert sooner > 0  # and the nbest-th rule stopped sooner than the pool's worst did, somewhere
 
 
 # 3. Batch 1 = batch 32, cached = uncached (random tiny models) ---------------------------------------

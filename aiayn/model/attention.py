@@ -154,7 +154,9 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         rotate: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, Tq, D) queries. ``memory`` None: self-attention over x (plus cached past steps);
-        ``memory`` (B, S, D): cross-attention (keys/values cached once when a cache is given).
+        ``memory`` (B, S, D): cross-attention (keys/values cached once when a cache is given); or (B / G, S, D), one
+        row for each G consecutive rows of x (beam search: a sentence's beams share its memory, which is then
+        neither copied per beam nor read once per beam), its mask (B / G, 1, 1, S) likewise.
         mask: bool, True = may attend, broadcastable to (B, H, Tq, Tk), or an :class:`AttentionMask`;
         ``causal`` in place of a mask: self-attention over x alone (no cached steps), query i sees 0..i.
         ``rotate`` (self-attention): the position scheme's rotation of the queries and new keys (B, H, Tq, K),
@@ -179,7 +181,14 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
                     cache.cross_k[layer], cache.cross_v[layer] = k, v
         p = self.dropout if self.training else 0.0
         fused = k.size(-2) > self.explicit_max_keys.get(q.device.type, 0)
+        B, H, Tq, _ = q.shape
+        groups = B // k.size(0) if 0 < k.size(0) < B else 1  # cross-attention: G query rows may share one
+        if groups > 1:  # (B, H, Tq, K) -> (B / G, H, G Tq, K): one product per memory row, its keys read once
+            q = q.view(B // groups, groups, H, Tq, -1).transpose(1, 2).reshape(B // groups, H, groups * Tq, -1)
         out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, causal, fused)
-        B, H, Tq, V = out.shape
+        if groups > 1:
+            out, probs = (None if x is None else x.view(B // groups, H, groups, Tq, -1).transpose(1, 2)
+                          .reshape(B, H, Tq, -1) for x in (out, probs))
+        V = out.size(-1)
         out = out.transpose(1, 2).reshape(B, Tq, H * V)  # concat heads: (B, Tq, h d_v)
         return self.linear(out, self.out_proj.weight, self.out_proj.bias), probs

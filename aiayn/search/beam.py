@@ -4,9 +4,11 @@
 the lengths, ``min_len``, ``no_repeat_ngram``, ``ban_pad``. The rules are those of fairseq and Hugging Face, so
 results can be compared:
 
-* The encoder runs once; memory, its mask and the cache hold B*N rows, and the cache is reordered
-  with ``cache.reorder`` after every step. At the first step only beam 0 of each sentence is live
-  (the others start at -inf) so N copies of the same prefix are not expanded.
+* The encoder runs once. Memory, its mask and the cache's cross-attention keys/values keep one row per
+  sentence, which its N beams share (the decoder groups a sentence's beams' queries against it); they are
+  selected only when sentences leave the batch. The self-attention cache holds B*N rows and is reordered
+  with ``cache.reorder`` after every step. The first step decodes one row per sentence (its N beams would
+  be N copies of the same prefix), then each sentence's best N candidates become its beams.
 * Each step keeps the 2N best (beam, token) candidates by summed logprob. A candidate ending in
   EOS among the first N of them becomes a finished hypothesis (EOS candidates ranked lower are
   dropped); the N best non-EOS candidates are the next live beams. At a sentence's max_len the
@@ -15,7 +17,9 @@ results can be compared:
   :func:`length_penalty_denominator`). It is done when that pool is full and no live beam can
   still beat its worst member, judged by ``stop``:
   ``exact`` (default): a sound upper bound (:func:`_stop_bound`), so the result equals running
-  every sentence to max_len; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
+  every sentence to max_len; it asks only whether a live beam can still beat the ``nbest``-th best
+  finished hypothesis (the last one returned; a pool need not be full): the pool's lower members
+  might still change, but they are never returned; ``hf``: Hugging Face's default (``early_stopping=False``) heuristic,
   for reproducing ``generate(num_beams=N, length_penalty=alpha)`` token for token with
   ``length_penalty='power'``; ``first``: done as soon as the pool is full, whatever the live beams
   could still reach: HF's ``early_stopping=True``, fairseq's rule, and CTranslate2's default with a
@@ -81,6 +85,10 @@ class _Finished:
     def worst(self) -> Tensor:
         """(n,) the score of the N-th best (-inf while a pool is not full)."""
         return self.score[:, -1]
+
+    def kth(self, k: int) -> Tensor:
+        """(n,) the score of the k-th best (-inf while fewer than k have finished)."""
+        return self.score[:, k - 1]
 
     def offer(self, score: Tensor, logprob: Tensor, seqs: Tensor, lengths: Tensor) -> None:
         """Merge k new hypotheses per sentence: score (n, k) of :func:`score_dtype` (-inf: not a hypothesis),
@@ -202,26 +210,12 @@ def _next_beams(step: _Step, N: int, first_rows: Tensor, sent: Tensor, t: int) -
     return live_lp.gather(1, order), src_rows, step.tok.gather(1, order)
 
 
-def _keep_sentences(keep: Tensor, beams: Tensor, cache: Any, memory: Tensor, mem_mask: Tensor
-                    ) -> tuple[Tensor, Tensor]:
-    """Memory (rows, S, D), its mask (rows, S) and the cache's cross-attention K/V of the kept sentences keep (n',),
-    N rows each (beams: arange(N)). They are the same for every beam of a sentence: select them only when a
-    sentence leaves the batch, not on every step's beam reorder."""
-    sent_rows = (keep[:, None] * beams.numel() + beams).reshape(-1)
-    cache.reorder_cross(sent_rows)
-    return memory[sent_rows], mem_mask[sent_rows]
-
-
-def _reorder_beams(next_rows: Tensor, t: int, cache: Any, memory: Tensor, mem_mask: Tensor
-                   ) -> tuple[Tensor, Tensor]:
-    """Reorder the cache to the next beams' rows next_rows (n'*N,) (beam reorder and dropped sentences). After
-    the first step, self-attention only; on the first step (t = 0) each sentence goes from one row to N:
-    memory (rows, S, D), its mask (rows, S) and the cross-attention K/V too, once."""
-    if t:
-        cache.reorder(next_rows, cross=False)
-        return memory, mem_mask
-    cache.reorder(next_rows)
-    return memory.index_select(0, next_rows), mem_mask.index_select(0, next_rows)
+def _keep_sentences(keep: Tensor, cache: Any, memory: Tensor, mem_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Memory (n, S, D), its mask (n, S) and the cache's cross-attention K/V of the kept sentences keep (n',). They
+    are one row per sentence, which its N beams share (the decoder's grouped cross-attention): they are selected
+    only when a sentence leaves the batch, never copied per beam nor reordered with the beams."""
+    cache.reorder_cross(keep)
+    return memory.index_select(0, keep), mem_mask.index_select(0, keep)
 
 
 @torch.no_grad()
@@ -238,7 +232,8 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     process, free_waits, sdt = LogitsProcessor(spec, device), waits_are_free(device), score_dtype(device)
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
-    memory, mem_mask = model.encode(src, src_mask), src_mask  # (B, S, D); N rows per sentence from the 2nd step
+    memory, mem_mask = model.encode(src, src_mask), src_mask  # (n, S, D): one row per live sentence, all its beams'
+
     cache = new_cache(model, max(limits))
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
@@ -248,7 +243,6 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     limit_den = torch.tensor([length_penalty_denominator(m, o.alpha, o.length_penalty) for m in limits],
                              dtype=sdt, device=device)  # (n,) their length-penalty denominators
     finished = _Finished(B, N, max(limits), device)
-    beams = torch.arange(N, device=device)
     offsets = torch.arange(B, device=device)[:, None] * N  # (B, 1) first row of each group; live rows are 0..n-1
     t = 0  # tokens produced so far by every live beam
     while True:
@@ -265,8 +259,10 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
 
         best_live = new_scores[:, 0]
         bound = _stop_bound(best_live.to(sdt), length, limit_den, spec)
-        # done: at the limit, no live beam can produce anything finite, or none can beat a full pool
-        done = at_limit | (best_live == NEG_INF) | ((finished.worst > NEG_INF) & (bound <= finished.worst))
+        # done: at the limit, no live beam can produce anything finite, or none can beat a full pool (exact: none
+        # can beat the nbest-th best, the last one returned)
+        cut = finished.kth(o.nbest) if o.stop == "exact" else finished.worst
+        done = at_limit | (best_live == NEG_INF) | ((cut > NEG_INF) & (bound <= cut))
         keep = (~done).nonzero().squeeze(1)  # (n',) the step's one wait for the device
         if keep.numel() < n:
             finished.save_and_keep(sent, keep)
@@ -274,10 +270,9 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
                 break
             src_rows, new_tok, new_scores = src_rows[keep], new_tok[keep], new_scores[keep]
             sent, limit, limit_den = sent[keep], limit[keep], limit_den[keep]
-            if t:
-                memory, mem_mask = _keep_sentences(keep, beams, cache, memory, mem_mask)
+            memory, mem_mask = _keep_sentences(keep, cache, memory, mem_mask)
         next_rows = src_rows.reshape(-1)  # (n'*N,) beam reorder and dropped sentences
-        memory, mem_mask = _reorder_beams(next_rows, t, cache, memory, mem_mask)
+        cache.reorder(next_rows, cross=False)  # self-attention's keys/values: the beams' own
         tokens, scores, t = torch.cat([tokens[next_rows], new_tok.reshape(-1, 1)], dim=1), new_scores, t + 1
     return finished.hypotheses(o.nbest)
 
