@@ -174,9 +174,23 @@ def smoke_task(n: int, work: Path, engines: Sequence[str]) -> Task:
 # Engines: each translates a list of sources (ids without EOS) to a list of id lists ----------------------
 
 
-def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str, device: torch.device):
+@dataclass(frozen=True)
+class Limit:
+    """At most int(a * source length + b) decoding steps, EOS included, the source counted with its EOS: aiayn's
+    ``--max-len-a/--max-len-b`` (per sentence); HF and CTranslate2, which take one limit per batch, get the batch's
+    largest (an output that reached its own limit would tell them apart; the "= aiayn" column counts them)."""
+
+    a: float
+    b: int
+
+    def of(self, batch: Sequence[list[int]]) -> int:
+        """The largest limit of a batch of sources (ids without EOS)."""
+        return max(int(self.a * (len(s) + 1) + self.b) for s in batch)
+
+
+def aiayn_engine(model: nn.Module, alpha: float, limit: Limit, stop: str, device: torch.device):
     spec = SearchSpec.of(SpecialIds(pad=PAD, bos=BOS, eos=EOS, decoder_start=BOS), beam=4, alpha=alpha,
-                         length_penalty="power", max_len_a=0.0, max_len_b=max_len, stop=stop)
+                         length_penalty="power", max_len_a=limit.a, max_len_b=limit.b, stop=stop)
 
     def translate(batch: list[list[int]]) -> list[list[int]]:
         src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
@@ -186,13 +200,13 @@ def aiayn_engine(model: nn.Module, alpha: float, max_len: int, stop: str, device
     return translate
 
 
-def hf_engine(hf: nn.Module, alpha: float, max_len: int, device: torch.device):
+def hf_engine(hf: nn.Module, alpha: float, limit: Limit, device: torch.device):
     def translate(batch: list[list[int]]) -> list[list[int]]:
         src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
         with torch.no_grad():
             out = hf.generate(
                 src, attention_mask=(src != PAD).long(), num_beams=4, num_return_sequences=1, length_penalty=alpha,
-                early_stopping=False, max_length=max_len + 1,  # HF's max_length counts the start token
+                early_stopping=False, max_length=limit.of(batch) + 1,  # HF's max_length counts the start token
                 min_length=0, do_sample=False, no_repeat_ngram_size=0, repetition_penalty=1.0,
                 bad_words_ids=None, forced_bos_token_id=None, forced_eos_token_id=None,
             )
@@ -205,7 +219,7 @@ def hf_engine(hf: nn.Module, alpha: float, max_len: int, device: torch.device):
     return translate
 
 
-def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: float, max_len: int,
+def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: float, limit: Limit,
                device: torch.device):
     import ctranslate2
 
@@ -217,7 +231,7 @@ def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: f
         # Pieces without </s>: the exported config appends it, as aiayn training did.
         results = translator.translate_batch(
             [[task.src_pieces[i] for i in s] for s in batch], beam_size=4, num_hypotheses=1,
-            length_penalty=alpha, max_decoding_length=max_len, min_decoding_length=0, max_batch_size=0,
+            length_penalty=alpha, max_decoding_length=limit.of(batch), min_decoding_length=0, max_batch_size=0,
         )
         out = []
         for r in results:
@@ -284,7 +298,7 @@ def pass_engines(engines: Sequence[str], precision: str) -> list[str]:
     return [e for e in engines if (CT2[e][1] == precision if e in CT2 else e != "aiayn-int8" or precision == "fp32")]
 
 
-def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int, threads: int,
+def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit | int, threads: int,
                   check_batch: Sequence[int], device: torch.device = torch.device("cpu"), precision: str = "fp32",
                   ) -> tuple[dict[str, Callable], dict[str, Any]]:
     """The engines' translate functions on ``device`` in ``precision``, and what was checked while building
@@ -293,19 +307,20 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int
     from benchmarks.train_throughput import HFMarianSeq2Seq
 
     dtype = DTYPES[precision]
+    limit = limit if isinstance(limit, Limit) else Limit(0.0, limit)  # an int: that many steps for every source
     fns: dict[str, Callable] = {}
     checks: dict[str, Any] = {}
     ours = copy.deepcopy(task.model).to(device=device, dtype=dtype).eval()  # as load_run(precision=...) casts
     use_linear(ours, inference_linear_kind(device, precision))  # the linear layers' kernel, as load_run chooses
     for e in engines:
         if e in STOPS:
-            fns[e] = aiayn_engine(ours, alpha, max_len, STOPS[e], device)
+            fns[e] = aiayn_engine(ours, alpha, limit, STOPS[e], device)
         elif e == "aiayn-int8":
             if device.type != "cpu":
                 checks[f"{e}_not_run"] = "int8 runs on the CPU only"
                 continue
             int8 = use_linear(copy.deepcopy(task.model).eval(), "int8")  # as load_run(precision="int8")
-            fns[e] = aiayn_engine(int8, alpha, max_len, "exact", device)
+            fns[e] = aiayn_engine(int8, alpha, limit, "exact", device)
         elif e == "hf":
             hf = to_hf_marian(concat_layout_copy(task.model)).eval()
             src = pad_batch([task.sources[i] + [EOS] for i in check_batch], PAD)
@@ -317,10 +332,10 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, max_len: int
                 raise SystemExit(f"the Hugging Face model does not compute aiayn's logits (max diff {diff:.2e})")
             checks["hf_max_logit_diff"] = diff
             checks["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
-            fns[e] = hf_engine(hf.to(device=device, dtype=dtype), alpha, max_len, device)
+            fns[e] = hf_engine(hf.to(device=device, dtype=dtype), alpha, limit, device)
         elif e in CT2:
             try:
-                fns[e] = ct2_engine(task.ct2_dirs[e], CT2[e][0], threads, task, alpha, max_len, device)
+                fns[e] = ct2_engine(task.ct2_dirs[e], CT2[e][0], threads, task, alpha, limit, device)
             except (ImportError, RuntimeError, ValueError, OSError) as err:
                 if device.type == "cpu":
                     raise
@@ -397,8 +412,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"## 2. Translation speed (beam 4, {where})\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- Task: {result['task']}.",
-        f"- Search: beam 4, length penalty score / |Y|^{a['alpha']} in every engine, at most {a['max_len']} "
-        "decoding steps, one hypothesis. aiayn stop=hf and HF `generate()` (early_stopping=False) apply "
+        f"- Search: beam 4, length penalty score / |Y|^{a['alpha']} in every engine, at most "
+        + (f"{a['max_len_a']:g} x source length + {a['max_len']} (the batch's largest for HF and CTranslate2)"
+           if a.get("max_len_a") else f"{a['max_len']}")
+        + " decoding steps, one hypothesis. aiayn stop=hf and HF `generate()` (early_stopping=False) apply "
         "the same stopping rule and must agree token for token (column *= aiayn*); aiayn stop=exact is "
         "`aiayn translate`'s default; CTranslate2 stops once 4 hypotheses have finished (its default), as aiayn "
         "stop=first does. aiayn int8: stop=exact with `--precision int8` (dynamic int8 linear layers).",
@@ -464,7 +481,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="token budget of the 'tokens' mode (default: aiayn translate's for the device)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (power)")
-    p.add_argument("--max-len", type=int, default=100, help="decoding steps at most (EOS included)")
+    p.add_argument("--max-len", type=int, default=100,
+                   help="decoding steps at most (EOS included): b of a * source + b")
+    p.add_argument("--max-len-a", type=float, default=0.0,
+                   help="a of at most a * source length + b steps (aiayn translate's default: a 1, b 50)")
     p.add_argument("--warmup-batches", type=int, default=2)
     p.add_argument("--threads", type=int, nargs="+", default=None,
                    help="intra-op threads, every engine's (default: one per core); several: one pass per count")
@@ -576,8 +596,9 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
         for n_threads in thread_counts:
             threads = common.set_threads(n_threads)
             for q in args.precision:
-                fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha, args.max_len, threads,
-                                            check, device, q)
+                limit = Limit(args.max_len_a, args.max_len)
+                fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha, limit, threads, check,
+                                            device, q)
                 result["checks"].update(checks)
                 for mode in args.modes:
                     warm = args.warmup_batches * (8 if mode == "batch-1" else 1)

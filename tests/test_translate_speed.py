@@ -126,3 +126,11 @@ def test_int8_and_linear_kernel_tables(tmp_path):
     assert len(out["results"]) == len(linear_kernels.SHAPES) * len(linear_kernels.ROWS)
     assert {"F.linear", "int8"} <= set(out["results"][0]["us"])
     assert "## Linear layers on the CPU" in (tmp_path / "B.md").read_text()
+
+
+def test_a_per_source_limit_gives_other_engines_the_batchs_largest():
+    """aiayn's limit is int(a * source + b) per sentence (the source with its EOS); HF and CTranslate2 take one per
+    batch, the largest, so no sentence of theirs is cut sooner than aiayn's."""
+    limit = translate_speed.Limit(1.0, 50)
+    assert limit.of([[5, 6, 7], [8]]) == 54 and limit.of([[8]]) == 52
+    assert translate_speed.Limit(0.0, 100).of([[5, 6, 7], [8]]) == 100  # the old fixed limit
