@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -429,8 +431,11 @@ def markdown(result: dict[str, Any]) -> str:
         + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
         + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
            "+ 1) x beam)" if budget else "")
-        + (f"; each engine's fastest of {a['repeats']} passes, the engines taking turns" if a.get("repeats", 1) > 1
-           else "")
+        + (f"; each engine's fastest of {a['repeats']} passes" + ("" if a.get("isolated") else
+                                                                  ", the engines taking turns")
+           if a.get("repeats", 1) > 1 else "")
+        + ("; each engine in a process of its own (in one process, the OpenMP threads one engine leaves spinning slow "
+           "the next one's)" if a.get("isolated") else "")
         + ("; threads: `Nt` in a row's mode is aiayn's intra-op threads and CTranslate2's intra_threads"
            if len(a.get("threads") or []) > 1 else "")
         + ". BLEU: sacreBLEU 13a, cased, of each engine's own output.\n",
@@ -495,9 +500,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "every new shape)")
     p.add_argument("--profile", help="write cProfile and torch.profiler tables of aiayn's batched pass here")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a random tiny model (CI)")
+    p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
+                   help="each engine in a process of its own (auto: when a thread count above 1 is measured, where "
+                        "one engine's spinning threads slow the next one's; not with --profile)")
+    p.add_argument("--worker", choices=list(ENGINES), help=argparse.SUPPRESS)  # run_isolated's child process
+    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-precision", help=argparse.SUPPRESS)
+    p.add_argument("--worker-result", help=argparse.SUPPRESS)
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help="default: benchmarks/results/<section>.json")
     args = p.parse_args(argv)
+    args.run_dir_given = "--run-dir" in argv or any(a.startswith("--run-dir=") for a in argv)
     args.engines = [e for e in ENGINES if e in args.engines]  # aiayn first: the others are compared with it
     args.modes = [m for m in MODES if m in args.modes]
     args.precision = [q for q in ("fp32", "bf16", "fp16") if q in args.precision]
@@ -525,37 +538,100 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device, order: lis
     }
 
 
-def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm: int,
-            device: torch.device, label: str, repeats: int = 1) -> dict[str, Any]:
-    """Every engine on the same batches (which may cover only some sources): speed, BLEU of the sources
-    translated, and agreement with aiayn. With ``repeats`` > 1 the engines take turns (each one pass per round,
-    the warm-up in the first), and each keeps its fastest pass: on a shared machine the other processes' load
-    then falls on every engine alike."""
+def summarize(task: Task, per_engine: dict[str, tuple[list[list[int]], list[float]]], batches: list[list[int]],
+              label: str) -> dict[str, Any]:
+    """Each engine's row from its outputs on ``batches`` (indexed by source) and its passes' seconds: speed (the
+    fastest pass), BLEU of the sources translated, agreement with aiayn."""
     res: dict[str, Any] = {}
     done = sorted(i for b in batches for i in b)
-    passes: dict[str, list[float]] = {e: [] for e in fns}
+    for e, (outputs, passes) in per_engine.items():
+        outputs = [outputs[i] for i in done]
+        tokens = sum(len(o) for o in outputs)
+        r = {"sentences": len(outputs), "target_tokens": tokens, "batches": len(batches),
+             "bleu": bleu([task.detok(o) for o in outputs], [task.refs[i] for i in done])}
+        if "aiayn" in res:
+            r["same_as_aiayn"] = sum(a == b for a, b in zip(outputs, res["aiayn"]["outputs"]))
+        seconds = min(passes)
+        r.update(outputs=outputs, seconds=seconds, sentences_per_s=len(outputs) / seconds,
+                 tokens_per_s=tokens / seconds)
+        if len(passes) > 1:
+            r["passes_seconds"] = passes
+        print(f"[{NAME}] {label}: {e} {r['sentences_per_s']:.1f} sentences/s, BLEU {r['bleu']:.2f}", file=sys.stderr)
+        res[e] = r
+    return res
+
+
+def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm: int,
+            device: torch.device, label: str, repeats: int = 1) -> dict[str, Any]:
+    """Every engine on the same batches (which may cover only some sources), in this process: speed, BLEU of the
+    sources translated, and agreement with aiayn. With ``repeats`` > 1 the engines take turns (each one pass per
+    round, the warm-up in the first), and each keeps its fastest pass: on a shared machine the other processes'
+    load then falls on every engine alike."""
+    per_engine: dict[str, tuple[list[list[int]], list[float]]] = {}
     for round_ in range(repeats):
         for e, fn in fns.items():
             print(f"[{NAME}] {label}: {e} ...", file=sys.stderr, flush=True)
             outputs, seconds = run_mode(fn, task.sources, batches, warm if round_ == 0 else 0, device)
-            passes[e].append(seconds)
-            if round_:
-                continue
-            outputs = [outputs[i] for i in done]
-            tokens = sum(len(o) for o in outputs)
-            r = {"sentences": len(outputs), "target_tokens": tokens, "batches": len(batches),
-                 "bleu": bleu([task.detok(o) for o in outputs], [task.refs[i] for i in done])}
-            if "aiayn" in res:
-                r["same_as_aiayn"] = sum(a == b for a, b in zip(outputs, res["aiayn"]["outputs"]))
-            r["outputs"] = outputs
-            res[e] = r
-    for e, r in res.items():
-        seconds = min(passes[e])
-        r.update(seconds=seconds, sentences_per_s=r["sentences"] / seconds, tokens_per_s=r["target_tokens"] / seconds)
-        if repeats > 1:
-            r["passes_seconds"] = passes[e]
-        print(f"[{NAME}] {label}: {e} {r['sentences_per_s']:.1f} sentences/s, BLEU {r['bleu']:.2f}", file=sys.stderr)
-    return res
+            per_engine.setdefault(e, (outputs, []))[1].append(seconds)
+    return summarize(task, per_engine, batches, label)
+
+
+def load_task(args: argparse.Namespace, work: Path, engines: Sequence[str]) -> Task:
+    """The run's task, or the smoke test's random one."""
+    if args.smoke and not args.run_dir_given:
+        return smoke_task(args.limit, work, engines)
+    return run_task(args.run_dir, args.split, args.limit, work, engines)
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine (``--worker``), one thread count and precision, every mode with its repeats, in this process:
+    {"modes": {mode: {"outputs", "passes"}}, "checks"}. What :func:`run_isolated` runs in a fresh interpreter."""
+    device = torch.device(args.device)
+    threads = common.set_threads(args.worker_threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        task = load_task(args, Path(tmp), [args.worker])
+        order = by_length(task)
+        batches = plans(task, args, device, order)
+        fns, checks = build_engines(task, [args.worker], args.alpha, Limit(args.max_len_a, args.max_len), threads,
+                                    order[-8:], device, args.worker_precision)
+        modes: dict[str, Any] = {}
+        for mode in args.modes if args.worker in fns else []:
+            print(f"[{NAME}] {mode} {threads}t: {args.worker} (a process of its own) ...", file=sys.stderr, flush=True)
+            warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
+            passes, outputs = [], None
+            for r in range(args.repeats):
+                out, seconds = run_mode(fns[args.worker], task.sources, batches[mode], warm if r == 0 else 0, device)
+                passes.append(seconds)
+                outputs = out if outputs is None else outputs
+            modes[mode] = {"outputs": outputs, "passes": passes}
+    return {"modes": modes, "checks": checks}
+
+
+def run_isolated(argv: Sequence[str], engine: str, threads: int, precision: str) -> dict[str, Any]:
+    """:func:`run_worker` in a fresh interpreter: an engine measured alone, as a user runs it. In one process, the
+    OpenMP threads one engine leaves spinning after its pass slowed the next one's (aiayn at 2 threads: 128 against
+    208 sentences/s after CTranslate2 had run, batched)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "benchmarks.translate_speed", *argv, "--worker", engine, "--worker-threads",
+               str(threads), "--worker-precision", precision, "--worker-result", str(out)]
+        subprocess.run(cmd, check=True, cwd=common.REPO)
+        return json.loads(out.read_text())
+
+
+def measure_isolated(task: Task, argv: Sequence[str], pass_: tuple[int, str], batches: dict[str, list[list[int]]],
+                     keys: dict[str, str], result: dict[str, Any]) -> None:
+    """One thread count and precision, ``pass_`` = (threads, precision): each engine of the pass in a process of its
+    own (:func:`run_isolated`), the rows of every mode (``keys``: mode -> row group) into ``result``."""
+    threads, q = pass_
+    args = parse_args(argv)
+    got = {e: run_isolated(argv, e, threads, q) for e in pass_engines(args.engines, q)}
+    for r in got.values():
+        result["checks"].update(r["checks"])
+    for mode, key in keys.items():
+        per_engine = {e: (r["modes"][mode]["outputs"], r["modes"][mode]["passes"]) for e, r in got.items()
+                      if mode in r["modes"]}
+        result["modes"][key] = summarize(task, per_engine, batches[mode], key)
 
 
 def mode_key(mode: str, precision: str, threads: int | None) -> str:
@@ -576,6 +652,10 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa == "on")
     args.kept_freed_memory = keep_freed_memory()  # as the aiayn command does at its start (CTranslate2 has its own)
+    if args.worker:
+        result = run_worker(args)
+        common.write_json(args.worker_result, result)
+        return result
     thread_counts = args.threads or [None]
     threads = common.set_threads(thread_counts[0])
     result: dict[str, Any] = {
@@ -583,27 +663,27 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
         "command": command or common.command_line(NAME, argv), "machine": common.machine_info(threads),
         "args": vars(args), "modes": {}, "keys": {}, "checks": {},
     }
+    args.isolated = args.isolate == "yes" or (args.isolate == "auto" and not args.profile and any(
+        (n if n is not None else threads) > 1 for n in thread_counts))
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        if args.smoke and "--run-dir" not in argv:
-            task = smoke_task(args.limit, work, args.engines)
-        else:
-            task = run_task(args.run_dir, args.split, args.limit, work, args.engines)
+        task = load_task(args, Path(tmp), [] if args.isolated else args.engines)  # isolated: each worker exports
         result["task"] = task.description
         order = by_length(task)
         batches = plans(task, args, device, order)
-        check = order[-8:]  # the longest
         for n_threads in thread_counts:
             threads = common.set_threads(n_threads)
             for q in args.precision:
-                limit = Limit(args.max_len_a, args.max_len)
-                fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha, limit, threads, check,
-                                            device, q)
-                result["checks"].update(checks)
-                for mode in args.modes:
-                    warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
-                    key = mode_key(mode, q, threads if len(thread_counts) > 1 else None)
+                keys = {mode: mode_key(mode, q, threads if len(thread_counts) > 1 else None) for mode in args.modes}
+                for mode, key in keys.items():
                     result["keys"][key] = {"mode": mode, "precision": q, "threads": threads}
+                if args.isolated:
+                    measure_isolated(task, argv, (threads, q), batches, keys, result)
+                    continue
+                fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha,
+                                            Limit(args.max_len_a, args.max_len), threads, order[-8:], device, q)
+                result["checks"].update(checks)
+                for mode, key in keys.items():
+                    warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
                     result["modes"][key] = measure(task, fns, batches[mode], warm, device, key, args.repeats)
                 if args.profile and "aiayn" in fns and q == args.precision[0] and n_threads == thread_counts[0]:
                     profile_search(fns["aiayn"], task.sources, batches["batched"], Path(args.profile), device)

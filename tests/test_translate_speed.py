@@ -90,7 +90,7 @@ def test_cpu_goals_int8_and_one_pass_per_thread_count(tmp_path):
     md = tmp_path / "B.md"
     result = translate_speed.main(["--smoke", "--threads", "1", "2", "--repeats", "2", "--modes", "batched",
                                    "--engines", "aiayn", "aiayn-exact", "aiayn-int8", "ct2-fp32", "ct2-int8",
-                                   "--md", str(md), "--out-json", str(tmp_path / "s.json")])
+                                   "--isolate", "no", "--md", str(md), "--out-json", str(tmp_path / "s.json")])
     assert list(result["modes"]) == ["batched 1t", "batched 2t"]
     assert result["keys"]["batched 2t"] == {"mode": "batched", "precision": "fp32", "threads": 2}
     res = result["modes"]["batched 1t"]
@@ -134,3 +134,19 @@ def test_a_per_source_limit_gives_other_engines_the_batchs_largest():
     limit = translate_speed.Limit(1.0, 50)
     assert limit.of([[5, 6, 7], [8]]) == 54 and limit.of([[8]]) == 52
     assert translate_speed.Limit(0.0, 100).of([[5, 6, 7], [8]]) == 100  # the old fixed limit
+
+
+def test_engines_measured_in_processes_of_their_own_translate_the_same(tmp_path):
+    """--isolate: each engine in a fresh interpreter (a worker), as a user runs one; the same outputs and checks as
+    in one process, and the table says how it was measured."""
+    common = ["--smoke", "--threads", "1", "--modes", "batched", "--engines", "aiayn", "aiayn-exact", "ct2-fp32",
+              "--out-json", str(tmp_path / "s.json")]
+    one = translate_speed.main([*common, "--isolate", "no", "--md", str(tmp_path / "A.md")])
+    own = translate_speed.main([*common, "--isolate", "yes", "--md", str(tmp_path / "B.md")])
+    assert own["args"]["isolated"] and not one["args"]["isolated"]
+    for e in ("aiayn", "aiayn-exact", "ct2-fp32"):
+        a, b = one["modes"]["batched"][e], own["modes"]["batched"][e]
+        assert (a["bleu"], a["target_tokens"], a.get("same_as_aiayn")) == (b["bleu"], b["target_tokens"],
+                                                                           b.get("same_as_aiayn"))
+    assert "each engine in a process of its own" in (tmp_path / "B.md").read_text()
+    assert "each engine in a process of its own" not in (tmp_path / "A.md").read_text()
