@@ -405,6 +405,25 @@ def _goals(result: dict[str, Any], gpu: bool) -> list[str]:
     return goals
 
 
+def _timed(a: dict[str, Any], budget: int | None) -> str:
+    """The markdown's line on what was timed and how."""
+    return (
+        f"- Timed: the search on ids only (tokenization/detokenization outside), after "
+        f"{a['warmup_batches']} warm-up batches"
+        + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
+        + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
+        + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
+           "+ 1) x beam)" if budget else "")
+        + (f"; each engine's fastest of {a['repeats']} passes" + ("" if a.get("isolated") else
+                                                                  ", the engines taking turns")
+           if a.get("repeats", 1) > 1 else "")
+        + ("; each engine in a process of its own (in one process, the OpenMP threads one engine leaves spinning slow "
+           "the next one's)" if a.get("isolated") else "")
+        + ("; threads: `Nt` in a row's mode is aiayn's intra-op threads and CTranslate2's intra_threads"
+           if len(a.get("threads") or []) > 1 else "")
+        + ". BLEU: sacreBLEU 13a, cased, of each engine's own output.\n")
+
+
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     gpu = a.get("device", "cpu") != "cpu"
@@ -425,20 +444,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"re-layout; max |Δlogits| vs aiayn {result['checks'].get('hf_max_logit_diff', float('nan')):.1e}), "
         "CTranslate2 the run exported by `export_run` (int8: `quantization='int8'`). bf16 / fp16 rows: aiayn's "
         "and HF's weights cast to that type, CTranslate2 with that compute type.",
-        f"- Timed: the search on ids only (tokenization/detokenization outside), after "
-        f"{a['warmup_batches']} warm-up batches"
-        + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
-        + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
-        + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
-           "+ 1) x beam)" if budget else "")
-        + (f"; each engine's fastest of {a['repeats']} passes" + ("" if a.get("isolated") else
-                                                                  ", the engines taking turns")
-           if a.get("repeats", 1) > 1 else "")
-        + ("; each engine in a process of its own (in one process, the OpenMP threads one engine leaves spinning slow "
-           "the next one's)" if a.get("isolated") else "")
-        + ("; threads: `Nt` in a row's mode is aiayn's intra-op threads and CTranslate2's intra_threads"
-           if len(a.get("threads") or []) > 1 else "")
-        + ". BLEU: sacreBLEU 13a, cased, of each engine's own output.\n",
+        _timed(a, budget),
     ]
     if gpu:
         lines.insert(-1, f"- CUDA attention: cuDNN SDPA backend {a.get('cudnn_sdpa', 'off')}; HF attention "
