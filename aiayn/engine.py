@@ -518,8 +518,8 @@ def keep_freed_memory() -> bool:
     """Let the C allocator keep freed blocks of up to 32 MiB for the next ones, instead of handing them back to the
     OS and taking fresh (zeroed, page-faulting) pages for the next block. A search on the CPU frees and allocates
     the same few-MiB tensors (a step's logits, its log-probabilities, the int8 products) every step; with glibc's
-    defaults each came back as new pages (400,000 page faults in a 300-sentence int8 pass), which cost int8 decoding
-    about a sixth of its time (BENCHMARKS.md, "Decoding on a CPU"). Process-wide, so the commands call it (the
+    defaults each came back as new pages, hundreds of thousands of page faults in a 300-sentence pass (the commit
+    that added this has the measurement). Process-wide, so the commands call it (the
     ``aiayn`` CLI, at start), never the library on loading a run; a program that embeds aiayn may call it itself.
     Nothing is changed where the environment already tunes the allocator (``MALLOC_*``, ``GLIBC_TUNABLES``, a
     preloaded jemalloc or tcmalloc) or where the C library is not glibc. Returns whether it was set."""

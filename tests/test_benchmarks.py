@@ -255,3 +255,22 @@ def test_store_open_smoke_builds_a_checksummed_store_and_compares_two_trees(tmp_
     assert result["store"]["pairs"] == 2000 and result["store"]["files"] >= 9  # 8 id/offset files + the tokenizer
     assert all(len(v) == 1 and v[0] > 0 for v in result["median_open_s_by_round"].values())
     assert json.loads((tmp_path / "s.json").read_text())["ratio"] == result["ratio"]
+
+
+def test_decode_breakdown_smoke_counts_rows_and_splits_a_pass(tmp_path):
+    """Issue 60's breakdown: rows per stopping rule and limit, and one pass's seconds by part, the parts and the
+    rest summing to the pass; the wrapped functions are put back afterwards."""
+    import aiayn.model.attention as attention
+    from aiayn.linear import PackedLinear
+    from benchmarks import decode_breakdown
+
+    before = (attention.scaled_dot_product_attention, PackedLinear.__call__)
+    result = decode_breakdown.main(["--smoke", "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "d.json")])
+    assert (attention.scaled_dot_product_attention, PackedLinear.__call__) == before
+    for limit in decode_breakdown.LIMITS:
+        assert all(result["rows"][limit][stop] > 0 for stop in ("first", "hf", "exact"))
+    assert set(result["time"]) == {f"{e} {m}" for e in ("aiayn-exact", "aiayn-int8") for m in ("batched", "batch-1")}
+    for r in result["time"].values():
+        parts = sum(r[k] for k in (*decode_breakdown.PARTS, "rest"))
+        assert parts == pytest.approx(r["total"], abs=1e-3) and r["linear"] > 0 and r["attention"] > 0
+    assert "| exact |" in (tmp_path / "B.md").read_text()
