@@ -243,8 +243,9 @@ def compiled_tiny():
     """The one inductor compile of the suite's training tests (a C++ build of the kernels: ~20-60 s on a 2-core CPU):
     a 2+2-layer model compiled as ``train.compile`` does, warmed up by one update through :class:`Update` on a batch
     whose rows, source and target lengths are all 8 (so duck shaping, which would give them one symbol, is shown
-    off by the later shapes). Yields (eager twin, compiled model, its module and loss, the compile counter). The
-    loss's chunks are small (30 rows of the 40-word vocabulary), so the compiled loss goes over several chunks."""
+    off by the later shapes). Yields (eager twin, compiled model, its module and loss, the graphs the warm-up built,
+    the warm-up again). The loss's chunks are small (30 rows of the 40-word vocabulary), so the compiled loss goes
+    over several chunks."""
     from aiayn.engine import CompileCounter
 
     torch._dynamo.reset()
@@ -264,8 +265,9 @@ def compiled_tiny():
         warm_up = Update(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0), label_smoothing=0.1,
                          pad_id=0, loss_fn=loss_fn, fit_shapes=True)
         warm_up([warm], 0.0)
-        counter.warmed_up()
-        yield eager, compiled_copy, module, loss_fn, counter, lambda: warm_up([warm], 0.0)
+        # the graphs of the warm-up, counted now: a counter read later would also count what other tests compile
+        # between (torch._dynamo.explain in the graph-break test builds one)
+        yield eager, compiled_copy, module, loss_fn, counter.graphs, lambda: warm_up([warm], 0.0)
     torch._dynamo.reset()
 
 
@@ -274,8 +276,7 @@ def test_compiled_training_step_equals_eager(compiled_tiny, monkeypatch):
     """The layers compiled by regions and the compiled loss compute the eager values and gradients; the layers of a
     stack share their graph; a new batch shape reuses the graphs; eval mode (validation, decoding) runs the plain
     layers; the compiled chunks of the output projection fused into the loss compute the eager ones."""
-    eager, compiled_copy, module, loss_fn, warm_counter, rewarm = compiled_tiny
-    warm_graphs = warm_counter.graphs
+    eager, compiled_copy, module, loss_fn, warm_graphs, rewarm = compiled_tiny
     counter = CompileCounter()
     rewarm()  # builds nothing unless dynamo was reset since the fixture ran
     counter.warmed_up()
