@@ -116,7 +116,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
     args = p.parse_args(argv)
-    args.run_dir_given = "--run-dir" in argv
+    args.run_dir_given = ts.run_dir_given(argv)
     if args.smoke:
         args.limit, args.batch1_limit = 8, 3
     return args

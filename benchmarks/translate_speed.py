@@ -300,7 +300,7 @@ def pass_engines(engines: Sequence[str], precision: str) -> list[str]:
     return [e for e in engines if (CT2[e][1] == precision if e in CT2 else e != "aiayn-int8" or precision == "fp32")]
 
 
-def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit | int, threads: int,
+def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit, threads: int,
                   check_batch: Sequence[int], device: torch.device = torch.device("cpu"), precision: str = "fp32",
                   ) -> tuple[dict[str, Callable], dict[str, Any]]:
     """The engines' translate functions on ``device`` in ``precision``, and what was checked while building
@@ -309,7 +309,6 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit
     from benchmarks.train_throughput import HFMarianSeq2Seq
 
     dtype = DTYPES[precision]
-    limit = limit if isinstance(limit, Limit) else Limit(0.0, limit)  # an int: that many steps for every source
     fns: dict[str, Callable] = {}
     checks: dict[str, Any] = {}
     ours = copy.deepcopy(task.model).to(device=device, dtype=dtype).eval()  # as load_run(precision=...) casts
@@ -516,7 +515,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help="default: benchmarks/results/<section>.json")
     args = p.parse_args(argv)
-    args.run_dir_given = "--run-dir" in argv or any(a.startswith("--run-dir=") for a in argv)
+    args.run_dir_given = run_dir_given(argv)
     args.engines = [e for e in ENGINES if e in args.engines]  # aiayn first: the others are compared with it
     args.modes = [m for m in MODES if m in args.modes]
     args.precision = [q for q in ("fp32", "bf16", "fp16") if q in args.precision]
@@ -582,6 +581,11 @@ def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm
     return summarize(task, per_engine, batches, label)
 
 
+def run_dir_given(argv: Sequence[str]) -> bool:
+    """Whether the command line names a run (``--smoke`` without one uses a random tiny model)."""
+    return any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv)
+
+
 def load_task(args: argparse.Namespace, work: Path, engines: Sequence[str]) -> Task:
     """The run's task, or the smoke test's random one."""
     if args.smoke and not args.run_dir_given:
@@ -625,13 +629,12 @@ def run_isolated(argv: Sequence[str], engine: str, threads: int, precision: str)
         return json.loads(out.read_text())
 
 
-def measure_isolated(task: Task, argv: Sequence[str], pass_: tuple[int, str], batches: dict[str, list[list[int]]],
-                     keys: dict[str, str], result: dict[str, Any]) -> None:
-    """One thread count and precision, ``pass_`` = (threads, precision): each engine of the pass in a process of its
+def measure_isolated(task: Task, argv: Sequence[str], engines: Sequence[str], pass_: tuple[int, str],
+                     batches: dict[str, list[list[int]]], keys: dict[str, str], result: dict[str, Any]) -> None:
+    """One thread count and precision, ``pass_`` = (threads, precision): each of its ``engines`` in a process of its
     own (:func:`run_isolated`), the rows of every mode (``keys``: mode -> row group) into ``result``."""
     threads, q = pass_
-    args = parse_args(argv)
-    got = {e: run_isolated(argv, e, threads, q) for e in pass_engines(args.engines, q)}
+    got = {e: run_isolated(argv, e, threads, q) for e in engines}
     for r in got.values():
         result["checks"].update(r["checks"])
     for mode, key in keys.items():
@@ -683,7 +686,7 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
                 for mode, key in keys.items():
                     result["keys"][key] = {"mode": mode, "precision": q, "threads": threads}
                 if args.isolated:
-                    measure_isolated(task, argv, (threads, q), batches, keys, result)
+                    measure_isolated(task, argv, pass_engines(args.engines, q), (threads, q), batches, keys, result)
                     continue
                 fns, checks = build_engines(task, pass_engines(args.engines, q), args.alpha,
                                             Limit(args.max_len_a, args.max_len), threads, order[-8:], device, q)

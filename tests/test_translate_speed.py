@@ -47,10 +47,11 @@ def test_a_ct2_engine_that_cannot_run_on_a_gpu_is_reported(tmp_path, monkeypatch
 
     monkeypatch.setattr(translate_speed, "ct2_engine", no_cuda)
     meta = torch.device("meta")  # stands in for a GPU: nothing is computed while engines are built
-    fns, checks = translate_speed.build_engines(task, ["aiayn", "ct2-bf16"], 0.6, 8, 1, [0, 1], meta, "bf16")
+    eight = translate_speed.Limit(0.0, 8)  # 8 steps for every source
+    fns, checks = translate_speed.build_engines(task, ["aiayn", "ct2-bf16"], 0.6, eight, 1, [0, 1], meta, "bf16")
     assert list(fns) == ["aiayn"] and "libcublas.so.12" in checks["ct2-bf16_not_run"]
     with pytest.raises(RuntimeError):  # on the CPU it is a failure, not a note
-        translate_speed.build_engines(task, ["ct2-fp32"], 0.6, 8, 1, [0, 1], torch.device("cpu"), "fp32")
+        translate_speed.build_engines(task, ["ct2-fp32"], 0.6, eight, 1, [0, 1], torch.device("cpu"), "fp32")
     assert translate_speed.pass_engines(translate_speed.ENGINES, "bf16") == ["aiayn", "aiayn-exact", "aiayn-first",
                                                                              "hf", "ct2-bf16"]
     assert "aiayn-int8" in translate_speed.pass_engines(translate_speed.ENGINES, "fp32")

@@ -233,7 +233,6 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
     memory, mem_mask = model.encode(src, src_mask), src_mask  # (n, S, D): one row per live sentence, all its beams'
-
     cache = new_cache(model, max(limits))
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
