@@ -566,7 +566,8 @@ def translate_item(work: Path, device: str, size: str) -> dict[str, Any]:
     ts_json, ts_md = work / "translate_speed.json", work / "translate_speed.md"
     cmd = [sys.executable, "-m", "benchmarks.translate_speed", "--run-dir", str(run), "--device", device,
            "--precision", *(["fp32"] if device == "cpu" else ["fp32", "bf16"]), "--modes", "batched",
-           "--engines", "aiayn", "aiayn-exact", "hf", "--limit", str(TRANSLATE_LINES[size]), "--md", str(ts_md),
+           "--engines", "aiayn", "aiayn-exact", "aiayn-graphs", "hf", "--limit", str(TRANSLATE_LINES[size]),
+           "--md", str(ts_md),
            *(["--max-len", "8", "--threads", "1"] if size == "smoke" else []),
            "--out-json", str(ts_json)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env())
@@ -575,14 +576,22 @@ def translate_item(work: Path, device: str, size: str) -> dict[str, Any]:
         res.setdefault("status", "fail")
         res.setdefault("error", "benchmarks.translate_speed failed")
         return res
-    speed = json.loads(ts_json.read_text(encoding="utf-8"))
-    res["hf_comparison"] = {mode: {e: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
-                                       if k in ("sentences_per_s", "bleu", "same_as_aiayn")}
-                                   for e, r in engines.items()} for mode, engines in speed["modes"].items()}
-    for engines in res["hf_comparison"].values():
-        if "hf" in engines and "aiayn" in engines:
-            engines["aiayn_over_hf"] = round(engines["aiayn"]["sentences_per_s"] / engines["hf"]["sentences_per_s"], 2)
+    res["hf_comparison"] = hf_comparison(json.loads(ts_json.read_text(encoding="utf-8")))
     return res
+
+
+def hf_comparison(speed: dict[str, Any]) -> dict[str, Any]:
+    """translate_speed's result, per mode and engine: sentences/s, BLEU, outputs equal to aiayn's; and aiayn's and
+    aiayn-graphs' speed over HF generate()'s."""
+    out = {mode: {e: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                      if k in ("sentences_per_s", "bleu", "same_as_aiayn")}
+                  for e, r in engines.items()} for mode, engines in speed["modes"].items()}
+    for engines in out.values():
+        for ours in ("aiayn", "aiayn-graphs"):
+            if "hf" in engines and ours in engines:
+                engines[f"{ours.replace('-', '_')}_over_hf"] = round(
+                    engines[ours]["sentences_per_s"] / engines["hf"]["sentences_per_s"], 2)
+    return out
 
 
 def serve_item(work: Path, device: str, size: str) -> dict[str, Any]:
@@ -767,8 +776,9 @@ def _numbers(name: str, r: dict[str, Any]) -> str:
                  + (f", same as CPU {v['identical_to_cpu']:.1%}" if "identical_to_cpu" in v else "")
                  for k, v in r.items() if isinstance(v, dict) and "sentences_per_s" in v]
         for mode, engines in (r.get("hf_comparison") or {}).items():
-            if "aiayn_over_hf" in engines:
-                parts.append(f"{mode}: aiayn {engines['aiayn_over_hf']}x HF generate()")
+            for ours in ("aiayn", "aiayn_graphs"):
+                if f"{ours}_over_hf" in engines:
+                    parts.append(f"{mode}: {ours.replace('_', ' ')} {engines[f'{ours}_over_hf']}x HF generate()")
         return "; ".join(parts)
     if name == "serve":
         return (f"{r['requests']} concurrent requests in {r['wall_s']} s, {r['identical_to_translate']}/"

@@ -8,6 +8,8 @@ Engines, all given one trained run's weights:
                    the best hypothesis is certain, so it may run more steps)
 * ``aiayn-first``  the same with stop='first', CTranslate2's own stopping rule (patience 1): the same
                    search as CTranslate2's, so it shows the engines' speed at equal work
+* ``aiayn-graphs`` stop='hf' with ``cuda_graphs`` (aiayn.search.fixed: each step after the first one CUDA graph
+                   replayed; off CUDA the same fixed-shape steps without a graph, so not a default engine there)
 * ``aiayn-int8``   stop='exact' with ``--precision int8`` (aiayn.linear: dynamic int8 linear layers; CPU only)
 * ``hf``           Hugging Face ``MarianMTModel.generate()`` (early_stopping=False, its default), the
                    model converted with aiayn.interop.marian.to_hf_marian. A run trained with the paper's
@@ -71,13 +73,14 @@ from benchmarks import common
 from benchmarks.flops import synchronize
 
 NAME = "translate_speed"
-ENGINES = ("aiayn", "aiayn-exact", "aiayn-first", "aiayn-int8", "hf", "ct2-fp32", "ct2-int8", "ct2-bf16",
-           "ct2-fp16")
+ENGINES = ("aiayn", "aiayn-exact", "aiayn-first", "aiayn-graphs", "aiayn-int8", "hf", "ct2-fp32", "ct2-int8",
+           "ct2-bf16", "ct2-fp16")
 MODES = ("batch-1", "batched", "tokens")
 LABELS = {
     "aiayn": "aiayn (stop=hf)",
     "aiayn-exact": "aiayn (stop=exact)",
     "aiayn-first": "aiayn (stop=first)",
+    "aiayn-graphs": "aiayn CUDA graphs (stop=hf)",
     "aiayn-int8": "aiayn int8 (stop=exact)",
     "hf": "HF generate()",
     "ct2-fp32": "CTranslate2 fp32",
@@ -85,7 +88,8 @@ LABELS = {
     "ct2-bf16": "CTranslate2 bf16",
     "ct2-fp16": "CTranslate2 fp16",
 }
-STOPS = {"aiayn": "hf", "aiayn-exact": "exact", "aiayn-first": "first"}  # aiayn's fp32 engines: their stop rule
+# aiayn's fp32 engines: their stop rule
+STOPS = {"aiayn": "hf", "aiayn-exact": "exact", "aiayn-first": "first", "aiayn-graphs": "hf"}
 # CTranslate2 engines: compute type, and the --precision pass they belong to.
 CT2 = {"ct2-fp32": ("float32", "fp32"), "ct2-int8": ("int8", "fp32"), "ct2-bf16": ("bfloat16", "bf16"),
        "ct2-fp16": ("float16", "fp16")}
@@ -190,9 +194,9 @@ class Limit:
         return max(int(self.a * (len(s) + 1) + self.b) for s in batch)
 
 
-def aiayn_engine(model: nn.Module, alpha: float, limit: Limit, stop: str, device: torch.device):
+def aiayn_engine(model: nn.Module, alpha: float, limit: Limit, stop: str, device: torch.device, graphs: bool = False):
     spec = SearchSpec.of(SpecialIds(pad=PAD, bos=BOS, eos=EOS, decoder_start=BOS), beam=4, alpha=alpha,
-                         length_penalty="power", max_len_a=limit.a, max_len_b=limit.b, stop=stop)
+                         length_penalty="power", max_len_a=limit.a, max_len_b=limit.b, stop=stop, cuda_graphs=graphs)
 
     def translate(batch: list[list[int]]) -> list[list[int]]:
         src = pad_batch([s + [EOS] for s in batch], PAD).to(device)
@@ -315,7 +319,7 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit
     use_linear(ours, inference_linear_kind(device, precision))  # the linear layers' kernel, as load_run chooses
     for e in engines:
         if e in STOPS:
-            fns[e] = aiayn_engine(ours, alpha, limit, STOPS[e], device)
+            fns[e] = aiayn_engine(ours, alpha, limit, STOPS[e], device, graphs=e == "aiayn-graphs")
         elif e == "aiayn-int8":
             if device.type != "cpu":
                 checks[f"{e}_not_run"] = "int8 runs on the CPU only"
@@ -377,9 +381,11 @@ def _goals(result: dict[str, Any], gpu: bool) -> list[str]:
             continue
         mode, precision = _key_parts(result, key)
         if gpu and "aiayn" in res:
-            if "hf" in res:
-                goals.append(f"- {key}: aiayn / HF generate() sentences/s = "
-                             + _ratio(res, "aiayn", "hf", 2.0 if mode == "batch-1" else 3.0))
+            for ours in ("aiayn", "aiayn-graphs"):
+                if "hf" in res and ours in res:
+                    name = "aiayn" if ours == "aiayn" else LABELS[ours]
+                    goals.append(f"- {key}: {name} / HF generate() sentences/s = "
+                                 + _ratio(res, ours, "hf", 2.0 if mode == "batch-1" else 3.0))
             for e in ("ct2-fp32", "ct2-bf16", "ct2-fp16"):
                 if e in res and mode != "batch-1":
                     goals.append(f"- {key}: aiayn / {LABELS[e]} sentences/s = " + _ratio(res, "aiayn", e, 1.0))
@@ -483,7 +489,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default cpu)")
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
                    help="one pass per precision (bf16 / fp16 on CUDA only)")
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    p.add_argument("--engines", nargs="+", default=None, choices=list(ENGINES),
+                   help="default: all (aiayn-graphs on CUDA only)")
     p.add_argument("--modes", nargs="+", default=["batch-1", "batched"], choices=list(MODES))
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch in batched mode")
     p.add_argument("--batch1-limit", type=int, default=None,
@@ -516,7 +523,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out-json", default=None, help="default: benchmarks/results/<section>.json")
     args = p.parse_args(argv)
     args.run_dir_given = run_dir_given(argv)
-    args.engines = [e for e in ENGINES if e in args.engines]  # aiayn first: the others are compared with it
+    args.engines = [e for e in ENGINES if e in (args.engines or ENGINES)]  # aiayn first: the others are compared
+    args.engines_given = "--engines" in argv
     args.modes = [m for m in MODES if m in args.modes]
     args.precision = [q for q in ("fp32", "bf16", "fp16") if q in args.precision]
     if args.smoke:
@@ -658,6 +666,8 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     except UserError as err:
         raise SystemExit(f"{NAME}: error: {err}") from None
     args.device = str(device)
+    if not args.engines_given and device.type != "cuda":  # aiayn-graphs without CUDA: no graph, no default there
+        args.engines.remove("aiayn-graphs")
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa == "on")
     args.kept_freed_memory = keep_freed_memory()  # as the aiayn command does at its start (CTranslate2 has its own)

@@ -209,6 +209,28 @@ def test_batched_equals_one_by_one_on_cuda(trained):
     assert tr.translate(WORDS) == [tr.translate(w) for w in WORDS]
 
 
+def test_cuda_graphs_decode_as_without(trained, monkeypatch):
+    """``cuda_graphs``: beam search's steps replayed as one recorded CUDA graph per batch decode as the usual steps
+    (fp32, up to float-order ties: attention sums over the masked positions too), and a graph is really recorded and
+    replayed, with no fallback warning."""
+    import warnings
+
+    from aiayn.decode.translator import load
+
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (replays.append(1), replay(self))[1])
+    tr = load(trained, "cuda", "fp32")
+    usual = [h[0].ids if h else [] for h in tr.translate_hypotheses(WORDS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        graphed = [h[0].ids if h else [] for h in tr.translate_hypotheses(WORDS, cuda_graphs=True)]
+    assert replays, "no CUDA graph was replayed"
+    agree_up_to_ties(tr, WORDS, graphed, usual)
+    bf16 = load(trained, "cuda", "bf16")  # a half-precision model records and replays too
+    assert len(bf16.translate_hypotheses(WORDS, cuda_graphs=True)) == len(WORDS)
+
+
 def test_validation_bleu_is_the_bleu_of_aiayn_evaluate(trained):
     from aiayn.eval.evaluate import EvalData, evaluate_run
 

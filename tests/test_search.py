@@ -4,6 +4,7 @@ uncached, and token-for-token equality with Hugging Face ``generate`` on a rando
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -20,6 +21,7 @@ from conftest import (  # tests/ is on sys.path under pytest
 
 from aiayn import build_model, model_config
 from aiayn.linear import use_linear
+from aiayn.model.cache import StaticKVCache
 from aiayn.search import (
     Hypothesis,
     beam_search,
@@ -775,3 +777,46 @@ def test_a_new_strategy_is_one_entry_of_the_table(tiny_mt, lm_run, monkeypatch):
     run = load_run(lm_run, "cpu")
     assert "".join(generate_text(run, "a", run.cfg.decode.replace(beam=3, max_new_tokens=4))) == ""
     assert streamed == [4]
+
+
+@pytest.mark.parametrize("stop,nbest", [("exact", 2), ("hf", 1), ("first", 3)])
+def test_fixed_shape_steps_equal_the_usual_path(tiny_mt, stop, nbest):
+    """``cuda_graphs`` (aiayn.search.fixed): all B * N rows kept, the cache at fixed shapes, positions on the device;
+    off CUDA no graph is recorded, so this is the computation a graph replays. In float64 the hypotheses are the
+    usual path's, ids and scores (attention sums over the masked positions' zeros too); in float32 the same up to
+    near-ties, while sentences end at different steps and beams move."""
+    m, src, _ = tiny_mt
+    kw = dict(beam=4, alpha=0.6, length_penalty="power", max_len_a=1.0, max_len_b=5, nbest=nbest, stop=stop)
+    for model, swaps_allowed in ((copy.deepcopy(m).double(), 0), (m, len(src) // 4)):
+        usual = beam_search(model, src, spec=spec_of(**kw))
+        fixed = beam_search(model, src, spec=spec_of(cuda_graphs=True, **kw))
+        assert len({len(h[0].tokens) for h in usual}) > 3  # sentences end at varied steps
+        swaps = sum(same_hypotheses([(h.tokens, h.score) for h in a], [(h.tokens, h.score) for h in b], i)
+                    for i, (a, b) in enumerate(zip(usual, fixed)))
+        assert swaps <= swaps_allowed
+        if not swaps_allowed:
+            assert [[(h.tokens, h.logprob) for h in x] for x in usual] == [
+                [(h.tokens, pytest.approx(h.logprob, rel=1e-12)) for h in x] for x in fixed]
+
+
+def test_static_cache_steps_equal_the_growing_cache():
+    """StaticKVCache (one step at its device-side position, all C positions read, the later ones masked, rows
+    reordered in place) gives the decoder the logits KVCache gives it, step by step, through beam-like reorders."""
+    torch.manual_seed(3)
+    m = build_model(model_config("tiny", vocab_size=50, dropout=0.0)).eval().double()
+    memory_src = torch.randint(4, 50, (3, 7))
+    memory = m.encode(memory_src)
+    mask = memory_src != PAD
+    grow, fixed = m.new_cache(), StaticKVCache(len(m.decoder.layers), 6, memory.device)
+    g = torch.Generator().manual_seed(3)
+    for t in range(6):
+        tok = torch.randint(4, 50, (3, 1), generator=g)
+        with torch.no_grad():
+            a = m.decode(tok, memory, mask, grow)
+            b = m.decode(tok, memory, mask, fixed)
+        fixed.advance()
+        assert b.shape == a.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12), t
+        rows = torch.randint(0, 3, (3,), generator=g)  # rows continue (and repeat) others, as beams do
+        grow.reorder(rows, cross=False)
+        fixed.reorder_rows(rows)
+    assert int(fixed.pos) == 6

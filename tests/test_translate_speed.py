@@ -53,7 +53,7 @@ def test_a_ct2_engine_that_cannot_run_on_a_gpu_is_reported(tmp_path, monkeypatch
     with pytest.raises(RuntimeError):  # on the CPU it is a failure, not a note
         translate_speed.build_engines(task, ["ct2-fp32"], 0.6, eight, 1, [0, 1], torch.device("cpu"), "fp32")
     assert translate_speed.pass_engines(translate_speed.ENGINES, "bf16") == ["aiayn", "aiayn-exact", "aiayn-first",
-                                                                             "hf", "ct2-bf16"]
+                                                                             "aiayn-graphs", "hf", "ct2-bf16"]
     assert "aiayn-int8" in translate_speed.pass_engines(translate_speed.ENGINES, "fp32")
 
 

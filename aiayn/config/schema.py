@@ -410,6 +410,9 @@ class DecodeOptions:
     seed: int | None = field(default=None, metadata=flag("seed of the draws (repeatable sampling)"))
     # language models and summaries: tokens to generate (None: the command's; each command has its own option)
     max_new_tokens: int | None = None
+    # beam search at fixed shapes, each step after the first one CUDA graph replayed (aiayn.search.fixed); off CUDA
+    # the same fixed-shape steps run without a graph
+    cuda_graphs: bool = field(default=False, metadata=flag("CUDA: replay each beam search step as one CUDA graph"))
     # token budget of one decoding batch; None: by device (DEFAULT_DECODE_TOKENS)
     max_tokens: int | None = field(default=None, metadata=flag("token budget of one decoding batch (default: by "
                                                                "device)", search=True))

@@ -134,3 +134,55 @@ class KVCache:
         else:  # every layer's keys and values in one gather; the rest is never read
             torch.index_select(src, 2, indices, out=out[..., :n, :])
         self._store, self._spare, self._buf = self._spare, self._store, out
+
+
+class StaticKVCache:
+    """A cache whose shapes never change, for a decoder step replayed as one CUDA graph: R rows and room for C
+    steps, fixed for its life; the number of cached steps is a device tensor (``pos``, 0-dim long), so a step
+    reads its position there instead of from a Python int.
+
+    ``append_self`` writes a layer's new keys/values (R, H, 1, K) at position ``pos`` and returns views of all C
+    positions (R, H, C, K); attention reads them with :meth:`visible` (keys 0 .. pos). ``reorder_rows``
+    gathers rows in place (same storage); ``advance`` counts a step. Cross-attention keys/values are projected
+    on the first step, as :class:`KVCache`'s, and then read from the same tensors by every later step.
+    """
+
+    static = True
+
+    def __init__(self, n_layers: int, capacity: int, device: torch.device) -> None:
+        self.n_layers = n_layers
+        self.capacity = int(capacity)
+        self.cross_k: list[Tensor | None] = [None] * n_layers
+        self.cross_v: list[Tensor | None] = [None] * n_layers
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # steps cached so far
+        self._keys = torch.arange(self.capacity, device=device)  # (C,) key positions
+        self._buf: Tensor | None = None  # (L, 2, R, H, C, K), allocated by the first step
+        self._widths = (0, 0)
+
+    def visible(self) -> Tensor:
+        """(1, 1, 1, C) bool: the keys a new step's query may see, those cached so far and its own."""
+        return (self._keys <= self.pos)[None, None, None, :]
+
+    def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one step's keys (R, H, 1, d_k) and values (R, H, 1, d_v) at ``pos``; views (R, H, C, d_k),
+        (R, H, C, d_v) of every position (those after ``pos`` hold nothing yet: :meth:`visible` hides them)."""
+        R, H, t, dk = k.shape
+        if t != 1:
+            raise ValueError(f"a fixed-shape cache takes one step at a time, not {t}")
+        if self._buf is None:
+            self._widths = (dk, v.size(-1))
+            self._buf = k.new_zeros(self.n_layers, 2, R, H, self.capacity, max(self._widths))
+        dk, dv = self._widths
+        at = self.pos.view(1)
+        self._buf[layer, 0, ..., :dk].index_copy_(2, at, k)
+        self._buf[layer, 1, ..., :dv].index_copy_(2, at, v)
+        return self._buf[layer, 0, ..., :dk], self._buf[layer, 1, ..., :dv]
+
+    def reorder_rows(self, indices: Tensor) -> None:
+        """Row r takes the keys/values of row ``indices[r]`` (R,), in place (beam search's reorder)."""
+        if self._buf is not None:
+            self._buf.copy_(self._buf.index_select(2, indices))
+
+    def advance(self) -> None:
+        """One more step cached."""
+        self.pos.add_(1)

@@ -15,7 +15,7 @@ from aiayn.config import ModelConfig
 from aiayn.engine import use_attention
 from aiayn.linear import LinearKernel
 from aiayn.model.attention import AttentionMask, padding_mask
-from aiayn.model.cache import KVCache
+from aiayn.model.cache import KVCache, StaticKVCache
 from aiayn.model.embeddings import TokenEmbedding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.model.positions import Positions, PositionScheme, position_scheme
@@ -110,7 +110,7 @@ class Decoder(LinearKernel, _Stack):
         tgt: Tensor,
         memory: Tensor | None = None,
         memory_mask: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         need_weights: bool = False,
         left_pad: Tensor | None = None,
         project: bool = True,
@@ -122,12 +122,17 @@ class Decoder(LinearKernel, _Stack):
 
         ``left_pad`` (B,) long: row b's first left_pad[b] columns (from the first step) are padding, so that
         prompts of different lengths end together: its text starts at position 0 there, and no query sees a
-        padding column (a padding query's output is zero)."""
-        past = cache.length if cache is not None else 0
+        padding column (a padding query's output is zero). A :class:`StaticKVCache` takes one step (T = 1) at its
+        device-side position, every shape fixed (a step recorded as a CUDA graph)."""
         T = tgt.size(1)
-        pos = self.positions.at(T, past, left_pad, tgt.device)  # once: the encodings and every layer's rotation
+        if getattr(cache, "static", False):  # fixed shapes (a CUDA graph's step): the position is a device tensor
+            pos = Positions(0, cache.capacity, cache.pos.expand(tgt.size(0), T))
+            self_mask, causal = AttentionMask(cache.visible(), None), False
+        else:
+            past = cache.length if cache is not None else 0
+            pos = self.positions.at(T, past, left_pad, tgt.device)  # once: the encodings and every layer's rotation
+            self_mask, causal = self_attention_mask(T, past, left_pad, tgt.device)
         x = self.inputs(tgt, pos)
-        self_mask, causal = self_attention_mask(T, past, left_pad, tgt.device)
         mem_mask = padding_mask(memory_mask) if memory_mask is not None else None  # once for all layers
         self_probs, cross_probs = [], []
         rotate = self.positions.rotation(pos)

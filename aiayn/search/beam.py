@@ -59,6 +59,7 @@ from aiayn.search.common import (
     top_k,
     waits_are_free,
 )
+from aiayn.search.fixed import FixedShapeSteps
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.sampling import SampledStream
 from aiayn.search.spec import SearchSpec, max_lengths
@@ -233,7 +234,11 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     B, N = src.size(0), o.beam
     limits = max_lengths(model, src_mask, spec)
     memory, mem_mask = model.encode(src, src_mask), src_mask  # (n, S, D): one row per live sentence, all its beams'
-    cache = new_cache(model, max(limits))
+    if o.cuda_graphs:  # every step at fixed shapes, on CUDA one graph replayed (aiayn.search.fixed)
+        cache = FixedShapeSteps(model, memory, mem_mask, N, max(limits), spec.pad)
+        decode = cache.decode
+    else:
+        cache, decode = new_cache(model, max(limits)), model.decode
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N
     scores = torch.full((B, N), NEG_INF, device=device)  # summed logprob of each live beam
     scores[:, 0] = 0.0
@@ -247,7 +252,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     while True:
         spec.check_stop()
         n = scores.size(0)
-        logits = process.ban(model.decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
+        logits = process.ban(decode(tokens[:, -1:], memory, mem_mask, cache)[:, -1])  # (rows, V)
         lprobs = process.constrain(F.log_softmax(logits, dim=-1, dtype=torch.float32), tokens[:, 1:], t)
         top_lp, top_beam, top_tok = _candidates(lprobs, scores)
         step = _Step(top_lp, top_beam, top_tok, top_tok == spec.eos)
