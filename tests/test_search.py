@@ -820,3 +820,39 @@ def test_static_cache_steps_equal_the_growing_cache():
         grow.reorder(rows, cross=False)
         fixed.reorder_rows(rows)
     assert int(fixed.pos) == 6
+
+
+def test_a_fixed_shape_step_never_waits_for_the_device(tiny_mt):
+    """What a CUDA graph needs of the step it records (aiayn.search.fixed): no value read back to the host (item,
+    nonzero, a bool of a tensor...), so the same kernels run every step. Checked here on every op the steps after the
+    first dispatch, across a whole search."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from aiayn.search.fixed import FixedShapeSteps
+
+    waits = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "masked_select", "unique"}
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._schema.name.split("::")[-1])
+            return func(*args, **(kwargs or {}))
+
+    step, steps = FixedShapeSteps._step, []
+
+    def watched(self):
+        if self.steps_taken == 0:
+            return step(self)
+        with Ops():
+            out = step(self)
+        steps.append(1)
+        return out
+
+    m, src, _ = tiny_mt
+    FixedShapeSteps._step = watched
+    try:
+        beam_search(m, src, spec=spec_of(beam=4, max_len_a=1.0, max_len_b=5, cuda_graphs=True))
+    finally:
+        FixedShapeSteps._step = step
+    assert len(steps) > 5 and seen
+    assert not waits & set(seen), sorted(waits & set(seen))

@@ -84,7 +84,8 @@ class FixedShapeSteps:
             graph = torch.cuda.CUDAGraph()
             try:  # not torch.cuda.graph(), which also synchronizes and empties the allocator's cache every time
                 with torch.cuda.stream(self.stream):
-                    graph.capture_begin()  # allocations now come from the graph's own memory pool
+                    # allocations now come from the graph's own memory pool; other threads (a server's) may go on
+                    graph.capture_begin(capture_error_mode="thread_local")
                     try:
                         self.logits = self._step()
                     finally:
