@@ -151,3 +151,16 @@ def test_engines_measured_in_processes_of_their_own_translate_the_same(tmp_path)
                                                                            b.get("same_as_aiayn"))
     assert "each engine in a process of its own" in (tmp_path / "B.md").read_text()
     assert "each engine in a process of its own" not in (tmp_path / "A.md").read_text()
+
+
+def test_each_engine_is_also_compared_at_its_own_fastest_thread_count():
+    """CTranslate2 may be fastest at fewer threads than aiayn: the report also pairs each engine's best count."""
+    rows = {"batched 1t": {"aiayn-exact": 100.0, "ct2-fp32": 300.0}, "batched 2t": {"aiayn-exact": 240.0,
+                                                                                   "ct2-fp32": 200.0}}
+    result = {"modes": {k: {e: {"sentences_per_s": v} for e, v in r.items()} for k, r in rows.items()},
+              "keys": {k: {"mode": "batched", "precision": "fp32", "threads": int(k[-2])} for k in rows}}
+    assert translate_speed._best_settings(result) == [
+        "- batched, each at its fastest thread count: aiayn (stop=exact) (2t) / CTranslate2 fp32 (1t) sentences/s = "
+        "0.80x (goal >= 1.00x: short)"]
+    result["keys"] = {k: {**v, "threads": None} for k, v in result["keys"].items()}  # one count: nothing to pair
+    assert translate_speed._best_settings(result) == []
