@@ -302,6 +302,38 @@ def test_port_in_use_is_a_one_line_error():
     sock.close()
 
 
+def test_the_server_socket_answers_without_nagle_delays():
+    """asyncio (which uvicorn serves on) sets TCP_NODELAY only on sockets that say they are TCP: a socket made with
+    proto 0 left it off, and a keep-alive client's every request after the first then waited ~40 ms for the
+    response's last segment (Nagle's algorithm against the client's delayed ACK; /health took 44 ms instead of
+    0.2). The connection asyncio accepts on :func:`listen`'s socket has TCP_NODELAY set."""
+    import asyncio
+    import socket
+
+    from aiayn.serve import listen
+
+    async def accepted_nodelay() -> int:
+        sock = listen("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                conn = transport.get_extra_info("socket")
+                seen.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(seen, 30)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_run):
     # --max-wait-ms 1500: a lone request waits 1.5 s for company before its model call, so it is surely in
     # flight when SIGTERM comes.

@@ -31,7 +31,9 @@ def listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise ConfigError(f"--host {host}: {e.strerror}") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and without it a keep-alive
+    # client's every request after the first waited ~40 ms (Nagle's algorithm against the client's delayed ACK)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
