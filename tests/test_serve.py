@@ -334,6 +334,43 @@ def test_the_server_socket_answers_without_nagle_delays():
     assert asyncio.run(accepted_nodelay()) != 0
 
 
+def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_run, monkeypatch):
+    """``aiayn serve``: the warm-up and every model call run on the batcher's thread, with the CPU threads the command
+    chose; the thread that answers HTTP keeps to one, so that it never starts an OpenMP team of its own (with one, GNU
+    OpenMP stopped spinning between the model thread's operations, and a 2-thread server decoded at half speed)."""
+    import threading
+
+    import torch
+    import uvicorn
+
+    from aiayn.serve import app as app_module
+    from aiayn.serve import server
+
+    seen: dict = {}
+    warm_up = app_module.warm_up
+
+    def watched_warm_up(model):
+        seen["warm_up"] = threading.current_thread().name, torch.get_num_threads()
+        warm_up(model)
+
+    def run(self, sockets=None):  # in place of serving: what each thread computes with
+        svc = self.config.app.state.service
+        seen["http"] = torch.get_num_threads()
+        svc.batcher.setup(lambda: seen.update(model=(threading.current_thread().name, torch.get_num_threads())))
+        svc.batcher.close(timeout=60)
+        self.started = True
+
+    monkeypatch.setattr(app_module, "warm_up", watched_warm_up)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what aiayn.cli set from --threads 2
+    try:
+        assert server.serve(str(tiny_run), server.ServeOptions(port=0, device="cpu")) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"warm_up": ("aiayn-serve-model", 2), "http": 1, "model": ("aiayn-serve-model", 2)}
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_run):
     # --max-wait-ms 1500: a lone request waits 1.5 s for company before its model call, so it is surely in
     # flight when SIGTERM comes.

@@ -56,6 +56,7 @@ class Job:
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event | None = None  # set when its client went away (a stream: aiayn.serve.streams)
+    setup: bool = False  # Batcher.setup's: not a request, not counted in the stats
 
 
 @dataclass
@@ -117,6 +118,11 @@ class Batcher:
             self._pending.append(job)
             self._cond.notify_all()
         return job.future
+
+    def setup(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the worker thread, before the jobs queued after it, and wait for it (its exception is raised
+        here): what belongs to the thread that runs the model (its CPU threads, a warm-up)."""
+        self.submit(Job(None, [None], 0, lambda _: [fn()], setup=True)).result()
 
     async def run(self, group: Hashable | None, items: Sequence[Any], cost: int,
                   fn: Callable[[list[Any]], list[Any]], cancelled: threading.Event | None = None) -> list[Any]:
@@ -201,10 +207,11 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         items = [x for job in jobs for x in job.items]
-        self.stats.jobs += len(jobs)
-        self.stats.calls += 1
-        self.stats.items += len(items)
-        self.stats.largest_call = max(self.stats.largest_call, len(jobs))
+        if not jobs[0].setup:
+            self.stats.jobs += len(jobs)
+            self.stats.calls += 1
+            self.stats.items += len(items)
+            self.stats.largest_call = max(self.stats.largest_call, len(jobs))
         self._current = jobs
         try:
             results = jobs[0].run(items)

@@ -121,22 +121,34 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     """Load the run, bind, serve until SIGTERM / Ctrl-C, then finish the requests in flight. Returns 0."""
     require("starlette", "serve", "aiayn serve")
     require("uvicorn", "serve", "aiayn serve")
+    import torch
     import uvicorn
 
     from aiayn.decode.open_run import load
+    from aiayn.engine import set_cpu_threads
     from aiayn.serve.app import create_app, warm_up
     from aiayn.serve.chat_template import load_chat_template
     from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
+    # The model computes on the batcher's thread with the CPU threads aiayn.cli chose (--threads, else the free
+    # cores); this thread, which answers HTTP, keeps to one. GNU OpenMP spins a waiting team only while it runs no
+    # more threads than there are CPUs: a team of this thread's too (made by loading the model here) made it sleep
+    # and wake at every operation of the model's thread, and a 2-thread server decoded at half its speed.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = load(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
     model.cfg.decode.replace(**o.decode)  # and decoding flags the run's section refuses (--nbest over its beam)
     load_chat_template(model.run)  # and a chat template of the run's own that does not parse
-    warm_up(model)
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
                      o.api_key, Choices(o.decode, o.model_aliases))
+    try:
+        app.state.service.batcher.setup(lambda: (set_cpu_threads(threads), warm_up(model)))
+    except BaseException:
+        sock.close()
+        raise
     config = uvicorn.Config(app, log_config=None, access_log=o.access_log, timeout_graceful_shutdown=60,
                             lifespan="on")
     redact_access_log()
