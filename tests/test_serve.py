@@ -149,6 +149,7 @@ def test_model_error_gives_500_then_serves(client, translator, monkeypatch):
 def test_health_and_model(client, translator):
     from aiayn.model.transformer import count_parameters
 
+    assert _post(client, "/v1/translate", {"text": ["a b"]}).status_code == 200  # counted whatever ran before
     h = client.get("/health").json()
     assert h["status"] == "ok" and h["calls"] >= 1 and h["jobs"] >= h["calls"]
     m = client.get("/v1/model").json()
