@@ -146,6 +146,19 @@ def test_model_error_gives_500_then_serves(client, translator, monkeypatch):
     assert client.get("/health").json()["status"] == "ok"
 
 
+def test_a_lone_request_after_a_lone_call_is_not_held_for_company():
+    """One client sending one request at a time: after a model call that ran its one request, with none arriving
+    meanwhile, its next request runs at once instead of waiting --max-wait-ms for others (a minute here; the
+    30 s bounds only say that it did not wait it). Company that does come is merged: the merging tests."""
+    b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+    try:
+        assert b.submit(Job(None, [1], 1, lambda xs: xs)).result(timeout=30) == [1]
+        assert b.submit(Job("g", [2], 1, lambda xs: xs)).result(timeout=30) == [2]
+        assert b.submit(Job("g", [3], 1, lambda xs: xs)).result(timeout=30) == [3]
+    finally:
+        b.close(timeout=60)
+
+
 def test_health_and_model(client, translator):
     from aiayn.model.transformer import count_parameters
 

@@ -8,8 +8,10 @@ Grouping rule. Jobs carry a ``group``; jobs with the same non-None group (a tran
 decoding options) can be merged: their items are concatenated, the group's function runs once, and
 each job gets back its own slice of the results, in order. The worker takes the oldest job, then
 waits up to ``max_wait_ms`` after that job's arrival for more jobs of its group, until their summed
-``cost`` (source tokens x beam) reaches ``max_batch_tokens``. A job with group None (generation,
-attention maps) runs alone. Jobs of other groups keep their place in the queue for the next round.
+``cost`` (source tokens x beam) reaches ``max_batch_tokens``; but a job alone in the queue that came after the
+results of a model call that ran one job (one client sending one request at a time) runs at once. A job with
+group None (generation, attention maps) runs alone. Jobs of other groups keep their place in the queue for the
+next round.
 
 Tests prove merging without racing the wait: :meth:`Batcher.hold` keeps the worker from taking jobs while
 requests are queued (:meth:`Batcher.wait_queued`), so that on release they are all pending at once.
@@ -97,6 +99,9 @@ class Batcher:
         self._current: list[Job] = []  # the jobs of the model call running now (worker thread)
         self._running = 0
         self._held = False
+        # (jobs, time its results were given) of the last model call: a job alone in the queue that came after the
+        # results of a one-job call is one client sending one request at a time, and no company is coming for it
+        self._last_call = (0, 0.0)
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="aiayn-serve-model", daemon=True)
@@ -184,7 +189,9 @@ class Batcher:
         (called with the lock held; waiting releases it). Cancelled jobs are dropped."""
         first = self._pending[0]
         chosen = [first]
-        if first.group is not None:
+        calls, answered = self._last_call
+        alone = calls == 1 and len(self._pending) == 1 and first.arrived >= answered
+        if first.group is not None and not alone:
             deadline = first.arrived + self.max_wait
             while True:
                 chosen, cost, full = [], 0, False
@@ -225,6 +232,7 @@ class Batcher:
             return
         finally:
             self._current = []
+        self._last_call = (len(jobs), time.monotonic())  # before the results: a reply's next request comes after
         start = 0
         for job in jobs:
             job.future.set_result(results[start : start + len(job.items)])

@@ -184,7 +184,8 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="source tokens x beam merged into one model call (default: the device's decoding budget)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
-                   help="how long a request waits for others to share its model call (default 10)")
+                   help="how long a request waits for others to share its model call (default 10; not when one "
+                        "client sends one request at a time)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; then 503 (default 256)")
     p.add_argument("--max-sentences", type=int, default=Limits.max_sentences, metavar="N",
                    help="texts per request: sentences to translate, prompts (x n) of a completion (default "
