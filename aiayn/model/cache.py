@@ -39,6 +39,8 @@ class KVCache:
     ``cross_v`` hold each layer's encoder keys/values.
     """
 
+    static = False  # positions counted on the host (StaticKVCache: on the device)
+
     def __init__(self, n_layers: int, capacity: int | None = None) -> None:
         self.n_layers = n_layers
         self.capacity = capacity

@@ -41,15 +41,15 @@ class FixedShapeSteps:
         self.model, self.memory, self.mem_mask, self.N, self.pad = model, memory, mem_mask, beam, pad
         self.cache = StaticKVCache(len(model.decoder.layers), steps, device)
         self.tokens = torch.full((B * beam, 1), pad, dtype=torch.long, device=device)  # (R, 1) the step's input
-        self.prior = torch.arange(B * beam, device=device)  # (R,) the reorder the next step applies first
-        self.slots = torch.arange(B, device=device)  # (n,) the live sentences' places in the batch
+        self.identity = torch.arange(B * beam, device=device)  # (R,) every fixed row continuing itself
+        self.beams = torch.arange(beam, device=device)  # (N,)
+        self.prior = self.identity.clone()  # (R,) the reorder the next step applies first
+        self.slots = self.identity[:B]  # (n,) the live sentences' places in the batch
         self.rows = self.slots * beam  # (r,) the search's rows -> fixed rows; first step: each sentence's beam 0
-        self.graph_wanted = graph and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         # the first step (the warm-up) and the recording run on one side stream, as CUDA graphs need
-        self.stream = torch.cuda.Stream(device) if self.graph_wanted else None
+        self.stream = torch.cuda.Stream(device) if graph and device.type == "cuda" else None
         self.logits: Tensor | None = None  # (R, V) the last step's (a graph's output: rewritten by each replay)
-        self.steps_taken = 0
 
     def _step(self) -> Tensor:
         """Reorder the beams, decode one step, count it: (R, V) logits. The same kernels every call."""
@@ -67,8 +67,7 @@ class FixedShapeSteps:
         elif self.stream is None:
             self.logits = self._step()
         else:
-            self._on_side_stream(first=self.steps_taken == 0)
-        self.steps_taken += 1
+            self._on_side_stream(first=self.logits is None)
         return self.logits.index_select(0, self.rows).unsqueeze(1)
 
     def _on_side_stream(self, first: bool) -> None:
@@ -106,8 +105,8 @@ class FixedShapeSteps:
         """The search's new rows continue its previous rows ``indices`` (r',): the next step first gives each fixed
         row of a live beam the keys/values of the row it continues (the others keep theirs)."""
         before = self.rows.index_select(0, indices)  # (r',) fixed rows continued
-        self.rows = (self.slots[:, None] * self.N + torch.arange(self.N, device=indices.device)).reshape(-1)
-        self.prior.copy_(torch.arange(self.prior.numel(), device=indices.device).index_copy_(0, self.rows, before))
+        self.rows = (self.slots[:, None] * self.N + self.beams).reshape(-1)
+        self.prior.copy_(self.identity).index_copy_(0, self.rows, before)
 
     def reorder_cross(self, keep: Tensor) -> None:
         """Sentences leave the search: only the live ones ``keep`` (n',) (positions among the live) remain mapped;

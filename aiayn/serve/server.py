@@ -144,8 +144,12 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
                      o.api_key, Choices(o.decode, o.model_aliases))
+    def on_model_thread() -> None:
+        set_cpu_threads(threads)
+        warm_up(model)
+
     try:
-        app.state.service.batcher.setup(lambda: (set_cpu_threads(threads), warm_up(model)))
+        app.state.service.batcher.setup(on_model_thread)
     except BaseException:
         sock.close()
         raise
