@@ -280,8 +280,10 @@ class HeldLock:
         if self.fd is None or not self.exclusive:
             return
         text = f"{os.getpid()} {socket.gethostname()}\n{one_line(what)}\n".encode()
-        os.ftruncate(self.fd, 0)
+        # Written over, then cut to length (not emptied first): a process stopped between the two calls leaves its
+        # pid line readable, so a waiter that gives up can still name it.
         os.pwrite(self.fd, text, 0)
+        os.ftruncate(self.fd, len(text))
 
 
 def _acquire(fd: int, mode: int, path: Path, waiting: Callable[[str], None] | None, timeout_s: float | None) -> None:
@@ -314,13 +316,14 @@ def _acquire(fd: int, mode: int, path: Path, waiting: Callable[[str], None] | No
 
 @contextlib.contextmanager
 def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], None] | None = None,
-              timeout_s: float | None = None) -> Iterator[HeldLock]:
+              timeout_s: float | None = None, doing: str = "") -> Iterator[HeldLock]:
     """Hold an ``flock`` on the file ``path``: exclusive for a writer (the file is created if missing, in an existing
     directory), ``shared`` for readers (the file must exist), who then see no writer at work. ``waiting(holder)`` is
     called when another process holds it (``holder``: the pid the exclusive holder wrote, or "?"), before waiting: at
     most ``timeout_s`` seconds (then :class:`LockTimeout`, naming the holder and what it was doing), else for as long
     as it takes. A lock file removed while we waited is opened again (FileNotFoundError when its directory is gone
-    too: a failed writer removed what it had made). Yields a :class:`HeldLock`."""
+    too: a failed writer removed what it had made). An exclusive holder writes its pid, host and ``doing`` into the
+    file as it takes the lock (what a waiter that gives up shows). Yields a :class:`HeldLock`."""
     if fcntl is None:  # pragma: no cover
         yield HeldLock(None, not shared)
         return
@@ -334,7 +337,7 @@ def file_lock(path: str | Path, shared: bool = False, waiting: Callable[[str], N
                 fd = None
                 continue
             held = HeldLock(fd, not shared)
-            held.doing("")
+            held.doing(doing)
             _HELD.add(fd)
             yield held
             return

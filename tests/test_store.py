@@ -450,6 +450,42 @@ def test_a_prepare_that_starts_while_another_builds_waits_for_it_and_uses_its_st
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [CHECKED, MARKER, LOCK]  # nothing else
 
 
+def test_a_store_lock_names_its_holder_and_what_it_does_at_every_moment(tmp_path, monkeypatch):
+    """CI seed 1049295618: a builder stopped (SIGSTOP) just after it took the store's lock had written its pid but
+    not yet what it was doing, and the waiter's line said neither. The holder now writes what it is doing as it
+    takes the lock; and a new ``doing`` is written over the old text, then cut to length, so a process stopped
+    between the two calls still shows its pid (emptied first, the file said "pid ?")."""
+    import socket
+
+    import aiayn.files as files
+    from aiayn.data.store import store_lock
+
+    out = tmp_path / "store"
+    out.mkdir()
+    seen = []  # what a waiter would read after each write to the lock file, the moments between them included
+
+    def watched(real):
+        def call(fd: int, *args):
+            result = real(fd, *args)
+            seen.append(files.LockHolder.read(fd))
+            return result
+        return call
+
+    monkeypatch.setattr(files.os, "ftruncate", watched(os.ftruncate))
+    monkeypatch.setattr(files.os, "pwrite", watched(os.pwrite))
+    with store_lock(out, False, None) as held:
+        first = files.LockHolder.read(held.fd)
+        held.doing("preparing it: training its tokenizer")
+        second = files.LockHolder.read(held.fd)
+        held.doing("x")
+        last = files.LockHolder.read(held.fd)
+    me, host = str(os.getpid()), socket.gethostname()
+    assert first == files.LockHolder(me, host, "preparing it: looking at what is there")
+    assert second == files.LockHolder(me, host, "preparing it: training its tokenizer")
+    assert last == files.LockHolder(me, host, "x")  # cut to length: nothing of the longer text before it is left
+    assert seen and all(h.pid == me and h.host == host for h in seen)
+
+
 def test_a_killed_build_is_never_trusted_and_a_failed_prepare_leaves_no_new_folder(tmp_path):
     from aiayn.data.store import MARKER
 

@@ -376,7 +376,8 @@ def store_lock(path: Path, shared: bool, wait_s: float | None) -> Iterator[HeldL
         log.info("%s: waiting for the process (pid %s) that prepares it%s", path, who, limit)
 
     try:
-        with file_lock(path / LOCK, shared=shared, waiting=waiting, timeout_s=wait_s) as held:
+        with file_lock(path / LOCK, shared=shared, waiting=waiting, timeout_s=wait_s,
+                       doing="preparing it: looking at what is there") as held:
             yield held
     except LockTimeout as e:
         raise PeerError(f"{path}: waited train.setup_timeout_s={e.waited_s:g} s for the process that prepares this "
