@@ -93,6 +93,13 @@ def test_int8_rows_are_exactly_independent_of_the_batch():
     assert torch.equal(whole, rows)
     assert torch.equal(whole[2, 1], b)
     q, scale = quantize_rows(w)
+    # The result is fixed bit for bit by its definition (so it is the same on every CPU): exact integer sums (int64
+    # here), each converted to fp32, times the row's scale, times the weight row's scale, plus the bias.
+    x2 = x.reshape(-1, 40)
+    x_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
+    xq = torch.div(x2, x_scale).round().to(torch.int8)
+    sums = (xq.long() @ q.long().t()).to(torch.float32)
+    assert torch.equal(whole.reshape(-1, 24), sums * x_scale * scale + b)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert_close_at_scale(q.float() * scale[:, None], w, 0.5 / 127, "w ~ q * scale")
 
