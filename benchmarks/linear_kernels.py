@@ -6,7 +6,9 @@ The shapes of the Multi30k quick recipe's decoder step (d_model 256, d_ff 1024, 
 counts (beam rows: 4 = one sentence at beam 4, 64, 256). Each kernel is timed on the same inputs, taking turns,
 best of 5 rounds; the ratio is F.linear's time over the kernel's. ``aiayn.engine.prepare_model`` chooses oneDNN
 for fp32 inference on a CPU because of this table (MKL, which F.linear calls, may run narrower vector code than
-the CPU has, e.g. AVX2 on an AMD CPU with AVX-512).
+the CPU has, e.g. AVX2 on an AMD CPU with AVX-512). Each kernel's rate is given in GMAC/s (multiply-adds per
+second) beside the rate of a large square product (1024 rows x 1024 x 1024) on the same kernels: how close to what
+this CPU can do at all a layer's product runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from aiayn.engine import keep_freed_memory
 from aiayn.linear import Int8Linear, PackedLinear, packed_available
 from benchmarks import common
 
@@ -27,6 +30,12 @@ NAME = "linear_kernels"
 SHAPES = [(768, 256, "self-attention Q|K|V"), (256, 256, "attention output"), (1024, 256, "FFN W1"),
           (256, 1024, "FFN W2"), (8000, 256, "output projection")]  # (N, K): weight (N, K)
 ROWS = (4, 64, 256)
+REFERENCE = (1024, 1024, 1024)  # (rows, N, K): a product large enough to run at the kernels' best rate
+
+
+def gmacs(rows: int, weight: Sequence[int], us: float) -> float:
+    """Multiply-adds per second, in billions, of a (rows, K) x (K, N) product taking ``us`` microseconds."""
+    return rows * weight[0] * weight[1] / us / 1e3
 
 
 def best_us(fn: Callable[[], Any], calls: int) -> float:
@@ -45,37 +54,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
     args = p.parse_args(argv)
     threads = common.set_threads(args.threads)
+    keep_freed_memory()  # as aiayn's commands do: a large output is not fresh pages from the OS on every call
     kernels = {"F.linear": F.linear, "int8": Int8Linear()}
     if packed_available():
         kernels["oneDNN"] = PackedLinear()
     rows_out = []
     torch.manual_seed(0)
+    cases = [(N, K, what, M) for N, K, what in SHAPES for M in ROWS]
+    cases.append((REFERENCE[1], REFERENCE[2], "reference: a large square product", REFERENCE[0]))
     with torch.inference_mode():
-        for N, K, what in SHAPES:
+        for N, K, what, M in cases:
             w, b = torch.randn(N, K) / K**0.5, torch.randn(N)
-            for M in ROWS:
-                x = torch.randn(M, 1, K)
-                calls = max(3, int(2e8 // (M * N * K)))
-                times = {name: float("inf") for name in kernels}
-                for kernel in kernels.values():
-                    kernel(x, w, b)  # prepare the weight, build the kernel
-                for _ in range(args.rounds):  # taking turns
-                    for name, kernel in kernels.items():
-                        times[name] = min(times[name], best_us(lambda k=kernel, x=x, w=w, b=b: k(x, w, b), calls))
-                rows_out.append({"weight": [N, K], "what": what, "rows": M, "us": times})
+            x = torch.randn(M, 1, K)
+            calls = max(3, int(2e8 // (M * N * K)))
+            times = {name: float("inf") for name in kernels}
+            for kernel in kernels.values():
+                kernel(x, w, b)  # prepare the weight, build the kernel
+            for _ in range(args.rounds):  # taking turns
+                for name, kernel in kernels.items():
+                    times[name] = min(times[name], best_us(lambda k=kernel, x=x, w=w, b=b: k(x, w, b), calls))
+            rows_out.append({"weight": [N, K], "what": what, "rows": M, "us": times})
     result = {"benchmark": NAME, "date": common.utc_now(), "command": common.command_line(NAME, argv),
               "machine": {**common.machine_info(threads), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
               "results": rows_out}
     names = [n for n in ("oneDNN", "int8") if n in kernels]
     table = [[r["what"], f"{r['weight'][0]}x{r['weight'][1]}", r["rows"], f"{r['us']['F.linear']:.0f}"]
-             + [f"{r['us'][n]:.0f} ({r['us']['F.linear'] / r['us'][n]:.1f}x)" for n in names] for r in rows_out]
+             + [f"{r['us'][n]:.0f} ({r['us']['F.linear'] / r['us'][n]:.1f}x)" for n in names]
+             + [f"{gmacs(r['rows'], r['weight'], r['us'][n]):.0f}" for n in ("F.linear", *names)] for r in rows_out]
     md = "\n".join([
         "## Linear layers on the CPU: F.linear, oneDNN prepacked, int8\n",
         common.provenance(result["machine"], result["command"], result["date"]),
         f"- PyTorch CPU capability: {result['machine']['cpu_capability']}. Microseconds per call, best of "
         f"{args.rounds} rounds taking turns; in brackets F.linear's time over the kernel's. int8 includes "
-        "quantizing the input rows and scaling the int32 sums back (aiayn/linear.py).\n",
-        common.markdown_table(["layer", "weight", "rows", "F.linear (us)"] + [f"{n} (us)" for n in names], table),
+        "quantizing the input rows and scaling the int32 sums back (aiayn/linear.py). GMAC/s: billions of "
+        "multiply-adds per second; the last row, a large square product, is about the best rate each kernel "
+        "reaches on this CPU.\n",
+        common.markdown_table(["layer", "weight", "rows", "F.linear (us)"] + [f"{n} (us)" for n in names]
+                              + [f"{n} GMAC/s" for n in ("F.linear", *names)], table),
     ]) + "\n"
     common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
     common.update_section(args.md, NAME, md)

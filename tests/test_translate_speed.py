@@ -124,7 +124,9 @@ def test_int8_and_linear_kernel_tables(tmp_path):
     assert "Same output as fp32: 900/1000" in text
     out = linear_kernels.main(["--threads", "1", "--rounds", "1", "--md", str(tmp_path / "B.md"),
                                "--out-json", str(tmp_path / "k.json")])
-    assert len(out["results"]) == len(linear_kernels.SHAPES) * len(linear_kernels.ROWS)
+    assert len(out["results"]) == len(linear_kernels.SHAPES) * len(linear_kernels.ROWS) + 1  # + the reference
+    assert out["results"][-1]["rows"] == linear_kernels.REFERENCE[0]
+    assert "| reference: a large square product | 1024x1024 | 1024 |" in (tmp_path / "B.md").read_text()
     assert {"F.linear", "int8"} <= set(out["results"][0]["us"])
     assert "## Linear layers on the CPU" in (tmp_path / "B.md").read_text()
 
