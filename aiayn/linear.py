@@ -166,9 +166,7 @@ class Int8Linear(_CpuKernel):
         # Each row its own scale (a row of zeros: a tiny one, and q = 0); |x / scale| <= 127 by construction.
         x_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # (M, 1)
         xq = torch.div(x2, x_scale).round_().to(torch.int8)
-        # int32 * fp32 is computed in fp32 in one pass (each sum converted, then scaled: as .float() then mul_,
-        # without writing the converted sums first).
-        y = torch.mul(torch._int_mm(xq, wq), x_scale).mul_(w_scale)  # (M, N) fp32
+        y = torch._int_mm(xq, wq).to(torch.float32).mul_(x_scale).mul_(w_scale)  # (M, N)
         if b is not None:
             y.add_(b)
         return y.view(*x.shape[:-1], w.size(0))
