@@ -183,7 +183,7 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
-    from aiayn.data.corpus import stdin_stream
+    from aiayn.data.corpus import check_file, stdin_stream
     from aiayn.decode.stream import iter_lines, translate_stream
     from aiayn.decode.translator import load
     from aiayn.errors import DataError
@@ -193,10 +193,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.chunk is not None and args.chunk < 1:
         raise ConfigError(f"--chunk must be >= 1, got {args.chunk}")
     from_stdin = args.input in (None, "-")
-    if not from_stdin:
-        p = Path(args.input)
-        if not p.is_file():
-            raise DataError(f"{p}: {'is a directory' if p.is_dir() else 'no such file'}")
+    if not from_stdin:  # a file, or a pipe (--input <(zcat corpus.gz)), a device, /dev/stdin
+        check_file(args.input)
     if args.output not in (None, "-") and Path(args.output).is_dir():
         raise DataError(f"{args.output}: is a directory (--output names the file to write)")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
@@ -233,8 +231,10 @@ def _progress(args: argparse.Namespace, path: str | None):
         return None
     from aiayn.progress import ItemProgress
 
-    with open(path, "rb") as f:
-        total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    total = None  # a pipe or a device: counted as it comes (reading it ahead would consume it)
+    if Path(path).is_file():
+        with open(path, "rb") as f:
+            total = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
     return ItemProgress(total, "line", "translate")
 
 

@@ -183,6 +183,43 @@ def test_a_failed_stream_leaves_the_output_file_as_it_was(tiny_run, tmp_path, ca
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
 
 
+def _fifo(path, data: bytes):
+    """A named pipe at ``path`` (as bash's ``<(...)`` gives) that a thread fills with ``data`` once it is opened:
+    it can be read once, and reading ahead consumes it."""
+    import os
+    import threading
+
+    os.mkfifo(path)
+
+    def feed() -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    threading.Thread(target=feed, daemon=True).start()
+    return path
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="named pipes: POSIX")
+def test_a_pipe_is_input_like_a_file(tiny_run, translator, sources, tmp_path, caplog):
+    """``--input <(zcat corpus.gz)`` was "/dev/fd/63: no such file" (only regular files passed), and with --progress
+    the line count read the pipe ahead, leaving nothing to translate; ``evaluate --src/--ref`` pipes read as "no
+    lines" (the gzip sniff opened the pipe once more). A pipe is read once, as it comes."""
+    import gzip
+    import logging
+
+    from aiayn.data.corpus import read_lines
+
+    caplog.set_level(logging.INFO, logger="aiayn")
+    text = (sources[0] + "\n" + sources[1] + "\n").encode()
+    out = tmp_path / "out.txt"
+    assert cli.main(["translate", str(tiny_run), "--input", str(_fifo(tmp_path / "in", text)), "--output", str(out),
+                     "--progress", "--device", "cpu"]) == 0
+    assert out.read_text(encoding="utf-8").splitlines() == translator.translate(sources[:2])
+    assert "translate: 2 lines in " in caplog.text  # the progress counted them as they came
+    assert read_lines(_fifo(tmp_path / "gz", gzip.compress(text))) == sources[:2]
+    assert read_lines(_fifo(tmp_path / "plain", text)) == sources[:2]
+
+
 def test_closed_stdin_is_one_line(tiny_run):
     r = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(tiny_run), "--device", "cpu"],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)

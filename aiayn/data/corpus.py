@@ -63,10 +63,12 @@ def iter_lines(path: str | Path) -> Iterator[str]:
     """The lines of a UTF-8 text file (plain or gzip, by content), without their line endings, streamed: memory
     does not grow with the file. Invalid UTF-8 is an error naming the line and column (never replaced)."""
     p = check_file(path)
+    gz = False
     try:
-        with open(p, "rb") as f:
-            gz = f.read(2) == GZIP_MAGIC
-        with (gzip.open(p, "rb") if gz else open(p, "rb")) as f:
+        # Opened once and sniffed without consuming (peek): a pipe (--src <(zcat ...)) cannot be read twice.
+        with open(p, "rb") as raw_file:
+            gz = raw_file.peek(2)[:2] == GZIP_MAGIC
+            f = gzip.GzipFile(fileobj=raw_file, mode="rb") if gz else raw_file
             for n, raw in enumerate(f, start=1):  # binary lines end at b"\n" only
                 line = raw[:-1] if raw.endswith(b"\n") else raw
                 if line.endswith(b"\r"):
