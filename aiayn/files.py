@@ -219,6 +219,13 @@ def close_inherited_locks() -> None:
     _HELD.clear()
 
 
+def _overwrite(fd: int, text: bytes) -> None:
+    """Make the lock file open as ``fd`` hold ``text``: written over, then cut to length, never emptied first, so a
+    reader (a waiter naming the holder) never finds it empty, even when the writer is stopped between the calls."""
+    os.pwrite(fd, text, 0)
+    os.ftruncate(fd, len(text))
+
+
 @dataclass(frozen=True)
 class LockHolder:
     """Who holds a lock, as the exclusive holder of :func:`file_lock` wrote it into the lock file: its pid, its host,
@@ -279,11 +286,7 @@ class HeldLock:
         """Write ``pid host`` and ``what`` into the lock file: the line a waiter that gives up shows."""
         if self.fd is None or not self.exclusive:
             return
-        text = f"{os.getpid()} {socket.gethostname()}\n{one_line(what)}\n".encode()
-        # Written over, then cut to length (not emptied first): a process stopped between the two calls leaves its
-        # pid line readable, so a waiter that gives up can still name it.
-        os.pwrite(self.fd, text, 0)
-        os.ftruncate(self.fd, len(text))
+        _overwrite(self.fd, f"{os.getpid()} {socket.gethostname()}\n{one_line(what)}\n".encode())
 
 
 def _acquire(fd: int, mode: int, path: Path, waiting: Callable[[str], None] | None, timeout_s: float | None) -> None:
@@ -409,13 +412,11 @@ class RunLock:
         """The holder's pid into the lock file (for the "in use" message); :meth:`restore` puts the old one back."""
         if self.fd is not None:
             self.old = os.pread(self.fd, 64, 0)
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            _overwrite(self.fd, f"{os.getpid()}\n".encode("ascii"))
 
     def restore(self) -> None:
         if self.fd is not None and self.old is not None:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, self.old, 0)
+            _overwrite(self.fd, self.old)
 
     def release(self) -> None:
         if self.fd is not None:
