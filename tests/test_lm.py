@@ -308,6 +308,21 @@ def test_summarize_command(which, request, articles, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["summary_lm", "summary_seq2seq"])
+def test_summarize_takes_any_iterable_of_documents_and_names_what_is_not_one(which, request, articles):
+    from aiayn.decode.generate import summarize
+    from aiayn.run_dir import load_run
+
+    run = load_run(request.getfixturevalue(which), "cpu")
+    docs = [json.loads(ln)["document"] for ln in (articles / "valid.jsonl").read_text().splitlines()[:2]]
+    want = summarize(run, docs, max_new_tokens=6)
+    assert summarize(run, (d for d in docs), max_new_tokens=6) == want  # a generator is read once
+    with pytest.raises(TypeError, match=r"^documents\[1\]: expected a string, got int$"):
+        summarize(run, [docs[0], 7])
+    with pytest.raises(TypeError, match=r"^documents: expected a list \(or any iterable\) of strings, got str$"):
+        summarize(run, docs[0])
+
+
+@pytest.mark.parametrize("which", ["summary_lm", "summary_seq2seq"])
 def test_summarize_no_repeat_ngram_reaches_the_search(which, request, articles, tmp_path, capsys, monkeypatch):
     import aiayn.search.processing as search
 

@@ -244,6 +244,23 @@ def test_load_resolves_auto_to_cpu_here_and_moves(tiny_run):
             tr.to("cuda:99")
 
 
+def test_translate_takes_any_iterable_of_strings_and_names_what_is_not_one(translator, sources):
+    """A generator was read twice (IndexError: list assignment index out of range), and bytes, None or a number
+    were AttributeErrors from inside the tokenizer. Any iterable of strings is read once; anything else is one
+    TypeError naming the item."""
+    want = translator.translate(sources[:3])
+    assert translator.translate(s for s in sources[:3]) == want
+    assert translator.translate(tuple(sources[:3])) == want
+    assert [h[0].text for h in translator.translate_hypotheses(iter(sources[:3]))] == want
+    for bad, message in [(None, r"^texts: expected a list \(or any iterable\) of strings, got NoneType$"),
+                         (b"a b", r"^texts: expected .* got bytes$"),
+                         ([sources[0], None], r"^texts\[1\]: expected a string, got NoneType$"),
+                         ([b"a b"], r"^texts\[0\]: expected a string, got bytes \(decode bytes to str first\)$"),
+                         ([["a"]], r"^texts\[0\]: expected a string, got list$"), ([1], r"got int$")]:
+        with pytest.raises(TypeError, match=message):
+            translator.translate(bad)
+
+
 def test_unwritable_outputs_fail_before_any_decoding(tiny_run, tmp_path, capsys, monkeypatch):
     import shutil
 

@@ -28,14 +28,14 @@ overrides). ROUGE of summaries on a split is :mod:`aiayn.eval.summaries`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
-from aiayn.decode.loaded import LoadedRun
+from aiayn.decode.loaded import LoadedRun, text_list
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
@@ -225,9 +225,10 @@ def summarize_seq2seq(run: Run, documents: Sequence[str], opts: DecodeOptions) -
     return out
 
 
-def summarize(run: Run, documents: Sequence[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
+def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
     """One summary per document (see the module docstring), from either kind of summarization run.
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``."""
+    documents = text_list(documents, "documents")
     opts = (options or run.cfg.decode).replace(**overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
@@ -281,5 +282,6 @@ class Generator(LoadedRun):
         """The continuation of ``prompt`` (without the prompt): greedy unless ``sample=True``."""
         return "".join(self.stream(prompt, options, slide, **overrides))
 
-    def summarize(self, documents: Sequence[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
+    def summarize(self, documents: Iterable[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
+        """One summary per document (a "document <sep> summary" language model): :func:`summarize`."""
         return summarize(self.run, documents, options, **overrides)

@@ -3,6 +3,7 @@ a trained run in memory, its device, and its decoding options with per-call over
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,19 @@ from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import model_device
 from aiayn.engine import kernels, prepare_model
 from aiayn.run_dir import Run
+
+
+def text_list(texts: object, what: str = "texts") -> list[str]:
+    """``texts`` (a list, tuple, generator: any iterable of strings) as a list, read once here; anything else, or
+    an item that is not a string, is one TypeError naming it (not an error from deep inside the tokenizer)."""
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Iterable):
+        raise TypeError(f"{what}: expected a list (or any iterable) of strings, got {type(texts).__name__}")
+    out = list(texts)
+    for i, text in enumerate(out):
+        if not isinstance(text, str):
+            hint = " (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""
+            raise TypeError(f"{what}[{i}]: expected a string, got {type(text).__name__}{hint}")
+    return out
 
 
 class LoadedRun:

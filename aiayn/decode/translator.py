@@ -28,14 +28,14 @@ Conventions (also those of ``aiayn translate``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aiayn.config import DecodeOptions
-from aiayn.decode.loaded import LoadedRun
+from aiayn.decode.loaded import LoadedRun, text_list
 from aiayn.errors import ConfigError
 from aiayn.search import SearchSpec, decode_ids
 
@@ -85,13 +85,15 @@ class Translator(LoadedRun):
             ids.append(toks)
         return ids, cut
 
-    def search(self, texts: Sequence[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1,
+    def search(self, texts: Iterable[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1,
                progress: Callable[[int], None] | None = None, stop: Callable[[], bool] | None = None
                ) -> list[list[Translation]]:
         """Up to ``opts.nbest`` :class:`Translation` per text, best first; [] for an empty text.
         ``first_line`` numbers the warnings of cut texts (a stream passes its position); ``progress`` is called
         with the number of texts each batch decoded (empty texts count at the start); ``stop`` is asked once per
-        decoding step, and True ends the search with :class:`~aiayn.search.SearchStopped`."""
+        decoding step, and True ends the search with :class:`~aiayn.search.SearchStopped`. ``texts`` may be any
+        iterable of strings (read once); anything else is a TypeError (:func:`~aiayn.decode.loaded.text_list`)."""
+        texts = text_list(texts)
         ids, _ = self.encode_sources(texts, first_line=first_line)
         todo = [i for i, s in enumerate(ids) if s is not None]
         if progress is not None and len(todo) < len(texts):
@@ -106,15 +108,15 @@ class Translator(LoadedRun):
                                   list(h.tokens)) for h in hyps]
         return out
 
-    def translate_hypotheses(self, texts: Sequence[str], options: DecodeOptions | None = None, **overrides
+    def translate_hypotheses(self, texts: Iterable[str], options: DecodeOptions | None = None, **overrides
                              ) -> list[list[Translation]]:
         """Up to ``nbest`` :class:`Translation` per text, best first, with scores; [] for an empty text."""
         return self.search(texts, self.options(options, **overrides))
 
-    def translate(self, texts: str | Sequence[str], options: DecodeOptions | None = None, **overrides
+    def translate(self, texts: str | Iterable[str], options: DecodeOptions | None = None, **overrides
                   ) -> str | list[str] | list[list[str]]:
-        """Translate a list of texts: one string per text (nbest 1) or a list of up to ``nbest`` strings,
-        best first (nbest > 1). A single string in gives a single string (or list) out."""
+        """Translate a list (or any iterable) of texts: one string per text (nbest 1) or a list of up to ``nbest``
+        strings, best first (nbest > 1). A single string in gives a single string (or list) out."""
         if isinstance(texts, str):
             return self.translate([texts], options, **overrides)[0]
         opts = self.options(options, **overrides)
