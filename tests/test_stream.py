@@ -259,6 +259,8 @@ def test_translate_takes_any_iterable_of_strings_and_names_what_is_not_one(trans
                          ([["a"]], r"^texts\[0\]: expected a string, got list$"), ([1], r"got int$")]:
         with pytest.raises(TypeError, match=message):
             translator.translate(bad)
+    with pytest.raises(TypeError, match=r"^options: expected a DecodeOptions \(or None\), got str; single options "):
+        translator.translate(sources[:1], "beam=4")
 
 
 def test_unwritable_outputs_fail_before_any_decoding(tiny_run, tmp_path, capsys, monkeypatch):

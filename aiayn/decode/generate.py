@@ -35,7 +35,7 @@ from aiayn.config import Config, DecodeOptions
 from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
-from aiayn.decode.loaded import LoadedRun, text_list
+from aiayn.decode.loaded import LoadedRun, merged_options, text_list
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
@@ -229,7 +229,7 @@ def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None 
     """One summary per document (see the module docstring), from either kind of summarization run.
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``."""
     documents = text_list(documents, "documents")
-    opts = (options or run.cfg.decode).replace(**overrides)
+    opts = merged_options(run.cfg.decode, options, **overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
     kind = run.cfg.kind

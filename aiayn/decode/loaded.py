@@ -29,6 +29,15 @@ def text_list(texts: object, what: str = "texts") -> list[str]:
     return out
 
 
+def merged_options(default: DecodeOptions, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
+    """``options`` (None: ``default``, a run's ``decode`` section) with the non-None ``overrides`` replacing them;
+    anything but a DecodeOptions as ``options`` is one TypeError."""
+    if options is not None and not isinstance(options, DecodeOptions):
+        raise TypeError(f"options: expected a DecodeOptions (or None), got {type(options).__name__}; single "
+                        "options go as keywords (translate(texts, beam=5))")
+    return (options or default).replace(**overrides)
+
+
 class LoadedRun:
     """A :class:`~aiayn.run_dir.Run` ready to decode: its model in eval mode, tokenizers, config and directory.
     Decoding runs inside the engine's kernel choice for the model's device (:meth:`kernels`)."""
@@ -68,4 +77,4 @@ class LoadedRun:
 
     def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
         """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
-        return (options or self.cfg.decode).replace(**overrides)
+        return merged_options(self.cfg.decode, options, **overrides)

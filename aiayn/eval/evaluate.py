@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config, DecodeOptions, load_config
+from aiayn.decode.loaded import merged_options
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
 from aiayn.task import TASKS
@@ -264,7 +265,7 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
         raise CheckpointError(f"{run_dir}: {what}")
     cfg = load_config(cfg_path)
-    (options or cfg.decode).replace(**overrides)  # bad options fail here, before any loading
+    merged_options(cfg.decode, options, **overrides)  # bad options fail here, before any loading
     if data.max_length is not None and not data.rolling:
         raise ConfigError("--max-length is lm-evaluation-harness's window length: it goes with --rolling")
     if data.rolling and not cfg.kind.encoder:

@@ -21,6 +21,7 @@ from typing import Any
 from aiayn.config import DecodeOptions
 from aiayn.data.registry import dataset_of
 from aiayn.data.summarization import collapse_whitespace, lead_1, xsum_split
+from aiayn.decode.loaded import merged_options
 from aiayn.errors import UserError, first_line
 from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, scored_weights, write_result
@@ -45,7 +46,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, weights)
     run = load_run(run_dir, device, chosen, precision=precision)
-    opts = (options or run.cfg.decode).replace(**overrides)
+    opts = merged_options(run.cfg.decode, options, **overrides)
     pairs = dataset_of(run.cfg).pairs(run.cfg.data, run.cfg.kind, split)
     check_writable(run_dir)
     start = time.perf_counter()
