@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,12 +55,34 @@ def default_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+def written_in_place(path: str | Path) -> bool:
+    """Whether a write to ``path`` goes into it as it is, not through a temporary renamed over it: a device, a
+    named pipe or a socket, and anything named under /dev or /proc (``--out /dev/stdout`` is a link to the process's
+    output, which may be a regular file). Renaming over such a name, as root, would replace the device node or the
+    link itself with a file."""
+    if Path(path).absolute().parts[1:2] in (("dev",), ("proc",)):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` to fill a temporary file, then rename it over ``path``; returns ``path``.
 
     The parent directory is created if needed. On any error the temporary file is removed and
-    ``path`` is left as it was."""
+    ``path`` is left as it was. A device or a pipe (:func:`written_in_place`) is written into as it is."""
     path = Path(path)
+    if written_in_place(path):
+        try:
+            write(str(path))
+        except OSError as e:
+            if e.filename is None:  # a failed write (ENOSPC on /dev/full) names no file: name the user's
+                raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+            raise
+        return path
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -442,6 +442,34 @@ def test_an_atomic_write_that_fails_names_the_target_and_leaves_it_as_it_was(tmp
     assert target.stat().st_mode & 0o777 == default_file_mode()
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes and /dev: POSIX")
+def test_a_device_or_a_pipe_is_written_into_never_renamed_over(tmp_path, capsys):
+    """``aiayn viz model RUN --out /dev/full`` (as root) renamed its temporary over /dev/full: the device became a
+    PNG file, and "wrote /dev/full" was the answer. A device, a named pipe, or any name under /dev or /proc is now
+    written into as it is; a full device is one line naming it."""
+    import stat
+    import threading
+
+    from aiayn.files import atomic_write_text, written_in_place
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    atomic_write_text(fifo, "through the pipe\n")
+    reader.join(timeout=60)
+    assert got == [b"through the pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)  # still a pipe
+    assert written_in_place("/dev/null") and written_in_place("/dev/stdout") and written_in_place(fifo)
+    assert not written_in_place(tmp_path) and not written_in_place(tmp_path / "new.txt")
+    (tmp_path / "plain.txt").write_text("x")
+    assert not written_in_place(tmp_path / "plain.txt")
+    if os.path.exists("/dev/full"):  # Linux: every write fails with ENOSPC (reached only if the pipe held above)
+        assert run_cli(capsys, ["viz", "positional", "--out", "/dev/full"]) == (
+            2, ["aiayn: error: /dev/full: No space left on device"])
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
 def test_torchrun_ranks_all_stop_when_rank_0_refuses_the_run_directory(run):
     """Only rank 0 checks and locks RUN; it tells the other ranks, so a refusal ends every rank at once
     (no rank waits forever at a barrier) and RUN is untouched."""
