@@ -145,6 +145,16 @@ def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata
             code = int(m.group(1))
             raise OSError(code, os.strerror(code), tmp) from None
 
+    if written_in_place(path):  # safetensors renames its own temporary over the name it is given: not a device's
+        with tempfile.TemporaryDirectory() as scratch:
+            staged = os.path.join(scratch, "tensors.safetensors")
+            write(staged)
+
+            def copy(target: str) -> None:
+                with open(staged, "rb") as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+
+            return atomic_write(path, copy)
     return atomic_write(path, write)
 
 
@@ -497,6 +507,8 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
             raise ConfigError(f"{out}: contains the input {given}; --force would delete it: write elsewhere")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
+    if written_in_place(out):  # a device or a pipe: --force would delete the node itself
+        raise ConfigError(f"{out}: a device or a pipe, not a directory: write the directory elsewhere")
     if not force:
         raise ConfigError(f"{out} already exists and is not empty: choose a new directory or pass --force")
     holder = lock_holder(out)

@@ -445,12 +445,16 @@ def test_an_atomic_write_that_fails_names_the_target_and_leaves_it_as_it_was(tmp
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes and /dev: POSIX")
 def test_a_device_or_a_pipe_is_written_into_never_renamed_over(tmp_path, capsys):
     """``aiayn viz model RUN --out /dev/full`` (as root) renamed its temporary over /dev/full: the device became a
-    PNG file, and "wrote /dev/full" was the answer. A device, a named pipe, or any name under /dev or /proc is now
-    written into as it is; a full device is one line naming it."""
+    PNG file, and "wrote /dev/full" was the answer; ``average --out`` a device did the same through safetensors'
+    own rename, and ``export --force`` into a device deleted it. A device, a named pipe, or any name under /dev or
+    /proc is now written into as it is (never into a directory); a full device is one line naming it."""
     import stat
     import threading
 
-    from aiayn.files import atomic_write_text, written_in_place
+    from safetensors.torch import load as safetensors_load
+
+    from aiayn.errors import ConfigError
+    from aiayn.files import atomic_write_safetensors, atomic_write_text, check_output_dir, written_in_place
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -460,6 +464,14 @@ def test_a_device_or_a_pipe_is_written_into_never_renamed_over(tmp_path, capsys)
     atomic_write_text(fifo, "through the pipe\n")
     reader.join(timeout=60)
     assert got == [b"through the pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)  # still a pipe
+    # safetensors renames its own temporary over the name it is given: a pipe gets the bytes, not a rename
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    atomic_write_safetensors(fifo, {"w": torch.ones(3)})
+    reader.join(timeout=60)
+    assert torch.equal(safetensors_load(got[1])["w"], torch.ones(3)) and stat.S_ISFIFO(fifo.stat().st_mode)
+    with pytest.raises(ConfigError, match="a device or a pipe, not a directory"):  # --force never deletes it
+        check_output_dir(fifo, [], force=True)
     assert written_in_place("/dev/null") and written_in_place("/dev/stdout") and written_in_place(fifo)
     assert not written_in_place(tmp_path) and not written_in_place(tmp_path / "new.txt")
     (tmp_path / "plain.txt").write_text("x")
