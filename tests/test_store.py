@@ -91,6 +91,11 @@ def test_a_truncated_file_and_a_foreign_directory_are_refused(tmp_path):
     with pytest.raises(DataError, match="not a prepared corpus"):
         make(tmp_path, foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
+    a_file = tmp_path / "notes.txt"  # was ".../notes.txt/.aiayn-store.lock: Not a directory"
+    a_file.write_text("keep me too")
+    with pytest.raises(DataError, match=r"notes.txt: exists and is not a directory \(a prepared store is one\)"):
+        make(tmp_path, a_file)
+    assert a_file.read_text() == "keep me too"
     assert json.loads((out / MANIFEST).read_text())["dtype"] == "uint16"
 
 

@@ -522,6 +522,8 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
     its own staging directory and moves the files in at the end, the manifest last; a failure leaves the store that
     was there (and removes ``out`` when this call created it)."""
     out, key = Path(out), recipe.key
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a directory (a prepared store is one); choose another directory")
     if not rebuild and out.is_dir():  # read under the shared lock (a waiter writes nothing): a store, or leftovers
         store = open_locked(out, lambda path: _named(path, recipe), wait_s)
         if store is not None:
