@@ -57,11 +57,16 @@ def default_file_mode() -> int:
 
 def written_in_place(path: str | Path) -> bool:
     """Whether a write to ``path`` goes into it as it is, not through a temporary renamed over it: a device, a
-    named pipe or a socket, and anything named under /dev or /proc (``--out /dev/stdout`` is a link to the process's
-    output, which may be a regular file). Renaming over such a name, as root, would replace the device node or the
-    link itself with a file."""
-    if Path(path).absolute().parts[1:2] in (("dev",), ("proc",)):
-        return True
+    named pipe or a socket, and a name that leads into /proc (``--out /dev/stdout`` links to /proc/self/fd/1, the
+    process's output, which may be a regular file). Renaming over such a name, as root, would replace the device
+    node or the link itself with a file. A regular file anywhere else (/dev/shm too) is written atomically."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the links of the last component, one by one (realpath would leave /proc behind)
+        if os.path.realpath(os.path.dirname(p)).startswith("/proc/"):
+            return True
+        if not os.path.islink(p):
+            break
+        p = os.path.join(os.path.dirname(p), os.readlink(p))
     try:
         mode = os.stat(path).st_mode
     except OSError:

@@ -474,6 +474,9 @@ def test_a_device_or_a_pipe_is_written_into_never_renamed_over(tmp_path, capsys)
         check_output_dir(fifo, [], force=True)
     assert written_in_place("/dev/null") and written_in_place("/dev/stdout") and written_in_place(fifo)
     assert not written_in_place(tmp_path) and not written_in_place(tmp_path / "new.txt")
+    assert not written_in_place("/dev/shm/aiayn-no-such-file")  # a regular file in /dev/shm: atomic as anywhere
+    (tmp_path / "out-link").symlink_to("/proc/self/fd/1")  # what /dev/stdout is
+    assert written_in_place(tmp_path / "out-link")
     (tmp_path / "plain.txt").write_text("x")
     assert not written_in_place(tmp_path / "plain.txt")
     if os.path.exists("/dev/full"):  # Linux: every write fails with ENOSPC (reached only if the pipe held above)
