@@ -6,7 +6,8 @@ would make a run shared with another user unreadable), and renamed over the targ
 the old file or the new one, never half of one; a kill leaves at most a ``.NAME.*.tmp`` file (and, inside
 a safetensors write, that library's own ``.tmpXXXXXX``), which :func:`remove_stale_temporaries` cleans up.
 An error while writing names the target file (``OSError.filename``), so the command line can say which
-file could not be written and why ("No space left on device").
+file could not be written and why ("No space left on device"). A device, a pipe or /dev/stdout is written into
+as it is (:func:`written_in_place`): a rename over it would replace the node itself.
 """
 
 from __future__ import annotations
