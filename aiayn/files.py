@@ -81,16 +81,11 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     The parent directory is created if needed. On any error the temporary file is removed and
     ``path`` is left as it was. A device or a pipe (:func:`written_in_place`) is written into as it is."""
     path = Path(path)
-    if written_in_place(path):
-        try:
-            write(str(path))
-        except OSError as e:
-            if e.filename is None:  # a failed write (ENOSPC on /dev/full) names no file: name the user's
-                raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-            raise
-        return path
     tmp = None
     try:
+        if written_in_place(path):
+            write(str(path))
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
         os.close(fd)
