@@ -9,6 +9,11 @@ for fp32 inference on a CPU because of this table (MKL, which F.linear calls, ma
 the CPU has, e.g. AVX2 on an AMD CPU with AVX-512). Each kernel's rate is given in GMAC/s (multiply-adds per
 second) beside the rate of a large square product (1024 rows x 1024 x 1024) on the same kernels: how close to what
 this CPU can do at all a layer's product runs.
+
+A second table times a whole decoder step's products in turn, each with its own weight (19 MB in fp32: more than a
+core's L2 cache, so read from L3 or memory, as in a real step), at 1 to 256 rows, and gives the rate at which each
+kernel reads the weights beside the rate at which the core reads the same number of bytes (``torch.sum`` over them):
+with few rows a product does little arithmetic per weight, and how fast its kernel streams the weights sets its time.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ SHAPES = [(768, 256, "self-attention Q|K|V"), (256, 256, "attention output"), (1
           (256, 1024, "FFN W2"), (8000, 256, "output projection")]  # (N, K): weight (N, K)
 ROWS = (4, 64, 256)
 REFERENCE = (1024, 1024, 1024)  # (rows, N, K): a product large enough to run at the kernels' best rate
+# One decoder step of the quick recipe (3 layers; the cross-attention keys/values are projected once per source):
+# per layer Q|K|V, self-attention output, cross-attention query and output, FFN W1 and W2; then the output projection.
+STEP = [(768, 256), (256, 256), (256, 256), (256, 256), (1024, 256), (256, 1024)] * 3 + [(8000, 256)]
+STEP_ROWS = (1, 4, 16, 64, 256)
+WEIGHT_BYTES = {"F.linear": 4, "oneDNN": 4, "int8": 1}  # bytes a kernel reads per weight element
 
 
 def gmacs(rows: int, weight: Sequence[int], us: float) -> float:
@@ -43,6 +53,51 @@ def best_us(fn: Callable[[], Any], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t) / calls * 1e6
+
+
+def read_gbs(n_floats: int, rounds: int) -> float:
+    """GB/s at which one core reads ``n_floats`` fp32 values (``torch.sum``: memory-bound), best of ``rounds``."""
+    x = torch.ones(n_floats)
+    calls = max(3, int(2e9 // (4 * n_floats)))
+    return 4 * n_floats / min(best_us(x.sum, calls) for _ in range(rounds)) / 1e3
+
+
+def step_rows(kernels: dict[str, Callable], rounds: int) -> dict[str, Any]:
+    """Each kernel's time for every product of one decoder step (:data:`STEP`), in turn, at :data:`STEP_ROWS` rows;
+    the weights' read rates; the core's read rate of as many fp32 bytes."""
+    weights = [(torch.randn(N, K) / K**0.5, torch.randn(N)) for N, K in STEP]
+    elements = sum(N * K for N, K in STEP)
+    out = []
+    for M in STEP_ROWS:
+        xs = {K: torch.randn(M, 1, K) for K in {K for _, K in STEP}}
+
+        def step(kernel: Callable) -> None:
+            for w, b in weights:
+                kernel(xs[w.size(1)], w, b)
+
+        calls = max(3, int(2e8 // (M * elements)))
+        times = {name: float("inf") for name in kernels}
+        for kernel in kernels.values():
+            step(kernel)  # prepare the weights, build the kernels
+        for _ in range(rounds):
+            for name, kernel in kernels.items():
+                times[name] = min(times[name], best_us(lambda k=kernel: step(k), calls))
+        out.append({"rows": M, "us": times})
+    return {"weights": STEP, "elements": elements, "read_gbs": read_gbs(elements, rounds), "rows": out}
+
+
+def step_markdown(step: dict[str, Any], names: Sequence[str]) -> str:
+    """The whole-step table: per kernel ms per step and GB/s of weights read."""
+    n = step["elements"]
+    table = [[r["rows"]] + [f"{r['us'][k] / 1e3:.2f}" for k in names]
+             + [f"{WEIGHT_BYTES[k] * n / r['us'][k] / 1e3:.0f}" for k in names] for r in step["rows"]]
+    return "\n".join([
+        f"One decoder step's {len(step['weights'])} products in turn, each with its own weight "
+        f"({4 * n / 2**20:.0f} MiB in fp32, {n / 2**20:.0f} MiB in int8): milliseconds per step, and the rate at "
+        f"which each kernel reads the weights. This core reads as many fp32 bytes at {step['read_gbs']:.0f} GB/s "
+        "(`torch.sum`): a kernel that read its weights at that rate would be bound by memory alone.\n",
+        common.markdown_table(["rows"] + [f"{k} (ms)" for k in names] + [f"{k} weights GB/s" for k in names], table),
+    ])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -74,9 +129,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for name, kernel in kernels.items():
                     times[name] = min(times[name], best_us(lambda k=kernel, x=x, w=w, b=b: k(x, w, b), calls))
             rows_out.append({"weight": [N, K], "what": what, "rows": M, "us": times})
+        step = step_rows(kernels, args.rounds)
     result = {"benchmark": NAME, "date": common.utc_now(), "command": common.command_line(NAME, argv),
               "machine": {**common.machine_info(threads), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-              "results": rows_out}
+              "results": rows_out, "step": step}
     names = [n for n in ("oneDNN", "int8") if n in kernels]
     table = [[r["what"], f"{r['weight'][0]}x{r['weight'][1]}", r["rows"], f"{r['us']['F.linear']:.0f}"]
              + [f"{r['us'][n]:.0f} ({r['us']['F.linear'] / r['us'][n]:.1f}x)" for n in names]
@@ -91,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "reaches on this CPU.\n",
         common.markdown_table(["layer", "weight", "rows", "F.linear (us)"] + [f"{n} (us)" for n in names]
                               + [f"{n} GMAC/s" for n in ("F.linear", *names)], table),
+        "",
+        step_markdown(step, ("F.linear", *names)),
     ]) + "\n"
     common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
     common.update_section(args.md, NAME, md)
