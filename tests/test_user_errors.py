@@ -78,6 +78,21 @@ def test_every_numeric_key_has_its_range(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["data.max_len=500"], "data.max_len=500 exceeds model.max_positions=64"),
+    (["data.length_buckets=[16, 1000]"], "data.length_buckets: 1000 exceeds model.max_positions=64"),
+    (["data.pad_to_multiple=128"], "data.pad_to_multiple=128 pads a pair of 64 positions to 128"),
+    (["model.max_positions=60", "data.pad_to_multiple=8"], "pads a pair of 60 positions to 64, more than"),
+])
+def test_batch_widths_past_the_models_positions_are_one_line(overrides, message, tmp_path, capsys):
+    # each trained into the first batch and died there as an internal error, leaving a run directory behind
+    run = tmp_path / "r"
+    sets = [a for o in overrides for a in ("--set", o)]
+    line = one_line(capsys, ["train", TINY, "--run-dir", str(run), *sets])
+    assert message in line and not run.exists()
+    assert load_config(TINY, ["model.max_positions=60", "data.pad_to_multiple=8", "data.max_len=56"])  # fits
+
+
 def test_zero_warmup_is_fine_where_the_schedule_does_not_divide_by_it():
     assert load_config(TINY, ["train.schedule=inverse_sqrt", "train.warmup=0"]).train.warmup == 0
     assert load_config(TINY, ["train.schedule=constant", "train.warmup=0", "train.lr=0"]).train.lr == 0.0

@@ -482,6 +482,27 @@ class Config:
             raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
         if not self.data.shared_vocab and self.model.share_embeddings and self.kind.encoder:
             raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+        if self.kind.encoder:
+            self._check_pair_widths()
+
+    def _check_pair_widths(self) -> None:
+        """Pairs are kept up to ``data.max_len`` positions and batches padded to a bucket or a multiple: none of
+        these may reach past ``model.max_positions`` (the first batch would fail inside the model otherwise)."""
+        d, most = self.data, self.model.max_positions
+        if d.max_len is not None and d.max_len > most:
+            raise ConfigError(f"data.max_len={d.max_len} exceeds model.max_positions={most}: the pairs it keeps would "
+                              "need positions the model does not have")
+        over = [b for b in d.length_buckets if b > most]
+        if over:
+            raise ConfigError(f"data.length_buckets: {over[0]} exceeds model.max_positions={most}")
+        longest = d.max_len or most  # the widest kept pair, EOS / BOS included
+        if d.length_buckets and d.length_buckets[-1] >= longest:
+            return  # every batch takes a bucket's width, never a multiple's
+        padded = -(-longest // d.pad_to_multiple) * d.pad_to_multiple
+        if padded > most:
+            raise ConfigError(f"data.pad_to_multiple={d.pad_to_multiple} pads a pair of {longest} positions to "
+                              f"{padded}, more than model.max_positions={most}: set data.max_len to a multiple of "
+                              f"{d.pad_to_multiple} of at most {most}, or lower data.pad_to_multiple")
 
     @property
     def kind(self) -> Task:
