@@ -152,6 +152,9 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
         if total and set(tensors) != set(total):
             raise CheckpointError(f"{p}: holds different tensors than {paths[0]}")
         for k, t in tensors.items():
+            if k in total and t.shape != total[k].shape:  # checkpoints of another model: no mean exists
+                raise CheckpointError(f"{p}: {k} has shape {tuple(t.shape)}, {paths[0]} has {tuple(total[k].shape)}: "
+                                      "checkpoints of different models cannot be averaged")
             dtypes.setdefault(k, t.dtype)
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc

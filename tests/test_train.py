@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn import build_model, model_config
+from aiayn.cli import main
 from aiayn.config import load_config
 from aiayn.data.batching import collate
 from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
@@ -246,6 +247,18 @@ def test_checkpoint_averaging_is_the_elementwise_mean(tmp_path):
     out = average_run(tmp_path, last=2)
     expected_last2 = (models[1].state_dict()[name] + models[2].state_dict()[name]) / 2
     torch.testing.assert_close(read_weights(out)[name], expected_last2)
+
+
+def test_averaging_checkpoints_of_different_models_is_one_line(tmp_path, capsys):
+    # the same tensor names, other shapes (another vocabulary): was an internal error from a tensor addition
+    for step, vocab in ((1, 30), (2, 40)):
+        torch.manual_seed(step)
+        save_checkpoint(tmp_path, step, build_model(model_config("tiny", vocab_size=vocab)), None, {"train_state": {}})
+    (tmp_path / "config.yaml").write_text("")
+    assert main(["average", str(tmp_path), "--last", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has shape (40, 64)" in err[0] and "cannot be averaged" in err[0], err
+    assert not (tmp_path / "average.safetensors").exists()
 
 
 # --- bad input ----------------------------------------------------------------------------------------
