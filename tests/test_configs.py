@@ -74,6 +74,18 @@ def test_every_config_key_is_documented():
     assert missing == [] and "`task`" in doc
 
 
+def test_a_base_extends_its_own_base_and_a_cycle_is_refused(tmp_path: Path) -> None:
+    # the base's own base was dropped without a word: a recipe on a recipe on "tiny" built paper-base's width
+    (tmp_path / "mid.yaml").write_text("base: tiny\ntrain:\n  max_updates: 7\n")
+    (tmp_path / "top.yaml").write_text(f"base: {tmp_path / 'mid.yaml'}\ntrain:\n  warmup: 9\n")
+    cfg = load_config(tmp_path / "top.yaml")
+    assert (cfg.model.d_model, cfg.train.max_updates, cfg.train.warmup) == (64, 7, 9)
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="a recipe cannot extend itself"):
+        load_config(tmp_path / "a.yaml")
+
+
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
     """PyYAML keeps the last of two equal keys silently; a recipe must not train with a setting its reader missed."""
     p = tmp_path / "twice.yaml"

@@ -200,16 +200,23 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
-    values = migrate(load_yaml(resolve_config_path(path)), str(path))
-    base = values.pop("base", None)
-    if base is not None and not isinstance(base, str):
-        raise ConfigError(f"{path}: base: expected the name or path of a config to extend, got {base!r:.60}")
-    if base is not None:
-        base_values = migrate(load_yaml(resolve_config_path(base)), str(base))
-        base_values.pop("base", None)
-        values = _merge(base_values, values)
-    values = apply_overrides(values, overrides or [])
+    values = apply_overrides(_recipe_values(path, ()), overrides or [])
     return config_from_dict(values)
+
+
+def _recipe_values(path: str | Path, extending: tuple[Path, ...]) -> dict[str, Any]:
+    """A recipe's values merged over those of its ``base:``, and of that one's base, and so on (``extending``:
+    the files already on the chain, so that a base that leads back to one of them is refused, not followed)."""
+    where = resolve_config_path(path).resolve()
+    if where in extending:
+        raise ConfigError(f"{extending[-1]}: base: {path} leads back to {where} (a recipe cannot extend itself)")
+    values = migrate(load_yaml(where), str(path))
+    base = values.pop("base", None)
+    if base is None:
+        return values
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected the name or path of a config to extend, got {base!r:.60}")
+    return _merge(_recipe_values(base, (*extending, where)), values)
 
 
 def read_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
