@@ -101,6 +101,20 @@ def test_schedule_peaks_at_warmup():
     assert ref.peak_step == 4000
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["schedule", "--warmup", "0"], "train.warmup=0: must be >= 1"),  # was the paper's warmup 4000, drawn
+    (["schedule", "--d-model", "0"], "--d-model must be at least 1, got 0"),  # was the paper's 512
+    (["schedule", "--d-model", "-4"], "--d-model must be at least 1, got -4"),  # was drawn from complex rates
+    (["positional", "--d-model", "0"], "--d-model must be even and positive, got 0"),  # was 512
+])
+def test_a_zero_or_negative_width_or_warmup_is_refused_not_replaced_by_the_papers(argv, message, tmp_path, capsys):
+    out = tmp_path / "f.png"
+    assert main(["viz", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
 def test_schedule_of_a_preset_and_of_a_run(tiny_run):
     big, paper = schedule_data("paper-big")
     assert big.label.startswith("paper-big") and big.peak_lr == pytest.approx(1024**-0.5 * 4000**-0.5)

@@ -26,7 +26,7 @@ def _out(args: argparse.Namespace, what: str) -> Path:
 def _positional(args: argparse.Namespace) -> list[Path]:
     from aiayn.viz.positional import ENCODINGS, plot_positional, positional_views
 
-    d_model = args.d_model or 512
+    d_model = 512 if args.d_model is None else args.d_model  # --d-model 0 is refused, not the default
     kinds = list(ENCODINGS) if args.compare else ["sinusoidal"]
     views = {k: positional_views(k, d_model, args.max_pos) for k in kinds}
     return [plot_positional(views, _out(args, "positional"), d_model, args.width, args.height, args.show)]

@@ -63,6 +63,8 @@ def schedule_data(source: str | Path | None = None, d_model: int | None = None, 
     (``d_model``/``warmup`` override the config's) and the paper's for reference.
     The horizon is ``max_step``, else max(20000, 5 x warmup), cut to the config's ``max_updates``.
     """
+    if d_model is not None and d_model < 1:  # 0 or less: no d_model^-0.5
+        raise ConfigError(f"viz schedule: --d-model must be at least 1, got {d_model}")
     paper = TrainConfig(schedule="noam", lr_scale=1.0, warmup=PAPER_WARMUP)
     specs: list[tuple[str, TrainConfig, int]] = []
     limit = None
@@ -71,12 +73,14 @@ def schedule_data(source: str | Path | None = None, d_model: int | None = None, 
         tc = cfg.train
         if warmup is not None:
             tc = replace(tc, warmup=warmup)
-        dm = d_model or cfg.model.d_model
+        dm = cfg.model.d_model if d_model is None else d_model
         specs.append((f"{name} ({_describe(tc, dm)})", tc, dm))
         limit = tc.max_updates
     elif d_model is not None or warmup is not None:
-        tc = TrainConfig(schedule="noam", lr_scale=1.0, warmup=warmup or PAPER_WARMUP)
-        specs.append((_describe(tc, d_model or PAPER_D_MODEL), tc, d_model or PAPER_D_MODEL))
+        # `is None`, not `or`: --warmup 0 is refused by the config (noam divides by it), never the paper's 4000
+        tc = TrainConfig(schedule="noam", lr_scale=1.0, warmup=PAPER_WARMUP if warmup is None else warmup)
+        dm = PAPER_D_MODEL if d_model is None else d_model
+        specs.append((_describe(tc, dm), tc, dm))
     paper_label = f"paper, base model ({_describe(paper, PAPER_D_MODEL)})"
     if not any(_describe(tc, dm) == _describe(paper, PAPER_D_MODEL) for _, tc, dm in specs):
         specs.append((paper_label, paper, PAPER_D_MODEL))
