@@ -204,8 +204,8 @@ def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = Non
     """Average the last ``last`` checkpoints into ``out`` (default RUN/average.safetensors, beside the run's
     model.safetensors, which stays as it is), or with ``replace`` into RUN/model.safetensors, atomically.
     Refused, with nothing read or written, for --last < 1, a run without checkpoints, an ``out`` that is the run's
-    model.safetensors without ``replace`` or lies among its checkpoints, a run a training is writing, or a
-    directory that cannot be written."""
+    model.safetensors without ``replace`` or lies among its checkpoints, an existing file that is not a .safetensors
+    file (the run's config.yaml, its metrics), a run a training is writing, or a directory that cannot be written."""
     if last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
     run_dir = Path(run_dir)
@@ -220,6 +220,8 @@ def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = Non
         raise CheckpointError(f"--out {out}: that is the run's inference weights; --replace writes them")
     if where.parent == (run_dir / "checkpoints").resolve() or target.is_dir():
         raise CheckpointError(f"--out {out}: a checkpoint's place or a directory; name a new .safetensors file")
+    if target.exists() and target.suffix != ".safetensors":  # the run's config.yaml, metrics.jsonl, any text
+        raise CheckpointError(f"--out {out}: exists and is not a weights file; name a new .safetensors file")
     check_writable(target.parent)
     inside = where.parent == run_dir.resolve()
     with locked(run_dir) if inside else contextlib.nullcontext():  # a training may be writing the run
