@@ -115,6 +115,19 @@ def test_a_zero_or_negative_width_or_warmup_is_refused_not_replaced_by_the_paper
     assert not out.exists()
 
 
+def test_a_figure_never_writes_over_a_file_that_is_not_a_png(tmp_path, capsys):
+    # --out RUN/config.yaml replaced the run's config with a PNG: the run no longer loaded
+    out = tmp_path / "config.yaml"
+    out.write_text("kept\n")
+    assert main(["viz", "schedule", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists and is not a PNG" in err[0], err
+    assert out.read_text() == "kept\n"
+    png = tmp_path / "old.png"
+    png.write_bytes(b"old")
+    assert main(["viz", "schedule", "--out", str(png)]) == 0 and png.read_bytes()[:4] == b"\x89PNG"  # replaced
+
+
 def test_schedule_of_a_preset_and_of_a_run(tiny_run):
     big, paper = schedule_data("paper-big")
     assert big.label.startswith("paper-big") and big.peak_lr == pytest.approx(1024**-0.5 * 4000**-0.5)

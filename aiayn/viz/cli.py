@@ -20,7 +20,10 @@ from aiayn.config import ConfigError
 
 
 def _out(args: argparse.Namespace, what: str) -> Path:
-    return Path(args.out) if args.out else Path(f"{what}.png")
+    out = Path(args.out) if args.out else Path(f"{what}.png")
+    if out.is_file() and out.suffix.lower() != ".png":  # a run's config.yaml or metrics.jsonl, any text file
+        raise ConfigError(f"--out {out}: exists and is not a PNG; name a new .png file")
+    return out
 
 
 def _positional(args: argparse.Namespace) -> list[Path]:
