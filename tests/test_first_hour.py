@@ -94,6 +94,20 @@ def test_resume_run_uses_its_own_config_and_allows_only_safe_changes(tmp_path, c
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_a_resume_may_change_the_loader_workers_and_stays_exact(tmp_path):
+    # the resume a killed DataLoader worker's line names refused --set data.loader_workers=0, the way out of an OOM
+    from aiayn.weights import read_weights
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for run, updates in ((straight, 6), (split, 3)):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress",
+                     *sets(SMALL + [f"train.max_updates={updates}"])]) == 0
+    assert main(["train", "--resume", str(split), "--no-progress", "--set", "train.max_updates=6",
+                 "--set", "data.loader_workers=0"]) == 0
+    a, b = read_weights(straight / "model.safetensors"), read_weights(split / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_threads_default_to_the_free_cores_and_the_option_sets_them(monkeypatch, tmp_path):
     from aiayn import engine
 

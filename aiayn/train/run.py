@@ -157,7 +157,7 @@ RESUME_KEYS = ("train.max_updates", "train.max_minutes", "train.max_epochs", "tr
                "train.eval_every", "train.save_every", "train.keep_last", "train.eval_bleu", "train.log_to",
                "train.inference_weights", "train.average_last", "train.device", "train.precision", "train.threads",
                "train.dist_timeout_s", "train.setup_timeout_s", "train.compile", "train.compile_mode", "decode.",
-               "expect.", *SPEED_KEYS)
+               "expect.", "data.loader_workers", *SPEED_KEYS)  # workers only collate the planned batches
 
 
 def check_resume_changes(cfg: Config, run_dir: Path) -> None:
