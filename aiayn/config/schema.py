@@ -482,12 +482,14 @@ class Config:
             raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
         if not self.data.shared_vocab and self.model.share_embeddings and self.kind.encoder:
             raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
-        if self.kind.encoder:
-            self._check_pair_widths()
 
-    def _check_pair_widths(self) -> None:
-        """Pairs are kept up to ``data.max_len`` positions and batches padded to a bucket or a multiple: none of
-        these may reach past ``model.max_positions`` (the first batch would fail inside the model otherwise)."""
+    def check_pair_widths(self) -> None:
+        """Before a training: pairs are kept up to ``data.max_len`` positions and batches padded to a bucket or a
+        multiple: none of these may reach past ``model.max_positions`` (the first batch would fail inside the model
+        otherwise). Checked when a training starts, not when a config is read: a trained run whose corpus never
+        came near the limit still loads for decoding."""
+        if not self.kind.encoder:
+            return
         d, most = self.data, self.model.max_positions
         if d.max_len is not None and d.max_len > most:
             raise ConfigError(f"data.max_len={d.max_len} exceeds model.max_positions={most}: the pairs it keeps would "

@@ -42,6 +42,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     check_fits_in_memory(cfg.model)  # likewise a model this machine cannot hold
+    cfg.check_pair_widths()  # and batches wider than the model's positions (else the first batch fails)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     own_group = not (dist.is_available() and dist.is_initialized())  # a caller's own group stays the caller's
     d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s, cfg.train.setup_timeout_s)
