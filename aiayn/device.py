@@ -8,12 +8,19 @@ GPU, else Apple's MPS where PyTorch offers it, else the CPU. A device that is as
 Precision: ``fp32`` everywhere, and on CUDA it is IEEE fp32 (TF32 tensor cores stay off, PyTorch's default);
 ``tf32`` (CUDA only) keeps fp32 weights and activations and lets matmuls run on TF32 tensor cores (10-bit
 mantissa inputs, fp32 accumulation; several times faster than fp32 on an H100, the setting nanoGPT and Lightning
-recommend); ``bf16`` / ``fp16`` autocast on CUDA only (bf16 matmul is not safe on every CPU: it dies with
-"Illegal instruction" on some); ``int8`` (inference on a CPU only) keeps fp32 weights and activations and
-multiplies the linear layers in int8 (dynamic quantization, :mod:`aiayn.linear`). ``auto`` means bf16 for
-training on a CUDA device that supports it, and fp32 for inference (``aiayn translate``, ``serve``, ``evaluate``
-and the validation BLEU of a training, which decodes outside the training autocast: one rule, so the BLEU a
-training reports is the BLEU its run gives); it never means int8.
+recommend); ``bf16`` is autocast on CUDA and, for training, on a CPU with native bf16 (AVX512-BF16 or AMX, checked
+by :mod:`aiayn.cpu_probe` in a child process, since bf16 on a CPU or hypervisor without them can die with "Illegal
+instruction"); for inference on such a CPU the weights stay fp32 and the linear layers multiply in bf16 (fp32
+sums), while attention, softmax, layer norm and the search's scores stay fp32 (:mod:`aiayn.linear`). ``fp16`` is
+CUDA only. ``int8`` (inference on a CPU only) keeps fp32 weights and activations and multiplies the linear layers
+in int8 (dynamic quantization, :mod:`aiayn.linear`).
+
+``auto``: on CUDA, bf16 for training where the GPU supports it and fp32 for inference; on a CPU, bf16 where
+:mod:`aiayn.cpu_probe` found native bf16 that passed its probe and measured faster than fp32 (for inference, also
+at one sentence's rows), else fp32; :func:`choose_precision` says which and why, in one line that training logs
+and ``aiayn report`` show. Inference means ``aiayn translate``, ``serve``, ``evaluate`` and the validation BLEU
+of a training (which decodes outside the training autocast: one rule, so the BLEU a training reports is the BLEU
+its run gives). ``auto`` never means int8.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aiayn.cpu_probe import ENV, cpu_bf16
 from aiayn.errors import ConfigError, DeviceError
 
 if TYPE_CHECKING:
@@ -75,28 +83,61 @@ def resolve_device(name: str | torch.device | None = "auto", local_rank: int = 0
 
 def resolve_precision(precision: str, device: torch.device, training: bool) -> str:
     """``fp32``, ``tf32``, ``bf16``, ``fp16`` or ``int8`` for ``precision`` (auto | fp32 | tf32 | bf16 | fp16 |
-    int8) on ``device``.
+    int8) on ``device``: :func:`choose_precision` without its reason."""
+    return choose_precision(precision, device, training)[0]
 
-    ``auto``: bf16 when training on a CUDA device that supports it, fp32 otherwise (inference keeps fp32
-    until bf16 decoding is measured to be as good). tf32 / bf16 / fp16 off CUDA is a :class:`DeviceError`, and so
-    is int8 off the CPU or for training."""
+
+def choose_precision(precision: str, device: torch.device, training: bool) -> tuple[str, str]:
+    """(the resolved precision, why: one line) for ``precision`` on ``device``, for training or inference.
+
+    ``auto``: the module docstring's rule. tf32 / fp16 off CUDA, bf16 on a CPU without native bf16 (or one whose
+    probe failed) and int8 off the CPU or for training are a :class:`DeviceError`, before any work."""
     if precision not in PRECISIONS:
         raise DeviceError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     cuda = device.type == "cuda"
     if precision == "auto":
-        return "bf16" if training and cuda and torch.cuda.is_bf16_supported() else "fp32"
+        if cuda:
+            if not training:
+                return "fp32", "auto: inference on a GPU runs in fp32"
+            if torch.cuda.is_bf16_supported():
+                return "bf16", "auto: training on a GPU with bf16"
+            return "fp32", "auto: this GPU has no bf16"
+        if device.type == "cpu":
+            chosen, why = _cpu_auto(training)
+            return chosen, f"auto: {why}"
+        return "fp32", f"auto: {device.type}"
     if precision == "int8":
         if training:
             raise DeviceError("precision int8 is for inference (translate, evaluate, serve); train in fp32 or bf16")
         if device.type != "cpu":
             raise DeviceError(f"precision int8 runs on the CPU only (this runs on {device.type}); use fp32, or "
                               "bf16 / fp16 on CUDA")
-        return precision
+        return precision, "asked for (--precision int8)"
+    if precision == "bf16" and device.type == "cpu":
+        found = cpu_bf16()
+        if not found.native:
+            raise DeviceError(f"precision bf16 on this CPU ({found.cpu}): {found.why}; use fp32 (or auto)")
+        return "bf16", f"asked for (--precision bf16); {found.why}"
     if precision != "fp32" and not cuda:
-        raise DeviceError(f"precision {precision} needs a CUDA device (this runs on {device.type}); use fp32")
+        raise DeviceError(f"precision {precision} needs a CUDA device (this runs on {device.type}); use fp32"
+                          + (" or bf16" if device.type == "cpu" else ""))
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise DeviceError("precision bf16: this GPU does not support bfloat16; use fp16 or fp32")
-    return precision
+    return precision, f"asked for (--precision {precision})"
+
+
+def _cpu_auto(training: bool) -> tuple[str, str]:
+    """What ``auto`` runs on this CPU, and why (:mod:`aiayn.cpu_probe`; ``AIAYN_CPU_BF16=off`` skips the probe)."""
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
+        return "fp32", f"{ENV}={os.environ[ENV]}"
+    return cpu_bf16().precision(training)
+
+
+def weights_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype a model's weights are held in for inference at a resolved ``precision``: that of the precision
+    on CUDA and MPS; fp32 on a CPU, where bf16 is the linear layers' products only and int8 likewise
+    (:mod:`aiayn.linear`)."""
+    return torch.float32 if device.type == "cpu" else DTYPES[precision]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -149,6 +190,7 @@ def check_fits_in_memory(cfg: ModelConfig) -> None:
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "check_fits_in_memory", "inference_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "check_fits_in_memory", "choose_precision",
+    "inference_precision", "weights_dtype",
     "model_device", "move_module", "physical_memory", "resolve_device", "resolve_precision",
 ]

@@ -56,6 +56,16 @@ def default_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/aiayn")
+
+
+def cache_dir() -> Path:
+    """Where aiayn keeps what it downloads or works out once per machine (corpora, prepared token stores, the CPU's
+    bf16 probe): ``$AIAYN_CACHE_DIR`` or ``~/.cache/aiayn``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
 def written_in_place(path: str | Path) -> bool:
     """Whether a write to ``path`` goes into it as it is, not through a temporary renamed over it: a device, a
     named pipe or a socket, and a name that leads into /proc (``--out /dev/stdout`` links to /proc/self/fd/1, the

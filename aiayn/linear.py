@@ -9,6 +9,12 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
   MKL, which ``F.linear`` calls, runs its AVX2 code on AMD CPUs that have AVX-512; there oneDNN's products were
   faster (BENCHMARKS.md, "Linear layers on the CPU"). Same math in fp32, summed in another order (the last bits
   move, as between two CPUs); a row's result does not depend on the other rows of the batch.
+* ``bf16``: bf16 inference on a CPU with native bf16 (:mod:`aiayn.cpu_probe`): each weight cast to bf16 once and
+  reordered for oneDNN, whose kernels use the CPU's bf16 units (AMX tiles, AVX512-BF16 dot products); each input
+  row is rounded to bf16 when it comes, the sums are fp32 inside the kernel, and the result comes back as fp32
+  (rounded through bf16, as under autocast). Everything around the products (attention, softmax, layer norm, the
+  search's scores) stays fp32. Every product takes this path at every row count, so a sentence's rows round the
+  same way alone or in a batch (the kernel oneDNN picks for a row count may sum in another order: the last bits).
 * ``int8``: ``--precision int8`` on a CPU: dynamic int8 quantization, as CTranslate2's int8. Weights are
   quantized once per output row (symmetric, scale = max |w| / 127); each input row is quantized when it comes
   (symmetric, its own scale), so a row's result never depends on the other rows of its batch, and the integer
@@ -17,8 +23,9 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
   the lookup is not). The fp32 weights stay in memory (checkpoints, export, and the fallback below read them).
 
 Every kind falls back to ``F.linear`` where its kernel does not apply: when autograd records (training, or a
-gradient through the model), and off the CPU or off fp32. Prepared weights are built on first use and rebuilt
-when a weight changes in place (its version counter moves). Shapes: x (..., K), weight (N, K), bias (N,).
+gradient through the model), and off the CPU or off fp32 (a bf16 model's plain bf16 product). Prepared weights
+are built on first use and rebuilt when a weight changes in place (its version counter moves).
+Shapes: x (..., K), weight (N, K), bias (N,).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from torch import Tensor, nn
 
 from aiayn.errors import DeviceError
 
-LINEAR_KINDS = ("plain", "packed", "int8")
+LINEAR_KINDS = ("plain", "packed", "bf16", "int8")
 # int32 sums of int8 x int8 products cannot overflow below this input width: 127 * 127 * K < 2 ** 31.
 INT8_MAX_WIDTH = (2**31 - 1) // (127 * 127)
 
@@ -139,6 +146,37 @@ class PackedLinear(_CpuKernel):
         return y[:rows].view(*x.shape[:-1], w.size(0))
 
 
+class Bf16Linear(PackedLinear):
+    """bf16 products on oneDNN (the CPU's AMX or AVX512-BF16 units): the weight cast to bf16 and reordered once, the
+    input rounded to bf16 per call, fp32 sums, the result back in fp32 plus the fp32 bias. Rows padded as
+    :class:`PackedLinear`'s; no small-product exception (every row count rounds alike)."""
+
+    kind = "bf16"
+
+    def prepare(self, w: Tensor) -> Tensor:
+        wb = w.to(torch.bfloat16).contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(wb, self.BATCH_HINT) if packed_available() else wb
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """x (..., K), w (N, K), b (N,) or None -> (..., N), fp32."""
+        if not self.applies(x, w) or x.numel() == 0:
+            return F.linear(x, w, b)
+        x2 = x.reshape(-1, x.size(-1)).to(torch.bfloat16)  # (M, K)
+        rows = x2.size(0)
+        padded = row_bucket(rows)
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        wb = self.prepared(w)
+        if packed_available():
+            y = torch.ops.mkldnn._linear_pointwise(x2, wb, None, "none", [], "")
+        else:  # pragma: no cover - a PyTorch without oneDNN
+            y = F.linear(x2, wb)
+        y = y[:rows].float()
+        if b is not None:
+            y.add_(b)
+        return y.view(*x.shape[:-1], w.size(0))
+
+
 def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row: w (N, K) -> (q (N, K) int8, scale (N,) fp32) with w ~ q * scale[:, None].
     A row of zeros gets scale 1 (and q 0)."""
@@ -177,7 +215,7 @@ def _plain(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 KERNELS: dict[str, Callable[[], Callable[..., Tensor]]] = {
-    "plain": lambda: _plain, "packed": PackedLinear, "int8": Int8Linear,
+    "plain": lambda: _plain, "packed": PackedLinear, "bf16": Bf16Linear, "int8": Int8Linear,
 }
 
 
@@ -213,17 +251,20 @@ def check_int8(model: nn.Module) -> None:
 
 
 def inference_linear_kind(device: torch.device, precision: str) -> str:
-    """The rule: int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere), oneDNN
-    for fp32 on a CPU where PyTorch has it, else PyTorch's own."""
+    """The rule: int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere), bf16
+    products on a CPU at bf16 (the probe passed), oneDNN for fp32 on a CPU where PyTorch has it, else PyTorch's
+    own."""
     if precision == "int8":
         return "int8"
+    if device.type == "cpu" and precision == "bf16":
+        return "bf16"
     if device.type == "cpu" and precision == "fp32" and packed_available():
         return "packed"
     return "plain"
 
 
 __all__ = [
-    "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Int8Linear", "LinearKernel", "PackedLinear", "check_int8",
-    "inference_linear_kind", "linear_kind", "linear_modules", "packed_available", "quantize_rows", "row_bucket",
-    "use_linear",
+    "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Bf16Linear", "Int8Linear", "LinearKernel", "PackedLinear",
+    "check_int8", "inference_linear_kind", "linear_kind", "linear_modules", "packed_available", "quantize_rows",
+    "row_bucket", "use_linear",
 ]

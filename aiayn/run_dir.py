@@ -11,7 +11,7 @@ from torch import nn
 
 from aiayn.config import Config, read_run_config
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import DTYPES, check_fits_in_memory, resolve_device, resolve_precision
+from aiayn.device import check_fits_in_memory, resolve_device, resolve_precision, weights_dtype
 from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
@@ -35,13 +35,14 @@ class Run:
 def load_run(run_dir: str | Path, device: str | torch.device = "auto",
              weights: str | Path | dict[str, torch.Tensor] | None = None, precision: str = "auto") -> Run:
     """Read config, tokenizer and weights of a run; the model is on ``device`` (auto: CUDA, else MPS, else CPU)
-    in eval mode, its weights in ``precision`` (auto: fp32 for inference; bf16 / fp16 on CUDA only; int8 on a CPU
-    only: fp32 weights, int8 linear layers).
+    in eval mode, its weights in ``precision`` (auto: :func:`aiayn.device.choose_precision`; fp16 on CUDA only;
+    bf16 on CUDA or on a CPU with native bf16, there as fp32 weights and bf16 linear layers; int8 on a CPU only: fp32
+    weights, int8 linear layers).
     ``weights``: a file or the tensors (:func:`aiayn.weights.select_weights`; None: those inference uses).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev, training=False)
-    dtype = DTYPES[precision]
+    dtype = weights_dtype(precision, dev)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")

@@ -40,6 +40,12 @@ if "AIAYN_CACHE_DIR" not in os.environ:
     os.environ["AIAYN_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"aiayn-test-cache-{_run}")
 
 
+# --precision auto stays fp32 on a CPU with native bf16 too (aiayn.cpu_probe): the suite's comparisons with fp32
+# references (Hugging Face, CTranslate2, torch.nn.MultiheadAttention, cached = uncached) mean the same on every
+# machine; tests/test_cpu_bf16.py asks for bf16 by name, and checks auto's choice with this unset.
+os.environ.setdefault("AIAYN_CPU_BF16", "off")
+
+
 # AIAYN_TEST_ROUNDING=SEED[:SCALE] (tests/rounding.py): another CPU's rounding, simulated, in this process and in
 # every Python process a test starts.
 if rounding.install():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from aiayn import files
 from aiayn.config import load_config
 from aiayn.data.corpus import iter_parallel
 from aiayn.data.pipeline import prepare_corpus
@@ -231,7 +232,7 @@ def test_input_hashes_are_remembered_while_size_and_time_are_unchanged(tmp_path,
 
     from aiayn.data import datasets
 
-    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(files.CACHE_DIR_ENV, str(tmp_path / "cache"))
     hashed = []
     real = datasets.sha256_file
     monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))
@@ -519,7 +520,7 @@ def test_the_input_hash_cache_is_not_fooled_by_an_edit_that_restores_the_modific
 
     from aiayn.data import datasets
 
-    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(files.CACHE_DIR_ENV, str(tmp_path / "cache"))
     hashed = []
     real = datasets.sha256_file
     monkeypatch.setattr(datasets, "sha256_file", lambda p: hashed.append(p) or real(p))

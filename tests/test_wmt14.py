@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from aiayn import files
 from aiayn.config import load_config
 from aiayn.data import datasets
 from aiayn.data.corpus import DataError
@@ -33,7 +34,7 @@ def _tarball(path: Path, members: dict[str, str]) -> str:
 def fake_wmt14(tmp_path: Path, monkeypatch):
     """Three small tarballs laid out as statmt.org's (other language pairs beside the de-en files)."""
     monkeypatch.delenv(datasets.DATA_DIR_ENV, raising=False)
-    monkeypatch.setenv(datasets.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(files.CACHE_DIR_ENV, str(tmp_path / "cache"))
     web = tmp_path / "web"
     web.mkdir()
     rows, expected = [], []

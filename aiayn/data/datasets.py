@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write, atomic_write_json
+from ..files import atomic_write, atomic_write_json, cache_dir
 from .corpus import DataError, iter_parallel, read_jsonl_rows, read_parallel, read_text
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
-CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
-DEFAULT_CACHE_DIR = Path("~/.cache/aiayn")
 DOWNLOAD_TIMEOUT_S = 60
 
 
@@ -113,10 +111,6 @@ WMT14_TEST_SETS = {"valid": "wmt13", "newstest2013": "wmt13", "test": "wmt14/ful
 
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
 
-
-def cache_dir() -> Path:
-    """Where downloads go: ``$AIAYN_CACHE_DIR`` or ``~/.cache/aiayn``."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def sha256_file(path: str | Path) -> str:

@@ -35,13 +35,30 @@ def _eval_scores(run: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def _precision(path: Path) -> dict[str, str] | None:
+    """{"precision", "why"} of the last start named in the metrics file (None for a run trained before it was
+    logged)."""
+    found = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if '"precision"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line
+            if isinstance(rec, dict) and isinstance(rec.get("precision"), str):
+                found = {"precision": rec["precision"], "why": str(rec.get("precision_why") or "")}
+    return found
+
+
 def run_report(run_or_file: str | Path) -> dict[str, Any]:
     """The numbers ``aiayn report`` prints, as a dict (``--json`` prints it as is).
 
     Keys: ``metrics`` (path), ``step``, ``epoch``, ``elapsed_s`` and ``elapsed_step`` (the time at the
     last training log and its step), ``tokens_per_s`` ({median, p25, p75,
-    windows}) or None, ``valid_nll`` ({last, last_step, best, best_step}) or None, ``evals``
-    ({name: scores}).
+    windows}) or None, ``valid_nll`` ({last, last_step, best, best_step}) or None, ``precision``
+    ({precision, why} of the last start) or None, ``evals`` ({name: scores}).
     """
     path = metrics_path(run_or_file)
     series = curves_data(path, keys=REPORT_KEYS)
@@ -65,6 +82,7 @@ def run_report(run_or_file: str | Path) -> dict[str, Any]:
                             "best": float(nll.values[b]), "best_step": int(nll.steps[b])}
     else:
         rep["valid_nll"] = None
+    rep["precision"] = _precision(path)
     rep["evals"] = _eval_scores(path.parent)
     return rep
 
@@ -79,6 +97,9 @@ def format_report(rep: dict[str, Any]) -> str:
         upd += (f"; {rep['elapsed_s']:,.0f} s ({rep['elapsed_s'] / 60:.1f} min) of training at the last "
                 f"training log (step {rep['elapsed_step']:,})")
     lines.append(upd)
+    p = rep.get("precision")
+    if p:
+        lines.append(f"precision    {p['precision']}" + (f" ({p['why']})" if p["why"] else ""))
     t = rep["tokens_per_s"]
     if t:
         lines.append(f"throughput   {t['median']:,.0f} target tokens/s median (middle half {t['p25']:,.0f}-"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from aiayn.config import SPEED_KEYS, Config, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
-from aiayn.device import check_fits_in_memory, resolve_precision
+from aiayn.device import check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, locked
@@ -96,7 +96,8 @@ def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
-    precision = resolve_precision(cfg.train.precision, device, training=True)  # bf16 on a CPU: refused here
+    # bf16 on a CPU without native bf16 (or whose probe failed): refused here, before any work
+    precision, precision_why = choose_precision(cfg.train.precision, device, training=True)
     threads = set_cpu_threads(_run_threads(cfg, run_dir, resume)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
@@ -123,12 +124,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         if d.main:
             log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, threads, d.world)
+            log.info("precision: %s (%s)", precision, precision_why)
         evaluate_extra = None
         if cfg.train.eval_bleu and cfg.kind.encoder:
             from aiayn.train.validation import validation_bleu_fn
 
             evaluate_extra = validation_bleu_fn(cfg, data, tok)
-        trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra)
+        trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra, precision_why)
         if resume and trainer.resume():
             if d.main:
                 # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed

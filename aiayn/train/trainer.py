@@ -43,9 +43,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, model: nn.Module, data: TrainData, run_dir: str | Path,
                  dist_info: Dist | None = None, precision: str = "fp32", progress: bool = True,
-                 evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None) -> None:
+                 evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None,
+                 precision_why: str = "") -> None:
         """``dist_info``: the process and its device (:func:`aiayn.train.parallel.init_distributed`);
-        ``precision``: the resolved ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.resolve_precision`);
+        ``precision``: the resolved ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.choose_precision`),
+        and ``precision_why`` its reason (both go into the first training line of metrics.jsonl after each start,
+        which ``aiayn report`` reads);
         ``evaluate_extra``: more validation scores (validation BLEU)."""
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.d = dist_info or Dist()
@@ -55,7 +58,7 @@ class Trainer:
         self.progress = progress
         self.evaluate_extra = evaluate_extra
         self.state = TrainState()
-        self.precision = precision
+        self.precision, self.precision_why = precision, precision_why
         self.autocast = autocast_context(self.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
@@ -181,6 +184,9 @@ class Trainer:
                 check_agreement(sums.norms, d, step)
             st.elapsed_s = time.perf_counter() - loop.start
             rec = loop.compiles.add_to(loop.window.record(st, lr))  # the loop's one host-device synchronization
+            if not loop.said_precision:  # once per start: what it runs in, and why
+                rec.update(precision=self.precision, precision_why=self.precision_why)
+                loop.said_precision = True
             loop.metrics.write(rec)
             loop.progress.record(rec)
             loop.window = Window(self.device)
@@ -215,6 +221,7 @@ class Loop:
     window: Window  # the updates since the last logged one
     start: float  # perf_counter() when the run began, its earlier sessions' time included
     last_saved: int  # the step of the last checkpoint
+    said_precision: bool = False  # whether a metrics line of this start has named the precision
 
 
 def update_loader(cfg: Config, data: TrainData, d: Dist) -> UpdateLoader:
