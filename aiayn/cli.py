@@ -50,8 +50,9 @@ THREADS_HELP = "CPU threads (default: the cores not busy with other work; 1 is f
 def add_device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda | cuda:N | mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16", "int8"],
-                   help="weights' precision (auto: fp32; tf32 = fp32 with TF32 matmuls, bf16, fp16: CUDA only; "
-                        "int8: int8 linear layers, CPU only)")
+                   help="auto: bf16 on a CPU whose native bf16 passed aiayn's probe and measured faster, else fp32; "
+                        "tf32 = fp32 with TF32 matmuls, fp16: CUDA only; bf16: CUDA, or a CPU with native bf16 (its "
+                        "linear layers); int8: int8 linear layers, CPU only")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from aiayn.config import Config, read_run_config
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import check_fits_in_memory, resolve_device, resolve_precision, weights_dtype
+from aiayn.device import check_fits_in_memory, choose_precision, resolve_device, weights_dtype
 from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
@@ -29,7 +29,8 @@ class Run:
     model: nn.Module
     tokenizers: TokenizerPair
     precision: str = "fp32"  # resolved: fp32 | tf32 | bf16 | fp16 | int8 (tf32: fp32 weights, TF32 matmuls in
-    # kernels(); int8: fp32 weights, int8 linear layers, aiayn.linear)
+    # kernels(); int8, and bf16 on a CPU: fp32 weights, int8 / bf16 linear layers, aiayn.linear)
+    precision_why: str = ""  # why that precision (aiayn.device.choose_precision)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "auto",
@@ -41,7 +42,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
     ``weights``: a file or the tensors (:func:`aiayn.weights.select_weights`; None: those inference uses).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
-    precision = resolve_precision(precision, dev, training=False)
+    precision, why = choose_precision(precision, dev, training=False)
     dtype = weights_dtype(precision, dev)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -57,7 +58,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
     model.to(dtype=dtype)
     prepare_model(model, dev, training=False, precision=precision)
     warn_if_undertrained(run_dir, cfg)
-    return Run(run_dir, cfg, model.eval(), tok, precision)
+    log.info("precision: %s (%s)", precision, why)
+    return Run(run_dir, cfg, model.eval(), tok, precision, why)
 
 
 def trained_updates(run_dir: str | Path) -> int | None:

@@ -34,8 +34,8 @@ def test_tokens_and_batch1_modes(tmp_path):
 
 
 def test_half_precision_off_cuda_is_refused_before_any_work(tmp_path):
-    with pytest.raises(SystemExit, match="bf16 needs a CUDA device"):
-        translate_speed.main(["--smoke", "--precision", "fp32", "bf16", "--md", str(tmp_path / "B.md")])
+    with pytest.raises(SystemExit, match="fp16 needs a CUDA device"):
+        translate_speed.main(["--smoke", "--precision", "fp32", "fp16", "--md", str(tmp_path / "B.md")])
     assert not (tmp_path / "B.md").exists()
 
 
@@ -159,14 +159,21 @@ def test_engines_measured_in_processes_of_their_own_translate_the_same(tmp_path)
     assert "each engine in a process of its own" not in (tmp_path / "A.md").read_text()
 
 
-def test_each_engine_is_also_compared_at_its_own_fastest_thread_count():
-    """CTranslate2 may be fastest at fewer threads than aiayn: the report also pairs each engine's best count."""
-    rows = {"batched 1t": {"aiayn-exact": 100.0, "ct2-fp32": 300.0}, "batched 2t": {"aiayn-exact": 240.0,
-                                                                                   "ct2-fp32": 200.0}}
-    result = {"modes": {k: {e: {"sentences_per_s": v} for e, v in r.items()} for k, r in rows.items()},
-              "keys": {k: {"mode": "batched", "precision": "fp32", "threads": int(k[-2])} for k in rows}}
+def test_each_engine_is_also_compared_at_its_own_fastest_setting():
+    """CTranslate2 may be fastest at fewer threads than aiayn, and aiayn in bf16: the report pairs each engine's best
+    thread count and precision, counting a row only if its BLEU is within 0.3 of the engine's fp32 row."""
+    rows = {("batched", "fp32", 1): {"aiayn-exact": (100.0, 30.0), "ct2-fp32": (300.0, 30.1), "ct2-int8": (400, 30.0)},
+            ("batched", "fp32", 2): {"aiayn-exact": (240.0, 30.0), "ct2-fp32": (200.0, 30.1)},
+            ("batched", "bf16", 1): {"aiayn-exact": (350.0, 30.2)},
+            ("batched", "bf16", 2): {"aiayn-exact": (900.0, 29.0)},  # faster, but 1.0 BLEU off: not counted
+            ("batch-1", "fp32", 1): {"aiayn-exact": (20.0, 30.0), "ct2-fp32": (50.0, 30.0)}}
+    result = {"modes": {translate_speed.mode_key(m, q, t): {e: {"sentences_per_s": v, "bleu": b}
+                                                              for e, (v, b) in r.items()}
+                        for (m, q, t), r in rows.items()},
+              "keys": {translate_speed.mode_key(m, q, t): {"mode": m, "precision": q, "threads": t}
+                       for m, q, t in rows}}
     assert translate_speed._best_settings(result) == [
-        "- batched, each at its fastest thread count: aiayn (stop=exact) (2t) / CTranslate2 fp32 (1t) sentences/s = "
-        "0.80x (goal >= 1.00x: short)"]
-    result["keys"] = {k: {**v, "threads": None} for k, v in result["keys"].items()}  # one count: nothing to pair
-    assert translate_speed._best_settings(result) == []
+        "- batched, each at its fastest: aiayn exact (bf16, 1t) / CTranslate2 (int8, 1t) sentences/s = "
+        "0.88x (goal >= 1.00x: short)",
+        "- batch-1, each at its fastest: aiayn exact (fp32, 1t) / CTranslate2 (fp32, 1t) sentences/s = "
+        "0.40x (goal >= 0.50x: short)"]

@@ -236,7 +236,9 @@ class TrainConfig:
     label_smoothing: float = 0.1
     accum_steps: int = 1  # micro-batches per update
     clip_norm: float | None = None
-    precision: str = "auto"  # auto (bf16 on CUDA where supported, else fp32) | fp32 | tf32 | bf16 | fp16
+    # auto (bf16 on CUDA where supported, and on a CPU whose native bf16 passed aiayn.cpu_probe; else fp32) | fp32 |
+    # tf32 | bf16 | fp16
+    precision: str = "auto"
     # torch.compile of the layers and the loss: true | false | auto (on CUDA for runs of at least
     # aiayn.engine.COMPILE_AUTO_MIN_UPDATES updates and minutes, where the compile time pays off; never on a CPU)
     compile: bool | str = "auto"

@@ -93,8 +93,10 @@ class NativeRoutes(RouteTable):
         m = svc.model
         return JSONResponse({
             "task": svc.task, "run": str(m.path), "device": str(m.device),
-            "precision": ("int8" if m.run.precision == "int8"  # fp32 weights, int8 linear layers (aiayn.linear)
-                          else str(next(m.model.parameters()).dtype).removeprefix("torch.")),
+            # int8, and bf16 on a CPU: fp32 weights, int8 / bf16 linear layers (aiayn.linear)
+            "precision": ({"int8": "int8", "bf16": "bfloat16"}.get(m.run.precision)
+                          or str(next(m.model.parameters()).dtype).removeprefix("torch.")),
+            "precision_why": m.run.precision_why,
             "parameters": count_parameters(m.model), "config": m.cfg.to_dict(),
             "decode": dataclasses.asdict(svc.decode),  # the run's decode section with the server's decoding flags
             "limits": {**dataclasses.asdict(svc.limits), "attention_tokens": m.cfg.model.max_positions},
