@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -87,8 +87,15 @@ def resolve_precision(precision: str, device: torch.device, training: bool) -> s
     return choose_precision(precision, device, training)[0]
 
 
-def choose_precision(precision: str, device: torch.device, training: bool) -> tuple[str, str]:
-    """(the resolved precision, why: one line) for ``precision`` on ``device``, for training or inference.
+class Precision(NamedTuple):
+    """A resolved precision (fp32 | tf32 | bf16 | fp16 | int8) and why it was chosen (one line)."""
+
+    name: str
+    why: str
+
+
+def choose_precision(precision: str, device: torch.device, training: bool) -> Precision:
+    """The resolved precision and why (one line) for ``precision`` on ``device``, for training or inference.
 
     ``auto``: the module docstring's rule. tf32 / fp16 off CUDA, bf16 on a CPU without native bf16 (or one whose
     probe failed) and int8 off the CPU or for training are a :class:`DeviceError`, before any work."""
@@ -98,32 +105,32 @@ def choose_precision(precision: str, device: torch.device, training: bool) -> tu
     if precision == "auto":
         if cuda:
             if not training:
-                return "fp32", "auto: inference on a GPU runs in fp32"
+                return Precision("fp32", "auto: inference on a GPU runs in fp32")
             if torch.cuda.is_bf16_supported():
-                return "bf16", "auto: training on a GPU with bf16"
-            return "fp32", "auto: this GPU has no bf16"
+                return Precision("bf16", "auto: training on a GPU with bf16")
+            return Precision("fp32", "auto: this GPU has no bf16")
         if device.type == "cpu":
             chosen, why = _cpu_auto(training)
-            return chosen, f"auto: {why}"
-        return "fp32", f"auto: {device.type}"
+            return Precision(chosen, f"auto: {why}")
+        return Precision("fp32", f"auto: {device.type}")
     if precision == "int8":
         if training:
             raise DeviceError("precision int8 is for inference (translate, evaluate, serve); train in fp32 or bf16")
         if device.type != "cpu":
             raise DeviceError(f"precision int8 runs on the CPU only (this runs on {device.type}); use fp32, or "
                               "bf16 / fp16 on CUDA")
-        return precision, "asked for (--precision int8)"
+        return Precision(precision, "asked for (--precision int8)")
     if precision == "bf16" and device.type == "cpu":
         found = cpu_bf16()
         if not found.native:
             raise DeviceError(f"precision bf16 on this CPU ({found.cpu}): {found.why}; use fp32 (or auto)")
-        return "bf16", f"asked for (--precision bf16); {found.why}"
+        return Precision("bf16", f"asked for (--precision bf16); {found.why}")
     if precision != "fp32" and not cuda:
         raise DeviceError(f"precision {precision} needs a CUDA device (this runs on {device.type}); use fp32"
                           + (" or bf16" if device.type == "cpu" else ""))
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise DeviceError("precision bf16: this GPU does not support bfloat16; use fp16 or fp32")
-    return precision, f"asked for (--precision {precision})"
+    return Precision(precision, f"asked for (--precision {precision})")
 
 
 def _cpu_auto(training: bool) -> tuple[str, str]:
@@ -190,7 +197,7 @@ def check_fits_in_memory(cfg: ModelConfig) -> None:
 
 
 __all__ = [
-    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "autocast_context", "check_fits_in_memory", "choose_precision",
-    "inference_precision", "weights_dtype",
-    "model_device", "move_module", "physical_memory", "resolve_device", "resolve_precision",
+    "DEVICE_CHOICES", "DTYPES", "PRECISIONS", "Precision", "autocast_context", "check_fits_in_memory",
+    "choose_precision", "inference_precision", "model_device", "move_module", "physical_memory", "resolve_device",
+    "resolve_precision", "weights_dtype",
 ]

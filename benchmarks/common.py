@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aiayn.cpu_probe import cpu_flags, cpu_model
 from aiayn.data.batching import Batch, batch_shape, collate, token_batches
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,16 +113,6 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -134,6 +125,7 @@ def machine_info(threads: int) -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "cpu": cpu_model(),
+        "cpu_flags": list(cpu_flags()),  # the ones that decide kernels: AVX2/512, VNNI, bf16, AMX (aiayn.cpu_probe)
         "cores": os.cpu_count(),
         "threads": threads,
         "python": platform.python_version(),
@@ -164,8 +156,9 @@ def provenance(info: dict[str, Any], command: str, date: str) -> str:
     return (
         f"- Date: {date}\n"
         f"- Command: `{command}`\n"
-        f"- Machine: {info['platform']}; CPU: {info['cpu']}, {info['cores']} cores, "
-        f"{info['threads']} threads used; GPU: {info['gpu'] or 'none'}\n"
+        f"- Machine: {info['platform']}; CPU: {info['cpu']}"
+        + (f" ({', '.join(info['cpu_flags'])})" if info.get("cpu_flags") else "")
+        + f", {info['cores']} cores, {info['threads']} threads used; GPU: {info['gpu'] or 'none'}\n"
         f"- Versions: {versions}\n"
     )
 

@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parent.parent / "aiayn"
 
 LAYERS = {
     "aiayn.errors": 0, "aiayn.files": 0, "aiayn.progress": 0,
-    "aiayn.config": 1, "aiayn.device": 1, "aiayn.task": 1,
+    "aiayn.config": 1, "aiayn.cpu_probe": 1, "aiayn.device": 1, "aiayn.task": 1,
     "aiayn.weights": 2, "aiayn.engine": 2, "aiayn.linear": 2,
     "aiayn.model": 3, "aiayn.data": 3,
     "aiayn.search": 4,

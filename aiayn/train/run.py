@@ -97,7 +97,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
     # bf16 on a CPU without native bf16 (or whose probe failed): refused here, before any work
-    precision, precision_why = choose_precision(cfg.train.precision, device, training=True)
+    precision = choose_precision(cfg.train.precision, device, training=True)
     threads = set_cpu_threads(_run_threads(cfg, run_dir, resume)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
@@ -124,13 +124,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
         if d.main:
             log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, threads, d.world)
-            log.info("precision: %s (%s)", precision, precision_why)
+            log.info("precision: %s (%s)", *precision)
         evaluate_extra = None
         if cfg.train.eval_bleu and cfg.kind.encoder:
             from aiayn.train.validation import validation_bleu_fn
 
             evaluate_extra = validation_bleu_fn(cfg, data, tok)
-        trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra, precision_why)
+        trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra)
         if resume and trainer.resume():
             if d.main:
                 # Only now: a resume whose config does not fit the run (tokenizer, model shape) has failed

@@ -21,7 +21,7 @@ import aiayn.engine as engine
 from aiayn.config import Config, ConfigError, TrainConfig
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
-from aiayn.device import autocast_context, inference_precision
+from aiayn.device import Precision, autocast_context, inference_precision
 from aiayn.train.console import Console
 from aiayn.train.inference_weights import WeightsChoice, keep_best
 from aiayn.train.metrics import MetricsLog
@@ -42,13 +42,12 @@ class Trainer:
     """Runs a :class:`Config` on a model and :class:`TrainData`, writing into ``run_dir``."""
 
     def __init__(self, cfg: Config, model: nn.Module, data: TrainData, run_dir: str | Path,
-                 dist_info: Dist | None = None, precision: str = "fp32", progress: bool = True,
-                 evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None,
-                 precision_why: str = "") -> None:
+                 dist_info: Dist | None = None, precision: str | Precision = "fp32", progress: bool = True,
+                 evaluate_extra: Callable[[nn.Module, Dist], dict[str, float]] | None = None) -> None:
         """``dist_info``: the process and its device (:func:`aiayn.train.parallel.init_distributed`);
-        ``precision``: the resolved ``train.precision`` (fp32, bf16 or fp16; :func:`aiayn.device.choose_precision`),
-        and ``precision_why`` its reason (both go into the first training line of metrics.jsonl after each start,
-        which ``aiayn report`` reads);
+        ``precision``: the resolved ``train.precision`` (fp32, bf16 or fp16), with its reason where it is a
+        :class:`~aiayn.device.Precision` (:func:`aiayn.device.choose_precision`; both go into the first training line
+        of metrics.jsonl after each start, which ``aiayn report`` reads);
         ``evaluate_extra``: more validation scores (validation BLEU)."""
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.d = dist_info or Dist()
@@ -58,7 +57,7 @@ class Trainer:
         self.progress = progress
         self.evaluate_extra = evaluate_extra
         self.state = TrainState()
-        self.precision, self.precision_why = precision, precision_why
+        self.precision, self.precision_why = (precision, "") if isinstance(precision, str) else precision
         self.autocast = autocast_context(self.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.pad_id = cfg.model.pad_id
