@@ -62,7 +62,7 @@ def test_multipart_forms_are_read_on_every_libretranslate_route(client_mt, trans
     r = client_mt.post("/detect", files=form(q="a b c"))
     assert r.status_code == 200 and r.json() == [{"confidence": 100.0, "language": "en"}], r.text
     r = client_mt.post("/languages", files=form(api_key="unused"))
-    assert r.status_code == 200 and r.json()[0]["targets"] == ["de"], r.text
+    assert r.status_code == 200 and r.json()[0]["targets"] == ["de", "en"], r.text
     r = client_mt.post("/translate", files=form(q="a b", source="en", target="de", format="html"))
     assert r.status_code == 200, r.text
     r = client_mt.post("/translate", files={"q": ("q.txt", b"a b"), "source": (None, "en"), "target": (None, "de")})
@@ -75,7 +75,8 @@ def test_languages_answers_without_the_key_as_libretranslate_does(translator):
     """LibreTranslate has no key check on ``GET /languages`` (its clients list languages before they have a key);
     the routes that translate still ask for it."""
     with TestClient(create_app(translator, max_wait_ms=1.0, api_key=KEY), base_url="http://localhost") as c:
-        assert c.get("/languages").json() == [{"code": "en", "name": "English", "targets": ["de"]}]
+        assert c.get("/languages").json() == [{"code": "en", "name": "English", "targets": ["de", "en"]},
+                                              {"code": "de", "name": "German", "targets": ["de"]}]
         assert c.post("/languages", json={"api_key": "wrong-key!"}).status_code == 200  # not read
         assert c.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 403
         assert c.post("/detect", json={"q": "a b"}).status_code == 403

@@ -241,7 +241,7 @@ def test_an_api_key_in_the_url_is_refused_and_never_logged(keyed_client):
 def test_a_libretranslate_text_too_long_for_the_model_is_named_q(keyed_client):
     r = keyed_client.post("/translate", json={"q": ["a b", " ".join(["alpha"] * 301)], "source": "en", "target": "de",
                                               "api_key": "s3cret-key"})
-    assert r.status_code == 413 and r.json()["error"].startswith("q[1]: "), r.text
+    assert r.status_code == 413 and r.json()["error"].startswith("q[1] sentence[0]: "), r.text
 
 
 def test_a_weak_key_from_the_environment_is_named(tiny_run, capsys, monkeypatch):

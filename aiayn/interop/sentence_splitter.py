@@ -281,3 +281,18 @@ def sentence_splitter_onnx(lang: str) -> bytes:
             + _bytes(2, "aiayn") + _bytes(7, graph)
             + _bytes(8, _bytes(1, "") + _int(2, 13))  # opset_import: the default domain, opset 13
             + b"".join(_bytes(14, _bytes(1, k) + _bytes(2, v)) for k, v in metadata.items()))
+
+
+# --- how Argos Translate reads a text and joins its translation ---------------------------------------------------
+
+def argos_paragraphs(text: str) -> list[list[str]]:
+    """A text as Argos Translate translates it: its paragraphs (cut at every newline), each as its sentences
+    (:func:`split_sentences`; none for an empty paragraph)."""
+    return [split_sentences(p) for p in text.split("\n")]
+
+
+def argos_join(paragraphs: list[list[str]]) -> str:
+    """The translation of a text from those of its paragraphs' sentences, joined as Argos joins them: the sentences
+    of a paragraph by a space (SentencePiece decodes their pieces one after another, each sentence's first piece
+    starting a word), the paragraphs by a newline, newlines at the start dropped (Argos' ``lstrip("\\n")``)."""
+    return "\n".join(" ".join(s for s in sentences if s) for sentences in paragraphs).lstrip("\n")
