@@ -177,6 +177,9 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress on stderr for an --input file: a bar on a terminal, plain lines otherwise "
                         "(default: when stderr is a terminal)")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="translate each line sentence by sentence, with the splitter an Argos package of the run "
+                        "ships, and join them as Argos Translate (and LibreTranslate) do")
     add_decode_options(p)
     p.set_defaults(func=cmd_translate)
 
@@ -199,6 +202,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise DataError(f"{args.output}: is a directory (--output names the file to write)")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
     opts = translator.options(**decode_overrides(args))
+    if args.split_sentences:
+        from aiayn.interop.paragraphs import SentenceTranslator
+
+        translator = SentenceTranslator(translator)
     source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
     interactive = from_stdin and sys.stdin.isatty()
     chunk = args.chunk or (1 if interactive else 2000)

@@ -5,6 +5,7 @@ paragraphs longer than MiniSBD's 1,000-unit window."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -53,3 +54,25 @@ def test_split_sentences_equals_minisbd_with_the_packaged_model(tmp_path: Path):
     for text in texts:
         if text.strip():  # MiniSBD is not asked about empty paragraphs (Argos translates them as empty)
             assert split_sentences(text) == sbd.sentences(text), text
+
+
+def test_translate_split_sentences_translates_each_sentence_and_joins_as_argos(tiny_run, tmp_path: Path, capsys):
+    from aiayn import cli
+    from aiayn.decode.translator import load
+    from aiayn.interop.sentence_splitter import argos_join
+
+    lines = ["A b c d. B a d! Is c a b?", "", "c d a b", "d c. A b."]
+    src = tmp_path / "in.txt"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tr = load(tiny_run, "cpu")
+    want = [argos_join([[h[0].text for h in tr.search(split_sentences(line), tr.options(), scores=False)]])
+            if line else "" for line in lines]
+    assert cli.main(["translate", str(tiny_run), "--input", str(src), "--split-sentences", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines() == want
+    assert cli.main(["translate", str(tiny_run), "--input", str(src), "--split-sentences", "--device", "cpu",
+                     "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["hyps"][0]["text"] if r["hyps"] else "" for r in records] == want
+    # a joined hypothesis' score is its sentences' summed
+    first = tr.search(split_sentences(lines[0]), tr.options(), scores=True)
+    assert abs(records[0]["hyps"][0]["score"] - sum(h[0].score for h in first)) < 1e-4

@@ -137,3 +137,20 @@ def test_a_sentence_too_long_for_the_model_is_named_by_its_text(translator):
         r = c.post("/translate", json={"q": q, "source": "en", "target": "de"})
         assert r.status_code == 413 and r.json()["error"].startswith("q[1] sentence[1]:"), r.text
         assert c.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 200
+
+
+def test_serve_flags_reach_the_routes_and_bad_limits_are_one_line(tiny_run, capsys):
+    from aiayn import cli
+    from aiayn.serve.server import ServeOptions
+
+    args = cli.build_parser().parse_args(["serve", str(tiny_run), "--no-split-sentences", "--no-libre-formatting",
+                                          "--char-limit", "5", "--batch-limit", "3"])
+    assert (args.split_sentences, args.libre_formatting, args.char_limit, args.batch_limit) == (False, False, 5, 3)
+    choices = ServeOptions(split_sentences=False, libre_formatting=False).choices()
+    assert (choices.split_sentences, choices.libre_formatting) == (False, False)
+    defaults = cli.build_parser().parse_args(["serve", str(tiny_run)])
+    assert (defaults.split_sentences, defaults.libre_formatting, defaults.char_limit) == (True, True, -1)
+    for flag, value in (("--char-limit", "0"), ("--batch-limit", "-2")):
+        assert cli.main(["serve", str(tiny_run), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "must be >= 1 (or -1: none)" in err, err

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from aiayn.config import DecodeOptions
 from aiayn.data.languages import language_name
 from aiayn.errors import one_line
-from aiayn.interop.sentence_splitter import argos_join, argos_paragraphs
+from aiayn.interop.paragraphs import joined, plan_texts, regroup
 from aiayn.serve.errors import LibreError
 from aiayn.serve.markup import join_html, split_html
 from aiayn.serve.routes import RouteTable, route
@@ -242,16 +242,11 @@ class LibreTranslate(RouteTable):
                 source_tokens(self.svc.model, [text], name + " sentence")
             found, _ = await self.svc.translate(texts, opts)
             return [[h.text for h in hyps] or [""] for hyps in found]
-        plans = [argos_paragraphs(t) for t in texts]
+        plans, sentences = plan_texts(texts)
         for name, plan in zip(names, plans):  # named by its text, not by its place among all the sentences
             source_tokens(self.svc.model, [s for p in plan for s in p], name + " sentence")
-        sentences = [s for plan in plans for p in plan for s in p]
-        found = iter((await self.svc.translate(sentences, opts))[0] if sentences else [])
-        out = []
-        for plan in plans:
-            hyps = [[[h.text for h in next(found)] or [""] for _ in p] for p in plan]
-            out.append([argos_join([[h[min(k, len(h) - 1)] for h in p] for p in hyps]) for k in range(n)])
-        return out
+        found = (await self.svc.translate(sentences, opts))[0] if sentences else []
+        return [joined(grouped, n, str) for grouped in regroup(plans, [[h.text for h in x] or [""] for x in found])]
 
     async def translate_html(self, documents: list[str], opts: DecodeOptions) -> list[str]:
         """The text nodes of every document translated in one call (each as a text, sentence by sentence, as

@@ -16,10 +16,14 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
 from aiayn.serve.batcher import check_batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
+
+if TYPE_CHECKING:
+    from aiayn.serve.service import Choices
 
 log = logging.getLogger("aiayn.serve")
 
@@ -89,6 +93,12 @@ class ServeOptions:
     split_sentences: bool = True
     libre_formatting: bool = True
 
+    def choices(self) -> Choices:
+        """What the operator chose beyond the run, as the routes read it."""
+        from aiayn.serve.service import Choices  # starlette's, imported once a server starts
+
+        return Choices(self.decode, self.model_aliases, self.split_sentences, self.libre_formatting)
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
@@ -131,7 +141,6 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     from aiayn.engine import set_cpu_threads
     from aiayn.serve.app import create_app, warm_up
     from aiayn.serve.chat_template import load_chat_template
-    from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
     # The model computes on the batcher's thread with the CPU threads aiayn.cli chose (--threads, else the free
@@ -146,8 +155,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key, Choices(o.decode, o.model_aliases, o.split_sentences,
-                                                            o.libre_formatting))
+                     o.api_key, o.choices())
     def on_model_thread() -> None:
         set_cpu_threads(threads)
         warm_up(model)
