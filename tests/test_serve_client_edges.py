@@ -168,6 +168,43 @@ def test_a_prompt_past_the_context_names_param_code_and_what_a_client_can_do(cli
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", bad
 
 
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_what_is_generated(client_lm, lm):
+    """vLLM's -1 (the model's context) on a prompt past it: the prompt is cut to the context less one new token
+    (then the completion slides, as a 63-token prompt with 30 new tokens does), or less max_tokens with echo or
+    logprobs (every score reads all tokens before it), and answered, never refused for want of room."""
+    long = "the cat sat on the mat. " * 3  # 72 tokens of the character model, whose context is 32
+    ids = lm.tokenizers.src.encode(long)
+    r = client_lm.post("/v1/completions", json={"prompt": long, "max_tokens": 6, "temperature": 0,
+                                                "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 31
+    assert r.json()["choices"][0]["text"] == lm.generate(ids[-31:], max_new_tokens=6)
+    r = client_lm.post("/v1/completions", json={"prompt": long, "max_tokens": 4, "echo": True, "logprobs": 1,
+                                                "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 28, r.text
+    chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 3, "truncate_prompt_tokens": -1}
+    r = client_lm.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 31, r.text
+
+
+def test_a_translation_runs_too_long_prompt_is_openais_400_naming_the_requests_field(client_mt, translator):
+    """OpenAI answers a text past the model's context with 400 ``context_length_exceeded``; chat names
+    ``messages`` (the last user message is what a translation run reads), completions ``prompt``."""
+    long = "a b " * (translator.max_source_tokens + 5)
+    r = client_mt.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded"), err
+    assert err["message"].startswith("messages: the last user message: "), err
+    r = client_mt.post("/v1/completions", json={"prompt": ["a b", long]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "context_length_exceeded"), err
+    assert err["message"].startswith("prompt[1]: "), err
+    # more prompts than --max-sentences: 400 out_of_range, as OpenAI refuses a request it will not take
+    r = client_mt.post("/v1/completions", json={"prompt": ["a"] * 129})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "out_of_range"), err
+
+
 def test_the_chat_routes_unknown_field_names_its_param(client_lm):
     r = client_lm.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "colour": 1})
     err = r.json()["error"]
