@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -96,7 +97,31 @@ class OneLineParser(argparse.ArgumentParser):
     exit 2 as every other bad input, not a usage block; ``--help`` still shows the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"aiayn: error: {one_line(message)} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"aiayn: error: {one_line(message)}{self.suggestion(message)} ({self.prog} --help lists the "
+                     "options)\n")
+
+    def suggestion(self, message: str) -> str:
+        """"did you mean" for a mistyped command (``invalid choice: 'trian'``) or flag (``unrecognized arguments:
+        --beem``), from the commands and flags this parser knows."""
+        from aiayn.errors import did_you_mean
+
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        flags = [w for w in message.removeprefix("unrecognized arguments:").split() if w.startswith("--")]
+        if message.startswith("unrecognized arguments:") and flags:
+            parser: argparse.ArgumentParser = self  # the command's own parser, whose flags these were meant as
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    named = [w for w in getattr(self, "argv", []) if w in action.choices]
+                    parser = action.choices[named[0]] if named else self
+            known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            return did_you_mean(flags[0].split("=", 1)[0], known)
+        return ""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)  # for suggestion(): which command was named
+        return super().parse_known_args(args, namespace)
 
 
 FIRST_STEPS = """\
@@ -592,6 +617,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask, model",
+                       usage="%(prog)s {positional,attention,schedule,curves,mask,model} [run] [options]; "
+                             "attention: %(prog)s attention RUN --src TEXT [--tgt TEXT]",
                        description="Draws one figure to a PNG and prints each path it writes. attention writes "
                                    "three files, one per kind of attention: --out X.png gives X_encoder.png, "
                                    "X_decoder_self.png and X_cross.png.")
@@ -608,7 +635,7 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pos", type=int, default=128, help="positional: positions drawn (default 128)")
     p.add_argument("--warmup", type=int, default=None, help="schedule: warm-up updates (default 4000 / the run's)")
     p.add_argument("--compare", action="store_true", help="positional: sinusoidal beside the other encodings")
-    p.add_argument("--src", default=None, help="attention: the source sentence")
+    p.add_argument("--src", default=None, help="attention: the source sentence (required there)")
     p.add_argument("--tgt", default=None, help="attention: the target (default: the model's greedy translation)")
     p.add_argument("--layer", type=int, default=None, help="attention: only this layer (default all)")
     p.add_argument("--head", type=int, default=None, help="attention: only this head (default all)")

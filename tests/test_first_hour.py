@@ -262,3 +262,45 @@ def test_a_moving_forecast_says_it_is_one_and_what_it_was(caplog):
     with caplog.at_level(logging.INFO, logger="aiayn.train"):
         fixed.record({**rec, "step": 50, "elapsed_s": 10.0})
     assert caplog.records[0].getMessage().startswith("step 50/300 loss")
+
+
+def test_a_typo_in_a_key_flag_or_command_gets_a_did_you_mean(tmp_path, capsys):
+    """First hour, point 6: a config key, a decoding option, a command or a flag mistyped names the one meant."""
+    from aiayn.config import ConfigError, DecodeOptions
+
+    assert main(["train", TINY, "--run-dir", str(tmp_path / "r"), "--set", "train.max_updatez=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key train.max_updatez (did you mean max_updates?)" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match=r"unknown decoding option beem \(did you mean beam\?\)"):
+        DecodeOptions().replace(beem=3)
+    for argv, hint in ((["trian"], "(did you mean train?)"), (["translate", "x", "--beem", "3"],
+                                                              "(did you mean --beam?)"),
+                       (["serve", "x", "--char-limt", "3"], "(did you mean --char-limit?)"),
+                       (["viz", "atention"], "(did you mean attention?)")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and hint in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["translate", "x", "--zzzz", "3"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing close: no guess
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_called_a_run(tmp_path, capsys):
+    """First hour, point 6: a run directory with no weights yet is not asked whether it is a run directory; viz's
+    --help says that attention needs --src."""
+    from aiayn.errors import CheckpointError
+    from aiayn.weights import inference_weights_path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: translation\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="no weights yet: its training stopped before the first checkpoint") as e:
+        inference_weights_path(run)
+    assert "is it a run directory" not in str(e.value) and f"aiayn train --resume {run}" in str(e.value)
+    with pytest.raises(CheckpointError, match="is it a run directory"):
+        inference_weights_path(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["viz", "--help"])
+    assert "attention RUN --src TEXT" in capsys.readouterr().out
