@@ -205,6 +205,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     return config_from_dict(values)
 
 
+def recipe_values(path: str | Path) -> dict[str, Any]:
+    """A recipe's own values as written (its ``base:`` chain merged), before defaults fill the rest: what it sets."""
+    return _recipe_values(path, ())
+
+
 def _recipe_values(path: str | Path, extending: tuple[Path, ...]) -> dict[str, Any]:
     """A recipe's values merged over those of its ``base:``, and of that one's base, and so on (``extending``:
     the files already on the chain, so that a base that leads back to one of them is refused, not followed)."""
