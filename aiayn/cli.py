@@ -697,11 +697,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted_training(args: argparse.Namespace) -> str:
-    """For an interrupted ``aiayn train``: how to go on (its run directory keeps its checkpoints)."""
-    if getattr(args, "command", None) != "train":
+    """For an interrupted ``aiayn train`` or ``aiayn demo`` (``make demo``): how to go on (its run directory keeps
+    its checkpoints; the demo resumes an unfinished run by itself)."""
+    command = getattr(args, "command", None)
+    if command not in ("train", "demo"):
         return ""
     from aiayn.train.run import default_run_dir, resume_hint
 
+    if command == "demo":
+        from aiayn.demo import DEFAULT_RUN_DIR
+
+        run = Path(args.run_dir or DEFAULT_RUN_DIR)
+        return (f"; {resume_hint(run)}, or run make demo (aiayn demo) again, which resumes it"
+                if (run / "config.yaml").is_file() else "")
     run = args.resume if isinstance(args.resume, str) else args.run_dir or (
         default_run_dir(args.config) if args.config else None)
     return f"; {resume_hint(Path(run))}" if run is not None and (Path(run) / "config.yaml").is_file() else ""

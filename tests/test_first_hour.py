@@ -304,3 +304,22 @@ def test_a_run_stopped_before_its_first_checkpoint_is_called_a_run(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["viz", "--help"])
     assert "attention RUN --src TEXT" in capsys.readouterr().out
+
+
+def test_ctrl_c_under_make_demo_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """First hour, point 5: an interrupted ``aiayn demo`` (what ``make demo`` runs) says where its checkpoints are
+    and how to go on, as an interrupted ``aiayn train`` does."""
+    import aiayn.demo
+
+    run = tmp_path / "demo"
+
+    def interrupted(args):
+        run.mkdir()
+        (run / "config.yaml").write_text("task: translation\n", encoding="utf-8")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(aiayn.demo, "run_demo", interrupted)
+    assert main(["demo", "--run-dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("aiayn: interrupted; ") and f"aiayn train --resume {run}" in err
+    assert "make demo (aiayn demo) again" in err and err.count("\n") == 1
