@@ -323,3 +323,13 @@ def test_ctrl_c_under_make_demo_says_how_to_resume(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.startswith("aiayn: interrupted; ") and f"aiayn train --resume {run}" in err
     assert "make demo (aiayn demo) again" in err and err.count("\n") == 1
+
+
+def test_the_readme_quick_start_says_how_to_use_local_data():
+    """First hour, point 1: local files instead of downloads are in the README's quick start, under the variable
+    the datasets module reads, for every command (evaluate needs the test split even when train did not)."""
+    from aiayn.data.datasets import DATA_DIR_ENV
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert f"export {DATA_DIR_ENV}=" in quick and "`evaluate`" in quick and "/multi30k/" in quick
