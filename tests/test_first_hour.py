@@ -333,3 +333,40 @@ def test_the_readme_quick_start_says_how_to_use_local_data():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert f"export {DATA_DIR_ENV}=" in quick and "`evaluate`" in quick and "/multi30k/" in quick
+
+
+def test_the_weight_choice_says_what_it_does_and_a_stopped_one_is_finished_by_resume(tmp_path, caplog, capsys):
+    """First hour, point 2: after "stopped at step N" the choice of the inference weights says what it is doing
+    and how to finish it if stopped; a run stopped in that window (no model.safetensors after its newest checkpoint)
+    is finished by ``aiayn train --resume RUN`` without training more, even with its time budget spent; once
+    chosen, a resume with the budget spent is refused as before."""
+    from aiayn.weights import list_checkpoints
+
+    run = tmp_path / "run"
+    over = SMALL + ["train.max_updates=8", "train.inference_weights=average", "train.average_last=2",
+                    "train.max_minutes=0.0001"]  # 6 ms: the clock stops it after its first update
+    with caplog.at_level(logging.INFO):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(over)]) == 0
+    steps = list_checkpoints(run)
+    assert (run / "model.safetensors").is_file() and steps and steps[-1] < 8
+    (run / "model.safetensors").unlink()  # as a Ctrl-C during the choice leaves it
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0, capsys.readouterr().err
+    said = [r.getMessage() for r in caplog.records]
+    assert any("its inference weights were not chosen yet: choosing them now, without training more" in m
+               for m in said), said
+    assert (run / "model.safetensors").is_file() and list_checkpoints(run) == steps  # no update more
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2  # chosen: the budget is spent, as before
+    assert "give it more to go on" in capsys.readouterr().err
+
+
+def test_the_average_or_last_choice_logs_its_two_validations(tmp_path, caplog):
+    run = tmp_path / "run"
+    over = SMALL + ["train.max_updates=8", "train.inference_weights=average", "train.average_last=2"]
+    with caplog.at_level(logging.INFO):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(over)]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    first = [m for m in said if m.startswith("choosing the inference weights: the last ones (step 8)")]
+    assert len(first) == 1 and f"aiayn train --resume {run} finishes this choice" in first[0], said
+    assert any(m.startswith("choosing the inference weights (2 of 2") for m in said)
