@@ -35,26 +35,11 @@ def _eval_scores(run: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def _last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The newest checkpoint's state (its step and training time), or None."""
-    from aiayn.weights import checkpoint_paths, list_checkpoints
-
-    steps = list_checkpoints(run_dir)
-    if not steps:
-        return None
-    try:
-        state = json.loads(checkpoint_paths(run_dir, steps[-1])[2].read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
-
-
 def run_report(run_or_file: str | Path) -> dict[str, Any]:
     """The numbers ``aiayn report`` prints, as a dict (``--json`` prints it as is).
 
-    Keys: ``metrics`` (path), ``step``, ``epoch``, ``elapsed_s`` and ``elapsed_step`` (the training time and
-    its step: at the newest checkpoint when it is the last update, as when a run stops, else at the last training
-    log; ``elapsed_at`` says which, ``checkpoint`` or ``log``), ``tokens_per_s`` ({median, p25, p75,
+    Keys: ``metrics`` (path), ``step``, ``epoch``, ``elapsed_s`` and ``elapsed_step`` (the time at the
+    last training log and its step), ``tokens_per_s`` ({median, p25, p75,
     windows}) or None, ``valid_nll`` ({last, last_step, best, best_step}) or None, ``evals``
     ({name: scores}).
     """
@@ -87,6 +72,22 @@ def run_report(run_or_file: str | Path) -> dict[str, Any]:
         rep["valid_nll"] = None
     rep["evals"] = _eval_scores(path.parent)
     return rep
+
+
+def _last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The newest checkpoint's state (its step and training time), or None. :func:`run_report` takes its step and
+    time (``elapsed_at``: ``checkpoint``, else ``log``) when it is the run's last update, as when a run stops
+    between two training logs."""
+    from aiayn.weights import checkpoint_paths, list_checkpoints
+
+    steps = list_checkpoints(run_dir)
+    if not steps:
+        return None
+    try:
+        state = json.loads(checkpoint_paths(run_dir, steps[-1])[2].read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
 
 
 def format_report(rep: dict[str, Any]) -> str:
