@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -97,7 +98,31 @@ class OneLineParser(argparse.ArgumentParser):
     exit 2 as every other bad input, not a usage block; ``--help`` still shows the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"aiayn: error: {one_line(message)} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"aiayn: error: {one_line(message)}{self.suggestion(message)} ({self.prog} --help lists the "
+                     "options)\n")
+
+    def suggestion(self, message: str) -> str:
+        """"did you mean" for a mistyped command (``invalid choice: 'trian'``) or flag (``unrecognized arguments:
+        --beem``), from the commands and flags this parser knows."""
+        from aiayn.errors import did_you_mean
+
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        flags = [w for w in message.removeprefix("unrecognized arguments:").split() if w.startswith("--")]
+        if message.startswith("unrecognized arguments:") and flags:
+            parser: argparse.ArgumentParser = self  # the command's own parser, whose flags these were meant as
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    named = [w for w in getattr(self, "argv", []) if w in action.choices]
+                    parser = action.choices[named[0]] if named else self
+            known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            return did_you_mean(flags[0].split("=", 1)[0], known)
+        return ""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)  # for suggestion(): which command was named
+        return super().parse_known_args(args, namespace)
 
 
 FIRST_STEPS = """\
@@ -178,6 +203,9 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress on stderr for an --input file: a bar on a terminal, plain lines otherwise "
                         "(default: when stderr is a terminal)")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="translate each line sentence by sentence, with the splitter an Argos package of the run "
+                        "ships, and join them as Argos Translate (and LibreTranslate) do")
     add_decode_options(p)
     p.set_defaults(func=cmd_translate)
 
@@ -200,6 +228,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise DataError(f"{args.output}: is a directory (--output names the file to write)")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
     opts = translator.options(**decode_overrides(args))
+    if args.split_sentences:
+        from aiayn.interop.paragraphs import SentenceTranslator
+
+        translator = SentenceTranslator(translator)
     source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
     interactive = from_stdin and sys.stdin.isatty()
     chunk = args.chunk or (1 if interactive else 2000)
@@ -586,6 +618,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("viz", help="figures: positional, attention, schedule, curves, mask, model",
+                       usage="%(prog)s {positional,attention,schedule,curves,mask,model} [run] [options]; "
+                             "attention: %(prog)s attention RUN --src TEXT [--tgt TEXT]",
                        description="Draws one figure to a PNG and prints each path it writes. attention writes "
                                    "three files, one per kind of attention: --out X.png gives X_encoder.png, "
                                    "X_decoder_self.png and X_cross.png.")
@@ -602,7 +636,7 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pos", type=int, default=128, help="positional: positions drawn (default 128)")
     p.add_argument("--warmup", type=int, default=None, help="schedule: warm-up updates (default 4000 / the run's)")
     p.add_argument("--compare", action="store_true", help="positional: sinusoidal beside the other encodings")
-    p.add_argument("--src", default=None, help="attention: the source sentence")
+    p.add_argument("--src", default=None, help="attention: the source sentence (required there)")
     p.add_argument("--tgt", default=None, help="attention: the target (default: the model's greedy translation)")
     p.add_argument("--layer", type=int, default=None, help="attention: only this layer (default all)")
     p.add_argument("--head", type=int, default=None, help="attention: only this head (default all)")
@@ -664,11 +698,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted_training(args: argparse.Namespace) -> str:
-    """For an interrupted ``aiayn train``: how to go on (its run directory keeps its checkpoints)."""
-    if getattr(args, "command", None) != "train":
+    """For an interrupted ``aiayn train`` or ``aiayn demo`` (``make demo``): how to go on (its run directory keeps
+    its checkpoints; the demo resumes an unfinished run by itself)."""
+    command = getattr(args, "command", None)
+    if command not in ("train", "demo"):
         return ""
     from aiayn.train.run import default_run_dir, resume_hint
 
+    if command == "demo":
+        from aiayn.demo import DEFAULT_RUN_DIR
+
+        run = Path(args.run_dir or DEFAULT_RUN_DIR)
+        return (f"; {resume_hint(run)}, or run make demo (aiayn demo) again, which resumes it"
+                if (run / "config.yaml").is_file() else "")
     run = args.resume if isinstance(args.resume, str) else args.run_dir or (
         default_run_dir(args.config) if args.config else None)
     return f"; {resume_hint(Path(run))}" if run is not None and (Path(run) / "config.yaml").is_file() else ""

@@ -18,6 +18,7 @@ from aiayn.weights import list_checkpoints
 log = logging.getLogger("aiayn.demo")
 
 DEFAULT_CONFIG = CONFIG_DIR / "multi30k_en_de_quick.yaml"
+DEFAULT_RUN_DIR = Path("runs") / "demo"
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -27,7 +28,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
     cfg = load_config(config, args.set)
-    run_dir = Path(args.run_dir or Path("runs") / "demo")
+    run_dir = Path(args.run_dir or DEFAULT_RUN_DIR)
     if (run_dir / "model.safetensors").exists():
         print(f"{run_dir} already holds a trained model: evaluating it (delete the folder to train again)")
     else:

@@ -8,8 +8,17 @@ keeps its traceback (shown with ``-v``). This module imports nothing of aiayn, s
 
 from __future__ import annotations
 
+import difflib
 import errno
 import re
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``" (did you mean X?)"`` naming the known word closest to a mistyped ``word`` (difflib's ratio at least
+    0.6), or ``""`` when none is close."""
+    close = difflib.get_close_matches(word, sorted(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def one_line(message: object) -> str:

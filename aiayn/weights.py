@@ -65,6 +65,9 @@ def inference_weights_path(run_dir: str | Path) -> Path:
     steps = list_checkpoints(run_dir)
     if steps:
         return checkpoint_paths(run_dir, steps[-1])[0]
+    if (run_dir / "config.yaml").is_file():  # a run directory whose training stopped before its first save
+        raise CheckpointError(f"{run_dir}: no weights yet: its training stopped before the first checkpoint "
+                              f"(train.save_every updates); continue it with aiayn train --resume {run_dir}")
     raise CheckpointError(f"{run_dir}: no {FINAL_WEIGHTS} and no checkpoints (is it a run directory?)")
 
 

@@ -262,3 +262,111 @@ def test_a_moving_forecast_says_it_is_one_and_what_it_was(caplog):
     with caplog.at_level(logging.INFO, logger="aiayn.train"):
         fixed.record({**rec, "step": 50, "elapsed_s": 10.0})
     assert caplog.records[0].getMessage().startswith("step 50/300 loss")
+
+
+def test_a_typo_in_a_key_flag_or_command_gets_a_did_you_mean(tmp_path, capsys):
+    """First hour, point 6: a config key, a decoding option, a command or a flag mistyped names the one meant."""
+    from aiayn.config import ConfigError, DecodeOptions
+
+    assert main(["train", TINY, "--run-dir", str(tmp_path / "r"), "--set", "train.max_updatez=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key train.max_updatez (did you mean max_updates?)" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match=r"unknown decoding option beem \(did you mean beam\?\)"):
+        DecodeOptions().replace(beem=3)
+    for argv, hint in ((["trian"], "(did you mean train?)"), (["translate", "x", "--beem", "3"],
+                                                              "(did you mean --beam?)"),
+                       (["serve", "x", "--char-limt", "3"], "(did you mean --char-limit?)"),
+                       (["viz", "atention"], "(did you mean attention?)")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and hint in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["translate", "x", "--zzzz", "3"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing close: no guess
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_called_a_run(tmp_path, capsys):
+    """First hour, point 6: a run directory with no weights yet is not asked whether it is a run directory; viz's
+    --help says that attention needs --src."""
+    from aiayn.errors import CheckpointError
+    from aiayn.weights import inference_weights_path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: translation\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="no weights yet: its training stopped before the first checkpoint") as e:
+        inference_weights_path(run)
+    assert "is it a run directory" not in str(e.value) and f"aiayn train --resume {run}" in str(e.value)
+    with pytest.raises(CheckpointError, match="is it a run directory"):
+        inference_weights_path(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["viz", "--help"])
+    assert "attention RUN --src TEXT" in capsys.readouterr().out
+
+
+def test_ctrl_c_under_make_demo_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """First hour, point 5: an interrupted ``aiayn demo`` (what ``make demo`` runs) says where its checkpoints are
+    and how to go on, as an interrupted ``aiayn train`` does."""
+    import aiayn.demo
+
+    run = tmp_path / "demo"
+
+    def interrupted(args):
+        run.mkdir()
+        (run / "config.yaml").write_text("task: translation\n", encoding="utf-8")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(aiayn.demo, "run_demo", interrupted)
+    assert main(["demo", "--run-dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("aiayn: interrupted; ") and f"aiayn train --resume {run}" in err
+    assert "make demo (aiayn demo) again" in err and err.count("\n") == 1
+
+
+def test_the_readme_quick_start_says_how_to_use_local_data():
+    """First hour, point 1: local files instead of downloads are in the README's quick start, under the variable
+    the datasets module reads, for every command (evaluate needs the test split even when train did not)."""
+    from aiayn.data.datasets import DATA_DIR_ENV
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert f"export {DATA_DIR_ENV}=" in quick and "`evaluate`" in quick and "/multi30k/" in quick
+
+
+def test_the_weight_choice_says_what_it_does_and_a_stopped_one_is_finished_by_resume(tmp_path, caplog, capsys):
+    """First hour, point 2: after "stopped at step N" the choice of the inference weights says what it is doing
+    and how to finish it if stopped; a run stopped in that window (no model.safetensors after its newest checkpoint)
+    is finished by ``aiayn train --resume RUN`` without training more, even with its time budget spent; once
+    chosen, a resume with the budget spent is refused as before."""
+    from aiayn.weights import list_checkpoints
+
+    run = tmp_path / "run"
+    over = SMALL + ["train.max_updates=8", "train.inference_weights=average", "train.average_last=2",
+                    "train.max_minutes=0.0001"]  # 6 ms: the clock stops it after its first update
+    with caplog.at_level(logging.INFO):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(over)]) == 0
+    steps = list_checkpoints(run)
+    assert (run / "model.safetensors").is_file() and steps and steps[-1] < 8
+    (run / "model.safetensors").unlink()  # as a Ctrl-C during the choice leaves it
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 0, capsys.readouterr().err
+    said = [r.getMessage() for r in caplog.records]
+    assert any("its inference weights were not chosen yet: choosing them now, without training more" in m
+               for m in said), said
+    assert (run / "model.safetensors").is_file() and list_checkpoints(run) == steps  # no update more
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2  # chosen: the budget is spent, as before
+    assert "give it more to go on" in capsys.readouterr().err
+
+
+def test_the_average_or_last_choice_logs_its_two_validations(tmp_path, caplog):
+    run = tmp_path / "run"
+    over = SMALL + ["train.max_updates=8", "train.inference_weights=average", "train.average_last=2"]
+    with caplog.at_level(logging.INFO):
+        assert main(["train", TINY, "--run-dir", str(run), "--no-progress", *sets(over)]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    first = [m for m in said if m.startswith("choosing the inference weights: the last ones (step 8)")]
+    assert len(first) == 1 and f"aiayn train --resume {run} finishes this choice" in first[0], said
+    assert any(m.startswith("choosing the inference weights (2 of 2") for m in said)

@@ -56,3 +56,13 @@ def test_rotary_positions_are_drawn_as_turned_queries_and_keys_not_added(tmp_pat
                   "data: {dataset: tinyshakespeare, tokenizer: char}\n", encoding="utf-8")
     assert positions_label(model_diagram(lm)) == "(rotary positions: self-attention turns Q and K)"
     assert positions_label(model_diagram()) == "+ Sinusoidal Positional Encoding"
+
+
+def test_a_recipe_is_drawn_with_the_vocabulary_its_training_builds():
+    """First hour, point 3: a recipe's model vocabulary is only a request; training takes the tokenizer's
+    (data.vocab_size pieces), so the diagram of ``multi30k_en_de_quick`` shows 8,000 tokens and the 7.58M
+    parameters that recipe trains, not the 37,000-token default; a preset that sets model.vocab_size keeps it."""
+    d = model_diagram("multi30k_en_de_quick")
+    assert (d.src_vocab, d.tgt_vocab) == (8000, 8000) and round(d.parameters / 1e6, 2) == 7.58
+    assert "7.58M parameters" in title(d)
+    assert model_diagram("paper-base").src_vocab == 37000

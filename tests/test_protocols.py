@@ -25,10 +25,18 @@ from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.interop import argos  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.completions import StopScan  # noqa: E402
+from aiayn.serve.libretranslate import libre_format  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINES = ["a b c d", "hello world", "the cat sat on the mat"]
+LANGUAGES = [{"code": "en", "name": "English", "targets": ["de", "en"]}, {"code": "de", "name": "German",
+                                                                         "targets": ["de"]}]
+
+
+def libre(source: str, translation: str) -> str:
+    """A translation as LibreTranslate's routes answer it (its formatting, then HTML entities resolved)."""
+    return html.unescape(libre_format(source, translation))
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +66,10 @@ def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator)
     lt_mod = pytest.importorskip("libretranslatepy")
     lt = lt_mod.LibreTranslateAPI(mt_server)
     # one line per request, one request at a time: each decoded alone, as here
-    ours = [translator.search([line], translator.options(), scores=False)[0][0].text for line in LINES]
+    ours = [libre(line, translator.search([line], translator.options(), scores=False)[0][0].text) for line in LINES]
     assert [lt.translate(line, "en", "de") for line in LINES] == ours
     assert lt.translate(LINES[0], "auto", "de") == ours[0]
-    assert lt.languages() == [{"code": "en", "name": "English", "targets": ["de"]}]
+    assert lt.languages() == LANGUAGES
     assert lt.detect(LINES[0]) == [{"confidence": 100.0, "language": "en"}]  # the run's one source language
     with pytest.raises(urllib.error.HTTPError) as e:  # a language the model does not translate
         lt.translate("a b", "en", "fr")
@@ -71,21 +79,20 @@ def test_libretranslatepy_translates_like_aiayn_translate(mt_server, translator)
 
 def test_libretranslate_json_lists_alternatives_and_errors(client_mt, translator):
     r = client_mt.post("/translate", json={"q": LINES, "source": "en", "target": "de"})
-    ours = [h[0].text for h in translator.search(LINES, translator.options(), scores=False)]
+    ours = [libre(t, h[0].text) for t, h in zip(LINES, translator.search(LINES, translator.options(), scores=False))]
     assert r.status_code == 200 and r.json() == {"translatedText": ours}
     r = client_mt.post("/translate", json={"q": LINES[0], "source": "en", "target": "de", "alternatives": 2})
     nbest = translator.search([LINES[0]], translator.options(nbest=3, beam=max(3, translator.cfg.decode.beam)),
                               scores=False)[0]
-    assert r.json() == {"translatedText": nbest[0].text, "alternatives": [h.text for h in nbest[1:]]}
+    best, *alts = (libre(LINES[0], h.text) for h in nbest)
+    want_alts = [a for i, a in enumerate(alts) if a not in (best, "") and a not in alts[:i]]  # filter_unique
+    assert r.json() == {"translatedText": best, "alternatives": want_alts}
     for body, status, word in [
         ({"source": "en", "target": "de"}, 400, "missing q"),
         ({"q": 5, "source": "en", "target": "de"}, 400, "q: expected"),
         ({"q": "a", "source": "xx", "target": "de"}, 400, "xx is not supported"),
         ({"q": "a", "source": "en", "target": "de", "format": "pdf"}, 400, "format"),
         ({"q": [], "source": "en", "target": "de"}, 400, "missing q"),
-        ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1}, 400, "html"),
-        ({"q": ["a"] * 129, "source": "en", "target": "de"}, 413, "limit is 128"),
-        ({"q": "x" * 2001, "source": "en", "target": "de"}, 413, "2001 characters"),
     ]:
         r = client_mt.post("/translate", json=body)
         assert r.status_code == status and word in r.json()["error"], (body, r.text)
@@ -391,11 +398,19 @@ def test_libretranslate_and_completion_requests_are_checked_alone():
                           "en", "de", limits)
     assert (r.texts, r.single, r.source, r.fmt, r.alternatives) == (["a", "b"], False, "auto", "text", 1)
     for fields, message in [({"q": [], "source": "en", "target": "de"}, "missing q"),
-                            ({"q": "a", "source": "fr", "target": "de"}, "fr is not supported"),
-                            ({"q": "a", "source": "en", "target": "de", "format": "html", "alternatives": 1},
-                             "not supported with format html")]:
+                            ({"q": "a", "source": "fr", "target": "de"}, "fr is not supported")]:
         with pytest.raises(LibreError, match=message):
             libre_request(fields, "en", "de", limits)
+    # LibreTranslate's limits: none by default (a 2,400-character text, 129 texts), its 400 and message when set
+    assert len(libre_request({"q": ["a"] * 129, "source": "en", "target": "de"}, "en", "de", limits).texts) == 129
+    assert libre_request({"q": "x" * 2400, "source": "en", "target": "de"}, "en", "de", limits).texts[0] == "x" * 2400
+    capped = Limits(char_limit=10, batch_limit=2)
+    for q, message in [(["a"] * 3, r"request \(3\) exceeds text limit \(2\)"),
+                       ("x" * 11, r"request \(11\) exceeds text limit \(10\)")]:
+        with pytest.raises(LibreError, match=message) as e:
+            libre_request({"q": q, "source": "en", "target": "de"}, "en", "de", capped)
+        assert e.value.status == 400
+    assert libre_request({"q": ["x" * 10] * 2, "source": "en", "target": "de"}, "en", "de", capped).texts
     c = completion_request({"prompt": ["x", "y"], "n": 2, "seed": 7, "stop": "\n"}, limits)
     assert [(i, p, s) for i, p, s in choices_for(c)] == [(0, "x", 7), (1, "x", 8), (2, "y", 9), (3, "y", 10)]
     with pytest.raises(OpenAIError, match="unknown parameter 'suffixes'"):
@@ -787,8 +802,9 @@ def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, tran
     """As LibreTranslate: fields it does not read are ignored (its `secret` too), a repeated form field counts once
     (its first value), format html translates the text between the tags and keeps the markup, /detect answers the
     run's source language, /frontend/settings what its web page reads."""
-    def best(texts):
-        return [h[0].text for h in translator.search(texts, translator.options(), scores=False)]
+    def best(texts, formatted=True):
+        found = translator.search(texts, translator.options(), scores=False)
+        return [libre(t, h[0].text) if formatted else h[0].text for t, h in zip(texts, found)]
 
     q = {"q": LINES[0], "source": "en", "target": "de"}
     r = client_mt.post("/translate", json={**q, "secret": "s", "colour": 1})
@@ -798,15 +814,16 @@ def test_libretranslate_parity_fields_forms_html_detect_settings(client_mt, tran
     assert r.json() == {"translatedText": best([LINES[0]])[0]}
     doc = f'<p class="a&amp;b">{LINES[0]} <b>{LINES[1]}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
     r = client_mt.post("/translate", json={**q, "q": [doc, LINES[2]], "format": "html"})
-    a, b, c = (html.escape(t, quote=False) for t in best([LINES[0], LINES[1], LINES[2]]))
+    a, b = (html.escape(t, quote=False) for t in best([LINES[0], LINES[1]], formatted=False))
     want = f'<p class="a&amp;b">{a} <b>{b}</b></p><!-- x --><script>if (a < b) {{}}</script>.'
-    assert r.json() == {"translatedText": [want, html.unescape(c)]}
+    assert r.json() == {"translatedText": [want, best([LINES[2]])[0]]}  # html: not formatted, as LibreTranslate
     r = client_mt.post("/detect", data={"q": LINES[0]})
     assert r.status_code == 200 and r.json() == [{"confidence": 100.0, "language": "en"}]
     assert client_mt.post("/detect", json={"q": []}).json() == {"error": "Invalid request: missing q parameter"}
     settings = client_mt.get("/frontend/settings").json()
-    assert settings["language"]["source"]["code"] == "en" and settings["language"]["target"]["code"] == "de"
-    assert settings["charLimit"] == 2000 and settings["keyRequired"] is False
+    assert settings["language"] == {"source": {"code": "auto", "name": "Auto Detect"},
+                                    "target": {"code": "de", "name": "German"}}  # LibreTranslate's defaults
+    assert settings["charLimit"] == -1 and settings["keyRequired"] is False and settings["filesTranslation"] is False
     # identity pairs, as Argos' IdentityTranslation answers them in LibreTranslate: the text as it is
     for source, target in (("en", "en"), ("de", "de"), ("auto", "en")):
         r = client_mt.post("/translate", json={"q": ["a b", "<b>x</b>"], "source": source, "target": target,

@@ -56,3 +56,26 @@ def test_report_cli(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("aiayn: error:")
+
+
+def test_report_takes_a_stopped_runs_last_update_and_time_from_its_newest_checkpoint(tmp_path):
+    """First hour, point 4: a run that stopped at update 291 after 84 s (its last save) logged its time last at
+    step 250: the report says 291 and 84 s, at its last checkpoint, not the log's step 250."""
+    run = _write_run(tmp_path)
+    (run / "checkpoints").mkdir()
+    for step, elapsed in ((200, 40.0), (291, 84.0)):
+        (run / "checkpoints" / f"step_{step:06d}.safetensors").write_bytes(b"")
+        (run / "checkpoints" / f"step_{step:06d}.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+    rep = run_report(run)
+    assert (rep["step"], rep["elapsed_s"], rep["elapsed_step"], rep["elapsed_at"]) == (291, 84.0, 291, "checkpoint")
+    assert "84 s (1.4 min) of training at its last checkpoint (step 291)" in format_report(rep)
+
+
+def test_evaluate_summary_says_which_weights_it_scored():
+    from aiayn.eval.evaluate import scored_line, summary
+
+    run = {"path": "runs/m30k", "weights": "model.safetensors", "weights_source": "average of the last 5 checkpoints"}
+    assert scored_line(run) == "scored: model.safetensors of runs/m30k (average of the last 5 checkpoints)"
+    lm = {"name": "valid", "task": "lm", "run": run, "scores": {"nll_per_token": 1.0, "ppl": 2.72},
+          "data": {"n_tokens": 10}, "json_path": "x.json"}
+    assert summary(lm).splitlines()[0] == scored_line(run)

@@ -62,7 +62,7 @@ def test_multipart_forms_are_read_on_every_libretranslate_route(client_mt, trans
     r = client_mt.post("/detect", files=form(q="a b c"))
     assert r.status_code == 200 and r.json() == [{"confidence": 100.0, "language": "en"}], r.text
     r = client_mt.post("/languages", files=form(api_key="unused"))
-    assert r.status_code == 200 and r.json()[0]["targets"] == ["de"], r.text
+    assert r.status_code == 200 and r.json()[0]["targets"] == ["de", "en"], r.text
     r = client_mt.post("/translate", files=form(q="a b", source="en", target="de", format="html"))
     assert r.status_code == 200, r.text
     r = client_mt.post("/translate", files={"q": ("q.txt", b"a b"), "source": (None, "en"), "target": (None, "de")})
@@ -75,7 +75,8 @@ def test_languages_answers_without_the_key_as_libretranslate_does(translator):
     """LibreTranslate has no key check on ``GET /languages`` (its clients list languages before they have a key);
     the routes that translate still ask for it."""
     with TestClient(create_app(translator, max_wait_ms=1.0, api_key=KEY), base_url="http://localhost") as c:
-        assert c.get("/languages").json() == [{"code": "en", "name": "English", "targets": ["de"]}]
+        assert c.get("/languages").json() == [{"code": "en", "name": "English", "targets": ["de", "en"]},
+                                              {"code": "de", "name": "German", "targets": ["de"]}]
         assert c.post("/languages", json={"api_key": "wrong-key!"}).status_code == 200  # not read
         assert c.post("/translate", json={"q": "a b", "source": "en", "target": "de"}).status_code == 403
         assert c.post("/detect", json={"q": "a b"}).status_code == 403
@@ -165,6 +166,43 @@ def test_a_prompt_past_the_context_names_param_code_and_what_a_client_can_do(cli
     for bad in (0, -2, "5", True):
         r = client_lm.post("/v1/completions", json={"prompt": "a", "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", bad
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_what_is_generated(client_lm, lm):
+    """vLLM's -1 (the model's context) on a prompt past it: the prompt is cut to the context less one new token
+    (then the completion slides, as a 63-token prompt with 30 new tokens does), or less max_tokens with echo or
+    logprobs (every score reads all tokens before it), and answered, never refused for want of room."""
+    long = "the cat sat on the mat. " * 3  # 72 tokens of the character model, whose context is 32
+    ids = lm.tokenizers.src.encode(long)
+    r = client_lm.post("/v1/completions", json={"prompt": long, "max_tokens": 6, "temperature": 0,
+                                                "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 31
+    assert r.json()["choices"][0]["text"] == lm.generate(ids[-31:], max_new_tokens=6)
+    r = client_lm.post("/v1/completions", json={"prompt": long, "max_tokens": 4, "echo": True, "logprobs": 1,
+                                                "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 28, r.text
+    chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 3, "truncate_prompt_tokens": -1}
+    r = client_lm.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 31, r.text
+
+
+def test_a_translation_runs_too_long_prompt_is_openais_400_naming_the_requests_field(client_mt, translator):
+    """OpenAI answers a text past the model's context with 400 ``context_length_exceeded``; chat names
+    ``messages`` (the last user message is what a translation run reads), completions ``prompt``."""
+    long = "a b " * (translator.max_source_tokens + 5)
+    r = client_mt.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded"), err
+    assert err["message"].startswith("messages: the last user message: "), err
+    r = client_mt.post("/v1/completions", json={"prompt": ["a b", long]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "context_length_exceeded"), err
+    assert err["message"].startswith("prompt[1]: "), err
+    # more prompts than --max-sentences: 400 out_of_range, as OpenAI refuses a request it will not take
+    r = client_mt.post("/v1/completions", json={"prompt": ["a"] * 129})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "out_of_range"), err
 
 
 def test_the_chat_routes_unknown_field_names_its_param(client_lm):

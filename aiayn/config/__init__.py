@@ -28,6 +28,7 @@ from aiayn.config.loading import (
     model_config,
     preset_summary,
     read_run_config,
+    recipe_values,
     resolve_config_path,
     save_config,
 )
@@ -60,5 +61,5 @@ __all__ = [
     "LOG_BACKENDS", "MIN_TEMPERATURE", "MOVED_KEYS", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES",
     "TrainConfig", "apply_overrides", "config_from_dict", "flag", "list_presets",
     "load_config", "load_yaml", "migrate", "model_config", "preset_summary", "read_run_config",
-    "resolve_config_path", "save_config",
+    "recipe_values", "resolve_config_path", "save_config",
 ]

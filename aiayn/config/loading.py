@@ -12,7 +12,7 @@ import yaml
 
 from aiayn.config.checks import _coerce
 from aiayn.config.schema import Config, ModelConfig
-from aiayn.errors import ConfigError, first_line
+from aiayn.errors import ConfigError, did_you_mean, first_line
 
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -52,7 +52,8 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         if f"{prefix}{unknown[0]}" in MOVED_KEYS:
             raise ConfigError(f"config key {prefix}{unknown[0]} is now {MOVED_KEYS[prefix + unknown[0]]}")
         raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})"
+            f"unknown config key {prefix}{unknown[0]}{did_you_mean(unknown[0], known)} "
+            f"(known: {', '.join(sorted(known))})"
         )
     kwargs = {}
     for key, value in values.items():
@@ -202,6 +203,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML recipe (which may name a ``base:`` preset to extend) and apply ``--set`` overrides."""
     values = apply_overrides(_recipe_values(path, ()), overrides or [])
     return config_from_dict(values)
+
+
+def recipe_values(path: str | Path) -> dict[str, Any]:
+    """A recipe's own values as written (its ``base:`` chain merged), before defaults fill the rest: what it sets."""
+    return _recipe_values(path, ())
 
 
 def _recipe_values(path: str | Path, extending: tuple[Path, ...]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from aiayn.config.checks import (
     _fraction,
     _positive,
 )
-from aiayn.errors import ConfigError
+from aiayn.errors import ConfigError, did_you_mean
 from aiayn.task import TASKS, Task
 
 # data.pretokenize's values; here, not in aiayn.data.tokenizer, so that reading a config does not import
@@ -452,7 +452,8 @@ class DecodeOptions:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ConfigError(f"unknown decoding option {unknown[0]} (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"unknown decoding option {unknown[0]}{did_you_mean(unknown[0], known)} "
+                              f"(known: {', '.join(sorted(known))})")
         values = {k: _coerce(v, DECODE_HINTS[k], f"decode.{k}") for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, **values)
 

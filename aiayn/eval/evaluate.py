@@ -292,7 +292,19 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
 
 
 def summary(result: dict[str, Any]) -> str:
-    """A few lines for the terminal."""
+    """A few lines for the terminal, the first saying which weights were scored."""
+    return f"{scored_line(result.get('run') or {})}\n{_scores_summary(result)}"
+
+
+def scored_line(run: dict[str, Any]) -> str:
+    """Which weights an evaluation scored: the file (or checkpoints) and, when its metadata says, where they came
+    from (the last update, the best validation, an average)."""
+    where = f" of {run['path']}" if run.get("path") else ""
+    source = f" ({run['weights_source']})" if run.get("weights_source") else ""
+    return f"scored: {run.get('weights', 'the run')}{where}{source}"
+
+
+def _scores_summary(result: dict[str, Any]) -> str:
     s = result["scores"]
     if result["name"].startswith("rouge_"):
         lines = [f"{result['name']}: {result['data']['n_documents']} documents ({result['decode']['how']}), "

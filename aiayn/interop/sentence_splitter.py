@@ -17,8 +17,11 @@ writes a small model that needs no training, so an exported package works withou
 That is the rule of Moses' split-sentences.perl without its lists of non-breaking prefixes, so "Dr. Smith" is
 split after "Dr."; a trained MiniSBD model (``aiayn export argos --sentence-model``) knows such abbreviations.
 
-The graph (ONNX opset 13) is five table lookups and shifts: no weights to learn. It is serialized here with a
-few lines of protocol-buffer encoding, so aiayn needs no ``onnx`` package to write it.
+:func:`split_sentences` is the same rule in Python, read as MiniSBD reads its model (white space runs collapsed,
+1,000-unit windows): what ``aiayn serve``'s LibreTranslate routes and ``aiayn translate --split-sentences`` split
+with, so that they split as an exported package does in Argos (tests/test_sentence_split.py runs both on the same
+texts). The graph (ONNX opset 13) is five table lookups and shifts: no weights to learn. It is serialized here with
+a few lines of protocol-buffer encoding, so aiayn needs no ``onnx`` package to write it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ OPENERS = "\"'([{\u00ab\u00bb\u2018\u201a\u201c\u201e\u2039\u203a\u00bf\u00a1-\u
 # vocabulary map to <UNK>, which counts as a sentence start (most are letters of scripts without case).
 CASED_RANGES = ((0x0041, 0x024F), (0x0370, 0x03FF), (0x0400, 0x052F), (0x0531, 0x058F), (0x10A0, 0x10FF),
                 (0x1E00, 0x1FFF))
+MAX_SEQLEN = 1000  # MiniSBD labels a paragraph in windows of this many units (its config's max_seqlen)
 LABELS = 5  # MiniSBD reads argmax over 5 classes: 0 none, 1 token end, 2 sentence end, 3-4 multi-word tokens
 
 
@@ -52,6 +56,69 @@ def _starts_sentence(unit: str) -> bool:
     if unit in (PAD, UNK):
         return True  # the end of the paragraph, or a character of a script without case
     return unit.isupper() or unit.istitle() or unit.isdigit() or unit in OPENERS or unit.upper() == unit.lower()
+
+
+def _unit(c: str, vocab: frozenset[str]) -> str:
+    """The unit MiniSBD feeds the model for character ``c``: any white space reads as a space (its tokenizer's
+    rule), a character outside the vocabulary as <UNK>."""
+    c = " " if c.isspace() else c
+    return c if c in vocab else UNK
+
+
+_VOCAB = frozenset(_units()[2:])
+
+
+def sentence_ends(text: str) -> list[int]:
+    """The offsets of the characters of ``text`` that end a sentence under the module's rule (the ONNX graph's label
+    2), the last character always included. MiniSBD reads a run of white space as one space, so the rule is read
+    on the text so collapsed: a character ends a sentence when it is a mark that always ends one, or a mark that may
+    (or a closer right after one) followed by a space and then a sentence start."""
+    units, where = [], []  # the units MiniSBD feeds the model, and the offset in ``text`` of each
+    for i, c in enumerate(text):
+        u = _unit(c, _VOCAB)
+        if u == " " and units and units[-1] == " ":
+            continue
+        units.append(u)
+        where.append(i)
+
+    ends, i = [], 0
+    while i < len(units):  # MiniSBD labels a long paragraph in windows of MAX_SEQLEN units
+        window = units[i:i + MAX_SEQLEN]
+        found = _window_ends(window)
+        # a window that stops short of the end goes on after its last sentence end (MiniSBD's ``predict``)
+        advance = len(window) if not found or i >= len(units) - MAX_SEQLEN else found[-1] + 1
+        ends.extend(where[i + j] for j in found if j < advance)
+        i += advance
+    if text and (not ends or ends[-1] != len(text) - 1):
+        ends.append(len(text) - 1)
+    return ends
+
+
+def _window_ends(units: list[str]) -> list[int]:
+    """The units of one window that the graph labels as sentence ends (past the window: padding)."""
+
+    def at(j: int) -> str:
+        return units[j] if j < len(units) else PAD  # MiniSBD's padding reads as a space and a sentence start
+
+    found = []
+    for j, u in enumerate(units):
+        ending = u in END_MARKS or (u in CLOSERS and j > 0 and units[j - 1] in END_MARKS)
+        if u in ALWAYS_END or (ending and at(j + 1) in (" ", PAD) and _starts_sentence(at(j + 2))):
+            found.append(j)
+    return found
+
+
+def split_sentences(paragraph: str) -> list[str]:
+    """The sentences of one paragraph as MiniSBD gives them with this module's model (and so Argos Translate
+    before it translates): the text between sentence ends, without white space at either end; none for a
+    paragraph of white space only. Argos splits a text into paragraphs at each newline first."""
+    out, start = [], 0
+    for end in sentence_ends(paragraph):
+        sentence = paragraph[start:end + 1].strip()
+        if sentence:
+            out.append(sentence)
+        start = end + 1
+    return out
 
 
 # --- a minimal protocol-buffer writer (only what an ONNX ModelProto of this graph needs) -----------------------
@@ -206,7 +273,7 @@ def sentence_splitter_onnx(lang: str) -> bytes:
              + _bytes(12, _value_info("scores", FLOAT, ["batch", "chars", LABELS])))
     vocab = {"lang": lang, "idx": 0, "cutoff": 0, "lower": False, "_id2unit": units,
              "_unit2id": {u: i for i, u in enumerate(units)}}
-    config = {"skip_newline": False, "max_seqlen": 1000, "no_ssplit": False, "batch_size": 32, "feat_funcs": [],
+    config = {"skip_newline": False, "max_seqlen": MAX_SEQLEN, "no_ssplit": False, "batch_size": 32, "feat_funcs": [],
               "use_dictionary": False, "num_dict_feat": 0}
     metadata = {"lang_code": lang, "config": json.dumps(config), "vocab": json.dumps(vocab),
                 "lexicon": json.dumps(None)}
@@ -214,3 +281,18 @@ def sentence_splitter_onnx(lang: str) -> bytes:
             + _bytes(2, "aiayn") + _bytes(7, graph)
             + _bytes(8, _bytes(1, "") + _int(2, 13))  # opset_import: the default domain, opset 13
             + b"".join(_bytes(14, _bytes(1, k) + _bytes(2, v)) for k, v in metadata.items()))
+
+
+# --- how Argos Translate reads a text and joins its translation ---------------------------------------------------
+
+def argos_paragraphs(text: str) -> list[list[str]]:
+    """A text as Argos Translate translates it: its paragraphs (cut at every newline), each as its sentences
+    (:func:`split_sentences`; none for an empty paragraph)."""
+    return [split_sentences(p) for p in text.split("\n")]
+
+
+def argos_join(paragraphs: list[list[str]]) -> str:
+    """The translation of a text from those of its paragraphs' sentences, joined as Argos joins them: the sentences
+    of a paragraph by a space (SentencePiece decodes their pieces one after another, each sentence's first piece
+    starting a word), the paragraphs by a newline, newlines at the start dropped (Argos' ``lstrip("\\n")``)."""
+    return "\n".join(" ".join(s for s in sentences if s) for sentences in paragraphs).lstrip("\n")

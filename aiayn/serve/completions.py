@@ -100,8 +100,8 @@ def refuse_unsupported(body: dict[str, Any], neutral_values: tuple[tuple[str, tu
 
 def vllm_extras(body: dict[str, Any]) -> tuple[int | None, int | None]:
     """(top_k, truncate_prompt_tokens) of vLLM's extras (top_k: None when not given, 0 for vLLM's -1 and 0, which
-    turn it off; truncation -1 means the model's context, as vLLM reads it: 0 here); min_p and repetition_penalty
-    refused unless neutral."""
+    turn it off; truncation -1, the model's context, is 0 here: :func:`truncated` leaves room for new tokens);
+    min_p and repetition_penalty refused unless neutral."""
     refuse_unsupported(body, VLLM_NEUTRAL)
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
@@ -186,12 +186,13 @@ def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
                       truncate=truncate)
 
 
-def truncated(ids: list[int], prompt: str | list[int], keep: int | None, context: int) -> str | list[int]:
-    """``prompt``, or (vLLM's ``truncate_prompt_tokens``: ``keep`` > 0, 0 for the model's ``context``) the last
-    ``keep`` of its ``ids`` when it has more."""
+def truncated(ids: list[int], prompt: str | list[int], keep: int | None, room: int) -> str | list[int]:
+    """``prompt``, or (vLLM's ``truncate_prompt_tokens``: ``keep`` > 0, or 0 for -1) the last ``keep`` of its
+    ``ids`` when it has more. -1 reads as the model's context less what must fit beside the prompt (``room``: one
+    new token, or ``max_tokens`` with echo or logprobs), so that a prompt cut so is always answered."""
     if keep is None:
         return prompt
-    keep = keep or context
+    keep = keep or room
     return ids[-keep:] if len(ids) > keep else prompt
 
 

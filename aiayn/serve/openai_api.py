@@ -149,12 +149,14 @@ class OpenAIRoutes(RouteTable):
             raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
                               param="truncate_prompt_tokens" if what == "truncate_prompt_tokens" else param,
                               code="unsupported")
-        if translation:  # a prompt too long for the model: 413 prompt[i], before a stream's 200
-            try:
-                source_tokens(svc.model, c.prompts, "prompt")
+        if translation:  # a prompt too long for the model, before a stream's 200: as OpenAI answers one, 400
+            try:  # context_length_exceeded naming the request's field (chat: the last user message is the text)
+                source_tokens(svc.model, c.prompts, "prompt" if param == "prompt" else "messages: the last user "
+                                                                                   "message")
             except ApiError as e:
-                raise OpenAIError(e.status, f"{e.message}: shorten it (a translation model reads one sentence)",
-                                  param=param, code=e.code) from None
+                message = e.message if param == "prompt" else e.message.replace("message[0]", "message", 1)
+                raise OpenAIError(400, f"{message}: shorten it (a translation model reads one sentence)",
+                                  param=param, code="context_length_exceeded") from None
             return c
         vocab = svc.model.tokenizers.src.vocab_size
         for p in ids:
@@ -163,9 +165,9 @@ class OpenAIRoutes(RouteTable):
                                   param="prompt", code="out_of_range")
         cfg, tok = svc.model.cfg, svc.model.tokenizers.src
         context = lm_context(cfg)
-        prompts = [truncated(prompt_ids(cfg, tok, p), p, c.truncate, context) for p in c.prompts]
+        new = c.max_tokens if c.scored else 1  # what must fit beside the prompt (then a plain completion slides)
+        prompts = [truncated(prompt_ids(cfg, tok, p), p, c.truncate, max(context - new, 1)) for p in c.prompts]
         for prompt in prompts:
-            new = c.max_tokens if c.scored else 1
             check_context(len(prompt_ids(cfg, tok, prompt)), new, context, param, c.scored)
         return dataclasses.replace(c, prompts=prompts)
 

@@ -66,11 +66,17 @@ class Limits:
     max_beam: int = 16
     max_nbest: int = 16
     max_new_tokens: int = 512
+    # LibreTranslate's routes have its own two limits, off (-1) unless set, as in LibreTranslate (--char-limit,
+    # --batch-limit): characters per text, texts per request. The body's size and the model's positions still hold.
+    char_limit: int = -1
+    batch_limit: int = -1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
-                raise ConfigError(f"serve limit {f.name}={getattr(self, f.name)}: must be >= 1")
+            value = getattr(self, f.name)
+            if value < 1 and not (f.name in ("char_limit", "batch_limit") and value == -1):
+                raise ConfigError(f"serve limit {f.name}={value}: must be >= 1"
+                                  + (" (or -1: none)" if f.name in ("char_limit", "batch_limit") else ""))
 
 
 def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:

@@ -16,10 +16,14 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
 from aiayn.serve.batcher import check_batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
+
+if TYPE_CHECKING:
+    from aiayn.serve.service import Choices
 
 log = logging.getLogger("aiayn.serve")
 
@@ -85,6 +89,15 @@ class ServeOptions:
     # the decoding flags (DecodeOptions field names): they replace the run's decode section on every route
     decode: dict = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()  # other model names OpenAI's routes answer to (--model-alias)
+    # LibreTranslate's routes: sentence by sentence, and formatted as LibreTranslate formats (both on by default)
+    split_sentences: bool = True
+    libre_formatting: bool = True
+
+    def choices(self) -> Choices:
+        """What the operator chose beyond the run, as the routes read it."""
+        from aiayn.serve.service import Choices  # starlette's, imported once a server starts
+
+        return Choices(self.decode, self.model_aliases, self.split_sentences, self.libre_formatting)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -128,7 +141,6 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     from aiayn.engine import set_cpu_threads
     from aiayn.serve.app import create_app, warm_up
     from aiayn.serve.chat_template import load_chat_template
-    from aiayn.serve.service import Choices
 
     o = options or ServeOptions()
     # The model computes on the batcher's thread with the CPU threads aiayn.cli chose (--threads, else the free
@@ -143,7 +155,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key, Choices(o.decode, o.model_aliases))
+                     o.api_key, o.choices())
     def on_model_thread() -> None:
         set_cpu_threads(threads)
         warm_up(model)
@@ -194,6 +206,16 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sentences", type=int, default=Limits.max_sentences, metavar="N",
                    help="texts per request: sentences to translate, prompts (x n) of a completion (default "
                         f"{Limits.max_sentences}; LangChain's OpenAI sends batch_size prompts at once)")
+    p.add_argument("--char-limit", type=int, default=-1, metavar="N",
+                   help="LibreTranslate's routes: characters per text (default -1: none, as LibreTranslate)")
+    p.add_argument("--batch-limit", type=int, default=-1, metavar="N",
+                   help="LibreTranslate's routes: texts per request (default -1: none, as LibreTranslate)")
+    p.add_argument("--split-sentences", action=argparse.BooleanOptionalAction, default=True,
+                   help="LibreTranslate's routes translate a text sentence by sentence, with the splitter an Argos "
+                        "package ships, and join them as Argos does (default: on)")
+    p.add_argument("--libre-formatting", action=argparse.BooleanOptionalAction, default=True,
+                   help="LibreTranslate's routes format a translation as LibreTranslate does: the source's final "
+                        "mark and case carried over (default: on)")
     p.add_argument("--max-beam", type=int, default=16, help="largest beam (and nbest) a request may ask (16)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
@@ -211,12 +233,14 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
 
 def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
     """``aiayn serve`` from parsed arguments; ``decode``: the decoding flags given, by DecodeOptions field name."""
-    limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam)
+    limits = Limits(max_sentences=args.max_sentences, max_beam=args.max_beam, max_nbest=args.max_beam,
+                    char_limit=args.char_limit, batch_limit=args.batch_limit)
     key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     options = ServeOptions(host=args.host, port=args.port, device=args.device, precision=args.precision,
                            max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
                            max_queue=args.max_queue, limits=limits, access_log=args.access_log,
                            allow_hosts=tuple(args.allow_host), cors=args.cors, api_key=key, api_key_from=key_from,
-                           decode=dict(decode or {}), model_aliases=tuple(args.model_alias))
+                           decode=dict(decode or {}), model_aliases=tuple(args.model_alias),
+                           split_sentences=args.split_sentences, libre_formatting=args.libre_formatting)
     return serve(args.run, options)

@@ -41,10 +41,15 @@ def bearer(request: Request) -> str | None:
 class Choices:
     """What ``aiayn serve``'s operator chose beyond the run: ``decode``, decoding options that replace the run's
     ``decode`` section on every route (its decoding flags, by DecodeOptions field name); ``aliases``, other model
-    names that OpenAI's routes answer to (``--model-alias``: a client's default name, e.g. LangChain's)."""
+    names that OpenAI's routes answer to (``--model-alias``: a client's default name, e.g. LangChain's);
+    ``split_sentences`` and ``libre_formatting``, whether LibreTranslate's routes translate a text sentence by
+    sentence and format the answer as LibreTranslate does (both on unless ``--no-split-sentences``,
+    ``--no-libre-formatting``)."""
 
     decode: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: tuple[str, ...] = ()
+    split_sentences: bool = True
+    libre_formatting: bool = True
 
 
 @dataclasses.dataclass(kw_only=True)

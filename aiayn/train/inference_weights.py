@@ -75,7 +75,14 @@ class WeightsChoice:
         if len(steps) == 1 and steps[0] == last:
             return model, f"last step {last} (the only checkpoint to average)"
         own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if self.d.main:  # the choice takes two validations (with BLEU: two decodings): say so before they run
+            how = "validation NLL and BLEU by the recipe's search" if self.cfg.kind.translates else "validation NLL"
+            log.info("choosing the inference weights: the last ones (step %d) or the average of steps %s, by %s "
+                     "(1 of 2: the last weights); if stopped now, aiayn train --resume %s finishes this choice "
+                     "without training more", last, steps, how, self.run_dir)
         last_scores = self._scores(model)
+        if self.d.main:
+            log.info("choosing the inference weights (2 of 2: the average of steps %s)", steps)
         model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in avg.items()}, strict=False)
         avg_scores = self._scores(model)
         model.load_state_dict(own)

@@ -69,6 +69,11 @@ def run_report(run_or_file: str | Path) -> dict[str, Any]:
     # Time is logged with the training windows only, so the last value can precede the last step.
     rep["elapsed_s"] = float(el.values[-1]) if el is not None else None
     rep["elapsed_step"] = int(el.steps[-1]) if el is not None else None
+    rep["elapsed_at"] = "log"
+    last = _last_checkpoint(path.parent)  # the state a stopped run saved: its real last update and time
+    if last is not None and last["step"] >= rep["step"] and isinstance(last.get("elapsed_s"), (int, float)):
+        rep.update(step=last["step"], elapsed_s=float(last["elapsed_s"]), elapsed_step=last["step"],
+                   elapsed_at="checkpoint")
     tps = series.get("tokens_per_s")
     if tps is not None:  # curves_data returns only series that have points
         p25, med, p75 = np.percentile(tps.values, [25, 50, 75])
@@ -87,6 +92,22 @@ def run_report(run_or_file: str | Path) -> dict[str, Any]:
     return rep
 
 
+def _last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+    """The newest checkpoint's state (its step and training time), or None. :func:`run_report` takes its step and
+    time (``elapsed_at``: ``checkpoint``, else ``log``) when it is the run's last update, as when a run stops
+    between two training logs."""
+    from aiayn.weights import checkpoint_paths, list_checkpoints
+
+    steps = list_checkpoints(run_dir)
+    if not steps:
+        return None
+    try:
+        state = json.loads(checkpoint_paths(run_dir, steps[-1])[2].read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """Human-readable lines of :func:`run_report`'s dict."""
     lines = [f"metrics      {rep['metrics']}"]
@@ -94,8 +115,9 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep["epoch"] is not None:
         upd += f" (epoch {rep['epoch']})"
     if rep["elapsed_s"] is not None:
-        upd += (f"; {rep['elapsed_s']:,.0f} s ({rep['elapsed_s'] / 60:.1f} min) of training at the last "
-                f"training log (step {rep['elapsed_step']:,})")
+        at = "its last checkpoint" if rep.get("elapsed_at") == "checkpoint" else "the last training log"
+        upd += (f"; {rep['elapsed_s']:,.0f} s ({rep['elapsed_s'] / 60:.1f} min) of training at {at} "
+                f"(step {rep['elapsed_step']:,})")
     lines.append(upd)
     p = rep.get("precision")
     if p:

@@ -154,17 +154,31 @@ def restore_newest(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
     return meta.state
 
 
+def weights_chosen(run_dir: Path) -> bool:
+    """Whether a run's training chose its inference weights after its newest checkpoint: model.safetensors is
+    there and newer (a training stopped while choosing them, by Ctrl-C or a kill, left none, or an older one)."""
+    final, steps = run_dir / "model.safetensors", list_checkpoints(run_dir)
+    if not final.is_file():
+        return False
+    return not steps or final.stat().st_mtime >= checkpoint_paths(run_dir, steps[-1])[2].stat().st_mtime
+
+
 def resume_config(cfg: Config, run_dir: Path, world: int) -> Config:
     """The config a resume of ``run_dir`` on ``world`` processes trains with, checked against the run's newest
     checkpoint before any work: the run's micro-batches per update (processes x ``train.accum_steps``) shared out
     over ``world`` processes, so every update takes the batches it would have taken (:mod:`aiayn.train.plan`);
     refused with one line when ``world`` does not divide them, or when the run has spent its
-    ``train.max_minutes`` (counted from its first start)."""
+    ``train.max_minutes`` (counted from its first start) and chose its inference weights (one stopped while it chose
+    them is resumed to finish that: :func:`weights_chosen`)."""
     meta = CheckpointMeta.newest(run_dir)
     if meta is None:
         return cfg
     tc, elapsed = cfg.train, meta.state.elapsed_s
-    if tc.max_minutes is not None and elapsed >= tc.max_minutes * 60 and meta.state.step < tc.max_updates:
+    spent = tc.max_minutes is not None and elapsed >= tc.max_minutes * 60 and meta.state.step < tc.max_updates
+    if spent and not weights_chosen(run_dir):  # stopped while it chose its weights: the resume finishes that
+        log.info("%s has spent its train.max_minutes=%g; its inference weights were not chosen yet: choosing them "
+                 "now, without training more", run_dir, tc.max_minutes)
+    elif spent:
         raise ConfigError(f"{run_dir} has trained {elapsed / 60:.1f} minutes, its train.max_minutes="
                           f"{tc.max_minutes:g} (counted from the run's first start): give it more to go on, e.g. "
                           f"--set train.max_minutes={_more_minutes(elapsed, tc.max_minutes)}")

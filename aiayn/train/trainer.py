@@ -121,9 +121,9 @@ class Trainer:
     def _train(self, planner: EpochPlanner, loader: UpdateLoader) -> TrainState:
         tc, st, d = self.cfg.train, self.state, self.d
         loop = self._begin(planner)
-        stop = st.step >= tc.max_updates
-        if stop:
-            self.stop_reason = f"train.max_updates={tc.max_updates} reached"
+        # A resumed run that reached a limit already (its weight choice was interrupted): only that is done
+        self.stop_reason = limit_reached(tc, st, d, log_step=True) if st.step else ""
+        stop = bool(self.stop_reason)
         while not stop and (tc.max_epochs is None or st.epoch < tc.max_epochs):
             updates, totals = planner.updates(st.epoch)
             if not updates:

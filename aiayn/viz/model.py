@@ -7,11 +7,13 @@ count from the model those numbers build (on PyTorch's meta device: no memory, n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from aiayn.config import Config, ModelConfig, recipe_values
 from aiayn.model import build_model, count_parameters
 from aiayn.viz.common import config_of, new_figure, save_figure, suptitle
 
@@ -42,7 +44,7 @@ class ModelDiagram:
 def model_diagram(source: str | Path = "paper-base") -> ModelDiagram:
     """The diagram's numbers of a run directory, a YAML recipe or a preset name (default: the paper's base)."""
     cfg, name = config_of(source)
-    m = cfg.model
+    m = recipe_vocabulary(cfg, source)
     with torch.device("meta"):  # the parameter count of exactly this architecture, without allocating it
         parameters = count_parameters(build_model(m, cfg.task))
     n_encoder = m.n_encoder_layers if cfg.kind.encoder else 0
@@ -51,6 +53,17 @@ def model_diagram(source: str | Path = "paper-base") -> ModelDiagram:
                         d_ff=m.d_ff, activation=m.activation, positional=m.positional, norm_first=m.norm_first,
                         dropout=m.dropout, src_vocab=m.vocab_size, tgt_vocab=m.tgt_vocab_size or m.vocab_size,
                         shared_embeddings=m.share_embeddings, tied_output=m.tie_output, parameters=parameters)
+
+
+def recipe_vocabulary(cfg: Config, source: str | Path) -> ModelConfig:
+    """The model ``source`` trains. A run directory's config holds the sizes its tokenizer gave; a recipe's model
+    vocabulary is only a request, which training replaces by the tokenizer's (``data.vocab_size`` pieces of BPE,
+    :func:`~aiayn.data.pipeline.fit_model_to_vocab`) unless the recipe sets ``model.vocab_size`` itself (the
+    paper's presets: 37,000). A character vocabulary is known only once trained: the model's number stays."""
+    if Path(source).is_dir() or cfg.data.tokenizer != "bpe" or "vocab_size" in recipe_values(source).get("model", {}):
+        return cfg.model
+    v = cfg.data.vocab_size
+    return dataclasses.replace(cfg.model, vocab_size=v, tgt_vocab_size=None if cfg.data.shared_vocab else v)
 
 
 def stack_labels(d: ModelDiagram, encoder: bool) -> list[str]:
