@@ -59,7 +59,8 @@ class _Stack(nn.Module):
 
     def inputs(self, tokens: Tensor, pos: Positions) -> Tensor:
         """tokens (B, T) -> Dropout(embeddings + the scheme's encodings) (B, T, D)."""
-        return self.dropout(self.positions.add(self.embed(tokens), pos))
+        x = self.positions.add(self.embed(tokens), pos)
+        return self.dropout(x) if self.training else x
 
 
 class Encoder(_Stack):
