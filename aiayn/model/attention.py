@@ -181,7 +181,7 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
             if cache is not None:
                 k, v = cache.append_self(layer, k, v)
         else:
-            q = self._split(self.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk]))
+            q = self.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk])  # (B, Tq, h d_k)
             if cache is not None and cache.cross_k[layer] is not None:
                 k, v = cache.cross_k[layer], cache.cross_v[layer]
             else:
@@ -189,16 +189,24 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
                 if cache is not None:  # contiguous (B, H, S, K): every later step's matmul reads them without a copy
                     k, v = k.contiguous(), v.contiguous()
                     cache.cross_k[layer], cache.cross_v[layer] = k, v
+            q = self._grouped(q, k.size(0))
         p = self.dropout if self.training else 0.0
         fused = k.size(-2) > self.explicit_max_keys.get(q.device.type, 0)
-        B, H, Tq, _ = q.shape
-        groups = B // k.size(0) if 0 < k.size(0) < B else 1  # cross-attention: G query rows may share one
-        if groups > 1:  # (B, H, Tq, K) -> (B / G, H, G Tq, K): one product per memory row, its keys read once
-            q = q.view(B // groups, groups, H, Tq, -1).transpose(1, 2).reshape(B // groups, H, groups * Tq, -1)
         out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, causal, fused)
-        if groups > 1:
-            out, probs = (None if x is None else x.view(B // groups, H, groups, Tq, -1).transpose(1, 2)
-                          .reshape(B, H, Tq, -1) for x in (out, probs))
-        V = out.size(-1)
-        out = out.transpose(1, 2).reshape(B, Tq, H * V)  # concat heads: (B, Tq, h d_v)
+        (B, Tq, _), H, G = x.shape, self.n_heads, x.size(0) // q.size(0)
+        if G > 1:  # (B / G, H, G Tq, V) -> concat heads (B, Tq, h d_v); the probabilities to (B, H, Tq, S)
+            out = out.view(B // G, H, G, Tq, -1).permute(0, 2, 3, 1, 4).reshape(B, Tq, -1)
+            if probs is not None:
+                probs = probs.view(B // G, H, G, Tq, -1).transpose(1, 2).reshape(B, H, Tq, -1)
+        else:
+            out = out.transpose(1, 2).reshape(B, Tq, -1)  # concat heads: (B, Tq, h d_v)
         return self.linear(out, self.out_proj.weight, self.out_proj.bias), probs
+
+    def _grouped(self, q: Tensor, rows: int) -> Tensor:
+        """Cross-attention's queries (B, Tq, h d_k) against ``rows`` memory rows: (B, H, Tq, K), or (B / G, H, G Tq,
+        K) when each memory row serves G consecutive query rows (one product per memory row, its keys read once)."""
+        (B, Tq, _), H = q.shape, self.n_heads
+        if not 0 < rows < B:
+            return self._split(q)
+        G = B // rows
+        return q.view(rows, G, Tq, H, -1).permute(0, 3, 1, 2, 4).reshape(rows, H, G * Tq, -1)
