@@ -145,6 +145,15 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         B, T, HW = x.shape
         return x.view(B, T, self.n_heads, HW // self.n_heads).transpose(1, 2)
 
+    def _heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's projections (B, T, h d_k + h d_k + h d_v) -> Q, K (B, H, T, d_k) and V (B, H, T, d_v):
+        views. Equal widths (the paper's): one view and one permute for all three, not a split and three."""
+        if self.d_k != self.d_v:
+            q, k, v = qkv.split(self._rows, dim=-1)
+            return self._split(q), self._split(k), self._split(v)
+        B, T, _ = qkv.shape
+        return qkv.view(B, T, 3, self.n_heads, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder memory (B, S, D) -> (B, H, S, d_k) and (B, H, S, d_v)."""
         qk = self._rows[0]
@@ -174,8 +183,7 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
         qk = self._rows[0]
         if memory is None:
-            q, k, v = self.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
-            q, k, v = self._split(q), self._split(k), self._split(v)
+            q, k, v = self._heads(self.linear(x, self.in_proj.weight, self.in_proj.bias))
             if rotate is not None:
                 q, k = rotate(q, k)
             if cache is not None:
