@@ -39,16 +39,6 @@ def padding_mask(keep: Tensor) -> AttentionMask:
     return AttentionMask(keep[:, None, None, :] | empty, empty)
 
 
-def _matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a (B, H, n, k) @ b (B, H, k, m) -> (B, H, n, m): ``torch.matmul``'s own route for equal leading dims (one
-    ``bmm`` over B * H), without its broadcasting steps (a decoding step has a dozen of these); other shapes:
-    ``torch.matmul``."""
-    if a.dim() == 4 and a.shape[:2] == b.shape[:2]:
-        (B, H, n, _), m = a.shape, b.size(-1)
-        return torch.bmm(a.reshape(B * H, n, -1), b.reshape(B * H, -1, m)).view(B, H, n, m)
-    return torch.matmul(a, b)
-
-
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -85,14 +75,14 @@ def scaled_dot_product_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal)
         probs = None
     else:
-        scores = _matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
         if allowed is not None:
             # Additive 0 / -inf (a small (B|1, 1, Tq|1, Tk) tensor): exactly masked_fill's result, and
             # faster to differentiate than masked_fill with a broadcast boolean mask.
             scores = scores + torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
                 ~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = _matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
+        out = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
         if not need_weights:
             probs = None
         elif empty is not None:
