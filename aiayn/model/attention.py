@@ -135,6 +135,15 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         B, T, HW = x.shape
         return x.view(B, T, self.n_heads, HW // self.n_heads).transpose(1, 2)
 
+    def _heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's projections (B, T, h d_k + h d_k + h d_v) -> Q, K (B, H, T, d_k) and V (B, H, T, d_v):
+        views. Equal widths (the paper's): one view and one permute for all three, not a split and three."""
+        if self.d_k != self.d_v:
+            q, k, v = qkv.split(self._rows, dim=-1)
+            return self._split(q), self._split(k), self._split(v)
+        B, T, _ = qkv.shape
+        return qkv.view(B, T, 3, self.n_heads, self.d_k).permute(2, 0, 3, 1, 4).unbind(0)
+
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the encoder memory (B, S, D) -> (B, H, S, d_k) and (B, H, S, d_v)."""
         qk = self._rows[0]
@@ -164,14 +173,13 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
         Returns ((B, Tq, D), probabilities (B, H, Tq, Tk) if ``need_weights`` else None)."""
         qk = self._rows[0]
         if memory is None:
-            q, k, v = self.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._rows, dim=-1)
-            q, k, v = self._split(q), self._split(k), self._split(v)
+            q, k, v = self._heads(self.linear(x, self.in_proj.weight, self.in_proj.bias))
             if rotate is not None:
                 q, k = rotate(q, k)
             if cache is not None:
                 k, v = cache.append_self(layer, k, v)
         else:
-            q = self._split(self.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk]))
+            q = self.linear(x, self.in_proj.weight[:qk], self.in_proj.bias[:qk])  # (B, Tq, h d_k)
             if cache is not None and cache.cross_k[layer] is not None:
                 k, v = cache.cross_k[layer], cache.cross_v[layer]
             else:
@@ -179,16 +187,24 @@ class MultiHeadAttention(AttentionKernel, LinearKernel, nn.Module):
                 if cache is not None:  # contiguous (B, H, S, K): every later step's matmul reads them without a copy
                     k, v = k.contiguous(), v.contiguous()
                     cache.cross_k[layer], cache.cross_v[layer] = k, v
+            q = self._grouped(q, k.size(0))
         p = self.dropout if self.training else 0.0
         fused = k.size(-2) > self.explicit_max_keys.get(q.device.type, 0)
-        B, H, Tq, _ = q.shape
-        groups = B // k.size(0) if 0 < k.size(0) < B else 1  # cross-attention: G query rows may share one
-        if groups > 1:  # (B, H, Tq, K) -> (B / G, H, G Tq, K): one product per memory row, its keys read once
-            q = q.view(B // groups, groups, H, Tq, -1).transpose(1, 2).reshape(B // groups, H, groups * Tq, -1)
         out, probs = scaled_dot_product_attention(q, k, v, mask, p, need_weights, causal, fused)
-        if groups > 1:
-            out, probs = (None if x is None else x.view(B // groups, H, groups, Tq, -1).transpose(1, 2)
-                          .reshape(B, H, Tq, -1) for x in (out, probs))
-        V = out.size(-1)
-        out = out.transpose(1, 2).reshape(B, Tq, H * V)  # concat heads: (B, Tq, h d_v)
+        (B, Tq, _), H, G = x.shape, self.n_heads, x.size(0) // q.size(0)
+        if G > 1:  # (B / G, H, G Tq, V) -> concat heads (B, Tq, h d_v); the probabilities to (B, H, Tq, S)
+            out = out.view(B // G, H, G, Tq, -1).permute(0, 2, 3, 1, 4).reshape(B, Tq, -1)
+            if probs is not None:
+                probs = probs.view(B // G, H, G, Tq, -1).transpose(1, 2).reshape(B, H, Tq, -1)
+        else:
+            out = out.transpose(1, 2).reshape(B, Tq, -1)  # concat heads: (B, Tq, h d_v)
         return self.linear(out, self.out_proj.weight, self.out_proj.bias), probs
+
+    def _grouped(self, q: Tensor, rows: int) -> Tensor:
+        """Cross-attention's queries (B, Tq, h d_k) against ``rows`` memory rows: (B, H, Tq, K), or (B / G, H, G Tq,
+        K) when each memory row serves G consecutive query rows (one product per memory row, its keys read once)."""
+        (B, Tq, _), H = q.shape, self.n_heads
+        if not 0 < rows < B:
+            return self._split(q)
+        G = B // rows
+        return q.view(rows, G, Tq, H, -1).permute(0, 3, 1, 2, 4).reshape(rows, H, G * Tq, -1)

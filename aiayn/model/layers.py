@@ -36,7 +36,7 @@ class PositionwiseFeedForward(LinearKernel, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, D) -> (B, T, D)."""
         h = self.activation(self.linear(x, self.fc1.weight, self.fc1.bias))
-        return self.linear(self.dropout(h), self.fc2.weight, self.fc2.bias)
+        return self.linear(self.dropout(h) if self.training else h, self.fc2.weight, self.fc2.bias)
 
 
 class SublayerConnection(nn.Module):
@@ -56,8 +56,9 @@ class SublayerConnection(nn.Module):
         return self.norm(x) if self.norm_first else x
 
     def residual(self, x: Tensor, out: Tensor) -> Tensor:
-        """x + Dropout(out), then LayerNorm post-LN."""
-        y = x + self.dropout(out)
+        """x + Dropout(out), then LayerNorm post-LN. (Dropout is the identity at inference: not even called, a
+        decoding step has a dozen of them.)"""
+        y = x + (self.dropout(out) if self.training else out)
         return y if self.norm_first else self.norm(y)
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:

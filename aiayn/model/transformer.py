@@ -59,7 +59,8 @@ class _Stack(nn.Module):
 
     def inputs(self, tokens: Tensor, pos: Positions) -> Tensor:
         """tokens (B, T) -> Dropout(embeddings + the scheme's encodings) (B, T, D)."""
-        return self.dropout(self.positions.add(self.embed(tokens), pos))
+        x = self.positions.add(self.embed(tokens), pos)
+        return self.dropout(x) if self.training else x
 
 
 class Encoder(_Stack):
@@ -181,11 +182,11 @@ class Transformer(nn.Module):
         return self.encoder(src, src_mask)[0]
 
     def decode(
-        self, tgt: Tensor, memory: Tensor, memory_mask: Tensor, cache: KVCache | None = None
+        self, tgt: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: KVCache | None = None
     ) -> Tensor:
         """tgt (B, T) ids (with a cache: only the steps not yet cached); memory (B, S, D) and memory_mask (B, S)
         bool, or one row of each for every G consecutive rows of tgt ((B / G, S, D): beam search's beams share
-        their sentence's). Returns logits (B, T, V)."""
+        their sentence's); memory_mask None: no padding, every key seen. Returns logits (B, T, V)."""
         return self.decoder(tgt, memory, memory_mask, cache)[0]
 
     def new_cache(self, capacity: int | None = None) -> KVCache:

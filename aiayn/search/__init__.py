@@ -9,9 +9,10 @@ model exposing
     cache  = model.new_cache();  cache.reorder(rows: LongTensor)     (select / repeat / drop rows)
     cache.reserve(steps)                                             (optional: preallocate decoding steps)
 
-With a cache, ``decode`` receives only the tokens it has not seen yet. A decoder-only LM takes
-``memory=None, memory_mask=None`` (only :func:`sample` uses one). :func:`decode_ids` is the one "decode these
-sources" that the translator, training's validation BLEU and the attention explorer share.
+With a cache, ``decode`` receives only the tokens it has not seen yet; ``memory_mask`` None means no padding
+(beam search passes None where no source is padded, so that no step applies a mask that hides nothing). A
+decoder-only LM takes ``memory=None, memory_mask=None`` (only :func:`sample` uses one). :func:`decode_ids` is
+the one "decode these sources" that the translator, training's validation BLEU and the attention explorer share.
 
 Shapes: B batch (sentences), S source length, T target length, D model width, V vocabulary, N beam size; rows
 of beam search are sentence-major: row = sentence * N + beam.

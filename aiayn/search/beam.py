@@ -211,12 +211,14 @@ def _next_beams(step: _Step, N: int, first_rows: Tensor, sent: Tensor, t: int) -
     return live_lp.gather(1, order), src_rows, step.tok.gather(1, order)
 
 
-def _keep_sentences(keep: Tensor, cache: Any, memory: Tensor, mem_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Memory (n, S, D), its mask (n, S) and the cache's cross-attention K/V of the kept sentences keep (n',). They
+def _keep_sentences(keep: Tensor, cache: Any, memory: Tensor, mem_mask: Tensor | None
+                    ) -> tuple[Tensor, Tensor | None]:
+    """Memory (n, S, D), its mask (n, S) (None: no padding) and the cache's cross-attention K/V of the kept
+    sentences keep (n',). They
     are one row per sentence, which its N beams share (the decoder's grouped cross-attention): they are selected
     only when a sentence leaves the batch, never copied per beam nor reordered with the beams."""
     cache.reorder_cross(keep)
-    return memory.index_select(0, keep), mem_mask.index_select(0, keep)
+    return memory.index_select(0, keep), None if mem_mask is None else mem_mask.index_select(0, keep)
 
 
 @torch.no_grad()
@@ -229,14 +231,15 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     _check(spec)
     o = spec.options
     src_mask = src != spec.pad if src_mask is None else src_mask
-    device = src.device
+    device, B, N = src.device, src.size(0), o.beam
     process, free_waits, sdt = LogitsProcessor(spec, device), waits_are_free(device), score_dtype(device)
-    B, N = src.size(0), o.beam
-    limits = max_lengths(model, src_mask, spec)
-    memory, mem_mask = model.encode(src, src_mask), src_mask  # (n, S, D): one row per live sentence, all its beams'
+    lengths = src_mask.sum(dim=1).tolist()  # the sources' lengths: one transfer, before the loop
+    limits = max_lengths(model, src_mask, spec, lengths)
+    memory = model.encode(src, src_mask)  # (n, S, D): one row per live sentence, all its beams'
+    # no padding (one sentence, or sources of one length): no mask for the cross-attention to apply at every step
+    mem_mask = None if all(n == src_mask.size(1) for n in lengths) else src_mask
     if o.cuda_graphs:  # every step at fixed shapes, on CUDA one graph replayed (aiayn.search.fixed)
-        cache = FixedShapeSteps(model, memory, mem_mask, N, max(limits), spec.pad)
-        decode = cache.decode
+        decode = (cache := FixedShapeSteps(model, memory, mem_mask, N, max(limits), spec.pad)).decode
     else:
         cache, decode = new_cache(model, max(limits)), model.decode
     tokens = torch.full((B, 1), spec.bos, dtype=torch.long, device=device)  # (rows, 1 + t): B at first, then n*N

@@ -31,11 +31,11 @@ class FixedShapeSteps:
     """The decoder steps of one beam search batch at fixed shapes; a stand-in for the model's ``decode`` and its
     cache in :func:`~aiayn.search.beam.beam_search` (``decode``, ``reorder``, ``reorder_cross``).
 
-    memory (B, S, D) and its mask (B, S) bool: the whole batch's, kept for every step; ``steps``: the batch's step
-    limit C; ``pad``: the token fed to the rows of sentences that are done; ``graph``: record and replay a CUDA graph
-    (on CUDA only)."""
+    memory (B, S, D) and its mask (B, S) bool (None: no padding): the whole batch's, kept for every step;
+    ``steps``: the batch's step limit C; ``pad``: the token fed to the rows of sentences that are done; ``graph``:
+    record and replay a CUDA graph (on CUDA only)."""
 
-    def __init__(self, model: nn.Module, memory: Tensor, mem_mask: Tensor, beam: int, steps: int, pad: int,
+    def __init__(self, model: nn.Module, memory: Tensor, mem_mask: Tensor | None, beam: int, steps: int, pad: int,
                  graph: bool = True) -> None:
         B, device = memory.size(0), memory.device
         self.model, self.memory, self.mem_mask, self.N, self.pad = model, memory, mem_mask, beam, pad

@@ -62,13 +62,14 @@ class SearchSpec:
         return self.options.temperature if self.options.sample else 0.0
 
 
-def max_lengths(model: nn.Module, src_mask: Tensor, spec: SearchSpec) -> list[int]:
+def max_lengths(model: nn.Module, src_mask: Tensor, spec: SearchSpec, lengths: list[int] | None = None) -> list[int]:
     """Per-sentence decoding-step limits int(a * src_len_i + b) from src_mask (B, S) bool, at least 1 and at
-    most the model's ``cfg.max_positions`` when it has one."""
+    most the model's ``cfg.max_positions`` when it has one; ``lengths``: the sources' lengths (src_mask's row
+    sums) where the caller has read them already."""
     a, b = spec.options.max_len_a, spec.options.max_len_b
     cap = getattr(getattr(model, "cfg", None), "max_positions", None)
     out = []
-    for n in src_mask.sum(dim=1).tolist():
+    for n in src_mask.sum(dim=1).tolist() if lengths is None else lengths:
         m = int(a * n + b)
         if cap is not None:
             m = min(m, int(cap))
