@@ -186,8 +186,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from aiayn.data.corpus import check_file, stdin_stream
     from aiayn.decode.stream import iter_lines, translate_stream
     from aiayn.decode.translator import load
-    from aiayn.errors import DataError
-    from aiayn.files import atomic_write
+    from aiayn.files import atomic_write, guard_output
 
     fmt = "json" if args.json else args.format
     if args.chunk is not None and args.chunk < 1:
@@ -195,8 +194,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from_stdin = args.input in (None, "-")
     if not from_stdin:  # a file, or a pipe (--input <(zcat corpus.gz)), a device, /dev/stdin
         check_file(args.input)
-    if args.output not in (None, "-") and Path(args.output).is_dir():
-        raise DataError(f"{args.output}: is a directory (--output names the file to write)")
+    if args.output not in (None, "-"):
+        guard_output(args.output, "text", [args.run, *([] if from_stdin else [args.input])], "--output")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
     opts = translator.options(**decode_overrides(args))
     source = stdin_stream() if from_stdin else open(args.input, "rb")  # noqa: SIM115 - closed below
@@ -312,6 +311,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
     from aiayn.data.pipeline import check_data_sources, prepare_corpus
     from aiayn.data.store import describe_store
+    from aiayn.files import guard_output_dir
 
     if args.verify is not None:
         return _verify_store(args)
@@ -319,6 +319,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError("aiayn prepare needs a CONFIG and --out DIR (or --verify DIR to check a store)")
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    guard_output_dir(args.out, [args.config] if Path(args.config).exists() else [], "--out")
     cfg = load_config(args.config, args.set)
     check_data_sources(cfg)
     store = prepare_corpus(cfg, args.out, workers=args.workers)
@@ -508,9 +509,12 @@ def _add_summarize(sub: argparse._SubParsersAction) -> None:
 def cmd_summarize(args: argparse.Namespace) -> int:
     """One summary line per input document, in order."""
     from aiayn.decode.generate import read_documents, summarize
-    from aiayn.files import atomic_write_text
+    from aiayn.files import atomic_write_text, guard_output
     from aiayn.run_dir import load_run
 
+    if args.output not in (None, "-"):
+        guard_output(args.output, "text", [args.run, *([] if args.input in (None, "-") else [args.input])],
+                     "--output")
     run = load_run(args.run, args.device, precision=args.precision)
     opts = run.cfg.decode.replace(**decode_overrides(args))
     field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"

@@ -491,25 +491,44 @@ def lock_holder(directory: str | Path) -> str | None:
         os.close(fd)
 
 
-def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
-    """Refuse, before anything is read or written, an output directory that would destroy an input or a run in
-    use: the same directory as an input (symlinks resolved), one inside an input, one that contains an input;
-    an existing non-empty directory without ``force``; with ``force``, a directory a live process holds (a
-    training's run lock). One-line ConfigError naming both paths."""
+def guard_output_dir(out: str | Path, inputs: Sequence[str | Path] = (), flag: str = "") -> Path:
+    """The output guard of a directory a command creates or fills: refuse (one-line ConfigError), before any work,
+    the same directory as an input (symlinks resolved), one inside an input, one that contains an input, one inside
+    a run directory or a token store, and an existing file that is not a directory. Returns ``out``."""
     out = Path(out)
+    name = f"{flag} {out}" if flag else str(out)
     target = out.resolve()
     for given in inputs:
         src = Path(given).resolve()
         if target == src:
-            raise ConfigError(f"{out}: is the input {given} itself; write to another directory")
+            raise ConfigError(f"{name}: is the input {given} itself; write to another directory")
         if src in target.parents:
-            raise ConfigError(f"{out}: is inside the input {given}; write outside it")
+            raise ConfigError(f"{name}: is inside the input {given}; write outside it")
         if target in src.parents:
-            raise ConfigError(f"{out}: contains the input {given}; --force would delete it: write elsewhere")
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+            raise ConfigError(f"{name}: contains the input {given}; write elsewhere")
+    owner = _owner(target)
+    if owner is not None:
+        kind_of = "run directory" if is_run_dir(owner) else "token store"
+        raise ConfigError(f"{name}: is inside the {kind_of} {owner}, whose files only aiayn's own commands write; "
+                          "write outside it")
+    if out.exists() and not out.is_dir():
+        what = "a device or a pipe" if written_in_place(out) else "a file"
+        raise ConfigError(f"{name}: is {what}, not a directory; name a new directory")
+    return out
+
+
+def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool, makes_run: bool = False) -> None:
+    """Refuse, before anything is read or written, an output directory that would destroy an input or a run in
+    use (:func:`guard_output_dir`); a training's run directory or a token store, ``force`` or not (an imported run
+    only when the command ``makes_run``, an import); an existing non-empty directory without ``force``; with
+    ``force``, a directory a live process holds (a training's run lock). One-line ConfigError naming both paths."""
+    out = Path(out)
+    guard_output_dir(out, inputs)
+    if (out / MARKER).exists() or is_store_dir(out) or (is_run_dir(out) and not makes_run):
+        kind_of = "token store" if is_store_dir(out) else "run directory"
+        raise ConfigError(f"{out}: is a {kind_of}; --force never replaces one: choose another directory")
+    if not out.exists() or not any(out.iterdir()):
         return
-    if written_in_place(out):  # a device or a pipe: --force would delete the node itself
-        raise ConfigError(f"{out}: a device or a pipe, not a directory: write the directory elsewhere")
     if not force:
         raise ConfigError(f"{out} already exists and is not empty: choose a new directory or pass --force")
     holder = lock_holder(out)
@@ -518,8 +537,119 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
         raise ConfigError(f"{out}: a run in use ({who} holds its lock): --force never replaces it; wait for it "
                           "to end or choose another directory")
 
+# The one output guard ---------------------------------------------------------------------------------------------
+
+# What marks a run directory (a training's marker; config.yaml beside its weights, checkpoints or tokenizer: an
+# imported run) and a token store (its marker; a manifest beside its tokenizer).
+STORE_MARKER = ".aiayn-store"
+RUN_FILES = ("model.safetensors", "checkpoints", "tokenizer")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEAD_BYTES = 1 << 16  # what a content check reads of an existing file, at most
+
+
+def is_run_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` is an aiayn run directory (trained, or imported)."""
+    d = Path(directory)
+    return (d / MARKER).is_file() or ((d / "config.yaml").is_file() and any((d / n).exists() for n in RUN_FILES))
+
+
+def is_store_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` is a prepared token store (complete or being built)."""
+    d = Path(directory)
+    return (d / STORE_MARKER).exists() or ((d / "manifest.json").is_file() and (d / "tokenizer").is_dir())
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(HEAD_BYTES)
+
+
+def _is_text(head: bytes) -> bool:
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut at the end of what was read is still text
+        return e.start >= len(head) - 3 and e.reason == "unexpected end of data"
+    return True
+
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 8 + n <= size and head[8:9] == b"{"
+
+
+# The kinds of file a command writes: what an existing file must hold to be written over (an empty one is any kind).
+KINDS: dict[str, tuple[str, Callable[[bytes, int], bool]]] = {
+    "weights": ("a safetensors weights file", _is_safetensors),
+    "png": ("a PNG image", lambda head, size: head.startswith(PNG_SIGNATURE)),
+    "json": ("a JSON record", lambda head, size: _is_text(head) and head.lstrip()[:1] in (b"{", b"[")),
+    "text": ("a text file", lambda head, size: _is_text(head) and not head.startswith(PNG_SIGNATURE)),
+    "zip": ("a zip package", lambda head, size: head.startswith(b"PK\x03\x04")),
+}
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (symlinks and hard links too) or one place."""
+    with contextlib.suppress(OSError):
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def _owner(target: Path) -> Path | None:
+    """The run directory or token store ``target`` (resolved) lies in, if any."""
+    for parent in target.parents:
+        if is_run_dir(parent) or is_store_dir(parent):
+            return parent
+    return None
+
+
+def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (), flag: str = "--out",
+                 creates: Sequence[str | Path] = (), replace: bool = True) -> Path:
+    """Refuse (one-line ConfigError), before any work, to write the file ``path``, of ``kind`` (:data:`KINDS`),
+    when it is one of the command's ``inputs`` (the same file through a symlink or a hard link; a file inside an
+    input directory), a file of a run directory or a token store other than those the command itself
+    ``creates`` there, a directory, or an existing file whose content is not of ``kind``; and, unless ``replace``
+    (a command's ``--force``), any existing file. A device, a pipe or /dev/stdout is written into as it is.
+    Returns ``path``."""
+    out = Path(path)
+    what, fits = KINDS[kind]
+    name = f"{flag} {out}" if flag else str(out)
+    ours = any(_same(out, Path(c)) or out.resolve() == Path(c).resolve() for c in creates)
+    for given in inputs:
+        src = Path(given)
+        if not src.exists() and not src.is_symlink():
+            continue
+        if _same(out, src) if out.exists() else out.resolve() == src.resolve():
+            raise ConfigError(f"{name}: is the input {given} itself; write to another file")
+        if src.is_dir() and src.resolve() in out.resolve().parents and not ours:
+            raise ConfigError(f"{name}: is inside the input {given}; write outside it")
+    if written_in_place(out):
+        return out
+    owner = _owner(out.resolve())
+    if owner is not None and not ours:
+        kind_of = "run directory" if is_run_dir(owner) else "token store"
+        raise ConfigError(f"{name}: is inside the {kind_of} {owner}, whose files only aiayn's own commands write; "
+                          "write outside it")
+    if out.is_dir():
+        raise ConfigError(f"{name}: is a directory; name the file to write")
+    if not out.exists():
+        return out
+    try:
+        st = os.stat(out)
+        head = _head(out)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read to check what it holds ({e.strerror or e})") from None
+    if head and not fits(head, st.st_size):
+        raise ConfigError(f"{name}: exists and is not {what}; it is never written over: name a new file")
+    if not replace and not ours:
+        raise ConfigError(f"{name}: already exists; pass --force to replace it")
+    return out
+
 
 __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
-           "claim", "default_file_mode", "file_lock", "is_temporary", "lock_holder", "locked",
-           "remove_stale_temporaries", "staged_directory"]
+           "claim", "default_file_mode", "file_lock", "guard_output", "guard_output_dir", "is_run_dir", "is_store_dir",
+           "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]
