@@ -517,16 +517,15 @@ def guard_output_dir(out: str | Path, inputs: Sequence[str | Path] = (), flag: s
     return out
 
 
-def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool, makes_run: bool = False) -> None:
+def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
     """Refuse, before anything is read or written, an output directory that would destroy an input or a run in
-    use (:func:`guard_output_dir`); a training's run directory or a token store, ``force`` or not (an imported run
-    only when the command ``makes_run``, an import); an existing non-empty directory without ``force``; with
-    ``force``, a directory a live process holds (a training's run lock). One-line ConfigError naming both paths."""
+    use (:func:`guard_output_dir`), or a token store (shared by the runs trained from it); an existing non-empty
+    directory without ``force``; with ``force`` (which replaces the directory whatever it holds), a directory a live
+    process holds (a training's run lock). One-line ConfigError naming both paths."""
     out = Path(out)
     guard_output_dir(out, inputs)
-    if (out / MARKER).exists() or is_store_dir(out) or (is_run_dir(out) and not makes_run):
-        kind_of = "token store" if is_store_dir(out) else "run directory"
-        raise ConfigError(f"{out}: is a {kind_of}; --force never replaces one: choose another directory")
+    if is_store_dir(out):  # shared by every run trained from it
+        raise ConfigError(f"{out}: is a token store; --force never replaces one: choose another directory")
     if not out.exists() or not any(out.iterdir()):
         return
     if not force:

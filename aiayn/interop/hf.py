@@ -382,7 +382,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False, revi
 
     require("transformers", "hf", "aiayn import hf")
     out = Path(run_dir)
-    check_output_dir(out, [hf_dir] if Path(hf_dir).exists() else [], force, makes_run=True)  # before any download
+    check_output_dir(out, [hf_dir] if Path(hf_dir).exists() else [], force)  # before any download
     src_dir, origin = resolve_hf_source(hf_dir, revision)
     raw = _marian_config_json(src_dir)
     try:
