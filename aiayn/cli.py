@@ -131,6 +131,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default=None, metavar="RUN",
                    help="fine-tune RUN: its weights, tokenizer and model section; the rest from CONFIG")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="open a token store that has no checksums (prepared by an older aiayn, or stripped) as it "
+                        "is: its shape and ids checked, its contents unverified")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain lines: loss, speed, ETA)")
     p.set_defaults(func=cmd_train)
 
@@ -140,6 +143,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         args.set = [*args.set, f"train.threads={args.threads}"]
+    if args.allow_unverified:
+        from aiayn.data.integrity import allow_unverified
+
+        allow_unverified()
     if isinstance(args.resume, str):  # --resume RUN: the run's own config
         if args.config is not None or args.init_from is not None:
             raise ConfigError("--resume RUN takes the run's own config: give no CONFIG and no --init-from "
@@ -312,6 +319,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    "checksum, and its shape and ids")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override, e.g. data.vocab_size=32000")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="open a token store that has no checksums (prepared by an older aiayn, or stripped) as it "
+                        "is: its shape and ids checked, its contents unverified")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "
                    "for a corpus of 32 MB or more, else 1)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
@@ -324,6 +334,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.data.store import describe_store
     from aiayn.files import guard_output_dir
 
+    if args.allow_unverified:
+        from aiayn.data.integrity import allow_unverified
+
+        allow_unverified()
     if args.verify is not None:
         return _verify_store(args)
     if args.config is None or args.out is None:

@@ -7,8 +7,9 @@ manifest, or one id overwritten by another in range (which no bounds check sees)
 A file is read and hashed only when it changed since it was last found good: the memo (``.aiayn-checked.json`` in the
 store) remembers each good file by its size, modification and change times (ns) and inode; any write changes the
 change time, which cannot be set back. The memo is written once per opening, after every check passed: a damaged
-store is left exactly as it was. A store in a read-only directory is checked every time. A store prepared before
-checksums (no ``files``) opens with its shape and ids checked, and the log says it is unverified.
+store is left exactly as it was. A store in a read-only directory is checked every time. A store without checksums
+(no ``files`` or no ``checksum``: prepared by an older aiayn, or stripped) is refused unless the user allows it
+(``--allow-unverified``); then it opens with its shape and ids checked, and the log says it is unverified.
 """
 
 from __future__ import annotations
@@ -80,7 +81,27 @@ def load_manifest(directory: Path, version: int) -> dict[str, Any]:
         raise DataError(f"{path}: store version {manifest.get('version')!r}, where this aiayn reads {version}")
     if "checksum" in manifest and manifest["checksum"] != manifest_checksum(manifest):
         raise DataError(f"{path}: does not match its checksum (edited or damaged since it was written)")
+    if not isinstance(manifest.get("files"), dict) or "checksum" not in manifest:
+        if not unverified_allowed():
+            raise DataError(f"{path}: has no checksums (prepared by an older aiayn, or they were removed), so its "
+                            f"files cannot be verified; pass --allow-unverified (or set {ALLOW_UNVERIFIED}=1) to use "
+                            "it as it is, or prepare it again into a new directory")
     return manifest
+
+
+# Set (to 1) by --allow-unverified: a store without checksums may be opened. An environment variable, so that the
+# ranks and loader workers a command starts read the same answer.
+ALLOW_UNVERIFIED = "AIAYN_ALLOW_UNVERIFIED"
+
+
+def unverified_allowed() -> bool:
+    """Whether the user said --allow-unverified (or set ``AIAYN_ALLOW_UNVERIFIED=1``)."""
+    return os.environ.get(ALLOW_UNVERIFIED, "") not in ("", "0")
+
+
+def allow_unverified() -> None:
+    """--allow-unverified: stores without checksums open in this process and those it starts."""
+    os.environ[ALLOW_UNVERIFIED] = "1"
 
 
 class Memo:
