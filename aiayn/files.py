@@ -126,6 +126,21 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
     return atomic_write_text(path, text + "\n")
 
 
+@contextmanager
+def os_errors_named(path: str | Path) -> Iterator[None]:
+    """Inside the block, safetensors' I/O failures (SafetensorError "... No space left on device (os error 28)",
+    also from a library that saves with it, e.g. transformers' ``save_pretrained``) become the OSError they are,
+    naming ``path``, so that the command line reports them as one line."""
+    try:
+        yield
+    except Exception as e:
+        m = OS_ERROR_RE.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None,
                              save_file: Callable[..., None] | None = None) -> Path:
     """Write ``tensors`` to ``path`` atomically with safetensors' ``save_file`` (or the function given, of its
@@ -135,16 +150,8 @@ def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata
         from safetensors.torch import save_file
 
     def write(tmp: str) -> None:
-        try:
+        with os_errors_named(tmp):
             save_file(tensors, tmp, metadata=metadata)
-        except Exception as e:
-            from safetensors import SafetensorError
-
-            m = OS_ERROR_RE.search(str(e)) if isinstance(e, SafetensorError) else None
-            if m is None:
-                raise
-            code = int(m.group(1))
-            raise OSError(code, os.strerror(code), tmp) from None
 
     if written_in_place(path):  # safetensors renames its own temporary over the name it is given: not a device's
         with tempfile.TemporaryDirectory() as scratch:
@@ -536,6 +543,38 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
         raise ConfigError(f"{out}: a run in use ({who} holds its lock): --force never replaces it; wait for it "
                           "to end or choose another directory")
 
+# Bounded reads ----------------------------------------------------------------------------------------------------
+
+JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far smaller
+
+
+def read_bounded(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes``: a ValueError for anything else (a symlink to
+    /dev/zero or a pipe, which would never end; a file past ``max_bytes``). FileNotFoundError / OSError as open()."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file (a device, a pipe or a directory)")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes:,} bytes")
+    return data
+
+
+def load_json(data: bytes | str) -> Any:
+    """``json.loads``, with nesting too deep for Python's recursion limit a ValueError like any other bad JSON."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def read_json(path: str | Path, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """A JSON file read boundedly (:func:`read_bounded`) and parsed (:func:`load_json`): ValueError when it is not
+    a regular file, too large, not JSON or nested too deeply."""
+    return load_json(read_bounded(path, max_bytes))
+
+
 # The one output guard ---------------------------------------------------------------------------------------------
 
 # What marks a run directory (a training's marker; config.yaml beside its weights, checkpoints or tokenizer: an
@@ -651,4 +690,5 @@ def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (),
 __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
            "claim", "default_file_mode", "file_lock", "guard_output", "guard_output_dir", "is_run_dir", "is_store_dir",
-           "is_temporary", "lock_holder", "locked", "remove_stale_temporaries", "staged_directory"]
+           "is_temporary", "load_json", "lock_holder", "locked", "os_errors_named", "read_bounded", "read_json",
+           "remove_stale_temporaries", "staged_directory"]

@@ -18,13 +18,14 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiayn.errors import DataError
-from aiayn.files import atomic_write_json
+from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json
 
 MANIFEST = "manifest.json"
 CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
@@ -32,10 +33,18 @@ CHECK_CHUNK = 1 << 22  # ids read at a time when a file is scanned (8-16 MB: mem
 HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
 
 
+def check_regular(fd: int, path: str | Path) -> None:
+    """DataError unless the open ``fd`` (``path``) is a regular file: a directory, a device (a symlink to /dev/zero)
+    or a pipe in a store file's place is damage, named as such (its size says nothing; reading it might never end)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise DataError(f"{path}: not a regular file (a directory, a device or a pipe stands in its place)")
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes, read in bounded chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        check_regular(f.fileno(), path)
         for block in iter(lambda: f.read(HASH_CHUNK), b""):
             h.update(block)
     return h.hexdigest()
@@ -65,13 +74,13 @@ def load_manifest(directory: Path, version: int) -> dict[str, Any]:
     JSON, another store version, edited or damaged since it was written)."""
     path = directory / MANIFEST
     try:
-        data = path.read_bytes()
+        data = read_bounded(path, JSON_MAX_BYTES)
     except FileNotFoundError:
         raise DataError(f"{path}: missing (not a prepared corpus, or its preparing never finished)") from None
-    except OSError as e:
-        raise DataError(f"{path}: unreadable ({e.strerror or e})") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
     try:
-        manifest = json.loads(data)
+        manifest = load_json(data)
     except ValueError as e:
         what = "empty (0 bytes)" if not data.strip() else f"not JSON ({str(e).split(':')[0]})"
         raise DataError(f"{path}: {what}") from None
@@ -113,7 +122,7 @@ class Memo:
         memo: Any = {}
         if enabled:
             try:
-                memo = json.loads(self.path.read_bytes())
+                memo = read_json(self.path)
             except (OSError, ValueError):
                 memo = {}
         self.entries: dict[str, Any] = memo if isinstance(memo, dict) else {}
@@ -189,9 +198,18 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
                 continue
             with open(path, "rb") as f:
                 identity = Memo.identity(f.fileno(), digest)  # what is hashed is what is remembered
-                h = hashlib.sha256()
-                for block in iter(lambda f=f: f.read(HASH_CHUNK), b""):
+                try:
+                    check_regular(f.fileno(), name)
+                except DataError as e:
+                    problems.append(str(e))
+                    continue
+                h, left = hashlib.sha256(), identity[0]  # at most its size when opened: bounded, whatever it is
+                while left > 0:
+                    block = f.read(min(HASH_CHUNK, left))
+                    if not block:
+                        break
                     h.update(block)
+                    left -= len(block)
         except FileNotFoundError:
             problems.append(f"{name}: missing (its manifest lists it)")
             continue

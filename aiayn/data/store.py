@@ -59,7 +59,7 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import sha256_file
-from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, load_manifest, seal
+from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
 from aiayn.errors import DataError, PeerError
 from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
 from aiayn.progress import ItemProgress
@@ -90,6 +90,7 @@ class Side:
         self.path, self.offsets_path = ids, offsets
         size = (pairs + 1) * 8
         with open(offsets, "rb") as f:
+            check_regular(f.fileno(), offsets)
             data = f.read(size + 1)
         if len(data) != size:
             raise DataError(f"{offsets}: holds {len(data)} bytes where its manifest says {size} ({pairs:,} pairs)")
@@ -100,7 +101,13 @@ class Side:
         if sys.byteorder == "big":
             self._bounds.byteswap()
         self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
-        self._fd = os.open(ids, os.O_RDONLY)
+        fd = os.open(ids, os.O_RDONLY)
+        try:
+            check_regular(fd, ids)
+        except DataError:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.file_bytes = os.fstat(self._fd).st_size
         self.n_ids = self.file_bytes // self.dtype.itemsize
 

@@ -37,7 +37,7 @@ import torch
 from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
-from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
+from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, read_json
 from aiayn.train.parallel import Dist
 from aiayn.train.resume import CheckpointMeta
 from aiayn.weights import checkpoint_dir, list_checkpoints
@@ -91,7 +91,7 @@ def read_marker(run_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        marker = json.loads(path.read_bytes())
+        marker = read_json(path)
         if not isinstance(marker, dict) or not isinstance(marker.get("config_sha256"), str) \
                 or not isinstance(marker.get("config"), dict):
             raise ValueError("expected an object with 'config_sha256' and 'config'")

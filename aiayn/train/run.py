@@ -158,7 +158,9 @@ def train_from_config(config: str | Path, run_dir: str | Path | None = None, ove
     which the output guard checks first (:func:`aiayn.files.guard_output_dir`: not inside another run or a store,
     not a file, not the run ``init_from`` names, nor the recipe's own directory on a new training)."""
     run_dir = run_dir or default_run_dir(config)
-    inputs = [p for p in (init_from, None if resume else config) if p is not None and Path(p).exists()]
+    inputs = [init_from] if init_from is not None and Path(init_from).exists() else []
+    if not resume and Path(config).is_file():  # a preset name, or a directory (refused as a recipe below): not one
+        inputs.append(config)
     guard_output_dir(run_dir, inputs, "--run-dir")
     cfg = load_config(config, overrides)
     return train(cfg, run_dir, resume, progress, init_from)

@@ -102,12 +102,13 @@ COMMANDS = {"positional": _positional, "attention": _attention, "schedule": _sch
 
 def viz_cli(args: argparse.Namespace) -> int:
     """Write the figure(s) ``args.what`` asks for, print their paths, open them with ``--show``."""
-    from aiayn.viz.common import show_figures, use_backend
+    from aiayn.viz.common import check_size, show_figures, use_backend
 
     if args.what not in COMMANDS:
         raise ConfigError(f"viz: unknown figure {args.what!r} (expected one of {', '.join(COMMANDS)})")
     if args.what in ("positional", "mask") and args.run is not None:
         raise ConfigError(f"viz {args.what}: takes no RUN argument (got {args.run!r})")
+    check_size(args.width, args.height)
     use_backend(args.show)
     for path in COMMANDS[args.what](args):
         print(f"wrote {path}")
