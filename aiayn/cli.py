@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from aiayn import __version__
-from aiayn.errors import ConfigError, one_line, user_error_message
+from aiayn.errors import ConfigError, one_line, said_here, user_error_message
 
 
 def decode_overrides(args: argparse.Namespace) -> dict:
@@ -727,7 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:
-            print(f"aiayn: error: {msg}", file=sys.stderr)
+            if said_here(e):  # a refusal every process of a torchrun job reaches: once per machine
+                print(f"aiayn: error: {msg}", file=sys.stderr)
             return 2
         if args.verbose:
             traceback.print_exc()

@@ -549,12 +549,13 @@ JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far sma
 
 
 def read_bounded(path: str | Path, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes``: a ValueError for anything else (a symlink to
-    /dev/zero or a pipe, which would never end; a file past ``max_bytes``). FileNotFoundError / OSError as open()."""
+    """The bytes of the regular file (or pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most ``max_bytes``: a
+    ValueError for a device (a symlink to /dev/zero, which would never end) or a file past ``max_bytes``.
+    FileNotFoundError / OSError as open()."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file (a device, a pipe or a directory)")
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+            raise ValueError("not a regular file (a device or a directory)")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes:,} bytes")

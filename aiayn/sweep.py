@@ -159,6 +159,9 @@ def read_grid(path: str | Path) -> tuple[list[str], list[Variant], list[Decoding
     unknown = sorted(set(data) - {"set", "variants", "decode"})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r} (a grid has set, variants and decode)")
+    if not any(data.values()) or ("variants" in data and not data["variants"]):  # not the recipe without a word
+        raise ConfigError(f"{path}: the grid names no variants; give it some (or leave --variants out to sweep the "
+                          "recipe as it is)")
     sets = data.get("set") or []
     if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
         raise ConfigError(f"{path}: set: expected a list of KEY=VALUE strings")
@@ -578,9 +581,6 @@ def sweep_cli(args) -> int:
         variants.append(Variant(_name("variant", name), tuple(items)))
     for name, *items in args.decode:
         decodings.append(decoding_from(name, parse_items(f"--decode {name}", items)))
-    if args.variants and not variants and not args.variant:  # not the plain recipe without a word
-        raise ConfigError(f"--variants {args.variants}: the grid names no variants; give it some (or leave --variants "
-                          "out to sweep the recipe as it is)")
     given = [p for p in (args.config, args.variants) if p is not None and Path(p).exists()]
     guard_output_dir(args.out, given, "--out")
     if args.work is not None:
