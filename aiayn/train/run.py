@@ -19,7 +19,7 @@ from aiayn.files import check_writable, guard_output, guard_output_dir, locked
 from aiayn.model import build_model, count_parameters
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
-from aiayn.train.ownership import flatten, own_run_dir
+from aiayn.train.ownership import flatten, own_run_dir, same_torchrun_job
 from aiayn.train.parallel import Dist, init_distributed
 from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
 from aiayn.train.trainer import Trainer
@@ -59,9 +59,12 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         # torchrun --max-restarts restarted the job: go on from its newest checkpoint. Agreed by every process: a
         # replacement node's agent counts its restarts from 0 while the others count on (docs/distributed.md).
         restart = d.max_of(restart)
-        if restart and not resume:
+        # A node joined or left a MIN:MAX job: the same agent starts its workers again, the restart count unchanged.
+        rejoined = d.max_of(int(same_torchrun_job(run_dir))) if not restart else 0
+        if (restart or rejoined) and not resume:
             if d.main:
-                log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
+                why = f"torchrun restart {restart}" if restart else "the job's nodes changed (a new rendezvous round)"
+                log.info("%s: resuming %s from its newest checkpoint", why, run_dir)
             resume = True
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException as e:
