@@ -163,7 +163,7 @@ def _evaluate(w: World) -> list[list[str]]:
     (w.run / "eval" / "a_dir.json").mkdir(exist_ok=True)
     shutil.copy(w.src, w.run / "eval" / "own.hyp")
     base = ["evaluate", str(w.run), "--src", str(w.src), "--ref", str(w.ref), "--device", "cpu", "--name"]
-    return [[*base, "bad_json"], [*base, "bad_hyp"], [*base, "a_dir"], [*base, "../config"],
+    return [[*base, "bad_json"], [*base, "bad_hyp"], [*base, "a_dir"], [*base, "../config"], [*base, ""],
             ["evaluate", str(w.run), "--src", str(w.run / "eval" / "own.hyp"), "--ref", str(w.ref), "--device", "cpu",
              "--name", "own"]]
 

@@ -76,7 +76,7 @@ class EvalData:
         """The record's name: ``name`` if given, else ``base`` (the split or file), marked with the weights scored
         when they are not the run's own (``test_2016_flickr.average``, ``--name foo``: ``foo.average``), so that
         scoring other weights never replaces the run's record."""
-        base = self.name or base
+        base = self.name if self.name is not None else base  # --name '' is refused, not the default
         return check_name(base if label is None else f"{base}.{label}")
 
 
