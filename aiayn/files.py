@@ -504,9 +504,9 @@ def guard_output_dir(out: str | Path, inputs: Sequence[str | Path] = (), flag: s
     a run directory or a token store, and an existing file that is not a directory. Returns ``out``."""
     out = Path(out)
     name = f"{flag} {out}" if flag else str(out)
-    target = out.resolve()
+    target = _real(out)
     for given in inputs:
-        src = Path(given).resolve()
+        src = _real(given)
         if target == src:
             raise ConfigError(f"{name}: is the input {given} itself; write to another directory")
         if src in target.parents:
@@ -630,11 +630,16 @@ KINDS: dict[str, tuple[str, Callable[[bytes, int], bool]]] = {
 }
 
 
+def _real(path: str | Path) -> Path:
+    """``path`` absolute with its symlinks followed (a loop left as it is, never an error)."""
+    return Path(os.path.realpath(path))
+
+
 def _same(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` name one file (symlinks and hard links too) or one place."""
     with contextlib.suppress(OSError):
         return os.path.samefile(a, b)
-    return a.resolve() == b.resolve()
+    return _real(a) == _real(b)
 
 
 def _owner(target: Path) -> Path | None:
@@ -656,18 +661,18 @@ def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (),
     out = Path(path)
     what, fits = KINDS[kind]
     name = f"{flag} {out}" if flag else str(out)
-    ours = any(_same(out, Path(c)) or out.resolve() == Path(c).resolve() for c in creates)
+    ours = any(_same(out, Path(c)) for c in creates)
     for given in inputs:
         src = Path(given)
         if not src.exists() and not src.is_symlink():
             continue
-        if _same(out, src) if out.exists() else out.resolve() == src.resolve():
+        if _same(out, src):
             raise ConfigError(f"{name}: is the input {given} itself; write to another file")
-        if src.is_dir() and src.resolve() in out.resolve().parents and not ours:
+        if src.is_dir() and _real(src) in _real(out).parents and not ours:
             raise ConfigError(f"{name}: is inside the input {given}; write outside it")
     if written_in_place(out):
         return out
-    owner = _owner(out.resolve())
+    owner = _owner(_real(out))
     if owner is not None and not ours:
         kind_of = "run directory" if is_run_dir(owner) else "token store"
         raise ConfigError(f"{name}: is inside the {kind_of} {owner}, whose files only aiayn's own commands write; "

@@ -277,3 +277,15 @@ def test_evaluate_int8_with_a_name_writes_its_own_record(world, capsys):
     assert main([*argv, "--weights", "last"]) == 0
     assert (world.run / "eval" / "foo.json").read_bytes() == fp32
     assert (world.run / "eval" / "foo.last.json").is_file()
+
+
+def test_a_symlink_loop_or_a_name_past_the_limit_is_no_internal_error(world, tmp_path, capsys):
+    from aiayn.files import guard_output, guard_output_dir
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    assert guard_output(tmp_path / "a", "text", [world.src]) == tmp_path / "a"  # a loop holds no data: written
+    assert guard_output_dir(tmp_path / "a", [world.src]) == tmp_path / "a"
+    line = one_line(capsys, ["translate", str(world.run), "--input", str(world.src), "--output",
+                             str(tmp_path / ("x" * 300 + ".txt"))])
+    assert "File name too long" in line
