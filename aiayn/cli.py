@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from aiayn import __version__
-from aiayn.errors import ConfigError, one_line, user_error_message
+from aiayn.errors import ConfigError, one_line, said_here, user_error_message
 
 
 def decode_overrides(args: argparse.Namespace) -> dict:
@@ -93,6 +93,16 @@ def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
     add_device_options(p)
 
 
+def add_output(p: argparse.ArgumentParser, *names: str, kind: str, **kw) -> argparse.Action:
+    """An argument naming what the command writes, tagged with the ``kind`` it writes (``output_kind``: a kind of
+    :data:`aiayn.files.KINDS`, ``dir`` or ``record``, an eval record's name): each command puts it through the
+    output guard (:func:`aiayn.files.guard_output`, :func:`aiayn.files.guard_output_dir`) before any work, and
+    the tests walk the tagged arguments."""
+    action = p.add_argument(*names, **kw)
+    action.output_kind = kind  # type: ignore[attr-defined]
+    return action
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, whose usage errors (``--threads abc``, a missing argument) are one line ``aiayn: error: ...`` and
     exit 2 as every other bad input, not a usage block; ``--help`` still shows the usage."""
@@ -139,7 +149,7 @@ first steps:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model from a YAML recipe (or continue a run: --resume RUN)")
     p.add_argument("config", nargs="?", help="YAML recipe, or a preset name (paper-base, multi30k_en_de_quick, ...)")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
+    add_output(p, "--run-dir", kind="dir", default=None, help="run directory (default runs/<config name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.warmup=8000")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
                    help="continue from the run's last checkpoint; --resume RUN alone uses RUN's own config "
@@ -147,6 +157,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default=None, metavar="RUN",
                    help="fine-tune RUN: its weights, tokenizer and model section; the rest from CONFIG")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + " (= --set train.threads=N)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="open a token store that has no checksums (prepared by an older aiayn, or stripped) as it "
+                        "is: its shape and ids checked, its contents unverified")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain lines: loss, speed, ETA)")
     p.set_defaults(func=cmd_train)
 
@@ -156,6 +169,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         args.set = [*args.set, f"train.threads={args.threads}"]
+    if args.allow_unverified:
+        from aiayn.data.integrity import allow_unverified
+
+        allow_unverified()
     if isinstance(args.resume, str):  # --resume RUN: the run's own config
         if args.config is not None or args.init_from is not None:
             raise ConfigError("--resume RUN takes the run's own config: give no CONFIG and no --init-from "
@@ -193,7 +210,8 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
                                    "writes one record per line (--output or stdout), chunk by chunk.")
     p.add_argument("run", help=RUN_HELP)
     p.add_argument("--input", default=None, help="input file (default stdin)")
-    p.add_argument("--output", default=None, help="output file, written atomically (default stdout, streamed)")
+    add_output(p, "--output", kind="text", default=None,
+               help="output file, written atomically (default stdout, streamed)")
     p.add_argument("--format", choices=["text", "tsv", "json"], default="text",
                    help="text: best line (nbest N: N lines per input); tsv: line, rank, score, logprob, text; "
                         "json: one object per input line")
@@ -215,8 +233,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from aiayn.data.corpus import check_file, stdin_stream
     from aiayn.decode.stream import iter_lines, translate_stream
     from aiayn.decode.translator import load
-    from aiayn.errors import DataError
-    from aiayn.files import atomic_write
+    from aiayn.files import atomic_write, guard_output
 
     fmt = "json" if args.json else args.format
     if args.chunk is not None and args.chunk < 1:
@@ -224,8 +241,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from_stdin = args.input in (None, "-")
     if not from_stdin:  # a file, or a pipe (--input <(zcat corpus.gz)), a device, /dev/stdin
         check_file(args.input)
-    if args.output not in (None, "-") and Path(args.output).is_dir():
-        raise DataError(f"{args.output}: is a directory (--output names the file to write)")
+    if args.output not in (None, "-"):
+        guard_output(args.output, "text", [args.run, *([] if from_stdin else [args.input])], "--output")
     translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
     opts = translator.options(**decode_overrides(args))
     if args.split_sentences:
@@ -277,7 +294,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default=None, help="a split of the run's dataset, e.g. test_2016_flickr")
     p.add_argument("--src", default=None, help="a source file, one sentence per line (with --ref, instead of --split)")
     p.add_argument("--ref", default=None, help="its reference translations, one per line of --src")
-    p.add_argument("--name", default=None, help="name of the eval/<name>.json file")
+    add_output(p, "--name", kind="record", default=None, help="name of the eval/<name>.json file")
     p.add_argument("--weights", nargs="+", default=None, metavar="WHICH",
                    help="score other weights of the run, read only: last (the newest checkpoint), best, average (of "
                         "the last train.average_last checkpoints, in memory), step N, or a .safetensors file "
@@ -328,13 +345,16 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                                    "every file of a store and checks it against the checksums written when it was "
                                    "prepared: one line per problem and exit 2, or exit 0 when it is sound.")
     p.add_argument("config", nargs="?", help="YAML recipe, or a preset name")
-    p.add_argument("--out", metavar="DIR",
-                   help="the store's directory (new, empty, or a store: reused when its inputs and settings match "
+    add_output(p, "--out", kind="dir", metavar="DIR",
+               help="the store's directory (new, empty, or a store: reused when its inputs and settings match "
                    "and its files check out, else rebuilt)")
     p.add_argument("--verify", metavar="DIR", help="check the store DIR (no CONFIG): every file against its "
                    "checksum, and its shape and ids")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override, e.g. data.vocab_size=32000")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="open a token store that has no checksums (prepared by an older aiayn, or stripped) as it "
+                        "is: its shape and ids checked, its contents unverified")
     p.add_argument("--workers", type=int, default=None, help="encoding processes (default: every usable core "
                    "for a corpus of 32 MB or more, else 1)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
@@ -345,13 +365,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
     from aiayn.data.pipeline import check_data_sources, prepare_corpus
     from aiayn.data.store import describe_store
+    from aiayn.files import guard_output_dir
 
+    if args.allow_unverified:
+        from aiayn.data.integrity import allow_unverified
+
+        allow_unverified()
     if args.verify is not None:
         return _verify_store(args)
     if args.config is None or args.out is None:
         raise ConfigError("aiayn prepare needs a CONFIG and --out DIR (or --verify DIR to check a store)")
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    guard_output_dir(args.out, [args.config] if Path(args.config).exists() else [], "--out")
     cfg = load_config(args.config, args.set)
     check_data_sources(cfg)
     store = prepare_corpus(cfg, args.out, workers=args.workers)
@@ -391,8 +417,8 @@ def _add_average(sub: argparse._SubParsersAction) -> None:
                                    "--weights average (or --weights FILE).")
     p.add_argument("run", help="run directory with checkpoints (checkpoints/step_*.safetensors)")
     p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the latest checkpoints (default 5)")
-    p.add_argument("--out", default=None, metavar="FILE", help="where to write the average (default "
-                                                              "RUN/average.safetensors)")
+    add_output(p, "--out", kind="weights", default=None, metavar="FILE",
+               help="where to write the average (default RUN/average.safetensors)")
     p.add_argument("--replace", action="store_true", help="write it as RUN/model.safetensors, the weights "
                                                           "translate, serve and evaluate use")
     p.set_defaults(func=cmd_average)
@@ -429,7 +455,7 @@ def _add_table3(sub: argparse._SubParsersAction) -> None:
                                    "and .png beside the paper's numbers. Rerun the same command to go on after "
                                    "an interruption: finished rows are kept, a started one resumes.")
     p.add_argument("base", help="the base translation recipe (YAML or preset), e.g. multi30k_table3")
-    p.add_argument("--out", required=True, metavar="DIR", help="where the runs, results and the table go")
+    add_output(p, "--out", kind="dir", required=True, metavar="DIR", help="where the runs, results and the table go")
     p.add_argument("--rows", default="all", help="all (default), groups (base, A, B, C, D, E, big) or rows "
                    "(A1,B2,...), comma-separated; base always runs")
     p.add_argument("--seeds", type=int, nargs="+", default=[1], metavar="SEED", help="train.seed of each run "
@@ -465,9 +491,9 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
                                    "curves.png (validation BLEU against updates, a line per run). Rerun the same "
                                    "command to go on after an interruption: finished runs are kept.")
     p.add_argument("config", help="the translation recipe (YAML or preset), e.g. configs/multi30k_en_de.yaml")
-    p.add_argument("--out", required=True, metavar="DIR", help="results: new, empty, or this sweep's own (e.g. "
-                   "results/NAME); another sweep's is refused")
-    p.add_argument("--work", default=None, metavar="DIR", help="where the runs train (checkpoints; default "
+    add_output(p, "--out", kind="dir", required=True, metavar="DIR",
+               help="results: new, empty, or this sweep's own (e.g. results/NAME); another sweep's is refused")
+    add_output(p, "--work", kind="dir", default=None, metavar="DIR", help="where the runs train (checkpoints; default "
                    "runs/sweeps/<OUT's name>)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1], metavar="SEED", help="train.seed of each run "
                    "(default 1)")
@@ -532,7 +558,7 @@ def _add_summarize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("summarize", help="summarize documents, one per line (or a .jsonl file's documents)")
     p.add_argument("run", help="summarization run directory (xsum_lm or xsum_seq2seq)")
     p.add_argument("--input", default=None, help="one document per line, or .jsonl rows with a 'document' field")
-    p.add_argument("--output", default=None, help="output file, one summary per line (default stdout)")
+    add_output(p, "--output", kind="text", default=None, help="output file, one summary per line (default stdout)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="at most this many summary tokens (64)")
     add_decode_options(p)
     p.set_defaults(func=cmd_summarize)
@@ -541,9 +567,12 @@ def _add_summarize(sub: argparse._SubParsersAction) -> None:
 def cmd_summarize(args: argparse.Namespace) -> int:
     """One summary line per input document, in order."""
     from aiayn.decode.generate import read_documents, summarize
-    from aiayn.files import atomic_write_text
+    from aiayn.files import atomic_write_text, guard_output
     from aiayn.run_dir import load_run
 
+    if args.output not in (None, "-"):
+        guard_output(args.output, "text", [args.run, *([] if args.input in (None, "-") else [args.input])],
+                     "--output")
     run = load_run(args.run, args.device, precision=args.precision)
     opts = run.cfg.decode.replace(**decode_overrides(args))
     field = run.cfg.data.src_field if run.cfg.data.format == "jsonl" else "document"
@@ -564,7 +593,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    help="ctranslate2: a CTranslate2 model directory; hf: a Marian directory for transformers; "
                         "argos: an .argosmodel package")
     p.add_argument("run", help="translation run directory (trained or imported)")
-    p.add_argument("out_dir", help="a directory (ctranslate2, hf) or a .argosmodel file (argos)")
+    add_output(p, "out_dir", kind="dir", help="a directory (ctranslate2, hf) or a .argosmodel file (argos)")
     p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2 and Argos)")
     p.add_argument("--sentence-model", default=None,
                    help="argos: a MiniSBD .onnx sentence splitter to package (default: aiayn's rule-based one)")
@@ -603,7 +632,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                                    "(HF_HUB_OFFLINE=1: the cache only); a local directory is read as it is.")
     p.add_argument("engine", choices=["hf"], help="hf: a Hugging Face Marian model")
     p.add_argument("hf_dir", metavar="MODEL", help="a Hub id (owner/name) or a local Marian directory")
-    p.add_argument("run_dir", metavar="RUN", help="the run directory to create (new or empty)")
+    add_output(p, "run_dir", kind="dir", metavar="RUN", help="the run directory to create (new or empty)")
     p.add_argument("--revision", default=None, help="Hub id only: a branch, tag or commit to pin (default main)")
     p.add_argument("--force", action="store_true", help="replace RUN whatever it holds")
     p.set_defaults(func=cmd_import)
@@ -628,8 +657,9 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="?", default=None,
                    help="attention, curves: the run directory; schedule, model: a run, a recipe or a preset "
                         "(optional; model: paper-base)")
-    p.add_argument("--out", default=None, help="PNG path (default WHAT.png); attention: the stem of its three "
-                                               "files (X.png -> X_encoder.png, X_decoder_self.png, X_cross.png)")
+    add_output(p, "--out", kind="png", default=None,
+               help="PNG path (default WHAT.png); attention: the stem of its three files (X.png -> X_encoder.png, "
+                    "X_decoder_self.png, X_cross.png)")
     p.add_argument("--show", action="store_true", help="also open the figure in a window")
     p.add_argument("--d-model", type=int, default=None, help="positional, schedule: model width (default 512 / "
                                                              "the run's)")
@@ -670,8 +700,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: train the quick recipe, evaluate, show translations")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/demo; a finished one is evaluated, "
-                                                   "an unfinished one resumed)")
+    add_output(p, "--run-dir", kind="dir", default=None,
+               help="run directory (default runs/demo; a finished one is evaluated, an unfinished one resumed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. "
                                                                                     "train.max_minutes=10")
     p.add_argument("--config", default=None, help="recipe to train (default multi30k_en_de_quick)")
@@ -740,7 +770,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:
-            print(f"aiayn: error: {msg}", file=sys.stderr)
+            if said_here(e):  # a refusal every process of a torchrun job reaches: once per machine
+                print(f"aiayn: error: {msg}", file=sys.stderr)
             return 2
         if args.verbose:
             traceback.print_exc()

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from aiayn.config import CONFIG_DIR, load_config
-from aiayn.files import MARKER
+from aiayn.files import MARKER, guard_output_dir
 from aiayn.weights import list_checkpoints
 
 log = logging.getLogger("aiayn.demo")
@@ -27,8 +27,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from aiayn.train.run import train
 
     config = Path(args.config) if args.config else DEFAULT_CONFIG
+    run_dir = guard_output_dir(Path(args.run_dir or DEFAULT_RUN_DIR), [config] if config.exists() else [],
+                               "--run-dir")
     cfg = load_config(config, args.set)
-    run_dir = Path(args.run_dir or DEFAULT_RUN_DIR)
     if (run_dir / "model.safetensors").exists():
         print(f"{run_dir} already holds a trained model: evaluating it (delete the folder to train again)")
     else:

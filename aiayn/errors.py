@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import os
 import re
 from collections.abc import Iterable
 
@@ -33,10 +34,19 @@ def first_line(e: BaseException) -> str:
 
 
 class UserError(Exception):
-    """Base class of the errors a user can fix; ``str()`` is one line: what is wrong and where."""
+    """Base class of the errors a user can fix; ``str()`` is one line: what is wrong and where. ``every_rank``: a
+    refusal every process of a torchrun job reaches alike (a resume at a world size that cannot share out the run's
+    micro-batches), said once per machine (:func:`said_here`), not once per process."""
 
-    def __init__(self, message: object = "") -> None:
+    def __init__(self, message: object = "", every_rank: bool = False) -> None:
         super().__init__(one_line(message))
+        self.every_rank = every_rank
+
+
+def said_here(e: BaseException) -> bool:
+    """Whether this process prints ``e``: always, except an ``every_rank`` refusal in a process of a torchrun job that
+    is not its machine's first (LOCAL_RANK 0 says it for all of them)."""
+    return not getattr(e, "every_rank", False) or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 class ConfigError(UserError, ValueError):

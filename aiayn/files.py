@@ -136,6 +136,21 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
     return atomic_write_text(path, text + "\n")
 
 
+@contextmanager
+def os_errors_named(path: str | Path) -> Iterator[None]:
+    """Inside the block, safetensors' I/O failures (SafetensorError "... No space left on device (os error 28)",
+    also from a library that saves with it, e.g. transformers' ``save_pretrained``) become the OSError they are,
+    naming ``path``, so that the command line reports them as one line."""
+    try:
+        yield
+    except Exception as e:
+        m = OS_ERROR_RE.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None,
                              save_file: Callable[..., None] | None = None) -> Path:
     """Write ``tensors`` to ``path`` atomically with safetensors' ``save_file`` (or the function given, of its
@@ -145,16 +160,8 @@ def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata
         from safetensors.torch import save_file
 
     def write(tmp: str) -> None:
-        try:
+        with os_errors_named(tmp):
             save_file(tensors, tmp, metadata=metadata)
-        except Exception as e:
-            from safetensors import SafetensorError
-
-            m = OS_ERROR_RE.search(str(e)) if isinstance(e, SafetensorError) else None
-            if m is None:
-                raise
-            code = int(m.group(1))
-            raise OSError(code, os.strerror(code), tmp) from None
 
     if written_in_place(path):  # safetensors renames its own temporary over the name it is given: not a device's
         with tempfile.TemporaryDirectory() as scratch:
@@ -501,25 +508,43 @@ def lock_holder(directory: str | Path) -> str | None:
         os.close(fd)
 
 
+def guard_output_dir(out: str | Path, inputs: Sequence[str | Path] = (), flag: str = "") -> Path:
+    """The output guard of a directory a command creates or fills: refuse (one-line ConfigError), before any work,
+    the same directory as an input (symlinks resolved), one inside an input, one that contains an input, one inside
+    a run directory or a token store, and an existing file that is not a directory. Returns ``out``."""
+    out = Path(out)
+    name = f"{flag} {out}" if flag else str(out)
+    target = _real(out)
+    for given in inputs:
+        src = _real(given)
+        if target == src:
+            raise ConfigError(f"{name}: is the input {given} itself; write to another directory")
+        if src in target.parents:
+            raise ConfigError(f"{name}: is inside the input {given}; write outside it")
+        if target in src.parents:
+            raise ConfigError(f"{name}: contains the input {given}; write elsewhere")
+    owner = _owner(target)
+    if owner is not None:
+        kind_of = "run directory" if is_run_dir(owner) else "token store"
+        raise ConfigError(f"{name}: is inside the {kind_of} {owner}, whose files only aiayn's own commands write; "
+                          "write outside it")
+    if out.exists() and not out.is_dir():
+        what = "a device or a pipe" if written_in_place(out) else "a file"
+        raise ConfigError(f"{name}: is {what}, not a directory; name a new directory")
+    return out
+
+
 def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
     """Refuse, before anything is read or written, an output directory that would destroy an input or a run in
-    use: the same directory as an input (symlinks resolved), one inside an input, one that contains an input;
-    an existing non-empty directory without ``force``; with ``force``, a directory a live process holds (a
-    training's run lock). One-line ConfigError naming both paths."""
+    use (:func:`guard_output_dir`), or a token store (shared by the runs trained from it); an existing non-empty
+    directory without ``force``; with ``force`` (which replaces the directory whatever it holds), a directory a live
+    process holds (a training's run lock). One-line ConfigError naming both paths."""
     out = Path(out)
-    target = out.resolve()
-    for given in inputs:
-        src = Path(given).resolve()
-        if target == src:
-            raise ConfigError(f"{out}: is the input {given} itself; write to another directory")
-        if src in target.parents:
-            raise ConfigError(f"{out}: is inside the input {given}; write outside it")
-        if target in src.parents:
-            raise ConfigError(f"{out}: contains the input {given}; --force would delete it: write elsewhere")
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+    guard_output_dir(out, inputs)
+    if is_store_dir(out):  # shared by every run trained from it
+        raise ConfigError(f"{out}: is a token store; --force never replaces one: choose another directory")
+    if not out.exists() or not any(out.iterdir()):
         return
-    if written_in_place(out):  # a device or a pipe: --force would delete the node itself
-        raise ConfigError(f"{out}: a device or a pipe, not a directory: write the directory elsewhere")
     if not force:
         raise ConfigError(f"{out} already exists and is not empty: choose a new directory or pass --force")
     holder = lock_holder(out)
@@ -528,8 +553,158 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
         raise ConfigError(f"{out}: a run in use ({who} holds its lock): --force never replaces it; wait for it "
                           "to end or choose another directory")
 
+# Bounded reads ----------------------------------------------------------------------------------------------------
+
+JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far smaller
+
+
+def read_bounded(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file (or pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most ``max_bytes``: a
+    ValueError for a device (a symlink to /dev/zero, which would never end) or a file past ``max_bytes``.
+    FileNotFoundError / OSError as open()."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+            raise ValueError("not a regular file (a device or a directory)")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes:,} bytes")
+    return data
+
+
+def load_json(data: bytes | str) -> Any:
+    """``json.loads``, with nesting too deep for Python's recursion limit a ValueError like any other bad JSON."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def read_json(path: str | Path, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """A JSON file read boundedly (:func:`read_bounded`) and parsed (:func:`load_json`): ValueError when it is not
+    a regular file, too large, not JSON or nested too deeply."""
+    return load_json(read_bounded(path, max_bytes))
+
+
+# The one output guard ---------------------------------------------------------------------------------------------
+
+# What marks a run directory (a training's marker; config.yaml beside its weights, checkpoints or tokenizer: an
+# imported run) and a token store (its marker; a manifest beside its tokenizer).
+STORE_MARKER = ".aiayn-store"
+RUN_FILES = ("model.safetensors", "checkpoints", "tokenizer")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEAD_BYTES = 1 << 16  # what a content check reads of an existing file, at most
+
+
+def is_run_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` is an aiayn run directory (trained, or imported)."""
+    d = Path(directory)
+    return (d / MARKER).is_file() or ((d / "config.yaml").is_file() and any((d / n).exists() for n in RUN_FILES))
+
+
+def is_store_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` is a prepared token store (complete or being built)."""
+    d = Path(directory)
+    return (d / STORE_MARKER).exists() or ((d / "manifest.json").is_file() and (d / "tokenizer").is_dir())
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(HEAD_BYTES)
+
+
+def _is_text(head: bytes) -> bool:
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut at the end of what was read is still text
+        return e.start >= len(head) - 3 and e.reason == "unexpected end of data"
+    return True
+
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 8 + n <= size and head[8:9] == b"{"
+
+
+# The kinds of file a command writes: what an existing file must hold to be written over (an empty one is any kind).
+KINDS: dict[str, tuple[str, Callable[[bytes, int], bool]]] = {
+    "weights": ("a safetensors weights file", _is_safetensors),
+    "png": ("a PNG image", lambda head, size: head.startswith(PNG_SIGNATURE)),
+    "json": ("a JSON record", lambda head, size: _is_text(head) and head.lstrip()[:1] in (b"{", b"[")),
+    "text": ("a text file", lambda head, size: _is_text(head) and not head.startswith(PNG_SIGNATURE)),
+    "zip": ("a zip package", lambda head, size: head.startswith(b"PK\x03\x04")),
+}
+
+
+def _real(path: str | Path) -> Path:
+    """``path`` absolute with its symlinks followed (a loop left as it is, never an error)."""
+    return Path(os.path.realpath(path))
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (symlinks and hard links too) or one place."""
+    with contextlib.suppress(OSError):
+        return os.path.samefile(a, b)
+    return _real(a) == _real(b)
+
+
+def _owner(target: Path) -> Path | None:
+    """The run directory or token store ``target`` (resolved) lies in, if any."""
+    for parent in target.parents:
+        if is_run_dir(parent) or is_store_dir(parent):
+            return parent
+    return None
+
+
+def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (), flag: str = "--out",
+                 creates: Sequence[str | Path] = (), replace: bool = True) -> Path:
+    """Refuse (one-line ConfigError), before any work, to write the file ``path``, of ``kind`` (:data:`KINDS`),
+    when it is one of the command's ``inputs`` (the same file through a symlink or a hard link; a file inside an
+    input directory), a file of a run directory or a token store other than those the command itself
+    ``creates`` there, a directory, or an existing file whose content is not of ``kind``; and, unless ``replace``
+    (a command's ``--force``), any existing file. A device, a pipe or /dev/stdout is written into as it is.
+    Returns ``path``."""
+    out = Path(path)
+    what, fits = KINDS[kind]
+    name = f"{flag} {out}" if flag else str(out)
+    ours = any(_same(out, Path(c)) for c in creates)
+    for given in inputs:
+        src = Path(given)
+        if not src.exists() and not src.is_symlink():
+            continue
+        if _same(out, src):
+            raise ConfigError(f"{name}: is the input {given} itself; write to another file")
+        if src.is_dir() and _real(src) in _real(out).parents and not ours:
+            raise ConfigError(f"{name}: is inside the input {given}; write outside it")
+    if written_in_place(out):
+        return out
+    owner = _owner(_real(out))
+    if owner is not None and not ours:
+        kind_of = "run directory" if is_run_dir(owner) else "token store"
+        raise ConfigError(f"{name}: is inside the {kind_of} {owner}, whose files only aiayn's own commands write; "
+                          "write outside it")
+    if out.is_dir():
+        raise ConfigError(f"{name}: is a directory; name the file to write")
+    if not out.exists():
+        return out
+    try:
+        st = os.stat(out)
+        head = _head(out)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read to check what it holds ({e.strerror or e})") from None
+    if head and not fits(head, st.st_size):
+        raise ConfigError(f"{name}: exists and is not {what}; it is never written over: name a new file")
+    if not replace and not ours:
+        raise ConfigError(f"{name}: already exists; pass --force to replace it")
+    return out
+
 
 __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
-           "claim", "default_file_mode", "file_lock", "is_temporary", "lock_holder", "locked",
+           "claim", "default_file_mode", "file_lock", "guard_output", "guard_output_dir", "is_run_dir", "is_store_dir",
+           "is_temporary", "load_json", "lock_holder", "locked", "os_errors_named", "read_bounded", "read_json",
            "remove_stale_temporaries", "staged_directory"]

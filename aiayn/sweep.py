@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config, ConfigError, load_config, load_yaml
-from aiayn.files import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable, staged_directory
+from aiayn.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    check_writable,
+    guard_output_dir,
+    staged_directory,
+)
 from aiayn.runner import Job, Trained, default_parallel, run_jobs, settings_of, share_cpu
 
 log = logging.getLogger("aiayn.sweep")
@@ -152,6 +159,9 @@ def read_grid(path: str | Path) -> tuple[list[str], list[Variant], list[Decoding
     unknown = sorted(set(data) - {"set", "variants", "decode"})
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r} (a grid has set, variants and decode)")
+    if not any(data.values()) or ("variants" in data and not data["variants"]):  # not the recipe without a word
+        raise ConfigError(f"{path}: the grid names no variants; give it some (or leave --variants out to sweep the "
+                          "recipe as it is)")
     sets = data.get("set") or []
     if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
         raise ConfigError(f"{path}: set: expected a list of KEY=VALUE strings")
@@ -571,6 +581,10 @@ def sweep_cli(args) -> int:
         variants.append(Variant(_name("variant", name), tuple(items)))
     for name, *items in args.decode:
         decodings.append(decoding_from(name, parse_items(f"--decode {name}", items)))
+    given = [p for p in (args.config, args.variants) if p is not None and Path(p).exists()]
+    guard_output_dir(args.out, given, "--out")
+    if args.work is not None:
+        guard_output_dir(args.work, given, "--work")
     sets = [*args.set, *([f"train.threads={args.threads}"] if args.threads is not None else [])]
     sweep = Sweep(config=args.config, out=Path(args.out), work=Path(args.work) if args.work else None,
                   common=tuple(common), overrides=tuple(sets), variants=tuple(variants) or (Variant("recipe"),),

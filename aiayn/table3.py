@@ -33,7 +33,7 @@ import torch
 
 from aiayn.config import SPEED_KEYS, Config, ConfigError, load_config
 from aiayn.errors import DataError
-from aiayn.files import atomic_write_json, atomic_write_text, check_writable
+from aiayn.files import atomic_write_json, atomic_write_text, check_writable, guard_output_dir
 from aiayn.runner import Job, Trained, run_jobs, settings_of, share_cpu
 
 log = logging.getLogger("aiayn.table3")
@@ -323,7 +323,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     Everything that can be refused is refused before the first update: the base (a translation recipe), the
     rows, the seeds, every row's config (a change the base cannot take, e.g. more heads than its width), and a
     writable ``out``. Returns the table (:func:`collect`)."""
-    out = Path(out)
+    out = guard_output_dir(out, [base] if Path(base).exists() else [], "--out")
     chosen = select_rows(rows)
     seeds = list(dict.fromkeys(seeds))
     if not seeds or any(not isinstance(s, int) or s < 0 for s in seeds):

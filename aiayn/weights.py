@@ -145,13 +145,15 @@ def load_weights(model: nn.Module, path: str | Path | dict[str, torch.Tensor]) -
 
 def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
     """Element-wise mean of several weight files (section 6.1: "averaging the last 5 checkpoints"), summed in
-    float64 and returned in the first file's dtypes."""
+    float64 and returned in the first file's dtypes; a file holding NaN or an infinity (or a mean that overflows
+    its dtype) is a one-line CheckpointError, before anything is written."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for p in paths:
         tensors = read_weights(p)
+        check_finite(tensors, str(p))  # one NaN would make every mean it touches NaN
         if total and set(tensors) != set(total):
             raise CheckpointError(f"{p}: holds different tensors than {paths[0]}")
         for k, t in tensors.items():
@@ -161,7 +163,9 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
             dtypes.setdefault(k, t.dtype)
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc
-    return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+    mean = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+    check_finite(mean, f"the average of {len(paths)} checkpoints")  # float16 means can overflow to infinity
+    return mean
 
 
 # Which weights of a run -----------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_average_writes_beside_model_safetensors_unless_asked_to_replace_it(run,
     capsys.readouterr()
     for argv, words in ((["--out", str(run / "model.safetensors")], "--replace writes them"),
                         (["--out", str(tmp_path / "x.safetensors"), "--replace"], "give one"),
-                        (["--out", str(run / "checkpoints" / "x.safetensors")], "a checkpoint's place")):
+                        (["--out", str(run / "checkpoints" / "x.safetensors")], "is inside the input")):
         before = snapshot(run)
         assert main(["average", str(run), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -68,8 +68,9 @@ def test_a_resume_at_another_world_size_keeps_the_micro_batches_of_an_update_or_
     assert resume_config(cfg, run, 1).train.accum_steps == 2
     assert resume_config(cfg, run, 2) is cfg
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    with pytest.raises(CheckpointError, match="each update of this run takes 2 micro-batches .*divides 2"):
+    with pytest.raises(CheckpointError, match="each update of this run takes 2 micro-batches .*divides 2") as e:
         resume_config(cfg, run, 3)
+    assert e.value.every_rank  # said by each machine's first process only (issue 70: it was printed once per rank)
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with caplog.at_level("INFO", logger="aiayn.train"):
         resume_run(run, ["train.max_updates=4"], progress=False)

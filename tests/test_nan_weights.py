@@ -50,3 +50,43 @@ def test_an_infinity_is_refused_too_and_a_sound_run_loads(tiny_run, nan_run):
     with pytest.raises(CheckpointError, match="NaN or infinite"):
         aiayn.load(nan_run, device="cpu")
     assert aiayn.load(tiny_run, device="cpu").translate(["a b"])  # the check passes sound weights
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("replace", [False, True])
+def test_average_of_a_checkpoint_holding_nan_writes_nothing(tiny_run, tmp_path, capsys, value, replace):
+    """Issue 70: `aiayn average` wrote NaN weights, and with --replace put them over a sound model.safetensors."""
+    from refusals import snapshot
+
+    from aiayn.weights import checkpoint_paths, list_checkpoints
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    ckpt = checkpoint_paths(run, list_checkpoints(run)[-2])[0]
+    tensors = load_file(str(ckpt))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[-1] = value
+    save_file(tensors, str(ckpt))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["average", str(run), "--last", "3", *(["--replace"] if replace else [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NaN or infinite values" in err[0] and ckpt.name in err[0], err
+    assert snapshot(run) == before  # no average.safetensors, model.safetensors as it was
+    assert main(["average", str(run), "--last", "1", *(["--replace"] if replace else [])]) == 0  # the sound one
+
+
+def test_replace_never_puts_another_models_average_over_the_weights(tiny_run, tmp_path, capsys):
+    from refusals import snapshot
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    tensors = load_file(str(run / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, str(run / "model.safetensors"))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["average", str(run), "--last", "2", "--replace"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--replace never writes them over it" in err[0], err
+    assert snapshot(run) == before

@@ -203,7 +203,7 @@ CASES = {
     "user_folder_resume": lambda t, r: (
         _user_folder(t), train_args(t / "mine", resume=True), "nothing to resume"),
     "run_dir_is_a_file": lambda t, r: (
-        (t / "f").write_text("x"), train_args(t / "f"), "exists and is not a directory"),
+        (t / "f").write_text("x"), train_args(t / "f"), "not a directory"),
     "finished_run_without_resume": lambda t, r: (None, train_args(r), "already holds a training run"),
     "killed_before_first_checkpoint": lambda t, r: (
         _killed_before_first_checkpoint(r), train_args(r), "already holds a training run"),

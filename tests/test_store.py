@@ -610,9 +610,47 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
     assert len(problems) == 1 and "train.tgt.bin: does not match its checksum" in problems[0]
 
 
-def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified(tmp_path, caplog, capsys):
+@pytest.mark.parametrize("keys", [("files", "checksum"), ("files",), ("checksum",)])
+def test_a_store_whose_checksums_were_stripped_is_refused_unless_allowed(tmp_path, capsys, monkeypatch, keys):
+    """Issue 70: removing `files` and `checksum` from the manifest and changing one id passed `prepare --verify`
+    (exit 0) and trained with a warning. Now one line, exit 2, unless the user says --allow-unverified."""
     from aiayn.cli import main
+    from aiayn.data.integrity import ALLOW_UNVERIFIED
 
+    monkeypatch.setenv(ALLOW_UNVERIFIED, "0")  # not allowed; --allow-unverified below sets it, undone at the end
+    out = tmp_path / "store"
+    make(tmp_path, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    for key in keys:
+        del manifest[key]
+    if "checksum" not in keys:  # the manifest's own checksum taken again, as one who strips them would
+        from aiayn.data.integrity import manifest_checksum
+
+        manifest["checksum"] = manifest_checksum(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    _id_in_range(out)
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(DataError, match="has no checksums .* --allow-unverified"):
+        open_store(out, ("train", "valid"))
+    capsys.readouterr()
+    assert main(["prepare", "--verify", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no checksums" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    if "files" in keys:  # said once: opened as before, its contents unverified
+        assert main(["prepare", "--verify", str(out), "--allow-unverified"]) == 0
+        assert "unverified" in capsys.readouterr().out
+    else:  # the files' checksums are still there: they still find the changed id
+        assert main(["prepare", "--verify", str(out), "--allow-unverified"]) == 2
+        assert "does not match its checksum" in capsys.readouterr().err
+
+
+def test_a_store_prepared_before_checksums_still_opens_and_says_it_is_unverified(tmp_path, caplog, capsys,
+                                                                                 monkeypatch):
+    from aiayn.cli import main
+    from aiayn.data.integrity import ALLOW_UNVERIFIED
+
+    monkeypatch.setenv(ALLOW_UNVERIFIED, "1")  # --allow-unverified
     out = tmp_path / "store"
     make(tmp_path, out)
     manifest = json.loads((out / MANIFEST).read_text())

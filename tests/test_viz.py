@@ -124,7 +124,9 @@ def test_a_figure_never_writes_over_a_file_that_is_not_a_png(tmp_path, capsys):
     assert len(err) == 1 and "exists and is not a PNG" in err[0], err
     assert out.read_text() == "kept\n"
     png = tmp_path / "old.png"
-    png.write_bytes(b"old")
+    png.write_bytes(b"old")  # named .png, but not one (issue 70): the content decides
+    assert main(["viz", "schedule", "--out", str(png)]) == 2 and png.read_bytes() == b"old"
+    png.write_bytes(b"\x89PNG\r\n\x1a\nold")
     assert main(["viz", "schedule", "--out", str(png)]) == 0 and png.read_bytes()[:4] == b"\x89PNG"  # replaced
 
 

@@ -13,6 +13,9 @@ import yaml
 from aiayn.config.checks import _coerce
 from aiayn.config.schema import Config, ModelConfig
 from aiayn.errors import ConfigError, did_you_mean, first_line
+from aiayn.files import read_bounded
+
+YAML_MAX_BYTES = 16 << 20  # a recipe or a grid: a few kB
 
 # Presets ship inside the package (a wheel install has them); the repository's configs/ links here.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -152,7 +155,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{path}: is a directory, expected a YAML file")
-    raw = p.read_bytes()  # a missing or unreadable file: OSError naming it, one line at the command line
+    try:  # a missing or unreadable file: OSError naming it, one line at the command line
+        raw = read_bounded(p, YAML_MAX_BYTES)
+    except ValueError as e:  # a symlink to /dev/zero, a pipe, a file far larger than any config
+        raise ConfigError(f"{path}: not a YAML file ({e})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

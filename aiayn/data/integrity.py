@@ -7,8 +7,9 @@ manifest, or one id overwritten by another in range (which no bounds check sees)
 A file is read and hashed only when it changed since it was last found good: the memo (``.aiayn-checked.json`` in the
 store) remembers each good file by its size, modification and change times (ns) and inode; any write changes the
 change time, which cannot be set back. The memo is written once per opening, after every check passed: a damaged
-store is left exactly as it was. A store in a read-only directory is checked every time. A store prepared before
-checksums (no ``files``) opens with its shape and ids checked, and the log says it is unverified.
+store is left exactly as it was. A store in a read-only directory is checked every time. A store without checksums
+(no ``files`` or no ``checksum``: prepared by an older aiayn, or stripped) is refused unless the user allows it
+(``--allow-unverified``); then it opens with its shape and ids checked, and the log says it is unverified.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiayn.errors import DataError
-from aiayn.files import atomic_write_json
+from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json
 
 MANIFEST = "manifest.json"
 CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
@@ -31,10 +33,18 @@ CHECK_CHUNK = 1 << 22  # ids read at a time when a file is scanned (8-16 MB: mem
 HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
 
 
+def check_regular(fd: int, path: str | Path) -> None:
+    """DataError unless the open ``fd`` (``path``) is a regular file: a directory, a device (a symlink to /dev/zero)
+    or a pipe in a store file's place is damage, named as such (its size says nothing; reading it might never end)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise DataError(f"{path}: not a regular file (a directory, a device or a pipe stands in its place)")
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes, read in bounded chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        check_regular(f.fileno(), path)
         for block in iter(lambda: f.read(HASH_CHUNK), b""):
             h.update(block)
     return h.hexdigest()
@@ -64,13 +74,13 @@ def load_manifest(directory: Path, version: int) -> dict[str, Any]:
     JSON, another store version, edited or damaged since it was written)."""
     path = directory / MANIFEST
     try:
-        data = path.read_bytes()
+        data = read_bounded(path, JSON_MAX_BYTES)
     except FileNotFoundError:
         raise DataError(f"{path}: missing (not a prepared corpus, or its preparing never finished)") from None
-    except OSError as e:
-        raise DataError(f"{path}: unreadable ({e.strerror or e})") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
     try:
-        manifest = json.loads(data)
+        manifest = load_json(data)
     except ValueError as e:
         what = "empty (0 bytes)" if not data.strip() else f"not JSON ({str(e).split(':')[0]})"
         raise DataError(f"{path}: {what}") from None
@@ -80,7 +90,27 @@ def load_manifest(directory: Path, version: int) -> dict[str, Any]:
         raise DataError(f"{path}: store version {manifest.get('version')!r}, where this aiayn reads {version}")
     if "checksum" in manifest and manifest["checksum"] != manifest_checksum(manifest):
         raise DataError(f"{path}: does not match its checksum (edited or damaged since it was written)")
+    if not isinstance(manifest.get("files"), dict) or "checksum" not in manifest:
+        if not unverified_allowed():
+            raise DataError(f"{path}: has no checksums (prepared by an older aiayn, or they were removed), so its "
+                            f"files cannot be verified; pass --allow-unverified (or set {ALLOW_UNVERIFIED}=1) to use "
+                            "it as it is, or prepare it again into a new directory")
     return manifest
+
+
+# Set (to 1) by --allow-unverified: a store without checksums may be opened. An environment variable, so that the
+# ranks and loader workers a command starts read the same answer.
+ALLOW_UNVERIFIED = "AIAYN_ALLOW_UNVERIFIED"
+
+
+def unverified_allowed() -> bool:
+    """Whether the user said --allow-unverified (or set ``AIAYN_ALLOW_UNVERIFIED=1``)."""
+    return os.environ.get(ALLOW_UNVERIFIED, "") not in ("", "0")
+
+
+def allow_unverified() -> None:
+    """--allow-unverified: stores without checksums open in this process and those it starts."""
+    os.environ[ALLOW_UNVERIFIED] = "1"
 
 
 class Memo:
@@ -92,7 +122,7 @@ class Memo:
         memo: Any = {}
         if enabled:
             try:
-                memo = json.loads(self.path.read_bytes())
+                memo = read_json(self.path)
             except (OSError, ValueError):
                 memo = {}
         self.entries: dict[str, Any] = memo if isinstance(memo, dict) else {}
@@ -168,9 +198,18 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
                 continue
             with open(path, "rb") as f:
                 identity = Memo.identity(f.fileno(), digest)  # what is hashed is what is remembered
-                h = hashlib.sha256()
-                for block in iter(lambda f=f: f.read(HASH_CHUNK), b""):
+                try:
+                    check_regular(f.fileno(), name)
+                except DataError as e:
+                    problems.append(str(e))
+                    continue
+                h, left = hashlib.sha256(), identity[0]  # at most its size when opened: bounded, whatever it is
+                while left > 0:
+                    block = f.read(min(HASH_CHUNK, left))
+                    if not block:
+                        break
                     h.update(block)
+                    left -= len(block)
         except FileNotFoundError:
             problems.append(f"{name}: missing (its manifest lists it)")
             continue

@@ -59,15 +59,15 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import sha256_file
-from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, load_manifest, seal
+from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
 from aiayn.errors import DataError, PeerError
-from aiayn.files import TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
+from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
 
 STORE_VERSION = 1  # bump when preparing produces other ids from the same inputs
-MARKER = ".aiayn-store"  # written first and kept: a directory without a manifest but with it may be rebuilt
+MARKER = STORE_MARKER  # written first and kept: a directory without a manifest but with it may be rebuilt
 LOCK = ".aiayn-store.lock"  # flock: exclusive while one process builds, shared while one opens
 CHUNK = 20_000  # pairs encoded per task
 PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker processes (below, one process is faster)
@@ -90,6 +90,7 @@ class Side:
         self.path, self.offsets_path = ids, offsets
         size = (pairs + 1) * 8
         with open(offsets, "rb") as f:
+            check_regular(f.fileno(), offsets)
             data = f.read(size + 1)
         if len(data) != size:
             raise DataError(f"{offsets}: holds {len(data)} bytes where its manifest says {size} ({pairs:,} pairs)")
@@ -100,7 +101,13 @@ class Side:
         if sys.byteorder == "big":
             self._bounds.byteswap()
         self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
-        self._fd = os.open(ids, os.O_RDONLY)
+        fd = os.open(ids, os.O_RDONLY)
+        try:
+            check_regular(fd, ids)
+        except DataError:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.file_bytes = os.fstat(self._fd).st_size
         self.n_ids = self.file_bytes // self.dtype.itemsize
 
@@ -603,6 +610,10 @@ def _named(out: Path, recipe: Recipe) -> Any:
     if (out / MANIFEST).exists():
         return open_only(out, recipe)
     left = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, MARKER) and not is_temporary(p.name))
+    if left and not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
+        raise DataError(f"{out}: not a prepared corpus (no {MANIFEST}, and it holds {', '.join(left[:3])}"
+                        f"{' ...' if len(left) > 3 else ''}, which aiayn did not write); name the directory that "
+                        f"aiayn prepare CONFIG --out DIR made, or a new one")
     if left:
         raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {', '.join(left[:3])}"
                         f"{' ...' if len(left) > 3 else ''}): its preparing never finished; a store named by "

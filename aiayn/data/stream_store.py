@@ -39,7 +39,7 @@ import torch
 
 from aiayn.config import Config
 from aiayn.data.batching import Batch, lm_batch, lm_block_order
-from aiayn.data.integrity import MANIFEST, Memo, check_ids
+from aiayn.data.integrity import MANIFEST, Memo, check_ids, check_regular
 from aiayn.data.store import (
     PARALLEL_BYTES,
     STORE_VERSION,
@@ -240,7 +240,13 @@ class Stream:
 
     def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
-        self._fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            check_regular(fd, self.path)
+        except DataError:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.file_bytes = os.fstat(self._fd).st_size
 
     def __len__(self) -> int:

@@ -47,7 +47,7 @@ from aiayn.errors import first_line
 
 from ..config import PRETOKENIZERS, Config
 from ..errors import DataError
-from ..files import atomic_write_bytes
+from ..files import atomic_write_bytes, read_json
 from .marian_tokenizer import MarianPieces, load_marian_pair, save_marian_pair
 from .tokenizer_base import Tokenizer
 
@@ -231,7 +231,7 @@ def load_tokenizer(directory: str | Path, name: str = "tokenizer") -> Tokenizer:
             raise DataError(f"{model}: not a readable SentencePiece model ({first_line(e)})") from None
     if chars.is_file():
         try:
-            data = json.loads(chars.read_text(encoding="utf-8"))
+            data = read_json(chars)
             return CharTokenizer(data["chars"])
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{chars}: not a char tokenizer file ({first_line(e)})") from None
@@ -490,7 +490,7 @@ class TokenizerPair:
         if not meta_path.is_file():
             raise DataError(f"{meta_path}: no such file (not a tokenizer directory)")
         try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            meta = read_json(meta_path)
             src_name, tgt_name = Path(meta["src"]).stem, Path(meta["tgt"]).stem
             pretokenize = meta.get("pretokenize", "none")  # files written before the option: none
             if pretokenize not in PRETOKENIZERS:

@@ -74,8 +74,15 @@ class EvalData:
 
     def record_name(self, base: str, label: str | None) -> str:
         """The record's name: ``name`` if given, else ``base`` (the split or file), marked with the weights scored
-        when they are not the run's own (``test_2016_flickr.average``)."""
-        return check_name(self.name or (base if label is None else f"{base}.{label}"))
+        when they are not the run's own (``test_2016_flickr.average``, ``--name foo``: ``foo.average``), so that
+        scoring other weights never replaces the run's record."""
+        base = self.name if self.name is not None else base  # --name '' is refused, not the default
+        return check_name(base if label is None else f"{base}.{label}")
+
+
+def _precision_name(name: str, precision: str) -> str:
+    """``name.int8`` for an int8 evaluation (``--name`` too): beside the fp32 record of the same data, not over it."""
+    return check_name(f"{name}.int8") if precision == "int8" else name
 
 
 def _scored_pairs(cfg: Config, data: EvalData, label: str | None) -> tuple[list[tuple[str, str]], dict[str, str], str]:
@@ -127,9 +134,8 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
     if opts.nbest != 1:
         raise ConfigError("evaluate scores one hypothesis per source: nbest must be 1")
     pairs, data_info, name = _scored_pairs(cfg, data, label)
-    if translator.run.precision == "int8" and data.name is None:
-        name = check_name(f"{name}.int8")  # beside the fp32 record of the same data, not over it
-    check_writable(run_dir)
+    name = _precision_name(name, translator.run.precision)
+    check_writable(run_dir, name, [data.src, data.ref])
     sources, refs = [s for s, _ in pairs], [r for _, r in pairs]
     _, truncated = translator.encode_sources(sources)
     start = time.perf_counter()
@@ -170,8 +176,8 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, weights)
     run = load_run(run_dir, device, chosen, precision=precision)
-    name = EvalData(name=name).record_name("valid", label)
-    check_writable(run_dir)
+    name = _precision_name(EvalData(name=name).record_name("valid", label), run.precision)
+    check_writable(run_dir, name, hyp=False)
     data, _ = build_lm_data(run.cfg, run_dir)
     start = time.perf_counter()
     with torch.no_grad():
@@ -225,8 +231,9 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
         raise ConfigError(f"--max-length {max_length}: lm-evaluation-harness's windows at max_length N send N - 1 "
                           f"tokens and ask for one more, so N is 3 to the model's context ({context})")
     text = read_text(data.src) if data.src is not None else lm_valid_text(run.cfg)
-    name = data.record_name(f"rolling_{_default_name(data.src) if data.src else 'valid'}", label)
-    check_writable(run_dir)
+    name = _precision_name(data.record_name(f"rolling_{_default_name(data.src) if data.src else 'valid'}", label),
+                           run.precision)
+    check_writable(run_dir, name, [data.src], hyp=False)
     ids = run.tokenizers.src.encode(text)
     windows = rolling_windows(ids, run.tokenizers.specials.bos, max_length)
     start = time.perf_counter()

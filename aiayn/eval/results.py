@@ -7,11 +7,12 @@ one line instead of after minutes of work.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from aiayn.errors import CheckpointError, ConfigError
-from aiayn.files import atomic_write_json, atomic_write_text
+from aiayn.files import atomic_write_json, atomic_write_text, guard_output
 from aiayn.files import check_writable as check_directory_writable
 
 
@@ -26,10 +27,15 @@ def check_name(name: str) -> str:
     return name
 
 
-def check_writable(run_dir: str | Path) -> Path:
-    """Create ``RUN/eval`` if needed and prove a file can be written there; a :class:`CheckpointError`
-    naming the directory and the reason otherwise. Returns the eval directory."""
+def check_writable(run_dir: str | Path, name: str, inputs: Sequence[str | Path | None] = (), hyp: bool = True) -> Path:
+    """Refuse the record ``eval/<name>.json`` (and ``.hyp`` with ``hyp``) through the output guard (one of the
+    ``inputs``, an existing file of another kind); create ``RUN/eval`` if needed and prove a file can be written
+    there (a :class:`CheckpointError` naming the directory and the reason otherwise). Returns the eval directory."""
     out = eval_dir(run_dir)
+    given = [p for p in inputs if p is not None]
+    records = [(out / f"{name}.json", "json"), *([(out / f"{name}.hyp", "text")] if hyp else [])]
+    for path, kind in records:
+        guard_output(path, kind, given, "", creates=[path])
     try:
         out.mkdir(exist_ok=True)
         check_directory_writable(out)
@@ -72,7 +78,7 @@ def scored_weights(run_dir: Path, which: str) -> tuple[Path | dict | None, dict[
 
 def write_result(run_dir: Path, name: str, result: dict[str, Any], hyps: list[str] | None) -> Path:
     """Write ``eval/<name>.hyp`` (one line per hypothesis) then ``eval/<name>.json``; returns the JSON path."""
-    out = check_writable(run_dir)
+    out = eval_dir(run_dir)
     if hyps is not None:
         atomic_write_text(out / f"{name}.hyp", "".join(h + "\n" for h in hyps))
     return atomic_write_json(out / f"{name}.json", result, indent=2)

@@ -48,14 +48,15 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     run = load_run(run_dir, device, chosen, precision=precision)
     opts = merged_options(run.cfg.decode, options, **overrides)
     pairs = dataset_of(run.cfg).pairs(run.cfg.data, run.cfg.kind, split)
-    check_writable(run_dir)
+    name = f"rouge_{split}" if label is None else f"rouge_{split}.{label}"
+    check_writable(run_dir, name)
     start = time.perf_counter()
     hyps = summarize(run, [d for d, _ in pairs], opts)
     wall = time.perf_counter() - start
     kind = "lm: greedy after 'document <sep>'" if not run.cfg.kind.encoder else f"encoder-decoder: beam {opts.beam}"
     max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
-        "name": f"rouge_{split}" if label is None else f"rouge_{split}.{label}",
+        "name": name,
         "task": run.cfg.task,
         "data": {"dataset": run.cfg.data.dataset, "split": split, "n_documents": len(pairs)},
         "scores": {k: round(v, 2) for k, v in rouge_scores(hyps, [s for _, s in pairs]).items()},

@@ -35,7 +35,7 @@ from typing import Any
 
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, first_line, require
-from aiayn.files import LOCK, TMP_SUFFIX, RunLock, check_output_dir, default_file_mode, lock_holder
+from aiayn.files import LOCK, TMP_SUFFIX, RunLock, default_file_mode, guard_output, lock_holder
 from aiayn.interop.card import run_facts
 from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
 
@@ -129,9 +129,7 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     if out.suffix != ".argosmodel":
         raise ConfigError(f"{out}: an Argos package file ends in .argosmodel (argospm and LibreTranslate look for it)")
     sentence_model = _check_sentence_model(sentence_model)
-    if out.is_dir():
-        raise ConfigError(f"{out} is a directory; an Argos package is one .argosmodel file")
-    check_output_dir(out, [run_dir], force)
+    guard_output(out, "zip", [run_dir], "", replace=force)
     run = load_run(run_dir, "cpu")
     cfg, tok = run.cfg, run.tokenizers
     _check_packageable(run, run_dir)

@@ -54,6 +54,7 @@ from aiayn.files import (
     atomic_write_text,
     check_output_dir,
     locked,
+    os_errors_named,
     staged_directory,
 )
 from aiayn.interop.card import run_facts
@@ -551,7 +552,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
                     "|Y|^%s, as `aiayn translate --length-penalty power --stop hf`", run_dir, dec.alpha)
     hf.generation_config = generation_config_for(dec, sp, run.cfg.model.max_positions)
     with locked(out), staged_directory(out) as stage:
-        hf.save_pretrained(str(stage))
+        with os_errors_named(out):  # a full disk: one line naming OUT_DIR, not safetensors' error
+            hf.save_pretrained(str(stage))
         _write_tokenizer(tok, run.cfg, stage)
         card = _CARD.format(tag=EXPORT_TAG, name=out.name, run=Path(run_dir).resolve().name,
                             layers=f"{model.cfg.n_encoder_layers}+{model.cfg.n_decoder_layers}",

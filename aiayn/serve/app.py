@@ -132,6 +132,8 @@ async def not_found(request: Request, exc: HTTPException) -> Response:
     """No such route or method, in the error shape of the protocol the path belongs to."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     msg = f"{request.method} {request.url.path}: {exc.detail}"
+    if request.url.path != "/" and request.url.path.endswith("/"):  # never redirected: a 307 with no body
+        msg += f" (the routes have no trailing slash: {request.url.path.rstrip('/')})"
     return request.app.state.protocols.error_response(request.url.path, exc.status_code, code, msg)
 
 
@@ -162,6 +164,7 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
     routes = [*(r for table in tables for r in table.routes()),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app.router.redirect_slashes = False  # POST /v1/completions/ answered 307, no body: now a 404 saying why
     app.state.service = svc
     app.state.protocols = Protocols(tables)  # the error shape of each path, asked of the mounted tables
     guarded = Guard(app, access or Access(), app.state.protocols)

@@ -115,9 +115,10 @@ def vllm_extras(body: dict[str, Any]) -> tuple[int | None, int | None]:
     return (None if top_k is None else max(top_k, 0)), (0 if truncate == -1 else truncate)
 
 
-def checked_prompts(body: dict[str, Any], limits: Limits) -> list[str] | list[list[int]]:
+def checked_prompts(body: dict[str, Any], limits: Limits, param: str = "prompt") -> list[str] | list[list[int]]:
     """A completions request's prompts (``prompt`` required, as vLLM asks for it: OpenAI's implicit start of a
-    document is no prompt a client meant to send), within the server's count and length limits."""
+    document is no prompt a client meant to send), within the server's count and length limits; ``param``: what
+    the client sent them as, named by the errors (``messages`` for a chat rendered into a prompt)."""
     if body.get("prompt") is None:
         raise OpenAIError(400, "prompt: required (a string, a list of strings, a list of token ids or a list of such "
                                "lists)", param="prompt", code="missing_required_parameter")
@@ -127,21 +128,22 @@ def checked_prompts(body: dict[str, Any], limits: Limits) -> list[str] | list[li
                                "(the server's aiayn serve --max-sentences)", param="prompt", code="out_of_range")
     for p in prompts:
         if len(p) > limits.max_chars:
-            raise OpenAIError(400, f"prompt: {len(p)} characters, the limit is {limits.max_chars}",
-                              param="prompt", code="out_of_range")
+            what = "the rendered chat is " if param != "prompt" else ""
+            raise OpenAIError(400, f"{param}: {what}{len(p)} characters, the limit is {limits.max_chars}",
+                              param=param, code="out_of_range")
     return prompts
 
 
-def completion_request(body: dict[str, Any], limits: Limits) -> Completion:
+def completion_request(body: dict[str, Any], limits: Limits, param: str = "prompt") -> Completion:
     """The checked fields of an OpenAI completions request (unknown fields refused by name; the prompts:
-    :func:`checked_prompts`)."""
+    :func:`checked_prompts`, their errors naming ``param``)."""
     unknown = sorted(set(body) - set(OPENAI_FIELDS))
     if unknown:
         raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
     refuse_unsupported(body, (("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
                               ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0))))
     top_k, truncate = vllm_extras(body)
-    prompts = checked_prompts(body, limits)
+    prompts = checked_prompts(body, limits, param)
     stop = body.get("stop")
     stops = () if stop is None else ((stop,) if isinstance(stop, str) else stop)
     if (not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS

@@ -111,7 +111,7 @@ class OpenAIRoutes(RouteTable):
         prompt, fields = chat_prompt(body, self.svc.kind, self.template)
         if self.template is not None:
             prompt = self.template_ids(prompt)
-        c = completion_request({**fields, "prompt": prompt}, self.svc.limits)
+        c = completion_request({**fields, "prompt": prompt}, self.svc.limits, "messages")
         self.check_model(body)
         # the default template's reply follows "Assistant:" and a space; a run's own template says where it starts
         return await self.respond(c, ChatShape(strip_leading_space=not self.svc.kind.encoder and self.template is None))

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from aiayn.errors import CheckpointError, one_line
-from aiayn.files import atomic_write_json, remove_stale_temporaries
+from aiayn.files import atomic_write_json, read_json, remove_stale_temporaries
 from aiayn.weights import (
     CKPT_DATA_RE,
     check_weights,
@@ -218,7 +218,7 @@ def read_checkpoint_state(run_dir: str | Path, step: int) -> dict[str, Any]:
     tensors (read from the header only). Any problem is a one-line CheckpointError naming the file."""
     wpath, opath, jpath = checkpoint_paths(run_dir, step)
     try:
-        meta = json.loads(jpath.read_bytes())
+        meta = read_json(jpath)
         _check_state(meta, step)
     except OSError as e:
         raise CheckpointError(f"{jpath}: cannot read the checkpoint state ({e.strerror or e})") from None

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
-from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable
+from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, read_json
 from aiayn.train.parallel import Dist
 from aiayn.train.resume import CheckpointMeta
 from aiayn.weights import checkpoint_dir, list_checkpoints
@@ -91,13 +92,37 @@ def read_marker(run_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        marker = json.loads(path.read_bytes())
+        marker = read_json(path)
         if not isinstance(marker, dict) or not isinstance(marker.get("config_sha256"), str) \
                 or not isinstance(marker.get("config"), dict):
             raise ValueError("expected an object with 'config_sha256' and 'config'")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable run marker ({one_line(e)})") from None
     return marker
+
+
+def torchrun_agent() -> dict[str, str] | None:
+    """Who started this process, under torchrun: the job's rendezvous id and its agent (host and pid, the parent of
+    every worker it starts, round after round); None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    return {"run_id": run_id, "agent": f"{socket.gethostname()}:{os.getppid()}"}
+
+
+def same_torchrun_job(run_dir: str | Path) -> bool:
+    """Whether ``run_dir``'s marker was written by the torchrun job this process belongs to, through the same agent:
+    a node joined or left a ``--nnodes MIN:MAX`` job and its agent restarted its workers for a new rendezvous round
+    (torchrun does not count that as a restart: TORCHELASTIC_RESTART_COUNT stays as it was). Such a start goes on
+    from the newest checkpoint; a new torchrun command (another agent) is a new start, refused without --resume."""
+    agent = torchrun_agent()
+    if agent is None:
+        return False
+    try:
+        marker = read_marker(Path(run_dir))
+    except (CheckpointError, OSError):  # the start itself says what is wrong with it
+        return False
+    return marker is not None and marker.get("torchrun") == agent
 
 
 @dataclass
@@ -229,11 +254,15 @@ class RunDirectory:
                 self.lock.acquire()
             st = self._check()  # again, under the lock: another process may have got here first
             self.before = set(st.entries) | ({LOCK} if not self.lock.created else set())
+            agent = torchrun_agent()
             if st.marker is None:
                 marker = {"aiayn_run": 1,
                           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "config_sha256": self.hash, "config": recipe(self.cfg)}
+                          "config_sha256": self.hash, "config": recipe(self.cfg),
+                          **({"torchrun": agent} if agent else {})}
                 atomic_write_json(path / MARKER, marker, allow_nan=True)
+            elif agent and st.marker.get("torchrun") != agent:  # resumed by another torchrun job: its agent now
+                atomic_write_json(path / MARKER, {**st.marker, "torchrun": agent}, allow_nan=True)
             self.lock.write_pid()
         except BaseException:
             self.close(failed=True)

@@ -189,7 +189,7 @@ def resume_config(cfg: Config, run_dir: Path, world: int) -> Config:
         raise CheckpointError(
             f"{meta.path}: each update of this run takes {micro} micro-batches ({meta.world_size} process(es) x "
             f"train.accum_steps={meta.accum_steps or tc.accum_steps}), which {world} processes cannot share out "
-            f"evenly; resume with a number of processes that divides {micro}")
+            f"evenly; resume with a number of processes that divides {micro}", every_rank=True)
     accum = micro // world
     log.info("resumed by %d process(es) instead of %d: train.accum_steps=%d keeps the run's %d micro-batches per "
              "update (the same batches)", world, meta.world_size, accum, micro)

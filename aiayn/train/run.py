@@ -15,15 +15,23 @@ from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, che
 from aiayn.device import check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
-from aiayn.files import check_writable, locked
+from aiayn.files import check_writable, guard_output, guard_output_dir, locked
 from aiayn.model import build_model, count_parameters
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics import check_log_backends
-from aiayn.train.ownership import flatten, own_run_dir
+from aiayn.train.ownership import flatten, own_run_dir, same_torchrun_job
 from aiayn.train.parallel import Dist, init_distributed
 from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
 from aiayn.train.trainer import Trainer
-from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, load_weights, save_weights
+from aiayn.weights import (
+    FINAL_WEIGHTS,
+    average_weights,
+    checkpoint_paths,
+    list_checkpoints,
+    load_weights,
+    read_weights,
+    save_weights,
+)
 
 log = logging.getLogger("aiayn.train")
 
@@ -51,9 +59,12 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         # torchrun --max-restarts restarted the job: go on from its newest checkpoint. Agreed by every process: a
         # replacement node's agent counts its restarts from 0 while the others count on (docs/distributed.md).
         restart = d.max_of(restart)
-        if restart and not resume:
+        # A node joined or left a MIN:MAX job: the same agent starts its workers again, the restart count unchanged.
+        rejoined = d.max_of(int(same_torchrun_job(run_dir))) if not restart else 0
+        if (restart or rejoined) and not resume:
             if d.main:
-                log.info("torchrun restart %d: resuming %s from its newest checkpoint", restart, run_dir)
+                why = f"torchrun restart {restart}" if restart else "the job's nodes changed (a new rendezvous round)"
+                log.info("%s: resuming %s from its newest checkpoint", why, run_dir)
             resume = True
         state = _train(cfg, Path(run_dir), resume, progress, d, init_from)
     except BaseException as e:
@@ -148,8 +159,16 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
 
 def train_from_config(config: str | Path, run_dir: str | Path | None = None, overrides: list[str] | None = None,
                       resume: bool = False, progress: bool = True, init_from: str | Path | None = None) -> TrainState:
+    """``aiayn train CONFIG``: the recipe with its ``overrides``, trained into ``run_dir`` (default runs/<name>),
+    which the output guard checks first (:func:`aiayn.files.guard_output_dir`: not inside another run or a store,
+    not a file, not the run ``init_from`` names, nor the recipe's own directory on a new training)."""
+    run_dir = run_dir or default_run_dir(config)
+    inputs = [init_from] if init_from is not None and Path(init_from).exists() else []
+    if not resume and Path(config).is_file():  # a preset name, or a directory (refused as a recipe below): not one
+        inputs.append(config)
+    guard_output_dir(run_dir, inputs, "--run-dir")
     cfg = load_config(config, overrides)
-    return train(cfg, run_dir or default_run_dir(config), resume, progress, init_from)
+    return train(cfg, run_dir, resume, progress, init_from)
 
 
 # What a resumed run may change: when and how it stops, what it logs and keeps, where it runs, how it decodes, what
@@ -203,12 +222,20 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
 AVERAGE_FILE = "average.safetensors"  # where `aiayn average` writes, beside model.safetensors
 
 
+def _check_same_tensors(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], where: Path) -> None:
+    """CheckpointError unless ``new`` holds the tensors of ``old`` (``where``), name for name and shape for shape."""
+    if set(new) != set(old) or any(new[k].shape != old[k].shape for k in new):
+        raise CheckpointError(f"{where}: the average holds other tensors than these weights (another model's "
+                              "checkpoints?); --replace never writes them over it")
+
+
 def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = None, replace: bool = False) -> Path:
     """Average the last ``last`` checkpoints into ``out`` (default RUN/average.safetensors, beside the run's
     model.safetensors, which stays as it is), or with ``replace`` into RUN/model.safetensors, atomically.
-    Refused, with nothing read or written, for --last < 1, a run without checkpoints, an ``out`` that is the run's
-    model.safetensors without ``replace`` or lies among its checkpoints, an existing file that is not a .safetensors
-    file (the run's config.yaml, its metrics), a run a training is writing, or a directory that cannot be written."""
+    Refused, with nothing written, for --last < 1, a run without checkpoints, an ``out`` the output guard refuses
+    (:func:`aiayn.files.guard_output`: the run's other files, a checkpoint, an existing file that is not weights),
+    a run a training is writing, a directory that cannot be written, a checkpoint holding NaN or an infinity, and,
+    with ``replace``, an average that does not hold the tensors of the model.safetensors it would replace."""
     if last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
     run_dir = Path(run_dir)
@@ -217,19 +244,20 @@ def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = Non
     steps = list_checkpoints(run_dir)
     if not steps:
         raise CheckpointError(f"{run_dir}: no checkpoints to average")
-    target = run_dir / "model.safetensors" if replace else Path(out) if out is not None else run_dir / AVERAGE_FILE
-    where = target.resolve()
-    if not replace and where == (run_dir / "model.safetensors").resolve():
+    final = run_dir / FINAL_WEIGHTS
+    target = final if replace else Path(out) if out is not None else run_dir / AVERAGE_FILE
+    chosen = steps[-last:]
+    sources = [checkpoint_paths(run_dir, s)[0] for s in chosen]
+    if not replace and target.exists() and final.exists() and os.path.samefile(target, final):
         raise CheckpointError(f"--out {out}: that is the run's inference weights; --replace writes them")
-    if where.parent == (run_dir / "checkpoints").resolve() or target.is_dir():
-        raise CheckpointError(f"--out {out}: a checkpoint's place or a directory; name a new .safetensors file")
-    if target.exists() and target.suffix != ".safetensors":  # the run's config.yaml, metrics.jsonl, any text
-        raise CheckpointError(f"--out {out}: exists and is not a weights file; name a new .safetensors file")
+    guard_output(target, "weights", [run_dir, *sources], "--replace" if replace else "--out",
+                 creates=[run_dir / AVERAGE_FILE, *([final] if replace else [])])
     check_writable(target.parent)
-    inside = where.parent == run_dir.resolve()
+    inside = target.resolve().parent == run_dir.resolve()
     with locked(run_dir) if inside else contextlib.nullcontext():  # a training may be writing the run
-        chosen = steps[-last:]
-        avg = average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen])
+        avg = average_weights(sources)
+        if replace and final.exists():  # never replaced by weights of another shape
+            _check_same_tensors(avg, read_weights(final), final)  # (a damaged one is refused by the guard above)
         save_weights(avg, target, {"source": f"average of steps {chosen}"})
     log.info("averaged %d checkpoints (steps %s) into %s%s", len(chosen), chosen, target, "" if replace else (
         f" (the run's model.safetensors is as it was; score both: aiayn evaluate {run_dir} --split S "

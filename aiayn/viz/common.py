@@ -20,6 +20,7 @@ from aiayn.config import Config, ConfigError, load_config
 from aiayn.files import atomic_write_bytes
 
 DPI = 100
+MAX_PIXELS = 16384  # a side's most pixels: a 16384 x 16384 RGBA canvas is 1 GiB already
 log = logging.getLogger("aiayn.viz")
 
 
@@ -29,13 +30,20 @@ def use_backend(show: bool) -> None:
         matplotlib.use("Agg", force=True)
 
 
+def check_size(width: int | None, height: int | None) -> None:
+    """ConfigError unless the figure size asked for (None: the figure's default) is 50 to :data:`MAX_PIXELS` pixels
+    a side: checked before any work (matplotlib's Agg refuses past 2**16 a side, after minutes of drawing)."""
+    for name, v in (("--width", width), ("--height", height)):
+        if v is not None and not 50 <= v <= MAX_PIXELS:
+            raise ConfigError(f"viz: {name} {v} px: a figure is 50 to {MAX_PIXELS} pixels a side")
+
+
 def new_figure(width: int | None, height: int | None, default: tuple[int, int]):
     """A pyplot figure of exactly ``width`` x ``height`` pixels (``default`` where None)."""
     import matplotlib.pyplot as plt
 
     w, h = width or default[0], height or default[1]
-    if w < 50 or h < 50:
-        raise ConfigError(f"viz: figure size {w}x{h} px is too small (at least 50x50)")
+    check_size(w, h)
     # A thousandth of a pixel more so that float rounding can never lose a pixel.
     return plt.figure(figsize=((w + 1e-3) / DPI, (h + 1e-3) / DPI), dpi=DPI, layout="constrained")
 

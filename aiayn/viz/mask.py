@@ -17,11 +17,14 @@ from aiayn.viz.common import new_figure, save_figure, suptitle
 ANNOTATE_UP_TO = 16  # write "0" / "-inf" in the cells of masks at most this long
 
 
+MAX_LEN = 4096  # a figure's n x n cells: more than its pixels past this
+
+
 def causal_mask_matrix(n: int) -> np.ndarray:
     """(n, n) additive mask: 0 on and below the diagonal, -inf above. Built from the model's own
     boolean ``causal_mask`` so the picture is what the decoder uses."""
-    if n < 1:
-        raise ConfigError(f"viz mask: --len must be at least 1, got {n}")
+    if not 1 <= n <= MAX_LEN:
+        raise ConfigError(f"viz mask: --len must be 1 to {MAX_LEN:,} (a figure of n x n cells), got {n}")
     allowed = causal_mask(n)
     allowed = torch.ones(1, 1, dtype=torch.bool) if allowed is None else allowed  # n == 1
     return np.where(allowed.numpy(), 0.0, -np.inf)

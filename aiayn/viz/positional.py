@@ -24,6 +24,9 @@ ENCODINGS: dict[str, tuple[str, str]] = {
 }
 
 
+MAX_DRAWN = 8192  # positions or dimensions a figure draws at most (a side of the figure has at most 16384 pixels)
+
+
 def positional_matrix(kind: str, d_model: int, max_pos: int) -> np.ndarray:
     """The encoding of positions 0 .. max_pos-1: (P, D), or (P, ceil(log2 P)) for ``binary``.
 
@@ -34,6 +37,9 @@ def positional_matrix(kind: str, d_model: int, max_pos: int) -> np.ndarray:
         raise ConfigError(f"viz positional: --max-pos must be at least 2, got {max_pos}")
     if d_model < 2 or d_model % 2:
         raise ConfigError(f"viz positional: --d-model must be even and positive, got {d_model}")
+    if max_pos > MAX_DRAWN or d_model > MAX_DRAWN:  # the (P, P) similarity alone would not fit in memory
+        raise ConfigError(f"viz positional: --max-pos {max_pos} and --d-model {d_model}: at most {MAX_DRAWN:,} "
+                          "each (a figure has fewer pixels than that)")
     pos = np.arange(max_pos, dtype=np.float64)[:, None]  # (P, 1)
     if kind == "sinusoidal":
         return sinusoidal_table(max_pos, d_model).double().numpy()
