@@ -224,3 +224,20 @@ def test_attention_backends_names_the_computation_of_each_kind_of_attention():
             assert report() == dict.fromkeys(kinds, "math")
         assert report() == dict.fromkeys(kinds, "flash (CPU)")  # the spy left nothing behind
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # its hooks are gone
+
+
+def test_the_cpu_levers_are_on_by_default_where_a_cpu_trains_in_bf16_only():
+    """train.cast_weights_once / fused_output_loss = auto: on for bf16 on a CPU (measured faster there), off in fp32
+    and on a GPU (not measured there yet); an explicit true / false wins."""
+    cfg = load_config("tiny_reverse")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cfg.train.cast_weights_once == "auto" and cfg.train.fused_output_loss == "auto"
+    on = Levers.from_config(cfg, cpu, "bf16")
+    assert on.cast_dtype == torch.bfloat16 and on.fused_output_loss
+    for dev, precision in ((cpu, "fp32"), (cuda, "bf16"), (cuda, "fp32")):
+        off = Levers.from_config(cfg, dev, precision)
+        assert off.cast_dtype is None and not off.fused_output_loss, (dev, precision)
+    cfg = load_config("tiny_reverse", ["train.cast_weights_once=false", "train.fused_output_loss=false"])
+    assert Levers.from_config(cfg, cpu, "bf16") == Levers()
+    with pytest.raises(ConfigError, match="train.fused_output_loss='sometimes': expected true, false or auto"):
+        load_config("tiny_reverse", ["train.fused_output_loss=sometimes"])

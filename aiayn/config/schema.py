@@ -267,10 +267,11 @@ class TrainConfig:
     # Speed levers (aiayn.train.update.Levers; each computes what the plain update computes, exactly in fp32):
     # bf16 / fp16: the weights cast to that dtype once per micro-batch and the forward run in it (fp32 master weights in
     # the optimizer), instead of autocast's casts of weights and activations at every use
-    cast_weights_once: bool = False
+    # (auto: on where the CPU trains in bf16, where it measured faster: BENCHMARKS.md "1b"; off elsewhere)
+    cast_weights_once: bool | str = "auto"
     # the output projection and the label-smoothed loss in one pass over row chunks: the batch's (N, V) logits are
     # never materialized (aiayn.train.loss.projected_cross_entropy)
-    fused_output_loss: bool = False
+    fused_output_loss: bool | str = "auto"  # (auto: as cast_weights_once)
     # each residual + dropout + layer norm compiled into fused kernels (regions; implied by train.compile)
     fuse_norms: bool = False
     # CUDA attention backends in order of preference (flash, efficient, cudnn, math); empty: aiayn's choice
@@ -309,10 +310,12 @@ class TrainConfig:
         _fraction("train.label_smoothing", self.label_smoothing)
         _at_least("train.seed", self.seed, 0)
         _choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
-        compile_ = {"true": True, "false": False}.get(str(self.compile).lower(), self.compile)
-        if compile_ not in (True, False, "auto"):
-            raise ConfigError(f"train.compile={self.compile!r}: expected true, false or auto")
-        object.__setattr__(self, "compile", compile_)  # frozen: set once, while building
+        for name in ("compile", "cast_weights_once", "fused_output_loss"):
+            value = getattr(self, name)
+            value = {"true": True, "false": False}.get(str(value).lower(), value)
+            if value not in (True, False, "auto"):
+                raise ConfigError(f"train.{name}={getattr(self, name)!r}: expected true, false or auto")
+            object.__setattr__(self, name, value)  # frozen: set once, while building
         for name in self.attention_backends:
             _choice("train.attention_backends", name, SDPA_BACKENDS)
         if len(set(self.attention_backends)) != len(self.attention_backends):

@@ -226,10 +226,13 @@ class Levers:
     def from_config(cls, cfg: Config, device: torch.device, precision: str) -> Levers:
         tc = cfg.train
         low = precision in ("bf16", "fp16")
+        # auto: on where a CPU trains in bf16 (BENCHMARKS.md "1b": 1.3x and 1.7x there); GPUs: not measured yet
+        cpu_bf16 = device.type == "cpu" and precision == "bf16"
+        cast, fused = (cpu_bf16 if v == "auto" else bool(v) for v in (tc.cast_weights_once, tc.fused_output_loss))
         return cls(compile=engine.compile_wanted(tc.compile, device, tc.max_updates, tc.max_minutes),
                    compile_mode=tc.compile_mode,
-                   cast_dtype=DTYPES[precision] if tc.cast_weights_once and low else None,
-                   fused_output_loss=tc.fused_output_loss, fuse_norms=tc.fuse_norms,
+                   cast_dtype=DTYPES[precision] if cast and low else None,
+                   fused_output_loss=fused, fuse_norms=tc.fuse_norms,
                    attention_backends=tuple(tc.attention_backends))
 
     def describe(self) -> str:
