@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from aiayn.files import atomic_write_json, cache_dir
+from aiayn.files import atomic_write_json, cache_dir, read_json
 
 CACHE_FILE = "cpu_probe.json"
 ENV = "AIAYN_CPU_BF16"  # "off": --precision auto stays fp32 on the CPU (aiayn.device)
@@ -270,9 +270,8 @@ def cpu_bf16() -> CpuBf16:
 
 def _read_cache(path: os.PathLike) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            book = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
+        book = read_json(path, 1 << 20)
+    except (OSError, ValueError):
         return {}
     return book if isinstance(book, dict) else {}
 
