@@ -29,7 +29,8 @@ from aiayn.data.batching import Batch, batch_shape, collate, token_batches
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MD = REPO / "BENCHMARKS.md"
 RESULTS_DIR = REPO / "benchmarks" / "results"
-SECTION_ORDER = ("train_throughput", "train_throughput_cpu_bf16", "translate_speed", "mfu", "train_throughput_cuda", "mfu_cuda")
+SECTION_ORDER = ("train_throughput", "train_throughput_cpu_bf16", "translate_speed", "mfu", "train_throughput_cuda",
+                 "mfu_cuda")
 
 MD_HEADER = """\
 # Benchmarks
