@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -38,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from aiayn.files import atomic_write_json, cache_dir, read_json
+
+log = logging.getLogger("aiayn")
 
 CACHE_FILE = "cpu_probe.json"
 ENV = "AIAYN_CPU_BF16"  # "off": --precision auto stays fp32 on the CPU (aiayn.device)
@@ -258,6 +261,8 @@ def cpu_bf16() -> CpuBf16:
                            {str(k): float(v) for k, v in dict(hit.get("ms") or {}).items()})
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: probe again
+    if any(f in flags for f in NATIVE_FLAGS):
+        log.info("checking this CPU's bf16 in a child process (once per machine; the answer is kept in %s)", path)
     found = probe()
     if not found.why.startswith("the bf16 probe's child process did not answer"):  # a busy machine: try next time
         book[key] = {**asdict(found), "flags": list(found.flags), "torch": torch.__version__}

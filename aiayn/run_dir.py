@@ -58,7 +58,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
     model.to(dtype=dtype)
     prepare_model(model, dev, training=False, precision=precision)
     warn_if_undertrained(run_dir, cfg)
-    log.info("precision: %s (%s)", precision, why)
+    log.debug("precision: %s (%s)", precision, why)  # aiayn -v; serve's /v1/model says it too
     return Run(run_dir, cfg, model.eval(), tok, precision, why)
 
 

@@ -195,8 +195,8 @@ CASES = {
     "dropout_inf": lambda t, r: (None, train_args(t / "new", "model.dropout=.inf"), "model.dropout=inf"),
     "batch_tokens_0": lambda t, r: (None, train_args(t / "new", "data.max_tokens=0"), "data.max_tokens=0"),
     "device_bogus": lambda t, r: (None, train_args(t / "new", "train.device=bogus"), "device 'bogus': unknown"),
-    "precision_bf16_on_cpu": lambda t, r: (None, train_args(t / "new", "train.device=cpu", "train.precision=bf16"),
-                                           "precision bf16 needs a CUDA device"),
+    "precision_fp16_on_cpu": lambda t, r: (None, train_args(t / "new", "train.device=cpu", "train.precision=fp16"),
+                                           "precision fp16 needs a CUDA device"),
     # --- run directories: owned, never clobbered ---------------------------------------------------------
     "user_folder_with_config_yaml": lambda t, r: (
         _user_folder(t), train_args(t / "mine"), "not empty and not a run directory of aiayn"),

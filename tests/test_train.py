@@ -264,13 +264,16 @@ def test_averaging_checkpoints_of_different_models_is_one_line(tmp_path, capsys)
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
 def test_average_never_writes_over_a_file_that_is_not_weights(name, tmp_path, capsys):
     # --out RUN/config.yaml replaced the run's config with safetensors bytes: the run no longer loaded
+    # (inside the run it is refused as a file of the run; outside it, by its content: files.guard_output)
     torch.manual_seed(0)
-    save_checkpoint(tmp_path, 1, build_model(model_config("tiny", vocab_size=30)), None, {"train_state": {}})
-    (tmp_path / name).write_text("kept\n")
-    assert main(["average", str(tmp_path), "--out", str(tmp_path / name)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "exists and is not a weights file" in err[0], err
-    assert (tmp_path / name).read_text() == "kept\n"
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, build_model(model_config("tiny", vocab_size=30)), None, {"train_state": {}})
+    for out, why in ((run / name, "is inside the input"), (tmp_path / name, "exists and is not")):
+        out.write_text("kept\n")
+        assert main(["average", str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err
+        assert out.read_text() == "kept\n"
 
 
 # --- bad input ----------------------------------------------------------------------------------------
