@@ -49,8 +49,16 @@ def test_a_new_rendezvous_round_of_the_same_job_resumes_and_another_job_is_refus
         train(_tiny(6), run, progress=False)
 
 
+# torchrun's launcher, run once the file named by its first argument exists (imported before the wait).
+WAIT_THEN_RUN = ("import os, runpy, sys, time\n"
+                 "import torch.distributed.run  # noqa: F401 - the imports paid before the wait\n"
+                 "gate = sys.argv.pop(1)\n"
+                 "while not os.path.exists(gate):\n"
+                 "    time.sleep(0.02)\n"
+                 "sys.argv[0] = 'torch.distributed.run'\n"
+                 "runpy.run_module('torch.distributed.run', run_name='__main__')\n")
 JOIN_RECIPE = ["tiny_reverse", "--no-progress", "--set", "train.device=cpu", "--set", "model.d_model=32", "--set",
-               "model.d_ff=64", "--set", "model.n_heads=2", "--set", "train.threads=1", "--set", "train.max_updates=30",
+               "model.d_ff=64", "--set", "model.n_heads=2", "--set", "train.threads=1", "--set", "train.max_updates=60",
                "--set", "train.save_every=5", "--set", "train.accum_steps=2", "--set", "train.dist_timeout_s=60"]
 
 
@@ -70,10 +78,16 @@ def test_a_node_that_joins_a_1_to_2_job_is_a_resume_not_a_refusal(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
+    gate = run / "checkpoints" / "step_000010.json"
+
     def agent(host: bool, log: str) -> subprocess.Popen:
+        # node 1's agent is started at once but waits for update 10's checkpoint with torch already imported, so that
+        # it joins within milliseconds of it: started only then, on a busy machine its imports took longer than node
+        # 0's remaining updates, and it found the job over.
+        launch = ["-c", WAIT_THEN_RUN, str(gate)] if not host else ["-m", "torch.distributed.run"]
         with open(tmp_path / log, "w") as err:
             return subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+                [sys.executable, *launch, "--nnodes", "1:2", "--nproc-per-node", "1", "--monitor-interval", "0.1",
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aiayn-join",
                  "--rdzv-conf", f"is_host={int(host)},last_call_timeout=1", "--max-restarts", "0",
                  "-m", "aiayn", "train", *JOIN_RECIPE, "--run-dir", str(run)],
@@ -81,14 +95,13 @@ def test_a_node_that_joins_a_1_to_2_job_is_a_resume_not_a_refusal(tmp_path):
 
     import time
 
-    agents = [agent(True, "node0.log")]
+    agents = [agent(True, "node0.log"), agent(False, "node1.log")]
     try:
         deadline = time.monotonic() + 300
-        while not (run / "checkpoints" / "step_000010.json").exists():
+        while not gate.exists():
             alive = agents[0].poll() is None
             assert time.monotonic() < deadline and alive, (tmp_path / "node0.log").read_text()[-3000:]
             time.sleep(0.05)
-        agents.append(agent(False, "node1.log"))
         assert agents[0].wait(300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
         assert agents[1].wait(120) == 0, (tmp_path / "node1.log").read_text()[-3000:]
     finally:
@@ -99,4 +112,4 @@ def test_a_node_that_joins_a_1_to_2_job_is_a_resume_not_a_refusal(tmp_path):
     logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
     assert "a new rendezvous round" in logs and "already holds" not in logs and "internal error" not in logs
     meta = json.loads(sorted((run / "checkpoints").glob("step_*.json"))[-1].read_text())
-    assert meta["world_size"] == 2 and list_checkpoints(run)[-1] == 30
+    assert meta["world_size"] == 2 and list_checkpoints(run)[-1] == 60
