@@ -262,7 +262,7 @@ def cpu_bf16() -> CpuBf16:
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: probe again
     if any(f in flags for f in NATIVE_FLAGS):
-        log.info("checking this CPU's bf16 in a child process (once per machine; the answer is kept in %s)", path)
+        log.debug("checking this CPU's bf16 in a child process (once per machine; the answer is kept in %s)", path)
     found = probe()
     if not found.why.startswith("the bf16 probe's child process did not answer"):  # a busy machine: try next time
         book[key] = {**asdict(found), "flags": list(found.flags), "torch": torch.__version__}
