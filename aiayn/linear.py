@@ -112,6 +112,13 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def padded_rows(x2: Tensor) -> Tensor:
+    """x2 (M, K) with zero rows appended up to :func:`row_bucket` (M) rows (itself when M is a bucket)."""
+    rows = x2.size(0)
+    padded = row_bucket(rows)
+    return x2 if padded == rows else F.pad(x2, (0, 0, 0, padded - rows))
+
+
 class PackedLinear(_CpuKernel):
     """fp32 on oneDNN with the weight in its blocked layout, reordered once per weight.
 
@@ -139,10 +146,7 @@ class PackedLinear(_CpuKernel):
         rows = x2.size(0)
         if rows * w.numel() <= self.SMALL_PRODUCT:
             return F.linear(x, w, b)
-        padded = row_bucket(rows)
-        if padded != rows:
-            x2 = F.pad(x2, (0, 0, 0, padded - rows))
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.prepared(w), b, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(padded_rows(x2), self.prepared(w), b, "none", [], "")
         return y[:rows].view(*x.shape[:-1], w.size(0))
 
 
@@ -161,11 +165,8 @@ class Bf16Linear(PackedLinear):
         """x (..., K), w (N, K), b (N,) or None -> (..., N), fp32."""
         if not self.applies(x, w) or x.numel() == 0:
             return F.linear(x, w, b)
-        x2 = x.reshape(-1, x.size(-1)).to(torch.bfloat16)  # (M, K)
-        rows = x2.size(0)
-        padded = row_bucket(rows)
-        if padded != rows:
-            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        x2 = padded_rows(x.reshape(-1, x.size(-1)).to(torch.bfloat16))  # (row_bucket(M), K)
+        rows = x.numel() // x.size(-1)
         wb = self.prepared(w)
         if packed_available():
             y = torch.ops.mkldnn._linear_pointwise(x2, wb, None, "none", [], "")
