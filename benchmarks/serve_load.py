@@ -11,6 +11,11 @@ sentences/s, latency p50/p90/p99/max, errors by status (goal: zero 5xx), mean re
 (the dynamic batching at work, from /health), and the server's resident memory sampled every second
 (goal: flat: the growth over the second half of a phase stays within a few MiB). At the end the
 server gets SIGTERM and must exit 0. Writes the ``serve_load`` section of BENCHMARKS.md and a JSON file.
+
+The peer: where ``$AIAYN_LIBRETRANSLATE`` names a LibreTranslate executable (benchmarks/libretranslate_peer.py), a
+real LibreTranslate server on the same run's Argos package (``aiayn export argos``), with LibreTranslate's and Argos'
+defaults, gets the same phases after aiayn's, its clients posting LibreTranslate's ``/translate``; elsewhere the
+section says why it was not measured. ``--no-peer`` leaves it out.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,7 +147,21 @@ class Shared:
     out: list[tuple[float, int]] = field(default_factory=list)
 
 
-def client(url: str, texts: Sequence[str], offset: int, stride: int, options: dict, shared: Shared) -> None:
+Post = Callable[[http.client.HTTPConnection, str], int]  # one sentence's request on a connection -> its status
+
+
+def aiayn_post(options: dict) -> Post:
+    """``aiayn serve``'s ``POST /v1/translate`` of one sentence with ``options``."""
+    return lambda conn, text: request(conn, "POST", "/v1/translate", {"text": [text], **options})[0]
+
+
+def libretranslate_post(source: str, target: str) -> Post:
+    """LibreTranslate's ``POST /translate`` of one sentence, as its clients send it."""
+    return lambda conn, text: request(conn, "POST", "/translate", {"q": text, "source": source, "target": target,
+                                                                   "format": "text"})[0]
+
+
+def client(url: str, texts: Sequence[str], offset: int, stride: int, post: Post, shared: Shared) -> None:
     """Post one sentence at a time until the deadline or the shared request budget runs out."""
     conn = connect(url)
     i = offset
@@ -155,7 +174,7 @@ def client(url: str, texts: Sequence[str], offset: int, stride: int, options: di
                 shared.budget -= 1
             t0 = time.perf_counter()
             try:
-                status, _ = request(conn, "POST", "/v1/translate", {"text": [texts[i % len(texts)]], **options})
+                status = post(conn, texts[i % len(texts)])
             except (OSError, http.client.HTTPException):
                 status = 0  # connection failure
                 conn.close()
@@ -167,16 +186,22 @@ def client(url: str, texts: Sequence[str], offset: int, stride: int, options: di
 
 
 def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: float, max_requests: int,
-          options: dict) -> dict[str, Any]:
-    """``clients`` clients for ``duration`` seconds (at most ``max_requests`` requests); the numbers."""
-    with closing(connect(url)) as conn:
-        before = request(conn, "GET", "/health")[1]
+          post: Post, health: bool = True) -> dict[str, Any]:
+    """``clients`` clients for ``duration`` seconds (at most ``max_requests`` requests); the numbers. ``health``:
+    the server counts its model calls at ``/health`` (aiayn's; LibreTranslate has none)."""
+    def calls_and_jobs() -> dict[str, int]:
+        if not health:
+            return {"calls": 0, "jobs": 0}
+        with closing(connect(url)) as conn:
+            return request(conn, "GET", "/health")[1]
+
+    before = calls_and_jobs()
     load_before = os.getloadavg()[0]
     memory: list[tuple[float, float]] = []
     start = time.monotonic()
     shared = Shared(start + duration, max_requests)
     results = shared.out
-    threads = [threading.Thread(target=client, args=(url, texts, k, clients, options, shared))
+    threads = [threading.Thread(target=client, args=(url, texts, k, clients, post, shared))
                for k in range(clients)]
     for t in threads:
         t.start()
@@ -188,8 +213,7 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
     for t in threads:
         t.join()
     elapsed = time.monotonic() - start
-    with closing(connect(url)) as conn:
-        after = request(conn, "GET", "/health")[1]
+    after = calls_and_jobs()
     load_after = os.getloadavg()[0]
     ok = sorted(lat for lat, s in results if s == 200)
     statuses = Counter(s for _, s in results)
@@ -207,7 +231,7 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
         "latency_ms": {"p50": pct(50), "p90": pct(90), "p99": pct(99),
                        "max": round(1000 * ok[-1], 1) if ok else None,
                        "mean": round(1000 * statistics.fmean(ok), 1) if ok else None},
-        "model_calls": calls,
+        "model_calls": calls if health else None,
         "requests_per_call": round((after["jobs"] - before["jobs"]) / calls, 2) if calls else None,
         "rss_mib": {"start": memory[0][1] if memory else None, "end": memory[-1][1] if memory else None,
                     "max": max(m for _, m in memory) if memory else None,
@@ -224,15 +248,17 @@ def markdown(result: dict[str, Any]) -> str:
     from benchmarks.common import markdown_table, provenance
 
     rows = []
-    for p in result["phases"]:
+    peer = result.get("peer") or {"skipped": "not run"}
+    servers = [("aiayn", p) for p in result["phases"]] + [("LibreTranslate", p) for p in peer.get("phases", [])]
+    for server, p in servers:
         lat, mem = p["latency_ms"], p["rss_mib"]
-        rows.append([p["clients"], p["seconds"], p["requests"], p["requests_per_s"], lat["p50"], lat["p90"],
+        rows.append([server, p["clients"], p["seconds"], p["requests"], p["requests_per_s"], lat["p50"], lat["p90"],
                      lat["p99"], lat["max"], p["requests_per_call"], p["errors_5xx"],
                      sum(v for k, v in p["errors"].items() if k.startswith("4")),
                      f"{mem['start']} / {mem['max']} / {mem['end']}", mem["second_half_growth"],
                      " / ".join(map(str, p["load_average_1min"]))])
-    table = markdown_table(["clients", "seconds", "requests", "sentences/s", "p50 ms", "p90 ms", "p99 ms", "max ms",
-                            "requests per model call", "5xx", "4xx", "server RSS MiB start / max / end",
+    table = markdown_table(["server", "clients", "seconds", "requests", "sentences/s", "p50 ms", "p90 ms", "p99 ms",
+                            "max ms", "requests per model call", "5xx", "4xx", "server RSS MiB start / max / end",
                             "RSS growth, 2nd half (MiB)", "load avg before / after"], rows)
     return (
         "## 4. Serving under load (`aiayn serve`, loopback, CPU)\n\n"
@@ -242,11 +268,75 @@ def markdown(result: dict[str, Any]) -> str:
         f"- Server: `{result['server_command']}`; clients are threads on the same machine, each with one "
         "keep-alive connection, sending the next request when the last is answered.\n"
         f"- Shutdown: SIGTERM after the last phase, exit status {result['exit_status']} (0 = graceful).\n\n"
-        + table
+        + table + peer_lines(result["phases"], peer)
         + "\nGoals: zero 5xx in every phase; memory flat (RSS growth over the second half of a phase within a "
         "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests. The load "
         "average (1 minute, whole machine, the clients included) says how much else ran on the cores.\n"
     )
+
+
+def phases_of(name: str, url: str, pid: int, texts: Sequence[str], args: argparse.Namespace, post: Post
+              ) -> list[dict[str, Any]]:
+    """One phase per ``--clients`` count against the server at ``url`` (process ``pid``), each printed."""
+    phases = []
+    for n in args.clients:
+        phases.append(phase(url, pid, texts, n, args.duration, args.max_requests, post, health=name == "aiayn"))
+        p = phases[-1]
+        print(f"{name}, {n} clients: {p['requests_per_s']} sentences/s, p50 {p['latency_ms']['p50']} ms, "
+              f"p99 {p['latency_ms']['p99']} ms, {p['errors_5xx']} 5xx, {p['requests_per_call']} requests/call, "
+              f"RSS {p['rss_mib']}", file=sys.stderr, flush=True)
+    return phases
+
+
+def measure_peer(args: argparse.Namespace, texts: Sequence[str]) -> dict[str, Any]:
+    """The same phases against a real LibreTranslate server on the run's Argos package (its defaults), or why not."""
+    import tempfile
+
+    from aiayn.config import load_config
+    from benchmarks import libretranslate_peer
+
+    exe, why = libretranslate_peer.executable()
+    if exe is None:
+        print(f"[serve_load] LibreTranslate not measured: {why}", file=sys.stderr)
+        return {"skipped": why}
+    data = load_config(Path(args.run) / "config.yaml").data
+    names = ("libretranslate", "argostranslate", "ctranslate2")
+    script = f"import importlib.metadata as m; print(*(m.version(n) for n in {names}))"
+    version = subprocess.run([str(Path(exe).with_name("python")), "-c", script], capture_output=True,
+                             text=True).stdout.split()
+    with tempfile.TemporaryDirectory(prefix="serve-load-lt-") as root:
+        server = libretranslate_peer.start(args.run, root, exe, (data.src_lang, data.tgt_lang))
+        try:
+            post = libretranslate_post(data.src_lang, data.tgt_lang)
+            with closing(connect(server.url)) as conn:
+                for t in texts[:4]:  # warm-up, not counted
+                    post(conn, t)
+            phases = phases_of("LibreTranslate", server.url, server.proc.pid, texts, args, post)
+        finally:
+            status = server.stop()
+    return {"name": "LibreTranslate", "versions": dict(zip(names, version)),
+            "argos_settings": server.argos_env, "exit_status": status, "phases": phases,
+            "server_command": f"libretranslate --load-only {data.src_lang},{data.tgt_lang} --disable-web-ui "
+                              "(the run exported by aiayn export argos, installed offline)"}
+
+
+def peer_lines(ours: list[dict[str, Any]], peer: dict[str, Any]) -> str:
+    """What the table says of aiayn against LibreTranslate: sentences/s and p50 per client count (issue 69's goals:
+    >= 4x its sentences/s at 8 clients; aiayn's p50 at 1 client <= 26 ms), or why the peer was not measured."""
+    if "skipped" in peer:
+        return f"\nLibreTranslate: not measured ({peer['skipped']}).\n"
+    versions = ", ".join(f"{k} {v}" for k, v in peer["versions"].items())
+    lines = [f"\nLibreTranslate ({versions}; `{peer['server_command']}`; Argos settings "
+             f"{json.dumps(peer['argos_settings'])}, the rest their defaults; exit status {peer['exit_status']}), "
+             "the same sentences and clients:"]
+    theirs = {p["clients"]: p for p in peer["phases"]}
+    for p in ours:
+        q = theirs.get(p["clients"])
+        if q and q["requests_per_s"]:
+            lines.append(f"- {p['clients']} client(s): aiayn {p['requests_per_s']} sentences/s = "
+                         f"{p['requests_per_s'] / q['requests_per_s']:.2f}x LibreTranslate's {q['requests_per_s']}; "
+                         f"p50 {p['latency_ms']['p50']} against {q['latency_ms']['p50']} ms")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -261,6 +351,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
     p.add_argument("--precision", default=None, help="the server's --precision (default: its own, fp32)")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
+    p.add_argument("--no-peer", action="store_true",
+                   help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")
     p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=str(RESULTS_DIR / "serve_load.json"))
     return p.parse_args(argv)
@@ -282,24 +374,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             info = request(conn, "GET", "/v1/model")[1]
             for t in texts[:4]:  # warm-up, not counted
                 request(conn, "POST", "/v1/translate", {"text": [t], **options})
-        phases = []
-        for n in args.clients:
-            phases.append(phase(url, proc.pid, texts, n, args.duration, args.max_requests, options))
-            p = phases[-1]
-            print(f"{n} clients: {p['requests_per_s']} sentences/s, p50 {p['latency_ms']['p50']} ms, "
-                  f"p99 {p['latency_ms']['p99']} ms, {p['errors_5xx']} 5xx, {p['requests_per_call']} requests/call, "
-                  f"RSS {p['rss_mib']}", file=sys.stderr, flush=True)
+        phases = phases_of("aiayn", url, proc.pid, texts, args, aiayn_post(options))
     finally:
         status = stop_server(proc)
     if status != 0:
         print("\n".join(log_lines[-20:]), file=sys.stderr)
+    peer = {"skipped": "--no-peer"} if args.no_peer else measure_peer(args, texts)
     md_argv = [a for a in argv if a not in ("--md", args.md, "--out-json", args.out_json)]
     result = {
         "date": utc_now(), "command": command_line("serve_load", md_argv), "machine": machine_info(os.cpu_count() or 1),
         "run": str(args.run), "parameters": info["parameters"], "inputs": inputs,
         "options": {"beam": info["config"]["decode"]["beam"], **options},
         "server_command": " ".join(["aiayn", *server_args(args.run, *extra)]),
-        "exit_status": status, "phases": phases,
+        "exit_status": status, "phases": phases, "peer": peer,
     }
     write_json(args.out_json, result)
     update_section(args.md, "serve_load", markdown(result))

@@ -3,40 +3,28 @@ package and served by LibreTranslate (offline, float32 as exported), and served 
 search, give the same answers to 20 paragraphs of 2-4 sentences (some lower case, some html, some of two lines),
 to a list, to alternatives and to ``/languages``, through HTTP and through libretranslatepy.
 
-LibreTranslate is not one of aiayn's dependencies (it pins Flask, numpy and packaging versions of its own), so it
-runs from a separate environment: ``AIAYN_LIBRETRANSLATE`` names its ``libretranslate`` executable, e.g.
-
-    python -m venv /tmp/lt && echo "$(python -c 'import site; print(site.getsitepackages()[0])')" \\
-        > /tmp/lt/lib/python3.11/site-packages/aiayn_venv.pth && /tmp/lt/bin/pip install libretranslate==1.9.6
-    AIAYN_LIBRETRANSLATE=/tmp/lt/bin/libretranslate pytest tests/test_libretranslate_server.py
-
-(about 2 minutes to install; the test then runs offline). Without it the test is skipped, saying so."""
+LibreTranslate runs from a separate environment (benchmarks/libretranslate_peer.py says how to make one):
+``AIAYN_LIBRETRANSLATE`` names its ``libretranslate`` executable; without it the test is skipped, saying so."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("starlette")
-LIBRETRANSLATE = os.environ.get("AIAYN_LIBRETRANSLATE", "")
-pytestmark = pytest.mark.skipif(
-    not (LIBRETRANSLATE and Path(LIBRETRANSLATE).is_file()),
-    reason="needs a LibreTranslate server: set AIAYN_LIBRETRANSLATE to the libretranslate executable of a separate "
-           "environment (pip install libretranslate==1.9.6; see this file's docstring)")
+from benchmarks import libretranslate_peer  # noqa: E402
+
+LIBRETRANSLATE, WHY_NOT = libretranslate_peer.executable()
+pytestmark = pytest.mark.skipif(LIBRETRANSLATE is None, reason=WHY_NOT)
 
 from conftest import PAIRS  # noqa: E402  (tests/ is on sys.path under pytest)
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
-from aiayn.interop.argos import ARGOS_FLAGS, ARGOS_SEARCH, export_argos  # noqa: E402
+from aiayn.interop.argos import ARGOS_FLAGS, ARGOS_SEARCH  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.service import Choices  # noqa: E402
 
@@ -58,39 +46,12 @@ def paragraphs() -> list[str]:
 def libretranslate(learned_run, tmp_path_factory):
     """A LibreTranslate server with the run's Argos package installed, offline (Argos' index: a local empty one),
     computing in float32 as aiayn does; its URL."""
-    root = tmp_path_factory.mktemp("libretranslate")
-    package = export_argos(learned_run, root / "en_de.argosmodel")
-    (root / "index").mkdir()
-    (root / "index" / "index.json").write_text("[]")
-    home = root / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARGOS_", "XDG_", "PYTHONPATH"))}
-    env.update(HOME=str(home), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
-               XDG_CONFIG_HOME=str(home / "config"), ARGOS_DEVICE_TYPE="cpu", ARGOS_COMPUTE_TYPE="float32",
-               ARGOS_PACKAGE_INDEX=f"file://{root}/index/", ARGOS_INTRA_THREADS="1")
-    python = Path(LIBRETRANSLATE).with_name("python")
-    subprocess.run([str(python), "-c", f"from argostranslate.package import install_from_path; "
-                                       f"install_from_path({str(package)!r})"], env=env, check=True, timeout=300)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "libretranslate.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([LIBRETRANSLATE, "--host", "127.0.0.1", "--port", str(port), "--load-only", "en,de",
-                             "--disable-web-ui"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    peer = libretranslate_peer.start(learned_run, tmp_path_factory.mktemp("libretranslate"), LIBRETRANSLATE,
+                                     ("en", "de"), {"ARGOS_COMPUTE_TYPE": "float32", "ARGOS_INTRA_THREADS": "1"})
     try:
-        for _ in range(300):
-            if proc.poll() is not None:
-                pytest.fail("LibreTranslate stopped: " + (root / "libretranslate.log").read_text()[-2000:])
-            try:
-                urllib.request.urlopen(url + "/languages", timeout=2).read()
-                break
-            except OSError:
-                time.sleep(1)
-        yield url
+        yield peer.url
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        peer.stop()
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +100,18 @@ def test_libretranslatepy_gets_the_same_from_both(libretranslate, learned_run):
         assert theirs.languages() == ours.languages()
     finally:
         serve_load.stop_server(proc, timeout=30)
+
+
+def test_serve_load_measures_the_real_libretranslate_server_as_its_peer(learned_run, tmp_path):
+    from benchmarks import serve_load
+
+    md, out = tmp_path / "B.md", tmp_path / "serve_load.json"
+    result = serve_load.main(["--run", str(learned_run), "--smoke", "--md", str(md), "--out-json", str(out)])
+    peer = result["peer"]
+    assert peer["name"] == "LibreTranslate" and peer["versions"]["libretranslate"]
+    assert peer["exit_status"] in (0, -15)  # LibreTranslate (waitress) does not catch SIGTERM: it dies of it
+    assert [p["clients"] for p in peer["phases"]] == [p["clients"] for p in result["phases"]] == [1, 4]
+    for p in result["phases"] + peer["phases"]:
+        assert p["ok"] > 0 and p["errors"] == {}, p
+    text = md.read_text(encoding="utf-8")
+    assert "| LibreTranslate | 4 |" in text and "x LibreTranslate's" in text

@@ -416,7 +416,8 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_run):
     assert any("Shutting down" in line for line in log)
 
 
-def test_load_smoke(tiny_run, tmp_path):
+def test_load_smoke(tiny_run, tmp_path, monkeypatch):
+    monkeypatch.delenv("AIAYN_LIBRETRANSLATE", raising=False)  # the peer: skipped with its reason
     md, out = tmp_path / "B.md", tmp_path / "serve_load.json"
     result = serve_load.main(["--run", str(tiny_run), "--smoke", "--md", str(md), "--out-json", str(out)])
     assert result["exit_status"] == 0
@@ -428,6 +429,7 @@ def test_load_smoke(tiny_run, tmp_path):
     text = md.read_text(encoding="utf-8")
     assert "<!-- BEGIN serve_load -->" in text and "python -m benchmarks.serve_load" in text
     assert json.loads(out.read_text())["phases"][0]["requests"] == result["phases"][0]["requests"]
+    assert "AIAYN_LIBRETRANSLATE" in result["peer"]["skipped"] and "LibreTranslate: not measured (needs" in text
 
 
 @pytest.fixture(scope="module")
