@@ -32,7 +32,7 @@ import torch
 import aiayn.model.attention as attention
 import aiayn.search.beam as beam
 from aiayn.engine import keep_freed_memory
-from aiayn.linear import Int8Linear, PackedLinear
+from aiayn.linear import Bf16Linear, Int8Linear, PackedLinear
 from aiayn.model.cache import KVCache
 from aiayn.model.transformer import Transformer
 from benchmarks import common
@@ -42,7 +42,7 @@ NAME = "decode_breakdown"
 LIMITS = {"fixed 100": ts.Limit(0.0, 100), "source + 50": ts.Limit(1.0, 50)}
 # What is timed: a label and (owner, attribute) of each function wrapped while a pass runs.
 PARTS: dict[str, list[tuple[Any, str]]] = {
-    "linear": [(PackedLinear, "__call__"), (Int8Linear, "__call__")],
+    "linear": [(PackedLinear, "__call__"), (Bf16Linear, "__call__"), (Int8Linear, "__call__")],
     "attention": [(attention, "scaled_dot_product_attention")],
     "reorder": [(KVCache, "reorder")],
     "log_softmax": [(beam.F, "log_softmax")],
@@ -105,6 +105,16 @@ def time_split(fn: Callable, task: ts.Task, batches: list[list[int]], warm: int)
     return out
 
 
+def unavailable(precision: str) -> str:
+    """Why ``precision`` cannot run on this CPU ("" if it can): bf16 needs the probe's pass (aiayn.cpu_probe)."""
+    if precision != "bf16":
+        return ""
+    from aiayn.cpu_probe import cpu_bf16
+
+    found = cpu_bf16()
+    return "" if found.native else found.why
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default="runs/multi30k_en_de_quick", help="a trained translation run")
@@ -112,6 +122,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=300, help="translate the first N sentences only")
     p.add_argument("--batch1-limit", type=int, default=100, help="batch-1 translates the first N sentences")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="passes of the exact search (aiayn translate's kernels for each); bf16 where this CPU's "
+                        "probe passes (aiayn.cpu_probe), else left out with the reason (int8 runs in the fp32 pass)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a random tiny model (CI)")
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
@@ -160,9 +173,20 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
                 if stop == "exact":
                     exact_outputs[name] = outputs
         result["exact_same_under_both"] = len({repr(o) for o in exact_outputs.values()}) == 1
-        fns, _ = ts.build_engines(task, ["aiayn-exact", "aiayn-int8"], 0.6, LIMITS["fixed 100"], threads, order[-8:])
-        result["time"] = {f"{e} {mode}": time_split(fns[e], task, batches, warm)
-                          for e in fns for mode, batches, warm in (("batched", batched, 2), ("batch-1", one, 16))}
+        result["time"] = {}
+        for precision in args.precision:
+            why_not = unavailable(precision)
+            if why_not:
+                result[f"{precision}_not_run"] = why_not
+                print(f"[{NAME}] {precision}: not run ({why_not})", file=sys.stderr)
+                continue
+            engines = ["aiayn-exact", "aiayn-int8"] if precision == "fp32" else ["aiayn-exact"]
+            fns, _ = ts.build_engines(task, engines, 0.6, LIMITS["fixed 100"], threads, order[-8:],
+                                      precision=precision)
+            for e in fns:
+                label = "aiayn-int8" if e == "aiayn-int8" else f"{e} {precision}"
+                for mode, batches, warm in (("batched", batched, 2), ("batch-1", one, 16)):
+                    result["time"][f"{label} {mode}"] = time_split(fns[e], task, batches, warm)
     for key, r in result["time"].items():
         print(f"[{NAME}] {key}: {r}", file=sys.stderr)
     common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)

@@ -261,6 +261,7 @@ def test_decode_breakdown_smoke_counts_rows_and_splits_a_pass(tmp_path):
     """Issue 60's breakdown: rows per stopping rule and limit, and one pass's seconds by part, the parts and the
     rest summing to the pass; the wrapped functions are put back afterwards."""
     import aiayn.model.attention as attention
+    from aiayn.cpu_probe import cpu_bf16
     from aiayn.linear import PackedLinear
     from benchmarks import decode_breakdown
 
@@ -269,7 +270,9 @@ def test_decode_breakdown_smoke_counts_rows_and_splits_a_pass(tmp_path):
     assert (attention.scaled_dot_product_attention, PackedLinear.__call__) == before
     for limit in decode_breakdown.LIMITS:
         assert all(result["rows"][limit][stop] > 0 for stop in ("first", "hf", "exact"))
-    assert set(result["time"]) == {f"{e} {m}" for e in ("aiayn-exact", "aiayn-int8") for m in ("batched", "batch-1")}
+    passes = ["aiayn-exact fp32", "aiayn-int8"] + (["aiayn-exact bf16"] if "bf16_not_run" not in result else [])
+    assert set(result["time"]) == {f"{e} {m}" for e in passes for m in ("batched", "batch-1")}
+    assert ("bf16_not_run" in result) == (not cpu_bf16().native)  # bf16 where this CPU's probe passed
     for r in result["time"].values():
         parts = sum(r[k] for k in (*decode_breakdown.PARTS, "rest"))
         assert parts == pytest.approx(r["total"], abs=1e-3) and r["linear"] > 0 and r["attention"] > 0
