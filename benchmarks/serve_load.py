@@ -349,7 +349,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=100_000, help="requests per phase at most")
     p.add_argument("--beam", type=int, default=None, help="beam of every request (default: the run's)")
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
-    p.add_argument("--precision", default=None, help="the server's --precision (default: its own, fp32)")
+    p.add_argument("--precision", default=None, help="the server's --precision (default: its own, auto)")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
     p.add_argument("--no-peer", action="store_true",
                    help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")
