@@ -587,39 +587,27 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export a run to CTranslate2, as a Hugging Face Marian directory or as an "
-                                      "Argos Translate package")
-    p.add_argument("engine", choices=["ctranslate2", "hf", "argos"],
-                   help="ctranslate2: a CTranslate2 model directory; hf: a Marian directory for transformers; "
-                        "argos: an .argosmodel package")
+    from aiayn.interop.registry import TARGETS, option_help
+
+    p = sub.add_parser("export", help="export a run: " + ", ".join(t.title for t in TARGETS.values()))
+    p.add_argument("engine", choices=list(TARGETS), help="the export target: what OUT_DIR becomes")
     p.add_argument("run", help="translation run directory (trained or imported)")
-    add_output(p, "out_dir", kind="dir", help="a directory (ctranslate2, hf) or a .argosmodel file (argos)")
-    p.add_argument("--quantization", default=None, help="e.g. int8 (CTranslate2 and Argos)")
+    add_output(p, "out_dir", kind="dir", help="; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()))
+    p.add_argument("--quantization", default=None, help=f"e.g. int8 ({option_help('quantization')})")
     p.add_argument("--sentence-model", default=None,
-                   help="argos: a MiniSBD .onnx sentence splitter to package (default: aiayn's rule-based one)")
+                   help=f"{option_help('sentence_model')}: a MiniSBD .onnx sentence splitter to package (default: "
+                        "aiayn's rule-based one)")
     p.add_argument("--force", action="store_true", help="replace out_dir whatever it holds")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    if args.sentence_model is not None and args.engine != "argos":
-        raise ConfigError("--sentence-model is for Argos packages (aiayn export argos)")
-    if args.engine == "hf":
-        from aiayn.interop.hf import export_hf
+    """``aiayn export``: the registry (aiayn.interop.registry) checks the run against the target's declarations,
+    then runs its exporter."""
+    from aiayn.interop.registry import export
 
-        if args.quantization:
-            raise ConfigError("--quantization is for CTranslate2 exports; a Hugging Face export keeps the run's "
-                              "fp32 weights")
-        out = export_hf(args.run, args.out_dir, force=args.force)
-    elif args.engine == "argos":
-        from aiayn.interop.argos import export_argos
-
-        out = export_argos(args.run, args.out_dir, quantization=args.quantization,
-                           sentence_model=args.sentence_model, force=args.force)
-    else:
-        from aiayn.interop.ctranslate2 import export_run
-
-        out = export_run(args.run, args.out_dir, quantization=args.quantization, force=args.force)
+    out = export(args.engine, args.run, args.out_dir, force=args.force, quantization=args.quantization,
+                 sentence_model=args.sentence_model)
     print(f"wrote {out}")
     return 0
 

@@ -3,7 +3,8 @@
 The recipe names its task as a string (the ``task:`` key); everything that behaves differently per task asks the
 :class:`Task` it resolves to (``cfg.kind``: :attr:`aiayn.config.Config.kind`) instead of comparing that string:
 whether the model has an encoder, which of aiayn's own routes serves it, what ``aiayn.load`` returns, what
-``aiayn generate`` decodes with by default and which exports accept it. A new task is one entry of :data:`TASKS`.
+``aiayn generate`` decodes with by default (which exports take it: each export target declares the tasks it
+takes, :mod:`aiayn.interop.registry`). A new task is one entry of :data:`TASKS`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
-
-EXPORTS = ("marian", "ctranslate2", "argos")  # the export targets (HF Marian directories, CTranslate2, Argos)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +24,7 @@ class Task:
     while training, LibreTranslate's API, Argos packages, sweeps and Table 3). ``summarizes``: an encoder-decoder
     of documents to summaries (documents cut to the model's length, ROUGE). ``endpoint``: aiayn's own route that
     serves it. ``loader``: what ``aiayn.load`` returns (``translator`` or ``generator``). ``decoding``: what
-    ``aiayn generate`` and ``/v1/generate`` decode with unless told otherwise. ``exports``: the export targets
-    that take its runs (:data:`EXPORTS`)."""
+    ``aiayn generate`` and ``/v1/generate`` decode with unless told otherwise."""
 
     name: str
     label: str  # how a message names a run of it
@@ -36,11 +34,6 @@ class Task:
     endpoint: str = "/v1/translate"
     loader: str = "translator"
     decoding: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    exports: frozenset[str] = frozenset()
-
-    def exports_to(self, target: str) -> bool:
-        """Whether the export ``target`` (one of :data:`EXPORTS`) takes a run of this task."""
-        return target in self.exports
 
     def __str__(self) -> str:
         return self.name
@@ -48,12 +41,11 @@ class Task:
 
 # In the order a config's error lists them.
 TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
-    Task(name="translation", label="translation", encoder=True, translates=True, exports=frozenset(EXPORTS)),
+    Task(name="translation", label="translation", encoder=True, translates=True),
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
     Task(name="lm", label="language-model (task lm)", encoder=False, endpoint="/v1/generate", loader="generator",
          decoding=MappingProxyType({"sample": True, "temperature": 1.0})),
-    Task(name="summarization", label="summarization", encoder=True, summarizes=True,
-         exports=frozenset({"marian", "ctranslate2"})),
+    Task(name="summarization", label="summarization", encoder=True, summarizes=True),
 )})
 
 

@@ -119,8 +119,9 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     ``quantization``: a CTranslate2 weight type (e.g. int8, as Argos' own packages) or None (float32).
     ``sentence_model``: a MiniSBD ``.onnx`` model for the source language to package instead of aiayn's
     rule-based splitter. Runs that Argos cannot reproduce are refused with one line (:class:`ConfigError`):
-    language models, Moses-pretokenized runs, separate or character vocabularies, imported Marian runs, head
-    widths other than d_model / heads. The zip is written beside ``out_file`` and renamed into place.
+    Moses-pretokenized runs, separate or character vocabularies, imported Marian runs (tasks and model options
+    such as head widths: ``aiayn export`` refuses them first, :mod:`aiayn.interop.registry`). The zip is
+    written beside ``out_file`` and renamed into place.
     """
     from aiayn.run_dir import load_run
 
@@ -171,11 +172,9 @@ def _check_sentence_model(sentence_model: str | os.PathLike | None) -> Path | No
 
 
 def _check_packageable(run: Any, run_dir: str | os.PathLike) -> None:
-    """What an Argos package cannot reproduce, refused in one line: language models, separate or character
-    vocabularies, Moses pretokenization."""
-    cfg, tok = run.cfg, run.tokenizers
-    if not cfg.kind.exports_to("argos"):
-        raise ConfigError(f"{run_dir}: a {cfg.task} run; Argos packages hold translation models")
+    """What an Argos package cannot reproduce of the run's tokenizer, refused in one line: separate or character
+    vocabularies, Moses pretokenization (tasks and model options: aiayn.interop.registry)."""
+    tok = run.tokenizers
     if tok.src.kind != "bpe" or not tok.shared:
         what = "separate source and target vocabularies" if tok.src.kind == "bpe" else f"a {tok.src.kind} tokenizer"
         raise ConfigError(f"{run_dir} has {what}; an Argos package holds one SentencePiece model for both sides "

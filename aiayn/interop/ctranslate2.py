@@ -320,8 +320,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     """``aiayn export ctranslate2 RUN OUT_DIR``: export a run's model with its vocabularies, copy its
     tokenizer files into ``out_dir`` and write a README.txt there; return ``out_dir``.
 
-    User errors (not a run, a language-model run, ``out_dir`` already there, a bad quantization name)
-    are one-line :class:`~aiayn.config.ConfigError` / :class:`~aiayn.errors.CheckpointError`.
+    User errors (not a run, ``out_dir`` already there, a bad quantization name) are one-line
+    :class:`~aiayn.config.ConfigError` / :class:`~aiayn.errors.CheckpointError`; the tasks and model options it
+    takes are checked before, by ``aiayn export`` (:mod:`aiayn.interop.registry`).
     The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
     """
     from aiayn.errors import ConfigError, require
@@ -332,8 +333,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force)
     run = load_run(run_dir, "cpu")
-    if not run.cfg.kind.exports_to("ctranslate2"):
-        raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models export to CTranslate2")
     tok = run.tokenizers
     vocab = [tok.src.id_to_piece(i) for i in range(tok.src.vocab_size)]
     tgt_vocab = None if tok.shared else [tok.tgt.id_to_piece(i) for i in range(tok.tgt.vocab_size)]

@@ -533,8 +533,6 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force or is_earlier_export(out))
     run = load_run(run_dir, "cpu", precision="fp32")
-    if not run.cfg.kind.exports_to("marian"):
-        raise ConfigError(f"{run_dir}: a {run.cfg.task} run; only encoder-decoder models are Marian models")
     tok, sp = run.tokenizers, run.tokenizers.specials
     if tok.pretokenize != "none":
         raise ConfigError(f"{run_dir}: its tokenizer runs Moses pretokenization (data.pretokenize=moses), which "
