@@ -141,3 +141,18 @@ def test_every_model_option_is_declared_by_some_target_and_each_target_once():
         registry.register(TARGETS["hf"])
     table = registry.features_table()
     assert all(f"| `{name}` |" in table for name in TARGETS)
+
+
+def test_each_exporters_python_function_refuses_as_the_cli_does(tmp_path):
+    from aiayn.config import ConfigError
+    from aiayn.interop.argos import export_argos
+    from aiayn.interop.ctranslate2 import export_run
+    from aiayn.interop.hf import export_hf
+
+    pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    lm = a_run(tmp_path / "lm", task="lm")
+    for export, out in ((export_run, "ct2"), (export_hf, "hf"), (export_argos, "x.argosmodel")):
+        with pytest.raises(ConfigError, match="a lm run"):
+            export(lm, tmp_path / out)
+        assert not (tmp_path / out).exists()

@@ -36,6 +36,7 @@ from typing import Any
 from aiayn.data.languages import language_name
 from aiayn.errors import ConfigError, first_line, require
 from aiayn.files import LOCK, TMP_SUFFIX, RunLock, default_file_mode, guard_output, lock_holder
+from aiayn.interop import registry
 from aiayn.interop.card import run_facts
 from aiayn.interop.sentence_splitter import onnx_problem, sentence_splitter_onnx
 
@@ -120,12 +121,13 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     ``sentence_model``: a MiniSBD ``.onnx`` model for the source language to package instead of aiayn's
     rule-based splitter. Runs that Argos cannot reproduce are refused with one line (:class:`ConfigError`):
     Moses-pretokenized runs, separate or character vocabularies, imported Marian runs (tasks and model options
-    such as head widths: ``aiayn export`` refuses them first, :mod:`aiayn.interop.registry`). The zip is
+    such as head widths are refused first, by :mod:`aiayn.interop.registry`). The zip is
     written beside ``out_file`` and renamed into place.
     """
     from aiayn.run_dir import load_run
 
     require("ctranslate2", "ct2", "aiayn export argos")
+    registry.check("argos", run_dir)  # a direct call refuses what aiayn export refuses
     out = Path(out_file)
     if out.suffix != ".argosmodel":
         raise ConfigError(f"{out}: an Argos package file ends in .argosmodel (argospm and LibreTranslate look for it)")

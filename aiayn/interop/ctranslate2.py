@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.errors import first_line
 from aiayn.files import check_output_dir, locked, staged_directory
+from aiayn.interop import registry
 from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 
@@ -322,7 +323,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
 
     User errors (not a run, ``out_dir`` already there, a bad quantization name) are one-line
     :class:`~aiayn.config.ConfigError` / :class:`~aiayn.errors.CheckpointError`; the tasks and model options it
-    takes are checked before, by ``aiayn export`` (:mod:`aiayn.interop.registry`).
+    takes are checked first, by :mod:`aiayn.interop.registry`.
     The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
     """
     from aiayn.errors import ConfigError, require
@@ -330,6 +331,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     from aiayn.weights import inference_weights_path
 
     require("ctranslate2", "ct2", "aiayn export ctranslate2")
+    registry.check("ctranslate2", run_dir)  # a direct call refuses what aiayn export refuses
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force)
     run = load_run(run_dir, "cpu")

@@ -57,6 +57,7 @@ from aiayn.files import (
     os_errors_named,
     staged_directory,
 )
+from aiayn.interop import registry
 from aiayn.interop.card import run_facts
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
 from aiayn.weights import save_weights
@@ -530,6 +531,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     from aiayn.run_dir import load_run
 
     require("transformers", "hf", "aiayn export hf")
+    registry.check("hf", run_dir)  # a direct call refuses what aiayn export refuses
     out = Path(out_dir)
     check_output_dir(out, [run_dir], force or is_earlier_export(out))
     run = load_run(run_dir, "cpu", precision="fp32")

@@ -133,6 +133,12 @@ def check_run(target: ExportTarget, run_dir: str | Path) -> None:
         raise ConfigError(f"cannot export {run_dir} to {target.name}: {why}")
 
 
+def check(name: str, run_dir: str | Path) -> None:
+    """Refuse a run that target ``name`` does not declare (:func:`check_run`): what each exporter's Python function
+    calls first, so that a direct call refuses as ``aiayn export`` does."""
+    check_run(TARGETS[name], run_dir)
+
+
 def export(name: str, run_dir: str | Path, out: str | Path, *, force: bool = False, **options: Any) -> Path:
     """``aiayn export NAME RUN OUT``: check the options and the run against the target's declarations (one line
     on refusal, nothing written), then run its exporter with the options it reads; return what it wrote."""
