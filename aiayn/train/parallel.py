@@ -17,6 +17,7 @@ import torch.distributed as dist
 from aiayn.device import resolve_device
 from aiayn.errors import DesyncError, DeviceError, PeerError, collective_timed_out
 from aiayn.files import LockHolder
+from aiayn.launched import record_members
 
 
 @dataclass
@@ -131,8 +132,10 @@ def init_distributed(device: str | torch.device = "auto", timeout_s: float = 180
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(
             store_prefix(), store), rank=rank, world_size=world, timeout=timeout)
     setup = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup_timeout_s))
-    processes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(processes, (os.getpid(), socket.gethostname()), group=setup)  # named by a timeout
+    members: list[Any] = [None] * dist.get_world_size()  # (pid, host, agent pid): named by a timeout, a lost node
+    dist.all_gather_object(members, (os.getpid(), socket.gethostname(), os.getppid()), group=setup)
+    record_members(members, local_rank)  # for aiayn launch's last line (nothing outside it)
+    processes = [tuple(m[:2]) for m in members]
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup, setup_timeout_s, processes)
 
 

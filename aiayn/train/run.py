@@ -193,14 +193,15 @@ def check_resume_changes(cfg: Config, run_dir: Path) -> None:
     new = flatten(cfg.to_dict())
     fitted = {f"model.{k}" for k in FITTED_KEYS} | {"train.accum_steps"}
     for key in sorted(set(old) | set(new)):
-        if key in fitted or _may_change(key) or old.get(key) == new.get(key):
+        if key in fitted or may_change_on_resume(key) or old.get(key) == new.get(key):
             continue
         raise ConfigError(f"{key}={new.get(key)!r} but {run_dir}/config.yaml has {old.get(key)!r}: a resumed run keeps "
                           "its model, data and optimizer (aiayn train --help says what a resume may change); train "
                           "into a new --run-dir to change it")
 
 
-def _may_change(key: str) -> bool:
+def may_change_on_resume(key: str) -> bool:
+    """Whether ``--set KEY=...`` may change ``key`` on a resume (:data:`RESUME_KEYS`)."""
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_KEYS)
 
 
@@ -213,7 +214,7 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
                               "aiayn train CONFIG --run-dir RUN --resume")
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if not _may_change(key):
+        if not may_change_on_resume(key):
             raise ConfigError(f"--set {key}: a resumed run keeps its model, data and optimizer; on --resume RUN only "
                               f"these may change: {', '.join(RESUME_KEYS)}")
     return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)
