@@ -168,3 +168,17 @@ def test_a_process_line_is_what_torchruns_report_of_it_says(tmp_path, monkeypatc
     line = capsys.readouterr().err.strip()
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert line.startswith("aiayn: error: ") and failure.message == line.removeprefix("aiayn: error: ")
+
+
+def test_a_job_that_succeeds_prints_its_training_and_none_of_torchruns_output(tmp_path):
+    """Success: exit 0, the training processes' own lines on stderr (they write to the user's stderr, not the
+    launcher's log), torchrun's warnings (OMP_NUM_THREADS, ...) in RUN/logs, and no line of the launcher's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("OMP_NUM_THREADS", None)  # torchrun warns that it sets it: a line of its own, into the log
+    r = subprocess.run([sys.executable, "-m", "aiayn", "launch", "--standalone", "--nproc-per-node", "2", "train",
+                        *RECIPE, "--set", "train.max_updates=2", "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    assert r.returncode == 0 and "INFO aiayn.train: model: Transformer" in r.stderr, r.stderr[-3000:]
+    assert "OMP_NUM_THREADS" not in r.stderr and "\naiayn: " not in f"\n{r.stderr}", r.stderr[-3000:]
+    logs = list((tmp_path / "run" / "logs").glob("launch-*.log"))
+    assert len(logs) == 1 and "OMP_NUM_THREADS" in logs[0].read_text()
