@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn.device import resolve_device
-from aiayn.errors import DesyncError, DeviceError, PeerError, collective_timed_out
+from aiayn.errors import DesyncError, DeviceError, PeerError, UserError, collective_timed_out
 from aiayn.files import LockHolder
 from aiayn.launched import record_members
 
@@ -48,6 +48,37 @@ class Dist:
             return
         try:
             dist.barrier(group=self.setup_group)
+        except RuntimeError as e:
+            if not collective_timed_out(e):
+                raise
+            raise PeerError(self.setup_timeout_message()) from None
+
+    def from_main(self, decide: Callable[[], Any]) -> Any:
+        """Rank 0's ``decide()`` (small, picklable), on every process: only rank 0 runs it (a probe of the machine,
+        say, that two processes running side by side might answer differently); the others wait for its answer on
+        the setup group (``train.setup_timeout_s``). A :class:`~aiayn.errors.UserError` it raises is raised on every
+        process with the same words, said once per machine (``every_rank``)."""
+        if self.world == 1:
+            return decide()
+        if self.main:  # a bug in decide() broadcasts nothing: the others see rank 0 stop
+            try:
+                value = decide()
+            except UserError as e:
+                self._broadcast_from_main([(False, (type(e), str(e)))])
+                raise
+            self._broadcast_from_main([(True, value)])
+            return value
+        answer: list[Any] = [None]
+        self._broadcast_from_main(answer)
+        ok, value = answer[0]
+        if not ok:
+            kind, message = value
+            raise kind(message, every_rank=True)
+        return value
+
+    def _broadcast_from_main(self, answer: list[Any]) -> None:
+        try:
+            dist.broadcast_object_list(answer, src=0, group=self.setup_group)
         except RuntimeError as e:
             if not collective_timed_out(e):
                 raise

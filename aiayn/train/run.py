@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from aiayn.config import SPEED_KEYS, Config, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
-from aiayn.device import check_fits_in_memory, choose_precision
+from aiayn.device import Precision, check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, guard_output, guard_output_dir, locked
@@ -104,11 +104,19 @@ def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
     return cpu_threads(cfg.train.threads)
 
 
+def training_precision(asked: str, d: Dist) -> Precision:
+    """The precision every process of the training runs in: rank 0's :func:`~aiayn.device.choose_precision`, taken
+    by the others (:meth:`Dist.from_main`). ``auto`` on a CPU asks the machine's bf16 probe (:mod:`aiayn.cpu_probe`),
+    whose first run times bf16 against fp32: processes probing side by side could answer differently and train one
+    model in two precisions. bf16 on a CPU without native bf16 (or whose probe failed) is refused here, on every
+    process in rank 0's words, before any work."""
+    return d.from_main(lambda: choose_precision(asked, d.device, training=True))
+
+
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
-    # bf16 on a CPU without native bf16 (or whose probe failed): refused here, before any work
-    precision = choose_precision(cfg.train.precision, device, training=True)
+    precision = training_precision(cfg.train.precision, d)
     threads = set_cpu_threads(_run_threads(cfg, run_dir, resume)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
