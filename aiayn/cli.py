@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from aiayn import __version__
-from aiayn.errors import ConfigError, one_line, said_here, user_error_message
-from aiayn.launched import reattach_stderr, record_error
+from aiayn.errors import ConfigError, is_refusal, one_line, said_here, user_error_message
+from aiayn.launched import reattach_stderr, record_error, said_by_launcher
 
 
 def decode_overrides(args: argparse.Namespace) -> dict:
@@ -809,9 +809,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:
-            if said_here(e):  # a refusal every process of a torchrun job reaches: once per machine
+            refusal = is_refusal(e)
+            # a refusal every process of a torchrun job reaches: once per machine (by aiayn launch, if it started it)
+            if said_here(e) and not said_by_launcher(refusal):
                 print(f"aiayn: error: {msg}", file=sys.stderr)
-            record_error(msg)  # torchrun's report of this process (and aiayn launch's last line) names it
+            record_error(msg, refusal)  # torchrun's report of this process (and aiayn launch's last line) names it
             return 2
         if args.verbose:
             traceback.print_exc()

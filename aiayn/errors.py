@@ -43,6 +43,12 @@ class UserError(Exception):
         self.every_rank = every_rank
 
 
+def is_refusal(e: BaseException) -> bool:
+    """Whether ``e`` refuses the input (the same command fails again until the user changes something), rather than
+    stopping work from outside (a peer lost or frozen, a signal, the machine, a desync: it goes on with --resume)."""
+    return isinstance(e, UserError) and not isinstance(e, (PeerError, Interrupted, DesyncError, StoppedError))
+
+
 def said_here(e: BaseException) -> bool:
     """Whether this process prints ``e``: always, except an ``every_rank`` refusal in a process of a torchrun job that
     is not its machine's first (LOCAL_RANK 0 says it for all of them)."""
@@ -225,5 +231,6 @@ def machine_state_message(e: BaseException) -> str | None:
 
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "Interrupted", "PeerError",
-           "StoppedError", "UserError", "collective_timed_out", "first_line", "lost_worker", "machine_state_message",
+           "StoppedError", "UserError", "collective_timed_out", "first_line", "is_refusal", "lost_worker",
+           "machine_state_message",
            "one_line", "require", "user_error_message"]

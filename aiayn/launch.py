@@ -205,7 +205,14 @@ def ending(error: BaseException | None, job: Launch, log: Path,
 
 
 def _child_failed(error: BaseException, job: Launch, report: str) -> tuple[int, str]:
-    """A training process failed and torchrun has no restart left: that process's own line, and what to do."""
+    """A training process failed and torchrun has no restart left: the first refusal of the input as it is (the
+    processes left it to the launcher: :func:`aiayn.launched.said_by_launcher`; the others stopped because of it);
+    else the first failure's own line, and what to do."""
+    failures = error.failures  # type: ignore[attr-defined]
+    refused = sorted(r for r, f in failures.items() if f.error_file_data.get("aiayn") == "refusal")
+    if refused:
+        failure = failures[refused[0]]
+        return int(failure.exitcode) or 1, f"aiayn: error: {failure.message}; {report}"
     rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
     code = int(failure.exitcode)
     if code < 0:

@@ -41,14 +41,23 @@ def reattach_stderr() -> None:
     os.close(fd)
 
 
-def record_error(line: str) -> None:
-    """Write the one line this process printed (without ``aiayn: error: ``) where torchrun's agent reads a failed
-    worker's message (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``record``)."""
+def record_error(line: str, refusal: bool = False) -> None:
+    """Write this process's one line (without ``aiayn: error: ``) where torchrun's agent reads a failed worker's
+    message (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``record``), and whether it refuses the input
+    (:func:`aiayn.errors.is_refusal`: the launcher then says it as it is, without a resume command)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    record = {"message": line, "timestamp": int(time.time()), "aiayn": "refusal" if refusal else "stop"}
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}), encoding="utf-8")
+        Path(path).write_text(json.dumps(record), encoding="utf-8")
+
+
+def said_by_launcher(refusal: bool) -> bool:
+    """Whether ``aiayn launch`` says this process's refusal for it: its last line is the job's first refusal, so
+    the processes themselves stay quiet and it is said once per machine (a stop from outside is said at once by the
+    process that meets it, as it happens)."""
+    return refusal and bool(os.environ.get(DIR_ENV)) and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
 
 
 def record_members(members: list[tuple[int, str, int]], local_rank: int) -> None:

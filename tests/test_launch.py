@@ -170,15 +170,27 @@ def test_a_process_line_is_what_torchruns_report_of_it_says(tmp_path, monkeypatc
     assert line.startswith("aiayn: error: ") and failure.message == line.removeprefix("aiayn: error: ")
 
 
-def test_a_job_that_succeeds_prints_its_training_and_none_of_torchruns_output(tmp_path):
+def test_a_job_that_succeeds_prints_its_training_and_a_refusal_is_said_once(tmp_path):
     """Success: exit 0, the training processes' own lines on stderr (they write to the user's stderr, not the
-    launcher's log), torchrun's warnings (OMP_NUM_THREADS, ...) in RUN/logs, and no line of the launcher's."""
+    launcher's log), torchrun's warnings (OMP_NUM_THREADS, ...) in RUN/logs, and no line of the launcher's. Then the
+    run (2 micro-batches an update) resumed by 3 processes: each refuses it; the refusal is said once, as the last
+    line, without a resume command (issue 70: once per rank before), exit 2."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("OMP_NUM_THREADS", None)  # torchrun warns that it sets it: a line of its own, into the log
-    r = subprocess.run([sys.executable, "-m", "aiayn", "launch", "--standalone", "--nproc-per-node", "2", "train",
-                        *RECIPE, "--set", "train.max_updates=2", "--run-dir", str(tmp_path / "run")],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    run = tmp_path / "run"
+
+    def launch(processes: int, *command: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "aiayn", "launch", "--standalone", "--nproc-per-node",
+                               str(processes), "train", *command], capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=240)
+
+    r = launch(2, *RECIPE, "--set", "train.max_updates=2", "--run-dir", str(run))
     assert r.returncode == 0 and "INFO aiayn.train: model: Transformer" in r.stderr, r.stderr[-3000:]
     assert "OMP_NUM_THREADS" not in r.stderr and "\naiayn: " not in f"\n{r.stderr}", r.stderr[-3000:]
-    logs = list((tmp_path / "run" / "logs").glob("launch-*.log"))
+    logs = list((run / "logs").glob("launch-*.log"))
     assert len(logs) == 1 and "OMP_NUM_THREADS" in logs[0].read_text()
+    r = launch(3, "--resume", str(run), "--set", "train.max_updates=4")
+    said = [x for x in r.stderr.splitlines() if x.startswith("aiayn: ")]
+    assert r.returncode == 2 and len(said) == 1 and r.stderr.rstrip("\n").endswith(said[0]), r.stderr[-3000:]
+    assert said[0].startswith("aiayn: error: ") and "3 process" in said[0] and "--resume" not in said[0].split(
+        "; torchrun's own report: ")[0] and "Traceback" not in r.stderr, said
