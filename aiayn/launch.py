@@ -91,7 +91,34 @@ def parse_launch(argv: list[str]) -> Launch:
         raise ConfigError(f"aiayn launch runs aiayn train under torchrun, not {args.training_script!r}: aiayn launch "
                           "[torchrun's options] train CONFIG --run-dir RUN")
     args.module, args.training_script, args.training_script_args = True, "aiayn", command
+    check_options(args)
     return Launch(options=argv[: len(argv) - len(command)], command=command, args=args)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """What torchrun checks of its options only once it runs (``--nnodes 2:1``, ``--nproc-per-node abc``,
+    ``--max-restarts -1``, an endpoint without a port number), checked first: one line, exit 2, nothing started.
+    torchrun's own check on a copy of the options, without its warnings and without its changes to the environment."""
+    import copy
+    import logging
+
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import config_from_args
+
+    trial, environ = copy.deepcopy(args), dict(os.environ)
+    if trial.standalone:  # as torchrun's run() sets them
+        trial.rdzv_backend, trial.rdzv_endpoint, trial.rdzv_id = "c10d", "localhost:0", "check"
+    logging.disable(logging.WARNING)
+    try:
+        config_from_args(trial)
+        if trial.rdzv_endpoint:
+            parse_rendezvous_endpoint(trial.rdzv_endpoint, default_port=29400)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ConfigError(f"torchrun's options: {one_line(e)}") from None
+    finally:
+        logging.disable(logging.NOTSET)
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def launch(job: Launch) -> NoReturn:
@@ -137,7 +164,10 @@ def _kept_out(log: Path) -> Iterator[int]:
     """This process's stderr into ``log``, and the user's stderr kept (yielded as a file descriptor) for the last
     line and for the training processes (``AIAYN_LAUNCH_STDERR``), where /proc lets them open it; else stderr stays
     the user's."""
-    user = os.dup(2)
+    try:
+        user = os.dup(2)
+    except OSError:  # no stderr at all (2>&-): nothing to keep apart
+        user = os.open(os.devnull, os.O_WRONLY)
     path = f"/proc/{os.getpid()}/fd/{user}"
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND))  # what a training process will do (not a socket, ...)

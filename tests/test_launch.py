@@ -140,6 +140,14 @@ def test_each_way_a_job_ends_is_one_line_with_a_status(tmp_path):
         parse_launch(["--nnodes", "1", "-m", "aiayn", "train", "x"])
     with pytest.raises(ConfigError, match="aiayn launch runs aiayn train under torchrun, not 'evaluate'"):
         parse_launch(["--nnodes", "1", "evaluate", "x"])
+    environ = dict(os.environ)
+    for options, says in ((["--nnodes", "2:1"], "min_nodes must be > 0 and <= max_nodes"),
+                          (["--standalone", "--nproc-per-node", "abc"], "Unsupported nproc_per_node value: abc"),
+                          (["--max-restarts", "-1"], "max_restarts must be >= 0"),
+                          (["--rdzv-endpoint", "node0:x"], "port number of the rendezvous endpoint")):
+        with pytest.raises(ConfigError, match=f"^torchrun's options: .*{says}"):  # before any process starts
+            parse_launch([*options, "train", "x"])
+    assert dict(os.environ) == environ  # torchrun's check of them (on a copy) sets OMP_NUM_THREADS: undone
 
 
 def test_bad_launch_options_are_one_line_and_exit_2_before_any_process(tmp_path):
