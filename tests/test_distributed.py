@@ -746,6 +746,26 @@ def test_what_torch_distributed_raises_for_a_frozen_or_lost_peer_is_one_line_nev
     assert user_error_message(RuntimeError("something else")) is None  # a bug stays a bug
 
 
+@pytest.mark.parametrize(("count", "says"), [
+    (None, "torchrun --max-restarts N restarts the job from its newest checkpoint, unless the lost node hosted"),
+    ("0", "torchrun restarts the job from its newest checkpoint (restart 1 of --max-restarts 1) once its nodes meet "
+          "again, unless the lost node hosted torchrun's rendezvous: then start the job again on every node with "
+          "--resume"),
+    ("1", "torchrun has no restart left (--max-restarts 1): start the job again on every node with --resume")])
+def test_a_lost_peer_says_whether_a_restart_is_still_to_come(count, says, monkeypatch):
+    """Issue 70, case 12: the line said a restart would come when none was left. torchrun tells its processes
+    their restart count and the most it makes (TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS)."""
+    from aiayn.errors import user_error_message
+
+    if count is None:
+        monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+    line = user_error_message(RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:47293: Connection reset by peer"))
+    assert line.startswith("another process of this torchrun job stopped (Read error") and says in line, line
+
+
 # Two ranks whose own bf16 probe would answer differently (rank 1's says bf16), then the training's precision choice.
 PRECISION_CHOICE = """
 import json, os, sys
