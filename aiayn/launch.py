@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from aiayn.errors import ConfigError, one_line, user_error_message
 from aiayn.files import MARKER
@@ -138,7 +138,10 @@ def launch(job: Launch) -> NoReturn:
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         members = read_members(folder)
-        log = _settle(log, folder, job.run_dir, job.here)
+        if refusal_of(error) is not None:  # bad input: its line says it all, and nothing is left on disk
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            log = _settle(log, folder, job.run_dir, job.here)
         code, line = ending(error, job, log, members)
         if line:
             _write_last(user_stderr, line)
@@ -238,11 +241,9 @@ def _child_failed(error: BaseException, job: Launch, report: str) -> tuple[int, 
     """A training process failed and torchrun has no restart left: the first refusal of the input as it is (the
     processes left it to the launcher: :func:`aiayn.launched.said_by_launcher`; the others stopped because of it);
     else the first failure's own line, and what to do."""
-    failures = error.failures  # type: ignore[attr-defined]
-    refused = sorted(r for r, f in failures.items() if f.error_file_data.get("aiayn") == "refusal")
-    if refused:
-        failure = failures[refused[0]]
-        return int(failure.exitcode) or 1, f"aiayn: error: {failure.message}; {report}"
+    refused = refusal_of(error)
+    if refused is not None:
+        return int(refused.exitcode) or 1, f"aiayn: error: {refused.message}"
     rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
     code = int(failure.exitcode)
     if code < 0:
@@ -259,6 +260,14 @@ def _child_failed(error: BaseException, job: Launch, report: str) -> tuple[int, 
     spent = f" after torchrun's {restarts} restart(s)" if restarts else ""
     return status, (f"aiayn: error: the training process of rank {rank} (pid {failure.pid}) {what}"
                     f"{f': {said}' if said else ''}; the job stopped{spent}; {go_on(job)}; {report}")
+
+
+def refusal_of(error: BaseException | None) -> Any:
+    """The failure (torch's ProcessFailure) of the lowest rank whose line refused the input, when torchrun's agent
+    ended in a ChildFailedError and a process recorded one (:func:`aiayn.launched.record_error`); else None."""
+    failures = getattr(error, "failures", None) if type(error).__name__ == "ChildFailedError" else None
+    refused = sorted(r for r, f in (failures or {}).items() if f.error_file_data.get("aiayn") == "refusal")
+    return failures[refused[0]] if refused else None
 
 
 def first_clause(line: str) -> str:
