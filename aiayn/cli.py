@@ -813,14 +813,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a refusal every process of a torchrun job reaches: once per machine (by aiayn launch, if it started it)
             if said_here(e) and not said_by_launcher(refusal):
                 print(f"aiayn: error: {msg}", file=sys.stderr)
-            record_error(msg, refusal)  # torchrun's report of this process (and aiayn launch's last line) names it
+            record_error(msg, 2, refusal)  # torchrun's report of this process (and aiayn launch's last line) names it
             return 2
         if args.verbose:
             traceback.print_exc()
         what = " ".join(f"{type(e).__name__}: {e}".split())
         print(f"aiayn: internal error (a bug in aiayn, please report it): {what[:300]}"
               f"{'' if args.verbose else '; rerun with -v for the traceback'}", file=sys.stderr)
-        record_error(f"internal error (a bug in aiayn, please report it): {what[:300]}")
+        record_error(f"internal error (a bug in aiayn, please report it): {what[:300]}", 1)
         return 1
 
 

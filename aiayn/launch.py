@@ -243,9 +243,15 @@ def _child_failed(error: BaseException, job: Launch, report: str) -> tuple[int, 
     else the first failure's own line, and what to do."""
     refused = refusal_of(error)
     if refused is not None:
-        return int(refused.exitcode) or 1, f"aiayn: error: {refused.message}"
-    rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
-    code = int(failure.exitcode)
+        # exit 2 as aiayn's refusals: its process may have been ended by torchrun (SIGTERM) after it wrote its line
+        return 2, f"aiayn: error: {refused.message}"
+    failures = error.failures  # type: ignore[attr-defined]
+    said_one = {r: f for r, f in failures.items() if "status" in f.error_file_data}  # aiayn's line, then its exit
+    # the first process that said why it stopped (torchrun may have ended it, SIGTERM, before its exit), else the
+    # first that failed
+    rank = min(said_one or failures, key=lambda r: (failures[r].timestamp, r))
+    failure = failures[rank]
+    code = int(failure.error_file_data.get("status", failure.exitcode))
     if code < 0:
         try:
             what = f"was killed by signal {signal.Signals(-code).name}"

@@ -41,14 +41,16 @@ def reattach_stderr() -> None:
     os.close(fd)
 
 
-def record_error(line: str, refusal: bool = False) -> None:
+def record_error(line: str, status: int, refusal: bool = False) -> None:
     """Write this process's one line (without ``aiayn: error: ``) where torchrun's agent reads a failed worker's
-    message (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``record``), and whether it refuses the input
-    (:func:`aiayn.errors.is_refusal`: the launcher then says it as it is, without a resume command)."""
+    message (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``record``), the exit status it ends with, and
+    whether it refuses the input (:func:`aiayn.errors.is_refusal`: the launcher then says it as it is, without a
+    resume command)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    record = {"message": line, "timestamp": int(time.time()), "aiayn": "refusal" if refusal else "stop"}
+    record = {"message": line, "timestamp": int(time.time()), "status": status,
+              "aiayn": "refusal" if refusal else "stop"}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(record), encoding="utf-8")
 

@@ -115,6 +115,27 @@ def _job(tmp_path: Path, *options: str) -> Launch:
     return job
 
 
+def _ended_by(tmp_path: Path, job: Launch, *ranks: tuple[int, tuple[str, bool] | None]) -> tuple[int, str | None]:
+    """:func:`ending` for torchrun's ChildFailedError of processes that ended with (exit code, the line they
+    recorded and whether it refuses, or None)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from aiayn.launched import record_error
+
+    failures = {}
+    for rank, (code, said) in enumerate(ranks):
+        error_file = tmp_path / f"error{rank}.json"
+        error_file.unlink(missing_ok=True)
+        if said is not None:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+            try:
+                record_error(said[0], 2, said[1])
+            finally:
+                del os.environ["TORCHELASTIC_ERROR_FILE"]
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(error_file))
+    return ending(ChildFailedError("aiayn", failures), job, tmp_path / "torchrun.log", [])
+
+
 def test_each_way_a_job_ends_is_one_line_with_a_status(tmp_path):
     """What the launcher says for each end, without processes: success says nothing; a signal is 128+N; a timed-out
     rendezvous with nobody recorded names the nodes it waited for; torchrun's options are refused in one line."""
@@ -131,6 +152,14 @@ def test_each_way_a_job_ends_is_one_line_with_a_status(tmp_path):
     assert code == 2 and line.startswith("aiayn: error: the job's nodes (--nnodes 2) did not all come to its "
                                          "rendezvous at 127.0.0.1:29511 within the rendezvous' join_timeout (600 "
                                          "s"), line
+    code, line = _ended_by(tmp_path, job, (-15, ("another process stopped (x); this one stops too. hint", False)),
+                           (-15, None))  # rank 0 said its line, then torchrun ended it (SIGTERM) with the others
+    assert code == 2 and line.startswith("aiayn: error: the training process of rank 0 (pid 100) ended with exit 2: "
+                                         "another process stopped (x); the job stopped; nothing was trained"), line
+    code, line = _ended_by(tmp_path, job, (-9, None), (-15, ("3 processes cannot share out 2", True)))
+    assert (code, line) == (2, "aiayn: error: 3 processes cannot share out 2"), line  # a refusal, as it is
+    code, line = _ended_by(tmp_path, job, (-9, None))
+    assert code == 137 and "rank 0 (pid 100) was killed by signal SIGKILL; the job stopped" in line, line
     code, line = ending(ValueError("odd"), job, log, [])
     assert code == 1 and line.startswith("aiayn: internal error (in torchrun's agent or aiayn launch): ValueError")
     assert first_clause("a (b; c); d; e") == "a (b; c)" and first_clause("a") == "a"
