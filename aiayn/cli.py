@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from aiayn import __version__
-from aiayn.errors import ConfigError, one_line, said_here, user_error_message
+from aiayn.errors import ConfigError, is_refusal, one_line, said_here, user_error_message
+from aiayn.launched import reattach_stderr, record_error, said_by_launcher
 
 
 def decode_overrides(args: argparse.Namespace) -> dict:
@@ -58,7 +59,7 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
 
 
 # Commands that train pass --threads on as train.threads (a resume keeps the count its checkpoints used).
-TRAINING_COMMANDS = ("train", "table3", "sweep")
+TRAINING_COMMANDS = ("train", "table3", "sweep", "launch")
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -702,6 +703,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    # torchrun's options and aiayn's command pass through as they are: read by torchrun's parser and by train's
+    p = sub.add_parser("launch", prefix_chars="+", add_help=False,
+                       help="aiayn train under torchrun (its options, then train ...), ending in one line of aiayn's: "
+                            "what stopped the job and the command that goes on (docs/distributed.md)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="[torchrun's options] train ...",
+                   help="torchrun's options (--nnodes, --nproc-per-node, --rdzv-*, --max-restarts ...), then aiayn "
+                        "train's command line; aiayn launch --help lists torchrun's options")
+    p.set_defaults(func=cmd_launch)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """``aiayn launch``: the command as torchrun's options and a checked ``aiayn train`` command line, then
+    :func:`aiayn.launch.launch` (which ends the process)."""
+    import shlex
+
+    from aiayn.launch import launch, parse_launch
+    from aiayn.train.run import default_run_dir, may_change_on_resume
+
+    job = parse_launch(args.argv)
+    train = build_parser().parse_args(job.command)  # a bad train option: one line, before any process starts
+    if isinstance(train.resume, str):
+        run = Path(train.resume)
+    elif train.config is not None:
+        run = Path(train.run_dir) if train.run_dir else default_run_dir(train.config)
+    else:
+        raise ConfigError("aiayn train needs a CONFIG (a YAML recipe or a preset), or --resume RUN")
+    keep = [x for kv in train.set if may_change_on_resume(kv.split("=", 1)[0].strip()) for x in ("--set", kv)]
+    keep += [flag for flag, on in (("--no-progress", train.no_progress), ("--allow-unverified",
+                                                                           train.allow_unverified)) if on]
+    keep += ["--threads", str(train.threads)] if train.threads is not None else []
+    job.run_dir = run
+    job.resume = shlex.join(["aiayn", "launch", *job.options, "train", "--resume", str(run), *keep])
+    job.again = shlex.join(["aiayn", "launch", *args.argv])
+    launch(job)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one sub-parser per command, each built by its own function above."""
     parser = OneLineParser(prog="aiayn", description=FIRST_STEPS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -710,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_presets, _add_translate, _add_evaluate, _add_prepare, _add_average, _add_report,
                 _add_table3, _add_sweep, _add_generate, _add_summarize, _add_export, _add_import, _add_viz,
-                _add_serve, _add_demo):
+                _add_serve, _add_demo, _add_launch):
         add(sub)
     return parser
 
@@ -738,6 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The one error boundary of every command: a user-caused error (:func:`aiayn.errors.user_error_message`)
     is one line ``aiayn: error: <what>: <why>`` and exit 2; anything else is a bug: one line saying so and
     exit 1, its traceback only with ``-v``."""
+    reattach_stderr()  # a process started by aiayn launch writes to the user's stderr, not the launcher's log
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -758,14 +797,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         msg = user_error_message(e)
         if msg is not None:
-            if said_here(e):  # a refusal every process of a torchrun job reaches: once per machine
+            refusal = is_refusal(e)
+            # a refusal every process of a torchrun job reaches: once per machine (by aiayn launch, if it started it)
+            if said_here(e) and not said_by_launcher(refusal):
                 print(f"aiayn: error: {msg}", file=sys.stderr)
+            record_error(msg, 2, refusal)  # torchrun's report of this process (and aiayn launch's last line) names it
             return 2
         if args.verbose:
             traceback.print_exc()
         what = " ".join(f"{type(e).__name__}: {e}".split())
         print(f"aiayn: internal error (a bug in aiayn, please report it): {what[:300]}"
               f"{'' if args.verbose else '; rerun with -v for the traceback'}", file=sys.stderr)
+        record_error(f"internal error (a bug in aiayn, please report it): {what[:300]}", 1)
         return 1
 
 

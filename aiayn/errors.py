@@ -43,6 +43,12 @@ class UserError(Exception):
         self.every_rank = every_rank
 
 
+def is_refusal(e: BaseException) -> bool:
+    """Whether ``e`` refuses the input (the same command fails again until the user changes something), rather than
+    stopping work from outside (a peer lost or frozen, a signal, the machine, a desync: it goes on with --resume)."""
+    return isinstance(e, UserError) and not isinstance(e, (PeerError, Interrupted, DesyncError, StoppedError))
+
+
 def said_here(e: BaseException) -> bool:
     """Whether this process prints ``e``: always, except an ``every_rank`` refusal in a process of a torchrun job that
     is not its machine's first (LOCAL_RANK 0 says it for all of them)."""
@@ -129,20 +135,40 @@ def user_error_message(e: BaseException) -> str | None:
     if collective_timed_out(e):
         return (f"a collective of this torchrun job waited train.dist_timeout_s for another process, which did not "
                 f"answer ({_torch_detail(e)}): that process is stopped, frozen, or busy far longer than the others; "
-                f"this one stops too. {RESTART_HINT}; raise train.dist_timeout_s if one process legitimately works "
+                f"this one stops too. {restart_hint()}; raise train.dist_timeout_s if one process legitimately works "
                 "that much longer")
     if type(e).__name__ == "DistStoreError" and "timeout" in str(e):
         return (f"the processes of this torchrun job did not all meet in its store within train.dist_timeout_s "
                 f"({_torch_detail(e)}): one of them did not start, stopped, or belongs to another attempt of the job. "
-                f"{RESTART_HINT}")
+                f"{restart_hint()}")
     if _peer_lost(e):
-        return f"another process of this torchrun job stopped ({_torch_detail(e)}); this one stops too. {RESTART_HINT}"
+        return (f"another process of this torchrun job stopped ({_torch_detail(e)}); this one stops too. "
+                f"{restart_hint()}")
     return None
 
 
 # What to do when a process of a torchrun job is lost: true whatever torchrun can still do (docs/distributed.md).
 RESTART_HINT = ("torchrun --max-restarts N restarts the job from its newest checkpoint, unless the lost node hosted "
                 "torchrun's rendezvous: then start the job again on every node with --resume (docs/distributed.md)")
+
+
+def restart_hint() -> str:
+    """:data:`RESTART_HINT`, as far as this process knows from torchrun (``TORCHELASTIC_MAX_RESTARTS``, and
+    ``TORCHELASTIC_RESTART_COUNT``, which a replacement node's agent counts from 0): a restart still to come, or none
+    left (then the job is over and goes on only with --resume)."""
+    try:
+        most = int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except (KeyError, ValueError):
+        return RESTART_HINT
+    if done >= most:
+        return (f"torchrun has no restart left (--max-restarts {most}): start the job again on every node with "
+                "--resume, which goes on from its newest checkpoint (docs/distributed.md)")
+    return (f"torchrun restarts the job from its newest checkpoint (restart {done + 1} of --max-restarts {most}) once "
+            "its nodes meet again, unless the lost node hosted torchrun's rendezvous: then start the job again on "
+            "every node with --resume (docs/distributed.md)")
+
+
 # What gloo says when a collective waited past the process group's timeout (train.dist_timeout_s).
 COLLECTIVE_TIMEOUT = ("Timed out waiting",)
 
@@ -225,5 +251,6 @@ def machine_state_message(e: BaseException) -> str | None:
 
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "DesyncError", "DeviceError", "Interrupted", "PeerError",
-           "StoppedError", "UserError", "collective_timed_out", "first_line", "lost_worker", "machine_state_message",
+           "StoppedError", "UserError", "collective_timed_out", "first_line", "is_refusal", "lost_worker",
+           "machine_state_message",
            "one_line", "require", "user_error_message"]

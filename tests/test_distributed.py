@@ -744,3 +744,71 @@ def test_what_torch_distributed_raises_for_a_frozen_or_lost_peer_is_one_line_nev
     reset = RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:47293: Connection reset by peer")
     assert user_error_message(reset).startswith("another process of this torchrun job stopped (Read error")
     assert user_error_message(RuntimeError("something else")) is None  # a bug stays a bug
+
+
+@pytest.mark.parametrize(("count", "says"), [
+    (None, "torchrun --max-restarts N restarts the job from its newest checkpoint, unless the lost node hosted"),
+    ("0", "torchrun restarts the job from its newest checkpoint (restart 1 of --max-restarts 1) once its nodes meet "
+          "again, unless the lost node hosted torchrun's rendezvous: then start the job again on every node with "
+          "--resume"),
+    ("1", "torchrun has no restart left (--max-restarts 1): start the job again on every node with --resume")])
+def test_a_lost_peer_says_whether_a_restart_is_still_to_come(count, says, monkeypatch):
+    """Issue 70, case 12: the line said a restart would come when none was left. torchrun tells its processes
+    their restart count and the most it makes (TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS)."""
+    from aiayn.errors import user_error_message
+
+    if count is None:
+        monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+    line = user_error_message(RuntimeError("[/x/pair.cc:537] Read error [127.0.0.1]:47293: Connection reset by peer"))
+    assert line.startswith("another process of this torchrun job stopped (Read error") and says in line, line
+
+
+# Two ranks whose own bf16 probe would answer differently (rank 1's says bf16), then the training's precision choice.
+PRECISION_CHOICE = """
+import json, os, sys
+import aiayn.device as device
+from aiayn.errors import DeviceError
+from aiayn.train.parallel import init_distributed
+from aiayn.train.run import training_precision
+
+rank, asked, probed = int(os.environ["RANK"]), sys.argv[1], []
+answers = {0: ("fp32", "rank 0's probe says fp32"), 1: ("bf16", "rank 1's probe says bf16")}
+device._cpu_auto = lambda training: probed.append(rank) or answers[rank]
+device.cpu_bf16 = lambda: probed.append(rank) or type("NoBf16", (), {"native": False, "cpu": "a CPU", "why": "no"})()
+d = init_distributed("cpu", 60.0, 60.0)
+try:
+    print(json.dumps({"chosen": list(training_precision(asked, d)), "probed": probed}))
+except DeviceError as e:
+    print(json.dumps({"refused": str(e), "every_rank": e.every_rank, "probed": probed}))
+"""
+
+
+def test_every_rank_trains_in_rank_0s_precision_and_only_rank_0_probes(tmp_path):
+    """Issue 69's gap: under torchrun each rank resolved --precision auto itself, and on a machine's first run the
+    ranks probe side by side (a timing of bf16 against fp32) and could disagree. Rank 1's probe here says bf16 and
+    rank 0's fp32: both train in fp32, rank 0's answer, and rank 1 never probes. A refusal (bf16 asked for, no native
+    bf16) is rank 0's, raised on both in its words."""
+    port = loopback_port()
+    for asked in ("auto", "bf16"):
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", PRECISION_CHOICE, asked], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+        if asked == "auto":
+            assert out == [{"chosen": ["fp32", "auto: rank 0's probe says fp32"], "probed": [0]},
+                           {"chosen": ["fp32", "auto: rank 0's probe says fp32"], "probed": []}], out
+        else:
+            assert out[0]["refused"] == out[1]["refused"] and out[0]["refused"].startswith("precision bf16 on this "
+                                                                                           "CPU (a CPU): no"), out
+            assert out[1]["every_rank"] and out[0]["probed"] == [0] and out[1]["probed"] == [], out
+        port = loopback_port()

@@ -18,7 +18,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "aiayn"
 
 LAYERS = {
-    "aiayn.errors": 0, "aiayn.files": 0, "aiayn.progress": 0,
+    "aiayn.errors": 0, "aiayn.files": 0, "aiayn.progress": 0, "aiayn.launched": 0,
     "aiayn.config": 1, "aiayn.cpu_probe": 1, "aiayn.device": 1, "aiayn.task": 1,
     "aiayn.weights": 2, "aiayn.engine": 2, "aiayn.linear": 2,
     "aiayn.model": 3, "aiayn.data": 3,
@@ -28,7 +28,7 @@ LAYERS = {
     "aiayn.decode": 7,
     "aiayn.interop": 8, "aiayn.viz": 8, "aiayn.eval": 8,
     "aiayn.serve": 9, "aiayn.table3": 9, "aiayn.runner": 9, "aiayn.sweep": 9,
-    "aiayn.cli": 10, "aiayn.demo": 10, "aiayn.__main__": 10, "aiayn": 10,
+    "aiayn.cli": 10, "aiayn.demo": 10, "aiayn.launch": 10, "aiayn.__main__": 10, "aiayn": 10,
 }
 # Packages that must not reach the training code although it sits below them: loading, decoding, exporting
 # and serving a run need its weight files (aiayn.weights), not the trainer.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from aiayn.device import resolve_device
-from aiayn.errors import DesyncError, DeviceError, PeerError, collective_timed_out
+from aiayn.errors import DesyncError, DeviceError, PeerError, UserError, collective_timed_out
 from aiayn.files import LockHolder
+from aiayn.launched import record_members
 
 
 @dataclass
@@ -47,6 +48,37 @@ class Dist:
             return
         try:
             dist.barrier(group=self.setup_group)
+        except RuntimeError as e:
+            if not collective_timed_out(e):
+                raise
+            raise PeerError(self.setup_timeout_message()) from None
+
+    def from_main(self, decide: Callable[[], Any]) -> Any:
+        """Rank 0's ``decide()`` (small, picklable), on every process: only rank 0 runs it (a probe of the machine,
+        say, that two processes running side by side might answer differently); the others wait for its answer on
+        the setup group (``train.setup_timeout_s``). A :class:`~aiayn.errors.UserError` it raises is raised on every
+        process with the same words, said once per machine (``every_rank``)."""
+        if self.world == 1:
+            return decide()
+        if self.main:  # a bug in decide() broadcasts nothing: the others see rank 0 stop
+            try:
+                value = decide()
+            except UserError as e:
+                self._broadcast_from_main([(False, (type(e), str(e)))])
+                raise
+            self._broadcast_from_main([(True, value)])
+            return value
+        answer: list[Any] = [None]
+        self._broadcast_from_main(answer)
+        ok, value = answer[0]
+        if not ok:
+            kind, message = value
+            raise kind(message, every_rank=True)
+        return value
+
+    def _broadcast_from_main(self, answer: list[Any]) -> None:
+        try:
+            dist.broadcast_object_list(answer, src=0, group=self.setup_group)
         except RuntimeError as e:
             if not collective_timed_out(e):
                 raise
@@ -131,8 +163,10 @@ def init_distributed(device: str | torch.device = "auto", timeout_s: float = 180
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(
             store_prefix(), store), rank=rank, world_size=world, timeout=timeout)
     setup = dist.new_group(backend="gloo", timeout=timedelta(seconds=setup_timeout_s))
-    processes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(processes, (os.getpid(), socket.gethostname()), group=setup)  # named by a timeout
+    members: list[Any] = [None] * dist.get_world_size()  # (pid, host, agent pid): named by a timeout, a lost node
+    dist.all_gather_object(members, (os.getpid(), socket.gethostname(), os.getppid()), group=setup)
+    record_members(members, local_rank)  # for aiayn launch's last line (nothing outside it)
+    processes = [tuple(m[:2]) for m in members]
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, setup, setup_timeout_s, processes)
 
 

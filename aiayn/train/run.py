@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from aiayn.config import SPEED_KEYS, Config, load_config, read_run_config, save_config
 from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
-from aiayn.device import check_fits_in_memory, choose_precision
+from aiayn.device import Precision, check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, guard_output, guard_output_dir, locked
@@ -104,11 +104,19 @@ def _run_threads(cfg: Config, run_dir: Path, resume: bool) -> int:
     return cpu_threads(cfg.train.threads)
 
 
+def training_precision(asked: str, d: Dist) -> Precision:
+    """The precision every process of the training runs in: rank 0's :func:`~aiayn.device.choose_precision`, taken
+    by the others (:meth:`Dist.from_main`). ``auto`` on a CPU asks the machine's bf16 probe (:mod:`aiayn.cpu_probe`),
+    whose first run times bf16 against fp32: processes probing side by side could answer differently and train one
+    model in two precisions. bf16 on a CPU without native bf16 (or whose probe failed) is refused here, on every
+    process in rank 0's words, before any work."""
+    return d.from_main(lambda: choose_precision(asked, d.device, training=True))
+
+
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
            init_from: str | Path | None) -> TrainState:
     device = d.device
-    # bf16 on a CPU without native bf16 (or whose probe failed): refused here, before any work
-    precision = choose_precision(cfg.train.precision, device, training=True)
+    precision = training_precision(cfg.train.precision, d)
     threads = set_cpu_threads(_run_threads(cfg, run_dir, resume)) if device.type == "cpu" else torch.get_num_threads()
     init = None
     if init_from is not None:  # before the config is checked and saved
@@ -193,14 +201,15 @@ def check_resume_changes(cfg: Config, run_dir: Path) -> None:
     new = flatten(cfg.to_dict())
     fitted = {f"model.{k}" for k in FITTED_KEYS} | {"train.accum_steps"}
     for key in sorted(set(old) | set(new)):
-        if key in fitted or _may_change(key) or old.get(key) == new.get(key):
+        if key in fitted or may_change_on_resume(key) or old.get(key) == new.get(key):
             continue
         raise ConfigError(f"{key}={new.get(key)!r} but {run_dir}/config.yaml has {old.get(key)!r}: a resumed run keeps "
                           "its model, data and optimizer (aiayn train --help says what a resume may change); train "
                           "into a new --run-dir to change it")
 
 
-def _may_change(key: str) -> bool:
+def may_change_on_resume(key: str) -> bool:
+    """Whether ``--set KEY=...`` may change ``key`` on a resume (:data:`RESUME_KEYS`)."""
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_KEYS)
 
 
@@ -213,7 +222,7 @@ def resume_run(run_dir: str | Path, overrides: list[str] | None = None, progress
                               "aiayn train CONFIG --run-dir RUN --resume")
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
-        if not _may_change(key):
+        if not may_change_on_resume(key):
             raise ConfigError(f"--set {key}: a resumed run keeps its model, data and optimizer; on --resume RUN only "
                               f"these may change: {', '.join(RESUME_KEYS)}")
     return train(read_run_config(run_dir, overrides), run_dir, resume=True, progress=progress)
