@@ -783,6 +783,9 @@ try:
     print(json.dumps({"chosen": list(training_precision(asked, d)), "probed": probed}))
 except DeviceError as e:
     print(json.dumps({"refused": str(e), "every_rank": e.every_rank, "probed": probed}))
+finally:  # leave the group as aiayn.train does: a process exiting inside it can be aborted by gloo's threads
+    import torch.distributed as dist
+    dist.destroy_process_group()
 """
 
 
