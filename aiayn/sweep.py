@@ -519,7 +519,7 @@ def to_markdown(table: dict[str, Any]) -> str:
 
 def write_outputs(plan: Plan, records: dict[str, dict[str, Any]], chosen: dict[str, Any] | None) -> dict[str, Any]:
     """OUT/table.json, table.md and curves.png from the results so far (each written atomically)."""
-    from aiayn.train.metrics import curves_data
+    from aiayn.train.metrics_log import curves_data
     from aiayn.viz.common import use_backend
     from aiayn.viz.curves import plot_seed_curves
 

@@ -295,7 +295,7 @@ def profile_search(translate: Callable, sources: Sequence[list[int]], batches: S
 
 
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
-    from aiayn.eval.metrics import sacrebleu_scores
+    from aiayn.eval.scorers import sacrebleu_scores
 
     return sacrebleu_scores(hyps, refs)["bleu"]
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from aiayn import cli
 from aiayn.data.synthetic import reverse_split
 from aiayn.decode.translator import load
-from aiayn.eval.metrics import (
+from aiayn.eval.scorers import (
     bleu_lc_tok,
     lowercase_moses,
     perplexity,

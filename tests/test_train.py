@@ -410,7 +410,7 @@ def test_log_to_checks_names_and_refuses_a_missing_tracker(tmp_path, monkeypatch
     import importlib.util
 
     from aiayn.config import ConfigError
-    from aiayn.train.metrics import check_log_backends
+    from aiayn.train.metrics_log import check_log_backends
 
     with pytest.raises(ConfigError, match="train.log_to='mlflow'"):
         tiny_cfg("train.log_to=[jsonl, mlflow]")

@@ -38,7 +38,7 @@ SPEED_KEYS = ("train.cast_weights_once", "train.fused_output_loss", "train.fuse_
 # does not import torch).
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
-# train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics), each the name of its package.
+# train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics_log), each its package's name.
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 

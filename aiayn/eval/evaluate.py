@@ -10,7 +10,7 @@ and write ``RUN/eval/<name>.hyp`` (one line per source line) and ``RUN/eval/<nam
      "run": {"path", "weights", "weights_source", "config_task"}, "truncated_lines", "wall_s", "created"}
 
 ``bleu`` / ``chrf`` are sacreBLEU (13a, cased) on detokenized text; ``bleu_lc_tok`` is the Multi30k
-papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.metrics`), a different number.
+papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.scorers`), a different number.
 Summarization runs also get ROUGE-1/2/L.
 
 Language-model runs: mean NLL per token (nats) and perplexity of the held-out text (the last
@@ -100,7 +100,7 @@ def _scored_pairs(cfg: Config, data: EvalData, label: str | None) -> tuple[list[
 def _score_fields(cfg: Config, hyps: list[str], refs: list[str]) -> dict[str, Any]:
     """The record's scores (rounded), their signatures and the BLEU details of hypotheses ``hyps`` against
     ``refs``: sacreBLEU's BLEU and chrF, the lowercased tokenized BLEU, and ROUGE for a summarizing run."""
-    from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
+    from aiayn.eval.scorers import bleu_lc_tok, rouge_scores, sacrebleu_scores
 
     sb = sacrebleu_scores(hyps, refs)
     lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
@@ -169,7 +169,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     import torch
 
     from aiayn.data.pipeline import build_lm_data
-    from aiayn.eval.metrics import perplexity
+    from aiayn.eval.scorers import perplexity
     from aiayn.run_dir import load_run
     from aiayn.train.validation import evaluate_loss
 
@@ -218,8 +218,8 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
     eval/<name>.json."""
     from aiayn.data.corpus import read_text
     from aiayn.decode.generate import lm_context
-    from aiayn.eval.metrics import perplexity
     from aiayn.eval.rolling import rolling_windows, score_windows, text_counts
+    from aiayn.eval.scorers import perplexity
     from aiayn.run_dir import load_run
 
     run_dir = Path(run_dir)

@@ -23,8 +23,8 @@ from aiayn.data.registry import dataset_of
 from aiayn.data.summarization import collapse_whitespace, lead_1, xsum_split
 from aiayn.decode.loaded import merged_options
 from aiayn.errors import UserError, first_line
-from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, scored_weights, write_result
+from aiayn.eval.scorers import rouge_scores
 
 
 def lead1_scores(split: str = "test") -> dict[str, float]:

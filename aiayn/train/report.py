@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from aiayn.train.metrics import curves_data, metrics_path
+from aiayn.train.metrics_log import curves_data, metrics_path
 
 REPORT_KEYS = ("epoch", "elapsed_s", "tokens_per_s", "valid_nll")
 
