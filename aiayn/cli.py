@@ -76,12 +76,14 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
-    """The --flags of DecodeOptions, built from its fields' ``flag`` metadata (default None: the run's ``decode``
-    section; ``search`` False: only those of commands that do not search, e.g. generate), and the device options."""
+    """The --flags of DecodeOptions, built from its fields and their flags in :data:`aiayn.cli_flags.DECODE_FLAGS`
+    (default None: the run's ``decode`` section; ``search`` False: only those of commands that do not search, e.g.
+    generate), and the device options."""
+    from aiayn.cli_flags import DECODE_FLAGS
     from aiayn.config import DecodeOptions
 
     for f in dataclasses.fields(DecodeOptions):
-        meta = f.metadata.get("flag")
+        meta = DECODE_FLAGS.get(f.name)
         if meta is None or (meta.search and not search):
             continue
         kind = str(f.type).replace(" | None", "")

@@ -28,7 +28,7 @@ LAYERS = {
     "aiayn.decode": 7,
     "aiayn.interop": 8, "aiayn.viz": 8, "aiayn.eval": 8,
     "aiayn.serve": 9, "aiayn.table3": 9, "aiayn.runner": 9, "aiayn.sweep": 9,
-    "aiayn.cli": 10, "aiayn.demo": 10, "aiayn.launch": 10, "aiayn.__main__": 10, "aiayn": 10,
+    "aiayn.cli": 10, "aiayn.cli_flags": 10, "aiayn.demo": 10, "aiayn.launch": 10, "aiayn.__main__": 10, "aiayn": 10,
 }
 # Packages that must not reach the training code although it sits below them: loading, decoding, exporting
 # and serving a run need its weight files (aiayn.weights), not the trainer.
