@@ -234,8 +234,8 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
 def cmd_translate(args: argparse.Namespace) -> int:
     """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
     from aiayn.data.corpus import check_file, stdin_stream
+    from aiayn.decode.open_run import open_run
     from aiayn.decode.stream import iter_lines, translate_stream
-    from aiayn.decode.translator import load
     from aiayn.files import atomic_write, guard_output
 
     fmt = "json" if args.json else args.format
@@ -246,7 +246,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         check_file(args.input)
     if args.output not in (None, "-"):
         guard_output(args.output, "text", [args.run, *([] if from_stdin else [args.input])], "--output")
-    translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
+    translator = open_run(args.run, args.device, args.precision, translator_only=True)  # before any input
     opts = translator.options(**decode_overrides(args))
     if args.split_sentences:
         from aiayn.interop.paragraphs import SentenceTranslator

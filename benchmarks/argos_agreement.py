@@ -83,8 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
+    from aiayn import load
     from aiayn.config import load_config
-    from aiayn.decode.translator import load
     from aiayn.eval.evaluate import split_pairs
     from aiayn.eval.scorers import sacrebleu_scores
     from aiayn.interop.argos import ARGOS_SEARCH, export_argos

@@ -13,9 +13,8 @@ import sacrebleu
 import torch
 import torch.nn.functional as F
 
-from aiayn import cli
+from aiayn import cli, load
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode.translator import load
 from aiayn.eval.scorers import (
     bleu_lc_tok,
     lowercase_moses,

@@ -165,7 +165,7 @@ def test_decoding_batches_without_the_training_batching(graph):
 def test_every_module_has_a_layer_and_the_graph_is_not_vacuous(graph):
     assert all(layer(m) >= 0 for m in graph)  # a new package must be placed in LAYERS (layer() raises else)
     assert "aiayn.config" in graph["aiayn.train.trainer"]
-    assert "aiayn.decode.translator" in graph["aiayn.eval.evaluate"]
+    assert "aiayn.decode.open_run" in graph["aiayn.eval.evaluate"]
     assert "aiayn.weights" in graph["aiayn.run_dir"]
     assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.weights")
 

@@ -122,13 +122,13 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
 
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``. Everything
     that can fail (the run, the data, the options, a writable ``RUN/eval``) is checked before decoding."""
+    from aiayn.decode.open_run import open_run
     from aiayn.decode.stream import no_newlines
-    from aiayn.decode.translator import load
     from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
     weights, run_info, label = scored_weights(run_dir, data.weights)
-    translator = load(run_dir, device=device, precision=precision, weights=weights)
+    translator = open_run(run_dir, device=device, precision=precision, weights=weights, translator_only=True)
     cfg = translator.cfg
     opts = translator.options(options, **overrides)
     if opts.nbest != 1:
