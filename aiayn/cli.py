@@ -324,7 +324,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def weights_choice(words: list[str] | None) -> str:
-    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
+    """``--weights``' words as :func:`aiayn.run.weights.select_weights` names them: ``model`` (none given), ``last``,
     ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
     if not words:
         return "model"
@@ -544,7 +544,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
     from aiayn.decode.generate import generate_options, generate_text
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run = load_run(args.run, args.device, precision=args.precision)
     opts = generate_options(run.cfg.decode, decode_overrides(args))
@@ -571,7 +571,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     """One summary line per input document, in order."""
     from aiayn.decode.generate import read_documents, summarize
     from aiayn.files import atomic_write_text, guard_output
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     if args.output not in (None, "-"):
         guard_output(args.output, "text", [args.run, *([] if args.input in (None, "-") else [args.input])],

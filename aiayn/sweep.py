@@ -294,7 +294,7 @@ class Context:
 def weights_view(run_dir: Path, last: int, views: Path) -> Path:
     """A run directory that translates with the average of ``run_dir``'s last ``last`` checkpoints: its config,
     tokenizer and those weights (built once, whole, beside the other views; the trained run is not touched)."""
-    from aiayn.weights import FINAL_WEIGHTS, average_weights, checkpoint_paths, list_checkpoints, save_weights
+    from aiayn.run.weights import FINAL_WEIGHTS, average_weights, checkpoint_paths, list_checkpoints, save_weights
 
     steps = list_checkpoints(run_dir)[-last:]
     if not steps:

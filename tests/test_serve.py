@@ -459,7 +459,7 @@ def lm_client(tmp_path_factory):
     from aiayn.data.tokenizer import CharTokenizer, TokenizerPair
     from aiayn.decode.generate import Generator
     from aiayn.model import build_model
-    from aiayn.run_dir import Run
+    from aiayn.run.directory import Run
 
     tok = CharTokenizer("abcdefghij \n")
     cfg = config_from_dict({"task": "lm", "data": {"tokenizer": "char", "block_size": 24},

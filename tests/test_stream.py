@@ -250,7 +250,7 @@ def test_load_takes_the_weights_by_name_by_file_or_as_tensors(tiny_run, lm_run, 
     from safetensors.torch import load_file
 
     from aiayn.errors import CheckpointError
-    from aiayn.weights import checkpoint_paths, list_checkpoints
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints
 
     last = checkpoint_paths(tiny_run, list_checkpoints(tiny_run)[-1])[0]
     by_name = aiayn.load(tiny_run, "cpu", weights="last").model.state_dict()

@@ -1,6 +1,6 @@
 """What ``aiayn.load`` does: :func:`open_run` gives what a run's task loads. ``aiayn.load`` is the one public
 loader (the front door sits above the server and the command line, which call :func:`open_run` from below it);
-the run on disk itself is read by :func:`aiayn.run_dir.load_run`."""
+the run on disk itself is read by :func:`aiayn.run.directory.load_run`."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 
 def chosen_weights(run_dir: str | Path, weights: str | Path | dict[str, torch.Tensor] | None
                    ) -> Path | dict[str, torch.Tensor] | None:
-    """``weights`` as :func:`~aiayn.run_dir.load_run` takes them: a name of :func:`aiayn.weights.select_weights`
-    (``model``, ``last``, ``best``, ``average``, ``step:N``, or a ``.safetensors`` path as a string) resolved in
-    the run; a ``Path`` or the tensors as given; None: those inference uses."""
+    """``weights`` as :func:`~aiayn.run.directory.load_run` takes them: a name of
+    :func:`aiayn.run.weights.select_weights` (``model``, ``last``, ``best``, ``average``, ``step:N``, or a
+    ``.safetensors`` path as a string) resolved in the run; a ``Path`` or the tensors as given; None: those
+    inference uses."""
     if not isinstance(weights, str) or not (Path(run_dir) / "config.yaml").is_file():
         return weights  # not a run directory: load_run says so in its own words
     from aiayn.config import read_run_config
-    from aiayn.weights import select_weights
+    from aiayn.run.weights import select_weights
 
     return select_weights(run_dir, weights, read_run_config(run_dir).train.average_last)[0]
 
@@ -38,7 +39,7 @@ def open_run(run_dir: str | Path, device: str | torch.device = "auto", precision
     refused in one line, for the commands that translate). ``weights``: :func:`chosen_weights`."""
     from aiayn.decode.generate import Generator
     from aiayn.decode.translator import Translator
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run = load_run(run_dir, device, chosen_weights(run_dir, weights), precision=precision)
     if translator_only and run.cfg.kind.loader != "translator":

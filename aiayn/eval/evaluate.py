@@ -70,7 +70,7 @@ class EvalData:
     name: str | None = None
     rolling: bool = False
     max_length: int | None = None
-    weights: str = "model"  # which weights are scored (aiayn.weights.select_weights): model.safetensors by default
+    weights: str = "model"  # which weights are scored (aiayn.run.weights.select_weights): model.safetensors by default
 
     def record_name(self, base: str, label: str | None) -> str:
         """The record's name: ``name`` if given, else ``base`` (the split or file), marked with the weights scored
@@ -170,7 +170,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
 
     from aiayn.data.pipeline import build_lm_data
     from aiayn.eval.scorers import perplexity
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.train.validation import evaluate_loss
 
     run_dir = Path(run_dir)
@@ -220,7 +220,7 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
     from aiayn.decode.generate import lm_context
     from aiayn.eval.rolling import rolling_windows, score_windows, text_counts
     from aiayn.eval.scorers import perplexity
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, data.weights)

@@ -38,10 +38,10 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
                        ) -> dict[str, Any]:
     """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
     ``RUN/eval/rouge_<split>.json`` and ``.hyp`` (``rouge_<split>.<weights>`` for other ``weights`` than the run's
-    own, :func:`aiayn.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
+    own, :func:`aiayn.run.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
     ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
     from aiayn.decode.generate import new_token_limit, summarize
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, weights)

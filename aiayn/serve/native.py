@@ -33,7 +33,7 @@ from aiayn.decode.generate import Generator
 from aiayn.decode.stream import hypothesis_json
 from aiayn.decode.translator import Translation
 from aiayn.model.transformer import count_parameters
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, attention_request, generate_request, parse_body, read_body, translate_request
 from aiayn.serve.service import Service

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from aiayn.config import DecodeOptions
 from aiayn.decode.generate import Generator, generate_options
 from aiayn.decode.translator import Translation, Translator
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.search import rows_per_source
 from aiayn.serve.batcher import Batcher
 from aiayn.serve.schemas import ApiError, Limits, source_tokens
