@@ -41,13 +41,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
 
 
-def load(run_dir: str | Path, device: str = "auto", precision: str = "auto") -> Translator | Generator:
+def load(run_dir: str | Path, device: str = "auto", precision: str = "auto",
+         weights: str | Path | dict[str, Any] | None = None) -> Translator | Generator:
     """A trained run, ready to use: a :class:`~aiayn.decode.translator.Translator` for translation and
-    summarization runs, a :class:`~aiayn.decode.generate.Generator` for language models. ``device="auto"``
-    is CUDA when available, else MPS, else CPU; both objects move with ``.to(device)``.
+    summarization runs, a :class:`~aiayn.decode.generate.Generator` for language models; aiayn's one loader.
+
+    ``device="auto"`` is CUDA when available, else MPS, else CPU; both objects move with ``.to(device)``.
+    ``precision``: auto | fp32 | tf32 | bf16 | fp16 | int8, as the commands' ``--precision``.
+    ``weights``: which weights of the run, as ``aiayn evaluate --weights`` names them: ``"model"`` (the default,
+    None: those inference uses, ``model.safetensors``), ``"last"``, ``"best"``, ``"average"`` (of the last
+    ``train.average_last`` checkpoints), ``"step:N"``, or a ``.safetensors`` file (a string or a ``Path``); or the
+    tensors themselves (a state dict).
 
     >>> tr = aiayn.load("runs/demo"); tr.translate(["A dog runs on the beach."])
+    >>> best = aiayn.load("runs/demo", weights="best")
     """
-    from aiayn.decode.open_run import load as load_run_for_use
+    from aiayn.decode.open_run import open_run
 
-    return load_run_for_use(run_dir, device, precision)
+    return open_run(run_dir, device, precision, weights)

@@ -76,12 +76,14 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
-    """The --flags of DecodeOptions, built from its fields' ``flag`` metadata (default None: the run's ``decode``
-    section; ``search`` False: only those of commands that do not search, e.g. generate), and the device options."""
+    """The --flags of DecodeOptions, built from its fields and their flags in :data:`aiayn.cli_flags.DECODE_FLAGS`
+    (default None: the run's ``decode`` section; ``search`` False: only those of commands that do not search, e.g.
+    generate), and the device options."""
+    from aiayn.cli_flags import DECODE_FLAGS
     from aiayn.config import DecodeOptions
 
     for f in dataclasses.fields(DecodeOptions):
-        meta = f.metadata.get("flag")
+        meta = DECODE_FLAGS.get(f.name)
         if meta is None or (meta.search and not search):
             continue
         kind = str(f.type).replace(" | None", "")
@@ -232,8 +234,8 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
 def cmd_translate(args: argparse.Namespace) -> int:
     """Validate the run, the options and the files, then stream: read, translate and write chunk by chunk."""
     from aiayn.data.corpus import check_file, stdin_stream
+    from aiayn.decode.open_run import open_run
     from aiayn.decode.stream import iter_lines, translate_stream
-    from aiayn.decode.translator import load
     from aiayn.files import atomic_write, guard_output
 
     fmt = "json" if args.json else args.format
@@ -244,7 +246,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         check_file(args.input)
     if args.output not in (None, "-"):
         guard_output(args.output, "text", [args.run, *([] if from_stdin else [args.input])], "--output")
-    translator = load(args.run, args.device, args.precision)  # the run and the device, before any input
+    translator = open_run(args.run, args.device, args.precision, translator_only=True)  # before any input
     opts = translator.options(**decode_overrides(args))
     if args.split_sentences:
         from aiayn.interop.paragraphs import SentenceTranslator
@@ -322,7 +324,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def weights_choice(words: list[str] | None) -> str:
-    """``--weights``' words as :func:`aiayn.weights.select_weights` names them: ``model`` (none given), ``last``,
+    """``--weights``' words as :func:`aiayn.run.weights.select_weights` names them: ``model`` (none given), ``last``,
     ``best``, ``average``, ``step N`` (``step:N``), or a .safetensors file."""
     if not words:
         return "model"
@@ -542,7 +544,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """The prompt, then its continuation token by token (sampling; --temperature 0 is greedy), then a new line."""
     from aiayn.decode.generate import generate_options, generate_text
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run = load_run(args.run, args.device, precision=args.precision)
     opts = generate_options(run.cfg.decode, decode_overrides(args))
@@ -569,7 +571,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     """One summary line per input document, in order."""
     from aiayn.decode.generate import read_documents, summarize
     from aiayn.files import atomic_write_text, guard_output
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     if args.output not in (None, "-"):
         guard_output(args.output, "text", [args.run, *([] if args.input in (None, "-") else [args.input])],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiayn.config import CONFIG_DIR, load_config
 from aiayn.files import MARKER, guard_output_dir
-from aiayn.weights import list_checkpoints
+from aiayn.run.weights import list_checkpoints
 
 log = logging.getLogger("aiayn.demo")
 

@@ -186,7 +186,7 @@ def physical_memory() -> int | None:
 def check_fits_in_memory(cfg: ModelConfig) -> None:
     """Refuse, in one line, a model whose fp32 weights and position tables alone exceed this machine's memory.
     A check of the machine, not of the config (a config is the same on every machine) nor of the model: what opens
-    a run or trains one calls it before building the model (:func:`aiayn.run_dir.load_run`, ``aiayn train`` before
+    a run or trains one calls it before building the model (:func:`aiayn.run.directory.load_run`, ``aiayn train`` before
     any work, ``aiayn import hf``)."""
     need, have = cfg.memory_bytes(), physical_memory()
     if have is not None and need > have:

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 from aiayn.errors import ConfigError, one_line, user_error_message
 from aiayn.files import MARKER
 from aiayn.launched import DIR_ENV, STDERR_ENV, read_members
-from aiayn.weights import list_checkpoints
+from aiayn.run.weights import list_checkpoints
 
 JOIN_TIMEOUT_S = 600.0  # the c10d rendezvous' join_timeout when --rdzv-conf does not set it (torch's default)
 

@@ -89,8 +89,8 @@ def default_parallel(cfg: Config, jobs: int) -> int:
 def _finished_state(run_dir: Path) -> Trained | None:
     """The updates and training time of a run whose training ended (its inference weights are written), from its
     newest checkpoint; None for a run still to train."""
+    from aiayn.run.weights import FINAL_WEIGHTS
     from aiayn.train.resume import CheckpointMeta
-    from aiayn.weights import FINAL_WEIGHTS
 
     meta = CheckpointMeta.newest(run_dir) if (run_dir / FINAL_WEIGHTS).is_file() else None
     return Trained(meta.step, float(meta.state.elapsed_s)) if meta is not None else None

@@ -294,7 +294,7 @@ class Context:
 def weights_view(run_dir: Path, last: int, views: Path) -> Path:
     """A run directory that translates with the average of ``run_dir``'s last ``last`` checkpoints: its config,
     tokenizer and those weights (built once, whole, beside the other views; the trained run is not touched)."""
-    from aiayn.weights import FINAL_WEIGHTS, average_weights, checkpoint_paths, list_checkpoints, save_weights
+    from aiayn.run.weights import FINAL_WEIGHTS, average_weights, checkpoint_paths, list_checkpoints, save_weights
 
     steps = list_checkpoints(run_dir)[-last:]
     if not steps:
@@ -519,7 +519,7 @@ def to_markdown(table: dict[str, Any]) -> str:
 
 def write_outputs(plan: Plan, records: dict[str, dict[str, Any]], chosen: dict[str, Any] | None) -> dict[str, Any]:
     """OUT/table.json, table.md and curves.png from the results so far (each written atomically)."""
-    from aiayn.train.metrics import curves_data
+    from aiayn.train.metrics_log import curves_data
     from aiayn.viz.common import use_backend
     from aiayn.viz.curves import plot_seed_curves
 

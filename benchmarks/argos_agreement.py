@@ -83,10 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
+    from aiayn import load
     from aiayn.config import load_config
-    from aiayn.decode.translator import load
     from aiayn.eval.evaluate import split_pairs
-    from aiayn.eval.metrics import sacrebleu_scores
+    from aiayn.eval.scorers import sacrebleu_scores
     from aiayn.interop.argos import ARGOS_SEARCH, export_argos
     from benchmarks.common import command_line, utc_now, write_json
 

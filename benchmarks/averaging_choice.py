@@ -46,8 +46,8 @@ def rechoose(run: Path) -> None:
     from aiayn.config import read_run_config
     from aiayn.data.pipeline import build_data
     from aiayn.model import build_model
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints, load_weights
     from aiayn.train.trainer import Trainer
-    from aiayn.weights import checkpoint_paths, list_checkpoints, load_weights
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     cfg = read_run_config(run)

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     import aiayn
     from aiayn.eval.evaluate import split_pairs
-    from aiayn.weights import checkpoint_paths, list_checkpoints, load_weights
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints, load_weights
 
     tr = aiayn.load(args.run, precision=args.precision)
     pairs = split_pairs(tr.cfg, args.split)

@@ -529,7 +529,7 @@ def translate_item(work: Path, device: str, size: str) -> dict[str, Any]:
     import torch
     from sacrebleu.metrics import BLEU
 
-    from aiayn.decode.translator import load
+    from aiayn import load
     from aiayn.eval.evaluate import split_pairs
 
     run = _multi30k_run(work)
@@ -598,7 +598,7 @@ def serve_item(work: Path, device: str, size: str) -> dict[str, Any]:
     """``aiayn serve`` on the device: 8 concurrent native requests and a LibreTranslate one, equal to translate."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from aiayn.decode.translator import load
+    from aiayn import load
     from aiayn.eval.evaluate import split_pairs
     from benchmarks.serve_load import connect, request, start_server, stop_server
 

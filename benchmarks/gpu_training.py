@@ -190,7 +190,7 @@ def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, A
     updates since the one before) and the FLOPs of the batches those updates trained on (the run's epoch-0 plan,
     as the trainer dealt it to one process)."""
     from aiayn.data.pipeline import build_translation_data
-    from aiayn.run_dir import read_run_config
+    from aiayn.run.directory import read_run_config
     from benchmarks.flops import batch_training_flops
 
     steps = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]

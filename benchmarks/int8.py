@@ -41,7 +41,7 @@ def worker(run_dir: str, split: str, precision: str, threads: int | None, evalua
     """One precision in this process: load, first sentence, then (``evaluate``) the whole split."""
     import torch
 
-    from aiayn.decode.translator import load
+    from aiayn import load
 
     common.set_threads(threads)
     t1 = time.perf_counter()

@@ -34,7 +34,7 @@ def exact_match(run_dir: str | Path, overrides: Sequence[str] = TEST_OVERRIDES) 
     from aiayn.config import load_config
     from aiayn.data.batching import pad_batch
     from aiayn.data.synthetic import reverse_split
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.search import SearchSpec, greedy_search
     from aiayn.train.run import train
 

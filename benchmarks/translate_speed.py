@@ -131,7 +131,7 @@ def _ct2_exports(engines: Sequence[str], export: Callable[[Path, str | None], Pa
 def run_task(run_dir: str, split: str, limit: int | None, work: Path, engines: Sequence[str]) -> Task:
     from aiayn.data.datasets import multi30k_split
     from aiayn.interop.ctranslate2 import export_run
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run = load_run(run_dir, "cpu")
     if not isinstance(run.model, Transformer):
@@ -295,7 +295,7 @@ def profile_search(translate: Callable, sources: Sequence[list[int]], batches: S
 
 
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
-    from aiayn.eval.metrics import sacrebleu_scores
+    from aiayn.eval.scorers import sacrebleu_scores
 
     return sacrebleu_scores(hyps, refs)["bleu"]
 

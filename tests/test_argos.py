@@ -17,9 +17,8 @@ pytest.importorskip("ctranslate2")
 
 from conftest import PAIRS  # noqa: E402  (tests/ is on sys.path under pytest)
 
-from aiayn import cli  # noqa: E402
+from aiayn import cli, load  # noqa: E402
 from aiayn.config import ConfigError  # noqa: E402
-from aiayn.decode.translator import load  # noqa: E402
 from aiayn.interop.argos import ARGOS_FLAGS, ARGOS_SEARCH, export_argos  # noqa: E402
 from aiayn.interop.sentence_splitter import sentence_splitter_onnx  # noqa: E402
 

@@ -103,7 +103,7 @@ def test_a_config_is_the_same_on_every_machine_and_the_memory_check_is_before_th
     from aiayn.config import ConfigError, load_config
     from aiayn.device import check_fits_in_memory
     from aiayn.model import build_model
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.train.run import train
 
     made = {}

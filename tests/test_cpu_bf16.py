@@ -166,8 +166,8 @@ def test_bf16_products_are_fp32_products_of_bf16_rounded_operands():
 
 @needs_bf16
 def test_bf16_decoding_batched_equals_alone_and_stays_near_fp32(tiny_run):
+    from aiayn import load
     from aiayn.data.synthetic import reverse_split
-    from aiayn.decode.translator import load
 
     sources = [s for s, _ in reverse_split("test")[:24]]
     bf16, fp32 = load(tiny_run, precision="bf16"), load(tiny_run, precision="fp32")

@@ -185,7 +185,7 @@ def test_cuda_translation_equals_the_cpu(trained, record_property):
     """fp32 on CUDA decodes as the CPU does, beam and greedy, up to float-order ties (the CPU suite's contract across
     CPU kernels). tf32 and bf16 decode greedily as fp32 up to the first pick that their rounding may flip (a fp32
     margin within PRECISION_GAP); how many outputs were compared whole is recorded, not asserted."""
-    from aiayn.decode.translator import load
+    from aiayn import load
 
     reference = load(trained, "cpu", "fp32")
     fp32 = load(trained, "cuda", "fp32")
@@ -203,7 +203,7 @@ def test_cuda_translation_equals_the_cpu(trained, record_property):
 
 
 def test_batched_equals_one_by_one_on_cuda(trained):
-    from aiayn.decode.translator import load
+    from aiayn import load
 
     tr = load(trained, "cuda", "fp32")
     assert tr.translate(WORDS) == [tr.translate(w) for w in WORDS]
@@ -215,7 +215,7 @@ def test_cuda_graphs_decode_as_without(trained, monkeypatch):
     replayed, with no fallback warning."""
     import warnings
 
-    from aiayn.decode.translator import load
+    from aiayn import load
 
     replays = []
     replay = torch.cuda.CUDAGraph.replay

@@ -46,7 +46,7 @@ def _tiny(tmp_path, updates: int, *extra: str):
 
 def test_resume_with_dropout_equals_the_uninterrupted_run_without_saved_rng(tmp_path):
     """Dropout 0.3: the updates after the resume draw the masks the uninterrupted run drew."""
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     train(_tiny(tmp_path, 6), tmp_path / "whole", progress=False)
     train(_tiny(tmp_path, 3), tmp_path / "cut", progress=False)
@@ -151,7 +151,7 @@ def test_two_machines_of_two_processes_train_as_one_process_with_four_steps_and_
     - one shared run directory: the same batches and dropout masks as 1 process x 4 accumulation steps, so the same
       weights to float rounding; the processes' agreement check ran at every logged update (log_every 1) and passed;
     - a run directory per machine: every process stops with one line naming the problem, no internal error."""
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     shared = str(tmp_path / "shared")
     four = _two_agents(tmp_path, (shared, shared), 2, "--set", "train.log_every=1")
@@ -230,7 +230,7 @@ def test_a_killed_worker_resumes_by_torchrun_by_hand_or_on_one_process_as_the_un
       dropout masks, so the weights equal to float rounding (the two gradients summed in another order)."""
     import shutil
 
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     here = ["--set", "train.device=cpu", "--set", "train.threads=1"]
@@ -644,7 +644,7 @@ def _elastic_agent(tmp_path, run: Path, port: int, host: bool, log: str, *extra:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The final weights of the elastic tests' job run without a loss (2 processes)."""
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     run = tmp_path_factory.mktemp("whole") / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
@@ -672,7 +672,7 @@ def test_a_lost_node_is_replaced_and_the_job_ends_as_the_uninterrupted_one(tmp_p
     hosted by the node that stays, --nnodes 2:2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) node 1 is lost after update
     10's checkpoint, a replacement joins, the job resumes from its newest checkpoint and ends bit for bit as the
     uninterrupted run."""
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     run, port = tmp_path / "run", loopback_port()
     node0 = _elastic_agent(tmp_path, run, port, True, "node0.log")
@@ -699,7 +699,7 @@ def test_a_lost_rendezvous_host_is_one_line_that_says_to_start_again_with_resume
     """Where torchrun cannot recover: the node that hosts the rendezvous is lost, so no agent can meet again. The
     surviving node's process says so in aiayn's own line (start the job again with --resume); done as it says, the
     job ends bit for bit as the uninterrupted run."""
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     run, port = tmp_path / "run", loopback_port()
     node0 = _elastic_agent(tmp_path, run, port, True, "node0.log")

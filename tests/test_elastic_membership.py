@@ -14,9 +14,9 @@ import pytest
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError
 from aiayn.files import MARKER
+from aiayn.run.weights import list_checkpoints
 from aiayn.train.ownership import same_torchrun_job
 from aiayn.train.run import train
-from aiayn.weights import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

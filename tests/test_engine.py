@@ -516,7 +516,7 @@ def test_fp16_grad_scaler_plumbing_equals_the_unscaled_update(fused):
 
 
 def test_loading_a_run_changes_no_process_wide_torch_setting(tiny_run):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     backends = torch.backends
 

@@ -13,10 +13,9 @@ import sacrebleu
 import torch
 import torch.nn.functional as F
 
-from aiayn import cli
+from aiayn import cli, load
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode.translator import load
-from aiayn.eval.metrics import (
+from aiayn.eval.scorers import (
     bleu_lc_tok,
     lowercase_moses,
     perplexity,
@@ -229,7 +228,7 @@ def lm_run(tmp_path_factory):
 
 
 def test_lm_perplexity_on_the_validation_text(lm_run, capsys):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     assert cli.main(["evaluate", str(lm_run / "run")]) == 0
     assert "perplexity" in capsys.readouterr().out
@@ -256,7 +255,7 @@ def test_translator_validation_bleu_and_explorer_decode_alike_ban_pad_included(t
     import dataclasses
 
     from aiayn.decode.translator import Translator
-    from aiayn.run_dir import Run, load_run
+    from aiayn.run.directory import Run, load_run
     from aiayn.search import SearchSpec, greedy_search
     from aiayn.viz.attention import attention_data
 

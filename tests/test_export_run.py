@@ -13,10 +13,9 @@ from conftest import agree_up_to_ties, same_hypotheses, spec_of  # tests/ is on 
 ctranslate2 = pytest.importorskip("ctranslate2")
 spm = pytest.importorskip("sentencepiece")
 
-from aiayn import cli  # noqa: E402
+from aiayn import cli, load  # noqa: E402
 from aiayn.config import ConfigError  # noqa: E402
 from aiayn.data.synthetic import reverse_split  # noqa: E402
-from aiayn.decode.translator import load  # noqa: E402
 from aiayn.interop.ctranslate2 import export_run  # noqa: E402
 from aiayn.search import beam_search  # noqa: E402
 

@@ -96,7 +96,7 @@ def test_resume_run_uses_its_own_config_and_allows_only_safe_changes(tmp_path, c
 
 def test_a_resume_may_change_the_loader_workers_and_stays_exact(tmp_path):
     # the resume a killed DataLoader worker's line names refused --set data.loader_workers=0, the way out of an OOM
-    from aiayn.weights import read_weights
+    from aiayn.run.weights import read_weights
 
     # one thread named: by default a run takes the cores free when it starts, which differ between the two runs on a
     # busy machine (the other test process), and another thread count sums in another order
@@ -293,7 +293,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_called_a_run(tmp_path, cap
     """First hour, point 6: a run directory with no weights yet is not asked whether it is a run directory; viz's
     --help says that attention needs --src."""
     from aiayn.errors import CheckpointError
-    from aiayn.weights import inference_weights_path
+    from aiayn.run.weights import inference_weights_path
 
     run = tmp_path / "run"
     run.mkdir()
@@ -342,7 +342,7 @@ def test_the_weight_choice_says_what_it_does_and_a_stopped_one_is_finished_by_re
     and how to finish it if stopped; a run stopped in that window (no model.safetensors after its newest checkpoint)
     is finished by ``aiayn train --resume RUN`` without training more, even with its time budget spent; once
     chosen, a resume with the budget spent is refused as before."""
-    from aiayn.weights import list_checkpoints
+    from aiayn.run.weights import list_checkpoints
 
     run = tmp_path / "run"
     over = SMALL + ["train.max_updates=8", "train.inference_weights=average", "train.average_last=2",

@@ -34,8 +34,8 @@ from aiayn.config import load_config  # noqa: E402
 from aiayn.data.tokenizer import TokenizerPair  # noqa: E402
 from aiayn.errors import ConfigError  # noqa: E402
 from aiayn.interop.hf import export_hf, hf_generate, import_hf  # noqa: E402
+from aiayn.run.weights import read_weights  # noqa: E402
 from aiayn.train.run import train  # noqa: E402
-from aiayn.weights import read_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -358,7 +358,7 @@ def separate_vocab_run(d: Path, bias: dict[str, float] | None = None, **decode) 
     from aiayn.config import Config, DataConfig, DecodeOptions, ModelConfig, save_config
     from aiayn.data.tokenizer import train_tokenizer_pair
     from aiayn.model import Transformer
-    from aiayn.weights import save_weights
+    from aiayn.run.weights import save_weights
 
     tok = train_tokenizer_pair(EN * 3, DE * 3, d / "tokenizer", shared=False, vocab_size=300)
     m = ModelConfig(vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size, d_model=32, n_heads=4, d_ff=64,

@@ -159,7 +159,7 @@ def test_cli_translates_in_int8(tiny_run):
 
 
 def test_a_run_is_refused_int8_on_a_gpu_before_anything_is_read(tiny_run, monkeypatch):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as the checks can tell
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

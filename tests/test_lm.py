@@ -218,7 +218,7 @@ def test_xsum_split_and_lead1(monkeypatch):
 
 
 def test_cached_and_uncached_greedy_generation_agree(text_lm):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.search import sample_list
 
     run = load_run(text_lm)
@@ -240,7 +240,7 @@ def _generate(run: Path, capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_generate_cli_streams_the_greedy_continuation(text_lm, capsys, monkeypatch):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.search import sample_list
 
     run = load_run(text_lm)
@@ -310,7 +310,7 @@ def test_summarize_command(which, request, articles, tmp_path):
 @pytest.mark.parametrize("which", ["summary_lm", "summary_seq2seq"])
 def test_summarize_takes_any_iterable_of_documents_and_names_what_is_not_one(which, request, articles):
     from aiayn.decode.generate import summarize
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run = load_run(request.getfixturevalue(which), "cpu")
     docs = [json.loads(ln)["document"] for ln in (articles / "valid.jsonl").read_text().splitlines()[:2]]
@@ -376,7 +376,7 @@ def test_evaluate_with_a_split_scores_summaries_by_rouge(summary_lm, summary_seq
 
 
 def test_evaluate_summary_lm_reports_perplexity(summary_lm, capsys):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     assert cli.main(["evaluate", str(summary_lm)]) == 0
     assert "perplexity" in capsys.readouterr().out

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(DATA is None or not (DATA / "multi30k").is_dir()
 
 
 def test_short_multi30k_training_clears_a_bleu_floor(tmp_path, monkeypatch):
+    from aiayn import load
     from aiayn.config import load_config
-    from aiayn.decode.translator import load
-    from aiayn.eval.metrics import sacrebleu_scores
+    from aiayn.eval.scorers import sacrebleu_scores
     from aiayn.train.run import train
 
     monkeypatch.setenv("AIAYN_DATA_DIR", str(DATA))

@@ -58,7 +58,7 @@ def test_average_of_a_checkpoint_holding_nan_writes_nothing(tiny_run, tmp_path, 
     """Issue 70: `aiayn average` wrote NaN weights, and with --replace put them over a sound model.safetensors."""
     from refusals import snapshot
 
-    from aiayn.weights import checkpoint_paths, list_checkpoints
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints
 
     run = shutil.copytree(tiny_run, tmp_path / "run")
     ckpt = checkpoint_paths(run, list_checkpoints(run)[-2])[0]

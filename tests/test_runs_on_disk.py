@@ -36,9 +36,9 @@ from safetensors.torch import load_file, save_file
 from aiayn import build_model, model_config
 from aiayn.config import load_config
 from aiayn.files import LOCK, MARKER, atomic_write_bytes, default_file_mode
+from aiayn.run.weights import checkpoint_paths, list_checkpoints
 from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.schedule import build_optimizer
-from aiayn.weights import checkpoint_paths, list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -386,7 +386,7 @@ def test_no_space_left_during_training_is_one_line_and_keeps_the_last_checkpoint
                                   f'path "{os.path.dirname(path)}/.tmpAb12Cd"')
         return real_save(tensors, path, metadata=metadata)
 
-    with mock.patch("aiayn.weights.save_file", full_disk):
+    with mock.patch("aiayn.run.weights.save_file", full_disk):
         code, err = run_cli(capsys, train_args(run, "train.max_updates=62", "train.save_every=2", resume=True))
     assert code == 2, err
     assert err == [f"aiayn: error: {run / 'checkpoints' / 'step_000062.safetensors'}: No space left on device"]

@@ -743,7 +743,7 @@ def test_a_new_strategy_is_one_entry_of_the_table(tiny_mt, lm_run, monkeypatch):
     """A strategy added to the table (and nowhere else) is what decode_ids searches with, what its batches and the
     server's cost count per source, and what a language model's generation streams with."""
     from aiayn.decode.generate import generate_text
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.search import Greedy, decode_batches, decode_ids, rows_per_source, sources
 
     streamed = []

@@ -57,8 +57,7 @@ def test_split_sentences_equals_minisbd_with_the_packaged_model(tmp_path: Path):
 
 
 def test_translate_split_sentences_translates_each_sentence_and_joins_as_argos(tiny_run, tmp_path: Path, capsys):
-    from aiayn import cli
-    from aiayn.decode.translator import load
+    from aiayn import cli, load
     from aiayn.interop.sentence_splitter import argos_join
 
     lines = ["A b c d. B a d! Is c a b?", "", "c d a b", "d c. A b."]

@@ -120,6 +120,24 @@ def test_bad_request_gets_its_4xx_and_the_server_goes_on(client, body, status, c
     assert ok.status_code == 200 and len(ok.json()["translations"]) == 1
 
 
+def test_the_server_owns_the_route_of_each_task():
+    """The task table names no HTTP path: aiayn's own API maps what a task loads as to its route, and a run of
+    another task is told, in one line, which route it has."""
+    from aiayn.serve.native import GENERATE, TRANSLATE, need, route_of
+    from aiayn.serve.schemas import ApiError
+    from aiayn.task import TASKS
+
+    assert {name: route_of(t) for name, t in TASKS.items()} == {
+        "translation": TRANSLATE, "summarization": TRANSLATE, "lm": GENERATE}
+    assert (TRANSLATE, GENERATE) == ("/v1/translate", "/v1/generate")  # the HTTP API, unchanged for users
+    need(TASKS["summarization"], TRANSLATE)
+    with pytest.raises(ApiError) as e:
+        need(TASKS["lm"], TRANSLATE)
+    assert (e.value.status, e.value.code, e.value.message) == (
+        400, "wrong_task", "/v1/translate needs a translation or summarization run; this server runs a "
+                           "language-model (task lm) run (use /v1/generate)")
+
+
 def test_other_endpoints_refuse_bad_requests(client):
     r = _post(client, "/v1/generate", {"prompt": "a"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task" and "translation" in r.text
@@ -441,7 +459,7 @@ def lm_client(tmp_path_factory):
     from aiayn.data.tokenizer import CharTokenizer, TokenizerPair
     from aiayn.decode.generate import Generator
     from aiayn.model import build_model
-    from aiayn.run_dir import Run
+    from aiayn.run.directory import Run
 
     tok = CharTokenizer("abcdefghij \n")
     cfg = config_from_dict({"task": "lm", "data": {"tokenizer": "char", "block_size": 24},

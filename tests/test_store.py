@@ -132,8 +132,8 @@ def test_training_data_from_a_store_plans_and_collates_the_batches_of_the_direct
 
 
 def test_a_run_from_a_named_store_equals_the_run_from_the_cached_store_and_resumes_bit_exactly(tmp_path):
+    from aiayn.run.weights import read_weights
     from aiayn.train.run import train
-    from aiayn.weights import read_weights
 
     train_files = write_pairs(tmp_path, "train", 1500, 0)
     valid = write_pairs(tmp_path, "valid", 60, 100)

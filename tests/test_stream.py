@@ -17,7 +17,7 @@ from aiayn import cli
 from aiayn.config import DecodeOptions, config_from_dict
 from aiayn.data.synthetic import reverse_split
 from aiayn.decode.stream import format_record, iter_lines, translate_stream
-from aiayn.decode.translator import Translation, Translator, load
+from aiayn.decode.translator import Translation, Translator
 from aiayn.errors import ConfigError, DataError
 from aiayn.search import greedy_search, sample_search
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def translator(tiny_run) -> Translator:
-    return load(tiny_run, device="cpu")
+    return aiayn.load(tiny_run, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +242,30 @@ def test_load_resolves_auto_to_cpu_here_and_moves(tiny_run):
             tr.to("cuda")
         else:  # pragma: no cover - a GPU machine: check an index that cannot exist instead
             tr.to("cuda:99")
+
+
+def test_load_takes_the_weights_by_name_by_file_or_as_tensors(tiny_run, lm_run, capsys):
+    """aiayn.load is the one public loader, and it takes ``weights`` as `aiayn evaluate --weights` names them
+    (issue 72 point 4e): the last checkpoint by name equals it by file and as tensors; a bad name is one line."""
+    from safetensors.torch import load_file
+
+    from aiayn.errors import CheckpointError
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints
+
+    last = checkpoint_paths(tiny_run, list_checkpoints(tiny_run)[-1])[0]
+    by_name = aiayn.load(tiny_run, "cpu", weights="last").model.state_dict()
+    for other in (last, str(last), load_file(last)):
+        got = aiayn.load(tiny_run, "cpu", weights=other).model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in by_name.items())
+    default = aiayn.load(tiny_run, "cpu").model.state_dict()
+    model = aiayn.load(tiny_run, "cpu", weights="model").model.state_dict()
+    assert all(torch.equal(default[k], v) for k, v in model.items())
+    with pytest.raises(CheckpointError, match=r"^--weights newest: expected one of model, last") as e:
+        aiayn.load(tiny_run, "cpu", weights="newest")
+    assert "\n" not in str(e.value)
+    assert not hasattr(aiayn.decode, "load") and not hasattr(aiayn.decode.translator, "load")  # one public load
+    r = cli.main(["translate", str(lm_run), "--device", "cpu"])  # the commands that translate refuse an LM run
+    assert r == 2 and "is a language-model run: load it with aiayn.load()" in capsys.readouterr().err
 
 
 def test_translate_takes_any_iterable_of_strings_and_names_what_is_not_one(translator, sources):

@@ -1,9 +1,10 @@
 """The package's shape: no import circles, dependencies in one direction, a front door that opens fast.
 
-Layers, lowest first (docs/architecture.md): errors/files -> config/device -> weights/engine -> model/data ->
-search -> train -> run_dir -> decode -> interop/viz/eval -> serve -> cli. A module may import its own layer or
-a lower one, never a higher one, not even inside a function; no exception. Inference (run_dir, decode,
-interop, serve) never imports the training code: it opens weight files through aiayn.weights.
+Layers, lowest first (docs/architecture.md): errors/files -> config/device -> run.weights/engine -> model/data ->
+search -> train -> run.directory -> decode -> interop/viz/eval -> serve -> cli (the run package, aiayn.run, holds
+the run's weight files on floor 2 and the loaded run on floor 6). A module may import its own layer or a lower one,
+never a higher one, not even inside a function; no exception. Inference (run, decode, interop, serve) never imports
+the training code: it opens weight files through aiayn.run.weights.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ PKG = Path(__file__).resolve().parent.parent / "aiayn"
 LAYERS = {
     "aiayn.errors": 0, "aiayn.files": 0, "aiayn.progress": 0, "aiayn.launched": 0,
     "aiayn.config": 1, "aiayn.cpu_probe": 1, "aiayn.device": 1, "aiayn.task": 1,
-    "aiayn.weights": 2, "aiayn.engine": 2, "aiayn.linear": 2,
+    "aiayn.run": 2, "aiayn.run.weights": 2, "aiayn.engine": 2, "aiayn.linear": 2,
     "aiayn.model": 3, "aiayn.data": 3,
     "aiayn.search": 4,
     "aiayn.train": 5,
-    "aiayn.run_dir": 6,
+    "aiayn.run.directory": 6,
     "aiayn.decode": 7,
     "aiayn.interop": 8, "aiayn.viz": 8, "aiayn.eval": 8,
     "aiayn.serve": 9, "aiayn.table3": 9, "aiayn.runner": 9, "aiayn.sweep": 9,
-    "aiayn.cli": 10, "aiayn.demo": 10, "aiayn.launch": 10, "aiayn.__main__": 10, "aiayn": 10,
+    "aiayn.cli": 10, "aiayn.cli_flags": 10, "aiayn.demo": 10, "aiayn.launch": 10, "aiayn.__main__": 10, "aiayn": 10,
 }
 # Packages that must not reach the training code although it sits below them: loading, decoding, exporting
-# and serving a run need its weight files (aiayn.weights), not the trainer.
-INFERENCE = ("aiayn.run_dir", "aiayn.decode", "aiayn.interop", "aiayn.serve")
+# and serving a run need its weight files (aiayn.run.weights), not the trainer.
+INFERENCE = ("aiayn.run", "aiayn.decode", "aiayn.interop", "aiayn.serve")
 
 
 def module_name(path: Path) -> str:
@@ -165,9 +166,9 @@ def test_decoding_batches_without_the_training_batching(graph):
 def test_every_module_has_a_layer_and_the_graph_is_not_vacuous(graph):
     assert all(layer(m) >= 0 for m in graph)  # a new package must be placed in LAYERS (layer() raises else)
     assert "aiayn.config" in graph["aiayn.train.trainer"]
-    assert "aiayn.decode.translator" in graph["aiayn.eval.evaluate"]
-    assert "aiayn.weights" in graph["aiayn.run_dir"]
-    assert layer("aiayn.decode.translator") > layer("aiayn.run_dir") > layer("aiayn.weights")
+    assert "aiayn.decode.open_run" in graph["aiayn.eval.evaluate"]
+    assert "aiayn.run.weights" in graph["aiayn.run.directory"]
+    assert layer("aiayn.decode.translator") > layer("aiayn.run.directory") > layer("aiayn.run.weights")
 
 
 def test_search_and_decoding_functions_take_at_most_8_parameters():

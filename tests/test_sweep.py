@@ -70,7 +70,7 @@ def test_two_seeds_in_parallel_give_mean_deviation_figure_and_a_rerun_trains_not
 
 def test_a_run_killed_at_any_point_goes_on_and_nothing_half_written_is_left(tmp_path: Path, monkeypatch):
     import aiayn.sweep as sweep
-    from aiayn.weights import list_checkpoints
+    from aiayn.run.weights import list_checkpoints
 
     out, work = tmp_path / "out", tmp_path / "work"
     # One seed, the run's own decoding, validation only, no BLEU while training: the resume is what is tested.

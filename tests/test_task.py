@@ -15,10 +15,10 @@ def test_each_task_answers_what_was_asked_by_name():
     assert (t.encoder, s.encoder, lm.encoder) == (True, True, False)
     assert (t.translates, s.translates, lm.translates) == (True, False, False)
     assert (t.summarizes, s.summarizes, lm.summarizes) == (False, True, False)
-    assert (t.endpoint, s.endpoint, lm.endpoint) == ("/v1/translate", "/v1/translate", "/v1/generate")
     assert (t.loader, s.loader, lm.loader) == ("translator", "translator", "generator")
     assert dict(lm.decoding) == {"sample": True, "temperature": 1.0} and not t.decoding and not s.decoding
-    # which tasks each export takes: the export targets declare it (tests/test_export_registry.py)
+    # which tasks each export takes: the export targets declare it (tests/test_export_registry.py); which route
+    # serves each: the server maps it (tests/test_serve.py)
 
 
 def test_a_config_resolves_its_task_and_refuses_an_unknown_one():

@@ -18,12 +18,12 @@ from aiayn import build_model, model_config
 from aiayn.cli import main
 from aiayn.config import load_config
 from aiayn.data.batching import collate
+from aiayn.run.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights
 from aiayn.train.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.run import average_run, train
 from aiayn.train.schedule import build_optimizer, inverse_sqrt_lr, noam_lr
 from aiayn.train.update import Update
-from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_OVERRIDES = [
@@ -410,7 +410,7 @@ def test_log_to_checks_names_and_refuses_a_missing_tracker(tmp_path, monkeypatch
     import importlib.util
 
     from aiayn.config import ConfigError
-    from aiayn.train.metrics import check_log_backends
+    from aiayn.train.metrics_log import check_log_backends
 
     with pytest.raises(ConfigError, match="train.log_to='mlflow'"):
         tiny_cfg("train.log_to=[jsonl, mlflow]")
@@ -455,10 +455,10 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
     initial weights (a run cut early averages checkpoints from its first updates): the resume's end finds the
     average worse and keeps the last weights."""
     from aiayn.data.pipeline import build_data
+    from aiayn.run.weights import save_weights
     from aiayn.train.inference_weights import prefer_average
     from aiayn.train.run import resume_run
     from aiayn.train.validation import evaluate_loss, validation_bleu_fn
-    from aiayn.weights import save_weights
 
     run = tmp_path / "run"
     cfg = tiny_cfg("train.max_updates=30", "train.save_every=10", "train.keep_last=3",

@@ -20,7 +20,7 @@ from aiayn import cli
 from aiayn.config import DEFAULT_DECODE_TOKENS, ConfigError, DecodeOptions
 from aiayn.data.batching import token_batches
 from aiayn.data.synthetic import reverse_split
-from aiayn.decode.translator import Translator, load
+from aiayn.decode.translator import Translator
 from aiayn.search import SearchSpec, beam_search, decode_batches, decode_ids, greedy_search, score_tokens
 from aiayn.search import sources as sources_module
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def translator(tiny_run) -> Translator:
-    return load(tiny_run)
+    return aiayn.load(tiny_run)
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def test_attention_rows_sum_to_one_and_decoder_is_causal(tiny_run):
 
 
 def test_attention_without_target_uses_the_models_translation(tiny_run):
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
     from aiayn.search import greedy_search
 
     run = load_run(tiny_run)
@@ -217,7 +217,7 @@ def test_attention_select_layer_and_head(tiny_run):
 
 def test_attention_of_a_language_model(tiny_run):
     from aiayn.model import build_model
-    from aiayn.run_dir import Run, load_run
+    from aiayn.run.directory import Run, load_run
 
     run = load_run(tiny_run)
     torch.manual_seed(0)

@@ -47,19 +47,17 @@ from aiayn.config.schema import (
     DecodeConfig,
     DecodeOptions,
     ExpectConfig,
-    Flag,
     ModelConfig,
     TrainConfig,
-    flag,
 )
 from aiayn.errors import ConfigError
 
 __all__ = [
     "COMPILE_MODES", "CONFIG_DIR", "COUNT", "Config", "ConfigError", "DECODE_HINTS", "DEFAULT_DECODE_TOKENS",
-    "SDPA_BACKENDS", "SPEED_KEYS", "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig", "Flag",
+    "SDPA_BACKENDS", "SPEED_KEYS", "DataConfig", "DecodeConfig", "DecodeOptions", "ExpectConfig",
     "LENGTH_PENALTIES", "LIMITS",
     "LOG_BACKENDS", "MIN_TEMPERATURE", "MOVED_KEYS", "ModelConfig", "PRETOKENIZERS", "SEED", "STOP_RULES",
-    "TrainConfig", "apply_overrides", "config_from_dict", "flag", "list_presets",
+    "TrainConfig", "apply_overrides", "config_from_dict", "list_presets",
     "load_config", "load_yaml", "migrate", "model_config", "preset_summary", "read_run_config",
     "recipe_values", "resolve_config_path", "save_config",
 ]

@@ -38,7 +38,7 @@ SPEED_KEYS = ("train.cast_weights_once", "train.fused_output_loss", "train.fuse_
 # does not import torch).
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
-# train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics), each the name of its package.
+# train.log_to's values: metrics.jsonl (always) and the trackers (aiayn.train.metrics_log), each its package's name.
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb")
 
 
@@ -352,30 +352,13 @@ LENGTH_PENALTIES = ("gnmt", "power", "none")  # gnmt (paper) | power (fairseq, H
 STOP_RULES = ("exact", "hf", "first")  # beam search's stopping rule (aiayn.search.beam says each)
 
 
-@dataclass(frozen=True)
-class Flag:
-    """A decoding option's command-line flag: its help, whether only searching commands take it (translate,
-    evaluate, summarize; not generate), its choices and metavar."""
-
-    help: str
-    search: bool = False
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-
-
-def flag(help: str, search: bool = False, choices: tuple[str, ...] | None = None,
-         metavar: str | None = None) -> dict[str, Flag]:
-    """The field metadata that makes a :class:`DecodeOptions` field a command-line option."""
-    return {"flag": Flag(help, search, choices, metavar)}
-
-
 @dataclass(frozen=True, kw_only=True)
 class DecodeOptions:
     """How to decode, in one object: the run's ``decode`` section, then per-call overrides from the CLI,
     the Python API and the server (:meth:`replace`). Defaults are the paper's (section 6.1: beam 4,
     alpha 0.6, maximum output length input + 50). The searches read it inside one
-    :class:`aiayn.search.SearchSpec`; adding a decoding option means a field here (with a ``flag`` for the
-    command line, which aiayn.cli builds from it) and its step in :mod:`aiayn.search.processing`.
+    :class:`aiayn.search.SearchSpec`; adding a decoding option means a field here, its step in
+    :mod:`aiayn.search.processing`, and its command-line flag (or none) in :data:`aiayn.cli_flags.DECODE_FLAGS`.
 
     Search: ``sample`` draws each token (``temperature``, then ``top_k``, then ``top_p`` filtering; a
     generator seeded by ``seed``; temperature 0 is greedy); otherwise ``beam`` 1 is greedy search and
@@ -386,41 +369,31 @@ class DecodeOptions:
     with ``renormalize_logits``, which Marian / OPUS-MT generation configs set; runs imported from them).
     """
 
-    # Each field with a ``flag`` is also a command-line option (--name-with-dashes; aiayn.cli builds them from here).
-    beam: int = field(default=4, metadata=flag("beam size; 1 = greedy (default: the run's, paper: 4)", search=True))
-    alpha: float = field(default=0.6, metadata=flag("length penalty alpha (paper: 0.6)", search=True))
-    length_penalty: str = field(default="gnmt", metadata=flag(
-        "gnmt: score/((5+|Y|)/6)^alpha (paper); power: score/|Y|^alpha (fairseq, HF, CTranslate2)", search=True,
-        choices=LENGTH_PENALTIES))
+    # The command line's flags of these fields (--name-with-dashes) are aiayn.cli_flags' table, not this section's.
+    beam: int = 4
+    alpha: float = 0.6
+    length_penalty: str = "gnmt"  # one of LENGTH_PENALTIES
     # at most int(max_len_a * source length + max_len_b) decoding steps (EOS included)
-    max_len_a: float = field(default=1.0, metadata=flag("at most a * source length + b decoding steps (paper: 1)",
-                                                        search=True))
-    max_len_b: int = field(default=50, metadata=flag("(paper: 50)", search=True))
-    min_len: int = field(default=0, metadata=flag("no EOS before this many tokens", search=True))
-    nbest: int = field(default=1, metadata=flag("hypotheses per input (at most the beam; sampling: draws)",
-                                                search=True))
-    stop: str = field(default="exact", metadata=flag(
-        "beam stopping rule (exact: never early; hf: HF's default; first: once N have ended, as CTranslate2)",
-        search=True, choices=STOP_RULES))
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    min_len: int = 0  # no EOS before this many tokens
+    nbest: int = 1
+    stop: str = "exact"  # beam search's stopping rule, one of STOP_RULES
     # n > 0: no output repeats one of its own n-grams (not in the paper; summaries)
-    no_repeat_ngram: int = field(default=0, metadata=flag("never repeat an n-gram of the output (0: off)",
-                                                          metavar="N"))
+    no_repeat_ngram: int = 0
     ban_pad: bool = False  # never produce the pad id (Marian runs: generate's bad_words_ids [[pad]], renormalized)
-    sample: bool = field(default=False, metadata=flag(
-        "draw tokens (--temperature, --top-k, --top-p, --seed) instead of searching", search=True))
-    temperature: float = field(default=1.0, metadata=flag("sampling temperature (0: greedy)"))
-    top_k: int | None = field(default=None, metadata=flag("sample among the k most probable tokens"))
-    top_p: float | None = field(default=None, metadata=flag("sample from the smallest set with probability mass "
-                                                            ">= p"))
-    seed: int | None = field(default=None, metadata=flag("seed of the draws (repeatable sampling)"))
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
     # language models and summaries: tokens to generate (None: the command's; each command has its own option)
     max_new_tokens: int | None = None
     # beam search at fixed shapes, each step after the first one CUDA graph replayed (aiayn.search.fixed); off CUDA
     # the same fixed-shape steps run without a graph
-    cuda_graphs: bool = field(default=False, metadata=flag("CUDA: replay each beam search step as one CUDA graph"))
+    cuda_graphs: bool = False
     # token budget of one decoding batch; None: by device (DEFAULT_DECODE_TOKENS)
-    max_tokens: int | None = field(default=None, metadata=flag("token budget of one decoding batch (default: by "
-                                                               "device)", search=True))
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_limits("decode", self)

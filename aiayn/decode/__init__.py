@@ -1,6 +1,3 @@
-"""Decoding on token ids (search) and text in / text out (translator, generator), and :func:`load`, the one loader
-of a trained run (:mod:`aiayn.decode.open_run`)."""
-
-from aiayn.decode.open_run import load
-
-__all__ = ["load"]
+"""Decoding on token ids (search) and text in / text out (translator, generator). A run is opened for use by
+``aiayn.load``, the one public loader (:func:`aiayn.decode.open_run.open_run` below it); import the rest from the
+module itself (``aiayn.decode.translator``, ...)."""

@@ -39,7 +39,7 @@ from aiayn.decode.loaded import LoadedRun, merged_options, text_list
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.search import SearchSpec, decode_ids, strategy_for
 from aiayn.task import TASKS
 
@@ -113,7 +113,7 @@ def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:
 
 
 def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, slide: bool = False) -> Iterator[str]:
-    """Stream the continuation of ``prompt`` by a language-model :class:`~aiayn.run_dir.Run`: one text
+    """Stream the continuation of ``prompt`` by a language-model :class:`~aiayn.run.directory.Run`: one text
     piece per generated token (empty while a character is incomplete), then what was held back.
 
     Draws with ``opts.temperature`` / ``top_k`` / ``top_p`` / ``seed`` when ``opts.sample`` (temperature 0:

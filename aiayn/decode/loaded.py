@@ -13,7 +13,7 @@ from aiayn.config import Config, DecodeOptions
 from aiayn.data.tokenizer import TokenizerPair
 from aiayn.device import model_device
 from aiayn.engine import kernels, prepare_model
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 
 
 def text_list(texts: object, what: str = "texts") -> list[str]:
@@ -39,7 +39,7 @@ def merged_options(default: DecodeOptions, options: DecodeOptions | None = None,
 
 
 class LoadedRun:
-    """A :class:`~aiayn.run_dir.Run` ready to decode: its model in eval mode, tokenizers, config and directory.
+    """A :class:`~aiayn.run.directory.Run` ready to decode: its model in eval mode, tokenizers, config and directory.
     Decoding runs inside the engine's kernel choice for the model's device (:meth:`kernels`)."""
 
     def __init__(self, run: Run) -> None:

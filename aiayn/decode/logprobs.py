@@ -17,7 +17,7 @@ from aiayn.decode.generate import TextStream, lm_context
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.search import SearchSpec, strategy_for
 
 

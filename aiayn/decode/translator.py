@@ -30,13 +30,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from aiayn.config import DecodeOptions
 from aiayn.decode.loaded import LoadedRun, text_list
-from aiayn.errors import ConfigError
 from aiayn.search import SearchSpec, decode_ids
 
 log = logging.getLogger("aiayn.translate")
@@ -124,16 +120,3 @@ class Translator(LoadedRun):
         if opts.nbest == 1:
             return [hyps[0].text if hyps else "" for hyps in found]
         return [[h.text for h in hyps] for hyps in found]
-
-
-def load(run_dir: str | Path, device: str | torch.device = "auto", precision: str = "auto",
-         weights: str | Path | dict[str, torch.Tensor] | None = None) -> Translator:
-    """A :class:`Translator` for a trained translation or summarization run directory (``weights``: other weights
-    of the run than those inference uses, :func:`aiayn.weights.select_weights`); a language-model run is refused
-    in one line. :func:`aiayn.decode.open_run.load` (``aiayn.load``) opens a run of any task."""
-    from aiayn.run_dir import load_run
-
-    run = load_run(run_dir, device, weights, precision=precision)
-    if run.cfg.kind.loader != "translator":
-        raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
-    return Translator(run)

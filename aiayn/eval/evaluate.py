@@ -10,7 +10,7 @@ and write ``RUN/eval/<name>.hyp`` (one line per source line) and ``RUN/eval/<nam
      "run": {"path", "weights", "weights_source", "config_task"}, "truncated_lines", "wall_s", "created"}
 
 ``bleu`` / ``chrf`` are sacreBLEU (13a, cased) on detokenized text; ``bleu_lc_tok`` is the Multi30k
-papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.metrics`), a different number.
+papers' lowercased Moses-tokenized BLEU (see :mod:`aiayn.eval.scorers`), a different number.
 Summarization runs also get ROUGE-1/2/L.
 
 Language-model runs: mean NLL per token (nats) and perplexity of the held-out text (the last
@@ -70,7 +70,7 @@ class EvalData:
     name: str | None = None
     rolling: bool = False
     max_length: int | None = None
-    weights: str = "model"  # which weights are scored (aiayn.weights.select_weights): model.safetensors by default
+    weights: str = "model"  # which weights are scored (aiayn.run.weights.select_weights): model.safetensors by default
 
     def record_name(self, base: str, label: str | None) -> str:
         """The record's name: ``name`` if given, else ``base`` (the split or file), marked with the weights scored
@@ -100,7 +100,7 @@ def _scored_pairs(cfg: Config, data: EvalData, label: str | None) -> tuple[list[
 def _score_fields(cfg: Config, hyps: list[str], refs: list[str]) -> dict[str, Any]:
     """The record's scores (rounded), their signatures and the BLEU details of hypotheses ``hyps`` against
     ``refs``: sacreBLEU's BLEU and chrF, the lowercased tokenized BLEU, and ROUGE for a summarizing run."""
-    from aiayn.eval.metrics import bleu_lc_tok, rouge_scores, sacrebleu_scores
+    from aiayn.eval.scorers import bleu_lc_tok, rouge_scores, sacrebleu_scores
 
     sb = sacrebleu_scores(hyps, refs)
     lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
@@ -122,13 +122,13 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
 
     Options: the run's ``decode`` section, then ``options``, then the non-None ``overrides``. Everything
     that can fail (the run, the data, the options, a writable ``RUN/eval``) is checked before decoding."""
+    from aiayn.decode.open_run import open_run
     from aiayn.decode.stream import no_newlines
-    from aiayn.decode.translator import load
     from aiayn.progress import ItemProgress
 
     run_dir = Path(run_dir)
     weights, run_info, label = scored_weights(run_dir, data.weights)
-    translator = load(run_dir, device=device, precision=precision, weights=weights)
+    translator = open_run(run_dir, device=device, precision=precision, weights=weights, translator_only=True)
     cfg = translator.cfg
     opts = translator.options(options, **overrides)
     if opts.nbest != 1:
@@ -169,8 +169,8 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
     import torch
 
     from aiayn.data.pipeline import build_lm_data
-    from aiayn.eval.metrics import perplexity
-    from aiayn.run_dir import load_run
+    from aiayn.eval.scorers import perplexity
+    from aiayn.run.directory import load_run
     from aiayn.train.validation import evaluate_loss
 
     run_dir = Path(run_dir)
@@ -218,9 +218,9 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
     eval/<name>.json."""
     from aiayn.data.corpus import read_text
     from aiayn.decode.generate import lm_context
-    from aiayn.eval.metrics import perplexity
     from aiayn.eval.rolling import rolling_windows, score_windows, text_counts
-    from aiayn.run_dir import load_run
+    from aiayn.eval.scorers import perplexity
+    from aiayn.run.directory import load_run
 
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, data.weights)

@@ -48,7 +48,7 @@ def weights_info(run_dir: Path) -> dict[str, Any]:
     """Which weights the run's inference uses, and where they came from (the file's metadata)."""
     from safetensors import safe_open
 
-    from aiayn.weights import inference_weights_path
+    from aiayn.run.weights import inference_weights_path
 
     path = inference_weights_path(run_dir)
     info: dict[str, Any] = {"path": str(run_dir), "weights": str(path.relative_to(run_dir))}
@@ -63,14 +63,14 @@ def weights_info(run_dir: Path) -> dict[str, Any]:
 
 
 def scored_weights(run_dir: Path, which: str) -> tuple[Path | dict | None, dict[str, Any], str | None]:
-    """The weights an evaluation scores (``which``: :func:`aiayn.weights.select_weights`' names; ``model``: those
+    """The weights an evaluation scores (``which``: :func:`aiayn.run.weights.select_weights`' names; ``model``: those
     inference uses), read only: (what ``load_run`` loads, None for the run's own; the record's ``run`` field; the
     suffix of the record's default name, None for the run's own weights, so that scoring other weights never
     replaces the run's record)."""
     if which == "model":
         return None, weights_info(run_dir), None
     from aiayn.config import read_run_config
-    from aiayn.weights import select_weights
+    from aiayn.run.weights import select_weights
 
     weights, what, label = select_weights(run_dir, which, read_run_config(run_dir).train.average_last)
     return weights, {"path": str(run_dir), "weights": what}, label

@@ -21,7 +21,7 @@ import torch
 from aiayn.device import model_device
 from aiayn.engine import kernels
 from aiayn.errors import ConfigError
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 
 # logits held at once while scoring (windows x tokens x vocabulary floats): 2^26 floats, 256 MiB
 LOGIT_BUDGET = 1 << 26

@@ -23,8 +23,8 @@ from aiayn.data.registry import dataset_of
 from aiayn.data.summarization import collapse_whitespace, lead_1, xsum_split
 from aiayn.decode.loaded import merged_options
 from aiayn.errors import UserError, first_line
-from aiayn.eval.metrics import rouge_scores
 from aiayn.eval.results import check_writable, scored_weights, write_result
+from aiayn.eval.scorers import rouge_scores
 
 
 def lead1_scores(split: str = "test") -> dict[str, float]:
@@ -38,10 +38,10 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
                        ) -> dict[str, Any]:
     """Summarize a split of the run's data, score ROUGE-1/2/L (and lead-1 on XSum), write
     ``RUN/eval/rouge_<split>.json`` and ``.hyp`` (``rouge_<split>.<weights>`` for other ``weights`` than the run's
-    own, :func:`aiayn.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
+    own, :func:`aiayn.run.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
     ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
     from aiayn.decode.generate import new_token_limit, summarize
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     run_dir = Path(run_dir)
     chosen, run_info, label = scored_weights(run_dir, weights)

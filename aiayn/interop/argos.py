@@ -124,7 +124,7 @@ def export_argos(run_dir: str | os.PathLike, out_file: str | os.PathLike, *, qua
     such as head widths are refused first, by :mod:`aiayn.interop.registry`). The zip is
     written beside ``out_file`` and renamed into place.
     """
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     require("ctranslate2", "ct2", "aiayn export argos")
     registry.check("argos", run_dir)  # a direct call refuses what aiayn export refuses

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiayn.config import Config
 from aiayn.data.languages import language_name
 from aiayn.eval.results import weights_info
-from aiayn.run_dir import trained_updates
+from aiayn.run.directory import trained_updates
 
 LICENSE_LINE = ("not set by aiayn (its code is MIT-licensed): these weights follow the terms of their training "
                 "data and of whoever trained them; check both before publishing")

@@ -327,8 +327,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, quantizat
     The directory is assembled beside ``out_dir`` and renamed into place, so a failure leaves nothing.
     """
     from aiayn.errors import ConfigError, require
-    from aiayn.run_dir import load_run
-    from aiayn.weights import inference_weights_path
+    from aiayn.run.directory import load_run
+    from aiayn.run.weights import inference_weights_path
 
     require("ctranslate2", "ct2", "aiayn export ctranslate2")
     registry.check("ctranslate2", run_dir)  # a direct call refuses what aiayn export refuses

@@ -60,7 +60,7 @@ from aiayn.files import (
 from aiayn.interop import registry
 from aiayn.interop.card import run_facts
 from aiayn.interop.marian import concat_layout_copy, from_hf_marian, model_config_from_marian, to_hf_marian
-from aiayn.weights import save_weights
+from aiayn.run.weights import save_weights
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import GenerationConfig, MarianMTModel
@@ -380,7 +380,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False, revi
     the Hugging Face cache; ``aiayn translate RUN_DIR`` then gives ``generate()``'s output and
     ``aiayn train CONFIG --init-from RUN_DIR`` fine-tunes it. ``RUN_DIR`` must be new or empty unless ``force``.
     Built beside RUN_DIR and renamed into place, so a failure leaves nothing behind."""
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     require("transformers", "hf", "aiayn import hf")
     out = Path(run_dir)
@@ -528,7 +528,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     ``MarianTokenizer.from_pretrained`` load (config.json, generation_config.json, model.safetensors,
     source.spm, target.spm, vocab.json, tokenizer_config.json, README.md). OUT_DIR must be new, empty or an
     earlier export unless ``force``; it is built beside OUT_DIR and renamed into place."""
-    from aiayn.run_dir import load_run
+    from aiayn.run.directory import load_run
 
     require("transformers", "hf", "aiayn export hf")
     registry.check("hf", run_dir)  # a direct call refuses what aiayn export refuses

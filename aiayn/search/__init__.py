@@ -42,8 +42,6 @@ from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
     STOP_RULES,
-    Hypothesis,
-    Strategy,
     length_penalty_denominator,
     penalized_score,
 )
@@ -52,6 +50,7 @@ from aiayn.search.processing import LogitsProcessor, filter_top_k, filter_top_p,
 from aiayn.search.sampling import Sampling, sample, sample_list, sample_rows, sample_search
 from aiayn.search.sources import STRATEGIES, decode_batches, decode_ids, rows_per_source, search_batch, strategy_for
 from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
+from aiayn.search.strategy import Hypothesis, Strategy
 
 __all__ = [
     "LENGTH_PENALTIES", "NEG_INF", "STOP_RULES", "STRATEGIES", "Beam", "Greedy", "Hypothesis", "LogitsProcessor",

@@ -51,8 +51,6 @@ from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
     STOP_RULES,
-    Hypothesis,
-    Strategy,
     length_penalty_denominator,
     new_cache,
     score_dtype,
@@ -63,6 +61,7 @@ from aiayn.search.fixed import FixedShapeSteps
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.sampling import SampledStream
 from aiayn.search.spec import SearchSpec, max_lengths
+from aiayn.search.strategy import Hypothesis, Strategy
 
 
 class _Finished:

@@ -11,10 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
-from aiayn.search.common import Hypothesis, Strategy, new_cache, pad_rows, penalized_score
+from aiayn.search.common import new_cache, pad_rows, penalized_score
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.sampling import SampledStream
 from aiayn.search.spec import SearchSpec, max_lengths
+from aiayn.search.strategy import Hypothesis, Strategy
 
 
 @torch.no_grad()

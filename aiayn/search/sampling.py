@@ -14,9 +14,10 @@ from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
 from aiayn.device import model_device
-from aiayn.search.common import Hypothesis, Strategy, new_cache, penalized_score
+from aiayn.search.common import new_cache, penalized_score
 from aiayn.search.processing import LogitsProcessor
 from aiayn.search.spec import SearchSpec, max_lengths
+from aiayn.search.strategy import Hypothesis, Strategy
 
 
 def _draw(process: LogitsProcessor, logits: Tensor, temperature: float, gen: torch.Generator | None) -> Tensor:

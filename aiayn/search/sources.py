@@ -18,10 +18,11 @@ from torch import Tensor, nn
 from aiayn.config import DecodeOptions
 from aiayn.device import model_device
 from aiayn.search.beam import Beam
-from aiayn.search.common import Hypothesis, Strategy, pad_rows
+from aiayn.search.common import pad_rows
 from aiayn.search.greedy import Greedy
 from aiayn.search.sampling import Sampling
 from aiayn.search.spec import SearchSpec
+from aiayn.search.strategy import Hypothesis, Strategy
 
 # The decoding strategies by name, in the order they are asked whether a call's options choose them: a new
 # strategy is its class (beside its search) and one entry here, before any it specializes.

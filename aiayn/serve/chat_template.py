@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import ConfigError, one_line
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.serve.errors import OpenAIError
 
 TEMPLATE_FILE = "chat_template.jinja"

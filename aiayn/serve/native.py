@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -31,13 +33,32 @@ from aiayn.decode.generate import Generator
 from aiayn.decode.stream import hypothesis_json
 from aiayn.decode.translator import Translation
 from aiayn.model.transformer import count_parameters
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, attention_request, generate_request, parse_body, read_body, translate_request
 from aiayn.serve.service import Service
+from aiayn.task import TASKS, Task
 from aiayn.viz.attention import KINDS, attention_data
 
 STATIC = Path(__file__).resolve().parent / "static"
+
+TRANSLATE, GENERATE = "/v1/translate", "/v1/generate"
+# The route that serves a run, by what ``aiayn.load`` gives for its task (``Task.loader``): the task table names
+# no HTTP path, and a new task that loads as a translator or a generator is served with no edit here.
+ROUTES: Mapping[str, str] = MappingProxyType({"translator": TRANSLATE, "generator": GENERATE})
+
+
+def route_of(kind: Task) -> str:
+    """aiayn's own route that serves a run of task ``kind``."""
+    return ROUTES[kind.loader]
+
+
+def need(kind: Task, path: str) -> None:
+    """A 400 ``wrong_task`` naming the tasks ``path`` serves and the route a run of ``kind`` has."""
+    if route_of(kind) != path:
+        wanted = " or ".join(t.label for t in TASKS.values() if route_of(t) == path)
+        raise ApiError(400, "wrong_task", f"{path} needs a {wanted} run; this server runs a "
+                                          f"{kind.label} run (use {route_of(kind)})")
 
 
 def translation_json(hyps: list[Translation]) -> dict[str, Any]:
@@ -103,19 +124,19 @@ class NativeRoutes(RouteTable):
             "batching": {"max_batch_tokens": svc.budget, "max_wait_ms": svc.max_wait_ms, "max_queue": svc.max_queue},
         })
 
-    @route("/v1/translate", "POST")
+    @route(TRANSLATE, "POST")
     async def translate(self, request: Request) -> Response:
         body = await self.body(request)
-        self.svc.need("/v1/translate")
+        need(self.svc.kind, TRANSLATE)
         texts, opts = translate_request(body, self.svc.decode, self.svc.limits)
         found, opts = await self.svc.translate(texts, opts)
         return JSONResponse({"translations": [translation_json(h) for h in found],
                              "options": dataclasses.asdict(opts)})
 
-    @route("/v1/generate", "POST")
+    @route(GENERATE, "POST")
     async def generate(self, request: Request) -> Response:
         body = await self.body(request)
-        self.svc.need("/v1/generate")
+        need(self.svc.kind, GENERATE)
         gen: Generator = self.svc.model
         prompt, opts = generate_request(body, self.svc.generate_options(), self.svc.limits)
         [text] = await self.svc.batcher.run(None, [prompt], 1, lambda items: [gen.generate(p, opts) for p in items])

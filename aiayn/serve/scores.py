@@ -22,7 +22,7 @@ from typing import Any
 from aiayn.decode.generate import lm_context, prompt_ids
 from aiayn.decode.logprobs import TokenScores, continue_ids, score_many, token_texts
 from aiayn.errors import ConfigError
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (vLLM's default cap; OpenAI's is 5)
 

@@ -137,7 +137,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     import torch
     import uvicorn
 
-    from aiayn.decode.open_run import load
+    from aiayn.decode.open_run import open_run
     from aiayn.engine import set_cpu_threads
     from aiayn.serve.app import create_app, warm_up
     from aiayn.serve.chat_template import load_chat_template
@@ -149,7 +149,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     # and wake at every operation of the model's thread, and a 2-thread server decoded at half its speed.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = load(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
+    model = open_run(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
     model.cfg.decode.replace(**o.decode)  # and decoding flags the run's section refuses (--nbest over its beam)
     load_chat_template(model.run)  # and a chat template of the run's own that does not parse
     sock = listen(o.host, o.port)

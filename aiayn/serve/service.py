@@ -23,11 +23,11 @@ from starlette.requests import Request
 from aiayn.config import DecodeOptions
 from aiayn.decode.generate import Generator, generate_options
 from aiayn.decode.translator import Translation, Translator
-from aiayn.run_dir import Run
+from aiayn.run.directory import Run
 from aiayn.search import rows_per_source
 from aiayn.serve.batcher import Batcher
 from aiayn.serve.schemas import ApiError, Limits, source_tokens
-from aiayn.task import TASKS, Task
+from aiayn.task import Task
 
 
 def bearer(request: Request) -> str | None:
@@ -88,13 +88,6 @@ class Service:
     @property
     def run(self) -> Run:
         return self.model.run
-
-    def need(self, endpoint: str) -> None:
-        """aiayn's own API: a 400 naming the endpoint a run of another task has."""
-        if self.kind.endpoint != endpoint:
-            wanted = " or ".join(t.label for t in TASKS.values() if t.endpoint == endpoint)
-            raise ApiError(400, "wrong_task", f"{endpoint} needs a {wanted} run; this server runs a "
-                                              f"{self.kind.label} run (use {self.kind.endpoint})")
 
     def key_matches(self, given: str | None) -> bool:
         """Whether ``given`` is the server's key (always, when the server has none); constant time."""

@@ -25,7 +25,7 @@ from torch import nn
 
 from aiayn.errors import CheckpointError, one_line
 from aiayn.files import atomic_write_json, read_json, remove_stale_temporaries
-from aiayn.weights import (
+from aiayn.run.weights import (
     CKPT_DATA_RE,
     check_weights,
     checkpoint_dir,

@@ -17,10 +17,10 @@ from torch import nn
 import aiayn.engine as engine
 from aiayn.config import Config, DecodeOptions
 from aiayn.device import inference_precision
+from aiayn.run.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
 from aiayn.train.parallel import Dist
 from aiayn.train.plan import TrainData
 from aiayn.train.resume import TrainState
-from aiayn.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
 
 log = logging.getLogger("aiayn.train")
 

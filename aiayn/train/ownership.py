@@ -39,9 +39,9 @@ from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, read_json
+from aiayn.run.weights import checkpoint_dir, list_checkpoints
 from aiayn.train.parallel import Dist
 from aiayn.train.resume import CheckpointMeta
-from aiayn.weights import checkpoint_dir, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
 

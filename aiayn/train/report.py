@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from aiayn.train.metrics import curves_data, metrics_path
+from aiayn.train.metrics_log import curves_data, metrics_path
 
 REPORT_KEYS = ("epoch", "elapsed_s", "tokens_per_s", "valid_nll")
 
@@ -96,7 +96,7 @@ def _last_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     """The newest checkpoint's state (its step and training time), or None. :func:`run_report` takes its step and
     time (``elapsed_at``: ``checkpoint``, else ``log``) when it is the run's last update, as when a run stops
     between two training logs."""
-    from aiayn.weights import checkpoint_paths, list_checkpoints
+    from aiayn.run.weights import checkpoint_paths, list_checkpoints
 
     steps = list_checkpoints(run_dir)
     if not steps:

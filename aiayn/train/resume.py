@@ -20,9 +20,9 @@ from torch import nn
 
 from aiayn.config import Config, ConfigError
 from aiayn.errors import CheckpointError
+from aiayn.run.weights import checkpoint_paths, list_checkpoints
 from aiayn.train.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint, set_rng_state
 from aiayn.train.plan import micro_batches
-from aiayn.weights import checkpoint_paths, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
 

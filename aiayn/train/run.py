@@ -17,13 +17,7 @@ from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, guard_output, guard_output_dir, locked
 from aiayn.model import build_model, count_parameters
-from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
-from aiayn.train.metrics import check_log_backends
-from aiayn.train.ownership import flatten, own_run_dir, same_torchrun_job
-from aiayn.train.parallel import Dist, init_distributed
-from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
-from aiayn.train.trainer import Trainer
-from aiayn.weights import (
+from aiayn.run.weights import (
     FINAL_WEIGHTS,
     average_weights,
     checkpoint_paths,
@@ -32,6 +26,12 @@ from aiayn.weights import (
     read_weights,
     save_weights,
 )
+from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
+from aiayn.train.metrics_log import check_log_backends
+from aiayn.train.ownership import flatten, own_run_dir, same_torchrun_job
+from aiayn.train.parallel import Dist, init_distributed
+from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
+from aiayn.train.trainer import Trainer
 
 log = logging.getLogger("aiayn.train")
 

@@ -24,7 +24,7 @@ from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import Precision, autocast_context, inference_precision
 from aiayn.train.console import Console
 from aiayn.train.inference_weights import WeightsChoice, keep_best
-from aiayn.train.metrics import MetricsLog
+from aiayn.train.metrics_log import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
 from aiayn.train.resume import EMPTY_WINDOW, TrainState, restore_newest, save_state

@@ -18,7 +18,7 @@ import torch
 from aiayn.config import ConfigError
 from aiayn.data.tokenizer import SPECIAL_PIECES
 from aiayn.device import model_device
-from aiayn.run_dir import Run, load_run
+from aiayn.run.directory import Run, load_run
 from aiayn.search import SearchSpec, decode_ids
 
 log = logging.getLogger("aiayn.viz")

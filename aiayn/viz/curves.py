@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiayn.train.metrics import Series, curves_data
+from aiayn.train.metrics_log import Series, curves_data
 
 __all__ = ["curves_data", "plot_curves", "plot_seed_curves"]  # curves_data: re-exported for the viz command
 

@@ -1,4 +1,5 @@
-"""Metrics: sacreBLEU, chrF, lowercased-tokenized BLEU, ROUGE, perplexity. Thin wrappers, no own BLEU.
+"""Scorers of decoded text against references: sacreBLEU, chrF, lowercased-tokenized BLEU, ROUGE, perplexity.
+Thin wrappers, no own BLEU.
 
 * :func:`sacrebleu_scores`: sacreBLEU's BLEU (default 13a tokenization, cased) and chrF (chrF2) on
   detokenized text, with their signatures: the numbers to compare across papers and toolkits.

@@ -15,7 +15,7 @@ from aiayn.device import check_fits_in_memory, choose_precision, resolve_device,
 from aiayn.engine import prepare_model
 from aiayn.errors import CheckpointError
 from aiayn.model import build_model
-from aiayn.weights import inference_weights_path, list_checkpoints, load_weights
+from aiayn.run.weights import inference_weights_path, list_checkpoints, load_weights
 
 log = logging.getLogger("aiayn")
 
@@ -39,7 +39,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "auto",
     in eval mode, its weights in ``precision`` (auto: :func:`aiayn.device.choose_precision`; fp16 on CUDA only;
     bf16 on CUDA or on a CPU with native bf16, there as fp32 weights and bf16 linear layers; int8 on a CPU only: fp32
     weights, int8 linear layers).
-    ``weights``: a file or the tensors (:func:`aiayn.weights.select_weights`; None: those inference uses).
+    ``weights``: a file or the tensors (:func:`aiayn.run.weights.select_weights`; None: those inference uses).
     The device and precision are checked before anything is read."""
     dev = resolve_device(device)
     precision, why = choose_precision(precision, dev, training=False)
