@@ -227,7 +227,7 @@ def prepare_model(model: nn.Module, device: str | torch.device, training: bool, 
     attention rule (:data:`ATTENTION_RULE`); the linear layers' kernel (:mod:`aiayn.linear`: for inference on a
     CPU oneDNN in fp32, int8 at ``precision="int8"``; PyTorch's own in training and elsewhere); for training on a
     CPU the faster dropout. ``precision`` is a resolved one (:func:`aiayn.device.resolve_precision`). Returns
-    ``model``. Used by ``aiayn.run_dir.load_run`` (inference) and the trainer."""
+    ``model``. Used by ``aiayn.run.directory.load_run`` (inference) and the trainer."""
     dev = resolve_device(device)
     resolve_precision(precision, dev, training)  # int8 off the CPU or in training: one line, before the move
     if precision == "int8":
