@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO, loopback_port
 from test_distributed import _descendants, _lose_node
 
+from aiayn.errors import ConfigError
 from aiayn.launch import Launch, ending, first_clause, parse_launch
 
 RECIPE = ["tiny_reverse", "--no-progress", "--set", "train.device=cpu", "--set", "model.d_model=32", "--set",
@@ -26,7 +27,8 @@ RECIPE = ["tiny_reverse", "--no-progress", "--set", "train.device=cpu", "--set",
           "train.max_updates=100000", "--set", "train.save_every=2", "--set", "train.max_minutes=10"]
 
 
-def _agent(tmp_path: Path, port: int, host: bool, log: str, *sets: str, restarts: int = 1) -> subprocess.Popen:
+def _agent(tmp_path: Path, port: int, host: bool, log: str, *sets: str, restarts: int = 1,
+           join: str = ",join_timeout=3") -> subprocess.Popen:
     """One node of the documented elastic setup (docs/distributed.md), started by ``aiayn launch``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -34,19 +36,21 @@ def _agent(tmp_path: Path, port: int, host: bool, log: str, *sets: str, restarts
         return subprocess.Popen(
             [sys.executable, "-m", "aiayn", "launch", "--nnodes", "2:2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "aiayn-launch",
-             "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=3",
+             "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=2{join}",
              "--max-restarts", str(restarts), "train", *RECIPE, "--run-dir", str(tmp_path / "run"),
              *[x for kv in sets for x in ("--set", kv)]],
             stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=REPO)
 
 
-def _survivor_line(tmp_path: Path, lost: int, *sets: str, restarts: int = 1, freeze: bool = False) -> str:
+def _survivor_line(tmp_path: Path, lost: int, *sets: str, restarts: int = 1, freeze: bool = False,
+                   join: str = ",join_timeout=3") -> str:
     """Both nodes started; once update 2's checkpoint is written, node ``lost`` is lost (its agent and everything
     under it killed) or, with ``freeze``, its processes stopped (SIGSTOP; its agent runs on). The other node's
     launcher must end with exit 2; its last line on stderr, torchrun's own output never on it (no traceback, no C++
     frame, no ChildFailedError block)."""
     port = loopback_port()
-    agents = [_agent(tmp_path, port, node == 0, f"node{node}.log", *sets, restarts=restarts) for node in (0, 1)]
+    agents = [_agent(tmp_path, port, node == 0, f"node{node}.log", *sets, restarts=restarts, join=join)
+              for node in (0, 1)]
     survivor = tmp_path / f"node{1 - lost}.log"
     try:
         deadline = time.monotonic() + 240
@@ -70,22 +74,29 @@ def _survivor_line(tmp_path: Path, lost: int, *sets: str, restarts: int = 1, fre
     return lines[-1]
 
 
-def _check_resume_and_log(line: str, tmp_path: Path, what: str) -> None:
-    """The line names the exact resume command and a log holding torchrun's traceback of ``what``."""
+def _check_resume_and_log(line: str, tmp_path: Path, what: str) -> str:
+    """The line names the exact resume command and a log holding torchrun's traceback of ``what`` (returned)."""
     assert f"train --resume {tmp_path / 'run'} " in line and "go on from its newest checkpoint (update " in line, line
     log = Path(re.search(r"torchrun's own report: (\S+)$", line).group(1))
     assert log.parent == tmp_path / "run" / "logs" and what in log.read_text(), line
+    return log.read_text()
 
 
-def test_a_lost_node_with_no_replacement_ends_within_join_timeout_in_one_last_line(tmp_path):
+def test_a_lost_node_with_no_replacement_ends_within_setup_timeout_in_one_last_line(tmp_path):
     """Case 12: node 1 lost after update 2's checkpoint, none in its place: node 0's worker stops (a peer lost),
-    torchrun restarts it and waits join_timeout (3 s here) for a second node; then one line, the last, naming the
-    lost node (its host, its launcher's pid, its ranks), the setting and the resume command; exit 2."""
-    line = _survivor_line(tmp_path, 1)
+    torchrun restarts it and waits for a second node, no longer than train.setup_timeout_s (10 s here: the launcher
+    gives the rendezvous that join_timeout, torch's being 600 s), with the user's other --rdzv-conf entries; then
+    one line, the last, naming the lost node (its host, its launcher's pid, its ranks), the setting and the resume
+    command; exit 2."""
+    line = _survivor_line(tmp_path, 1, "train.setup_timeout_s=10", join="")
     assert re.match(rf"aiayn: error: the job's other node, {re.escape(os.uname().nodename)} \(launcher pid \d+: "
-                    r"rank 1\), was lost and no node took its place within the rendezvous' join_timeout \(3 s; "
-                    r"--rdzv-conf join_timeout=S sets it\): the job stopped; ", line), line
-    _check_resume_and_log(line, tmp_path, "RendezvousTimeoutError")
+                    r"rank 1\), was lost and no node took its place within train\.setup_timeout_s \(10 s, which "
+                    r"bounds the rendezvous' join_timeout\): the job stopped; ", line), line
+    assert " --set train.setup_timeout_s=10 " in line, line  # the resume command keeps it
+    log = _check_resume_and_log(line, tmp_path, "RendezvousTimeoutError")
+    assert log.startswith("aiayn launch: torchrun's --rdzv-conf 'is_host=1,keep_alive_interval=1,"
+                          "keep_alive_max_attempt=2,join_timeout=10': join_timeout=10 s (from train.setup_timeout_s="
+                          "10, shorter than torch's default, 600 s)\n"), log[:300]
 
 
 def test_a_lost_rendezvous_host_ends_in_one_last_line_without_tcpstore_traces(tmp_path):
@@ -163,8 +174,6 @@ def test_each_way_a_job_ends_is_one_line_with_a_status(tmp_path):
     code, line = ending(ValueError("odd"), job, log, [])
     assert code == 1 and line.startswith("aiayn: internal error (in torchrun's agent or aiayn launch): ValueError")
     assert first_clause("a (b; c); d; e") == "a (b; c)" and first_clause("a") == "a"
-    from aiayn.errors import ConfigError
-
     with pytest.raises(ConfigError, match="aiayn launch starts aiayn itself"):
         parse_launch(["--nnodes", "1", "-m", "aiayn", "train", "x"])
     with pytest.raises(ConfigError, match="aiayn launch runs aiayn train under torchrun, not 'evaluate'"):
@@ -177,6 +186,49 @@ def test_each_way_a_job_ends_is_one_line_with_a_status(tmp_path):
         with pytest.raises(ConfigError, match=f"^torchrun's options: .*{says}"):  # before any process starts
             parse_launch([*options, "train", "x"])
     assert dict(os.environ) == environ  # torchrun's check of them (on a copy) sets OMP_NUM_THREADS: undone
+
+
+def test_the_rendezvous_waits_no_longer_than_train_setup_timeout_s(tmp_path):
+    """The join_timeout torchrun is given: the shorter of the user's (--rdzv-conf, else 600 s) and the training
+    config's train.setup_timeout_s (read as aiayn train reads it: the recipe and its --set, or a run's own config.yaml
+    on --resume RUN; unreadable: left to the training to refuse), the user's other entries kept; torchrun's static
+    rendezvous has none; a join_timeout torch would refuse once the nodes meet is refused first."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from aiayn.config.loading import load_config, save_config
+    from aiayn.launch import setup_timeout_of
+
+    c10d = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400")
+    for options, setup, seconds, conf, bounded in (
+            ((*c10d, "--rdzv-conf", "is_host=1,join_timeout=3"), 86400.0, 3, "is_host=1,join_timeout=3", False),
+            ((*c10d, "--rdzv-conf", "is_host=1"), 5.0, 5, "is_host=1,join_timeout=5", True),
+            ((*c10d, "--rdzv-conf", "join_timeout=900,is_host=0"), 7.5, 7, "join_timeout=7,is_host=0", True),
+            ((*c10d,), 0.2, 1, "join_timeout=1", True),
+            ((*c10d,), None, 600, "", False),  # the config unread
+            (("--standalone",), 5.0, 5, "join_timeout=5", True),
+            (("--master-addr", "127.0.0.1", "--master-port", "29511"), 5.0, 600, "", False)):
+        job = _job(tmp_path, "--nnodes", "2", *options)
+        job.setup_timeout_s = setup
+        args = job.torchrun_args(tmp_path / "folder")
+        assert (job.join_timeout(), args.rdzv_conf) == ((seconds, bounded), conf), options
+        line = ending(RendezvousTimeoutError(), job, tmp_path / "torchrun.log", [])[1]
+        assert (f"within train.setup_timeout_s ({seconds} s, which bounds the rendezvous' join_timeout): " if bounded
+                else f"within the rendezvous' join_timeout ({seconds} s; --rdzv-conf join_timeout=S sets it): ") in \
+            line, line
+    for bad in ("0", "2.5", "-1", "abc"):
+        with pytest.raises(ConfigError, match=f"^torchrun's options: --rdzv-conf join_timeout={bad}: expected a "
+                                              "whole number of seconds above 0"):
+            parse_launch([*c10d, "--rdzv-conf", f"is_host=1,join_timeout={bad}", "train", "x"])
+    assert setup_timeout_of("tiny_reverse", None, ["train.setup_timeout_s=9"]) == 9.0
+    assert setup_timeout_of("tiny_reverse", None, []) == 86400.0
+    assert setup_timeout_of("no-such-recipe", None, []) is None  # the training says why, as without the launcher
+    assert setup_timeout_of("tiny_reverse", None, ["train.no_such_key=1"]) is None
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config("tiny_reverse", ["train.setup_timeout_s=11"]), run / "config.yaml")
+    assert setup_timeout_of(None, str(run), []) == 11.0
+    assert setup_timeout_of(None, str(run), ["train.setup_timeout_s=4"]) == 4.0
+    assert setup_timeout_of(None, str(tmp_path / "nothing"), []) is None
 
 
 def test_bad_launch_options_are_one_line_and_exit_2_before_any_process(tmp_path):
