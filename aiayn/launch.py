@@ -17,8 +17,11 @@ of the user's way (docs/distributed.md, "aiayn launch"):
   2 when the nodes did not meet (a lost node, the rendezvous gone); 128+N for a signal to the launcher.
 
 The log ends as RUN/logs/launch-HOST-PID.log when RUN is a run by then (its marker written), else it stays in the
-temporary folder it was written to. The launcher's process ends right after its last line (``os._exit``): nothing
-that torch prints at interpreter exit comes after it.
+temporary folder it was written to (``aiayn-launch-*`` in ``$TMPDIR``), which is then kept, holding that log alone,
+only when the last line names it: a job that succeeded, was refused, or whose log moved into its run leaves no
+temporary folder, and neither does torchrun's own log folder (its workers' error files), which is made inside it. The
+launcher's process ends right after its last line (``os._exit``): nothing that torch prints at interpreter exit comes
+after it.
 """
 
 from __future__ import annotations
@@ -89,11 +92,14 @@ class Launch:
 
     def torchrun_args(self, folder: Path) -> argparse.Namespace:
         """torchrun's options as given, but with :meth:`join_timeout` in ``--rdzv-conf`` (the user's other entries
-        kept)."""
+        kept) and, unless a ``--log-dir`` is given or needed (``--redirects``, ``--tee``), torchrun's own log folder
+        inside ``folder`` rather than a ``torchelastic_*`` folder of its own in $TMPDIR, which it never removes."""
         args = copy.copy(self.args)
         seconds, bounded = self.join_timeout()
         if bounded:
             args.rdzv_conf = ",".join(f"{k}={v}" for k, v in {**self.rdzv_conf(), "join_timeout": seconds}.items())
+        if args.log_dir is None and args.redirects == "0" and args.tee == "0":
+            args.log_dir = str(folder / "torchelastic")
         return args
 
     def joined_within(self) -> str:
@@ -142,6 +148,7 @@ def check_options(args: argparse.Namespace) -> None:
     from torch.distributed.run import config_from_args
 
     trial, environ = copy.deepcopy(args), dict(os.environ)
+    trial.log_dir = trial.log_dir or os.devnull  # else its log spec makes a torchelastic_* folder in $TMPDIR, for good
     if trial.standalone:  # as torchrun's run() sets them
         trial.rdzv_backend, trial.rdzv_endpoint, trial.rdzv_id = "c10d", "localhost:0", "check"
     logging.disable(logging.WARNING)
@@ -193,7 +200,7 @@ def launch(job: Launch) -> NoReturn:
     args = job.torchrun_args(folder)
     log.write_text(job.join_note(args), encoding="utf-8")
     os.environ[DIR_ENV] = str(folder)
-    with _kept_out(log) as user_stderr:
+    with _kept_out(log) as (user_stderr, kept):
         error: BaseException | None = None
         try:
             run(args)
@@ -202,15 +209,26 @@ def launch(job: Launch) -> NoReturn:
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         members = read_members(folder)
-        if refusal_of(error) is not None:  # bad input: its line says it all, and nothing is left on disk
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            log = _settle(log, folder, job.run_dir, job.here)
-        code, line = ending(error, job, log, members)
+        named: Path | None = None  # the log the last line names
+        if refusal_of(error) is None and kept:  # a refusal's line says it all; unkept, the output was on stderr
+            named = _settle(log, folder, job.run_dir, job.here)
+        code, line = ending(error, job, named, members)
+        _tidy(folder, named if line and named is not None and named.parent == folder else None)
         if line:
             _write_last(user_stderr, line)
     sys.stdout.flush()
     os._exit(code)
+
+
+def _tidy(folder: Path, keep: Path | None) -> None:
+    """The launcher's temporary folder removed, or, when the last line names ``keep`` in it, all of it but that."""
+    if keep is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for entry in folder.iterdir():
+        if entry != keep:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _write_last(user_stderr: int, line: str) -> None:
@@ -227,10 +245,10 @@ def _write_last(user_stderr: int, line: str) -> None:
 
 
 @contextlib.contextmanager
-def _kept_out(log: Path) -> Iterator[int]:
+def _kept_out(log: Path) -> Iterator[tuple[int, bool]]:
     """This process's stderr into ``log``, and the user's stderr kept (yielded as a file descriptor) for the last
     line and for the training processes (``AIAYN_LAUNCH_STDERR``), where /proc lets them open it; else stderr stays
-    the user's."""
+    the user's (yielded: whether torchrun's output goes into ``log``)."""
     try:
         user = os.dup(2)
     except OSError:  # no stderr at all (2>&-): nothing to keep apart
@@ -247,7 +265,7 @@ def _kept_out(log: Path) -> Iterator[int]:
         sys.stderr.flush()
         os.dup2(fd, 2)
     os.close(fd)
-    yield user
+    yield user, reachable
 
 
 def _settle(log: Path, folder: Path, run_dir: Path | None, here: tuple[str, int]) -> Path:
@@ -260,18 +278,18 @@ def _settle(log: Path, folder: Path, run_dir: Path | None, here: tuple[str, int]
         shutil.move(str(log), target)
     except OSError:
         return log
-    shutil.rmtree(folder, ignore_errors=True)
     return target
 
 
-def ending(error: BaseException | None, job: Launch, log: Path,
+def ending(error: BaseException | None, job: Launch, log: Path | None,
            members: list[tuple[int, str, int]]) -> tuple[int, str | None]:
     """The launcher's exit status and last line for how torchrun's agent ended: ``error`` None (success: no line), a
-    failed process (ChildFailedError), a rendezvous that timed out or is gone, a signal, anything else."""
+    failed process (ChildFailedError), a rendezvous that timed out or is gone, a signal, anything else. ``log``:
+    where torchrun's own output is (None: it went to stderr, above the line)."""
     if error is None:
         return 0, None
     kind = type(error).__name__
-    report = f"torchrun's own report: {log}"
+    report = f"torchrun's own report: {log if log is not None else 'above, on stderr'}"
     if kind == "ChildFailedError":
         return _child_failed(error, job, report)
     if kind in ("SignalException", "KeyboardInterrupt"):
