@@ -721,7 +721,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     :func:`aiayn.launch.launch` (which ends the process)."""
     import shlex
 
-    from aiayn.launch import launch, parse_launch
+    from aiayn.launch import launch, parse_launch, setup_timeout_of
     from aiayn.train.run import default_run_dir, may_change_on_resume
 
     job = parse_launch(args.argv)
@@ -737,6 +737,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
                                                                            train.allow_unverified)) if on]
     keep += ["--threads", str(train.threads)] if train.threads is not None else []
     job.run_dir = run
+    # the rendezvous waits for the nodes within train.setup_timeout_s at most (docs/distributed.md, "A lost node")
+    job.setup_timeout_s = setup_timeout_of(train.config, train.resume if isinstance(train.resume, str) else None,
+                                           train.set)
     job.resume = shlex.join(["aiayn", "launch", *job.options, "train", "--resume", str(run), *keep])
     job.again = shlex.join(["aiayn", "launch", *args.argv])
     launch(job)

@@ -10,18 +10,25 @@ of the user's way (docs/distributed.md, "aiayn launch"):
 - when the job ends without success, the last line on stderr is this one (:func:`ending`): what ended it (a
   process's own line, a node lost with none in its place within the rendezvous' ``join_timeout``, the rendezvous
   host gone, a signal), the exact command that goes on from the newest checkpoint, and where the log is;
+- an elastic rendezvous waits at most ``train.setup_timeout_s`` of the training's config for its nodes to meet: the
+  ``join_timeout`` it is given is the shorter of that and the user's (``--rdzv-conf join_timeout=S``, else 600 s);
+  the log's first line says which (:meth:`Launch.join_timeout`);
 - the exit status: 0; a failed process's own (2 for aiayn's one-line errors, 1 for a bug, 128+N for signal N);
   2 when the nodes did not meet (a lost node, the rendezvous gone); 128+N for a signal to the launcher.
 
 The log ends as RUN/logs/launch-HOST-PID.log when RUN is a run by then (its marker written), else it stays in the
-temporary folder it was written to. The launcher's process ends right after its last line (``os._exit``): nothing
-that torch prints at interpreter exit comes after it.
+temporary folder it was written to (``aiayn-launch-*`` in ``$TMPDIR``), which is then kept, holding that log alone,
+only when the last line names it: a job that succeeded, was refused, or whose log moved into its run leaves no
+temporary folder, and neither does torchrun's own log folder (its workers' error files), which is made inside it. The
+launcher's process ends right after its last line (``os._exit``): nothing that torch prints at interpreter exit comes
+after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import shutil
 import signal
@@ -39,7 +46,8 @@ from aiayn.files import MARKER
 from aiayn.launched import DIR_ENV, STDERR_ENV, read_members
 from aiayn.run.weights import list_checkpoints
 
-JOIN_TIMEOUT_S = 600.0  # the c10d rendezvous' join_timeout when --rdzv-conf does not set it (torch's default)
+JOIN_TIMEOUT_S = 600  # the c10d rendezvous' join_timeout when --rdzv-conf does not set it (torch's default)
+LOG = "torchrun.log"  # the agent's own output, in the launcher's temporary folder
 
 
 @dataclass(kw_only=True)
@@ -54,17 +62,52 @@ class Launch:
     resume: str = ""  # the command that goes on from the run's newest checkpoint
     again: str = ""  # the command as given (a run that wrote nothing starts again with it)
     here: tuple[str, int] = field(default_factory=lambda: (socket.gethostname(), os.getpid()))  # this agent
+    setup_timeout_s: float | None = None  # the training's train.setup_timeout_s (None: its config unread)
 
     @property
     def nodes(self) -> str:
         return str(self.args.nnodes)
 
-    def join_timeout_s(self) -> float:
-        conf = dict(kv.split("=", 1) for kv in (self.args.rdzv_conf or "").split(",") if "=" in kv)
-        try:
-            return float(conf.get("join_timeout", JOIN_TIMEOUT_S))
-        except ValueError:
-            return JOIN_TIMEOUT_S
+    def rdzv_conf(self) -> dict[str, str]:
+        """``--rdzv-conf`` as torchrun reads it (checked by :func:`check_options`)."""
+        return rdzv_conf(self.args)
+
+    def join_timeout(self) -> tuple[int, bool]:
+        """The seconds an elastic rendezvous waits for the job's nodes to meet (torchrun's ``join_timeout``, whole
+        seconds), and whether ``train.setup_timeout_s`` set them: the user's (``--rdzv-conf join_timeout=S``, else
+        torch's 600 s), or the training's ``train.setup_timeout_s`` (at least 1 s) where that is shorter."""
+        user = int(self.rdzv_conf().get("join_timeout", JOIN_TIMEOUT_S))
+        setup = self.setup_timeout_s
+        if setup is None or user <= setup or not (self.args.standalone or self.args.rdzv_backend != "static"):
+            return user, False  # torchrun's static rendezvous (--master-addr) has no join_timeout
+        return max(1, int(setup)), True
+
+    def join_note(self, args: argparse.Namespace) -> str:
+        """The log's first line: the ``--rdzv-conf`` torchrun is given (``args``) and where its join_timeout is
+        from."""
+        seconds, bounded = self.join_timeout()
+        user = "--rdzv-conf" if "join_timeout" in self.rdzv_conf() else f"torch's default, {JOIN_TIMEOUT_S} s"
+        whose = f"train.setup_timeout_s={self.setup_timeout_s:g}, shorter than {user}" if bounded else user
+        return f"aiayn launch: torchrun's --rdzv-conf {args.rdzv_conf!r}: join_timeout={seconds} s (from {whose})\n"
+
+    def torchrun_args(self, folder: Path) -> argparse.Namespace:
+        """torchrun's options as given, but with :meth:`join_timeout` in ``--rdzv-conf`` (the user's other entries
+        kept) and, unless a ``--log-dir`` is given or needed (``--redirects``, ``--tee``), torchrun's own log folder
+        inside ``folder`` rather than a ``torchelastic_*`` folder of its own in $TMPDIR, which it never removes."""
+        args = copy.copy(self.args)
+        seconds, bounded = self.join_timeout()
+        if bounded:
+            args.rdzv_conf = ",".join(f"{k}={v}" for k, v in {**self.rdzv_conf(), "join_timeout": seconds}.items())
+        if args.log_dir is None and args.redirects == "0" and args.tee == "0":
+            args.log_dir = str(folder / "torchelastic")
+        return args
+
+    def joined_within(self) -> str:
+        """The bound on the rendezvous' wait, as the last line names it."""
+        seconds, bounded = self.join_timeout()
+        if bounded:
+            return f"train.setup_timeout_s ({seconds} s, which bounds the rendezvous' join_timeout)"
+        return f"the rendezvous' join_timeout ({seconds} s; --rdzv-conf join_timeout=S sets it)"
 
     def endpoint(self) -> str:
         if self.args.rdzv_endpoint:
@@ -99,13 +142,13 @@ def check_options(args: argparse.Namespace) -> None:
     """What torchrun checks of its options only once it runs (``--nnodes 2:1``, ``--nproc-per-node abc``,
     ``--max-restarts -1``, an endpoint without a port number), checked first: one line, exit 2, nothing started.
     torchrun's own check on a copy of the options, without its warnings and without its changes to the environment."""
-    import copy
     import logging
 
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import config_from_args
 
     trial, environ = copy.deepcopy(args), dict(os.environ)
+    trial.log_dir = trial.log_dir or os.devnull  # else its log spec makes a torchelastic_* folder in $TMPDIR, for good
     if trial.standalone:  # as torchrun's run() sets them
         trial.rdzv_backend, trial.rdzv_endpoint, trial.rdzv_id = "c10d", "localhost:0", "check"
     logging.disable(logging.WARNING)
@@ -119,6 +162,32 @@ def check_options(args: argparse.Namespace) -> None:
         logging.disable(logging.NOTSET)
         os.environ.clear()
         os.environ.update(environ)
+    given = rdzv_conf(args).get("join_timeout")
+    if given is not None and not (given.isdigit() and int(given) > 0):  # torch's int(), once its nodes meet
+        raise ConfigError(f"torchrun's options: --rdzv-conf join_timeout={given}: expected a whole number of seconds "
+                          "above 0")
+
+
+def setup_timeout_of(config: str | None, resume: str | None, overrides: list[str]) -> float | None:
+    """``train.setup_timeout_s`` of the training command: its recipe ``config`` or the run ``resume`` (``--resume
+    RUN``: RUN/config.yaml) with its ``--set`` ``overrides``, read as ``aiayn train`` reads them; None when they
+    cannot be read (the training's processes refuse them, each in its line, as without the launcher)."""
+    from aiayn.config.loading import load_config, read_run_config
+
+    try:
+        cfg = read_run_config(resume, overrides) if resume is not None else load_config(config or "", overrides)
+    except Exception as e:  # noqa: BLE001 - the user's input: the training says why; a bug is raised
+        if user_error_message(e) is None:
+            raise
+        return None
+    return float(cfg.train.setup_timeout_s)
+
+
+def rdzv_conf(args: argparse.Namespace) -> dict[str, str]:
+    """torchrun's ``--rdzv-conf`` as torchrun reads it (its own parser)."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    return _parse_rendezvous_config(args.rdzv_conf or "")
 
 
 def launch(job: Launch) -> NoReturn:
@@ -127,26 +196,39 @@ def launch(job: Launch) -> NoReturn:
     from torch.distributed.run import run
 
     folder = Path(tempfile.mkdtemp(prefix="aiayn-launch-"))
-    log = folder / "torchrun.log"
+    log = folder / LOG
+    args = job.torchrun_args(folder)
+    log.write_text(job.join_note(args), encoding="utf-8")
     os.environ[DIR_ENV] = str(folder)
-    with _kept_out(log) as user_stderr:
+    with _kept_out(log) as (user_stderr, kept):
         error: BaseException | None = None
         try:
-            run(job.args)
+            run(args)
         except BaseException as e:  # noqa: BLE001 - every end is reported in one line, its traceback in the log
             error = e
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         members = read_members(folder)
-        if refusal_of(error) is not None:  # bad input: its line says it all, and nothing is left on disk
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            log = _settle(log, folder, job.run_dir, job.here)
-        code, line = ending(error, job, log, members)
+        named: Path | None = None  # the log the last line names
+        if refusal_of(error) is None and kept:  # a refusal's line says it all; unkept, the output was on stderr
+            named = _settle(log, folder, job.run_dir, job.here)
+        code, line = ending(error, job, named, members)
+        _tidy(folder, named if line and named is not None and named.parent == folder else None)
         if line:
             _write_last(user_stderr, line)
     sys.stdout.flush()
     os._exit(code)
+
+
+def _tidy(folder: Path, keep: Path | None) -> None:
+    """The launcher's temporary folder removed, or, when the last line names ``keep`` in it, all of it but that."""
+    if keep is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for entry in folder.iterdir():
+        if entry != keep:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _write_last(user_stderr: int, line: str) -> None:
@@ -163,10 +245,10 @@ def _write_last(user_stderr: int, line: str) -> None:
 
 
 @contextlib.contextmanager
-def _kept_out(log: Path) -> Iterator[int]:
+def _kept_out(log: Path) -> Iterator[tuple[int, bool]]:
     """This process's stderr into ``log``, and the user's stderr kept (yielded as a file descriptor) for the last
     line and for the training processes (``AIAYN_LAUNCH_STDERR``), where /proc lets them open it; else stderr stays
-    the user's."""
+    the user's (yielded: whether torchrun's output goes into ``log``)."""
     try:
         user = os.dup(2)
     except OSError:  # no stderr at all (2>&-): nothing to keep apart
@@ -183,7 +265,7 @@ def _kept_out(log: Path) -> Iterator[int]:
         sys.stderr.flush()
         os.dup2(fd, 2)
     os.close(fd)
-    yield user
+    yield user, reachable
 
 
 def _settle(log: Path, folder: Path, run_dir: Path | None, here: tuple[str, int]) -> Path:
@@ -196,18 +278,18 @@ def _settle(log: Path, folder: Path, run_dir: Path | None, here: tuple[str, int]
         shutil.move(str(log), target)
     except OSError:
         return log
-    shutil.rmtree(folder, ignore_errors=True)
     return target
 
 
-def ending(error: BaseException | None, job: Launch, log: Path,
+def ending(error: BaseException | None, job: Launch, log: Path | None,
            members: list[tuple[int, str, int]]) -> tuple[int, str | None]:
     """The launcher's exit status and last line for how torchrun's agent ended: ``error`` None (success: no line), a
-    failed process (ChildFailedError), a rendezvous that timed out or is gone, a signal, anything else."""
+    failed process (ChildFailedError), a rendezvous that timed out or is gone, a signal, anything else. ``log``:
+    where torchrun's own output is (None: it went to stderr, above the line)."""
     if error is None:
         return 0, None
     kind = type(error).__name__
-    report = f"torchrun's own report: {log}"
+    report = f"torchrun's own report: {log if log is not None else 'above, on stderr'}"
     if kind == "ChildFailedError":
         return _child_failed(error, job, report)
     if kind in ("SignalException", "KeyboardInterrupt"):
@@ -215,9 +297,8 @@ def ending(error: BaseException | None, job: Launch, log: Path,
         name = signal.Signals(sig).name if isinstance(sig, int) else str(sig)
         return 128 + int(sig), f"aiayn: interrupted ({name}): the job stopped; {go_on(job)}; {report}"
     if kind == "RendezvousTimeoutError":
-        return 2, (f"aiayn: error: {lost_nodes(job, members)} within the rendezvous' join_timeout "
-                   f"({job.join_timeout_s():g} s; --rdzv-conf join_timeout=S sets it): the job stopped; {go_on(job)}; "
-                   f"{report}")
+        return 2, (f"aiayn: error: {lost_nodes(job, members)} within {job.joined_within()}: the job stopped; "
+                   f"{go_on(job)}; {report}")
     if kind == "RendezvousClosedError":
         return 2, (f"aiayn: error: the job's rendezvous at {job.endpoint()} was closed by another node (its "
                    f"launcher ended the job: its last line says why); {go_on(job)}; {report}")
