@@ -22,7 +22,9 @@ def _run(tmp_path, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_smoke_runs_every_item_and_each_passes(tmp_path):
-    result = _run(tmp_path)
+    # every item must pass, however busy the machine: the overall budget (480 s by default, the GPU session's) is
+    # not what this test checks (test_an_item_past_its_time_... does); each item keeps its own time limit
+    result = _run(tmp_path, "--budget-s", "5400")
     items = result["items"]
     assert list(items) == list(gpu_check.SMOKE_ITEMS)
     has_multi30k = (os.environ.get("AIAYN_DATA_DIR") or "") and os.path.isdir(
