@@ -23,14 +23,13 @@ says why).
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import logging
-import multiprocessing
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +38,18 @@ import torch
 
 from aiayn.config import Config
 from aiayn.data.batching import Batch, lm_batch, lm_block_order
-from aiayn.data.integrity import MANIFEST, Memo, check_ids, check_regular
+from aiayn.data.integrity import Memo
 from aiayn.data.store import (
     PARALLEL_BYTES,
-    STORE_VERSION,
     STREAM_KIND,
-    check_store_files,
+    IdFile,
+    Opening,
+    Recipe,
+    Store,
     note,
-    now,
-    opened_manifest,
-    place_tokenizer,
-    settings,
+    open_kind,
     storage_dtype,
-    store_key,
+    worker_pool,
 )
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
@@ -219,60 +217,24 @@ def _encode_in_worker(part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int
     return _WORKER["encode"](part)
 
 
-@contextlib.contextmanager
-def _encoders(tokenizer_dir: Path, workers: int) -> Iterator[Callable[[Iterable], Iterator]]:
-    """A function parts -> (split, ids) in order: worker processes (``workers`` > 1) or this process."""
-    if workers <= 1:
-        encode = PieceEncoder(tokenizer_dir)
-        yield lambda parts: map(encode, parts)
-        return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
-        yield lambda parts: pool.imap(_encode_in_worker, parts)
-
-
 # The store ---------------------------------------------------------------------------------------------------
 
 
-class Stream:
+class Stream(IdFile):
     """A flat file of token ids (n,), read by position: windows of a batch with one ``preadv`` each, into one
-    (B, width) array (:meth:`windows`). Pickles as its file name (a DataLoader worker reopens it)."""
+    (B, width) array (:meth:`windows`)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
-        self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            check_regular(fd, self.path)
-        except DataError:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self.file_bytes = os.fstat(self._fd).st_size
+    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
+        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
+        self.tokens = tokens
+        self._open(path, dtype)
 
     def __len__(self) -> int:
         return self.tokens
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "dtype": self.dtype.str, "tokens": self.tokens}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], np.dtype(state["dtype"]), state["tokens"])
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with the file, None when nothing: its length, every id below ``vocab_size``, and its
-        checksum (``files``: the manifest's; None for a store prepared before checksums), unless ``memo`` found it
-        good as it is (read in bounded chunks, vectorized)."""
-        size = self.dtype.itemsize
-        if self.file_bytes != self.tokens * size:
-            return (f"{self.path.name}: {self.file_bytes:,} bytes where its manifest needs {self.tokens * size:,} "
-                    "(truncated or damaged)")
-        return check_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size, files, memo)
+        """What is wrong with the file, None when nothing (:meth:`IdFile._check`)."""
+        return self._check(self.tokens, "manifest needs", vocab_size, files, memo)
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """ids[start:stop] (n,) int64."""
@@ -285,67 +247,37 @@ class Stream:
         if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
             raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
         out = np.empty((len(starts), width), dtype=self.dtype)
-        size, n = self.dtype.itemsize, width * self.dtype.itemsize
-        view = memoryview(out).cast("B")
-        for b, s in enumerate(starts.tolist()):
-            if n and os.preadv(self._fd, [view[b * n : (b + 1) * n]], s * size) != n:
-                raise DataError(f"{self.path}: shorter than its manifest says (truncated while read?)")
-        return out.astype(np.int64)
+        return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
 
 
-@dataclass(frozen=True)
-class StreamStore:
-    """An opened stream store: its directory, its manifest, and its train and valid streams."""
-
-    path: Path
-    manifest: dict[str, Any]
-    splits: dict[str, Stream]
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer"
+StreamStore = Store  # an opened stream store: its splits are the train and valid :class:`Stream`
 
 
-def _rebuild_hint(path: Path) -> str:
-    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
-
-
-def open_stream(path: Path, verify_all: bool = False) -> StreamStore:
-    """Open and check the stream store in ``path`` (the caller holds its lock, or none exists): one DataError
-    naming the file and the fix for anything wrong. ``verify_all``: every file read and checked, none skipped as
-    unchanged (``aiayn prepare --verify``)."""
-    manifest = opened_manifest(path)
+def _problem(manifest: dict[str, Any]) -> str | None:
+    """What makes a stream store's manifest unusable, None when nothing."""
     splits = manifest.get("splits")
     if manifest.get("kind") != STREAM:
-        raise DataError(f"{path / MANIFEST}: holds a {manifest.get('kind', 'pairs')!r} store, not a language "
-                        f"model's token stream: {_rebuild_hint(path)}")
+        return f"holds a {manifest.get('kind', 'pairs')!r} store, not a language model's token stream"
     if (manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int)
             or not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
                 splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
-        raise DataError(f"{path / MANIFEST}: its dtype, vocabulary size or splits are missing or wrong: "
-                        f"{_rebuild_hint(path)}")
-    memo, files = Memo(path, enabled=not verify_all), manifest.get("files")
-    if files is not None and not isinstance(files, dict):
-        raise DataError(f"{path / MANIFEST}: its list of files is malformed: {_rebuild_hint(path)}")
-    streams = {}
-    for name in SPLITS:
-        try:
-            stream = Stream(path / f"{name}.bin", np.dtype(manifest["dtype"]), splits[name]["tokens"])
-        except FileNotFoundError as e:
-            raise DataError(f"{e.filename}: missing (the manifest names split {name}): {_rebuild_hint(path)}"
-                            ) from None
-        except OSError as e:
-            raise DataError(f"{path}/{name}.bin: unreadable ({e}): {_rebuild_hint(path)}") from None
-        problem = stream.check(manifest["vocab_size"], files, memo)
-        if problem is not None:
-            raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
-        streams[name] = stream
-    check_store_files(path, manifest, memo, {f"{name}.bin" for name in SPLITS})
-    return StreamStore(path, manifest, streams)
+        return "its dtype, vocabulary size or splits are missing or wrong"
+    files = manifest.get("files")
+    return "its list of files is malformed" if files is not None and not isinstance(files, dict) else None
+
+
+def open_stream(path: Path, verify_all: bool = False) -> Store:
+    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`)."""
+    def streams(o: Opening) -> dict[str, Stream]:
+        return {name: o.id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", o.manifest["dtype"],
+                                                             o.manifest["splits"][name]["tokens"]),
+                                o.manifest["vocab_size"], (OSError,)) for name in SPLITS}
+
+    return open_kind(path, _problem, streams, verify_all)
 
 
 @dataclass
-class StreamRecipe:
+class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
     tokenizer directory to use, else one is trained on the training part."""
 
@@ -356,18 +288,12 @@ class StreamRecipe:
     workers: int | None = None
     key: str = ""
 
-    def __post_init__(self) -> None:
-        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra())
-
-    def extra(self) -> dict[str, Any]:
+    def kind_settings(self) -> dict[str, Any]:
         """What the ids depend on beside the pair store's settings: the kind, the split."""
         return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
 
-    def open(self, path: Path) -> StreamStore:
+    def open(self, path: Path) -> Store:
         return open_stream(path)
-
-    def manifest_settings(self) -> dict[str, Any]:
-        return {**settings(self.cfg), **self.extra()}
 
     def _train(self, tdir: Path, split: int) -> None:
         """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
@@ -383,28 +309,20 @@ class StreamRecipe:
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
-        from aiayn.data.tokenizer import TokenizerPair
-
         note("preparing it: counting the text's characters")
         chars, visible = count_chars(self.path)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
         split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
-        tdir = place_tokenizer(stage, self.tokenizer, lambda t: self._train(t, split))
-        tok = TokenizerPair.load(tdir)
+        tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
-        workers = self.workers
-        if workers is None:
-            from aiayn.engine import usable_cores
-
-            big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
-            workers = usable_cores() if big else 1
+        workers = self.worker_count(tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES)
         tokens = {name: 0 for name in SPLITS}
         files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
         progress = ItemProgress(chars, "char", "prepare")
         note("preparing it: encoding the text")
         try:
-            with _encoders(tdir, workers) as encode:
+            with worker_pool(workers, _init_worker, (str(tdir),), _encode_in_worker) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
                     files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
                     tokens[name] += len(ids)
@@ -413,10 +331,8 @@ class StreamRecipe:
             for f in files.values():
                 f.close()
             progress.close()
-        return {"version": STORE_VERSION, "key": self.key, "kind": STREAM, "created": now(),
-                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
-                "vocab_size": tok.src.vocab_size, "chars": {"train": split, "valid": chars - split},
-                "splits": {name: {"tokens": tokens[name]} for name in SPLITS}}
+        return self.manifest(STREAM, dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
+                             splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
