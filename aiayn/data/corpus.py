@@ -148,10 +148,7 @@ def iter_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
     """Sentence pairs from two line-aligned files (plain or .gz)."""
-    pairs = list(iter_parallel(src_path, tgt_path))
-    if not pairs:
-        raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines")
-    return pairs
+    return read_pairs("text", src_path, tgt_path)
 
 
 def iter_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
@@ -184,10 +181,7 @@ def iter_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -
 
 def read_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
     """Sentence pairs from a tab-separated file (plain or .gz): :func:`iter_tsv`, collected."""
-    pairs = list(iter_tsv(path, src_field, tgt_field))
-    if not pairs:
-        raise DataError(f"empty corpus: {path} has no rows")
-    return pairs
+    return read_pairs("tsv", path, None, src_field, tgt_field)
 
 
 def _jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -225,10 +219,7 @@ def iter_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt")
 
 def read_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
     """:func:`iter_jsonl`, collected."""
-    pairs = list(iter_jsonl(path, src_field, tgt_field))
-    if not pairs:
-        raise DataError(f"empty corpus: {path} has no rows")
-    return pairs
+    return read_pairs("jsonl", path, None, src_field, tgt_field)
 
 
 def iter_pairs(
@@ -251,16 +242,12 @@ def read_pairs(
     fmt: str, src_path: str | Path, tgt_path: str | Path | None = None, src_field: str = "src",
     tgt_field: str = "tgt",
 ) -> list[tuple[str, str]]:
-    """Dispatch on ``data.format``: ``text`` needs both paths; ``tsv`` / ``jsonl`` read ``src_path``."""
-    if fmt == "text":
-        if tgt_path is None:
-            raise DataError(f"format text needs a target file beside {src_path}")
-        return read_parallel(src_path, tgt_path)
-    if fmt == "tsv":
-        return read_tsv(src_path, src_field, tgt_field)
-    if fmt == "jsonl":
-        return read_jsonl(src_path, src_field, tgt_field)
-    raise DataError(f"data format {fmt!r}: expected text, tsv or jsonl")
+    """:func:`iter_pairs` (the one dispatch on ``data.format``), collected: an empty corpus is one error."""
+    pairs = list(iter_pairs(fmt, src_path, tgt_path, src_field, tgt_field))
+    if not pairs:
+        raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines" if fmt == "text"
+                        else f"empty corpus: {src_path} has no rows")
+    return pairs
 
 
 def split_files(data: Any, split: str) -> tuple[str | Path, str | Path | None]:
