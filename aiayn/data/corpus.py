@@ -47,16 +47,17 @@ def _read_bytes(path: str | Path) -> bytes:
     return raw
 
 
-def _decode(data: bytes, path: str | Path) -> str:
-    """UTF-8 text; invalid bytes are an error naming the 1-based line (never silently replaced)."""
+def decode_utf8(data: bytes, path: str | Path, lines_before: int = 0, bom: bool = True) -> str:
+    """UTF-8 text (a leading byte-order mark dropped when ``bom``); invalid bytes are an error naming the 1-based
+    line (``data`` follows ``lines_before`` lines of the file) and column (never silently replaced)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
+        line = lines_before + data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         bad = data[e.start : e.start + 1].hex()
         raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{bad} at column {col})") from None
-    return text[1:] if text.startswith("\ufeff") else text  # drop a byte-order mark
+    return text[1:] if bom and text.startswith("\ufeff") else text
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:
@@ -106,7 +107,7 @@ def read_stdin_lines() -> list[str]:
     raw = stream.read()
     if isinstance(raw, str):  # a text stream without a binary buffer
         raw = raw.encode("utf-8")
-    return _split_lines(_decode(raw, "<stdin>"))
+    return _split_lines(decode_utf8(raw, "<stdin>"))
 
 
 def _split_lines(text: str) -> list[str]:
@@ -118,7 +119,7 @@ def _split_lines(text: str) -> list[str]:
 
 def read_text(path: str | Path) -> str:
     """A whole UTF-8 text file (plain or gzip) as one string, for language modelling."""
-    text = _decode(_read_bytes(path), path)
+    text = decode_utf8(_read_bytes(path), path)
     if not text:
         raise DataError(f"{path}: empty corpus (the file has no text)")
     return text

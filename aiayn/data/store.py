@@ -1,8 +1,10 @@
-"""Prepared corpora: a translation corpus tokenized once into flat files of token ids and their offsets, read
-lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first
-``aiayn train``).
+"""Prepared corpora: one token store with kinds, a corpus tokenized once into flat files of token ids, read lazily,
+by position, by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn
+train``). Its kinds: (source, target) pairs, here; a language model's text as one token stream
+(:mod:`aiayn.data.stream_store`); summarization as language modelling is a :class:`PairRecipe` of (document,
+summary) pairs (:func:`aiayn.data.summarization.summary_lm_recipe`).
 
-    DIR/manifest.json          what the store holds and from what: inputs, settings, tokenizer, counts (written last)
+    DIR/manifest.json          what the store holds and from what: kind, inputs, settings, counts (written last)
     DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
     DIR/<split>.src.bin        every kept pair's source ids back to back (uint16 when the vocabulary fits, else uint32)
     DIR/<split>.src.idx        int64 offsets into it, one more than the pairs (pair i is ids[idx[i]:idx[i + 1]])
@@ -11,27 +13,19 @@ lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare C
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
 Raw little-endian arrays whose dtype and length the manifest states: no pickle, and only the offsets (the pair
-lengths the batches are planned from) live in memory while training. A batch's ids are read from the files, each
-pair with one ``preadv`` into its place in one buffer, and padded with numpy (:meth:`Side.gather`,
-:func:`aiayn.data.batching.collate_flat`). Nothing is mapped: the pages of a lasting mapping that training touches
-at random would stay in the process's resident memory and make it grow with the store (:class:`Side`).
+lengths the batches are planned from) live in memory while training; ids are read by position, never mapped
+(:class:`IdFile`), a batch's pairs into one buffer (:meth:`Side.gather`, :func:`aiayn.data.batching.collate_flat`).
 
-The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
-published checksums), the settings that tokenize, filter or cut the text, the tokenizer's own files when one is
-given, and :data:`STORE_VERSION`. A store is reused only when its key matches, so a changed input, setting or
-tokenizer is never read from a stale store. Concurrent starts are safe: one process builds under the lock, in
-a staging directory of its own, moves the files in and writes the manifest last (atomically); the others wait
-on the lock and open the complete store. A store without a manifest (a killed build) is rebuilt; a failed build
-removes the directory it created. Every opening checks the files (:meth:`Side.check`, vectorized): a damaged
-store is one DataError naming the file and the fix (``aiayn prepare`` rebuilds it). Preparing streams the
-input (plain or .gz text pairs, TSV, JSONL: never all of it in memory), trains the tokenizer on a seeded sample
-(``data.tokenizer_sample`` sentences), and encodes in chunks on every core (worker processes when the corpus is
-large enough to pay for them), with progress lines on stderr.
-
-Other kinds of store plug into the same machinery (:func:`prepare_store`: the lock, the staging directory, the
-manifest written last, the key) through a :class:`Recipe`: a language model's text as one flat token stream
-(:mod:`aiayn.data.stream_store`); summarization as language modelling is a :class:`PairRecipe` of (document,
-summary) pairs (:func:`aiayn.data.summarization.summary_lm_recipe`).
+What every kind shares: the manifest's ``key``, a sha256 over everything the ids depend on (the input files' bytes
+or a known dataset's published checksums, the settings that tokenize, filter or cut the text, a given tokenizer's
+files, :data:`STORE_VERSION`: :func:`store_key`), so a store is reused only when its key matches; the manifest
+(:meth:`Recipe.manifest`), sealed with every file's checksum and its own (:mod:`aiayn.data.integrity`) and written
+last; one lock (:func:`store_lock`): one process builds (:func:`prepare_store`), in a staging directory of its own,
+the others wait and open the complete store; a killed build is rebuilt, a failed one removes the directory it
+created; one opening (:func:`open_kind`) that checks every file (:meth:`IdFile._check`, vectorized; the memo skips
+files unchanged since found good): a damaged store is one DataError naming the file and the fix. Preparing streams
+the input (never all of it in memory), trains the tokenizer on a seeded sample (``data.tokenizer_sample``), and
+encodes in chunks (worker processes when the corpus is large enough to pay for them), with progress on stderr.
 """
 
 from __future__ import annotations
@@ -257,11 +251,9 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra
     """sha256 of the version, the settings, the inputs' identities and, when given, the tokenizer's files.
     ``extra``: settings of another kind of store (a language model's split, its separator), kept with a given
     tokenizer too; a translation store has none, so its key is what it always was."""
-    from aiayn.data.tokenizer import tokenizer_files
-
     parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
     if tokenizer is not None:
-        parts["tokenizer"] = {p.name: sha256_file(p) for p in tokenizer_files(tokenizer)}
+        parts["tokenizer"] = tokenizer_digest(tokenizer)
         parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
     if extra:
         parts["settings"] = {**parts["settings"], **extra}
@@ -285,14 +277,16 @@ def describe_store(manifest: dict[str, Any]) -> list[str]:
             f"({dtype})" for name, info in manifest["splits"].items()]
 
 
-def tokenizer_matches(a: Path, b: Path) -> bool:
-    """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
+def tokenizer_digest(d: Path) -> dict[str, str]:
+    """``{name: sha256}`` of a tokenizer directory's files (the key of a store given it; two compared)."""
     from aiayn.data.tokenizer import tokenizer_files
 
-    def digest(d: Path) -> dict[str, str]:
-        return {p.name: sha256_file(p) for p in tokenizer_files(d)}
+    return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
-    return digest(a) == digest(b)
+
+def tokenizer_matches(a: Path, b: Path) -> bool:
+    """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
+    return tokenizer_digest(a) == tokenizer_digest(b)
 
 
 # Opening -----------------------------------------------------------------------------------------------------
@@ -307,8 +301,10 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _rebuild_hint(path: Path) -> str:
-    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
+def damaged(path: Path, problem: str) -> DataError:
+    """The one line of a damaged store ``path``: ``problem`` (naming the file) and the fix."""
+    return DataError(f"{problem}: rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared "
+                     "from)")
 
 
 def opened_manifest(path: Path) -> dict[str, Any]:
@@ -320,7 +316,7 @@ def opened_manifest(path: Path) -> dict[str, Any]:
     try:
         return load_manifest(path, STORE_VERSION)
     except DataError as e:
-        raise DataError(f"{e}: {_rebuild_hint(path)}") from None
+        raise damaged(path, str(e)) from None
 
 
 def check_store_files(path: Path, manifest: dict[str, Any], memo: Memo, id_files: set[str]) -> None:
@@ -332,13 +328,13 @@ def check_store_files(path: Path, manifest: dict[str, Any], memo: Memo, id_files
     if isinstance(files, dict):
         problems = check_files(path, files, memo, skip=id_files)
         if problems:
-            raise DataError(f"{path}/{problems[0]}: {_rebuild_hint(path)}")
+            raise damaged(path, f"{path}/{problems[0]}")
     else:
         log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
                     "contents unverified; aiayn prepare into a new directory gives a verified store", path)
     tokenizer = path / "tokenizer" / "tokenizer.json"
     if not tokenizer.is_file():
-        raise DataError(f"{tokenizer}: missing (the store's tokenizer): {_rebuild_hint(path)}")
+        raise damaged(path, f"{tokenizer}: missing (the store's tokenizer)")
     memo.save()
 
 
@@ -376,13 +372,12 @@ class Opening:
         try:
             opened = make()
         except FileNotFoundError as e:
-            raise DataError(f"{e.filename}: missing (the manifest names split {split}): {_rebuild_hint(self.path)}"
-                            ) from None
+            raise damaged(self.path, f"{e.filename}: missing (the manifest names split {split})") from None
         except unreadable as e:
-            raise DataError(f"{self.path}/{label}: unreadable ({e}): {_rebuild_hint(self.path)}") from None
+            raise damaged(self.path, f"{self.path}/{label}: unreadable ({e})") from None
         problem = opened.check(vocab_size, self.manifest.get("files"), self.memo)
         if problem is not None:
-            raise DataError(f"{self.path}/{problem}: {_rebuild_hint(self.path)}")
+            raise damaged(self.path, f"{self.path}/{problem}")
         self.id_files.add(opened.path.name)
         return opened
 
@@ -396,7 +391,7 @@ def open_kind(path: Path, problem: Callable[[dict[str, Any]], str | None],
     manifest = opened_manifest(path)
     wrong = problem(manifest)
     if wrong is not None:
-        raise DataError(f"{path / MANIFEST}: {wrong}: {_rebuild_hint(path)}")
+        raise damaged(path, f"{path / MANIFEST}: {wrong}")
     opening = Opening(path, manifest, Memo(path, enabled=not verify_all))
     splits = open_splits(opening)
     check_store_files(path, manifest, opening.memo, opening.id_files)

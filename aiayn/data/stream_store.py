@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from aiayn.config import Config
+from aiayn.data.corpus import decode_utf8
 from aiayn.data.integrity import Memo
 from aiayn.data.store import (
     PARALLEL_BYTES,
@@ -63,17 +64,6 @@ LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines
 # Reading the text --------------------------------------------------------------------------------------------
 
 
-def _decode(chunk: bytes, path: Path, lines_before: int) -> str:
-    """A chunk that ends at a character boundary, as text; invalid UTF-8 names its line and column."""
-    try:
-        return chunk.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = lines_before + chunk.count(b"\n", 0, e.start) + 1
-        col = e.start - (chunk.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{chunk[e.start:e.start + 1].hex()} at "
-                        f"column {col})") from None
-
-
 def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
     """The text of ``path`` (plain or gzip, by content; a leading byte-order mark dropped, as
     :func:`aiayn.data.corpus.read_text` reads it) in pieces of about ``size`` bytes (:data:`READ_BYTES`), each
@@ -95,10 +85,8 @@ def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
                     carry = data
                     continue
                 chunk, carry = data[:cut], data[cut:]
-                text = _decode(chunk, path, lines)
+                text = decode_utf8(chunk, path, lines, bom=first)
                 lines += chunk.count(b"\n")
-                if first and text.startswith("\ufeff"):
-                    text = text[1:]
                 first = False
                 if text:
                     yield text
