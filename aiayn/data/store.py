@@ -574,6 +574,14 @@ class Recipe:
             release_free_memory()
         return tdir, TokenizerPair.load(tdir)
 
+    def train_tokenizer_on(self, tdir: Path, src: Iterable[str], tgt: Iterable[str], what: str) -> None:
+        """Train the config's tokenizer into ``tdir`` on the ``src`` and ``tgt`` texts (``what`` they are, logged)."""
+        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+
+        d = self.cfg.data
+        log.info("training %s on %s", tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), what)
+        train_tokenizer_pair(src, tgt, tdir, TokenizerSpec.from_config(self.cfg))
+
     def worker_count(self, big: bool) -> int:
         """``workers`` when set, else every usable core for a ``big`` input (below, one process is faster)."""
         if self.workers is not None:
@@ -619,14 +627,9 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
         store = open_locked(out, lambda path: _named(path, recipe), wait_s)
         if store is not None:
             return store
-    manifest = read_manifest(out)
-    if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
-        try:
-            store = open_locked(out, recipe.open, wait_s)
-            if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
-                return store
-        except DataError as e:
-            log.warning("%s; rebuilding it", e)
+    store = _reused(out, key, lambda path: open_locked(path, recipe.open, wait_s))  # the common case: no exclusive lock
+    if store is not None:
+        return store
     _refuse_foreign(out)
     with contextlib.ExitStack() as held:
         while True:
@@ -637,15 +640,10 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
                 continue
         try:
-            store = _named(out, recipe) if not rebuild else None  # built by another process while we waited?
+            # built by another process while we waited?
+            store = _named(out, recipe) if not rebuild else _reused(out, key, recipe.open)
             if store is not None:
                 return store
-            manifest = read_manifest(out)
-            if manifest is not None and manifest.get("key") == key:  # another process built it while we waited
-                try:
-                    return recipe.open(out)
-                except DataError as e:
-                    log.warning("%s; rebuilding it", e)
             _refuse_foreign(out)
             _build_with(out, recipe, lock)
             return recipe.open(out)
@@ -653,6 +651,20 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
                 shutil.rmtree(made, ignore_errors=True)
             raise
+
+
+def _reused(out: Path, key: str, opener: Callable[[Path], Any]) -> Any:
+    """The store in ``out`` opened by ``opener`` when its manifest has ``key`` and its files check out, else None
+    (to be built; a damaged store is logged, then rebuilt)."""
+    manifest = read_manifest(out)
+    if manifest is None or manifest.get("key") != key:
+        return None
+    try:
+        store = opener(out)
+    except DataError as e:
+        log.warning("%s; rebuilding it", e)
+        return None
+    return store if store.manifest.get("key") == key else None  # not rebuilt for other inputs while we waited
 
 
 def open_only(out: Path, recipe: Recipe) -> Any:
@@ -815,13 +827,9 @@ class PairRecipe(Recipe):
     def _train(self, tdir: Path) -> None:
         """The default tokenizer: two passes over the training pairs (sources, then targets), a sample of each,
         never the corpus in memory."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
-        d, train = self.cfg.data, self.sources["train"]
-        log.info("training %s on a sample of at most %s sentences",
-                 tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), f"{d.tokenizer_sample:,}")
-        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir,
-                             TokenizerSpec.from_config(self.cfg))
+        train = self.sources["train"]
+        self.train_tokenizer_on(tdir, (s for s, _ in train()), (t for _, t in train()),
+                                f"a sample of at most {self.cfg.data.tokenizer_sample:,} sentences")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Train or copy the tokenizer and encode every split into ``stage``; the manifest to write."""

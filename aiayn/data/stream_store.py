@@ -234,9 +234,6 @@ class Stream(IdFile):
         return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
 
 
-StreamStore = Store  # an opened stream store: its splits are the train and valid :class:`Stream`
-
-
 def _problem(manifest: dict[str, Any]) -> str | None:
     """What makes a stream store's manifest unusable, None when nothing."""
     splits = manifest.get("splits")
@@ -251,7 +248,8 @@ def _problem(manifest: dict[str, Any]) -> str | None:
 
 
 def open_stream(path: Path, verify_all: bool = False) -> Store:
-    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`)."""
+    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): its splits, the train and
+    valid :class:`Stream`."""
     def streams(o: Opening) -> dict[str, Stream]:
         return {name: o.id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", o.manifest["dtype"],
                                                              o.manifest["splits"][name]["tokens"]),
@@ -282,14 +280,9 @@ class StreamRecipe(Recipe):
     def _train(self, tdir: Path, split: int) -> None:
         """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
         seeded sample), or on its characters (char: every one, the newline included)."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
-        d = self.cfg.data
-        log.info("training %s on the first %s characters", tokenizer_plan(d.tokenizer, d.vocab_size,
-                 d.shared_vocab), f"{split:,}")
-        texts: Iterable[str] = ([train_chars(self.path, split)] if d.tokenizer == "char"
+        texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
                                 else (ln for ln in train_lines(self.path, split) if ln.strip()))
-        train_tokenizer_pair(texts, [], tdir, TokenizerSpec.from_config(self.cfg))
+        self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
