@@ -26,12 +26,14 @@ from __future__ import annotations
 import hashlib
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from aiayn.errors import DataError
 
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -377,3 +379,127 @@ def lm_batches(blocks: torch.Tensor, batch_size: int, pad_id: int = PAD_ID) -> l
         raise ValueError("lm_batches: batch_size must be positive")
     return [lm_batch(blocks[s : s + batch_size], list(range(s, min(s + batch_size, blocks.size(0)))), pad_id)
             for s in range(0, blocks.size(0), batch_size)]
+
+
+# Training on windows -----------------------------------------------------------------------------------------
+
+ITER_BATCHES = 1024  # a block plan's batches made at a time when it is walked whole
+
+
+class Stream(Protocol):
+    """What windows are read from: a token stream of a store (:class:`aiayn.data.stream_store.Stream`)."""
+
+    def __len__(self) -> int: ...
+
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
+        ...
+
+
+class BlockPlan(Sequence):
+    """An epoch's batches of blocks, planned and not read: batch i is a (B, 2) int64 array, column 0 the blocks'
+    places in the epoch's order, column 1 where each starts in the stream. Holds the epoch's block order
+    (:func:`lm_block_order`: 4 bytes a block) and makes a batch's array when asked; a slice
+    is a plan of fewer batches sharing that order, and a plan pickles as the list of its batches' arrays."""
+
+    __slots__ = ("offset", "order", "block_size", "batch_size", "batches")
+
+    def __init__(self, offset: int, order: np.ndarray, block_size: int, batch_size: int,
+                 batches: range | None = None) -> None:
+        self.offset, self.order, self.block_size, self.batch_size = offset, order, block_size, batch_size
+        self.batches = range(-(-len(order) // batch_size)) if batches is None else batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return BlockPlan(self.offset, self.order, self.block_size, self.batch_size, self.batches[i])
+        b = self.batches[i]
+        return self._rows(b * self.batch_size, min((b + 1) * self.batch_size, len(self.order)))
+
+    def _rows(self, first: int, stop: int) -> np.ndarray:
+        """(stop - first, 2) int64: blocks ``first .. stop - 1`` of the epoch, their places and starts."""
+        out = np.empty((stop - first, 2), dtype=np.int64)
+        out[:, 0] = np.arange(first, stop)
+        out[:, 1] = self.order[first:stop]
+        out[:, 1] *= self.block_size
+        out[:, 1] += self.offset
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        # a whole plan is walked once per epoch (each batch's tokens): its arrays made many batches at a time
+        if self.batches.step != 1:
+            yield from (self[i] for i in range(len(self)))
+            return
+        B, n = self.batch_size, len(self.order)
+        for lo in range(self.batches.start, self.batches.stop, ITER_BATCHES):
+            hi = min(lo + ITER_BATCHES, self.batches.stop)
+            rows = self._rows(lo * B, min(hi * B, n))
+            yield from (rows[k * B : (k + 1) * B] for k in range(hi - lo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (list(self),)
+
+
+def collate_windows(stream: Stream, item: np.ndarray, block_size: int) -> Batch:
+    """The batch of a planned (B, 2) array: its blocks of ``block_size + 1`` ids read from ``stream``."""
+    blocks = torch.from_numpy(stream.windows(item[:, 1], block_size + 1))  # (B, L + 1)
+    return lm_batch(blocks, item[:, 0].tolist())
+
+
+class WindowBatches(Sequence):
+    """Batches of a :class:`BlockPlan` read when asked (validation of a long stream holds no ids in memory);
+    a slice is another such sequence (each process evaluates every world-th batch)."""
+
+    def __init__(self, stream: Stream, plan: BlockPlan, block_size: int) -> None:
+        self.stream, self.plan, self.block_size = stream, plan, block_size
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return WindowBatches(self.stream, self.plan[i], self.block_size)
+        return collate_windows(self.stream, self.plan[i], self.block_size)
+
+
+@dataclass
+class LMData:
+    """A language model's training data: the store's train and valid streams cut into blocks of ``block_size + 1``
+    ids (consecutive blocks share one boundary token), ``batch_size`` blocks a batch; each epoch at a new offset
+    and in a new order (:func:`lm_block_order`), validation on fixed blocks from the start of
+    the held-out stream. The batches of cutting the stream in memory (tests/test_lm_store.py); nothing of the
+    stream in memory, and a pickle of file names."""
+
+    train: Stream
+    valid: Stream
+    block_size: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        L = self.block_size
+        if len(self.train) <= L + 1:
+            raise DataError(f"the training text has {len(self.train)} tokens, fewer than one block of {L + 1}")
+        if (len(self.valid) - 1) // L < 1:
+            raise DataError(f"the validation text has {len(self.valid)} tokens, fewer than one block of {L + 1}")
+
+    def epoch_plan(self, epoch: int) -> BlockPlan:
+        """The epoch's batches as (B, 2) arrays of block places and starts (:class:`BlockPlan`)."""
+        offset, order = lm_block_order(len(self.train), self.block_size, self.seed, epoch)
+        return BlockPlan(offset, order, self.block_size, self.batch_size)
+
+    def plan_tokens(self, item: np.ndarray) -> int:
+        """The target tokens of a planned batch: every position of every block (no block holds padding)."""
+        return len(item) * self.block_size
+
+    def collate_plan(self, item: np.ndarray) -> Batch:
+        return collate_windows(self.train, item, self.block_size)
+
+    @property
+    def valid_batches(self) -> WindowBatches:
+        """Fixed, non-overlapping blocks from the start of the held-out stream: every validation token after the
+        first is predicted once. Read when iterated."""
+        offset, order = lm_block_order(len(self.valid), self.block_size, shuffle=False)
+        return WindowBatches(self.valid, BlockPlan(offset, order, self.block_size, self.batch_size), self.block_size)

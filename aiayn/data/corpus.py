@@ -47,16 +47,17 @@ def _read_bytes(path: str | Path) -> bytes:
     return raw
 
 
-def _decode(data: bytes, path: str | Path) -> str:
-    """UTF-8 text; invalid bytes are an error naming the 1-based line (never silently replaced)."""
+def decode_utf8(data: bytes, path: str | Path, lines_before: int = 0, bom: bool = True) -> str:
+    """UTF-8 text (a leading byte-order mark dropped when ``bom``); invalid bytes are an error naming the 1-based
+    line (``data`` follows ``lines_before`` lines of the file) and column (never silently replaced)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
+        line = lines_before + data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         bad = data[e.start : e.start + 1].hex()
         raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{bad} at column {col})") from None
-    return text[1:] if text.startswith("\ufeff") else text  # drop a byte-order mark
+    return text[1:] if bom and text.startswith("\ufeff") else text
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:
@@ -106,7 +107,7 @@ def read_stdin_lines() -> list[str]:
     raw = stream.read()
     if isinstance(raw, str):  # a text stream without a binary buffer
         raw = raw.encode("utf-8")
-    return _split_lines(_decode(raw, "<stdin>"))
+    return _split_lines(decode_utf8(raw, "<stdin>"))
 
 
 def _split_lines(text: str) -> list[str]:
@@ -118,7 +119,7 @@ def _split_lines(text: str) -> list[str]:
 
 def read_text(path: str | Path) -> str:
     """A whole UTF-8 text file (plain or gzip) as one string, for language modelling."""
-    text = _decode(_read_bytes(path), path)
+    text = decode_utf8(_read_bytes(path), path)
     if not text:
         raise DataError(f"{path}: empty corpus (the file has no text)")
     return text
@@ -148,10 +149,7 @@ def iter_parallel(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str]]:
     """Sentence pairs from two line-aligned files (plain or .gz)."""
-    pairs = list(iter_parallel(src_path, tgt_path))
-    if not pairs:
-        raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines")
-    return pairs
+    return read_pairs("text", src_path, tgt_path)
 
 
 def iter_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
@@ -184,10 +182,7 @@ def iter_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -
 
 def read_tsv(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
     """Sentence pairs from a tab-separated file (plain or .gz): :func:`iter_tsv`, collected."""
-    pairs = list(iter_tsv(path, src_field, tgt_field))
-    if not pairs:
-        raise DataError(f"empty corpus: {path} has no rows")
-    return pairs
+    return read_pairs("tsv", path, None, src_field, tgt_field)
 
 
 def _jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -225,10 +220,7 @@ def iter_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt")
 
 def read_jsonl(path: str | Path, src_field: str = "src", tgt_field: str = "tgt") -> list[tuple[str, str]]:
     """:func:`iter_jsonl`, collected."""
-    pairs = list(iter_jsonl(path, src_field, tgt_field))
-    if not pairs:
-        raise DataError(f"empty corpus: {path} has no rows")
-    return pairs
+    return read_pairs("jsonl", path, None, src_field, tgt_field)
 
 
 def iter_pairs(
@@ -251,16 +243,12 @@ def read_pairs(
     fmt: str, src_path: str | Path, tgt_path: str | Path | None = None, src_field: str = "src",
     tgt_field: str = "tgt",
 ) -> list[tuple[str, str]]:
-    """Dispatch on ``data.format``: ``text`` needs both paths; ``tsv`` / ``jsonl`` read ``src_path``."""
-    if fmt == "text":
-        if tgt_path is None:
-            raise DataError(f"format text needs a target file beside {src_path}")
-        return read_parallel(src_path, tgt_path)
-    if fmt == "tsv":
-        return read_tsv(src_path, src_field, tgt_field)
-    if fmt == "jsonl":
-        return read_jsonl(src_path, src_field, tgt_field)
-    raise DataError(f"data format {fmt!r}: expected text, tsv or jsonl")
+    """:func:`iter_pairs` (the one dispatch on ``data.format``), collected: an empty corpus is one error."""
+    pairs = list(iter_pairs(fmt, src_path, tgt_path, src_field, tgt_field))
+    if not pairs:
+        raise DataError(f"empty corpus: {src_path} and {tgt_path} have no lines" if fmt == "text"
+                        else f"empty corpus: {src_path} has no rows")
+    return pairs
 
 
 def split_files(data: Any, split: str) -> tuple[str | Path, str | Path | None]:

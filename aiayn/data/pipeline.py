@@ -21,6 +21,7 @@ import numpy as np
 from aiayn.config import Config, ConfigError
 from aiayn.data.batching import (
     Batch,
+    LMData,
     batch_shape,
     collate_flat,
     pair_costs,
@@ -30,7 +31,7 @@ from aiayn.data.batching import (
 from aiayn.data.corpus import DataError, describe_clean_stats
 from aiayn.data.registry import dataset_of, is_summary_lm
 from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
-from aiayn.data.stream_store import LMData, stream_recipe
+from aiayn.data.stream_store import stream_recipe
 from aiayn.data.summarization import (
     SummaryLMData,
     separator_ids,
@@ -389,7 +390,7 @@ def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barr
 
 def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                   ) -> tuple[LMData | SummaryLMData, TokenizerPair]:
-    """A language model's data: windows of the store's token stream (:class:`~aiayn.data.stream_store.LMData`),
+    """A language model's data: windows of the store's token stream (:class:`~aiayn.data.batching.LMData`),
     or "document <sep> summary" rows (:func:`build_summary_lm_data`)."""
     if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
         return build_summary_lm_data(cfg, run_dir, is_main, barrier)

@@ -1,8 +1,10 @@
-"""Prepared corpora: a translation corpus tokenized once into flat files of token ids and their offsets, read
-lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first
-``aiayn train``).
+"""Prepared corpora: one token store with kinds, a corpus tokenized once into flat files of token ids, read lazily,
+by position, by any number of runs and torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn
+train``). Its kinds: (source, target) pairs, here; a language model's text as one token stream
+(:mod:`aiayn.data.stream_store`); summarization as language modelling is a :class:`PairRecipe` of (document,
+summary) pairs (:func:`aiayn.data.summarization.summary_lm_recipe`).
 
-    DIR/manifest.json          what the store holds and from what: inputs, settings, tokenizer, counts (written last)
+    DIR/manifest.json          what the store holds and from what: kind, inputs, settings, counts (written last)
     DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
     DIR/<split>.src.bin        every kept pair's source ids back to back (uint16 when the vocabulary fits, else uint32)
     DIR/<split>.src.idx        int64 offsets into it, one more than the pairs (pair i is ids[idx[i]:idx[i + 1]])
@@ -11,27 +13,19 @@ lazily, by position, by any number of runs and torchrun ranks (``aiayn prepare C
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
 Raw little-endian arrays whose dtype and length the manifest states: no pickle, and only the offsets (the pair
-lengths the batches are planned from) live in memory while training. A batch's ids are read from the files, each
-pair with one ``preadv`` into its place in one buffer, and padded with numpy (:meth:`Side.gather`,
-:func:`aiayn.data.batching.collate_flat`). Nothing is mapped: the pages of a lasting mapping that training touches
-at random would stay in the process's resident memory and make it grow with the store (:class:`Side`).
+lengths the batches are planned from) live in memory while training; ids are read by position, never mapped
+(:class:`IdFile`), a batch's pairs into one buffer (:meth:`Side.gather`, :func:`aiayn.data.batching.collate_flat`).
 
-The manifest's ``key`` is a sha256 over everything the ids depend on: the input files' bytes (or a known dataset's
-published checksums), the settings that tokenize, filter or cut the text, the tokenizer's own files when one is
-given, and :data:`STORE_VERSION`. A store is reused only when its key matches, so a changed input, setting or
-tokenizer is never read from a stale store. Concurrent starts are safe: one process builds under the lock, in
-a staging directory of its own, moves the files in and writes the manifest last (atomically); the others wait
-on the lock and open the complete store. A store without a manifest (a killed build) is rebuilt; a failed build
-removes the directory it created. Every opening checks the files (:meth:`Side.check`, vectorized): a damaged
-store is one DataError naming the file and the fix (``aiayn prepare`` rebuilds it). Preparing streams the
-input (plain or .gz text pairs, TSV, JSONL: never all of it in memory), trains the tokenizer on a seeded sample
-(``data.tokenizer_sample`` sentences), and encodes in chunks on every core (worker processes when the corpus is
-large enough to pay for them), with progress lines on stderr.
-
-Other kinds of store plug into the same machinery (:func:`prepare_store`: the lock, the staging directory, the
-manifest written last, the key) through a :class:`Recipe`: a language model's text as one flat token stream
-(:mod:`aiayn.data.stream_store`); summarization as language modelling is a :class:`PairRecipe` of (document,
-summary) pairs (:func:`aiayn.data.summarization.summary_lm_recipe`).
+What every kind shares: the manifest's ``key``, a sha256 over everything the ids depend on (the input files' bytes
+or a known dataset's published checksums, the settings that tokenize, filter or cut the text, a given tokenizer's
+files, :data:`STORE_VERSION`: :func:`store_key`), so a store is reused only when its key matches; the manifest
+(:meth:`Recipe.manifest`), sealed with every file's checksum and its own (:mod:`aiayn.data.integrity`) and written
+last; one lock (:func:`store_lock`): one process builds (:func:`prepare_store`), in a staging directory of its own,
+the others wait and open the complete store; a killed build is rebuilt, a failed one removes the directory it
+created; one opening (:func:`open_kind`) that checks every file (:meth:`IdFile._check`, vectorized; the memo skips
+files unchanged since found good): a damaged store is one DataError naming the file and the fix. Preparing streams
+the input (never all of it in memory), trains the tokenizer on a seeded sample (``data.tokenizer_sample``), and
+encodes in chunks (worker processes when the corpus is large enough to pay for them), with progress on stderr.
 """
 
 from __future__ import annotations
@@ -48,11 +42,12 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -77,18 +72,67 @@ STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
 
 
-class Side:
-    """One side of a prepared split: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read from the
-    file by position with ``pread`` (one pair, or a batch's pairs into one buffer: :meth:`gather`).
+class IdFile:
+    """A flat file of token ids (uint16 or uint32, little-endian), read by position with ``pread``; pickles as what
+    it was opened from (a DataLoader worker started by spawn or forkserver reopens the file), not its descriptor.
 
     Never mapped: a lasting mapping that training reads at random would keep every page it touched in the
     process's resident memory, which would grow with the store (BENCHMARKS.md, "The data path"). Read, the pages
     stay in the kernel's page cache, not in the process."""
 
-    def __init__(self, ids: Path, offsets: Path, dtype: np.dtype, pairs: int) -> None:
-        self.dtype = dtype.newbyteorder("<")
-        self.path, self.offsets_path = ids, offsets
-        size = (pairs + 1) * 8
+    _state: dict[str, Any]
+
+    def _open(self, path: Path, dtype: np.dtype | str) -> None:
+        self.path, self.dtype = Path(path), np.dtype(dtype).newbyteorder("<")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            check_regular(fd, self.path)
+        except DataError:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.file_bytes = os.fstat(self._fd).st_size
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _check(self, n_ids: int, by: str, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
+        """What is wrong with the file, None when nothing: its length (``n_ids``, as ``by`` says), every id below
+        ``vocab_size``, and its checksum (``files``, the manifest's; None for a store prepared before checksums)
+        unless ``memo`` found it good as it is. Vectorized, in bounded chunks."""
+        need = n_ids * self.dtype.itemsize
+        if self.file_bytes != need:
+            return f"{self.path.name}: {self.file_bytes:,} bytes where its {by} {need:,} (truncated or damaged)"
+        return check_ids(self._fd, self.path, self.dtype, n_ids, vocab_size, files, memo)
+
+    def _read_into(self, buf: np.ndarray, starts: list[int], sizes: list[int], by: str) -> np.ndarray:
+        """``buf`` filled with the runs of ids at ``starts`` (ids into the file), ``sizes`` ids each, back to back:
+        one ``preadv`` a run, straight into its place; as int64."""
+        view, at, size = memoryview(buf).cast("B"), 0, self.dtype.itemsize
+        for start, n in zip(starts, sizes):
+            n *= size
+            if n and os.preadv(self._fd, [view[at : at + n]], start * size) != n:
+                raise DataError(f"{self.path}: shorter than its {by} (truncated while read?)")
+            at += n
+        return buf.astype(np.int64)
+
+
+class Side(IdFile):
+    """One side of a prepared split: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read from the
+    file by position (one pair, or a batch's pairs into one buffer: :meth:`gather`)."""
+
+    def __init__(self, ids: Path, offsets: Path, dtype: np.dtype | str, pairs: int) -> None:
+        self._state = {"ids": ids, "offsets": offsets, "dtype": np.dtype(dtype).newbyteorder("<").str, "pairs": pairs}
+        self.offsets_path, size = offsets, (pairs + 1) * 8
         with open(offsets, "rb") as f:
             check_regular(f.fileno(), offsets)
             data = f.read(size + 1)
@@ -101,45 +145,18 @@ class Side:
         if sys.byteorder == "big":
             self._bounds.byteswap()
         self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
-        fd = os.open(ids, os.O_RDONLY)
-        try:
-            check_regular(fd, ids)
-        except DataError:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self.file_bytes = os.fstat(self._fd).st_size
-        self.n_ids = self.file_bytes // self.dtype.itemsize
+        self._open(ids, dtype)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A DataLoader worker started by spawn or forkserver gets the side by pickle: its file names, not its
-        # open descriptor or its offsets (read again from the file: a pickle would copy them through a pipe).
-        return {"ids": self.path, "offsets": self.offsets_path, "dtype": self.dtype.str,
-                "pairs": len(self)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["ids"], state["offsets"], np.dtype(state["dtype"]), state["pairs"])
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
         """What is wrong with this side, None when nothing: offsets from 0, non-decreasing, ending at the ids
-        file's length; every id below ``vocab_size``, and the file's checksum (``files``, the manifest's; None for a
-        store prepared before checksums) unless ``memo`` found it good as it is. Vectorized, in bounded chunks."""
+        file's length; then :meth:`IdFile._check`."""
         o = self.offsets
         if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
             return f"{self.offsets_path.name}: its offsets are not non-decreasing from 0"
-        if int(o[-1]) * self.dtype.itemsize != self.file_bytes:
-            return (f"{self.path.name}: {self.file_bytes:,} bytes where its offsets need "
-                    f"{int(o[-1]) * self.dtype.itemsize:,} (truncated or damaged)")
-        return check_ids(self._fd, self.path, self.dtype, self.n_ids, vocab_size, files, memo)
+        return self._check(int(o[-1]), "offsets need", vocab_size, files, memo)
 
     def lengths(self) -> np.ndarray:
         """(pairs,) int32: the token count of every pair (no specials)."""
@@ -168,9 +185,11 @@ class Side:
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
         starts, ends = self.offsets[idx], self.offsets[idx + 1]
         lens = ends - starts
+        joined = starts[1:] == ends[:-1]  # pair k + 1 follows pair k in the file: one read for both
+        first = np.flatnonzero(np.concatenate(([True], ~joined))) if len(idx) else idx  # where each run begins
         buf = np.empty(int(lens.sum()), dtype=self.dtype)
-        if not len(idx):
-            return buf.astype(np.int64), lens
+        reads = np.add.reduceat(lens, first) if len(idx) else lens
+        return self._read_into(buf, starts[first].tolist(), reads.tolist(), "offsets"), lens
         joined = starts[1:] == ends[:-1]  # pair k + 1 follows pair k in the file: one read for both
         if joined.any():
             first = np.flatnonzero(np.concatenate(([True], ~joined)))  # where each run of pairs begins
@@ -203,11 +222,12 @@ class Split:
 
 @dataclass(frozen=True)
 class Store:
-    """An opened store: its directory, its manifest and its splits."""
+    """An opened store of any kind: its directory, its manifest and its splits (:class:`Split` of pairs, or a
+    stream's :class:`~aiayn.data.stream_store.Stream`)."""
 
     path: Path
     manifest: dict[str, Any]
-    splits: dict[str, Split]
+    splits: dict[str, Any]
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -231,11 +251,9 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra
     """sha256 of the version, the settings, the inputs' identities and, when given, the tokenizer's files.
     ``extra``: settings of another kind of store (a language model's split, its separator), kept with a given
     tokenizer too; a translation store has none, so its key is what it always was."""
-    from aiayn.data.tokenizer import tokenizer_files
-
     parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
     if tokenizer is not None:
-        parts["tokenizer"] = {p.name: sha256_file(p) for p in tokenizer_files(tokenizer)}
+        parts["tokenizer"] = tokenizer_digest(tokenizer)
         parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
     if extra:
         parts["settings"] = {**parts["settings"], **extra}
@@ -259,14 +277,16 @@ def describe_store(manifest: dict[str, Any]) -> list[str]:
             f"({dtype})" for name, info in manifest["splits"].items()]
 
 
-def tokenizer_matches(a: Path, b: Path) -> bool:
-    """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
+def tokenizer_digest(d: Path) -> dict[str, str]:
+    """``{name: sha256}`` of a tokenizer directory's files (the key of a store given it; two compared)."""
     from aiayn.data.tokenizer import tokenizer_files
 
-    def digest(d: Path) -> dict[str, str]:
-        return {p.name: sha256_file(p) for p in tokenizer_files(d)}
+    return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
-    return digest(a) == digest(b)
+
+def tokenizer_matches(a: Path, b: Path) -> bool:
+    """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
+    return tokenizer_digest(a) == tokenizer_digest(b)
 
 
 # Opening -----------------------------------------------------------------------------------------------------
@@ -281,8 +301,10 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _rebuild_hint(path: Path) -> str:
-    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
+def damaged(path: Path, problem: str) -> DataError:
+    """The one line of a damaged store ``path``: ``problem`` (naming the file) and the fix."""
+    return DataError(f"{problem}: rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared "
+                     "from)")
 
 
 def opened_manifest(path: Path) -> dict[str, Any]:
@@ -294,7 +316,7 @@ def opened_manifest(path: Path) -> dict[str, Any]:
     try:
         return load_manifest(path, STORE_VERSION)
     except DataError as e:
-        raise DataError(f"{e}: {_rebuild_hint(path)}") from None
+        raise damaged(path, str(e)) from None
 
 
 def check_store_files(path: Path, manifest: dict[str, Any], memo: Memo, id_files: set[str]) -> None:
@@ -306,13 +328,13 @@ def check_store_files(path: Path, manifest: dict[str, Any], memo: Memo, id_files
     if isinstance(files, dict):
         problems = check_files(path, files, memo, skip=id_files)
         if problems:
-            raise DataError(f"{path}/{problems[0]}: {_rebuild_hint(path)}")
+            raise damaged(path, f"{path}/{problems[0]}")
     else:
         log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
                     "contents unverified; aiayn prepare into a new directory gives a verified store", path)
     tokenizer = path / "tokenizer" / "tokenizer.json"
     if not tokenizer.is_file():
-        raise DataError(f"{tokenizer}: missing (the store's tokenizer): {_rebuild_hint(path)}")
+        raise damaged(path, f"{tokenizer}: missing (the store's tokenizer)")
     memo.save()
 
 
@@ -333,37 +355,59 @@ def _manifest_problem(manifest: dict[str, Any], need: tuple[str, ...]) -> str | 
     return f"names no {', '.join(missing)} split" if missing else None
 
 
-def open_pairs(path: Path, need: tuple[str, ...], verify_all: bool = False) -> Store:
-    """Open and check the store in ``path`` (the caller holds its lock, or none exists): one DataError naming
-    the file and the fix for anything wrong. ``verify_all``: every file read and checked, none skipped as unchanged
-    (``aiayn prepare --verify``)."""
+@dataclass
+class Opening:
+    """A store being opened (its lock held, or none exists): its directory, manifest and memo, and the id files
+    checked so far (the other files are checked by their checksums: :func:`check_store_files`)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    memo: Memo
+    id_files: set[str] = field(default_factory=set)
+
+    def id_file(self, split: str, label: str, make: Callable[[], IdFile], vocab_size: int,
+                unreadable: tuple[type[Exception], ...] = (OSError, DataError)) -> Any:
+        """``make()``: an id file of split ``split`` opened and checked (:meth:`IdFile._check`): one DataError
+        naming the file and the fix for anything wrong (``unreadable``: errors named as ``label`` unreadable)."""
+        try:
+            opened = make()
+        except FileNotFoundError as e:
+            raise damaged(self.path, f"{e.filename}: missing (the manifest names split {split})") from None
+        except unreadable as e:
+            raise damaged(self.path, f"{self.path}/{label}: unreadable ({e})") from None
+        problem = opened.check(vocab_size, self.manifest.get("files"), self.memo)
+        if problem is not None:
+            raise damaged(self.path, f"{self.path}/{problem}")
+        self.id_files.add(opened.path.name)
+        return opened
+
+
+def open_kind(path: Path, problem: Callable[[dict[str, Any]], str | None],
+              open_splits: Callable[[Opening], dict[str, Any]], verify_all: bool = False) -> Store:
+    """Open and check the store in ``path`` (the caller holds its lock, or none exists), of the kind that
+    ``problem`` (what makes its manifest unusable) and ``open_splits`` (its splits, opened and checked) say: one
+    DataError naming the file and the fix for anything wrong. ``verify_all``: every file read and checked, none
+    skipped as unchanged (``aiayn prepare --verify``)."""
     manifest = opened_manifest(path)
-    problem = _manifest_problem(manifest, need)
-    if problem is not None:
-        raise DataError(f"{path / MANIFEST}: {problem}: {_rebuild_hint(path)}")
-    dtype, memo, files = np.dtype(manifest["dtype"]), Memo(path, enabled=not verify_all), manifest.get("files")
-    splits, id_files = {}, set()
-    for name, info in manifest["splits"].items():
-        sides = []
-        for side in ("src", "tgt"):
-            ids, idx = path / f"{name}.{side}.bin", path / f"{name}.{side}.idx"
-            try:
-                side_ = Side(ids, idx, dtype, info["pairs"])
-            except FileNotFoundError as e:
-                raise DataError(f"{e.filename}: missing (the manifest names split {name}): {_rebuild_hint(path)}"
-                                ) from None
-            except (OSError, DataError) as e:
-                raise DataError(f"{path}/{name}.{side}: unreadable ({e}): {_rebuild_hint(path)}") from None
-            problem = side_.check(int(manifest.get(f"{side}_vocab_size", manifest["vocab_size"])), files, memo)
-            if problem is not None:
-                raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
-            sides.append(side_)
-            id_files.add(ids.name)
-        if len(sides[0]) != len(sides[1]):  # pragma: no cover (both sides are sized by the same manifest count)
-            raise DataError(f"{path}: split {name}: sides of unequal length: {_rebuild_hint(path)}")
-        splits[name] = Split(*sides)
-    check_store_files(path, manifest, memo, id_files)
+    wrong = problem(manifest)
+    if wrong is not None:
+        raise damaged(path, f"{path / MANIFEST}: {wrong}")
+    opening = Opening(path, manifest, Memo(path, enabled=not verify_all))
+    splits = open_splits(opening)
+    check_store_files(path, manifest, opening.memo, opening.id_files)
     return Store(path, manifest, splits)
+
+
+def open_pairs(path: Path, need: tuple[str, ...], verify_all: bool = False) -> Store:
+    """Open and check the pairs store in ``path`` (:func:`open_kind`; ``need``: splits it must hold)."""
+    def splits(o: Opening) -> dict[str, Split]:
+        m, dtype = o.manifest, np.dtype(o.manifest["dtype"])
+        return {name: Split(*(o.id_file(name, f"{name}.{side}", partial(
+            Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", dtype, info["pairs"]),
+            int(m.get(f"{side}_vocab_size", m["vocab_size"]))) for side in ("src", "tgt")))
+            for name, info in m["splits"].items()}
+
+    return open_kind(path, lambda manifest: _manifest_problem(manifest, need), splits, verify_all)
 
 
 def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
@@ -475,36 +519,84 @@ def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[
 
 
 @contextlib.contextmanager
-def _encoders(tokenizer_dir: Path, max_len: int | None, cut: bool, workers: int) -> Iterator[Callable]:
-    """A function chunks -> encoded chunks, in order: worker processes (``workers`` > 1) or this process."""
+def worker_pool(workers: int, init: Callable[..., None], args: tuple[Any, ...], fn: Callable[[Any], Any]
+                ) -> Iterator[Callable[[Iterable[Any]], Iterator[Any]]]:
+    """A function items -> ``fn(item)``, in order: in ``workers`` processes (> 1; spawned, each set up by
+    ``init(*args)``: never fork a process that holds torch's threads), else in this one."""
     if workers <= 1:
-        _init_worker(str(tokenizer_dir), max_len, cut)
-        yield lambda chunks: map(_encode, chunks)
+        init(*args)
+        yield lambda items: map(fn, items)
         return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir), max_len, cut)) as pool:
-        yield lambda chunks: pool.imap(_encode, chunks)
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=init, initargs=args) as pool:
+        yield lambda items: pool.imap(fn, items)
 
 
-class Recipe(Protocol):
+class Recipe:
     """One kind of store as the shared machinery sees it (:func:`prepare_store`: the lock, the staging directory,
-    the manifest written last, the key): pairs (:class:`PairRecipe`), a language model's token stream
-    (:mod:`aiayn.data.stream_store`)."""
+    the manifest written last, the key), and what every kind shares: its key, the settings its manifest records, the
+    manifest's head, its tokenizer, the processes that encode it. Kinds: pairs (:class:`PairRecipe`), a language
+    model's token stream (:class:`~aiayn.data.stream_store.StreamRecipe`); each a dataclass of these fields."""
 
-    key: str  # sha256 of everything the store's ids depend on (:func:`store_key`)
+    cfg: Config
     inputs: dict[str, str]  # what the store is prepared from, for the key and the manifest
+    tokenizer: Path | None  # a tokenizer directory to use, else the store trains one
+    workers: int | None
+    key: str  # sha256 of everything the store's ids depend on (:func:`store_key`), made when not given
+
+    def kind_settings(self) -> dict[str, Any] | None:
+        """Settings of this kind of store beside :func:`settings`, for the key and the manifest."""
+        return None
+
+    def __post_init__(self) -> None:
+        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.kind_settings())
 
     def manifest_settings(self) -> dict[str, Any]:
         """The settings the manifest records (:func:`settings` and those of this kind of store)."""
-        ...
+        return {**settings(self.cfg), **(self.kind_settings() or {})}
+
+    def manifest(self, kind: str, dtype: np.dtype, vocab_size: int, **rest: Any) -> dict[str, Any]:
+        """The manifest to write (sealed by :func:`_build_with`): what every kind records, then ``rest``."""
+        return {"version": STORE_VERSION, "key": self.key, "kind": kind, "created": now(),
+                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
+                "vocab_size": vocab_size, **rest}
+
+    def place_tokenizer(self, stage: Path, train: Callable[[Path], None]) -> tuple[Path, Any]:
+        """``stage/tokenizer`` and its :class:`~aiayn.data.tokenizer.TokenizerPair`: a copy of the given
+        ``tokenizer`` directory, else the one ``train(dir)`` writes."""
+        from aiayn.data.tokenizer import TokenizerPair
+
+        tdir = stage / "tokenizer"
+        if self.tokenizer is not None:
+            shutil.copytree(self.tokenizer, tdir)
+        else:
+            note("preparing it: training its tokenizer")
+            train(tdir)
+            release_free_memory()
+        return tdir, TokenizerPair.load(tdir)
+
+    def train_tokenizer_on(self, tdir: Path, src: Iterable[str], tgt: Iterable[str], what: str) -> None:
+        """Train the config's tokenizer into ``tdir`` on the ``src`` and ``tgt`` texts (``what`` they are, logged)."""
+        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
+
+        d = self.cfg.data
+        log.info("training %s on %s", tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), what)
+        train_tokenizer_pair(src, tgt, tdir, TokenizerSpec.from_config(self.cfg))
+
+    def worker_count(self, big: bool) -> int:
+        """``workers`` when set, else every usable core for a ``big`` input (below, one process is faster)."""
+        if self.workers is not None:
+            return self.workers
+        from aiayn.engine import usable_cores
+
+        return usable_cores() if big else 1
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Write the store's files into the empty directory ``stage``; the manifest to write (with ``key``)."""
-        ...
+        raise NotImplementedError
 
-    def open(self, path: Path) -> Any:
+    def open(self, path: Path) -> Store:
         """Open and check the complete store in ``path``: one DataError naming the file and the fix."""
-        ...
+        raise NotImplementedError
 
 
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
@@ -535,14 +627,9 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
         store = open_locked(out, lambda path: _named(path, recipe), wait_s)
         if store is not None:
             return store
-    manifest = read_manifest(out)
-    if manifest is not None and manifest.get("key") == key:  # the common case: no exclusive lock needed
-        try:
-            store = open_locked(out, recipe.open, wait_s)
-            if store.manifest.get("key") == key:  # not rebuilt for other inputs while we waited for the lock
-                return store
-        except DataError as e:
-            log.warning("%s; rebuilding it", e)
+    store = _reused(out, key, lambda path: open_locked(path, recipe.open, wait_s))  # the common case: no exclusive lock
+    if store is not None:
+        return store
     _refuse_foreign(out)
     with contextlib.ExitStack() as held:
         while True:
@@ -553,15 +640,10 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
                 continue
         try:
-            store = _named(out, recipe) if not rebuild else None  # built by another process while we waited?
+            # built by another process while we waited?
+            store = _named(out, recipe) if not rebuild else _reused(out, key, recipe.open)
             if store is not None:
                 return store
-            manifest = read_manifest(out)
-            if manifest is not None and manifest.get("key") == key:  # another process built it while we waited
-                try:
-                    return recipe.open(out)
-                except DataError as e:
-                    log.warning("%s; rebuilding it", e)
             _refuse_foreign(out)
             _build_with(out, recipe, lock)
             return recipe.open(out)
@@ -569,6 +651,20 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
                 shutil.rmtree(made, ignore_errors=True)
             raise
+
+
+def _reused(out: Path, key: str, opener: Callable[[Path], Any]) -> Any:
+    """The store in ``out`` opened by ``opener`` when its manifest has ``key`` and its files check out, else None
+    (to be built; a damaged store is logged, then rebuilt)."""
+    manifest = read_manifest(out)
+    if manifest is None or manifest.get("key") != key:
+        return None
+    try:
+        store = opener(out)
+    except DataError as e:
+        log.warning("%s; rebuilding it", e)
+        return None
+    return store if store.manifest.get("key") == key else None  # not rebuilt for other inputs while we waited
 
 
 def open_only(out: Path, recipe: Recipe) -> Any:
@@ -688,18 +784,6 @@ def storage_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-def place_tokenizer(stage: Path, given: Path | None, train: Callable[[Path], None]) -> Path:
-    """``stage/tokenizer``: a copy of the ``given`` tokenizer directory, else the one ``train(dir)`` writes."""
-    tdir = stage / "tokenizer"
-    if given is not None:
-        shutil.copytree(given, tdir)
-    else:
-        note("preparing it: training its tokenizer")
-        train(tdir)
-        release_free_memory()
-    return tdir
-
-
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). Training a
     tokenizer and encoding a corpus free memory that the C allocator would otherwise keep for the process, which then
@@ -716,7 +800,7 @@ def now() -> str:
 
 
 @dataclass(kw_only=True)
-class PairRecipe:
+class PairRecipe(Recipe):
     """A store of (source, target) pairs from ``sources`` (split -> a function streaming its pairs), named for
     the key by ``inputs``; ``tokenizer``: a tokenizer directory to use, else one is trained on a sample of the
     training pairs (``train_tokenizer(dir)`` when given: summarization as language modelling trains its own
@@ -734,49 +818,35 @@ class PairRecipe:
     extra: dict[str, Any] | None = None
     key: str = ""
 
-    def __post_init__(self) -> None:
-        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra)
+    def kind_settings(self) -> dict[str, Any] | None:
+        return self.extra
 
     def open(self, path: Path) -> Store:
         return open_pairs(path, tuple(self.sources))
 
-    def manifest_settings(self) -> dict[str, Any]:
-        return {**settings(self.cfg), **(self.extra or {})}
-
     def _train(self, tdir: Path) -> None:
         """The default tokenizer: two passes over the training pairs (sources, then targets), a sample of each,
         never the corpus in memory."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
-        d, train = self.cfg.data, self.sources["train"]
-        log.info("training %s on a sample of at most %s sentences",
-                 tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), f"{d.tokenizer_sample:,}")
-        train_tokenizer_pair((s for s, _ in train()), (t for _, t in train()), tdir,
-                             TokenizerSpec.from_config(self.cfg))
+        train = self.sources["train"]
+        self.train_tokenizer_on(tdir, (s for s, _ in train()), (t for _, t in train()),
+                                f"a sample of at most {self.cfg.data.tokenizer_sample:,} sentences")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Train or copy the tokenizer and encode every split into ``stage``; the manifest to write."""
-        from aiayn.data.tokenizer import TokenizerPair
-
         cfg = self.cfg
         # Every input read through once before any work: a malformed file (parallel files of other lengths, a bad
         # TSV row or JSON line, bad UTF-8) is one line now, not after the tokenizer's training; the counts give the
         # encoding's progress a total.
         counts = {name: sum(1 for _ in source()) for name, source in self.sources.items()}
-        tdir = place_tokenizer(stage, self.tokenizer, self.train_tokenizer or self._train)
-        tok = TokenizerPair.load(tdir)
+        tdir, tok = self.place_tokenizer(stage, self.train_tokenizer or self._train)
         vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
         dtype = storage_dtype(vocab)
         max_len = (cfg.data.max_len or cfg.model.max_positions) if self.length_filter else None
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
-        workers = self.workers
-        if workers is None:
-            from aiayn.engine import usable_cores
-
-            workers = usable_cores() if big else 1
+        workers = self.worker_count(big)
         splits: dict[str, Any] = {}
         cut = cfg.kind.summarizes and max_len is not None
-        with _encoders(tdir, max_len, cut, workers) as encode:
+        with worker_pool(workers, _init_worker, (str(tdir), max_len, cut), _encode) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")
                 writer = _Writer(stage, name, dtype)
@@ -788,7 +858,5 @@ class PairRecipe:
                 splits[name] = writer.close()
                 if not splits[name]["pairs"]:
                     raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
-        return {"version": STORE_VERSION, "key": self.key, "kind": PAIRS, "created": now(),
-                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
-                "vocab_size": vocab, "src_vocab_size": tok.src.vocab_size, "tgt_vocab_size": tok.tgt.vocab_size,
-                "splits": splits}
+        return self.manifest(PAIRS, dtype, vocab, src_vocab_size=tok.src.vocab_size,
+                             tgt_vocab_size=tok.tgt.vocab_size, splits=splits)

@@ -7,8 +7,8 @@ size.
     DIR/train.bin       the training text's ids back to back (uint16 when the vocabulary fits, else uint32)
     DIR/valid.bin       the held-out text's ids
 
-The lock, the staging directory, the manifest and its key are the pair store's (:func:`aiayn.data.store.
-prepare_store`). Preparing streams the text (:data:`READ_BYTES` at a time, never all of it in memory) in three
+The lock, the staging directory, the manifest, its key, the id files and their checks are every store's
+(:mod:`aiayn.data.store`). Preparing streams the text (:data:`READ_BYTES` at a time, never all of it in memory) in three
 passes: its characters are counted, so that the split is nanoGPT's in characters, exactly: the first
 ``int(chars * (1 - data.valid_fraction))`` characters train, the rest validate; the tokenizer is trained on the
 training part (a char tokenizer on its characters; BPE on a seeded sample of its non-blank lines, as
@@ -16,42 +16,38 @@ training part (a char tokenizer on its characters; BPE on a seeded sample of its
 each part in one call (tests/test_lm_store.py): pieces end at a line end (or before a space, in a line longer
 than a read), a char tokenizer maps code points through one table, and a SentencePiece model encodes a piece
 that continues a part behind a newline it then drops (its word-boundary prefix would otherwise start every
-piece). Each epoch starts the blocks of :func:`aiayn.data.batching.lm_block_order` at a new offset, in a new
-order; a batch reads its windows by position (``pread``), not through a memory map (:class:`aiayn.data.store.Side`
-says why).
+piece). A training reads windows of the streams by position (:class:`aiayn.data.batching.LMData`; not through a
+memory map: :class:`aiayn.data.store.IdFile` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import logging
-import multiprocessing
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from aiayn.config import Config
-from aiayn.data.batching import Batch, lm_batch, lm_block_order
-from aiayn.data.integrity import MANIFEST, Memo, check_ids, check_regular
+from aiayn.data.corpus import decode_utf8
+from aiayn.data.integrity import Memo
 from aiayn.data.store import (
     PARALLEL_BYTES,
-    STORE_VERSION,
     STREAM_KIND,
-    check_store_files,
+    IdFile,
+    Opening,
+    Recipe,
+    Store,
     note,
-    now,
-    opened_manifest,
-    place_tokenizer,
-    settings,
+    open_kind,
     storage_dtype,
-    store_key,
+    worker_pool,
 )
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
@@ -62,22 +58,10 @@ STREAM = STREAM_KIND  # the manifest's kind
 SPLITS = ("train", "valid")
 READ_BYTES = 4 << 20  # text read (and encoded) at a time
 LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
-ITER_BATCHES = 1024  # a plan's batches made at a time when it is walked whole
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
 
 
 # Reading the text --------------------------------------------------------------------------------------------
-
-
-def _decode(chunk: bytes, path: Path, lines_before: int) -> str:
-    """A chunk that ends at a character boundary, as text; invalid UTF-8 names its line and column."""
-    try:
-        return chunk.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = lines_before + chunk.count(b"\n", 0, e.start) + 1
-        col = e.start - (chunk.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{chunk[e.start:e.start + 1].hex()} at "
-                        f"column {col})") from None
 
 
 def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
@@ -101,10 +85,8 @@ def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
                     carry = data
                     continue
                 chunk, carry = data[:cut], data[cut:]
-                text = _decode(chunk, path, lines)
+                text = decode_utf8(chunk, path, lines, bom=first)
                 lines += chunk.count(b"\n")
-                if first and text.startswith("\ufeff"):
-                    text = text[1:]
                 first = False
                 if text:
                     yield text
@@ -219,60 +201,24 @@ def _encode_in_worker(part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int
     return _WORKER["encode"](part)
 
 
-@contextlib.contextmanager
-def _encoders(tokenizer_dir: Path, workers: int) -> Iterator[Callable[[Iterable], Iterator]]:
-    """A function parts -> (split, ids) in order: worker processes (``workers`` > 1) or this process."""
-    if workers <= 1:
-        encode = PieceEncoder(tokenizer_dir)
-        yield lambda parts: map(encode, parts)
-        return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
-        yield lambda parts: pool.imap(_encode_in_worker, parts)
-
-
 # The store ---------------------------------------------------------------------------------------------------
 
 
-class Stream:
+class Stream(IdFile):
     """A flat file of token ids (n,), read by position: windows of a batch with one ``preadv`` each, into one
-    (B, width) array (:meth:`windows`). Pickles as its file name (a DataLoader worker reopens it)."""
+    (B, width) array (:meth:`windows`)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, tokens: int) -> None:
-        self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            check_regular(fd, self.path)
-        except DataError:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self.file_bytes = os.fstat(self._fd).st_size
+    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
+        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
+        self.tokens = tokens
+        self._open(path, dtype)
 
     def __len__(self) -> int:
         return self.tokens
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "dtype": self.dtype.str, "tokens": self.tokens}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], np.dtype(state["dtype"]), state["tokens"])
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with the file, None when nothing: its length, every id below ``vocab_size``, and its
-        checksum (``files``: the manifest's; None for a store prepared before checksums), unless ``memo`` found it
-        good as it is (read in bounded chunks, vectorized)."""
-        size = self.dtype.itemsize
-        if self.file_bytes != self.tokens * size:
-            return (f"{self.path.name}: {self.file_bytes:,} bytes where its manifest needs {self.tokens * size:,} "
-                    "(truncated or damaged)")
-        return check_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size, files, memo)
+        """What is wrong with the file, None when nothing (:meth:`IdFile._check`)."""
+        return self._check(self.tokens, "manifest needs", vocab_size, files, memo)
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """ids[start:stop] (n,) int64."""
@@ -285,67 +231,35 @@ class Stream:
         if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
             raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
         out = np.empty((len(starts), width), dtype=self.dtype)
-        size, n = self.dtype.itemsize, width * self.dtype.itemsize
-        view = memoryview(out).cast("B")
-        for b, s in enumerate(starts.tolist()):
-            if n and os.preadv(self._fd, [view[b * n : (b + 1) * n]], s * size) != n:
-                raise DataError(f"{self.path}: shorter than its manifest says (truncated while read?)")
-        return out.astype(np.int64)
+        return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
 
 
-@dataclass(frozen=True)
-class StreamStore:
-    """An opened stream store: its directory, its manifest, and its train and valid streams."""
-
-    path: Path
-    manifest: dict[str, Any]
-    splits: dict[str, Stream]
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer"
-
-
-def _rebuild_hint(path: Path) -> str:
-    return f"rebuild it: aiayn prepare CONFIG --out {path} (CONFIG: the recipe it was prepared from)"
-
-
-def open_stream(path: Path, verify_all: bool = False) -> StreamStore:
-    """Open and check the stream store in ``path`` (the caller holds its lock, or none exists): one DataError
-    naming the file and the fix for anything wrong. ``verify_all``: every file read and checked, none skipped as
-    unchanged (``aiayn prepare --verify``)."""
-    manifest = opened_manifest(path)
+def _problem(manifest: dict[str, Any]) -> str | None:
+    """What makes a stream store's manifest unusable, None when nothing."""
     splits = manifest.get("splits")
     if manifest.get("kind") != STREAM:
-        raise DataError(f"{path / MANIFEST}: holds a {manifest.get('kind', 'pairs')!r} store, not a language "
-                        f"model's token stream: {_rebuild_hint(path)}")
+        return f"holds a {manifest.get('kind', 'pairs')!r} store, not a language model's token stream"
     if (manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int)
             or not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
                 splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
-        raise DataError(f"{path / MANIFEST}: its dtype, vocabulary size or splits are missing or wrong: "
-                        f"{_rebuild_hint(path)}")
-    memo, files = Memo(path, enabled=not verify_all), manifest.get("files")
-    if files is not None and not isinstance(files, dict):
-        raise DataError(f"{path / MANIFEST}: its list of files is malformed: {_rebuild_hint(path)}")
-    streams = {}
-    for name in SPLITS:
-        try:
-            stream = Stream(path / f"{name}.bin", np.dtype(manifest["dtype"]), splits[name]["tokens"])
-        except FileNotFoundError as e:
-            raise DataError(f"{e.filename}: missing (the manifest names split {name}): {_rebuild_hint(path)}"
-                            ) from None
-        except OSError as e:
-            raise DataError(f"{path}/{name}.bin: unreadable ({e}): {_rebuild_hint(path)}") from None
-        problem = stream.check(manifest["vocab_size"], files, memo)
-        if problem is not None:
-            raise DataError(f"{path}/{problem}: {_rebuild_hint(path)}")
-        streams[name] = stream
-    check_store_files(path, manifest, memo, {f"{name}.bin" for name in SPLITS})
-    return StreamStore(path, manifest, streams)
+        return "its dtype, vocabulary size or splits are missing or wrong"
+    files = manifest.get("files")
+    return "its list of files is malformed" if files is not None and not isinstance(files, dict) else None
+
+
+def open_stream(path: Path, verify_all: bool = False) -> Store:
+    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): its splits, the train and
+    valid :class:`Stream`."""
+    def streams(o: Opening) -> dict[str, Stream]:
+        return {name: o.id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", o.manifest["dtype"],
+                                                             o.manifest["splits"][name]["tokens"]),
+                                o.manifest["vocab_size"], (OSError,)) for name in SPLITS}
+
+    return open_kind(path, _problem, streams, verify_all)
 
 
 @dataclass
-class StreamRecipe:
+class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
     tokenizer directory to use, else one is trained on the training part."""
 
@@ -356,55 +270,36 @@ class StreamRecipe:
     workers: int | None = None
     key: str = ""
 
-    def __post_init__(self) -> None:
-        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.extra())
-
-    def extra(self) -> dict[str, Any]:
+    def kind_settings(self) -> dict[str, Any]:
         """What the ids depend on beside the pair store's settings: the kind, the split."""
         return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
 
-    def open(self, path: Path) -> StreamStore:
+    def open(self, path: Path) -> Store:
         return open_stream(path)
-
-    def manifest_settings(self) -> dict[str, Any]:
-        return {**settings(self.cfg), **self.extra()}
 
     def _train(self, tdir: Path, split: int) -> None:
         """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
         seeded sample), or on its characters (char: every one, the newline included)."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
-        d = self.cfg.data
-        log.info("training %s on the first %s characters", tokenizer_plan(d.tokenizer, d.vocab_size,
-                 d.shared_vocab), f"{split:,}")
-        texts: Iterable[str] = ([train_chars(self.path, split)] if d.tokenizer == "char"
+        texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
                                 else (ln for ln in train_lines(self.path, split) if ln.strip()))
-        train_tokenizer_pair(texts, [], tdir, TokenizerSpec.from_config(self.cfg))
+        self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
-        from aiayn.data.tokenizer import TokenizerPair
-
         note("preparing it: counting the text's characters")
         chars, visible = count_chars(self.path)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
         split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
-        tdir = place_tokenizer(stage, self.tokenizer, lambda t: self._train(t, split))
-        tok = TokenizerPair.load(tdir)
+        tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
-        workers = self.workers
-        if workers is None:
-            from aiayn.engine import usable_cores
-
-            big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
-            workers = usable_cores() if big else 1
+        workers = self.worker_count(tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES)
         tokens = {name: 0 for name in SPLITS}
         files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
         progress = ItemProgress(chars, "char", "prepare")
         note("preparing it: encoding the text")
         try:
-            with _encoders(tdir, workers) as encode:
+            with worker_pool(workers, _init_worker, (str(tdir),), _encode_in_worker) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
                     files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
                     tokens[name] += len(ids)
@@ -413,10 +308,8 @@ class StreamRecipe:
             for f in files.values():
                 f.close()
             progress.close()
-        return {"version": STORE_VERSION, "key": self.key, "kind": STREAM, "created": now(),
-                "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
-                "vocab_size": tok.src.vocab_size, "chars": {"train": split, "valid": chars - split},
-                "splits": {name: {"tokens": tokens[name]} for name in SPLITS}}
+        return self.manifest(STREAM, dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
+                             splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
@@ -425,115 +318,3 @@ def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | Non
 
     path, inputs = dataset_of(cfg).text(cfg.data)
     return StreamRecipe(cfg, path, inputs, tokenizer, workers)
-
-
-# Training on windows -----------------------------------------------------------------------------------------
-
-
-class BlockPlan(Sequence):
-    """An epoch's batches of blocks, planned and not read: batch i is a (B, 2) int64 array, column 0 the blocks'
-    places in the epoch's order, column 1 where each starts in the stream. Holds the epoch's block order
-    (:func:`~aiayn.data.batching.lm_block_order`: 4 bytes a block) and makes a batch's array when asked; a slice
-    is a plan of fewer batches sharing that order, and a plan pickles as the list of its batches' arrays."""
-
-    __slots__ = ("offset", "order", "block_size", "batch_size", "batches")
-
-    def __init__(self, offset: int, order: np.ndarray, block_size: int, batch_size: int,
-                 batches: range | None = None) -> None:
-        self.offset, self.order, self.block_size, self.batch_size = offset, order, block_size, batch_size
-        self.batches = range(-(-len(order) // batch_size)) if batches is None else batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return BlockPlan(self.offset, self.order, self.block_size, self.batch_size, self.batches[i])
-        b = self.batches[i]
-        return self._rows(b * self.batch_size, min((b + 1) * self.batch_size, len(self.order)))
-
-    def _rows(self, first: int, stop: int) -> np.ndarray:
-        """(stop - first, 2) int64: blocks ``first .. stop - 1`` of the epoch, their places and starts."""
-        out = np.empty((stop - first, 2), dtype=np.int64)
-        out[:, 0] = np.arange(first, stop)
-        out[:, 1] = self.order[first:stop]
-        out[:, 1] *= self.block_size
-        out[:, 1] += self.offset
-        return out
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        # a whole plan is walked once per epoch (each batch's tokens): its arrays made many batches at a time
-        if self.batches.step != 1:
-            yield from (self[i] for i in range(len(self)))
-            return
-        B, n = self.batch_size, len(self.order)
-        for lo in range(self.batches.start, self.batches.stop, ITER_BATCHES):
-            hi = min(lo + ITER_BATCHES, self.batches.stop)
-            rows = self._rows(lo * B, min(hi * B, n))
-            yield from (rows[k * B : (k + 1) * B] for k in range(hi - lo))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return list, (list(self),)
-
-
-def collate_windows(stream: Stream, item: np.ndarray, block_size: int) -> Batch:
-    """The batch of a planned (B, 2) array: its blocks of ``block_size + 1`` ids read from ``stream``."""
-    blocks = torch.from_numpy(stream.windows(item[:, 1], block_size + 1))  # (B, L + 1)
-    return lm_batch(blocks, item[:, 0].tolist())
-
-
-class WindowBatches(Sequence):
-    """Batches of a :class:`BlockPlan` read when asked (validation of a long stream holds no ids in memory);
-    a slice is another such sequence (each process evaluates every world-th batch)."""
-
-    def __init__(self, stream: Stream, plan: BlockPlan, block_size: int) -> None:
-        self.stream, self.plan, self.block_size = stream, plan, block_size
-
-    def __len__(self) -> int:
-        return len(self.plan)
-
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return WindowBatches(self.stream, self.plan[i], self.block_size)
-        return collate_windows(self.stream, self.plan[i], self.block_size)
-
-
-@dataclass
-class LMData:
-    """A language model's training data: the store's train and valid streams cut into blocks of ``block_size + 1``
-    ids (consecutive blocks share one boundary token), ``batch_size`` blocks a batch; each epoch at a new offset
-    and in a new order (:func:`aiayn.data.batching.lm_block_order`), validation on fixed blocks from the start of
-    the held-out stream. The batches of cutting the stream in memory (tests/test_lm_store.py); nothing of the
-    stream in memory, and a pickle of file names."""
-
-    train: Stream
-    valid: Stream
-    block_size: int
-    batch_size: int
-    seed: int
-
-    def __post_init__(self) -> None:
-        L = self.block_size
-        if len(self.train) <= L + 1:
-            raise DataError(f"the training text has {len(self.train)} tokens, fewer than one block of {L + 1}")
-        if (len(self.valid) - 1) // L < 1:
-            raise DataError(f"the validation text has {len(self.valid)} tokens, fewer than one block of {L + 1}")
-
-    def epoch_plan(self, epoch: int) -> BlockPlan:
-        """The epoch's batches as (B, 2) arrays of block places and starts (:class:`BlockPlan`)."""
-        offset, order = lm_block_order(len(self.train), self.block_size, self.seed, epoch)
-        return BlockPlan(offset, order, self.block_size, self.batch_size)
-
-    def plan_tokens(self, item: np.ndarray) -> int:
-        """The target tokens of a planned batch: every position of every block (no block holds padding)."""
-        return len(item) * self.block_size
-
-    def collate_plan(self, item: np.ndarray) -> Batch:
-        return collate_windows(self.train, item, self.block_size)
-
-    @property
-    def valid_batches(self) -> WindowBatches:
-        """Fixed, non-overlapping blocks from the start of the held-out stream: every validation token after the
-        first is predicted once. Read when iterated."""
-        offset, order = lm_block_order(len(self.valid), self.block_size, shuffle=False)
-        return WindowBatches(self.valid, BlockPlan(offset, order, self.block_size, self.batch_size), self.block_size)
