@@ -277,3 +277,19 @@ def test_decode_breakdown_smoke_counts_rows_and_splits_a_pass(tmp_path):
         parts = sum(r[k] for k in (*decode_breakdown.PARTS, "rest"))
         assert parts == pytest.approx(r["total"], abs=1e-3) and r["linear"] > 0 and r["attention"] > 0
     assert "| exact |" in (tmp_path / "B.md").read_text()
+
+
+def test_compiled_step_smoke_decodes_each_way_in_its_own_process(tmp_path):
+    """Issue 69's measure of the beam step at fixed shapes (and compiled, not run here: minutes of inductor on a
+    CPU): each way decodes the same sources alone, counts its decoder steps, and is compared with the normal path."""
+    from benchmarks import compiled_step
+
+    result = compiled_step.main(["--smoke", "--ways", "normal", "fixed", "--md", str(tmp_path / "B.md"),
+                                 "--out-json", str(tmp_path / "c.json")])
+    normal, fixed = result["ways"]["normal"], result["ways"]["fixed"]
+    assert len(normal["outputs"]) == 4 and normal["steps"] == fixed["steps"] > 0
+    # fixed shapes sum attention over zeros too: equal up to near-ties (tests/test_search.py compares them)
+    assert normal["same_outputs"] == 4 and 0 <= fixed["same_outputs"] <= 4
+    assert fixed["cpu_ms_per_step"] > 0 and normal["speed_vs_first"] == 1.0
+    assert json.loads((tmp_path / "c.json").read_text())["ways"]["fixed"]["steps"] == fixed["steps"]
+    assert "| fixed |" in (tmp_path / "B.md").read_text()
