@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiayn.config import Config
+from aiayn.config import Config, DataConfig
 from aiayn.errors import ConfigError
 from aiayn.task import TASKS, task_named
 
@@ -33,3 +33,24 @@ def test_the_language_model_default_decoding_is_the_one_generate_uses():
 
     opts = DecodeOptions().replace(**{**TASKS["lm"].decoding, "temperature": 0.7})
     assert opts.sample and opts.temperature == 0.7
+
+
+def test_each_task_refuses_the_work_it_does_not_do_in_its_own_words():
+    t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
+    for kind, work in ((lm, "table3"), (s, "table3"), (lm, "sweep"), (s, "sweep"), (t, "generate"),
+                       (s, "generate"), (t, "load_generator"), (s, "load_generator"), (t, "summarize")):
+        with pytest.raises(ConfigError, match=f"^runs/x.* {kind.name}"):
+            kind.check_does(work, "runs/x")
+    for kind, work in ((t, "table3"), (t, "sweep"), (lm, "generate"), (lm, "load_generator"), (s, "summarize"),
+                       (lm, "summarize")):
+        kind.check_does(work, "runs/x")  # no refusal
+    with pytest.raises(ConfigError, match="^runs/x is a translation run: `aiayn generate` needs a language model"):
+        t.check_does("generate", "runs/x")
+
+
+def test_a_task_checks_the_config_fields_whose_meaning_is_its_own():
+    with pytest.raises(ConfigError, match="data.pretokenize='moses' is for translation, not task lm"):
+        Config(task="lm", data=DataConfig(pretokenize="moses"))
+    with pytest.raises(ConfigError, match="data.shared_vocab=false needs model.share_embeddings=false"):
+        TASKS["summarization"].check_config("none", False, True)
+    TASKS["lm"].check_config("none", False, True)
