@@ -54,3 +54,20 @@ def test_a_task_checks_the_config_fields_whose_meaning_is_its_own():
     with pytest.raises(ConfigError, match="data.shared_vocab=false needs model.share_embeddings=false"):
         TASKS["summarization"].check_config("none", False, True)
     TASKS["lm"].check_config("none", False, True)
+
+
+def test_a_config_reads_and_batches_the_corpus_its_task_and_dataset_make():
+    from aiayn.data.pipeline import PAIRS, ROWS, STREAM, corpus_of
+
+    def cfg(task: str, **data) -> Config:
+        return Config(task=task, data=DataConfig(**data))
+
+    assert corpus_of(cfg("translation")) is PAIRS and corpus_of(cfg("summarization", dataset="xsum")) is PAIRS
+    assert corpus_of(cfg("lm", dataset="tinyshakespeare")) is STREAM
+    assert corpus_of(cfg("lm", dataset="xsum")) is ROWS and corpus_of(cfg("lm", format="jsonl")) is ROWS
+    assert not PAIRS.fixed_shapes(cfg("translation")) and PAIRS.fixed_shapes(cfg("translation", length_buckets=[32]))
+    assert STREAM.fixed_shapes(cfg("lm")) and not ROWS.fixed_shapes(cfg("lm", dataset="xsum"))
+    with pytest.raises(ConfigError, match="^a language-model corpus is a token stream, not pairs$"):
+        from aiayn.data.pipeline import pair_sources
+
+        pair_sources(cfg("lm", dataset="tinyshakespeare"))
