@@ -41,16 +41,25 @@ class Task:
     # The work its runs refuse, by name, and the one line each refusal says ({where}: the run or recipe asked,
     # {task}: its task's name): what the commands and the library ask through :meth:`check_does`.
     refuses: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # How ``aiayn evaluate`` scores its runs (:data:`aiayn.eval.evaluate.EVALUATORS`: pairs, summaries,
+    # language_model), and the scores its outputs get beside BLEU and chrF.
+    evaluator: str = "pairs"
+    extra_scores: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name
 
-    def check_does(self, work: str, where: object) -> None:
-        """A one-line :class:`ConfigError` when a run of this task is asked for ``work`` it refuses (see
-        :attr:`refuses`), naming ``where`` (the run directory or recipe)."""
+    def refusal(self, work: str, where: object = "") -> str | None:
+        """The one line a run of this task answers when asked for ``work`` it refuses (see :attr:`refuses`),
+        naming ``where`` (the run directory, recipe or route); None: it does that work."""
         why = self.refuses.get(work)
+        return None if why is None else why.format(where=where, task=self.name)
+
+    def check_does(self, work: str, where: object) -> None:
+        """A one-line :class:`ConfigError` when a run of this task is asked for ``work`` it refuses."""
+        why = self.refusal(work, where)
         if why is not None:
-            raise ConfigError(why.format(where=where, task=self.name))
+            raise ConfigError(why)
 
     def check_config(self, pretokenize: str, shared_vocab: bool, share_embeddings: bool) -> None:
         """The config fields whose meaning depends on the task: pre-tokenization is a translation's; two
@@ -65,10 +74,13 @@ _NOT_LM = "{where} is a {task} run"
 _REFUSALS = MappingProxyType({  # the work only a translation does
     "table3": "{where}: Table 3 varies a translation model; this recipe's task is {task}",
     "sweep": "{where}: a sweep scores translations; this recipe's task is {task}",
+    "libretranslate": "this server runs a {task} run; LibreTranslate's API needs a translation run (language "
+                      "models answer /v1/completions)",
 })
 _ENCODER_DECODER = MappingProxyType({  # the work only a language model does
     "generate": _NOT_LM + ": `aiayn generate` needs a language model (use translate or summarize)",
     "load_generator": _NOT_LM + ", not a language model",
+    "lm_route": "{where} needs a language-model run; this server runs a {task} run",
 })
 
 # In the order a config's error lists them.
@@ -78,9 +90,12 @@ TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
     Task(name="lm", label="language-model (task lm)", encoder=False, loader="generator",
          decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
-         refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs"})),
+         refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs"}),
+         evaluator="language_model"),
     Task(name="summarization", label="summarization", encoder=True, summarizes=True,
-         refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS})),
+         refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "
+                                   "completions need a language model or a translation run"}), evaluator="summaries",
+         extra_scores=("rouge",)),
 )})
 
 

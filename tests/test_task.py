@@ -17,6 +17,14 @@ def test_each_task_answers_what_was_asked_by_name():
     assert (t.summarizes, s.summarizes, lm.summarizes) == (False, True, False)
     assert (t.loader, s.loader, lm.loader) == ("translator", "translator", "generator")
     assert dict(lm.decoding) == {"sample": True, "temperature": 1.0} and not t.decoding and not s.decoding
+    assert (t.evaluator, s.evaluator, lm.evaluator) == ("pairs", "summaries", "language_model")
+    assert (t.extra_scores, s.extra_scores, lm.extra_scores) == ((), ("rouge",), ())
+
+
+def test_every_evaluator_a_task_names_is_there():
+    from aiayn.eval.evaluate import EVALUATORS
+
+    assert {t.evaluator for t in TASKS.values()} <= set(EVALUATORS)
     # which tasks each export takes: the export targets declare it (tests/test_export_registry.py); which route
     # serves each: the server maps it (tests/test_serve.py)
 
@@ -71,3 +79,15 @@ def test_a_config_reads_and_batches_the_corpus_its_task_and_dataset_make():
         from aiayn.data.pipeline import pair_sources
 
         pair_sources(cfg("lm", dataset="tinyshakespeare"))
+
+
+def test_a_server_refuses_a_route_in_the_words_of_the_task_it_runs():
+    t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
+    assert lm.refusal("libretranslate") == ("this server runs a lm run; LibreTranslate's API needs a translation run "
+                                            "(language models answer /v1/completions)")
+    assert s.refusal("libretranslate").startswith("this server runs a summarization run;")
+    assert t.refusal("lm_route", "/tokenize") == "/tokenize needs a language-model run; this server runs a " \
+                                                 "translation run"
+    assert s.refusal("completions") == ("this server runs a summarization run; completions need a language model "
+                                        "or a translation run")
+    assert t.refusal("libretranslate") is lm.refusal("lm_route", "/tokenize") is t.refusal("completions") is None

@@ -173,9 +173,9 @@ class OpenAIRoutes(RouteTable):
 
     async def respond(self, c: Completion, shape: Shape) -> Response:
         """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
-        if self.svc.kind.summarizes:
-            raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
-                                   "a translation run", code="wrong_task")
+        why = self.svc.kind.refusal("completions")
+        if why is not None:
+            raise OpenAIError(400, why, code="wrong_task")
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
         c = completion_options(c, self.svc.decode, language_model=not self.svc.kind.encoder)
