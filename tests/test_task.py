@@ -91,3 +91,21 @@ def test_a_server_refuses_a_route_in_the_words_of_the_task_it_runs():
     assert s.refusal("completions") == ("this server runs a summarization run; completions need a language model "
                                         "or a translation run")
     assert t.refusal("libretranslate") is lm.refusal("lm_route", "/tokenize") is t.refusal("completions") is None
+
+
+def test_summaries_come_from_what_the_run_was_trained_on():
+    from types import SimpleNamespace
+
+    from aiayn.decode.generate import SUMMARIZERS, summarize, summarize_lm, summarize_seq2seq
+
+    assert SUMMARIZERS == {"rows": summarize_lm, "pairs": summarize_seq2seq}
+
+    def run(task: str, **data) -> SimpleNamespace:
+        return SimpleNamespace(cfg=Config(task=task, data=DataConfig(**data)), path="runs/x")
+
+    with pytest.raises(ConfigError, match="^runs/x is a language model of running text, .* it cannot summarize$"):
+        summarize(run("lm", dataset="tinyshakespeare"), ["a document"])
+    with pytest.raises(ConfigError, match="^a language-model run summarizes greedily"):
+        summarize(run("lm", dataset="xsum"), ["a document"], beam=4)
+    with pytest.raises(ConfigError, match="^runs/x is a translation run: use `aiayn translate`$"):
+        summarize(run("translation"), ["a document"])

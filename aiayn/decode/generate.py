@@ -28,10 +28,11 @@ overrides). ROUGE of summaries on a split is :mod:`aiayn.eval.summaries`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeOptions
+from aiayn.data.pipeline import corpus_of
 from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
@@ -230,17 +231,23 @@ def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None 
     opts = merged_options(run.cfg.decode, options, **overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
-    kind = run.cfg.kind
-    kind.check_does("summarize", run.path)
-    if not kind.encoder:
-        if not is_summary_lm(run.cfg):
-            raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
-                              "sequences (data.dataset xsum or JSONL files): it cannot summarize")
-        if overrides.get("beam") not in (None, 1) or opts.sample:
-            raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
-                              "needs an encoder-decoder (task: summarization) run")
+    run.cfg.kind.check_does("summarize", run.path)
+    summarizer = SUMMARIZERS.get(corpus_of(run.cfg).name)
+    if summarizer is None:
+        raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
+                          "sequences (data.dataset xsum or JSONL files): it cannot summarize")
+    if summarizer is summarize_lm and (overrides.get("beam") not in (None, 1) or opts.sample):
+        raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
+                          "needs an encoder-decoder (task: summarization) run")
     with kernels(model_device(run.model), run.precision):
-        return (summarize_seq2seq if kind.encoder else summarize_lm)(run, documents, opts)
+        return summarizer(run, documents, opts)
+
+
+# Who summarizes what a run was trained on (its data.pipeline.Corpus): a language model of "document <sep>
+# summary" rows continues the separator; an encoder-decoder of (document, summary) pairs decodes its summary.
+# A run of running text has none.
+SUMMARIZERS: dict[str, Callable[[Run, Sequence[str], DecodeOptions], list[str]]] = {
+    "rows": summarize_lm, "pairs": summarize_seq2seq}
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
