@@ -90,7 +90,8 @@ TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
     Task(name="lm", label="language-model (task lm)", encoder=False, loader="generator",
          decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
-         refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs"}),
+         refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs",
+                                   "init_from": "language models: not supported"}),
          evaluator="language_model"),
     Task(name="summarization", label="summarization", encoder=True, summarizes=True,
          refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "

@@ -109,3 +109,8 @@ def test_summaries_come_from_what_the_run_was_trained_on():
         summarize(run("lm", dataset="xsum"), ["a document"], beam=4)
     with pytest.raises(ConfigError, match="^runs/x is a translation run: use `aiayn translate`$"):
         summarize(run("translation"), ["a document"])
+
+
+def test_only_an_encoder_decoder_training_starts_from_a_run_of_its_own_task():
+    assert TASKS["lm"].refusal("init_from") == "language models: not supported"
+    assert TASKS["translation"].refusal("init_from") is TASKS["summarization"].refusal("init_from") is None
