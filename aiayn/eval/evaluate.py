@@ -202,11 +202,13 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
 def lm_valid_text(cfg: Config) -> str:
     """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
     cut where training cut it (``data.pipeline.build_lm_data``)."""
-    from aiayn.data.pipeline import ROWS, corpus_of, load_lm_text
+    from aiayn.data.corpus import read_text
+    from aiayn.data.pipeline import ROWS, corpus_of
+    from aiayn.data.registry import dataset_of
 
     if corpus_of(cfg) is ROWS:
         raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
-    text = load_lm_text(cfg)
+    text = read_text(dataset_of(cfg).text(cfg.data)[0])
     return text[int(len(text) * (1 - cfg.data.valid_fraction)):]
 
 
