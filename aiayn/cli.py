@@ -547,7 +547,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from aiayn.run.directory import load_run
 
     run = load_run(args.run, args.device, precision=args.precision)
-    opts = generate_options(run.cfg.decode, decode_overrides(args))
+    opts = generate_options(run.cfg, decode_overrides(args))
     pieces = generate_text(run, args.prompt, opts, args.slide)
     _write_stdout(args.prompt)
     for piece in pieces:

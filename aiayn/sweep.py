@@ -223,8 +223,7 @@ def plan_sweep(sweep: Sweep, parallel: int | None) -> Plan:
     for variant in sweep.variants:
         for seed in dict.fromkeys(sweep.seeds):
             cfg = job_config(sweep, variant, seed)
-            if not cfg.kind.translates:
-                raise ConfigError(f"{sweep.config}: a sweep scores translations; this recipe's task is {cfg.task}")
+            cfg.kind.check_does("sweep", sweep.config)
             for d in sweep.decodings:
                 cfg.decode.replace(**dict(d.options))  # a bad option fails here
             configs[f"{variant.name}-seed{seed}"] = (variant.name, seed, cfg)

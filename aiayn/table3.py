@@ -333,8 +333,7 @@ def run_table(base: str | Path, out: str | Path, rows: str | Sequence[str] = "al
     if parallel < 1:
         raise ConfigError(f"--parallel must be at least 1, got {parallel}")
     base_cfg = load_config(base, list(extra))
-    if not base_cfg.kind.translates:
-        raise ConfigError(f"{base}: Table 3 varies a translation model; this recipe's task is {base_cfg.task}")
+    base_cfg.kind.check_does("table3", base)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     # One tokenizer and one encoding for every row of a seed (the seed draws the tokenizer's sample, so it is part of

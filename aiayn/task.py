@@ -5,7 +5,9 @@ The recipe names its task as a string (the ``task:`` key); everything that behav
 whether the model has an encoder, what ``aiayn.load`` returns, what ``aiayn generate`` decodes with by default
 (which exports take it: each export target declares the tasks it takes, :mod:`aiayn.interop.registry`; which of
 aiayn's own HTTP routes serves it: the server maps what ``aiayn.load`` returns to its route,
-:data:`aiayn.serve.native.ROUTES`). A new task is one entry of :data:`TASKS`.
+:data:`aiayn.serve.native.ROUTES`). A task also answers for itself where only it knows: the work its runs refuse,
+in its own words (:meth:`Task.check_does`), and the config fields whose meaning is its own
+(:meth:`Task.check_config`). A new task is one entry of :data:`TASKS`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from aiayn.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,18 +38,65 @@ class Task:
     summarizes: bool = False
     loader: str = "translator"
     decoding: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # The work its runs refuse, by name, and the one line each refusal says ({where}: the run or recipe asked,
+    # {task}: its task's name): what the commands and the library ask through :meth:`check_does`.
+    refuses: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # How ``aiayn evaluate`` scores its runs (:data:`aiayn.eval.evaluate.EVALUATORS`: pairs, summaries,
+    # language_model), and the scores its outputs get beside BLEU and chrF.
+    evaluator: str = "pairs"
+    extra_scores: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name
 
+    def refusal(self, work: str, where: object = "") -> str | None:
+        """The one line a run of this task answers when asked for ``work`` it refuses (see :attr:`refuses`),
+        naming ``where`` (the run directory, recipe or route); None: it does that work."""
+        why = self.refuses.get(work)
+        return None if why is None else why.format(where=where, task=self.name)
+
+    def check_does(self, work: str, where: object) -> None:
+        """A one-line :class:`ConfigError` when a run of this task is asked for ``work`` it refuses."""
+        why = self.refusal(work, where)
+        if why is not None:
+            raise ConfigError(why)
+
+    def check_config(self, pretokenize: str, shared_vocab: bool, share_embeddings: bool) -> None:
+        """The config fields whose meaning depends on the task: pre-tokenization is a translation's; two
+        vocabularies (``data.shared_vocab=false``) cannot share the embeddings of an encoder-decoder."""
+        if pretokenize != "none" and not self.translates:
+            raise ConfigError(f"data.pretokenize={pretokenize!r} is for translation, not task {self.name}")
+        if not shared_vocab and share_embeddings and self.encoder:
+            raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+
+
+_NOT_LM = "{where} is a {task} run"
+_REFUSALS = MappingProxyType({  # the work only a translation does
+    "table3": "{where}: Table 3 varies a translation model; this recipe's task is {task}",
+    "sweep": "{where}: a sweep scores translations; this recipe's task is {task}",
+    "libretranslate": "this server runs a {task} run; LibreTranslate's API needs a translation run (language "
+                      "models answer /v1/completions)",
+})
+_ENCODER_DECODER = MappingProxyType({  # the work only a language model does
+    "generate": _NOT_LM + ": `aiayn generate` needs a language model (use translate or summarize)",
+    "load_generator": _NOT_LM + ", not a language model",
+    "lm_route": "{where} needs a language-model run; this server runs a {task} run",
+})
 
 # In the order a config's error lists them.
 TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
-    Task(name="translation", label="translation", encoder=True, translates=True),
+    Task(name="translation", label="translation", encoder=True, translates=True,
+         refuses=MappingProxyType({**_ENCODER_DECODER, "summarize": _NOT_LM + ": use `aiayn translate`"})),
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
     Task(name="lm", label="language-model (task lm)", encoder=False, loader="generator",
-         decoding=MappingProxyType({"sample": True, "temperature": 1.0})),
-    Task(name="summarization", label="summarization", encoder=True, summarizes=True),
+         decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
+         refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs",
+                                   "init_from": "language models: not supported"}),
+         evaluator="language_model"),
+    Task(name="summarization", label="summarization", encoder=True, summarizes=True,
+         refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "
+                                   "completions need a language model or a translation run"}), evaluator="summaries",
+         extra_scores=("rouge",)),
 )})
 
 

@@ -281,3 +281,20 @@ def test_translator_validation_bleu_and_explorer_decode_alike_ban_pad_included(t
         "valid_bleu": sacrebleu.corpus_bleu(hyps, [[tok.tgt.decode(t) for t in data.valid_tgt]]).score}
     shown = attention_data(Run(run.path, cfg, run.model, tok), pairs[0][0])
     assert shown.generated and shown.tgt == hyps[0]
+
+
+def test_rolling_without_src_scores_the_validation_text_as_training_cut_it(lm_run, tmp_path):
+    import shutil
+
+    from aiayn.config import load_config
+    from aiayn.data.corpus import read_text
+    from aiayn.data.tokenizer import TokenizerPair
+    from aiayn.eval.evaluate import EvalData, evaluate_run
+
+    run = shutil.copytree(lm_run / "run", tmp_path / "run")
+    cfg = load_config(run / "config.yaml")
+    text = read_text(cfg.data.train_src)
+    tail = text[int(len(text) * (1 - cfg.data.valid_fraction)):]
+    result = evaluate_run(run, EvalData(rolling=True), device="cpu")
+    assert result["data"]["split"] == "valid"
+    assert result["data"]["n_tokens"] == len(TokenizerPair.load(run / "tokenizer").src.encode(tail))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiayn.config import Config
+from aiayn.config import Config, DataConfig
 from aiayn.errors import ConfigError
 from aiayn.task import TASKS, task_named
 
@@ -17,6 +17,14 @@ def test_each_task_answers_what_was_asked_by_name():
     assert (t.summarizes, s.summarizes, lm.summarizes) == (False, True, False)
     assert (t.loader, s.loader, lm.loader) == ("translator", "translator", "generator")
     assert dict(lm.decoding) == {"sample": True, "temperature": 1.0} and not t.decoding and not s.decoding
+    assert (t.evaluator, s.evaluator, lm.evaluator) == ("pairs", "summaries", "language_model")
+    assert (t.extra_scores, s.extra_scores, lm.extra_scores) == ((), ("rouge",), ())
+
+
+def test_every_evaluator_a_task_names_is_there():
+    from aiayn.eval.evaluate import EVALUATORS
+
+    assert {t.evaluator for t in TASKS.values()} <= set(EVALUATORS)
     # which tasks each export takes: the export targets declare it (tests/test_export_registry.py); which route
     # serves each: the server maps it (tests/test_serve.py)
 
@@ -33,3 +41,76 @@ def test_the_language_model_default_decoding_is_the_one_generate_uses():
 
     opts = DecodeOptions().replace(**{**TASKS["lm"].decoding, "temperature": 0.7})
     assert opts.sample and opts.temperature == 0.7
+
+
+def test_each_task_refuses_the_work_it_does_not_do_in_its_own_words():
+    t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
+    for kind, work in ((lm, "table3"), (s, "table3"), (lm, "sweep"), (s, "sweep"), (t, "generate"),
+                       (s, "generate"), (t, "load_generator"), (s, "load_generator"), (t, "summarize")):
+        with pytest.raises(ConfigError, match=f"^runs/x.* {kind.name}"):
+            kind.check_does(work, "runs/x")
+    for kind, work in ((t, "table3"), (t, "sweep"), (lm, "generate"), (lm, "load_generator"), (s, "summarize"),
+                       (lm, "summarize")):
+        kind.check_does(work, "runs/x")  # no refusal
+    with pytest.raises(ConfigError, match="^runs/x is a translation run: `aiayn generate` needs a language model"):
+        t.check_does("generate", "runs/x")
+
+
+def test_a_task_checks_the_config_fields_whose_meaning_is_its_own():
+    with pytest.raises(ConfigError, match="data.pretokenize='moses' is for translation, not task lm"):
+        Config(task="lm", data=DataConfig(pretokenize="moses"))
+    with pytest.raises(ConfigError, match="data.shared_vocab=false needs model.share_embeddings=false"):
+        TASKS["summarization"].check_config("none", False, True)
+    TASKS["lm"].check_config("none", False, True)
+
+
+def test_a_config_reads_and_batches_the_corpus_its_task_and_dataset_make():
+    from aiayn.data.pipeline import PAIRS, ROWS, STREAM, corpus_of
+
+    def cfg(task: str, **data) -> Config:
+        return Config(task=task, data=DataConfig(**data))
+
+    assert corpus_of(cfg("translation")) is PAIRS and corpus_of(cfg("summarization", dataset="xsum")) is PAIRS
+    assert corpus_of(cfg("lm", dataset="tinyshakespeare")) is STREAM
+    assert corpus_of(cfg("lm", dataset="xsum")) is ROWS and corpus_of(cfg("lm", format="jsonl")) is ROWS
+    assert not PAIRS.fixed_shapes(cfg("translation")) and PAIRS.fixed_shapes(cfg("translation", length_buckets=[32]))
+    assert STREAM.fixed_shapes(cfg("lm")) and not ROWS.fixed_shapes(cfg("lm", dataset="xsum"))
+    with pytest.raises(ConfigError, match="^a language-model corpus is a token stream, not pairs$"):
+        from aiayn.data.pipeline import pair_sources
+
+        pair_sources(cfg("lm", dataset="tinyshakespeare"))
+
+
+def test_a_server_refuses_a_route_in_the_words_of_the_task_it_runs():
+    t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
+    assert lm.refusal("libretranslate") == ("this server runs a lm run; LibreTranslate's API needs a translation run "
+                                            "(language models answer /v1/completions)")
+    assert s.refusal("libretranslate").startswith("this server runs a summarization run;")
+    assert t.refusal("lm_route", "/tokenize") == "/tokenize needs a language-model run; this server runs a " \
+                                                 "translation run"
+    assert s.refusal("completions") == ("this server runs a summarization run; completions need a language model "
+                                        "or a translation run")
+    assert t.refusal("libretranslate") is lm.refusal("lm_route", "/tokenize") is t.refusal("completions") is None
+
+
+def test_summaries_come_from_what_the_run_was_trained_on():
+    from types import SimpleNamespace
+
+    from aiayn.decode.generate import SUMMARIZERS, summarize, summarize_lm, summarize_seq2seq
+
+    assert SUMMARIZERS == {"rows": summarize_lm, "pairs": summarize_seq2seq}
+
+    def run(task: str, **data) -> SimpleNamespace:
+        return SimpleNamespace(cfg=Config(task=task, data=DataConfig(**data)), path="runs/x")
+
+    with pytest.raises(ConfigError, match="^runs/x is a language model of running text, .* it cannot summarize$"):
+        summarize(run("lm", dataset="tinyshakespeare"), ["a document"])
+    with pytest.raises(ConfigError, match="^a language-model run summarizes greedily"):
+        summarize(run("lm", dataset="xsum"), ["a document"], beam=4)
+    with pytest.raises(ConfigError, match="^runs/x is a translation run: use `aiayn translate`$"):
+        summarize(run("translation"), ["a document"])
+
+
+def test_only_an_encoder_decoder_training_starts_from_a_run_of_its_own_task():
+    assert TASKS["lm"].refusal("init_from") == "language models: not supported"
+    assert TASKS["translation"].refusal("init_from") is TASKS["summarization"].refusal("init_from") is None

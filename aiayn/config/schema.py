@@ -457,10 +457,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _choice("task", self.task, tuple(TASKS))
-        if self.data.pretokenize != "none" and not self.kind.translates:
-            raise ConfigError(f"data.pretokenize={self.data.pretokenize!r} is for translation, not task {self.task}")
-        if not self.data.shared_vocab and self.model.share_embeddings and self.kind.encoder:
-            raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+        self.kind.check_config(self.data.pretokenize, self.data.shared_vocab, self.model.share_embeddings)
 
     def check_pair_widths(self) -> None:
         """Before a training: pairs are kept up to ``data.max_len`` positions and batches padded to a bucket or a

@@ -156,20 +156,13 @@ def pair_sources(cfg: Config) -> tuple[dict[str, PairSource], dict[str, str]]:
     iterator each call: corpus files are read line by line, never whole), and what they are read from: each
     file's sha256, or a known dataset's name, split and languages (its download is checked against its published
     sha256)."""
-    if not cfg.kind.encoder:
-        raise ConfigError("a language-model corpus is a token stream, not pairs")
+    cfg.kind.check_does("pairs", cfg.data.dataset or "data")
     return dataset_of(cfg).sources(cfg.data, cfg.kind)
 
 
 def corpus_recipe(cfg: Config, workers: int | None = None) -> Recipe:
-    """The store a config trains from, its tokenizer trained by the store: a language model's text or (document,
-    summary) pairs (:func:`lm_recipe`), else translation pairs (:class:`~aiayn.data.store.PairRecipe`)."""
-    from aiayn.data.store import PairRecipe
-
-    if not cfg.kind.encoder:
-        return lm_recipe(cfg, None, workers)
-    sources, inputs = pair_sources(cfg)
-    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, workers=workers)
+    """The store a config trains from, its tokenizer trained by the store: its :class:`Corpus`'s recipe."""
+    return corpus_of(cfg).recipe(cfg, None, workers)
 
 
 def prepare_corpus(cfg: Config, out: str | Path, workers: int | None = None, rebuild: bool = True):
@@ -248,12 +241,9 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
     asks, one builds it under the store's lock and the others wait on the lock, outside any collective), batched
     by :func:`batch_budget` for ``world`` processes. The store's tokenizer becomes the run's. A damaged
     ``data.prepared`` store is refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
-    from aiayn.data.store import PairRecipe
-
     budget = batch_budget(cfg, world)  # refused before any reading
     sources, inputs = pair_sources(cfg)
-    store, tok = run_store(cfg, run_dir, lambda t: PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=t),
-                           is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: _pair_recipe(cfg, t, None, (sources, inputs)), is_main, barrier)
     tdir = tokenizer_dir(run_dir)
     if tok.pretokenize != cfg.data.pretokenize:
         raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
@@ -312,14 +302,21 @@ def _log_budget(cfg: Config, budget: int, world: int, costs: np.ndarray) -> None
                  "own, over the budget", f"{over:,}", f"{len(costs):,}", f"{budget:,}", f"{int(costs.max()):,}")
 
 
-def lm_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> Recipe:
-    """The store of a ``task: lm`` config: (document, summary) pairs for summarization as language modelling
-    (:func:`~aiayn.data.summarization.summary_lm_recipe`), else the text as one token stream
-    (:func:`~aiayn.data.stream_store.stream_recipe`); ``tokenizer``: the run's, else the store trains one."""
-    if is_summary_lm(cfg):
-        sources, inputs = dataset_of(cfg).sources(cfg.data, cfg.kind)
-        return summary_lm_recipe(cfg, sources, inputs, tokenizer, workers)
-    return stream_recipe(cfg, tokenizer, workers)
+def _pair_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None,
+                 read: tuple[dict[str, PairSource], dict[str, str]] | None = None) -> Recipe:
+    """The store of (source, target) pairs (:class:`~aiayn.data.store.PairRecipe`); ``read``: the pairs' sources
+    and inputs when already known (:func:`pair_sources`)."""
+    from aiayn.data.store import PairRecipe
+
+    sources, inputs = read or pair_sources(cfg)
+    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=tokenizer, workers=workers)
+
+
+def _rows_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> Recipe:
+    """The store of the (document, summary) pairs of summarization as language modelling
+    (:func:`~aiayn.data.summarization.summary_lm_recipe`); ``tokenizer``: the run's, else the store trains one."""
+    sources, inputs = dataset_of(cfg).sources(cfg.data, cfg.kind)
+    return summary_lm_recipe(cfg, sources, inputs, tokenizer, workers)
 
 
 def _store_dir(cfg: Config, recipe: Recipe) -> Path:
@@ -371,12 +368,13 @@ def _check_block(cfg: Config) -> None:
                           f"{cfg.model.max_positions}")
 
 
-def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
+def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
                           ) -> tuple[SummaryLMData, TokenizerPair]:
     """"document <sep> summary" rows, one per article, read from the store of the (document, summary) pairs
-    (:func:`run_store`; the tokenizer holds the separator as one piece)."""
+    (:func:`run_store`; the tokenizer holds the separator as one piece); every one of ``world`` processes reads
+    them all."""
     _check_block(cfg)
-    store, tok = run_store(cfg, run_dir, lambda t: lm_recipe(cfg, t), is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: _rows_recipe(cfg, t), is_main, barrier)
     sep_ids = separator_ids(tok.src, cfg.data.separator)
     data = SummaryLMData(store.splits["train"], store.splits["valid"], sep_ids, cfg.data.block_size,
                          cfg.data.batch_size, cfg.train.seed)
@@ -391,11 +389,15 @@ def build_summary_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barr
 def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None
                   ) -> tuple[LMData | SummaryLMData, TokenizerPair]:
     """A language model's data: windows of the store's token stream (:class:`~aiayn.data.batching.LMData`),
-    or "document <sep> summary" rows (:func:`build_summary_lm_data`)."""
-    if is_summary_lm(cfg):  # "document <sep> summary" sequences, one per article
-        return build_summary_lm_data(cfg, run_dir, is_main, barrier)
+    or "document <sep> summary" rows (:func:`build_summary_lm_data`): its :class:`Corpus`'s."""
+    return corpus_of(cfg).build(cfg, run_dir, is_main, barrier, 1)
+
+
+def build_stream_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1
+                      ) -> tuple[LMData, TokenizerPair]:
+    """Windows of the store's token stream (:class:`~aiayn.data.batching.LMData`)."""
     _check_block(cfg)
-    store, tok = run_store(cfg, run_dir, lambda t: lm_recipe(cfg, t), is_main, barrier)
+    store, tok = run_store(cfg, run_dir, lambda t: stream_recipe(cfg, t), is_main, barrier)
     train, valid = store.splits["train"], store.splits["valid"]
     if is_main:
         log.info("lm: %d train tokens, %d valid tokens (%s tokenizer, vocab %d; store %s)", len(train), len(valid),
@@ -404,7 +406,32 @@ def build_lm_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lamb
 
 
 def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda: None, world: int = 1):
-    """Task dispatch: (TrainData, TokenizerPair) for one of ``world`` processes."""
-    if not cfg.kind.encoder:
-        return build_lm_data(cfg, run_dir, is_main, barrier)
-    return build_translation_data(cfg, run_dir, is_main, barrier, world)
+    """(TrainData, TokenizerPair) for one of ``world`` processes: the config's :class:`Corpus` builds them."""
+    return corpus_of(cfg).build(cfg, run_dir, is_main, barrier, world)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What a run trains on, as the pipeline reads and batches it, resolved once per config (:func:`corpus_of`):
+    its store's recipe (``recipe(cfg, tokenizer, workers)``), its training data (``build(cfg, run_dir, is_main,
+    barrier, world)``) and whether its batches have fixed shapes (``fixed_shapes(cfg)``: compiled with a static
+    graph per shape). The pipeline and the training call it instead of asking the task."""
+
+    name: str
+    recipe: Callable[[Config, Path | None, int | None], Recipe]
+    build: Callable[..., tuple[Any, TokenizerPair]]
+    fixed_shapes: Callable[[Config], bool]
+
+
+PAIRS = Corpus("pairs", _pair_recipe, build_translation_data, lambda cfg: bool(cfg.data.length_buckets))
+STREAM = Corpus("stream", lambda cfg, tokenizer=None, workers=None: stream_recipe(cfg, tokenizer, workers),
+                build_stream_data, lambda cfg: True)
+ROWS = Corpus("rows", _rows_recipe, build_summary_lm_data, lambda cfg: False)
+
+
+def corpus_of(cfg: Config) -> Corpus:
+    """A config's :class:`Corpus`: an encoder-decoder's (source, target) pairs; a language model's
+    "document <sep> summary" rows (:func:`~aiayn.data.registry.is_summary_lm`), else its one token stream."""
+    if cfg.kind.encoder:
+        return PAIRS
+    return ROWS if is_summary_lm(cfg) else STREAM

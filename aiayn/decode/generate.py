@@ -28,10 +28,11 @@ overrides). ROUGE of summaries on a split is :mod:`aiayn.eval.summaries`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeOptions
+from aiayn.data.pipeline import corpus_of
 from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
 from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
@@ -41,7 +42,6 @@ from aiayn.engine import kernels
 from aiayn.errors import ConfigError, DataError
 from aiayn.run.directory import Run
 from aiayn.search import SearchSpec, decode_ids, strategy_for
-from aiayn.task import TASKS
 
 if TYPE_CHECKING:
     pass
@@ -98,10 +98,11 @@ def new_token_limit(opts: DecodeOptions, command: str) -> int:
     return DEFAULT_NEW_TOKENS[command] if opts.max_new_tokens is None else opts.max_new_tokens
 
 
-def generate_options(base: DecodeOptions, chosen: dict[str, Any]) -> DecodeOptions:
-    """What ``aiayn generate`` and the server's ``/v1/generate`` decode with: ``base`` (the run's ``decode``
-    section) sampling at temperature 1, unless ``chosen`` (flags, by DecodeOptions field name) says otherwise."""
-    return base.replace(**{**TASKS["lm"].decoding, **chosen})
+def generate_options(cfg: Config, chosen: dict[str, Any]) -> DecodeOptions:
+    """What ``aiayn generate`` and the server's ``/v1/generate`` decode with: the run's ``decode`` section with
+    its task's decoding defaults (a language model samples at temperature 1), unless ``chosen`` (flags, by
+    DecodeOptions field name) says otherwise."""
+    return cfg.decode.replace(**{**cfg.kind.decoding, **chosen})
 
 
 def check_prompt_fits(cfg: Config, ids: Sequence[int]) -> None:
@@ -121,9 +122,7 @@ def generate_text(run: Run, prompt: str | Sequence[int], opts: DecodeOptions, sl
     ``opts.no_repeat_ngram``. Checks happen here, before the first token: a prompt too long for the
     context (without ``slide``) raises :class:`ConfigError`."""
     cfg, tok = run.cfg, run.tokenizers.src
-    if cfg.kind.encoder:
-        raise ConfigError(f"{run.path} is a {cfg.task} run: `aiayn generate` needs a language model "
-                          "(use translate or summarize)")
+    cfg.kind.check_does("generate", run.path)
     ids = prompt_ids(cfg, tok, prompt)
     ctx = lm_context(cfg)
     if not slide:
@@ -232,18 +231,23 @@ def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None 
     opts = merged_options(run.cfg.decode, options, **overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
-    kind = run.cfg.kind
-    if not kind.encoder:
-        if not is_summary_lm(run.cfg):
-            raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
-                              "sequences (data.dataset xsum or JSONL files): it cannot summarize")
-        if overrides.get("beam") not in (None, 1) or opts.sample:
-            raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
-                              "needs an encoder-decoder (task: summarization) run")
-    elif not kind.summarizes:
-        raise ConfigError(f"{run.path} is a {run.cfg.task} run: use `aiayn translate`")
+    run.cfg.kind.check_does("summarize", run.path)
+    summarizer = SUMMARIZERS.get(corpus_of(run.cfg).name)
+    if summarizer is None:
+        raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
+                          "sequences (data.dataset xsum or JSONL files): it cannot summarize")
+    if summarizer is summarize_lm and (overrides.get("beam") not in (None, 1) or opts.sample):
+        raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
+                          "needs an encoder-decoder (task: summarization) run")
     with kernels(model_device(run.model), run.precision):
-        return (summarize_seq2seq if kind.encoder else summarize_lm)(run, documents, opts)
+        return summarizer(run, documents, opts)
+
+
+# Who summarizes what a run was trained on (its data.pipeline.Corpus): a language model of "document <sep>
+# summary" rows continues the separator; an encoder-decoder of (document, summary) pairs decodes its summary.
+# A run of running text has none.
+SUMMARIZERS: dict[str, Callable[[Run, Sequence[str], DecodeOptions], list[str]]] = {
+    "rows": summarize_lm, "pairs": summarize_seq2seq}
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -268,8 +272,7 @@ class Generator(LoadedRun):
     ``summarize(documents)`` works for runs trained on "document <sep> summary" sequences."""
 
     def __init__(self, run: Run) -> None:
-        if run.cfg.kind.encoder:
-            raise ConfigError(f"{run.path} is a {run.cfg.task} run, not a language model")
+        run.cfg.kind.check_does("load_generator", run.path)
         super().__init__(run)
 
     def stream(self, prompt: str | Sequence[int] = "", options: DecodeOptions | None = None, slide: bool = False,

@@ -28,6 +28,7 @@ import datetime as _dt
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.decode.loaded import merged_options
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
-from aiayn.task import TASKS
 
 log = logging.getLogger("aiayn.eval")
 
@@ -105,8 +105,9 @@ def _score_fields(cfg: Config, hyps: list[str], refs: list[str]) -> dict[str, An
     sb = sacrebleu_scores(hyps, refs)
     lc_score, lc_desc, lc_detail = bleu_lc_tok(hyps, refs, cfg.data.tgt_lang)
     scores = {"bleu": sb["bleu"], "chrf": sb["chrf"], "bleu_lc_tok": lc_score}
-    if cfg.kind.summarizes:
-        scores.update(rouge_scores(hyps, refs))
+    extra = {"rouge": rouge_scores}  # what a task's extra_scores name (ROUGE for a summarizer)
+    for score in cfg.kind.extra_scores:
+        scores.update(extra[score](hyps, refs))
     return {
         "scores": {k: round(v, 4) for k, v in scores.items()},
         "signatures": {"bleu": sb["bleu_signature"], "chrf": sb["chrf_signature"], "bleu_lc_tok": lc_desc},
@@ -201,12 +202,13 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
 def lm_valid_text(cfg: Config) -> str:
     """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
     cut where training cut it (``data.pipeline.build_lm_data``)."""
-    from aiayn.data.pipeline import load_lm_text
-    from aiayn.data.registry import is_summary_lm
+    from aiayn.data.corpus import read_text
+    from aiayn.data.pipeline import ROWS, corpus_of
+    from aiayn.data.registry import dataset_of
 
-    if is_summary_lm(cfg):
+    if corpus_of(cfg) is ROWS:
         raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
-    text = load_lm_text(cfg)
+    text = read_text(dataset_of(cfg).text(cfg.data)[0])
     return text[int(len(text) * (1 - cfg.data.valid_fraction)):]
 
 
@@ -263,10 +265,7 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
                  precision: str = "auto", **overrides) -> dict[str, Any]:
     """Evaluate a run on ``data`` (see the module docstring); dispatches on the run's task. Decoding options: the
     run's ``decode`` section, then ``options``, then the non-None ``overrides`` (e.g. ``beam=5``)."""
-    from aiayn.data.registry import is_summary_lm
-
     run_dir = Path(run_dir)
-    split, src, ref, name = data.split, data.src, data.ref, data.name
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         what = "no such run directory" if not run_dir.is_dir() else "no config.yaml (is it a run directory?)"
@@ -275,20 +274,13 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
     merged_options(cfg.decode, options, **overrides)  # bad options fail here, before any loading
     if data.max_length is not None and not data.rolling:
         raise ConfigError("--max-length is lm-evaluation-harness's window length: it goes with --rolling")
-    if data.rolling and not cfg.kind.encoder:
-        if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
-            raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
-        return evaluate_lm_rolling(run_dir, data, device, precision)
-    if split is not None and (cfg.kind.summarizes or is_summary_lm(cfg)):
-        # Summaries are scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds.
-        from aiayn.eval.summaries import evaluate_summaries
+    return EVALUATORS[cfg.kind.evaluator](run_dir, cfg, data, options, device, precision, overrides)
 
-        return evaluate_summaries(run_dir, split, options, device, precision, data.weights, **overrides)
-    if not cfg.kind.encoder:
-        if src is not None or ref is not None or split not in (None, "valid"):
-            raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
-                              "file is scored with --rolling), --split valid at most")
-        return evaluate_lm(run_dir, name, device, precision, data.weights)
+
+def _evaluate_pairs(run_dir: Path, cfg: Config, data: EvalData, options: DecodeOptions | None, device: str,
+                    precision: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder's outputs against references: a split's, or ``--src`` against ``--ref``."""
+    split, src, ref = data.split, data.src, data.ref
     if data.rolling:
         raise ConfigError(f"--rolling scores a language model's text; this is a {cfg.task} run")
     if (split is None) == (src is None and ref is None):
@@ -296,6 +288,46 @@ def evaluate_run(run_dir: str | Path, data: EvalData, options: DecodeOptions | N
     if split is None and (src is None or ref is None):
         raise ConfigError("--src and --ref go together")
     return evaluate_translation(run_dir, data, options, device, precision, **overrides)
+
+
+def _evaluate_split_summaries(run_dir: Path, data: EvalData, options: DecodeOptions | None, device: str,
+                              precision: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Summaries of a split scored by ROUGE (with the lead-1 baseline beside it on XSum), for both kinds."""
+    from aiayn.eval.summaries import evaluate_summaries
+
+    return evaluate_summaries(run_dir, data.split, options, device, precision, data.weights, **overrides)
+
+
+def _evaluate_summarizer(run_dir: Path, cfg: Config, data: EvalData, options: DecodeOptions | None, device: str,
+                         precision: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder summarizer: a split's summaries by ROUGE, else as :func:`_evaluate_pairs`."""
+    if data.split is not None:
+        return _evaluate_split_summaries(run_dir, data, options, device, precision, overrides)
+    return _evaluate_pairs(run_dir, cfg, data, options, device, precision, overrides)
+
+
+def _evaluate_language_model(run_dir: Path, cfg: Config, data: EvalData, options: DecodeOptions | None,
+                             device: str, precision: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A language model: its text scored in lm-evaluation-harness's rolling windows (``--rolling``), a split's
+    summaries (a "document <sep> summary" model), else the NLL of its validation text."""
+    from aiayn.data.pipeline import ROWS, corpus_of
+
+    split, src, ref = data.split, data.src, data.ref
+    if data.rolling:
+        if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
+            raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
+        return evaluate_lm_rolling(run_dir, data, device, precision)
+    if split is not None and corpus_of(cfg) is ROWS:
+        return _evaluate_split_summaries(run_dir, data, options, device, precision, overrides)
+    if src is not None or ref is not None or split not in (None, "valid"):
+        raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "
+                          "file is scored with --rolling), --split valid at most")
+    return evaluate_lm(run_dir, data.name, device, precision, data.weights)
+
+
+# What each task's runs are evaluated by (Task.evaluator names its entry).
+EVALUATORS: dict[str, Callable[..., dict[str, Any]]] = {
+    "pairs": _evaluate_pairs, "summaries": _evaluate_summarizer, "language_model": _evaluate_language_model}
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -323,7 +355,7 @@ def _scores_summary(result: dict[str, Any]) -> str:
                 f"{k} {result['lead1'][k]:.2f}" for k in ("rouge1", "rouge2", "rougeL")))
         lines.append(f"wrote {result['json_path']}")
         return "\n".join(lines)
-    lm = not TASKS[result["task"]].encoder
+    lm = "nll_per_token" in s  # a language model's record (its text's NLL), not decoded outputs'
     if lm and result["data"].get("rolling"):
         d = result["data"]
         return (f"{result['name']}: {d['n_tokens']} tokens in {d['windows']} rolling windows (lm-evaluation-harness, "

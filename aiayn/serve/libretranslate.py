@@ -180,9 +180,9 @@ class LibreTranslate(RouteTable):
             raise LibreError(403, "Invalid API key")
 
     def need_translation(self) -> None:
-        if not self.svc.kind.translates:
-            raise LibreError(400, f"this server runs a {self.svc.task} run; LibreTranslate's API needs a translation "
-                                  "run (language models answer /v1/completions)")
+        why = self.svc.kind.refusal("libretranslate")
+        if why is not None:
+            raise LibreError(400, why)
 
     @route("/languages", "GET", "POST", forms=True)
     async def languages(self, request: Request) -> Response:

@@ -80,6 +80,7 @@ class OpenAIRoutes(RouteTable):
         self.model_id = svc.run.path.name
         self.created = int(time.time())
         self.template = load_chat_template(svc.run)  # a language model's own (RUN/chat_template.jinja), or None
+        self.completer = COMPLETIONS[svc.kind.loader](self)  # what a completion is on this run
 
     def authorize(self, request: Request) -> None:
         if not self.svc.key_matches(bearer(request)):
@@ -114,7 +115,8 @@ class OpenAIRoutes(RouteTable):
         c = completion_request({**fields, "prompt": prompt}, self.svc.limits, "messages")
         self.check_model(body)
         # the default template's reply follows "Assistant:" and a space; a run's own template says where it starts
-        return await self.respond(c, ChatShape(strip_leading_space=not self.svc.kind.encoder and self.template is None))
+        return await self.respond(c, ChatShape(
+            strip_leading_space=self.completer.language_model and self.template is None))
 
     def template_ids(self, text: str) -> list[int]:
         """The ids of a prompt the run's chat template rendered: the special tokens' names in it read as those
@@ -137,62 +139,21 @@ class OpenAIRoutes(RouteTable):
                                    "GET /v1/models; aiayn serve --model-alias NAME adds a name)", param="model",
                               code="model_not_found")
 
-    def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
-        """Before batching, so that one request's bad prompt does not fail the others in its batch; ``param``: what
-        the request calls its prompt (``messages`` on chat). Returns ``c`` with each prompt cut to its last
-        ``truncate_prompt_tokens`` tokens (vLLM's), where asked."""
-        svc = self.svc
-        translation = svc.kind.translates
-        ids = [p for p in c.prompts if not isinstance(p, str)]
-        if translation and (ids or c.scored or c.truncate is not None):
-            what = ("token-id prompts" if ids else "echo and logprobs" if c.scored else "truncate_prompt_tokens")
-            raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
-                              param="truncate_prompt_tokens" if what == "truncate_prompt_tokens" else param,
-                              code="unsupported")
-        if translation:  # a prompt too long for the model, before a stream's 200: as OpenAI answers one, 400
-            try:  # context_length_exceeded naming the request's field (chat: the last user message is the text)
-                source_tokens(svc.model, c.prompts, "prompt" if param == "prompt" else "messages: the last user "
-                                                                                   "message")
-            except ApiError as e:
-                message = e.message if param == "prompt" else e.message.replace("message[0]", "message", 1)
-                raise OpenAIError(400, f"{message}: shorten it (a translation model reads one sentence)",
-                                  param=param, code="context_length_exceeded") from None
-            return c
-        vocab = svc.model.tokenizers.src.vocab_size
-        for p in ids:
-            if max(p) >= vocab:
-                raise OpenAIError(400, f"prompt: token id {max(p)} is not in the model's vocabulary of {vocab}",
-                                  param="prompt", code="out_of_range")
-        cfg, tok = svc.model.cfg, svc.model.tokenizers.src
-        context = lm_context(cfg)
-        new = c.max_tokens if c.scored else 1  # what must fit beside the prompt (then a plain completion slides)
-        prompts = [truncated(prompt_ids(cfg, tok, p), p, c.truncate, max(context - new, 1)) for p in c.prompts]
-        for prompt in prompts:
-            check_context(len(prompt_ids(cfg, tok, prompt)), new, context, param, c.scored)
-        return dataclasses.replace(c, prompts=prompts)
-
     async def respond(self, c: Completion, shape: Shape) -> Response:
         """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
-        if self.svc.kind.summarizes:
-            raise OpenAIError(400, "this server runs a summarization run; completions need a language model or "
-                                   "a translation run", code="wrong_task")
+        why = self.svc.kind.refusal("completions")
+        if why is not None:
+            raise OpenAIError(400, why, code="wrong_task")
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
-        c = completion_options(c, self.svc.decode, language_model=not self.svc.kind.encoder)
-        c = self.check_prompts(c, shape.prompt_param)
+        c = completion_options(c, self.svc.decode, language_model=self.completer.language_model)
+        # before batching, so that one request's bad prompt does not fail the others in its batch
+        c = self.completer.check_prompts(c, shape.prompt_param)
         if c.stream:
             return await CompletionStream(self, c, shape).response()
         rid, when = shape.new_id(), int(time.time())
         jobs = choices_for(c)
-        if self.svc.kind.translates:
-            results = await self.translate_choices(c, jobs)
-        elif c.scored:
-            # a request's prompts share forward passes (run_scored); requests are not merged: a merge would make
-            # each lone request wait the batching window, and a harness sends its batch as one request
-            results = await self.svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs),
-                                                 functools.partial(run_scored, self.svc.model))
-        else:
-            results = await self.generate(c, jobs, None)
+        results = await self.completer.results(c, jobs)
         return JSONResponse({"id": rid, "object": shape.object, "created": when, "model": self.model_id,
                              "choices": [shape.choice(i, r) for r, (i, _, _) in zip(results, jobs)],
                              "usage": usage_of(c, results, jobs)})
@@ -269,13 +230,96 @@ class CompletionStream:
 
     async def answered(self) -> None:
         c, jobs = self.c, self.jobs
-        if self.api.svc.kind.translates:  # a translation is decoded whole: one event per choice
-            results = await self.api.translate_choices(c, jobs, self.events.cancelled)
-            for r, (index, _, _) in zip(results, jobs):
-                self.text_chunk(index, r["text"])
-        else:  # each token as it is decoded, from a shared batch
-            results = await self.api.generate(c, jobs, self)
+        results = await self.api.completer.stream(self)
         for r, (index, _, _) in zip(results, jobs):  # after every piece: the worker queued those first
             self.events.push(self.chunk(self.shape.delta(index, "", r["finish_reason"])))
         if c.include_usage:  # OpenAI's last chunk: no choices, the usage of the whole request
             self.events.push(sse({**self.head(), "choices": [], "usage": usage_of(c, results, jobs)}))
+
+
+class Completions:
+    """What a completion is on the served run: its prompts' checks (before batching), its results, its stream."""
+
+    language_model: bool
+
+    def __init__(self, api: OpenAIRoutes) -> None:
+        self.api = api
+
+
+class TranslationCompletions(Completions):
+    """What a completion is on a translation run: the prompt (or the last user message) is the sentence, the
+    completion its translation (:meth:`OpenAIRoutes.translate_choices`), decoded whole."""
+
+    language_model = False
+
+    def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
+        """Refuse what only a language model does, and a prompt too long for the model (before a stream's 200: as
+        OpenAI answers one, 400 context_length_exceeded naming the request's field; ``param``: what the request
+        calls its prompt, ``messages`` on chat, whose last user message is the text)."""
+        ids = [p for p in c.prompts if not isinstance(p, str)]
+        if ids or c.scored or c.truncate is not None:
+            what = ("token-id prompts" if ids else "echo and logprobs" if c.scored else "truncate_prompt_tokens")
+            raise OpenAIError(400, f"{what} need a language-model run; this server runs a translation run",
+                              param="truncate_prompt_tokens" if what == "truncate_prompt_tokens" else param,
+                              code="unsupported")
+        try:
+            source_tokens(self.api.svc.model, c.prompts, "prompt" if param == "prompt" else "messages: the last user "
+                                                                                         "message")
+        except ApiError as e:
+            message = e.message if param == "prompt" else e.message.replace("message[0]", "message", 1)
+            raise OpenAIError(400, f"{message}: shorten it (a translation model reads one sentence)",
+                              param=param, code="context_length_exceeded") from None
+        return c
+
+    async def results(self, c: Completion, jobs: list[Job]) -> list[dict[str, Any]]:
+        return await self.api.translate_choices(c, jobs)
+
+    async def stream(self, s: CompletionStream) -> list[dict[str, Any]]:
+        """A translation is decoded whole: one event per choice."""
+        results = await self.api.translate_choices(s.c, s.jobs, s.events.cancelled)
+        for r, (index, _, _) in zip(results, s.jobs):
+            s.text_chunk(index, r["text"])
+        return results
+
+
+class LanguageModelCompletions(Completions):
+    """What a completion is on a language-model run: the prompt's continuation, or its scores (echo and
+    logprobs), each token streamed as it is decoded."""
+
+    language_model = True
+
+    def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
+        """Each token-id prompt within the vocabulary, and each prompt within the context; returns ``c`` with
+        each prompt cut to its last ``truncate_prompt_tokens`` tokens (vLLM's), where asked."""
+        model = self.api.svc.model
+        vocab = model.tokenizers.src.vocab_size
+        for p in (p for p in c.prompts if not isinstance(p, str)):
+            if max(p) >= vocab:
+                raise OpenAIError(400, f"prompt: token id {max(p)} is not in the model's vocabulary of {vocab}",
+                                  param="prompt", code="out_of_range")
+        cfg, tok = model.cfg, model.tokenizers.src
+        context = lm_context(cfg)
+        new = c.max_tokens if c.scored else 1  # what must fit beside the prompt (then a plain completion slides)
+        prompts = [truncated(prompt_ids(cfg, tok, p), p, c.truncate, max(context - new, 1)) for p in c.prompts]
+        for prompt in prompts:
+            check_context(len(prompt_ids(cfg, tok, prompt)), new, context, param, c.scored)
+        return dataclasses.replace(c, prompts=prompts)
+
+    async def results(self, c: Completion, jobs: list[Job]) -> list[dict[str, Any]]:
+        if not c.scored:
+            return await self.api.generate(c, jobs, None)
+        # a request's prompts share forward passes (run_scored); requests are not merged: a merge would make each
+        # lone request wait the batching window, and a harness sends its batch as one request
+        svc = self.api.svc
+        return await svc.batcher.run(None, [(p, s, c) for _, p, s in jobs], lm_cost(c, jobs),
+                                     functools.partial(run_scored, svc.model))
+
+    async def stream(self, s: CompletionStream) -> list[dict[str, Any]]:
+        """Each token as it is decoded, from a shared batch."""
+        return await self.api.generate(s.c, s.jobs, s)
+
+
+# What a completion is, by what the run loads as (Task.loader): a summarization run loads as a translator, and
+# its completions are refused first (Task.refusal("completions")).
+COMPLETIONS: dict[str, type[TranslationCompletions | LanguageModelCompletions]] = {
+    "translator": TranslationCompletions, "generator": LanguageModelCompletions}

@@ -75,7 +75,7 @@ class Service:
     def generate_options(self) -> DecodeOptions:
         """The base of ``/v1/generate``: as ``aiayn generate``, sampling at temperature 1 unless the server's
         flags say otherwise (then the request's own options)."""
-        return generate_options(self.model.cfg.decode, self.choices.decode)
+        return generate_options(self.model.cfg, self.choices.decode)
 
     @property
     def task(self) -> str:

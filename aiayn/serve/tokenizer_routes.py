@@ -68,6 +68,6 @@ class TokenizerRoutes(RouteTable):
                               None if self.api.template is None else self.api.template.source)
 
     def need_lm(self, path: str) -> None:
-        if self.svc.kind.encoder:
-            raise OpenAIError(400, f"{path} needs a language-model run; this server runs a {self.svc.task} run",
-                              code="wrong_task")
+        why = self.svc.kind.refusal("lm_route", path)
+        if why is not None:
+            raise OpenAIError(400, why, code="wrong_task")

@@ -68,9 +68,10 @@ def adopt_init_run(cfg: Config, init_from: str | Path) -> tuple[Config, InitFrom
     if not (tok / PAIR_FILE).is_file():
         raise CheckpointError(f"--init-from {run}: no tokenizer/{PAIR_FILE}")
     init_cfg = load_config(run / "config.yaml")
-    if init_cfg.kind is not cfg.kind or not cfg.kind.encoder:
+    why = cfg.kind.refusal("init_from")
+    if init_cfg.kind is not cfg.kind or why is not None:
         raise ConfigError(f"--init-from {run}: a {init_cfg.task} run cannot start a {cfg.task} training"
-                          + (" (language models: not supported)" if not cfg.kind.encoder else ""))
+                          + (f" ({why})" if why is not None else ""))
     bad = _contradictions(cfg.model, init_cfg.model)
     if bad:
         raise ConfigError(f"--init-from {run}: the config's {bad[0]}; the model comes from the run, so drop "

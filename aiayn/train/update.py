@@ -248,9 +248,9 @@ class Levers:
 def fixed_shapes(cfg: Config) -> bool:
     """Whether the batches have fixed shapes (``data.length_buckets``, language-model blocks): compiled with a static
     graph per shape; token-budget batches take the dynamic shape policy."""
-    from aiayn.data.registry import is_summary_lm
+    from aiayn.data.pipeline import corpus_of
 
-    return bool(cfg.data.length_buckets) if cfg.kind.encoder else not is_summary_lm(cfg)
+    return corpus_of(cfg).fixed_shapes(cfg)
 
 
 def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, LossFn]:
