@@ -159,7 +159,8 @@ def report(args: argparse.Namespace, argv: list[str] | None, sides: list[tuple[s
          for k in vals])
     if args.precisions:
         ran = "; ".join(f"{k}: {v[0].precision}" for k, v in results.items())
-        body = (f"`aiayn train {args.recipe}` ({args.updates} updates, {args.threads} thread(s), fresh processes "
+        body = (f"## Training in bf16 against fp32 through `aiayn train` ({args.threads} thread(s), issue 69)\n\n"
+                f"`aiayn train {args.recipe}` ({args.updates} updates, {args.threads} thread(s), fresh processes "
                 f"sharing one prepared store, the two precisions in turn): {second} / {first} = **{ratio:.2f}x** "
                 f"in target tokens/s (updates per minute); {cpu_ratio:.2f}x the CPU seconds of a whole training "
                 f"(start-up included). What each ran in, from its log: {ran}.\n\n{table}\n\n")
