@@ -33,18 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    RESULTS_DIR,
-    command_line,
-    machine_info,
-    markdown_table,
-    provenance,
-    update_section,
-    utc_now,
-    write_json,
-)
+from benchmarks import common
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = common.REPO
 NAME = "compiled_step"
 WAYS = ("normal", "fixed", "fixed-plain", "inductor", "inductor-cpp")
 STEPS = 64  # the step limit: the static cache's length
@@ -175,9 +166,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.limit = min(args.limit, 4)
     elif not args.run_dir:
         raise SystemExit(f"python -m benchmarks.{NAME}: --run-dir RUN (or --smoke) is needed")
-    result: dict[str, Any] = {"date": utc_now(), "run": args.run_dir or "smoke", "sentences": args.limit,
-                              "precision": args.precision, "machine": machine_info(args.threads),
-                              "command": command_line(NAME, argv), "ways": {}}
+    result: dict[str, Any] = {"date": common.utc_now(), "run": args.run_dir or "smoke", "sentences": args.limit,
+                              "precision": args.precision, "machine": common.machine_info(args.threads),
+                              "command": common.command_line(NAME, argv), "ways": {}}
     with tempfile.TemporaryDirectory(prefix="aiayn-compiled-step-") as tmp:
         sources = Path(tmp) / "sources.json"
         sources.write_text(json.dumps(sources_of(args)), encoding="utf-8")
@@ -192,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result["ways"][way] = r
             print(f"{way}: first pass {r['first_pass_s']} s, {r['cpu_ms_per_step']} CPU ms/step", flush=True)
     summarize(result)
-    write_json(args.out_json or RESULTS_DIR / f"{NAME}.json", result)
+    common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
     if args.md:
-        update_section(args.md, NAME, markdown(result))
+        common.update_section(args.md, NAME, markdown(result))
     return result
 
 
@@ -212,13 +203,13 @@ def markdown(result: dict[str, Any]) -> str:
     rows = [[way, f"{r['first_pass_s']:.1f}", r["steps"], f"{r['cpu_ms_per_step']:.2f}",
              f"{r['speed_vs_first']:.2f}x", f"{r['same_outputs']} / {len(r['outputs'])}"]
             for way, r in result["ways"].items()]
-    table = markdown_table(["way", "first pass (s)", "decoder steps", "CPU ms / step", f"speed vs {first}",
+    table = common.markdown_table(["way", "first pass (s)", "decoder steps", "CPU ms / step", f"speed vs {first}",
                             f"outputs = {first}"], rows)
     return (f"## Batch-1 beam search with the step compiled (issue 69)\n\n"
             f"{result['sentences']} sentences of `{result['run']}`, each alone, beam 4, at most {STEPS} steps, "
             f"precision {result['precision']} (the module docstring of `benchmarks/compiled_step.py` says what each "
             f"way is). CPU milliseconds per decoder step of a second pass (the first compiles).\n\n{table}\n\n"
-            + provenance(result["machine"], result["command"], result["date"]))
+            + common.provenance(result["machine"], result["command"], result["date"]))
 
 
 if __name__ == "__main__":
