@@ -558,14 +558,21 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
 JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far smaller
 
 
-def read_bounded(path: str | Path, max_bytes: int) -> bytes:
-    """The bytes of the regular file (or pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most ``max_bytes``: a
-    ValueError for a device (a symlink to /dev/zero, which would never end) or a file past ``max_bytes``.
-    FileNotFoundError / OSError as open()."""
-    with open(path, "rb") as f:
+def read_bounded(path: str | Path, max_bytes: int, pipes: bool = True) -> bytes:
+    """The bytes of the regular file (or, with ``pipes``, pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most
+    ``max_bytes``: a ValueError for a device (a symlink to /dev/zero, which would never end), a pipe without
+    ``pipes`` (opened without waiting for a writer, which may never come: a store's file is never a pipe) or a file
+    past ``max_bytes``. FileNotFoundError / OSError as open()."""
+    if pipes:
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    else:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    with f:
         st = os.fstat(f.fileno())
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
-            raise ValueError("not a regular file (a device or a directory)")
+        if not (stat.S_ISREG(st.st_mode) or (pipes and stat.S_ISFIFO(st.st_mode))):
+            raise ValueError("not a regular file (a device, a pipe or a directory)")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes:,} bytes")

@@ -10,7 +10,9 @@ it), so that loading a run for inference, exporting or serving it never imports 
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -98,8 +100,11 @@ def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, m
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file; a missing or unreadable file is a one-line CheckpointError."""
+    """The tensors of a safetensors file; a missing or unreadable file is a one-line CheckpointError, and so is a
+    pipe, a device or a directory in its place (reading a pipe would wait for a writer that never comes)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a pipe, a device or a directory stands in its place)")
         return load_file(str(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such weights file") from None
