@@ -165,7 +165,10 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
             if k in total and t.shape != total[k].shape:  # checkpoints of another model: no mean exists
                 raise CheckpointError(f"{p}: {k} has shape {tuple(t.shape)}, {paths[0]} has {tuple(total[k].shape)}: "
                                       "checkpoints of different models cannot be averaged")
-            dtypes.setdefault(k, t.dtype)
+            first = dtypes.setdefault(k, t.dtype)
+            if t.dtype != first and not (t.is_floating_point() and first.is_floating_point):  # fp32 with bf16: fine
+                raise CheckpointError(f"{p}: {k} holds {t.dtype} values, {paths[0]} {first}: checkpoints of "
+                                      "different kinds cannot be averaged")
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc
     mean = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
