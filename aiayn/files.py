@@ -531,6 +531,7 @@ def guard_output_dir(out: str | Path, inputs: Sequence[str | Path] = (), flag: s
     if out.exists() and not out.is_dir():
         what = "a device or a pipe" if written_in_place(out) else "a file"
         raise ConfigError(f"{name}: is {what}, not a directory; name a new directory")
+    _check_above(out, name)
     return out
 
 
@@ -558,14 +559,21 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
 JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far smaller
 
 
-def read_bounded(path: str | Path, max_bytes: int) -> bytes:
-    """The bytes of the regular file (or pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most ``max_bytes``: a
-    ValueError for a device (a symlink to /dev/zero, which would never end) or a file past ``max_bytes``.
-    FileNotFoundError / OSError as open()."""
-    with open(path, "rb") as f:
+def read_bounded(path: str | Path, max_bytes: int, pipes: bool = True) -> bytes:
+    """The bytes of the regular file (or, with ``pipes``, pipe: ``<(zcat recipe.yaml.gz)``) ``path``, at most
+    ``max_bytes``: a ValueError for a device (a symlink to /dev/zero, which would never end), a pipe without
+    ``pipes`` (opened without waiting for a writer, which may never come: a store's file is never a pipe) or a file
+    past ``max_bytes``. FileNotFoundError / OSError as open()."""
+    if pipes:
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    else:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
+    with f:
         st = os.fstat(f.fileno())
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
-            raise ValueError("not a regular file (a device or a directory)")
+        if not (stat.S_ISREG(st.st_mode) or (pipes and stat.S_ISFIFO(st.st_mode))):
+            raise ValueError("not a regular file (a device, a pipe or a directory)")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes:,} bytes")
@@ -660,17 +668,30 @@ def _owner(target: Path) -> Path | None:
     return None
 
 
+def _check_above(out: Path, name: str) -> None:
+    """Refuse (one-line ConfigError) ``out`` whose nearest existing ancestor is a file, not a directory (where
+    creating its parents would say only "File exists")."""
+    above = next((p for p in Path(os.path.abspath(out)).parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"{name}: {above} is a file, not a directory; write inside a directory")
+
+
 def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (), flag: str = "--out",
                  creates: Sequence[str | Path] = (), replace: bool = True) -> Path:
     """Refuse (one-line ConfigError), before any work, to write the file ``path``, of ``kind`` (:data:`KINDS`),
     when it is one of the command's ``inputs`` (the same file through a symlink or a hard link; a file inside an
     input directory), a file of a run directory or a token store other than those the command itself
-    ``creates`` there, a directory, or an existing file whose content is not of ``kind``; and, unless ``replace``
-    (a command's ``--force``), any existing file. A device, a pipe or /dev/stdout is written into as it is.
-    Returns ``path``."""
+    ``creates`` there, a directory (or a name ending in ``/``), ``-`` (stdout, which the commands that can write
+    there take before this guard), a path under a file, or an existing file whose content is not of ``kind``; and,
+    unless ``replace`` (a command's ``--force``), any existing file. A device, a pipe or /dev/stdout is written into
+    as it is. Returns ``path``."""
     out = Path(path)
     what, fits = KINDS[kind]
     name = f"{flag} {out}" if flag else str(out)
+    if str(path) == "-":  # the commands that write to stdout take "-" before this guard; the others write a file
+        raise ConfigError(f"{name}: {what} is not written to stdout here; name the file to write")
+    if str(path).endswith(os.sep):
+        raise ConfigError(f"{name}{os.sep}: names a directory; name the file to write")
     ours = any(_same(out, Path(c)) for c in creates)
     for given in inputs:
         src = Path(given)
@@ -689,6 +710,7 @@ def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (),
                           "write outside it")
     if out.is_dir():
         raise ConfigError(f"{name}: is a directory; name the file to write")
+    _check_above(out, name)
     if not out.exists():
         return out
     try:

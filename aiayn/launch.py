@@ -153,7 +153,9 @@ def check_options(args: argparse.Namespace) -> None:
         trial.rdzv_backend, trial.rdzv_endpoint, trial.rdzv_id = "c10d", "localhost:0", "check"
     logging.disable(logging.WARNING)
     try:
-        config_from_args(trial)
+        config = config_from_args(trial)[0]
+        if config.nproc_per_node < 1:  # torchrun's agent asserts it, once started
+            raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
         if trial.rdzv_endpoint:
             parse_rendezvous_endpoint(trial.rdzv_endpoint, default_port=29400)
     except (ValueError, AssertionError, RuntimeError) as e:

@@ -121,3 +121,29 @@ def test_verify_of_a_sound_store_still_passes(store, capsys):
     assert "sound" in capsys.readouterr().out
     manifest = json.loads((store / "manifest.json").read_text())
     assert "files" in manifest and "checksum" in manifest  # a store written by this aiayn carries them
+
+
+def test_a_store_manifest_that_is_a_pipe_is_one_line_not_a_wait_for_a_writer(copy):
+    (copy / "manifest.json").unlink()
+    os.mkfifo(copy / "manifest.json")
+    _refused(_cli("prepare", "--verify", str(copy), timeout=120), "not a regular file")
+
+
+def test_a_pair_count_past_any_file_is_one_line_in_an_unverified_store(copy):
+    """A manifest without checksums (opened with --allow-unverified) whose count of pairs is past any index: an
+    OverflowError (internal error) before."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["files"], manifest["checksum"]
+    manifest["splits"]["train"]["pairs"] = 10**40
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    _refused(_cli("prepare", "--verify", str(copy), "--allow-unverified"), "where its manifest says")
+
+
+def test_run_weights_that_are_a_pipe_are_one_line_not_a_wait(tiny_run, tmp_path):
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    (run / "model.safetensors").unlink()
+    os.mkfifo(run / "model.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "aiayn", "translate", str(run), "--device", "cpu"], input="a b\n",
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    _refused(proc, "not a regular file")

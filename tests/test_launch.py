@@ -303,7 +303,8 @@ def test_bad_launch_options_are_one_line_and_exit_2_before_any_process(tmp_path)
     env = _env(tmp_path / "tmp")
     for argv, says in ((["--nnodse", "2", "train", "tiny_reverse"], "unrecognized arguments: --nnodse"),
                        (["--nnodes", "2", "train", "tiny_reverse", "--sett", "x=1"], "unrecognized arguments: --sett"),
-                       (["--nnodes", "2", "train"], "aiayn train needs a CONFIG")):
+                       (["--nnodes", "2", "train"], "aiayn train needs a CONFIG"),
+                       (["--nproc-per-node", "0", "train", "tiny_reverse"], "--nproc-per-node must be at least 1")):
         r = subprocess.run([sys.executable, "-m", "aiayn", "launch", *argv, "--run-dir", str(tmp_path / "run")],
                            capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
         lines = r.stderr.strip().splitlines()

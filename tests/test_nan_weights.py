@@ -90,3 +90,28 @@ def test_replace_never_puts_another_models_average_over_the_weights(tiny_run, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--replace never writes them over it" in err[0], err
     assert snapshot(run) == before
+
+
+def test_average_of_checkpoints_holding_another_kind_of_values_writes_nothing(tiny_run, tmp_path, capsys):
+    """A tensor stored as integers in one checkpoint and floats in the others has no mean (it was averaged into
+    weights of garbage, exit 0); float32 with bfloat16 still has one."""
+    from refusals import snapshot
+
+    from aiayn.run.weights import average_weights, checkpoint_paths, list_checkpoints
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    ckpt = checkpoint_paths(run, list_checkpoints(run)[-1])[0]
+    tensors = load_file(str(ckpt))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int64)
+    save_file(tensors, str(ckpt))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["average", str(run), "--last", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch.int64" in err[0] and "cannot be averaged" in err[0], err
+    assert snapshot(run) == before
+    half = load_file(str(checkpoint_paths(run, list_checkpoints(run)[-2])[0]))
+    save_file({k: v.to(torch.bfloat16) for k, v in half.items()}, str(tmp_path / "bf16.safetensors"))
+    mean = average_weights([checkpoint_paths(run, list_checkpoints(run)[-3])[0], tmp_path / "bf16.safetensors"])
+    assert mean[name].dtype == torch.float32

@@ -289,3 +289,22 @@ def test_a_symlink_loop_or_a_name_past_the_limit_is_no_internal_error(world, tmp
     line = one_line(capsys, ["translate", str(world.run), "--input", str(world.src), "--output",
                              str(tmp_path / ("x" * 300 + ".txt"))])
     assert "File name too long" in line
+
+
+def test_stdout_a_directory_name_a_file_above_and_a_control_character_are_one_line(world, tmp_path, capsys):
+    """``average --out -`` wrote a file named ``-``; ``--out newdir/`` a file named ``newdir``; a parent that is a
+    file said only "File exists"; ``evaluate --name $'x\\ny'`` split the log's line and named a record with it."""
+    (tmp_path / "f").write_text("the user's file\n")
+    before = snapshot(world.root)
+    for argv, says in ((["average", str(world.run), "--last", "2", "--out", "-"], "not written to stdout"),
+                       (["average", str(world.run), "--last", "2", "--out", f"{tmp_path}/new/"], "names a directory"),
+                       (["viz", "mask", "--out", "-"], "not written to stdout"),
+                       (["translate", str(world.run), "--input", str(world.src), "--output", f"{tmp_path}/f/out.txt"],
+                        "is a file, not a directory"),
+                       (["export", "hf", str(world.run), f"{tmp_path}/f/hf"], "is a file, not a directory"),
+                       (["evaluate", str(world.run), "--src", str(world.src), "--ref", str(world.ref), "--device",
+                         "cpu", "--name", "x\ny"], "no control characters")):
+        line = one_line(capsys, argv)
+        assert says in line, (argv, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"] and not os.path.exists("-")
+    assert snapshot(world.root) == before

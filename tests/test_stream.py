@@ -307,5 +307,15 @@ def test_unwritable_outputs_fail_before_any_decoding(tiny_run, tmp_path, capsys,
     (run / "eval").write_text("not a directory")  # RUN/eval cannot be created: the evaluation has nowhere to go
     assert cli.main(["evaluate", str(run), "--split", "test", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot write the evaluation there" in err[0]
+    assert len(err) == 1 and "eval is a file, not a directory" in err[0]  # the output guard says so first
     assert calls == []  # nothing was decoded
+
+
+def test_a_line_without_end_is_one_line_not_all_memory(tiny_run, capsys):
+    """``--input /dev/zero`` read one endless line until memory ran out (then said "lower data.max_tokens")."""
+    with pytest.raises(DataError, match=r"x: line 2: longer than 8 characters"):
+        list(iter_lines(io.BytesIO(b"ok\n" + b"\0" * 100), "x", max_line=8))
+    assert list(iter_lines(io.StringIO("12345678\nab"), max_line=8)) == ["12345678", "ab"]
+    assert cli.main(["translate", str(tiny_run), "--input", "/dev/zero", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "/dev/zero: line 1: longer than" in err[0], err

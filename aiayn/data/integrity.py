@@ -74,7 +74,7 @@ def load_manifest(directory: Path, version: int) -> dict[str, Any]:
     JSON, another store version, edited or damaged since it was written)."""
     path = directory / MANIFEST
     try:
-        data = read_bounded(path, JSON_MAX_BYTES)
+        data = read_bounded(path, JSON_MAX_BYTES, pipes=False)  # a pipe in its place: refused, not waited on
     except FileNotFoundError:
         raise DataError(f"{path}: missing (not a prepared corpus, or its preparing never finished)") from None
     except (OSError, ValueError) as e:

@@ -62,10 +62,18 @@ def format_record(fmt: str, line: int, src: str, hyps: list[Translation], nbest:
     return "".join(t + "\n" for t in texts + [""] * (nbest - len(texts)))
 
 
-def iter_lines(stream: IO, name: str = "<stdin>") -> Iterator[str]:
+MAX_LINE = 16 << 20  # one sentence (or paragraph) a line: far shorter; /dev/zero as --input has no line end at all
+
+
+def iter_lines(stream: IO, name: str = "<stdin>", max_line: int = MAX_LINE) -> Iterator[str]:
     """Lines of a binary or text stream without their line ending (``\\n`` or ``\\r\\n``), read one at a time.
-    Bytes must be UTF-8: a bad byte is a :class:`DataError` naming the 1-based line."""
-    for n, raw in enumerate(stream, start=1):
+    Bytes must be UTF-8: a bad byte is a :class:`DataError` naming the 1-based line; so is a line longer than
+    ``max_line`` (read no further: an endless one, from a device, would take all memory)."""
+    for n, raw in enumerate(iter(lambda: stream.readline(max_line + 1), None), start=1):
+        if not raw:
+            return
+        if len(raw) > max_line and raw[-1:] not in ("\n", b"\n"):
+            raise DataError(f"{name}: line {n}: longer than {max_line:,} characters (not one sentence a line)")
         if isinstance(raw, bytes):
             try:
                 raw = raw.decode("utf-8")

@@ -24,6 +24,8 @@ def check_name(name: str) -> str:
     """``name`` if it is a plain file name (the stem of ``eval/<name>.json``)."""
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise ConfigError(f"--name {name!r}: expected a plain file name (no directories)")
+    if not name.isprintable():  # a newline would split the log's lines and the listings of eval/
+        raise ConfigError(f"--name {name!r}: expected a plain file name (no control characters)")
     return name
 
 

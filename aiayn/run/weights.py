@@ -10,7 +10,9 @@ it), so that loading a run for inference, exporting or serving it never imports 
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -98,8 +100,11 @@ def save_weights(model: nn.Module | dict[str, torch.Tensor], path: str | Path, m
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file; a missing or unreadable file is a one-line CheckpointError."""
+    """The tensors of a safetensors file; a missing or unreadable file is a one-line CheckpointError, and so is a
+    pipe, a device or a directory in its place (reading a pipe would wait for a writer that never comes)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a pipe, a device or a directory stands in its place)")
         return load_file(str(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such weights file") from None
@@ -160,7 +165,10 @@ def average_weights(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
             if k in total and t.shape != total[k].shape:  # checkpoints of another model: no mean exists
                 raise CheckpointError(f"{p}: {k} has shape {tuple(t.shape)}, {paths[0]} has {tuple(total[k].shape)}: "
                                       "checkpoints of different models cannot be averaged")
-            dtypes.setdefault(k, t.dtype)
+            first = dtypes.setdefault(k, t.dtype)
+            if t.dtype != first and not (t.is_floating_point() and first.is_floating_point):  # fp32 with bf16: fine
+                raise CheckpointError(f"{p}: {k} holds {t.dtype} values, {paths[0]} {first}: checkpoints of "
+                                      "different kinds cannot be averaged")
             acc = t.to(torch.float64)
             total[k] = total[k] + acc if k in total else acc
     mean = {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}

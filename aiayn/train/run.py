@@ -259,7 +259,8 @@ def average_run(run_dir: str | Path, last: int = 5, out: str | Path | None = Non
     sources = [checkpoint_paths(run_dir, s)[0] for s in chosen]
     if not replace and target.exists() and final.exists() and os.path.samefile(target, final):
         raise CheckpointError(f"--out {out}: that is the run's inference weights; --replace writes them")
-    guard_output(target, "weights", [run_dir, *sources], "--replace" if replace else "--out",
+    given = target if replace or out is None else out  # as typed: "newdir/" names a directory
+    guard_output(given, "weights", [run_dir, *sources], "--replace" if replace else "--out",
                  creates=[run_dir / AVERAGE_FILE, *([final] if replace else [])])
     check_writable(target.parent)
     inside = target.resolve().parent == run_dir.resolve()
