@@ -130,7 +130,7 @@ for dtype, name in ((torch.float32, "fp32"), (bf, "bf16")):
 wscale = (w.abs().amax(dim=1) / 127).to(bf)
 wq = torch.div(w, wscale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
 wqt, wqb = wq.t().contiguous(), (mkldnn._reorder_linear_weight(wq.to(bf), 64) if packed else wq.to(bf))
-ones = torch.ones(1024, dtype=bf)
+ones, wscale32 = torch.ones(1024, dtype=bf), wscale.float()
 for rows in (4, 256):
     x = torch.randn(rows, 256)
 
@@ -140,9 +140,9 @@ for rows in (4, 256):
 
     def weights_only():
         if rows <= 4:
-            return torch.mul(torch._weight_int8pack_mm(x.to(bf), wq, ones), wscale).float()
+            return torch.mul(torch._weight_int8pack_mm(x.to(bf), wq, ones), wscale32)
         y = mkldnn._linear_pointwise(x.to(bf), wqb, None, "none", [], "") if packed else F.linear(x.to(bf), wqb)
-        return torch.mul(y, wscale).float()
+        return torch.mul(y, wscale32)
 
     for name, run in (("int8", dynamic), ("int8_bf16", weights_only)):
         for _ in range(10):
