@@ -436,7 +436,9 @@ def _goals(result: dict[str, Any], gpu: bool) -> list[str]:
 def _best_settings(result: dict[str, Any]) -> list[str]:
     """Each engine at its own fastest setting (thread count and precision) against the other's, per mode: a user
     picks the best setting of each, and CTranslate2's is not always the most threads. A row counts only if its BLEU
-    is within 0.3 of its engine's fp32 row at the same thread count (CTranslate2's: of ct2-fp32's)."""
+    is within 0.3 of its engine's fp32 row at the same thread count (CTranslate2's: of ct2-fp32's). Each engine's
+    int8 is one of its settings (CTranslate2's int8 counts for CTranslate2, aiayn's for aiayn's exact search, which
+    it runs), and is also compared on its own (int8 against int8)."""
     fastest: dict[str, dict[str, tuple[float, str]]] = {}  # mode -> family -> (sentences/s, setting)
     families = {"aiayn-exact": "aiayn exact", "aiayn-int8": "aiayn int8", "ct2-fp32": "CTranslate2",
                 "ct2-int8": "CTranslate2", "ct2-bf16": "CTranslate2", "ct2-int8-only": "CTranslate2 int8"}
@@ -452,6 +454,8 @@ def _best_settings(result: dict[str, Any]) -> list[str]:
             names = [families[e]] if e in families else []
             if e == "ct2-int8":
                 names.append(families["ct2-int8-only"])
+            if e == "aiayn-int8":
+                names.append(families["aiayn-exact"])
             ref = fp32.get("ct2-fp32" if e.startswith("ct2-") else ("aiayn-exact" if e == "aiayn-int8" else e))
             if not names or (ref is not None and abs(r["bleu"] - ref["bleu"]) > 0.3):
                 continue

@@ -160,13 +160,16 @@ def test_engines_measured_in_processes_of_their_own_translate_the_same(tmp_path)
 
 
 def test_each_engine_is_also_compared_at_its_own_fastest_setting():
-    """CTranslate2 may be fastest at fewer threads than aiayn, and aiayn in bf16: the report pairs each engine's best
-    thread count and precision, counting a row only if its BLEU is within 0.3 of the engine's fp32 row."""
+    """CTranslate2 may be fastest at fewer threads than aiayn, and aiayn in bf16 or int8: the report pairs each
+    engine's best thread count and precision (int8 included, for both), counting a row only if its BLEU is within 0.3
+    of the engine's fp32 row."""
     rows = {("batched", "fp32", 1): {"aiayn-exact": (100.0, 30.0), "ct2-fp32": (300.0, 30.1), "ct2-int8": (400, 30.0)},
             ("batched", "fp32", 2): {"aiayn-exact": (240.0, 30.0), "ct2-fp32": (200.0, 30.1)},
             ("batched", "bf16", 1): {"aiayn-exact": (350.0, 30.2)},
             ("batched", "bf16", 2): {"aiayn-exact": (900.0, 29.0)},  # faster, but 1.0 BLEU off: not counted
-            ("batch-1", "fp32", 1): {"aiayn-exact": (20.0, 30.0), "ct2-fp32": (50.0, 30.0)}}
+            ("batch-1", "fp32", 1): {"aiayn-exact": (20.0, 30.0), "ct2-fp32": (50.0, 30.0)},
+            ("batch-1", "fp32", 2): {"aiayn-exact": (21.0, 30.0), "aiayn-int8": (30.0, 29.8),
+                                     "ct2-fp32": (40.0, 30.0), "ct2-int8": (45.0, 30.1)}}
     result = {"modes": {translate_speed.mode_key(m, q, t): {e: {"sentences_per_s": v, "bleu": b}
                                                               for e, (v, b) in r.items()}
                         for (m, q, t), r in rows.items()},
@@ -175,5 +178,7 @@ def test_each_engine_is_also_compared_at_its_own_fastest_setting():
     assert translate_speed._best_settings(result) == [
         "- batched, each at its fastest: aiayn exact (bf16, 1t) / CTranslate2 (int8, 1t) sentences/s = "
         "0.88x (goal >= 1.00x: short)",
-        "- batch-1, each at its fastest: aiayn exact (fp32, 1t) / CTranslate2 (fp32, 1t) sentences/s = "
-        "0.40x (goal >= 0.50x: short)"]
+        "- batch-1, each at its fastest: aiayn exact (int8, 2t) / CTranslate2 (fp32, 1t) sentences/s = "
+        "0.60x (goal >= 0.50x: met)",
+        "- batch-1, each at its fastest: aiayn int8 (int8, 2t) / CTranslate2 int8 (int8, 2t) sentences/s = "
+        "0.67x (goal >= 1.00x: short)"]
