@@ -282,5 +282,15 @@ def test_int8_bf16_decoding_batched_equals_alone_up_to_near_ties_and_stays_near_
         [alone] = int8.translate_hypotheses([text])
         swaps += same_hypotheses([(h.ids, h.score) for h in hyps[:1]], [(h.ids, h.score) for h in alone[:1]], text)
     assert swaps <= 1
+    # cached (one row per sentence a step: the weight-only kernel) = uncached (every position at once: oneDNN's)
+    specials = int8.tokenizers.specials
+    ids = [int8.tokenizers.src.encode(s) + [specials.eos] for s in sources[:8]]
+    width = max(map(len, ids))
+    src = torch.tensor([i + [specials.pad] * (width - len(i)) for i in ids])
+    spec = SearchSpec(int8.cfg.decode, specials)
+    with torch.inference_mode():
+        assert greedy_search(int8.model, src[:1], spec=spec) == greedy_search(int8.model, src[:1], spec=spec,
+                                                                              use_cache=False)
+        assert greedy_search(int8.model, src, spec=spec) == greedy_search(int8.model, src, spec=spec, use_cache=False)
     scores = [(a[0].score, b[0].score) for a, b in zip(batched, fp32.translate_hypotheses(sources)) if a and b]
     assert any(x != y for x, y in scores)  # the products really ran in int8
