@@ -27,9 +27,10 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
   :attr:`Int8Bf16Linear.SMALL_ROWS` rows (one sentence's beam) PyTorch's weight-only int8 kernel multiplies the
   int8 weights as they are (a quarter of fp32's bytes: a beam step reads its weights, not its rows, so this is what
   makes one sentence fast); more rows take oneDNN's bf16 product (AMX) on the int8 values held as bf16, which is
-  exact (|q| <= 127 needs 7 bits). Both round the fp32 sums to bf16 (8 bits of mantissa, as ``bf16``'s products),
-  then multiply by the scales and add the bias in fp32, so a row's result alone and in a batch differs only where
-  the two kernels' sums, added in another order, round to another bf16 value (the last bits, as between two CPUs).
+  exact (|q| <= 127 needs 7 bits), with the scales applied inside it. Both round the scaled fp32 sums to bf16 once
+  (8 bits of mantissa, as ``bf16``'s products) and add the bias in fp32, so a row's result alone and in a batch
+  differs only where the two kernels' sums, added in another order, round to another bf16 value (the last bits, as
+  between two CPUs).
 
 Every kind falls back to ``F.linear`` where its kernel does not apply: when autograd records (training, or a
 gradient through the model), and off the CPU or off fp32 (a bf16 model's plain bf16 product). Prepared weights
@@ -220,32 +221,22 @@ class Int8Linear(_CpuKernel):
 
 
 class Int8Bf16Linear(_CpuKernel):
-    """int8 weights (per output row, as :class:`Int8Linear`'s), bf16 input rows, fp32 sums, the result rounded
-    through bf16 (the module docstring's ``int8_bf16``)."""
+    """int8 weights (per output row, as :class:`Int8Linear`'s), bf16 input rows, fp32 sums times the scales, rounded
+    to bf16 once, then the fp32 bias (the module docstring's ``int8_bf16``)."""
 
     kind = "int8_bf16"
     SMALL_ROWS = 4  # up to here the weight-only kernel (measured: faster at 1-4 rows, slower from 6, 1024 x 256)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._unit: dict[int, Tensor] = {}
-
-    def _ones(self, n: int) -> Tensor:
-        """(n,) bf16 ones: the weight-only kernel's scales (the real ones are applied after its rounding)."""
-        if n not in self._unit:
-            self._unit[n] = torch.ones(n, dtype=torch.bfloat16)
-        return self._unit[n]
-
     def prepare(self, w: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
-        """(the int8 weight (N, K) for the weight-only kernel, or None; the scales (N,) fp32; the int8 values as
-        bf16, laid out for oneDNN)."""
+        """(the int8 weight (N, K) for the weight-only kernel, or None; the scales (N,) in bf16, which both paths
+        read; the int8 values as bf16, laid out for oneDNN)."""
         q, scale = quantize_rows(w.float())
         # The weight-only kernel's vector code loads 16 input values at a time from aligned rows and has no tail: a
         # width that is not a multiple of 16 never takes it (it would read past the rows, or fault).
         small = q.contiguous() if w.size(1) % 16 == 0 else None
         qb = q.to(torch.bfloat16).contiguous()  # exact
         large = torch.ops.mkldnn._reorder_linear_weight(qb, PackedLinear.BATCH_HINT) if packed_available() else qb
-        return small, scale, large
+        return small, scale.to(torch.bfloat16), large
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """x (..., K), w (N, K), b (N,) or None -> (..., N), fp32."""
@@ -254,15 +245,17 @@ class Int8Bf16Linear(_CpuKernel):
         small, scale, large = self.prepared(w)
         x2 = x.reshape(-1, x.size(-1)).to(torch.bfloat16).contiguous()  # (M, K): a fresh (aligned) tensor
         rows = x2.size(0)
-        # Both paths: the fp32 sums rounded to bf16, then times the scales plus the bias in fp32, so that they
-        # differ only where the two kernels' sums (added in another order) round to another bf16 value: rarely.
+        # Both paths: the fp32 sums times the bf16 scales (exact products, q x scale or sum x scale), rounded to
+        # bf16 once, so they differ only where the two kernels' sums, added in another order, round apart.
         if small is not None and rows <= self.SMALL_ROWS:
-            y = torch._weight_int8pack_mm(x2, small, self._ones(w.size(0)))
+            y = torch._weight_int8pack_mm(x2, small, scale)  # (M, N) bf16
         elif packed_available():
-            y = torch.ops.mkldnn._linear_pointwise(padded_rows(x2), large, None, "none", [], "")[:rows]
+            x2 = padded_rows(x2)
+            y = torch.ops.mkldnn._linear_pointwise.binary(x2, scale.expand(x2.size(0), -1), large, None,
+                                                          "mul")[:rows]  # the scales as a post-op, in fp32
         else:  # pragma: no cover - a PyTorch without oneDNN
-            y = F.linear(x2, large)
-        y = torch.mul(y, scale) if b is None else torch.addcmul(b, y, scale)  # (M, N) fp32: bf16 x fp32 -> fp32
+            y = torch.mul(F.linear(x2, large), scale)
+        y = y.float() if b is None else torch.add(b, y)  # fp32 + bf16 -> fp32: the bias added in fp32
         return y.view(*x.shape[:-1], w.size(0))
 
 

@@ -241,9 +241,9 @@ def test_training_in_bf16_on_the_cpu_logs_its_precision_and_report_shows_it(tmp_
 @needs_bf16
 def test_int8_bf16_products_are_int8_weights_times_bf16_rows():
     """Up to SMALL_ROWS rows PyTorch's weight-only kernel, more rows oneDNN's bf16 product: both are the sums of
-    bf16-rounded rows times the int8 weights (exact products, fp32 sums), rounded to bf16, times the row scales plus
-    the bias in fp32; a row alone and in a batch (another kernel) agree but where two sums added in another order
-    round apart. A width that is not a multiple of 16 never takes the small kernel."""
+    bf16-rounded rows times the int8 weights times the (bf16) row scales (exact products, fp32 sums), rounded to bf16
+    once, plus the bias in fp32; a row alone and in a batch (another kernel) agree but where two sums added in
+    another order round apart. A width that is not a multiple of 16 never takes the small kernel."""
     torch.manual_seed(0)
     kernel = Int8Bf16Linear()
     for width in (256, 48, 50):
@@ -253,8 +253,8 @@ def test_int8_bf16_products_are_int8_weights_times_bf16_rows():
             x = torch.randn(rows, width)
             with torch.inference_mode():
                 y = kernel(x, w, b)
-            sums = x.bfloat16().double() @ q.double().t()  # exact
-            ref = torch.addcmul(b, sums.float().bfloat16().float(), scale)  # the rounding the kernel documents
+            sums = (x.bfloat16().double() @ q.double().t()) * scale.bfloat16().double()  # exact
+            ref = b + sums.float().bfloat16().float()  # the rounding the kernel documents
             assert y.dtype == torch.float32 and y.shape == (rows, 512)
             assert (y == ref).float().mean() >= 0.99, (width, rows)
             assert ((y - ref).abs() <= 2 ** -7 * (ref - b).abs() + 1e-6).all(), (width, rows)  # else one bf16 step
@@ -280,7 +280,10 @@ def test_int8_bf16_decoding_batched_equals_alone_up_to_near_ties_and_stays_near_
     swaps = 0
     for text, hyps in zip(sources, batched):
         [alone] = int8.translate_hypotheses([text])
-        swaps += same_hypotheses([(h.ids, h.score) for h in hyps[:1]], [(h.ids, h.score) for h in alone[:1]], text)
+        # a sentence's logits alone and in the batch come from two kernels whose sums may round one bf16 step apart
+        # (2^-8 of a value, where fp32 paths differ by 2^-23): its summed score moves by up to ~2^-8 of itself
+        assert hyps[0].score == pytest.approx(alone[0].score, rel=2 ** -8), text
+        swaps += list(hyps[0].ids) != list(alone[0].ids)
     assert swaps <= 1
     # cached (one row per sentence a step: the weight-only kernel) = uncached (every position at once: oneDNN's)
     specials = int8.tokenizers.specials
