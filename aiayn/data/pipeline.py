@@ -190,8 +190,7 @@ def verify_store(directory: str | Path, wait_s: float | None = None) -> list[str
 
 def _verify(path: Path) -> list[str]:
     from aiayn.data.integrity import Memo, check_files
-    from aiayn.data.store import STREAM_KIND, open_pairs, opened_manifest
-    from aiayn.data.stream_store import open_stream
+    from aiayn.data.store import open_kind, opened_manifest
 
     try:
         manifest = opened_manifest(path)
@@ -199,8 +198,7 @@ def _verify(path: Path) -> list[str]:
         return [str(e)]
     problems = []
     try:
-        (open_stream(path, verify_all=True) if manifest.get("kind") == STREAM_KIND else
-         open_pairs(path, (), verify_all=True))
+        open_kind(path, verify_all=True)  # of the kind its manifest names
     except DataError as e:
         problems.append(str(e))
     files = manifest.get("files")

@@ -1,23 +1,13 @@
-"""A language model's corpus as one flat token stream, prepared once into a store and trained on by windows (the
-nanoGPT way): ``task: lm`` on tinyshakespeare or on ``data.train_src``, a UTF-8 text file (plain or .gz) of any
-size.
+"""The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (tinyshakespeare, or
+``data.train_src``: UTF-8, plain or .gz, any size) prepared into ``train.bin`` and ``valid.bin``, trained on by
+windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way).
 
-    DIR/manifest.json   what the store holds and from what (kind "stream"; written last)
-    DIR/tokenizer/      the tokenizer the ids belong to
-    DIR/train.bin       the training text's ids back to back (uint16 when the vocabulary fits, else uint32)
-    DIR/valid.bin       the held-out text's ids
-
-The lock, the staging directory, the manifest, its key, the id files and their checks are every store's
-(:mod:`aiayn.data.store`). Preparing streams the text (:data:`READ_BYTES` at a time, never all of it in memory) in three
-passes: its characters are counted, so that the split is nanoGPT's in characters, exactly: the first
-``int(chars * (1 - data.valid_fraction))`` characters train, the rest validate; the tokenizer is trained on the
-training part (a char tokenizer on its characters; BPE on a seeded sample of its non-blank lines, as
-``data.tokenizer_sample`` bounds); the two parts are encoded piece by piece, and the ids equal those of encoding
-each part in one call (tests/test_lm_store.py): pieces end at a line end (or before a space, in a line longer
-than a read), a char tokenizer maps code points through one table, and a SentencePiece model encodes a piece
-that continues a part behind a newline it then drops (its word-boundary prefix would otherwise start every
-piece). A training reads windows of the streams by position (:class:`aiayn.data.batching.LMData`; not through a
-memory map: :class:`aiayn.data.store.IdFile` says why).
+Preparing streams the text (:data:`READ_BYTES` at a time) in three passes: its characters are counted, so that the
+split is nanoGPT's exactly (the first ``int(chars * (1 - data.valid_fraction))`` characters train, the rest
+validate); the tokenizer is trained on the training part (char: its characters; BPE: a seeded sample of its
+non-blank lines); both parts are encoded piece by piece into the ids of encoding each part in one call
+(tests/test_lm_store.py): pieces end at a line end (or before a space), and :class:`PieceEncoder` keeps a
+SentencePiece model's word-boundary prefix from starting every piece.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ import os
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +25,7 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import decode_utf8
-from aiayn.data.integrity import Memo
-from aiayn.data.store import (
-    PARALLEL_BYTES,
-    STREAM_KIND,
-    IdFile,
-    Opening,
-    Recipe,
-    Store,
-    note,
-    open_kind,
-    storage_dtype,
-    worker_pool,
-)
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype, worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
 
@@ -190,72 +167,9 @@ class PieceEncoder:
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
 
 
-_WORKER: dict[str, PieceEncoder] = {}
-
-
-def _init_worker(tokenizer_dir: str) -> None:
-    _WORKER["encode"] = PieceEncoder(tokenizer_dir)
-
-
-def _encode_in_worker(part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int]:
-    return _WORKER["encode"](part)
-
-
-# The store ---------------------------------------------------------------------------------------------------
-
-
-class Stream(IdFile):
-    """A flat file of token ids (n,), read by position: windows of a batch with one ``preadv`` each, into one
-    (B, width) array (:meth:`windows`)."""
-
-    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
-        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
-        self.tokens = tokens
-        self._open(path, dtype)
-
-    def __len__(self) -> int:
-        return self.tokens
-
-    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with the file, None when nothing (:meth:`IdFile._check`)."""
-        return self._check(self.tokens, "manifest needs", vocab_size, files, memo)
-
-    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """ids[start:stop] (n,) int64."""
-        stop = self.tokens if stop is None else stop
-        return self.windows(np.array([start]), stop - start)[0]
-
-    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
-            raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
-        out = np.empty((len(starts), width), dtype=self.dtype)
-        return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
-
-
-def _problem(manifest: dict[str, Any]) -> str | None:
-    """What makes a stream store's manifest unusable, None when nothing."""
-    splits = manifest.get("splits")
-    if manifest.get("kind") != STREAM:
-        return f"holds a {manifest.get('kind', 'pairs')!r} store, not a language model's token stream"
-    if (manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int)
-            or not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
-                splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
-        return "its dtype, vocabulary size or splits are missing or wrong"
-    files = manifest.get("files")
-    return "its list of files is malformed" if files is not None and not isinstance(files, dict) else None
-
-
 def open_stream(path: Path, verify_all: bool = False) -> Store:
-    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): its splits, the train and
-    valid :class:`Stream`."""
-    def streams(o: Opening) -> dict[str, Stream]:
-        return {name: o.id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", o.manifest["dtype"],
-                                                             o.manifest["splits"][name]["tokens"]),
-                                o.manifest["vocab_size"], (OSError,)) for name in SPLITS}
-
-    return open_kind(path, _problem, streams, verify_all)
+    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): splits train and valid."""
+    return open_kind(path, STREAM, (), verify_all)
 
 
 @dataclass
@@ -263,6 +177,7 @@ class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
     tokenizer directory to use, else one is trained on the training part."""
 
+    kind = STREAM
     cfg: Config
     path: Path
     inputs: dict[str, str]
@@ -273,9 +188,6 @@ class StreamRecipe(Recipe):
     def kind_settings(self) -> dict[str, Any]:
         """What the ids depend on beside the pair store's settings: the kind, the split."""
         return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
-
-    def open(self, path: Path) -> Store:
-        return open_stream(path)
 
     def _train(self, tdir: Path, split: int) -> None:
         """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
@@ -299,7 +211,7 @@ class StreamRecipe(Recipe):
         progress = ItemProgress(chars, "char", "prepare")
         note("preparing it: encoding the text")
         try:
-            with worker_pool(workers, _init_worker, (str(tdir),), _encode_in_worker) as encode:
+            with worker_pool(workers, PieceEncoder, (str(tdir),)) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
                     files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
                     tokens[name] += len(ids)
@@ -308,7 +220,7 @@ class StreamRecipe(Recipe):
             for f in files.values():
                 f.close()
             progress.close()
-        return self.manifest(STREAM, dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
+        return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
                              splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
 
