@@ -63,22 +63,21 @@ PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (sourc
 
 
 class IdFile:
-    """A flat file of token ids, read by position with ``pread``; pickles as what it was opened from (a DataLoader
-    worker started by spawn reopens the file). Never mapped: a lasting mapping read at random keeps every page it
-    touched in the process's resident memory (BENCHMARKS.md, "The data path"); read, they stay in the page cache."""
+    """A flat file of ``tokens`` ids, read by position with ``pread``, never mapped (a lasting mapping read at random
+    keeps every page it touched resident: BENCHMARKS.md, "The data path"); pickles as what it was opened from."""
 
-    _state: dict[str, Any]
+    by = ("manifest needs", "manifest says")  # what states its length, in its messages
 
-    def _open(self, path: Path, dtype: np.dtype | str) -> None:
-        self.path, self.dtype = Path(path), np.dtype(dtype).newbyteorder("<")
+    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
+        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
+        self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
         fd = os.open(self.path, os.O_RDONLY)
         try:
             check_regular(fd, self.path)
         except DataError:
             os.close(fd)
             raise
-        self._fd = fd
-        self.file_bytes = os.fstat(self._fd).st_size
+        self._fd, self.file_bytes = fd, os.fstat(fd).st_size
 
     def __getstate__(self) -> dict[str, Any]:
         return self._state
@@ -87,36 +86,52 @@ class IdFile:
         self.__init__(**state)
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
+        if getattr(self, "_fd", None) is not None:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.close(self._fd)
 
-    def _check(self, n_ids: int, by: str, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with the file, None when nothing: its length (``n_ids``, as ``by`` says), then its ids and
-        checksum (:func:`~aiayn.data.integrity.check_ids`)."""
-        need = n_ids * self.dtype.itemsize
+    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
+        """What is wrong with the file, None when nothing: its length, then its ids and checksum (``check_ids``)."""
+        need = self.tokens * self.dtype.itemsize
         if self.file_bytes != need:
-            return f"{self.path.name}: {self.file_bytes:,} bytes where its {by} {need:,} (truncated or damaged)"
-        return check_ids(self._fd, self.path, self.dtype, n_ids, vocab_size, files, memo)
+            return f"{self.path.name}: {self.file_bytes:,} bytes where its {self.by[0]} {need:,} (truncated or damaged)"
+        return check_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size, files, memo)
 
-    def _read_into(self, buf: np.ndarray, starts: list[int], sizes: list[int], by: str) -> np.ndarray:
+    def _read_into(self, buf: np.ndarray, starts: list[int], sizes: list[int]) -> np.ndarray:
         """``buf`` filled with the runs of ``sizes`` ids at ``starts``, back to back (one ``preadv`` a run); int64."""
         view, at, size = memoryview(buf).cast("B"), 0, self.dtype.itemsize
         for start, n in zip(starts, sizes):
             n *= size
             if n and os.preadv(self._fd, [view[at : at + n]], start * size) != n:
-                raise DataError(f"{self.path}: shorter than its {by} (truncated while read?)")
+                raise DataError(f"{self.path}: shorter than its {self.by[1]} (truncated while read?)")
             at += n
         return buf.astype(np.int64)
 
 
+class Stream(IdFile):
+    """A split of a stream, read by windows."""
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """ids[start:stop] (n,) int64."""
+        return self.windows(np.array([start]), (self.tokens if stop is None else stop) - start)[0]
+
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
+            raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
+        return self._read_into(np.empty((len(starts), width), dtype=self.dtype), starts.tolist(), [width] * len(starts))
+
+
 class Side(IdFile):
-    """One side of a split of pairs: its offsets (pairs + 1,) in memory (8 bytes a pair), its ids read by position
-    (one pair, or a batch's pairs into one buffer: :meth:`gather`)."""
+    """One side of a split of pairs: its ids, and its offsets (pairs + 1,) in memory (8 bytes a pair)."""
+
+    by = ("offsets need", "offsets")
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype | str, pairs: int) -> None:
-        self._state = {"ids": ids, "offsets": offsets, "dtype": np.dtype(dtype).newbyteorder("<").str, "pairs": pairs}
         self.offsets_path, size = offsets, (pairs + 1) * 8
         with open(offsets, "rb") as f:
             check_regular(f.fileno(), offsets)
@@ -124,42 +139,37 @@ class Side(IdFile):
             data = f.read(size + 1) if held == size else b""
         if held != size or len(data) != size:
             raise DataError(f"{offsets}: holds {held:,} bytes where its manifest says {size:,} ({pairs:,} pairs)")
-        # array.array: indexing gives Python ints at list speed (numpy's scalars would cost more than the read)
-        self._bounds = array.array("q")
-        self._bounds.frombytes(data)
+        self._bounds = array.array("q", data)  # indexed: Python ints at list speed (numpy's scalars cost more)
         if sys.byteorder == "big":
             self._bounds.byteswap()
         self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
-        self._open(ids, dtype)
+        super().__init__(ids, dtype, int(self.offsets[-1]))
+        self._state = {"ids": ids, "offsets": offsets, "dtype": self._state["dtype"], "pairs": pairs}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with this side, None when nothing: offsets non-decreasing from 0, then :meth:`_check`."""
         o = self.offsets
         if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
             return f"{self.offsets_path.name}: its offsets are not non-decreasing from 0"
-        return self._check(int(o[-1]), "offsets need", vocab_size, files, memo)
+        return super().check(vocab_size, files, memo)
 
     def lengths(self) -> np.ndarray:
         """(pairs,) int32: the token count of every pair (no specials)."""
-        o = self.offsets
-        out = np.empty(len(o) - 1, dtype=np.int32)
-        np.subtract(o[1:], o[:-1], out=out, casting="unsafe")  # no int64 copy on the way (36 MB at 4.5M pairs)
+        out = np.empty(len(self), dtype=np.int32)
+        np.subtract(self.offsets[1:], self.offsets[:-1], out=out, casting="unsafe")  # no int64 copy on the way
         return out
 
     def __getitem__(self, i: int) -> list[int]:
-        if not 0 <= i < len(self.offsets) - 1:
-            raise IndexError(f"pair {i} of {len(self.offsets) - 1}")
-        a, b = self._bounds[i], self._bounds[i + 1]
-        size = self.dtype.itemsize
+        if not 0 <= i < len(self):
+            raise IndexError(f"pair {i} of {len(self)}")
+        a, b, size = self._bounds[i], self._bounds[i + 1], self.dtype.itemsize
         return np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), dtype=self.dtype).tolist()
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ids of the pairs ``indices`` (B,) back to back, (sum of lengths,) int64, and their lengths (B,):
-        one ``preadv`` per run of pairs that follow each other in the file, into one buffer (a mapping per gather
-        pays a page fault per pair, more than the read: ``benchmarks.data_scale``)."""
+        """The ids of the pairs ``indices`` (B,) back to back, int64, and their lengths (B,): one ``preadv`` per
+        run of pairs that follow each other in the file (read, not mapped: ``benchmarks.data_scale``)."""
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
@@ -167,37 +177,9 @@ class Side(IdFile):
         lens = ends - starts
         joined = starts[1:] == ends[:-1]  # pair k + 1 follows pair k in the file: one read for both
         first = np.flatnonzero(np.concatenate(([True], ~joined))) if len(idx) else idx  # where each run begins
-        buf = np.empty(int(lens.sum()), dtype=self.dtype)
         reads = np.add.reduceat(lens, first) if len(idx) else lens
-        return self._read_into(buf, starts[first].tolist(), reads.tolist(), "offsets"), lens
-
-
-class Stream(IdFile):
-    """A split of a stream: a flat file of ``tokens`` ids, read by windows (:meth:`windows`)."""
-
-    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
-        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
-        self.tokens = tokens
-        self._open(path, dtype)
-
-    def __len__(self) -> int:
-        return self.tokens
-
-    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        return self._check(self.tokens, "manifest needs", vocab_size, files, memo)
-
-    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """ids[start:stop] (n,) int64."""
-        stop = self.tokens if stop is None else stop
-        return self.windows(np.array([start]), stop - start)[0]
-
-    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """(B, width) int64: row b is ids[starts[b] : starts[b] + width], one ``preadv`` a row."""
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
-            raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
-        out = np.empty((len(starts), width), dtype=self.dtype)
-        return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
+        buf = np.empty(int(lens.sum()), dtype=self.dtype)
+        return self._read_into(buf, starts[first].tolist(), reads.tolist()), lens
 
 
 @dataclass(frozen=True)
@@ -228,9 +210,6 @@ class Store:
         return self.path / "tokenizer"
 
 
-# What a store depends on -----------------------------------------------------------------------------------
-
-
 def settings(cfg: Config) -> dict[str, Any]:
     """The config values the prepared ids depend on (the tokenizer's training, the filtering, the cutting)."""
     d = cfg.data
@@ -242,8 +221,8 @@ def settings(cfg: Config) -> dict[str, Any]:
 
 def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra: dict[str, Any] | None = None
               ) -> str:
-    """sha256 of the version, the settings (with a given tokenizer: its files, and only the task and max_len), the
-    inputs' identities and ``extra`` (a kind's own settings; a translation store has none)."""
+    """sha256 of the version, the settings (with a given tokenizer: its files, the task and max_len), the inputs'
+    identities and ``extra`` (a kind's own settings)."""
     parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
     if tokenizer is not None:
         parts["tokenizer"] = tokenizer_digest(tokenizer)
@@ -254,8 +233,8 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra
 
 
 def cached_store_dir(key: str) -> Path:
-    """Where a training that names no ``data.prepared`` keeps its store, shared by every run of the same key:
-    ``$AIAYN_CACHE_DIR/stores/<key>`` (default ``~/.cache/aiayn``)."""
+    """The store of a training without ``data.prepared``, shared by every run of its key: ``$AIAYN_CACHE_DIR``
+    (default ``~/.cache/aiayn``) ``/stores/<key>``."""
     from aiayn.data.datasets import cache_dir
 
     return cache_dir() / "stores" / key[:24]
@@ -263,11 +242,8 @@ def cached_store_dir(key: str) -> Path:
 
 def describe_store(manifest: dict[str, Any]) -> list[str]:
     """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
-    dtype = manifest["dtype"]
-    if manifest.get("kind") == STREAM_KIND:
-        return [f"{name}: {info['tokens']:,} tokens ({dtype})" for name, info in manifest["splits"].items()]
-    return [f"{name}: {info['pairs']:,} pairs, {info['src_tokens']:,} source + {info['tgt_tokens']:,} target tokens "
-            f"({dtype})" for name, info in manifest["splits"].items()]
+    line = KINDS[STREAM_KIND if manifest.get("kind") == STREAM_KIND else PAIRS].line
+    return [f"{name}: {line.format(**info)} ({manifest['dtype']})" for name, info in manifest["splits"].items()]
 
 
 def tokenizer_digest(d: Path) -> dict[str, str]:
@@ -278,11 +254,7 @@ def tokenizer_digest(d: Path) -> dict[str, str]:
 
 
 def tokenizer_matches(a: Path, b: Path) -> bool:
-    """Whether two tokenizer directories hold the same tokenizer files, byte for byte."""
     return tokenizer_digest(a) == tokenizer_digest(b)
-
-
-# Opening -----------------------------------------------------------------------------------------------------
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
@@ -300,8 +272,7 @@ def damaged(path: Path, problem: str) -> DataError:
 
 
 def opened_manifest(path: Path) -> dict[str, Any]:
-    """The checked manifest of the store ``path``: one DataError saying it is not (yet) prepared, or naming the
-    problem and the fix."""
+    """The checked manifest of the store ``path``, else one DataError (not prepared; or the problem and the fix)."""
     if not (path / MANIFEST).exists():
         raise DataError(f"{path}: not a prepared corpus (no readable {MANIFEST}): aiayn prepare CONFIG --out {path} "
                         "prepares it")
@@ -313,8 +284,7 @@ def opened_manifest(path: Path) -> dict[str, Any]:
 
 @dataclass
 class Opening:
-    """A store being opened (its lock held, or none exists): its directory, manifest, memo, and the id files
-    checked so far (the other files are checked by their checksums)."""
+    """A store being opened (its lock held, or none exists), and the id files checked so far."""
 
     path: Path
     manifest: dict[str, Any]
@@ -338,8 +308,8 @@ class Opening:
         return opened
 
     def check_other_files(self) -> None:
-        """The files beside the id files: their checksums (else a note that the store is unverified) and the
-        tokenizer's presence; the memo written once every check has passed."""
+        """The other files' checksums (none: the store is unverified, logged) and the tokenizer's presence; the
+        memo written once every check has passed."""
         path, files = self.path, self.manifest.get("files")
         if isinstance(files, dict):
             problems = check_files(path, files, self.memo, skip=self.id_files)
@@ -368,20 +338,22 @@ def _stream_split(o: Opening, name: str, info: dict[str, Any]) -> Stream:
 
 @dataclass(frozen=True)
 class Kind:
-    """What a kind of store adds to the shared format: what its manifest counts per split, the splits it always
-    holds (none: those its manifest names), its noun and the lines of a malformed manifest, and ``open_split``."""
+    """What a kind adds to the shared store: what its manifest counts per split, the splits it always holds (none:
+    those its manifest names), its noun, the lines of a malformed manifest, a split's line, and its split opened."""
 
     count: str
     splits: tuple[str, ...]
     noun: str
     bad: tuple[str, str]  # its dtype or vocabulary sizes are wrong; its splits are
+    line: str
     open_split: Callable[[Opening, str, dict[str, Any]], Any]
 
 
-_STREAM_BAD = "its dtype, vocabulary size or splits are missing or wrong"
 KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocabulary sizes are missing or wrong",
-                                                              "its splits are missing or malformed"), _pair_split),
-         STREAM_KIND: Kind("tokens", ("train", "valid"), "a language model's token stream", (_STREAM_BAD,) * 2,
+                                                              "its splits are missing or malformed"),
+                     "{pairs:,} pairs, {src_tokens:,} source + {tgt_tokens:,} target tokens", _pair_split),
+         STREAM_KIND: Kind("tokens", ("train", "valid"), "a language model's token stream",
+                           ("its dtype, vocabulary size or splits are missing or wrong",) * 2, "{tokens:,} tokens",
                            _stream_split)}
 
 
@@ -404,9 +376,9 @@ def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> st
 
 
 def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), verify_all: bool = False) -> Store:
-    """Open and check the store in ``path`` (the caller holds its lock, or none exists) as a store of ``kind`` (None:
-    the kind its manifest names) holding the splits ``need``: one DataError naming the file and the fix for anything
-    wrong. ``verify_all``: every file read, none skipped as unchanged (``aiayn prepare --verify``)."""
+    """Open and check the store in ``path`` (its lock held, or none exists) as a ``kind`` (None: its manifest's)
+    holding the splits ``need``: one DataError naming the file and the fix for anything wrong. ``verify_all``:
+    every file read, none skipped as unchanged (``aiayn prepare --verify``)."""
     manifest = opened_manifest(path)
     kind = kind or (manifest.get("kind") if manifest.get("kind") in KINDS else PAIRS)
     wrong = _manifest_problem(manifest, kind, need)
@@ -420,12 +392,11 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
 
 
 def open_pairs(path: Path, need: tuple[str, ...], verify_all: bool = False) -> Store:
-    """Open and check the pairs store in ``path`` (:func:`open_kind`; ``need``: splits it must hold)."""
     return open_kind(path, PAIRS, need, verify_all)
 
 
 def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
-    """The pairs store in ``directory`` holding the splits ``need``, checked, under its shared lock (waited for at
+    """The pairs store in ``directory`` holding the splits ``need``, checked under its shared lock (waited for at
     most ``wait_s``): a missing, incomplete or damaged store is one DataError naming the file and the fix."""
     return open_locked(Path(directory), lambda path: open_pairs(path, need), wait_s)
 
@@ -433,7 +404,7 @@ def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float 
 @contextlib.contextmanager
 def store_lock(path: Path, shared: bool, wait_s: float | None) -> Iterator[HeldLock]:
     """The lock of the store ``path``, waited for at most ``wait_s`` seconds (``train.setup_timeout_s``; None: as
-    long as it takes): then one line (PeerError) naming the process that holds it, what it does, and the setting."""
+    long as it takes), then one line (PeerError) naming the process that holds it, what it does, and the setting."""
     def waiting(who: str) -> None:
         limit = f" (at most train.setup_timeout_s={wait_s:g} s)" if wait_s is not None else ""
         log.info("%s: waiting for the process (pid %s) that prepares it%s", path, who, limit)
@@ -460,10 +431,7 @@ def open_locked(path: Path, opener: Callable[[Path], Any], wait_s: float | None 
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
 
 
-# Preparing ---------------------------------------------------------------------------------------------------
-
-
-_WORKER: list[Callable[[Any], Any]] = []
+_WORKER: list[Callable[[Any], Any]] = []  # a worker process's encoder
 
 
 def _init_worker(make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]) -> None:
@@ -477,8 +445,8 @@ def _work(item: Any) -> Any:
 @contextlib.contextmanager
 def worker_pool(workers: int, make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]
                 ) -> Iterator[Callable[[Iterable[Any]], Iterator[Any]]]:
-    """A function items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (> 1; spawned: never
-    fork a process that holds torch's threads), else in this one."""
+    """items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (> 1; spawned: never fork a
+    process that holds torch's threads), else in this one."""
     if workers <= 1:
         yield partial(map, make(*args))
         return
@@ -487,9 +455,8 @@ def worker_pool(workers: int, make: Callable[..., Callable[[Any], Any]], args: t
 
 
 class Recipe:
-    """How to build one kind of store (each a dataclass of these fields), and what every kind shares: its key, its
-    manifest, its tokenizer, the processes that encode it. Kinds: :class:`PairRecipe`,
-    :class:`~aiayn.data.stream_store.StreamRecipe`."""
+    """How to build a store of one kind (each a dataclass of these fields), and what every kind shares: the key,
+    the manifest, the tokenizer, the processes that encode."""
 
     kind = PAIRS
     cfg: Config
@@ -548,16 +515,14 @@ class Recipe:
         raise NotImplementedError
 
     def open(self, path: Path) -> Store:
-        """Open and check the complete store in ``path``: one DataError naming the file and the fix."""
         return open_kind(path, self.kind)
 
 
 def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s: float | None = None) -> Any:
-    """Build ``recipe``'s store in ``out`` and open it; a store of the same key is opened as it is (a damaged one
-    rebuilt). ``rebuild=False`` (``data.prepared``): a store that is there is only read (:func:`open_only`), only a
-    new or empty directory is built. One process builds under the lock (in its own staging directory, the manifest
-    moved in last), the others wait at most ``wait_s`` (:func:`store_lock`) and open it; a failure leaves the store
-    that was there (and removes ``out`` when this call created it)."""
+    """Build ``recipe``'s store in ``out`` and open it; a store of its key is opened as it is (a damaged one
+    rebuilt). ``rebuild=False`` (``data.prepared``): a store there is only read (:func:`open_only`), only a new or
+    empty directory built. One process builds, under the lock; the others wait at most ``wait_s`` and open it; a
+    failure leaves the store that was there (and removes ``out`` when this call created it)."""
     out, key = Path(out), recipe.key
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory (a prepared store is one); choose another directory")
@@ -592,8 +557,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
 
 
 def _reused(out: Path, key: str, opener: Callable[[Path], Any]) -> Any:
-    """The store in ``out`` (``opener``'s) when its manifest has ``key`` and its files check out, else None (a
-    damaged store is logged, then rebuilt)."""
+    """``opener(out)`` when its manifest has ``key`` and its files check out, else None (damage logged: rebuilt)."""
     manifest = read_manifest(out)
     if manifest is None or manifest.get("key") != key:
         return None
@@ -637,29 +601,25 @@ def explain_mismatch(manifest: dict[str, Any], recipe: Recipe) -> str:
 
 
 def _named(out: Path, recipe: Recipe) -> Any:
-    """A store the user named, as it is: opened (:func:`open_only`) when it has a manifest; refused when an
-    unfinished build or the user left files there; None when there is nothing yet. The caller holds its lock."""
+    """A store the user named, as it is: opened when it has a manifest; refused when an unfinished build or the
+    user left files there; None when there is nothing yet. The caller holds its lock."""
     if (out / MANIFEST).exists():
         return open_only(out, recipe)
     left = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, MARKER) and not is_temporary(p.name))
+    shown = f"{', '.join(left[:3])}{' ...' if len(left) > 3 else ''}"
     if left and not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
-        raise DataError(f"{out}: not a prepared corpus (no {MANIFEST}, and it holds {', '.join(left[:3])}"
-                        f"{' ...' if len(left) > 3 else ''}, which aiayn did not write); name the directory that "
-                        f"aiayn prepare CONFIG --out DIR made, or a new one")
+        raise DataError(f"{out}: not a prepared corpus (no {MANIFEST}, and it holds {shown}, which aiayn did not "
+                        "write); name the directory that aiayn prepare CONFIG --out DIR made, or a new one")
     if left:
-        raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {', '.join(left[:3])}"
-                        f"{' ...' if len(left) > 3 else ''}): its preparing never finished; a store named by "
-                        f"data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out} prepares it")
+        raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {shown}): its preparing never finished; a "
+                        f"store named by data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out}"
+                        " prepares it")
     return None
 
 
 def _make_dirs(out: Path) -> Path | None:
     """Create ``out`` (and its missing parents); the topmost directory this call created, None if it existed."""
-    top = None
-    for p in (out, *out.parents):
-        if p.exists():
-            break
-        top = p
+    top = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
     try:
         out.mkdir(parents=True)
     except FileExistsError:
@@ -675,8 +635,7 @@ def _refuse_foreign(out: Path) -> None:
         raise DataError(f"{out}: exists and is not a prepared corpus; choose an empty or new directory")
 
 
-# The lock of the store this process builds now, where :func:`note` says what it is doing (for those who wait).
-_BUILDING: list[HeldLock] = []
+_BUILDING: list[HeldLock] = []  # the lock of the store this process builds, where :func:`note` writes
 
 
 def note(doing: str) -> None:
@@ -686,8 +645,8 @@ def note(doing: str) -> None:
 
 
 def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None:
-    """Build the store in this builder's own staging directory inside ``out`` and move it in, the manifest (sealed:
-    :func:`~aiayn.data.integrity.seal`) last. The caller holds ``out``'s exclusive lock (``lock``, for :func:`note`)."""
+    """Build the store in this builder's own staging directory inside ``out`` and move it in, the sealed manifest
+    last. The caller holds ``out``'s exclusive lock (``lock``, where :func:`note` writes)."""
     (out / MARKER).write_text("a token store prepared by aiayn (aiayn prepare): aiayn may rebuild this directory\n")
     for p in out.iterdir():  # what a killed builder left: no process writes there now (we hold the lock)
         if is_temporary(p.name):
@@ -720,10 +679,9 @@ def storage_dtype(vocab_size: int) -> np.dtype:
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): what training a tokenizer and
     encoding freed would otherwise stay resident for hours of training (``benchmarks.rss_timeline``)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 def now() -> str:
@@ -731,11 +689,8 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-# The pairs kind ----------------------------------------------------------------------------------------------
-
-
 class _Writer:
-    """Appends encoded pairs of one split to its .bin files in the staging directory; offsets written at the end."""
+    """Appends a split's encoded pairs to its .bin files in the staging directory; offsets written at the end."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
         self.directory, self.split, self.dtype = directory, split, dtype
@@ -766,8 +721,8 @@ class _Writer:
 
 
 class PairEncoder:
-    """Encodes and filters chunks of pairs as the in-memory path does (:func:`aiayn.data.corpus.clean_pairs`);
-    ``cut``: summarization's long document is cut to ``max_len`` (as the translator does), not dropped."""
+    """Encodes and filters chunks of pairs as :func:`~aiayn.data.corpus.clean_pairs` does; ``cut``: a long
+    document (summarization) is cut to ``max_len``, as the translator cuts it, not dropped."""
 
     def __init__(self, tokenizer_dir: str, max_len: int | None, cut: bool) -> None:
         from aiayn.data.tokenizer import TokenizerPair
@@ -775,7 +730,7 @@ class PairEncoder:
         self.tok, self.max_len, self.cut = TokenizerPair.load(tokenizer_dir), max_len, cut
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, Any]:
-        """The kept pairs' ids back to back, their lengths per side, and the counts of what was dropped."""
+        """The kept pairs' ids back to back and their lengths, per side; the counts of what was dropped."""
         tok, max_len = self.tok, self.max_len
         ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
         if self.cut:
@@ -791,10 +746,9 @@ class PairEncoder:
 
 @dataclass(kw_only=True)
 class PairRecipe(Recipe):
-    """A store of (source, target) pairs from ``sources`` (split -> a function streaming its pairs), named for the
-    key by ``inputs``; its tokenizer ``tokenizer``, else trained on a sample of the training pairs (by
-    ``train_tokenizer(dir)`` when given). Pairs with an empty side are dropped, and those past the config's
-    ``max_len`` unless ``length_filter`` is off. ``extra``: this kind's own settings, for the key and manifest."""
+    """The pairs of ``sources`` (split -> a function streaming them), named for the key by ``inputs``; a tokenizer
+    is trained on a sample of the training pairs (by ``train_tokenizer(dir)`` when given). Pairs with an empty side
+    are dropped, and those past ``max_len`` unless ``length_filter`` is off. ``extra``: this kind's own settings."""
 
     cfg: Config
     sources: dict[str, PairSource]
@@ -812,8 +766,7 @@ class PairRecipe(Recipe):
     def open(self, path: Path) -> Store:
         return open_pairs(path, tuple(self.sources))
 
-    def _train(self, tdir: Path) -> None:
-        """Two passes over the training pairs (sources, then targets), a sample of each, never all in memory."""
+    def _train(self, tdir: Path) -> None:  # two passes over the training pairs, a sample of each side
         train = self.sources["train"]
         self.train_tokenizer_on(tdir, (s for s, _ in train()), (t for _, t in train()),
                                 f"a sample of at most {self.cfg.data.tokenizer_sample:,} sentences")
@@ -853,8 +806,7 @@ def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[
 
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
             tokenizer: str | Path | None = None, workers: int | None = None, rebuild: bool = True) -> Store:
-    """:func:`prepare_store` of the :class:`PairRecipe` of ``sources`` (named by ``inputs``) into ``out``, waiting
-    at most ``train.setup_timeout_s`` for another process that prepares it."""
+    """:func:`prepare_store` of the :class:`PairRecipe` of ``sources`` (named by ``inputs``) into ``out``."""
     recipe = PairRecipe(cfg=cfg, sources=sources, inputs=inputs,
                         tokenizer=Path(tokenizer) if tokenizer is not None else None, workers=workers)
     return prepare_store(out, recipe, rebuild, cfg.train.setup_timeout_s)
