@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from itertools import chain, islice
 from pathlib import Path
@@ -282,58 +282,18 @@ def opened_manifest(path: Path) -> dict[str, Any]:
         raise damaged(path, str(e)) from None
 
 
-@dataclass
-class Opening:
-    """A store being opened (its lock held, or none exists), and the id files checked so far."""
-
-    path: Path
-    manifest: dict[str, Any]
-    memo: Memo
-    id_files: set[str] = field(default_factory=set)
-
-    def id_file(self, split: str, label: str, make: Callable[[], IdFile], vocab_size: int,
-                unreadable: tuple[type[Exception], ...] = (OSError, DataError)) -> Any:
-        """``make()``, an id file of ``split``, opened and checked: one DataError naming the file and the fix for
-        anything wrong (``unreadable``: errors named as ``label`` unreadable)."""
-        try:
-            opened = make()
-        except FileNotFoundError as e:
-            raise damaged(self.path, f"{e.filename}: missing (the manifest names split {split})") from None
-        except unreadable as e:
-            raise damaged(self.path, f"{self.path}/{label}: unreadable ({e})") from None
-        problem = opened.check(vocab_size, self.manifest.get("files"), self.memo)
-        if problem is not None:
-            raise damaged(self.path, f"{self.path}/{problem}")
-        self.id_files.add(opened.path.name)
-        return opened
-
-    def check_other_files(self) -> None:
-        """The other files' checksums (none: the store is unverified, logged) and the tokenizer's presence; the
-        memo written once every check has passed."""
-        path, files = self.path, self.manifest.get("files")
-        if isinstance(files, dict):
-            problems = check_files(path, files, self.memo, skip=self.id_files)
-            if problems:
-                raise damaged(path, f"{path}/{problems[0]}")
-        else:
-            log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
-                        "contents unverified; aiayn prepare into a new directory gives a verified store", path)
-        tokenizer = path / "tokenizer" / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise damaged(path, f"{tokenizer}: missing (the store's tokenizer)")
-        self.memo.save()
+IdOpener = Callable[..., Any]  # (split, label, make, vocab_size[, unreadable]) -> the id file ``make()``, checked
 
 
-def _pair_split(o: Opening, name: str, info: dict[str, Any]) -> Split:
-    m = o.manifest
-    return Split(*(o.id_file(name, f"{name}.{side}", partial(
-        Side, o.path / f"{name}.{side}.bin", o.path / f"{name}.{side}.idx", m["dtype"], info["pairs"]),
+def _pair_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Split:
+    return Split(*(id_file(name, f"{name}.{side}", partial(
+        Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", m["dtype"], m["splits"][name]["pairs"]),
         int(m.get(f"{side}_vocab_size", m["vocab_size"]))) for side in ("src", "tgt")))
 
 
-def _stream_split(o: Opening, name: str, info: dict[str, Any]) -> Stream:
-    return o.id_file(name, f"{name}.bin", partial(Stream, o.path / f"{name}.bin", o.manifest["dtype"], info["tokens"]),
-                     o.manifest["vocab_size"], (OSError,))
+def _stream_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Stream:
+    return id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", m["dtype"], m["splits"][name]["tokens"]),
+                   m["vocab_size"], (OSError,))
 
 
 @dataclass(frozen=True)
@@ -346,7 +306,7 @@ class Kind:
     noun: str
     bad: tuple[str, str]  # its dtype or vocabulary sizes are wrong; its splits are
     line: str
-    open_split: Callable[[Opening, str, dict[str, Any]], Any]
+    open_split: Callable[[IdOpener, Path, dict[str, Any], str], Any]
 
 
 KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocabulary sizes are missing or wrong",
@@ -377,17 +337,42 @@ def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> st
 
 def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), verify_all: bool = False) -> Store:
     """Open and check the store in ``path`` (its lock held, or none exists) as a ``kind`` (None: its manifest's)
-    holding the splits ``need``: one DataError naming the file and the fix for anything wrong. ``verify_all``:
-    every file read, none skipped as unchanged (``aiayn prepare --verify``)."""
+    holding the splits ``need``: its id files by length, ids and checksum, the others by checksum (none: logged as
+    unverified); one DataError naming the file and the fix. ``verify_all``: no file skipped as unchanged (memo)."""
     manifest = opened_manifest(path)
     kind = kind or (manifest.get("kind") if manifest.get("kind") in KINDS else PAIRS)
     wrong = _manifest_problem(manifest, kind, need)
     if wrong is not None:
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
-    opening = Opening(path, manifest, Memo(path, enabled=not verify_all))
-    splits = {name: KINDS[kind].open_split(opening, name, manifest["splits"][name])
+    files, memo, checked = manifest.get("files"), Memo(path, enabled=not verify_all), set()
+
+    def id_file(split: str, label: str, make: Callable[[], IdFile], vocab_size: int,
+                unreadable: tuple[type[Exception], ...] = (OSError, DataError)) -> Any:
+        try:
+            opened = make()
+        except FileNotFoundError as e:
+            raise damaged(path, f"{e.filename}: missing (the manifest names split {split})") from None
+        except unreadable as e:
+            raise damaged(path, f"{path}/{label}: unreadable ({e})") from None
+        problem = opened.check(vocab_size, files, memo)
+        if problem is not None:
+            raise damaged(path, f"{path}/{problem}")
+        checked.add(opened.path.name)
+        return opened
+
+    splits = {name: KINDS[kind].open_split(id_file, path, manifest, name)
               for name in KINDS[kind].splits or manifest["splits"]}
-    opening.check_other_files()
+    if isinstance(files, dict):
+        problems = check_files(path, files, memo, skip=checked)
+        if problems:
+            raise damaged(path, f"{path}/{problems[0]}")
+    else:
+        log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
+                    "contents unverified; aiayn prepare into a new directory gives a verified store", path)
+    tokenizer = path / "tokenizer" / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise damaged(path, f"{tokenizer}: missing (the store's tokenizer)")
+    memo.save()
     return Store(path, manifest, splits)
 
 
@@ -523,14 +508,14 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
     rebuilt). ``rebuild=False`` (``data.prepared``): a store there is only read (:func:`open_only`), only a new or
     empty directory built. One process builds, under the lock; the others wait at most ``wait_s`` and open it; a
     failure leaves the store that was there (and removes ``out`` when this call created it)."""
-    out, key = Path(out), recipe.key
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory (a prepared store is one); choose another directory")
-    if not rebuild and out.is_dir():  # read under the shared lock (a waiter writes nothing): a store, or leftovers
-        store = open_locked(out, lambda path: _named(path, recipe), wait_s)
-        if store is not None:
-            return store
-    store = _reused(out, key, lambda path: open_locked(path, recipe.open, wait_s))  # the common case: no exclusive lock
+
+    def found(path: Path) -> Any:  # what is there, opened (the caller holds its lock): None when it is to be built
+        return _named(path, recipe) if not rebuild else _reused(path, recipe)
+
+    store = open_locked(out, found, wait_s) if out.is_dir() else None  # the common case: no exclusive lock
     if store is not None:
         return store
     _refuse_foreign(out)
@@ -543,8 +528,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
                 continue
         try:
-            # built by another process while we waited?
-            store = _named(out, recipe) if not rebuild else _reused(out, key, recipe.open)
+            store = found(out)  # built by another process while we waited?
             if store is not None:
                 return store
             _refuse_foreign(out)
@@ -556,17 +540,18 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
             raise
 
 
-def _reused(out: Path, key: str, opener: Callable[[Path], Any]) -> Any:
-    """``opener(out)`` when its manifest has ``key`` and its files check out, else None (damage logged: rebuilt)."""
+def _reused(out: Path, recipe: Recipe) -> Any:
+    """The store in ``out`` when its manifest has ``recipe``'s key and its files check out, else None (to be built;
+    damage is logged)."""
     manifest = read_manifest(out)
-    if manifest is None or manifest.get("key") != key:
+    if manifest is None or manifest.get("key") != recipe.key:
         return None
     try:
-        store = opener(out)
+        store = recipe.open(out)
     except DataError as e:
         log.warning("%s; rebuilding it", e)
         return None
-    return store if store.manifest.get("key") == key else None  # not rebuilt for other inputs while we waited
+    return store if store.manifest.get("key") == recipe.key else None  # not rebuilt for other inputs meanwhile
 
 
 def open_only(out: Path, recipe: Recipe) -> Any:
