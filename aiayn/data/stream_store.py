@@ -12,10 +12,8 @@ SentencePiece model's word-boundary prefix from starting every piece.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.corpus import decode_utf8
+from aiayn.data.corpus import count_chars, text_chunks
 from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype, worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
@@ -38,56 +36,11 @@ LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (Sente
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
 
 
-# Reading the text --------------------------------------------------------------------------------------------
-
-
-def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
-    """The text of ``path`` (plain or gzip, by content; a leading byte-order mark dropped, as
-    :func:`aiayn.data.corpus.read_text` reads it) in pieces of about ``size`` bytes (:data:`READ_BYTES`), each
-    ending after a newline, else before a space (else it grows): never inside a character, a line break or a
-    word."""
-    size, gz = size or READ_BYTES, False
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            carry, lines, first = b"", 0, True
-            while True:
-                block = f.read(size)
-                data = carry + block if carry else block
-                cut = len(data) if not block else (data.rfind(b"\n") + 1 or max(data.rfind(b" "), 0))
-                if not cut:
-                    if not block:
-                        return
-                    carry = data
-                    continue
-                chunk, carry = data[:cut], data[cut:]
-                text = decode_utf8(chunk, path, lines, bom=first)
-                lines += chunk.count(b"\n")
-                first = False
-                if text:
-                    yield text
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({'not a valid gzip file: ' if gz else ''}{e.strerror or e})"
-                        ) from None
-    except (EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a valid gzip file ({e})") from None
-
-
-def count_chars(path: Path) -> tuple[int, bool]:
-    """The characters of the text and whether any is not whitespace (pass 1)."""
-    n, visible = 0, False
-    for text in text_chunks(path):
-        n += len(text)
-        visible = visible or not text.isspace()
-    return n, visible
-
-
 def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
     """(split name, piece, whether the piece starts its part): the text's pieces, the first ``split``
     characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
     pos = 0
-    for text in text_chunks(path):
+    for text in text_chunks(path, READ_BYTES):
         end = pos + len(text)
         if end <= split:
             yield "train", text, pos == 0
@@ -122,9 +75,6 @@ def train_chars(path: Path, split: int) -> str:
             break
         seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
     return "".join(map(chr, np.flatnonzero(seen)))
-
-
-# Encoding ----------------------------------------------------------------------------------------------------
 
 
 class PieceEncoder:
@@ -199,7 +149,7 @@ class StreamRecipe(Recipe):
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
         note("preparing it: counting the text's characters")
-        chars, visible = count_chars(self.path)
+        chars, visible = count_chars(self.path, READ_BYTES)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
         split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
