@@ -3,19 +3,15 @@ torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``
 
     DIR/manifest.json          kind, inputs, settings, counts, every file's sha256 and its own (written last)
     DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
-    DIR/<split>.src.bin, .idx  pairs: every kept pair's source ids back to back; int64 offsets, pairs + 1
+    DIR/<split>.src.bin, .idx  pairs: the kept pairs' source ids back to back (uint16, or uint32), int64 offsets
     DIR/<split>.tgt.bin, .idx  the same for the target side
     DIR/<split>.bin            stream: a language model's text as one run of ids (:mod:`aiayn.data.stream_store`)
     DIR/.aiayn-store           marker: aiayn made this directory and may rebuild it
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
-Ids are little-endian uint16 (uint32 for a larger vocabulary) whose count the manifest states, read by position and
-never mapped (:class:`IdFile`). Every kind shares the key (:func:`store_key`: reuse only when it matches), the
-build (:func:`prepare_store`: one process builds in its own staging directory under the lock, the others wait; the
-manifest, sealed by :mod:`aiayn.data.integrity`, written last) and the opening (:func:`open_kind`: every file
-checked, a damaged store one DataError naming the file and the fix). A kind (:data:`KINDS`) gives only its id
-files and counts; a :class:`Recipe` builds it (:class:`PairRecipe`, also summarization as language modelling:
-:func:`aiayn.data.summarization.summary_lm_recipe`; :class:`~aiayn.data.stream_store.StreamRecipe`).
+Every kind shares the key (:func:`store_key`), the build (:func:`prepare_store`, under the lock, in a staging
+directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
+naming the file and the fix); a kind (:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
 """
 
 from __future__ import annotations
@@ -233,8 +229,7 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra
 
 
 def cached_store_dir(key: str) -> Path:
-    """The store of a training without ``data.prepared``, shared by every run of its key: ``$AIAYN_CACHE_DIR``
-    (default ``~/.cache/aiayn``) ``/stores/<key>``."""
+    """The store of every training of ``key`` that names no ``data.prepared`` (``$AIAYN_CACHE_DIR``: ~/.cache/aiayn)."""
     from aiayn.data.datasets import cache_dir
 
     return cache_dir() / "stores" / key[:24]
@@ -251,10 +246,6 @@ def tokenizer_digest(d: Path) -> dict[str, str]:
     from aiayn.data.tokenizer import tokenizer_files
 
     return {p.name: sha256_file(p) for p in tokenizer_files(d)}
-
-
-def tokenizer_matches(a: Path, b: Path) -> bool:
-    return tokenizer_digest(a) == tokenizer_digest(b)
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
@@ -376,14 +367,10 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
     return Store(path, manifest, splits)
 
 
-def open_pairs(path: Path, need: tuple[str, ...], verify_all: bool = False) -> Store:
-    return open_kind(path, PAIRS, need, verify_all)
-
-
 def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
     """The pairs store in ``directory`` holding the splits ``need``, checked under its shared lock (waited for at
     most ``wait_s``): a missing, incomplete or damaged store is one DataError naming the file and the fix."""
-    return open_locked(Path(directory), lambda path: open_pairs(path, need), wait_s)
+    return open_locked(Path(directory), lambda path: open_kind(path, PAIRS, need), wait_s)
 
 
 @contextlib.contextmanager
@@ -749,7 +736,7 @@ class PairRecipe(Recipe):
         return self.extra
 
     def open(self, path: Path) -> Store:
-        return open_pairs(path, tuple(self.sources))
+        return open_kind(path, PAIRS, tuple(self.sources))
 
     def _train(self, tdir: Path) -> None:  # two passes over the training pairs, a sample of each side
         train = self.sources["train"]

@@ -1,18 +1,12 @@
-"""The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (tinyshakespeare, or
-``data.train_src``: UTF-8, plain or .gz, any size) prepared into ``train.bin`` and ``valid.bin``, trained on by
-windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way).
-
-Preparing streams the text (:data:`READ_BYTES` at a time) in three passes: its characters are counted, so that the
-split is nanoGPT's exactly (the first ``int(chars * (1 - data.valid_fraction))`` characters train, the rest
-validate); the tokenizer is trained on the training part (char: its characters; BPE: a seeded sample of its
-non-blank lines); both parts are encoded piece by piece into the ids of encoding each part in one call
-(tests/test_lm_store.py): pieces end at a line end (or before a space), and :class:`PieceEncoder` keeps a
-SentencePiece model's word-boundary prefix from starting every piece.
+"""The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (UTF-8, plain or .gz, any size)
+as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way). Prepared
+in three passes of :data:`READ_BYTES` pieces: the characters counted (the split is nanoGPT's exactly: the first
+``int(chars * (1 - data.valid_fraction))`` train), the tokenizer trained on the training part, both parts encoded
+piece by piece into the ids of encoding each part in one call (:class:`PieceEncoder`; tests/test_lm_store.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,8 +20,6 @@ from aiayn.data.corpus import count_chars, text_chunks
 from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype, worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
-
-log = logging.getLogger("aiayn.data")
 
 STREAM = STREAM_KIND  # the manifest's kind
 SPLITS = ("train", "valid")
@@ -118,7 +110,6 @@ class PieceEncoder:
 
 
 def open_stream(path: Path, verify_all: bool = False) -> Store:
-    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): splits train and valid."""
     return open_kind(path, STREAM, (), verify_all)
 
 
@@ -136,18 +127,15 @@ class StreamRecipe(Recipe):
     key: str = ""
 
     def kind_settings(self) -> dict[str, Any]:
-        """What the ids depend on beside the pair store's settings: the kind, the split."""
         return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
 
     def _train(self, tdir: Path, split: int) -> None:
-        """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
-        seeded sample), or on its characters (char: every one, the newline included)."""
+        """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
         texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
                                 else (ln for ln in train_lines(self.path, split) if ln.strip()))
         self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
-        """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
         note("preparing it: counting the text's characters")
         chars, visible = count_chars(self.path, READ_BYTES)
         if not visible:
