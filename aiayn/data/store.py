@@ -415,10 +415,14 @@ def _work(item: Any) -> Any:
 
 
 @contextlib.contextmanager
-def worker_pool(workers: int, make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]
+def worker_pool(workers: int | None, big: bool, make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]
                 ) -> Iterator[Callable[[Iterable[Any]], Iterator[Any]]]:
-    """items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (> 1; spawned: never fork a
-    process that holds torch's threads), else in this one."""
+    """items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (None: every usable core for a
+    ``big`` input, else one; spawned: never fork a process that holds torch's threads), or in this one."""
+    if workers is None:
+        from aiayn.engine import usable_cores
+
+        workers = usable_cores() if big else 1
     if workers <= 1:
         yield partial(map, make(*args))
         return
@@ -473,14 +477,6 @@ class Recipe:
         d = self.cfg.data
         log.info("training %s on %s", tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), what)
         train_tokenizer_pair(src, tgt, tdir, TokenizerSpec.from_config(self.cfg))
-
-    def worker_count(self, big: bool) -> int:
-        """``workers`` when set, else every usable core for a ``big`` input (below, one process is faster)."""
-        if self.workers is not None:
-            return self.workers
-        from aiayn.engine import usable_cores
-
-        return usable_cores() if big else 1
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         """Write the store's files into the empty directory ``stage``; the manifest to write."""
@@ -755,7 +751,7 @@ class PairRecipe(Recipe):
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
         splits: dict[str, Any] = {}
         cut = cfg.kind.summarizes and max_len is not None
-        with worker_pool(self.worker_count(big), PairEncoder, (str(tdir), max_len, cut)) as encode:
+        with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, cut)) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")
                 writer = _Writer(stage, name, dtype)

@@ -143,13 +143,13 @@ class StreamRecipe(Recipe):
         split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
         tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
-        workers = self.worker_count(tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES)
+        big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
         tokens = {name: 0 for name in SPLITS}
         files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
         progress = ItemProgress(chars, "char", "prepare")
         note("preparing it: encoding the text")
         try:
-            with worker_pool(workers, PieceEncoder, (str(tdir),)) as encode:
+            with worker_pool(self.workers, big, PieceEncoder, (str(tdir),)) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
                     files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
                     tokens[name] += len(ids)
