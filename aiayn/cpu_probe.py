@@ -8,16 +8,18 @@ Three steps, the first that fails deciding fp32:
    PyTorch's own checks (``torch.cpu``), which also ask the OS whether it lets a process use them. Elsewhere bf16 is
    emulated and slower than fp32.
 2. **A child process** runs bf16 once: a linear layer (PyTorch's and oneDNN's prepacked one), a matrix product,
-   scaled dot-product attention, a layer norm, and a backward pass under autocast, each compared with fp32. oneDNN
+   scaled dot-product attention, a layer norm, a backward pass under autocast and a product of int8 weights with bf16
+   rows, each compared with fp32. oneDNN
    picks its instructions at run time from what the CPU reports, and a hypervisor may report what it does not let a
    guest run: the result is "Illegal instruction" (SIGILL), which kills a process. So it is tried in a child: a child
    killed by a signal, a wrong result, or no answer within :data:`PROBE_TIMEOUT_S` means fp32, with one line that
    says which. The child also times a product in both precisions at 4 rows (one sentence, beam 4) and at 256 rows
    (a batch): inference takes bf16 only where it measured faster at both, training where it measured faster on a
-   batch (:meth:`CpuBf16.precision`).
+   batch (:meth:`CpuBf16.precision`); and the two int8 kinds at the same rows, so that ``--precision int8`` takes
+   bf16 rows only where they measured faster (:meth:`CpuBf16.int8_kind`).
 3. **The cache.** The answer is kept in ``cache_dir()/cpu_probe.json`` (:func:`aiayn.files.cache_dir`) per CPU model,
-   flags, PyTorch version and the environment variables that change PyTorch's or oneDNN's choice of instructions,
-   so the child runs once per machine, not per command.
+   flags, PyTorch version, probe (its code) and the environment variables that change PyTorch's or oneDNN's choice of
+   instructions, so the child runs once per machine, not per command.
 
 ``AIAYN_CPU_BF16=off`` keeps ``--precision auto`` at fp32 on such a CPU (an explicit ``--precision bf16`` still runs,
 if the probe passes); the test suite sets it, so that its comparisons with fp32 references stay fp32 on every
@@ -97,6 +99,12 @@ g = lin.weight.grad.clone()
 lin.zero_grad()
 lin(x).square().mean().backward()
 checks["autocast backward"] = err(g, lin.weight.grad)
+# int8 weights with bf16 rows (aiayn.linear's int8_bf16): PyTorch's weight-only int8 kernel
+wi = torch.randn(512, 256) / 16
+wscale = (wi.abs().amax(dim=1) / 127).to(bf)
+wq = torch.div(wi, wscale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+checks["int8 weights"] = err(torch._weight_int8pack_mm(x.to(bf), wq, wscale),
+                             F.linear(x.to(bf).float(), wq.float() * wscale.float()[:, None]))
 
 ms = {}
 w = torch.randn(1024, 256) / 16
@@ -108,6 +116,35 @@ for dtype, name in ((torch.float32, "fp32"), (bf, "bf16")):
             run = lambda: mkldnn._linear_pointwise(x.to(dtype), wp, None, "none", [], "").float()
         else:
             run = lambda: F.linear(x.to(dtype), wp).float()
+        for _ in range(10):
+            run()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(20):
+                run()
+            best = min(best, (time.perf_counter() - t) / 20 * 1e3)
+        ms[f"{name} {rows}"] = best
+# the int8 kinds at the same rows: dynamic int8 (int8 rows, int32 sums) and int8 weights with bf16 rows (the
+# weight-only kernel at 4 rows, oneDNN's bf16 product on the int8 values at 256)
+wscale = (w.abs().amax(dim=1) / 127).to(bf)
+wq = torch.div(w, wscale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+wqt, wqb = wq.t().contiguous(), (mkldnn._reorder_linear_weight(wq.to(bf), 64) if packed else wq.to(bf))
+ones = torch.ones(1024, dtype=bf)
+for rows in (4, 256):
+    x = torch.randn(rows, 256)
+
+    def dynamic():
+        s = x.abs().amax(dim=1, keepdim=True).div_(127.0)
+        return torch._int_mm(torch.div(x, s).round_().to(torch.int8), wqt).float().mul_(s).mul_(wscale.float())
+
+    def weights_only():
+        if rows <= 4:
+            return torch.mul(torch._weight_int8pack_mm(x.to(bf), wq, ones), wscale).float()
+        y = mkldnn._linear_pointwise(x.to(bf), wqb, None, "none", [], "") if packed else F.linear(x.to(bf), wqb)
+        return torch.mul(y, wscale).float()
+
+    for name, run in (("int8", dynamic), ("int8_bf16", weights_only)):
         for _ in range(10):
             run()
         best = float("inf")
@@ -152,6 +189,21 @@ class CpuBf16:
             return "fp32", f"{self.why}, but {timing} (one sentence's beam)"
         return "bf16", f"{self.why}; {timing}"
 
+    def int8_kind(self) -> tuple[str, str]:
+        """``("int8_bf16" | "int8", why)``: the linear layers' kind (:mod:`aiayn.linear`) that ``--precision int8``
+        runs on this CPU: int8 weights with bf16 rows where bf16 is native and the probe measured them at least as
+        fast as dynamic int8 at 4 rows (one sentence's beam) and at 256 (a batch), else dynamic int8."""
+        if not self.native:
+            return "int8", f"int8 weights and rows ({self.why})"
+        ratios = []
+        for rows in (4, 256):
+            dynamic, weights = self.ms.get(f"int8 {rows}"), self.ms.get(f"int8_bf16 {rows}")
+            ratios.append(dynamic / weights if dynamic and weights else None)
+        timing = ", ".join(f"{r or 0:.2f}x at {rows} rows" for r, rows in zip(ratios, (4, 256)))
+        if any(r is None or r < 1.0 for r in ratios):
+            return "int8", f"int8 weights and rows (int8 weights with bf16 rows measured {timing})"
+        return "int8_bf16", f"int8 weights with bf16 rows (measured {timing} dynamic int8's speed)"
+
     def describe(self) -> str:
         """The CPU and its flags, for benchmark reports and logs."""
         return f"{self.cpu} ({', '.join(self.flags) or 'none of ' + ', '.join(SHOWN_FLAGS)})"
@@ -193,8 +245,10 @@ def torch_has_native_bf16() -> bool:
 
 
 def cache_key(cpu: str, flags: tuple[str, ...]) -> str:
-    """The key of a probe's answer: the CPU, its flags, PyTorch and the ISA environment."""
-    parts = [cpu, " ".join(flags), torch.__version__, *(f"{k}={os.environ.get(k, '')}" for k in ISA_ENV)]
+    """The key of a probe's answer: the CPU, its flags, PyTorch, the ISA environment and the probe itself (a changed
+    child asks a new question)."""
+    parts = [cpu, " ".join(flags), torch.__version__, *(f"{k}={os.environ.get(k, '')}" for k in ISA_ENV),
+             hashlib.sha256(CHILD_CODE.encode()).hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 

@@ -13,7 +13,8 @@ by :mod:`aiayn.cpu_probe` in a child process, since bf16 on a CPU or hypervisor 
 instruction"); for inference on such a CPU the weights stay fp32 and the linear layers multiply in bf16 (fp32
 sums), while attention, softmax, layer norm and the search's scores stay fp32 (:mod:`aiayn.linear`). ``fp16`` is
 CUDA only. ``int8`` (inference on a CPU only) keeps fp32 weights and activations and multiplies the linear layers
-in int8 (dynamic quantization, :mod:`aiayn.linear`).
+with int8 weights (:mod:`aiayn.linear`): their input rows quantized to int8 too (dynamic quantization), or rounded to
+bf16 where this CPU's bf16 passed :mod:`aiayn.cpu_probe` and measured faster so (:func:`int8_kind`).
 
 ``auto``: on CUDA, bf16 for training where the GPU supports it and fp32 for inference; on a CPU, bf16 where
 :mod:`aiayn.cpu_probe` found native bf16 that passed its probe and measured faster than fp32 (for inference, also
@@ -119,7 +120,7 @@ def choose_precision(precision: str, device: torch.device, training: bool) -> Pr
         if device.type != "cpu":
             raise DeviceError(f"precision int8 runs on the CPU only (this runs on {device.type}); use fp32, or "
                               "bf16 / fp16 on CUDA")
-        return Precision(precision, "asked for (--precision int8)")
+        return Precision(precision, f"asked for (--precision int8); {int8_kind()[1]}")
     if precision == "bf16" and device.type == "cpu":
         found = cpu_bf16()
         if not found.native:
@@ -133,9 +134,22 @@ def choose_precision(precision: str, device: torch.device, training: bool) -> Pr
     return Precision(precision, f"asked for (--precision {precision})")
 
 
+def _bf16_switched_off() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false")
+
+
+def int8_kind() -> tuple[str, str]:
+    """The linear layers' kind (:mod:`aiayn.linear`) that ``--precision int8`` runs on this CPU, and why (one
+    phrase): int8 weights with bf16 rows where :mod:`aiayn.cpu_probe` found native bf16 and measured them faster
+    (:meth:`aiayn.cpu_probe.CpuBf16.int8_kind`), else dynamic int8; ``AIAYN_CPU_BF16=off`` keeps dynamic int8."""
+    if _bf16_switched_off():
+        return "int8", f"int8 weights and rows ({ENV}={os.environ[ENV]})"
+    return cpu_bf16().int8_kind()
+
+
 def _cpu_auto(training: bool) -> tuple[str, str]:
     """What ``auto`` runs on this CPU, and why (:mod:`aiayn.cpu_probe`; ``AIAYN_CPU_BF16=off`` skips the probe)."""
-    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
+    if _bf16_switched_off():
         return "fp32", f"{ENV}={os.environ[ENV]}"
     return cpu_bf16().precision(training)
 

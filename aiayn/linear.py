@@ -21,6 +21,15 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
   product is exact (``torch._int_mm``, int32 sums), so it does not depend on the CPU either. Activations,
   attention, softmax and layer norm stay fp32; the embeddings stay fp32 (a tied output projection is quantized,
   the lookup is not). The fp32 weights stay in memory (checkpoints, export, and the fallback below read them).
+* ``int8_bf16``: ``--precision int8`` on a CPU where :mod:`aiayn.cpu_probe` found native bf16 and measured this
+  kind faster than ``int8`` (CTranslate2's "int8_bfloat16"): the same int8 weights and per-row scales as ``int8``,
+  but each input row is rounded to bf16 instead of quantized, and the sums are fp32. Up to
+  :attr:`Int8Bf16Linear.SMALL_ROWS` rows (one sentence's beam) PyTorch's weight-only int8 kernel multiplies the
+  int8 weights as they are (a quarter of fp32's bytes: a beam step reads its weights, not its rows, so this is what
+  makes one sentence fast); more rows take oneDNN's bf16 product (AMX) on the int8 values held as bf16, which is
+  exact (|q| <= 127 needs 7 bits). Both round the fp32 sums to bf16, multiply by the scales and round to bf16 again
+  (8 bits of mantissa, as ``bf16``), so a row's result alone and in a batch differs only where the two kernels'
+  sums, added in another order, round to another bf16 value (the last bits, as between two CPUs).
 
 Every kind falls back to ``F.linear`` where its kernel does not apply: when autograd records (training, or a
 gradient through the model), and off the CPU or off fp32 (a bf16 model's plain bf16 product). Prepared weights
@@ -36,9 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.device import int8_kind
 from aiayn.errors import DeviceError
 
-LINEAR_KINDS = ("plain", "packed", "bf16", "int8")
+LINEAR_KINDS = ("plain", "packed", "bf16", "int8", "int8_bf16")
 # int32 sums of int8 x int8 products cannot overflow below this input width: 127 * 127 * K < 2 ** 31.
 INT8_MAX_WIDTH = (2**31 - 1) // (127 * 127)
 
@@ -211,12 +221,59 @@ class Int8Linear(_CpuKernel):
         return y.view(*x.shape[:-1], w.size(0))
 
 
+class Int8Bf16Linear(_CpuKernel):
+    """int8 weights (per output row, as :class:`Int8Linear`'s), bf16 input rows, fp32 sums, the result rounded
+    through bf16 (the module docstring's ``int8_bf16``)."""
+
+    kind = "int8_bf16"
+    SMALL_ROWS = 4  # up to here the weight-only kernel (measured: faster at 1-4 rows, slower from 6, 1024 x 256)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._unit: dict[int, Tensor] = {}
+
+    def _ones(self, n: int) -> Tensor:
+        """(n,) bf16 ones: the weight-only kernel's scales (the real ones are applied after its rounding)."""
+        if n not in self._unit:
+            self._unit[n] = torch.ones(n, dtype=torch.bfloat16)
+        return self._unit[n]
+
+    def prepare(self, w: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+        q, scale = quantize_rows(w.float())
+        # The weight-only kernel's vector code loads 16 input values at a time from aligned rows and has no tail: a
+        # width that is not a multiple of 16 never takes it (it would read past the rows, or fault).
+        small = q.contiguous() if w.size(1) % 16 == 0 else None
+        qb = q.to(torch.bfloat16).contiguous()  # exact
+        large = torch.ops.mkldnn._reorder_linear_weight(qb, PackedLinear.BATCH_HINT) if packed_available() else qb
+        return small, scale.to(torch.bfloat16), large
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """x (..., K), w (N, K), b (N,) or None -> (..., N), fp32."""
+        if not self.applies(x, w) or x.numel() == 0:
+            return F.linear(x, w, b)
+        small, scale, large = self.prepared(w)
+        x2 = x.reshape(-1, x.size(-1)).to(torch.bfloat16).contiguous()  # (M, K): a fresh (aligned) tensor
+        rows = x2.size(0)
+        # Both paths: the fp32 sums rounded to bf16, then times the scales (in fp32, rounded to bf16 again), so that
+        # they differ only where the two kernels' sums (in another order) round to another bf16 value: rarely.
+        if small is not None and rows <= self.SMALL_ROWS:
+            y = torch._weight_int8pack_mm(x2, small, self._ones(w.size(0)))
+        elif packed_available():
+            y = torch.ops.mkldnn._linear_pointwise(padded_rows(x2), large, None, "none", [], "")[:rows]
+        else:  # pragma: no cover - a PyTorch without oneDNN
+            y = F.linear(x2, large)
+        y = torch.mul(y, scale)  # (M, N) bf16
+        y = y.float() if b is None else torch.add(b, y)  # fp32 + bf16 -> fp32: the bias added in fp32
+        return y.view(*x.shape[:-1], w.size(0))
+
+
 def _plain(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
 KERNELS: dict[str, Callable[[], Callable[..., Tensor]]] = {
     "plain": lambda: _plain, "packed": PackedLinear, "bf16": Bf16Linear, "int8": Int8Linear,
+    "int8_bf16": Int8Bf16Linear,
 }
 
 
@@ -252,11 +309,12 @@ def check_int8(model: nn.Module) -> None:
 
 
 def inference_linear_kind(device: torch.device, precision: str) -> str:
-    """The rule: int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere), bf16
+    """The rule: int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere; dynamic or
+    with bf16 rows, :func:`aiayn.device.int8_kind`), bf16
     products on a CPU at bf16 (the probe passed), oneDNN for fp32 on a CPU where PyTorch has it, else PyTorch's
     own."""
     if precision == "int8":
-        return "int8"
+        return int8_kind()[0]
     if device.type == "cpu" and precision == "bf16":
         return "bf16"
     if device.type == "cpu" and precision == "fp32" and packed_available():
@@ -265,7 +323,7 @@ def inference_linear_kind(device: torch.device, precision: str) -> str:
 
 
 __all__ = [
-    "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Bf16Linear", "Int8Linear", "LinearKernel", "PackedLinear",
-    "check_int8", "inference_linear_kind", "linear_kind", "linear_modules", "packed_available", "quantize_rows",
-    "row_bucket", "use_linear",
+    "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Bf16Linear", "Int8Bf16Linear", "Int8Linear", "LinearKernel",
+    "PackedLinear", "check_int8", "inference_linear_kind", "linear_kind", "linear_modules", "packed_available",
+    "quantize_rows", "row_bucket", "use_linear",
 ]

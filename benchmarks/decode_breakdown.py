@@ -32,7 +32,7 @@ import torch
 import aiayn.model.attention as attention
 import aiayn.search.beam as beam
 from aiayn.engine import keep_freed_memory
-from aiayn.linear import Bf16Linear, Int8Linear, PackedLinear
+from aiayn.linear import Bf16Linear, Int8Bf16Linear, Int8Linear, PackedLinear
 from aiayn.model.cache import KVCache
 from aiayn.model.transformer import Transformer
 from benchmarks import common
@@ -42,7 +42,8 @@ NAME = "decode_breakdown"
 LIMITS = {"fixed 100": ts.Limit(0.0, 100), "source + 50": ts.Limit(1.0, 50)}
 # What is timed: a label and (owner, attribute) of each function wrapped while a pass runs.
 PARTS: dict[str, list[tuple[Any, str]]] = {
-    "linear": [(PackedLinear, "__call__"), (Bf16Linear, "__call__"), (Int8Linear, "__call__")],
+    "linear": [(PackedLinear, "__call__"), (Bf16Linear, "__call__"), (Int8Linear, "__call__"),
+               (Int8Bf16Linear, "__call__")],
     "attention": [(attention, "scaled_dot_product_attention")],
     "reorder": [(KVCache, "reorder")],
     "log_softmax": [(beam.F, "log_softmax")],
@@ -148,6 +149,8 @@ def markdown(result: dict[str, Any]) -> str:
     parts = [*PARTS, "rest", "total", "ms_per_output_token"]
     lines.append(common.markdown_table(["pass", *parts], [[key, *[r[p] for p in parts]]
                                                          for key, r in result["time"].items()]))
+    if "int8_kind" in result:
+        lines.append(f"\naiayn-int8 ran `{result['int8_kind']}`.")
     return "\n".join(lines) + "\n"
 
 
@@ -181,8 +184,10 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
                 print(f"[{NAME}] {precision}: not run ({why_not})", file=sys.stderr)
                 continue
             engines = ["aiayn-exact", "aiayn-int8"] if precision == "fp32" else ["aiayn-exact"]
-            fns, _ = ts.build_engines(task, engines, 0.6, LIMITS["fixed 100"], threads, order[-8:],
-                                      precision=precision)
+            fns, checks = ts.build_engines(task, engines, 0.6, LIMITS["fixed 100"], threads, order[-8:],
+                                           precision=precision)
+            if "aiayn-int8_kind" in checks:
+                result["int8_kind"] = checks["aiayn-int8_kind"]
             for e in fns:
                 label = "aiayn-int8" if e == "aiayn-int8" else f"{e} {precision}"
                 for mode, batches, warm in (("batched", batched, 2), ("batch-1", one, 16)):

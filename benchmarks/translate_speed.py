@@ -10,7 +10,8 @@ Engines, all given one trained run's weights:
                    search as CTranslate2's, so it shows the engines' speed at equal work
 * ``aiayn-graphs`` stop='hf' with ``cuda_graphs`` (aiayn.search.fixed: each step after the first one CUDA graph
                    replayed; off CUDA the same fixed-shape steps without a graph, so not a default engine there)
-* ``aiayn-int8``   stop='exact' with ``--precision int8`` (aiayn.linear: dynamic int8 linear layers; CPU only)
+* ``aiayn-int8``   stop='exact' with ``--precision int8`` (aiayn.linear: int8 weights, the rows quantized too or
+                   rounded to bf16, as this CPU's probe measured faster: aiayn.device.int8_kind; CPU only)
 * ``hf``           Hugging Face ``MarianMTModel.generate()`` (early_stopping=False, its default), the
                    model converted with aiayn.interop.marian.to_hf_marian. A run trained with the paper's
                    interleaved sinusoids is first re-laid out to Marian's concat layout
@@ -65,7 +66,7 @@ from torch import nn
 from aiayn.config import DecodeOptions, ModelConfig
 from aiayn.data.batching import pad_batch
 from aiayn.data.tokenizer import SpecialIds
-from aiayn.device import DTYPES, resolve_device, resolve_precision, weights_dtype
+from aiayn.device import DTYPES, int8_kind, resolve_device, resolve_precision, weights_dtype
 from aiayn.engine import keep_freed_memory
 from aiayn.errors import UserError
 from aiayn.linear import inference_linear_kind, use_linear
@@ -327,7 +328,9 @@ def build_engines(task: Task, engines: Sequence[str], alpha: float, limit: Limit
             if device.type != "cpu":
                 checks[f"{e}_not_run"] = "int8 runs on the CPU only"
                 continue
-            int8 = use_linear(copy.deepcopy(task.model).eval(), "int8")  # as load_run(precision="int8")
+            kind = inference_linear_kind(device, "int8")  # as load_run(precision="int8") chooses
+            int8 = use_linear(copy.deepcopy(task.model).eval(), kind)
+            checks["aiayn-int8_kind"] = f"{kind}: {int8_kind()[1]}"
             fns[e] = aiayn_engine(int8, alpha, limit, "exact", device)
         elif e == "hf":
             hf = to_hf_marian(concat_layout_copy(task.model)).eval()
@@ -503,7 +506,9 @@ def markdown(result: dict[str, Any]) -> str:
         + " decoding steps, one hypothesis. aiayn stop=hf and HF `generate()` (early_stopping=False) apply "
         "the same stopping rule and must agree token for token (column *= aiayn*); aiayn stop=exact is "
         "`aiayn translate`'s default; CTranslate2 stops once 4 hypotheses have finished (its default), as aiayn "
-        "stop=first does. aiayn int8: stop=exact with `--precision int8` (dynamic int8 linear layers).",
+        "stop=first does. aiayn int8: stop=exact with `--precision int8` ("
+        + (f"`{result['checks']['aiayn-int8_kind']}`" if "aiayn-int8_kind" in result["checks"] else
+           "int8 linear layers") + ").",
         f"- Same weights: HF is the run converted by `to_hf_marian` (after the interleaved -> concat "
         f"re-layout; max |Δlogits| vs aiayn {result['checks'].get('hf_max_logit_diff', float('nan')):.1e}), "
         "CTranslate2 the run exported by `export_run` (int8: `quantization='int8'`). bf16 / fp16 rows: aiayn as "

@@ -19,7 +19,7 @@ from conftest import same_hypotheses
 from aiayn import cpu_probe, device, files
 from aiayn.cpu_probe import CpuBf16
 from aiayn.errors import DeviceError
-from aiayn.linear import Bf16Linear, PackedLinear
+from aiayn.linear import Bf16Linear, Int8Bf16Linear, PackedLinear, linear_kind, quantize_rows
 from aiayn.search import SearchSpec, greedy_search
 
 CPU = torch.device("cpu")
@@ -27,7 +27,8 @@ SIGILL_CHILD = "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n"
 WRONG_CHILD = ("import json\nprint(json.dumps({'checks': {'linear': 0.001, 'attention': 7.5}, "
                "'ms': {'fp32 4': 1, 'bf16 4': 1, 'fp32 256': 2, 'bf16 256': 1}}))\n")
 FAST_CHILD = ("import json\nprint(json.dumps({'checks': {'linear': 0.004}, "
-              "'ms': {'fp32 4': 1.0, 'bf16 4': 1.0, 'fp32 256': 3.0, 'bf16 256': 1.0}}))\n")
+              "'ms': {'fp32 4': 1.0, 'bf16 4': 1.0, 'fp32 256': 3.0, 'bf16 256': 1.0, 'int8 4': 2.0, "
+              "'int8_bf16 4': 1.0, 'int8 256': 3.0, 'int8_bf16 256': 1.0}}))\n")
 
 
 @pytest.fixture
@@ -100,6 +101,33 @@ def test_the_rule_follows_the_measurement_not_the_name():
     assert precision == "fp32" and "0.50x at 4" in why
     slow = CpuBf16(True, "ok", "cpu", flags, {"fp32 4": 1.0, "bf16 4": 1.0, "fp32 256": 1.0, "bf16 256": 1.0})
     assert slow.precision(training=True)[0] == "fp32"
+
+
+def test_int8_takes_bf16_rows_only_where_measured_faster_at_both_row_counts():
+    flags = ("avx512_bf16",)
+    fast = {"int8 4": 2.0, "int8_bf16 4": 1.0, "int8 256": 4.0, "int8_bf16 256": 1.0}
+    kind, why = CpuBf16(True, "ok", "cpu", flags, fast).int8_kind()
+    assert kind == "int8_bf16" and "2.00x at 4 rows, 4.00x at 256 rows" in why
+    slow_batch = {**fast, "int8_bf16 256": 8.0}
+    kind, why = CpuBf16(True, "ok", "cpu", flags, slow_batch).int8_kind()
+    assert kind == "int8" and "0.50x at 256 rows" in why
+    assert CpuBf16(True, "ok", "cpu", flags, {"fp32 4": 1.0}).int8_kind()[0] == "int8"  # not measured: dynamic
+    kind, why = CpuBf16(False, "this CPU has no native bf16", "cpu", ()).int8_kind()
+    assert kind == "int8" and "no native bf16" in why
+
+
+def test_int8_on_a_cpu_whose_probe_passed_runs_its_measured_kind_and_says_so(fresh_probe, monkeypatch):
+    native_cpu(monkeypatch, FAST_CHILD)  # its int8 timings favour bf16 rows at both row counts
+    from aiayn import build_model, model_config
+    from aiayn.engine import prepare_model
+
+    precision, why = device.choose_precision("int8", CPU, training=False)
+    assert precision == "int8" and "int8 weights with bf16 rows" in why and "\n" not in why
+    model = build_model(model_config("tiny", vocab_size=50, dropout=0.0)).eval()
+    assert linear_kind(prepare_model(model, CPU, training=False, precision="int8")) == "int8_bf16"
+    monkeypatch.setenv(cpu_probe.ENV, "off")  # the user's switch keeps dynamic int8
+    assert linear_kind(prepare_model(model, CPU, training=False, precision="int8")) == "int8"
+    assert "AIAYN_CPU_BF16=off" in device.choose_precision("int8", CPU, training=False)[1]
 
 
 def test_a_child_that_hangs_is_fp32_and_not_remembered(fresh_probe, monkeypatch):
@@ -208,3 +236,51 @@ def test_training_in_bf16_on_the_cpu_logs_its_precision_and_report_shows_it(tmp_
     rep = run_report(tmp_path / "run")
     assert rep["precision"]["precision"] == "bf16" and rep["precision"]["why"].startswith("auto: ")
     assert "precision    bf16 (auto: " in format_report(rep)
+
+
+@needs_bf16
+def test_int8_bf16_products_are_int8_weights_times_bf16_rows():
+    """Up to SMALL_ROWS rows PyTorch's weight-only kernel, more rows oneDNN's bf16 product: both are the sums of
+    bf16-rounded rows times the int8 weights (exact products, fp32 sums), rounded to bf16, times the row scales,
+    rounded to bf16 again, plus the fp32 bias; a row alone and in a batch (another kernel) agree but where two sums
+    added in another order round apart. A width that is not a multiple of 16 never takes the small kernel."""
+    torch.manual_seed(0)
+    kernel = Int8Bf16Linear()
+    for width in (256, 48, 50):
+        w, b = torch.randn(512, width) / 16, torch.randn(512)
+        q, scale = quantize_rows(w)
+        for rows in (1, 4, 5, 13, 300):
+            x = torch.randn(rows, width)
+            with torch.inference_mode():
+                y = kernel(x, w, b)
+            sums = x.bfloat16().double() @ q.double().t()  # exact
+            ref = (sums.float().bfloat16() * scale.bfloat16()).float() + b  # the rounding the kernel documents
+            assert y.dtype == torch.float32 and y.shape == (rows, 512)
+            assert (y == ref).float().mean() >= 0.99, (width, rows)
+            assert ((y - ref).abs() <= 2 ** -7 * (ref - b).abs() + 1e-6).all(), (width, rows)  # else one bf16 step
+            if rows > 1:
+                with torch.inference_mode():
+                    alone = torch.cat([kernel(x[i: i + 1], w, b) for i in range(rows)])
+                assert (alone == y).float().mean() >= 0.99, (width, rows)
+
+
+@needs_bf16
+def test_int8_bf16_decoding_batched_equals_alone_up_to_near_ties_and_stays_near_fp32(tiny_run, monkeypatch):
+    from aiayn import load
+    from aiayn.data.synthetic import reverse_split
+
+    monkeypatch.delenv(cpu_probe.ENV, raising=False)  # int8's kind as a user's machine chooses it
+    cpu_probe.cpu_bf16.cache_clear()
+    if device.int8_kind()[0] != "int8_bf16":
+        pytest.skip(f"this CPU's probe keeps dynamic int8: {device.int8_kind()[1]}")
+    sources = [s for s, _ in reverse_split("test")[:24]]
+    int8, fp32 = load(tiny_run, precision="int8"), load(tiny_run, precision="fp32")
+    assert linear_kind(int8.model) == "int8_bf16"
+    batched = int8.translate_hypotheses(sources)
+    swaps = 0
+    for text, hyps in zip(sources, batched):
+        [alone] = int8.translate_hypotheses([text])
+        swaps += same_hypotheses([(h.ids, h.score) for h in hyps[:1]], [(h.ids, h.score) for h in alone[:1]], text)
+    assert swaps <= 1
+    scores = [(a[0].score, b[0].score) for a, b in zip(batched, fp32.translate_hypotheses(sources)) if a and b]
+    assert any(x != y for x, y in scores)  # the products really ran in int8
