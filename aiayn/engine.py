@@ -1,5 +1,6 @@
-"""The speed choices, in one place: which computation of attention runs where, PyTorch's CUDA attention
-backends, the CPU dropout, the fused optimizer, ``torch.compile``, CPU threads.
+"""The speed choices, in one place: which computation of attention runs where, which kernel computes the linear
+layers (:func:`inference_linear_kind`; the kernels themselves are :mod:`aiayn.linear`'s, which never calls back),
+PyTorch's CUDA attention backends, the CPU dropout, the fused optimizer, ``torch.compile``, CPU threads.
 
 Every choice here computes what the plain path computes (tests/test_model.py and tests/test_engine.py prove
 each equal to it); only the speed differs, and the measurements behind each are in BENCHMARKS.md with their
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import LIMITS, SDPA_BACKENDS
-from aiayn.device import resolve_device, resolve_precision
+from aiayn.device import int8_kind, resolve_device, resolve_precision
 from aiayn.errors import ConfigError
-from aiayn.linear import check_int8, inference_linear_kind, use_linear
+from aiayn.linear import check_int8, packed_available, use_linear
 
 # Attention, eq. (1): the explicit matmul-softmax-matmul (which can also return the probabilities) or PyTorch's
 # fused kernel. Per device type, key lengths up to this many take the explicit path; longer ones (and other
@@ -221,6 +222,20 @@ def _swap_dropouts(module: nn.Module) -> None:
             _swap_dropouts(child)
 
 
+def inference_linear_kind(device: torch.device, precision: str) -> str:
+    """The linear layers' kernel for inference (:mod:`aiayn.linear` computes it; the choice is made here, with the
+    others): int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere; dynamic or with
+    bf16 rows, :func:`aiayn.device.int8_kind`), bf16 products on a CPU at bf16 (the probe passed), oneDNN for fp32
+    on a CPU where PyTorch has it, else PyTorch's own."""
+    if precision == "int8":
+        return int8_kind()[0]
+    if device.type == "cpu" and precision == "bf16":
+        return "bf16"
+    if device.type == "cpu" and precision == "fp32" and packed_available():
+        return "packed"
+    return "plain"
+
+
 def prepare_model(model: nn.Module, device: str | torch.device, training: bool, precision: str = "fp32"
                   ) -> nn.Module:
     """Put ``model`` on ``device`` (``"auto"`` resolves as everywhere) with aiayn's speed choices: the
@@ -230,11 +245,12 @@ def prepare_model(model: nn.Module, device: str | torch.device, training: bool, 
     ``model``. Used by ``aiayn.run.directory.load_run`` (inference) and the trainer."""
     dev = resolve_device(device)
     resolve_precision(precision, dev, training)  # int8 off the CPU or in training: one line, before the move
+    linear = "plain" if training else inference_linear_kind(dev, precision)  # every choice made here, then applied
     if precision == "int8":
         check_int8(model)
     model.to(dev)
     use_attention(model)
-    use_linear(model, "plain" if training else inference_linear_kind(dev, precision))
+    use_linear(model, linear)
     if training and dev.type == "cpu":
         _swap_dropouts(model)
     return model

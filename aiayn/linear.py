@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.device import int8_kind
 from aiayn.errors import DeviceError
 
 LINEAR_KINDS = ("plain", "packed", "bf16", "int8", "int8_bf16")
@@ -300,22 +299,8 @@ def check_int8(model: nn.Module) -> None:
                           f"(at most {INT8_MAX_WIDTH:,}); use fp32")
 
 
-def inference_linear_kind(device: torch.device, precision: str) -> str:
-    """The rule: int8 where asked (a CPU: :func:`aiayn.device.resolve_precision` refused it elsewhere; dynamic or
-    with bf16 rows, :func:`aiayn.device.int8_kind`), bf16
-    products on a CPU at bf16 (the probe passed), oneDNN for fp32 on a CPU where PyTorch has it, else PyTorch's
-    own."""
-    if precision == "int8":
-        return int8_kind()[0]
-    if device.type == "cpu" and precision == "bf16":
-        return "bf16"
-    if device.type == "cpu" and precision == "fp32" and packed_available():
-        return "packed"
-    return "plain"
-
-
 __all__ = [
     "INT8_MAX_WIDTH", "KERNELS", "LINEAR_KINDS", "Bf16Linear", "Int8Bf16Linear", "Int8Linear", "LinearKernel",
-    "PackedLinear", "check_int8", "inference_linear_kind", "linear_kind", "linear_modules", "packed_available",
+    "PackedLinear", "check_int8", "linear_kind", "linear_modules", "packed_available",
     "quantize_rows", "row_bucket", "use_linear",
 ]

@@ -49,7 +49,7 @@ def build_store(out: Path, pairs: int, seed: int = 0) -> dict[str, Any]:
     import numpy as np
 
     from aiayn.config import load_config
-    from aiayn.data.store import PAIRS, STORE_VERSION, open_pairs, prepare_store, storage_dtype
+    from aiayn.data.store import PAIRS, STORE_VERSION, open_kind, prepare_store, storage_dtype
     from aiayn.data.tokenizer import TokenizerPair, train_tokenizer_pair
 
     class Synthetic:
@@ -59,7 +59,7 @@ def build_store(out: Path, pairs: int, seed: int = 0) -> dict[str, Any]:
             return {}
 
         def open(self, path: Path) -> Any:  # under the lock prepare_store holds
-            return open_pairs(path, ("train", "valid"))
+            return open_kind(path, PAIRS, ("train", "valid"))
 
         def build_into(self, stage: Path) -> dict[str, Any]:
             train_tokenizer_pair(["".join(map(chr, range(33, 33 + 200)))], [], stage / "tokenizer", kind="char")

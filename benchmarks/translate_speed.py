@@ -67,9 +67,9 @@ from aiayn.config import DecodeOptions, ModelConfig
 from aiayn.data.batching import pad_batch
 from aiayn.data.tokenizer import SpecialIds
 from aiayn.device import DTYPES, int8_kind, resolve_device, resolve_precision, weights_dtype
-from aiayn.engine import keep_freed_memory
+from aiayn.engine import inference_linear_kind, keep_freed_memory
 from aiayn.errors import UserError
-from aiayn.linear import inference_linear_kind, use_linear
+from aiayn.linear import use_linear
 from aiayn.model.transformer import Transformer
 from aiayn.search import SearchSpec, beam_search, decode_batches
 from benchmarks import common

@@ -387,7 +387,7 @@ ITER_BATCHES = 1024  # a block plan's batches made at a time when it is walked w
 
 
 class Stream(Protocol):
-    """What windows are read from: a token stream of a store (:class:`aiayn.data.stream_store.Stream`)."""
+    """What windows are read from: a token stream of a store (:class:`aiayn.data.store.Stream`)."""
 
     def __len__(self) -> int: ...
 

@@ -125,6 +125,47 @@ def read_text(path: str | Path) -> str:
     return text
 
 
+def text_chunks(path: str | Path, size: int) -> Iterator[str]:
+    """The text of ``path`` (plain or gzip, by content; a leading byte-order mark dropped, as
+    :func:`read_text` reads it), streamed in pieces of about ``size`` bytes, each ending after a newline, else
+    before a space (else it grows): never inside a character, a line break or a word."""
+    gz = False
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == GZIP_MAGIC
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            carry, lines, first = b"", 0, True
+            while True:
+                block = f.read(size)
+                data = carry + block if carry else block
+                cut = len(data) if not block else (data.rfind(b"\n") + 1 or max(data.rfind(b" "), 0))
+                if not cut:
+                    if not block:
+                        return
+                    carry = data
+                    continue
+                chunk, carry = data[:cut], data[cut:]
+                text = decode_utf8(chunk, path, lines, bom=first)
+                lines += chunk.count(b"\n")
+                first = False
+                if text:
+                    yield text
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({'not a valid gzip file: ' if gz else ''}{e.strerror or e})"
+                        ) from None
+    except (EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a valid gzip file ({e})") from None
+
+
+def count_chars(path: str | Path, size: int) -> tuple[int, bool]:
+    """The characters of a text (:func:`text_chunks`) and whether any is not whitespace."""
+    n, visible = 0, False
+    for text in text_chunks(path, size):
+        n += len(text)
+        visible = visible or not text.isspace()
+    return n, visible
+
+
 def _n_lines(n: int) -> str:
     return f"{n} line" if n == 1 else f"{n} lines"
 

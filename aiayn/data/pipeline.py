@@ -190,8 +190,7 @@ def verify_store(directory: str | Path, wait_s: float | None = None) -> list[str
 
 def _verify(path: Path) -> list[str]:
     from aiayn.data.integrity import Memo, check_files
-    from aiayn.data.store import STREAM_KIND, open_pairs, opened_manifest
-    from aiayn.data.stream_store import open_stream
+    from aiayn.data.store import open_kind, opened_manifest
 
     try:
         manifest = opened_manifest(path)
@@ -199,8 +198,7 @@ def _verify(path: Path) -> list[str]:
         return [str(e)]
     problems = []
     try:
-        (open_stream(path, verify_all=True) if manifest.get("kind") == STREAM_KIND else
-         open_pairs(path, (), verify_all=True))
+        open_kind(path, verify_all=True)  # of the kind its manifest names
     except DataError as e:
         problems.append(str(e))
     files = manifest.get("files")
@@ -326,11 +324,11 @@ def _store_dir(cfg: Config, recipe: Recipe) -> Path:
 
 def _trained_with(out: Path, key: str, tdir: Path) -> bool:
     """Whether ``out`` holds the store of ``key`` whose own tokenizer is the one in ``tdir``, byte for byte."""
-    from aiayn.data.store import tokenizer_matches
+    from aiayn.data.store import tokenizer_digest
 
     manifest = read_manifest(out)
     return (manifest is not None and manifest.get("key") == key and (out / "tokenizer").is_dir()
-            and tokenizer_matches(tdir, out / "tokenizer"))
+            and tokenizer_digest(tdir) == tokenizer_digest(out / "tokenizer"))
 
 
 def run_store(cfg: Config, run_dir: Path, recipe_of: Callable[[Path | None], Recipe], is_main: bool = True,
@@ -341,7 +339,7 @@ def run_store(cfg: Config, run_dir: Path, recipe_of: Callable[[Path | None], Rec
     run takes the store's tokenizer. A run that has one (``--resume``, ``--init-from``) keeps it: a cached store of
     its own training when that store's tokenizer is the same, else a store prepared with it (its key includes the
     tokenizer's files); a named store must have been prepared with it (never rebuilt for another tokenizer)."""
-    from aiayn.data.store import prepare_store, tokenizer_matches
+    from aiayn.data.store import prepare_store, tokenizer_digest
 
     barrier()  # the main process writes nothing before this: every process sees whether the run has a tokenizer
     tdir = tokenizer_dir(run_dir)
@@ -354,7 +352,7 @@ def run_store(cfg: Config, run_dir: Path, recipe_of: Callable[[Path | None], Rec
     # a store the user named is only read (damage or other settings: one line; aiayn prepare rebuilds it); the
     # cache's is rebuilt
     store = prepare_store(out, recipe, rebuild=not named, wait_s=cfg.train.setup_timeout_s)
-    if has and named and not tokenizer_matches(tdir, store.tokenizer_dir):
+    if has and named and tokenizer_digest(tdir) != tokenizer_digest(store.tokenizer_dir):
         raise ConfigError(f"{tdir}: the run's tokenizer is not the one {out} was prepared with")
     if is_main and not has:
         shutil.copytree(store.tokenizer_dir, tdir, dirs_exist_ok=True)

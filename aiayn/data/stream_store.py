@@ -1,58 +1,25 @@
-"""A language model's corpus as one flat token stream, prepared once into a store and trained on by windows (the
-nanoGPT way): ``task: lm`` on tinyshakespeare or on ``data.train_src``, a UTF-8 text file (plain or .gz) of any
-size.
-
-    DIR/manifest.json   what the store holds and from what (kind "stream"; written last)
-    DIR/tokenizer/      the tokenizer the ids belong to
-    DIR/train.bin       the training text's ids back to back (uint16 when the vocabulary fits, else uint32)
-    DIR/valid.bin       the held-out text's ids
-
-The lock, the staging directory, the manifest, its key, the id files and their checks are every store's
-(:mod:`aiayn.data.store`). Preparing streams the text (:data:`READ_BYTES` at a time, never all of it in memory) in three
-passes: its characters are counted, so that the split is nanoGPT's in characters, exactly: the first
-``int(chars * (1 - data.valid_fraction))`` characters train, the rest validate; the tokenizer is trained on the
-training part (a char tokenizer on its characters; BPE on a seeded sample of its non-blank lines, as
-``data.tokenizer_sample`` bounds); the two parts are encoded piece by piece, and the ids equal those of encoding
-each part in one call (tests/test_lm_store.py): pieces end at a line end (or before a space, in a line longer
-than a read), a char tokenizer maps code points through one table, and a SentencePiece model encodes a piece
-that continues a part behind a newline it then drops (its word-boundary prefix would otherwise start every
-piece). A training reads windows of the streams by position (:class:`aiayn.data.batching.LMData`; not through a
-memory map: :class:`aiayn.data.store.IdFile` says why).
+"""The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (UTF-8, plain or .gz, any size)
+as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way). Prepared
+in three passes of :data:`READ_BYTES` pieces: the characters counted (the split is nanoGPT's exactly: the first
+``int(chars * (1 - data.valid_fraction))`` train), the tokenizer trained on the training part, both parts encoded
+piece by piece into the ids of encoding each part in one call (:class:`PieceEncoder`; tests/test_lm_store.py).
 """
 
 from __future__ import annotations
 
-import gzip
-import logging
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.corpus import decode_utf8
-from aiayn.data.integrity import Memo
-from aiayn.data.store import (
-    PARALLEL_BYTES,
-    STREAM_KIND,
-    IdFile,
-    Opening,
-    Recipe,
-    Store,
-    note,
-    open_kind,
-    storage_dtype,
-    worker_pool,
-)
+from aiayn.data.corpus import count_chars, text_chunks
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype, worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
-
-log = logging.getLogger("aiayn.data")
 
 STREAM = STREAM_KIND  # the manifest's kind
 SPLITS = ("train", "valid")
@@ -61,56 +28,11 @@ LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (Sente
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
 
 
-# Reading the text --------------------------------------------------------------------------------------------
-
-
-def text_chunks(path: Path, size: int | None = None) -> Iterator[str]:
-    """The text of ``path`` (plain or gzip, by content; a leading byte-order mark dropped, as
-    :func:`aiayn.data.corpus.read_text` reads it) in pieces of about ``size`` bytes (:data:`READ_BYTES`), each
-    ending after a newline, else before a space (else it grows): never inside a character, a line break or a
-    word."""
-    size, gz = size or READ_BYTES, False
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            carry, lines, first = b"", 0, True
-            while True:
-                block = f.read(size)
-                data = carry + block if carry else block
-                cut = len(data) if not block else (data.rfind(b"\n") + 1 or max(data.rfind(b" "), 0))
-                if not cut:
-                    if not block:
-                        return
-                    carry = data
-                    continue
-                chunk, carry = data[:cut], data[cut:]
-                text = decode_utf8(chunk, path, lines, bom=first)
-                lines += chunk.count(b"\n")
-                first = False
-                if text:
-                    yield text
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({'not a valid gzip file: ' if gz else ''}{e.strerror or e})"
-                        ) from None
-    except (EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a valid gzip file ({e})") from None
-
-
-def count_chars(path: Path) -> tuple[int, bool]:
-    """The characters of the text and whether any is not whitespace (pass 1)."""
-    n, visible = 0, False
-    for text in text_chunks(path):
-        n += len(text)
-        visible = visible or not text.isspace()
-    return n, visible
-
-
 def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
     """(split name, piece, whether the piece starts its part): the text's pieces, the first ``split``
     characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
     pos = 0
-    for text in text_chunks(path):
+    for text in text_chunks(path, READ_BYTES):
         end = pos + len(text)
         if end <= split:
             yield "train", text, pos == 0
@@ -145,9 +67,6 @@ def train_chars(path: Path, split: int) -> str:
             break
         seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
     return "".join(map(chr, np.flatnonzero(seen)))
-
-
-# Encoding ----------------------------------------------------------------------------------------------------
 
 
 class PieceEncoder:
@@ -190,72 +109,8 @@ class PieceEncoder:
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
 
 
-_WORKER: dict[str, PieceEncoder] = {}
-
-
-def _init_worker(tokenizer_dir: str) -> None:
-    _WORKER["encode"] = PieceEncoder(tokenizer_dir)
-
-
-def _encode_in_worker(part: tuple[str, str, bool]) -> tuple[str, np.ndarray, int]:
-    return _WORKER["encode"](part)
-
-
-# The store ---------------------------------------------------------------------------------------------------
-
-
-class Stream(IdFile):
-    """A flat file of token ids (n,), read by position: windows of a batch with one ``preadv`` each, into one
-    (B, width) array (:meth:`windows`)."""
-
-    def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
-        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
-        self.tokens = tokens
-        self._open(path, dtype)
-
-    def __len__(self) -> int:
-        return self.tokens
-
-    def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
-        """What is wrong with the file, None when nothing (:meth:`IdFile._check`)."""
-        return self._check(self.tokens, "manifest needs", vocab_size, files, memo)
-
-    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """ids[start:stop] (n,) int64."""
-        stop = self.tokens if stop is None else stop
-        return self.windows(np.array([start]), stop - start)[0]
-
-    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + width > self.tokens):
-            raise IndexError(f"windows of {width} at {int(starts.min())}..{int(starts.max())} of {self.tokens}")
-        out = np.empty((len(starts), width), dtype=self.dtype)
-        return self._read_into(out, starts.tolist(), [width] * len(starts), "manifest says")
-
-
-def _problem(manifest: dict[str, Any]) -> str | None:
-    """What makes a stream store's manifest unusable, None when nothing."""
-    splits = manifest.get("splits")
-    if manifest.get("kind") != STREAM:
-        return f"holds a {manifest.get('kind', 'pairs')!r} store, not a language model's token stream"
-    if (manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(manifest.get("vocab_size"), int)
-            or not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
-                splits[n].get("tokens"), int) and splits[n]["tokens"] >= 0 for n in SPLITS)):
-        return "its dtype, vocabulary size or splits are missing or wrong"
-    files = manifest.get("files")
-    return "its list of files is malformed" if files is not None and not isinstance(files, dict) else None
-
-
 def open_stream(path: Path, verify_all: bool = False) -> Store:
-    """Open and check the stream store in ``path`` (:func:`~aiayn.data.store.open_kind`): its splits, the train and
-    valid :class:`Stream`."""
-    def streams(o: Opening) -> dict[str, Stream]:
-        return {name: o.id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", o.manifest["dtype"],
-                                                             o.manifest["splits"][name]["tokens"]),
-                                o.manifest["vocab_size"], (OSError,)) for name in SPLITS}
-
-    return open_kind(path, _problem, streams, verify_all)
+    return open_kind(path, STREAM, (), verify_all)
 
 
 @dataclass
@@ -263,6 +118,7 @@ class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
     tokenizer directory to use, else one is trained on the training part."""
 
+    kind = STREAM
     cfg: Config
     path: Path
     inputs: dict[str, str]
@@ -271,35 +127,29 @@ class StreamRecipe(Recipe):
     key: str = ""
 
     def kind_settings(self) -> dict[str, Any]:
-        """What the ids depend on beside the pair store's settings: the kind, the split."""
         return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
 
-    def open(self, path: Path) -> Store:
-        return open_stream(path)
-
     def _train(self, tdir: Path, split: int) -> None:
-        """Train the tokenizer as a training without a store would: on the training part's lines (BPE, a
-        seeded sample), or on its characters (char: every one, the newline included)."""
+        """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
         texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
                                 else (ln for ln in train_lines(self.path, split) if ln.strip()))
         self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
-        """Count, train or copy the tokenizer, encode both parts into ``stage``; the manifest to write."""
         note("preparing it: counting the text's characters")
-        chars, visible = count_chars(self.path)
+        chars, visible = count_chars(self.path, READ_BYTES)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
         split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
         tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
-        workers = self.worker_count(tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES)
+        big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
         tokens = {name: 0 for name in SPLITS}
         files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
         progress = ItemProgress(chars, "char", "prepare")
         note("preparing it: encoding the text")
         try:
-            with worker_pool(workers, _init_worker, (str(tdir),), _encode_in_worker) as encode:
+            with worker_pool(self.workers, big, PieceEncoder, (str(tdir),)) as encode:
                 for name, ids, n_chars in encode(text_parts(self.path, split)):
                     files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
                     tokens[name] += len(ids)
@@ -308,7 +158,7 @@ class StreamRecipe(Recipe):
             for f in files.values():
                 f.close()
             progress.close()
-        return self.manifest(STREAM, dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
+        return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
                              splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
 
