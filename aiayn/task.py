@@ -12,7 +12,7 @@ in its own words (:meth:`Task.check_does`), and the config fields whose meaning 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -45,9 +45,31 @@ class Task:
     # language_model), and the scores its outputs get beside BLEU and chrF.
     evaluator: str = "pairs"
     extra_scores: tuple[str, ...] = ()
+    # What its runs train on (:data:`aiayn.data.pipeline.CORPORA`): of its data as written, and of (document,
+    # summary) data (XSum, JSONL files): see :meth:`corpus`.
+    corpora: tuple[str, str] = ("pairs", "pairs")
 
     def __str__(self) -> str:
         return self.name
+
+    def corpus(self, documents: Callable[[], bool]) -> str:
+        """The name of the corpus its runs train on (:data:`aiayn.data.pipeline.CORPORA`): a translation's
+        (source, target) pairs, a summarizer's documents (cut to the model's positions), a language model's token
+        stream, or its "document <sep> summary" rows when ``documents()`` (asked only then) says its data is
+        (document, summary) pairs."""
+        plain, of_documents = self.corpora
+        return of_documents if plain != of_documents and documents() else plain
+
+    def texts(self, pairs: Iterable[tuple[str, str]]) -> Iterable[tuple[str, str]]:
+        """Its (source, target) texts as its runs read them: a translation's as written (a line is a sentence);
+        documents and summaries on one line each (their line breaks are layout, :func:`collapse_whitespace`)."""
+        if self.translates:
+            return pairs
+        return ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs)
+
+    def split_error(self, split: str) -> str:
+        """What its config's own files answer when asked for a split other than train and valid."""
+        return f"split {split!r}: expected train or valid" + ("" if self.translates else " (files named in the config)")
 
     def refusal(self, work: str, where: object = "") -> str | None:
         """The one line a run of this task answers when asked for ``work`` it refuses (see :attr:`refuses`),
@@ -68,6 +90,11 @@ class Task:
             raise ConfigError(f"data.pretokenize={pretokenize!r} is for translation, not task {self.name}")
         if not shared_vocab and share_embeddings and self.encoder:
             raise ConfigError("data.shared_vocab=false needs model.share_embeddings=false (two vocabularies)")
+
+
+def collapse_whitespace(text: str) -> str:
+    """``text`` with every whitespace run (newlines included) replaced by one space, stripped."""
+    return " ".join(text.split())
 
 
 _NOT_LM = "{where} is a {task} run"
@@ -92,11 +119,11 @@ TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
          decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
          refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs",
                                    "init_from": "language models: not supported"}),
-         evaluator="language_model"),
+         evaluator="language_model", corpora=("stream", "rows")),
     Task(name="summarization", label="summarization", encoder=True, summarizes=True,
          refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "
                                    "completions need a language model or a translation run"}), evaluator="summaries",
-         extra_scores=("rouge",)),
+         extra_scores=("rouge",), corpora=("documents", "documents")),
 )})
 
 

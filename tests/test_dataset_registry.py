@@ -12,7 +12,7 @@ from aiayn.config import Config, ConfigError, DataConfig
 from aiayn.data import registry
 from aiayn.data.corpus import DataError
 from aiayn.data.datasets import DATASETS, MULTI30K_SPLITS
-from aiayn.data.registry import FILES, REGISTRY, config_pairs, dataset_of, is_summary_lm, lookup, pairs
+from aiayn.data.registry import FILES, REGISTRY, config_pairs, dataset_of, lookup, pairs
 from aiayn.task import TASKS
 
 T, S, LM = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
@@ -79,9 +79,9 @@ def test_what_each_entry_says_of_itself():
     assert FILES.test_splits == REGISTRY["xsum"].test_splits == ()
     assert [n for n, d in REGISTRY.items() if d.shared_store] == ["multi30k"] and FILES.shared_store
     assert [n for n, d in REGISTRY.items() if d.lead_1] == ["xsum"]
-    assert is_summary_lm(cfg("lm", dataset="xsum")) and is_summary_lm(cfg("lm", format="jsonl"))
-    assert not is_summary_lm(cfg("lm", dataset="tinyshakespeare")) and not is_summary_lm(cfg("summarization",
-                                                                                            dataset="xsum"))
+    # (document, summary) data: a language model of it trains on rows (tests/test_task.py)
+    assert REGISTRY["xsum"].summaries(DataConfig()) and FILES.summaries(DataConfig(format="jsonl"))
+    assert not REGISTRY["tinyshakespeare"].summaries(DataConfig()) and not FILES.summaries(DataConfig())
     assert pairs(cfg(dataset="reverse"), "test")[:1] == REGISTRY["reverse"].pairs(DataConfig(), S, "test")[:1]
     with pytest.raises(DataError, match="wmt14's 4.5M training pairs are streamed"):
         pairs(cfg(dataset="wmt14"), "train")

@@ -806,7 +806,8 @@ class PairRecipe(Recipe):
     the key by ``inputs``; ``tokenizer``: a tokenizer directory to use, else one is trained on a sample of the
     training pairs (``train_tokenizer(dir)`` when given: summarization as language modelling trains its own
     way). Pairs with an empty side are dropped; so are pairs longer than the config's ``max_len`` unless
-    ``length_filter`` is off (then no pair is cut or dropped for its length). ``extra``: settings of this kind of
+    ``length_filter`` is off (then no pair is cut or dropped for its length), or ``cut_sources`` cuts a source too
+    long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`). ``extra``: settings of this kind of
     pair store for the key and the manifest."""
 
     cfg: Config
@@ -816,6 +817,7 @@ class PairRecipe(Recipe):
     workers: int | None = None
     train_tokenizer: Callable[[Path], None] | None = None
     length_filter: bool = True
+    cut_sources: bool = False
     extra: dict[str, Any] | None = None
     key: str = ""
 
@@ -846,7 +848,7 @@ class PairRecipe(Recipe):
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
         workers = self.worker_count(big)
         splits: dict[str, Any] = {}
-        cut = cfg.kind.summarizes and max_len is not None
+        cut = self.cut_sources and max_len is not None
         with worker_pool(workers, _init_worker, (str(tdir), max_len, cut), _encode) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")

@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.pipeline import corpus_of
-from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
-from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.decode.loaded import LoadedRun, merged_options, text_list
 from aiayn.device import model_device
 from aiayn.engine import kernels
@@ -58,16 +57,12 @@ def lm_context(cfg: Config) -> int:
 
 def prompt_ids(cfg: Config, tok: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
     """The ids generation starts from. Summarization LMs saw BOS first in training, so they get it too;
-    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one. A prompt given
-    as ids (a client that tokenized it, as lm-evaluation-harness does) is taken as it is."""
+    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one (the run's
+    corpus says which: :attr:`aiayn.data.pipeline.Corpus.prompt`). A prompt given as ids (a client that
+    tokenized it, as lm-evaluation-harness does) is taken as it is."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
-    if is_summary_lm(cfg):
-        return [BOS_ID] + tok.encode(prompt)
-    if prompt:
-        return tok.encode(prompt)
-    newline = tok.encode("\n")
-    return newline if newline and UNK_ID not in newline else [BOS_ID]
+    return corpus_of(cfg).prompt(tok, prompt)
 
 
 class TextStream:
@@ -247,7 +242,7 @@ def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None 
 # summary" rows continues the separator; an encoder-decoder of (document, summary) pairs decodes its summary.
 # A run of running text has none.
 SUMMARIZERS: dict[str, Callable[[Run, Sequence[str], DecodeOptions], list[str]]] = {
-    "rows": summarize_lm, "pairs": summarize_seq2seq}
+    "rows": summarize_lm, "documents": summarize_seq2seq}
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
