@@ -26,8 +26,7 @@ class Task:
 
     ``encoder``: an encoder-decoder model (``Transformer``: a source, then a target), else a decoder-only language
     model (``DecoderOnlyLM``: one token stream, continued). ``translates``: its outputs are translations (BLEU
-    while training, LibreTranslate's API, Argos packages, sweeps and Table 3). ``summarizes``: an encoder-decoder
-    of documents to summaries (documents cut to the model's length, ROUGE). ``loader``: what ``aiayn.load``
+    while training, LibreTranslate's API, Argos packages, sweeps and Table 3). ``loader``: what ``aiayn.load``
     returns (``translator`` or ``generator``; the server routes each to its own path). ``decoding``: what
     ``aiayn generate`` and the server's generation route decode with unless told otherwise."""
 
@@ -35,7 +34,6 @@ class Task:
     label: str  # how a message names a run of it
     encoder: bool
     translates: bool = False
-    summarizes: bool = False
     loader: str = "translator"
     decoding: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # The work its runs refuse, by name, and the one line each refusal says ({where}: the run or recipe asked,
@@ -48,6 +46,10 @@ class Task:
     # What its runs train on (:data:`aiayn.data.pipeline.CORPORA`): of its data as written, and of (document,
     # summary) data (XSum, JSONL files): see :meth:`corpus`.
     corpora: tuple[str, str] = ("pairs", "pairs")
+    # What its training's validation scores beside NLL (``train.eval_bleu``), and what choosing its inference
+    # weights weighs beside NLL (:data:`aiayn.train.validation.VALID_SCORES`).
+    valid_scores: tuple[str, ...] = ("bleu",)
+    weights_scores: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -112,15 +114,15 @@ _ENCODER_DECODER = MappingProxyType({  # the work only a language model does
 
 # In the order a config's error lists them.
 TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
-    Task(name="translation", label="translation", encoder=True, translates=True,
+    Task(name="translation", label="translation", encoder=True, translates=True, weights_scores=("bleu",),
          refuses=MappingProxyType({**_ENCODER_DECODER, "summarize": _NOT_LM + ": use `aiayn translate`"})),
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
     Task(name="lm", label="language-model (task lm)", encoder=False, loader="generator",
          decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
          refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs",
                                    "init_from": "language models: not supported"}),
-         evaluator="language_model", corpora=("stream", "rows")),
-    Task(name="summarization", label="summarization", encoder=True, summarizes=True,
+         evaluator="language_model", corpora=("stream", "rows"), valid_scores=()),
+    Task(name="summarization", label="summarization", encoder=True,
          refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "
                                    "completions need a language model or a translation run"}), evaluator="summaries",
          extra_scores=("rouge",), corpora=("documents", "documents")),

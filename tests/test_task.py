@@ -14,17 +14,21 @@ def test_each_task_answers_what_was_asked_by_name():
     t, s, lm = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
     assert (t.encoder, s.encoder, lm.encoder) == (True, True, False)
     assert (t.translates, s.translates, lm.translates) == (True, False, False)
-    assert (t.summarizes, s.summarizes, lm.summarizes) == (False, True, False)
+    assert (t.corpora, s.corpora, lm.corpora) == (("pairs", "pairs"), ("documents", "documents"), ("stream", "rows"))
+    assert (t.valid_scores, s.valid_scores, lm.valid_scores) == (("bleu",), ("bleu",), ())
+    assert (t.weights_scores, s.weights_scores, lm.weights_scores) == (("bleu",), (), ())
     assert (t.loader, s.loader, lm.loader) == ("translator", "translator", "generator")
     assert dict(lm.decoding) == {"sample": True, "temperature": 1.0} and not t.decoding and not s.decoding
     assert (t.evaluator, s.evaluator, lm.evaluator) == ("pairs", "summaries", "language_model")
     assert (t.extra_scores, s.extra_scores, lm.extra_scores) == ((), ("rouge",), ())
 
 
-def test_every_evaluator_a_task_names_is_there():
+def test_every_evaluator_and_validation_score_a_task_names_is_there():
     from aiayn.eval.evaluate import EVALUATORS
+    from aiayn.train.validation import VALID_SCORES
 
     assert {t.evaluator for t in TASKS.values()} <= set(EVALUATORS)
+    assert {n for t in TASKS.values() for n in t.valid_scores + t.weights_scores} <= set(VALID_SCORES)
     # which tasks each export takes: the export targets declare it (tests/test_export_registry.py); which route
     # serves each: the server maps it (tests/test_serve.py)
 

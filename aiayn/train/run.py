@@ -151,11 +151,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
             log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, threads, d.world)
             log.info("precision: %s (%s)", *precision)
-        evaluate_extra = None
-        if cfg.train.eval_bleu and cfg.kind.encoder:
-            from aiayn.train.validation import validation_bleu_fn
+        from aiayn.train.validation import validation_scores
 
-            evaluate_extra = validation_bleu_fn(cfg, data, tok)
+        # what the run's task scores beside the validation NLL (validation BLEU: a translation's, a summarizer's)
+        evaluate_extra = validation_scores(cfg, data, tok, cfg.kind.valid_scores if cfg.train.eval_bleu else ())
         trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra)
         if resume and trainer.resume():
             if d.main:
