@@ -54,6 +54,11 @@ class Task:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def architecture(self) -> str:
+        """The model its runs build (:data:`aiayn.model.transformer.ARCHITECTURES`; what an export target holds)."""
+        return "encoder-decoder" if self.encoder else "decoder-only"
+
     def corpus(self, documents: Callable[[], bool]) -> str:
         """The name of the corpus its runs train on (:data:`aiayn.data.pipeline.CORPORA`): a translation's
         (source, target) pairs, a summarizer's documents (cut to the model's positions), a language model's token
@@ -120,7 +125,9 @@ TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
     Task(name="lm", label="language-model (task lm)", encoder=False, loader="generator",
          decoding=MappingProxyType({"sample": True, "temperature": 1.0}),
          refuses=MappingProxyType({**_REFUSALS, "pairs": "a language-model corpus is a token stream, not pairs",
-                                   "init_from": "language models: not supported"}),
+                                   "init_from": "language models: not supported",
+                                   "load_translator": "{where} is a language-model run: load it with aiayn.load() "
+                                                      "or `aiayn generate`"}),
          evaluator="language_model", corpora=("stream", "rows"), valid_scores=()),
     Task(name="summarization", label="summarization", encoder=True,
          refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "

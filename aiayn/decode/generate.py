@@ -280,6 +280,9 @@ class Generator(LoadedRun):
         """The continuation of ``prompt`` (without the prompt): greedy unless ``sample=True``."""
         return "".join(self.stream(prompt, options, slide, **overrides))
 
+    def warm_up(self) -> None:
+        self.generate("", max_new_tokens=1)
+
     def summarize(self, documents: Iterable[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
         """One summary per document (a "document <sep> summary" language model): :func:`summarize`."""
         return summarize(self.run, documents, options, **overrides)
