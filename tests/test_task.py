@@ -105,7 +105,8 @@ def test_summaries_come_from_what_the_run_was_trained_on():
 
     from aiayn.decode.generate import SUMMARIZERS, summarize, summarize_lm, summarize_seq2seq
 
-    assert SUMMARIZERS == {"rows": summarize_lm, "documents": summarize_seq2seq}
+    assert {k: (v.run, v.greedy) for k, v in SUMMARIZERS.items()} == {"rows": (summarize_lm, True),
+                                                                      "documents": (summarize_seq2seq, False)}
 
     def run(task: str, **data) -> SimpleNamespace:
         return SimpleNamespace(cfg=Config(task=task, data=DataConfig(**data)), path="runs/x")
