@@ -1,13 +1,24 @@
 """What a run's ``task`` (``translation``, ``summarization``, ``lm``) means, looked up once by name.
 
-The recipe names its task as a string (the ``task:`` key); everything that behaves differently per task asks the
-:class:`Task` it resolves to (``cfg.kind``: :attr:`aiayn.config.Config.kind`) instead of comparing that string:
-whether the model has an encoder, what ``aiayn.load`` returns, what ``aiayn generate`` decodes with by default
-(which exports take it: each export target declares the tasks it takes, :mod:`aiayn.interop.registry`; which of
-aiayn's own HTTP routes serves it: the server maps what ``aiayn.load`` returns to its route,
-:data:`aiayn.serve.native.ROUTES`). A task also answers for itself where only it knows: the work its runs refuse,
-in its own words (:meth:`Task.check_does`), and the config fields whose meaning is its own
-(:meth:`Task.check_config`). A new task is one entry of :data:`TASKS`.
+The recipe names its task as a string (the ``task:`` key); it resolves once to a :class:`Task` (``cfg.kind``:
+:attr:`aiayn.config.Config.kind`), and the code that behaves differently per task calls what the task names
+instead of asking it yes/no questions. The task stands on the ground floor (the config reads it), so behaviour
+that needs the floors above is named here and registered on the floor it needs, fairseq's registries in small:
+
+* its corpus (:meth:`Task.corpus`): what the pipeline reads, stores and batches, what a training checks first,
+  how a generation prompt starts and who summarizes (:data:`aiayn.data.pipeline.CORPORA`);
+* its model (:attr:`Task.architecture`): the class its runs build (:data:`aiayn.model.transformer.ARCHITECTURES`),
+  which also says what an export target holds and how its attention is read;
+* its validation (:attr:`Task.valid_scores`, :attr:`Task.weights_scores`: :data:`aiayn.train.validation.VALID_SCORES`);
+* its evaluation (:attr:`Task.evaluator`: :data:`aiayn.eval.evaluate.EVALUATORS`);
+* what ``aiayn.load`` gives (:attr:`Task.loader`), which the server maps to its route and completions
+  (:data:`aiayn.serve.native.ROUTES`, :data:`aiayn.serve.openai_api.COMPLETIONS`), and what ``aiayn generate``
+  decodes with (:attr:`Task.decoding`).
+
+What only the task knows it answers itself: the work its runs refuse, in its own words (:meth:`Task.check_does`),
+the config fields whose meaning is its own (:meth:`Task.check_config`), how its texts read (:meth:`Task.texts`).
+Which exports take it: each export target declares the tasks it takes (:mod:`aiayn.interop.registry`). A new task
+that reuses these behaviours is one entry of :data:`TASKS`; a new behaviour is one entry in the table of its floor.
 """
 
 from __future__ import annotations
@@ -25,8 +36,8 @@ class Task:
     """One task's behaviour.
 
     ``encoder``: an encoder-decoder model (``Transformer``: a source, then a target), else a decoder-only language
-    model (``DecoderOnlyLM``: one token stream, continued). ``translates``: its outputs are translations (BLEU
-    while training, LibreTranslate's API, Argos packages, sweeps and Table 3). ``loader``: what ``aiayn.load``
+    model (``DecoderOnlyLM``: one token stream, continued): :attr:`architecture`. ``translates``: its texts are
+    sentences, read as written (:meth:`texts`; pre-tokenization is its own). ``loader``: what ``aiayn.load``
     returns (``translator`` or ``generator``; the server routes each to its own path). ``decoding``: what
     ``aiayn generate`` and the server's generation route decode with unless told otherwise."""
 
@@ -117,8 +128,20 @@ _ENCODER_DECODER = MappingProxyType({  # the work only a language model does
     "lm_route": "{where} needs a language-model run; this server runs a {task} run",
 })
 
-# In the order a config's error lists them.
-TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
+_TASKS: dict[str, Task] = {}
+# Every task by name, in the order a config's error lists them (read-only: :func:`register_task` adds one).
+TASKS: Mapping[str, Task] = MappingProxyType(_TASKS)
+
+
+def register_task(task: Task) -> Task:
+    """Add ``task`` under its name (once: a second task of the same name is a bug); a config may then name it."""
+    if task.name in _TASKS:
+        raise ValueError(f"task {task.name!r} is registered twice")
+    _TASKS[task.name] = task
+    return task
+
+
+for _task in (
     Task(name="translation", label="translation", encoder=True, translates=True, weights_scores=("bleu",),
          refuses=MappingProxyType({**_ENCODER_DECODER, "summarize": _NOT_LM + ": use `aiayn translate`"})),
     # A language model samples at temperature 1 unless told otherwise: its greedy continuation loops.
@@ -133,7 +156,8 @@ TASKS: Mapping[str, Task] = MappingProxyType({t.name: t for t in (
          refuses=MappingProxyType({**_ENCODER_DECODER, **_REFUSALS, "completions": "this server runs a {task} run; "
                                    "completions need a language model or a translation run"}), evaluator="summaries",
          extra_scores=("rouge",), corpora=("documents", "documents")),
-)})
+):
+    register_task(_task)
 
 
 def task_named(name: str) -> Task:
