@@ -134,11 +134,15 @@ class OpenAIRoutes(RouteTable):
                                    "GET /v1/models; aiayn serve --model-alias NAME adds a name)", param="model",
                               code="model_not_found")
 
-    async def respond(self, c: Completion, shape: Shape) -> Response:
-        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+    def refuse_unserved(self) -> None:
+        """A 400 ``wrong_task`` when the run's task answers no completion (a summarization run's)."""
         why = self.svc.kind.refusal("completions")
         if why is not None:
             raise OpenAIError(400, why, code="wrong_task")
+
+    async def respond(self, c: Completion, shape: Shape) -> Response:
+        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+        self.refuse_unserved()
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
         c = completion_options(c, self.svc.decode, language_model=self.completer.language_model)
@@ -256,6 +260,8 @@ class TranslationCompletions(Completions):
 
     def chat_prompt(self, turns: list[tuple[str, str]], fields: dict[str, Any]
                     ) -> tuple[str | list[int], dict[str, Any], bool]:
+        if not any(role == "user" for role, _ in turns):  # a run that answers no completion says that, not this
+            self.api.refuse_unserved()
         return last_user_message(turns), fields, False
 
     def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
