@@ -12,7 +12,7 @@ from aiayn.config import Config, ConfigError, DataConfig
 from aiayn.data import registry
 from aiayn.data.corpus import DataError
 from aiayn.data.datasets import DATASETS, MULTI30K_SPLITS
-from aiayn.data.registry import FILES, REGISTRY, config_pairs, dataset_of, is_summary_lm, lookup, pairs
+from aiayn.data.registry import FILES, REGISTRY, config_pairs, dataset_of, lookup, pairs
 from aiayn.task import TASKS
 
 T, S, LM = TASKS["translation"], TASKS["summarization"], TASKS["lm"]
@@ -79,9 +79,39 @@ def test_what_each_entry_says_of_itself():
     assert FILES.test_splits == REGISTRY["xsum"].test_splits == ()
     assert [n for n, d in REGISTRY.items() if d.shared_store] == ["multi30k"] and FILES.shared_store
     assert [n for n, d in REGISTRY.items() if d.lead_1] == ["xsum"]
-    assert is_summary_lm(cfg("lm", dataset="xsum")) and is_summary_lm(cfg("lm", format="jsonl"))
-    assert not is_summary_lm(cfg("lm", dataset="tinyshakespeare")) and not is_summary_lm(cfg("summarization",
-                                                                                            dataset="xsum"))
+    # (document, summary) data: a language model of it trains on rows (tests/test_task.py)
+    assert REGISTRY["xsum"].summaries(DataConfig()) and FILES.summaries(DataConfig(format="jsonl"))
+    assert not REGISTRY["tinyshakespeare"].summaries(DataConfig()) and not FILES.summaries(DataConfig())
     assert pairs(cfg(dataset="reverse"), "test")[:1] == REGISTRY["reverse"].pairs(DataConfig(), S, "test")[:1]
     with pytest.raises(DataError, match="wmt14's 4.5M training pairs are streamed"):
         pairs(cfg(dataset="wmt14"), "train")
+
+
+def test_a_new_dataset_is_one_entry_of_the_registry(monkeypatch, tmp_path):
+    """The cost of a new dataset, measured (docs/architecture.md, "Cost of a change"): a reader and one entry of
+    the registry, added from this file alone, are what a config names: its pairs train a run (its identity keys
+    the store) and its test split is evaluated."""
+    from aiayn.config import load_config
+    from aiayn.data.synthetic import reverse_pairs
+    from aiayn.eval.evaluate import EvalData, evaluate_run
+    from aiayn.train.run import train
+
+    class Toy(registry.Named):  # a known dataset of its own: three fixed splits
+        name, kind, test_splits = "toy", T, ("test",)
+
+        def split_pairs(self, data: DataConfig, split: str) -> list[tuple[str, str]]:
+            sizes = {"train": (400, 1), "valid": (20, 2), "test": (10, 3)}
+            if split not in sizes:
+                raise DataError(f"toy has no split {split!r}")
+            return reverse_pairs(*sizes[split])
+
+    monkeypatch.setattr(registry, "REGISTRY", {**registry.REGISTRY, "toy": Toy()})
+    cfg = load_config("tiny_reverse", [
+        "data.dataset=toy", "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.max_updates=4",
+        "train.warmup=2", "train.eval_every=4", "train.save_every=4", "train.threads=1", "decode.beam=1"])
+    assert dataset_of(cfg) is registry.REGISTRY["toy"]
+    train(cfg, tmp_path / "run", progress=False)
+    result = evaluate_run(tmp_path / "run", EvalData(split="test"))
+    assert result["data"] == {"split": "test", "dataset": "toy"} and result["n_sentences"] == 10
+    assert "bleu" in result["scores"]

@@ -93,3 +93,18 @@ def test_pages_name_no_path_of_the_machine_they_were_written_on(page):
     # a path under a user's or a build machine's home tells a reader nothing and leaks where it was made
     found = re.findall(r"(?<![\w.~])/(?:work|home|Users|root)/[^\s`)\"']*", page.read_text(encoding="utf-8"))
     assert found == []
+
+
+def test_every_row_of_the_cost_of_a_change_names_a_test_that_exists():
+    """docs/architecture.md's "Cost of a change": each row is measured by a test, named `tests/FILE.py` or
+    `tests/FILE.py::NAME`; each named file and test is there."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("## Cost of a change", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| a new")]
+    assert len(rows) >= 5
+    for row in rows:
+        named = re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", row.rsplit(" | ", 1)[1])
+        assert named, row[:60]
+        for path, name in named:
+            source = (REPO / path).read_text(encoding="utf-8")
+            assert not name or f"def {name}(" in source, f"{path}::{name}"

@@ -250,3 +250,26 @@ def test_a_weak_key_from_the_environment_is_named(tiny_run, capsys, monkeypatch)
     pytest.importorskip("starlette")
     monkeypatch.setenv("AIAYN_API_KEY", "abc")
     assert "$AIAYN_API_KEY: expected at least 8" in one_line(capsys, ["serve", str(tiny_run)])
+
+
+def test_a_summarization_run_refuses_completions_and_chats_in_its_own_words(tiny_run):
+    """A summarization run loads as a translator, but answers no completion: its task's refusal, whether a chat
+    holds a user message or not (the translation completer's "no user message" is not its answer)."""
+    import dataclasses
+
+    from starlette.testclient import TestClient
+
+    from aiayn.decode.translator import Translator
+    from aiayn.run.directory import Run, load_run
+    from aiayn.serve.app import create_app
+
+    run = load_run(tiny_run, "cpu")
+    run = Run(run.path, dataclasses.replace(run.cfg, task="summarization"), run.model, run.tokenizers)
+    why = "this server runs a summarization run; completions need a language model or a translation run"
+    with TestClient(create_app(Translator(run), max_wait_ms=1.0), base_url="http://localhost") as c:
+        for path, body in (("/v1/completions", {"prompt": "a b"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "system", "content": "a b"}]})):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task", (path, r.text)
+            assert r.json()["error"]["message"] == why

@@ -463,9 +463,8 @@ class Config:
         """Before a training: pairs are kept up to ``data.max_len`` positions and batches padded to a bucket or a
         multiple: none of these may reach past ``model.max_positions`` (the first batch would fail inside the model
         otherwise). Checked when a training starts, not when a config is read: a trained run whose corpus never
-        came near the limit still loads for decoding."""
-        if not self.kind.encoder:
-            return
+        came near the limit still loads for decoding. A check of a corpus of pairs
+        (:attr:`aiayn.data.pipeline.Corpus.check`): a language model's windows are cut to its block."""
         d, most = self.data, self.model.max_positions
         if d.max_len is not None and d.max_len > most:
             raise ConfigError(f"data.max_len={d.max_len} exceeds model.max_positions={most}: the pairs it keeps would "

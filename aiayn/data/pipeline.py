@@ -29,15 +29,16 @@ from aiayn.data.batching import (
     token_batches,
 )
 from aiayn.data.corpus import DataError, describe_clean_stats
-from aiayn.data.registry import dataset_of, is_summary_lm
+from aiayn.data.registry import dataset_of
 from aiayn.data.store import PairSource, Recipe, Side, cached_store_dir, read_manifest
 from aiayn.data.stream_store import stream_recipe
 from aiayn.data.summarization import (
     SummaryLMData,
+    rows_prompt,
     separator_ids,
     summary_lm_recipe,
 )
-from aiayn.data.tokenizer import SpecialIds, TokenizerPair
+from aiayn.data.tokenizer import BOS_ID, UNK_ID, SpecialIds, Tokenizer, TokenizerPair
 
 log = logging.getLogger("aiayn.data")
 
@@ -241,7 +242,8 @@ def build_translation_data(cfg: Config, run_dir: Path, is_main: bool = True, bar
     ``data.prepared`` store is refused (one line: ``aiayn prepare`` rebuilds it), never trained on."""
     budget = batch_budget(cfg, world)  # refused before any reading
     sources, inputs = pair_sources(cfg)
-    store, tok = run_store(cfg, run_dir, lambda t: _pair_recipe(cfg, t, None, (sources, inputs)), is_main, barrier)
+    recipe = corpus_of(cfg).recipe  # a translation's pairs, or a summarizer's documents (cut to the model)
+    store, tok = run_store(cfg, run_dir, lambda t: recipe(cfg, t, None, (sources, inputs)), is_main, barrier)
     tdir = tokenizer_dir(run_dir)
     if tok.pretokenize != cfg.data.pretokenize:
         raise ConfigError(f"{tdir}: the run's tokenizer has pretokenize={tok.pretokenize!r} but the config "
@@ -301,13 +303,23 @@ def _log_budget(cfg: Config, budget: int, world: int, costs: np.ndarray) -> None
 
 
 def _pair_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None,
-                 read: tuple[dict[str, PairSource], dict[str, str]] | None = None) -> Recipe:
+                 read: tuple[dict[str, PairSource], dict[str, str]] | None = None, cut_sources: bool = False
+                 ) -> Recipe:
     """The store of (source, target) pairs (:class:`~aiayn.data.store.PairRecipe`); ``read``: the pairs' sources
-    and inputs when already known (:func:`pair_sources`)."""
+    and inputs when already known (:func:`pair_sources`); ``cut_sources``: a source too long is cut to fit, not
+    dropped (a summarizer's documents)."""
     from aiayn.data.store import PairRecipe
 
     sources, inputs = read or pair_sources(cfg)
-    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=tokenizer, workers=workers)
+    return PairRecipe(cfg=cfg, sources=sources, inputs=inputs, tokenizer=tokenizer, workers=workers,
+                      cut_sources=cut_sources)
+
+
+def _document_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None,
+                     read: tuple[dict[str, PairSource], dict[str, str]] | None = None) -> Recipe:
+    """The store of (document, summary) pairs of an encoder-decoder: pairs whose documents are cut to the
+    model's positions."""
+    return _pair_recipe(cfg, tokenizer, workers, read, cut_sources=True)
 
 
 def _rows_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> Recipe:
@@ -408,28 +420,48 @@ def build_data(cfg: Config, run_dir: Path, is_main: bool = True, barrier=lambda:
     return corpus_of(cfg).build(cfg, run_dir, is_main, barrier, world)
 
 
+def stream_prompt(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a model of one token stream continues ``prompt`` from: it never saw BOS, so an empty prompt starts
+    from a new line when the tokenizer knows one."""
+    if prompt:
+        return tok.encode(prompt)
+    newline = tok.encode("\n")
+    return newline if newline and UNK_ID not in newline else [BOS_ID]
+
+
+def no_check(cfg: Config) -> None:
+    """A corpus whose batches need no check against the model before a training."""
+
+
 @dataclass(frozen=True)
 class Corpus:
     """What a run trains on, as the pipeline reads and batches it, resolved once per config (:func:`corpus_of`):
     its store's recipe (``recipe(cfg, tokenizer, workers)``), its training data (``build(cfg, run_dir, is_main,
-    barrier, world)``) and whether its batches have fixed shapes (``fixed_shapes(cfg)``: compiled with a static
-    graph per shape). The pipeline and the training call it instead of asking the task."""
+    barrier, world)``), whether its batches have fixed shapes (``fixed_shapes(cfg)``: compiled with a static
+    graph per shape), what it checks before a training (``check(cfg)``: batches the model's positions can hold)
+    and the ids a model trained on it continues a text prompt from (``prompt(tok, text)``). The pipeline, the
+    training and generation call it instead of asking the task."""
 
     name: str
-    recipe: Callable[[Config, Path | None, int | None], Recipe]
+    recipe: Callable[..., Recipe]
     build: Callable[..., tuple[Any, TokenizerPair]]
     fixed_shapes: Callable[[Config], bool]
+    check: Callable[[Config], None] = no_check
+    prompt: Callable[[Tokenizer, str], list[int]] = stream_prompt
 
 
-PAIRS = Corpus("pairs", _pair_recipe, build_translation_data, lambda cfg: bool(cfg.data.length_buckets))
+PAIRS = Corpus("pairs", _pair_recipe, build_translation_data, lambda cfg: bool(cfg.data.length_buckets),
+               Config.check_pair_widths)
+DOCUMENTS = dataclasses.replace(PAIRS, name="documents", recipe=_document_recipe)
 STREAM = Corpus("stream", lambda cfg, tokenizer=None, workers=None: stream_recipe(cfg, tokenizer, workers),
                 build_stream_data, lambda cfg: True)
-ROWS = Corpus("rows", _rows_recipe, build_summary_lm_data, lambda cfg: False)
+ROWS = Corpus("rows", _rows_recipe, build_summary_lm_data, lambda cfg: False, prompt=rows_prompt)
+# Each by the name a task gives it (:meth:`aiayn.task.Task.corpus`).
+CORPORA: dict[str, Corpus] = {c.name: c for c in (PAIRS, DOCUMENTS, STREAM, ROWS)}
 
 
 def corpus_of(cfg: Config) -> Corpus:
-    """A config's :class:`Corpus`: an encoder-decoder's (source, target) pairs; a language model's
-    "document <sep> summary" rows (:func:`~aiayn.data.registry.is_summary_lm`), else its one token stream."""
-    if cfg.kind.encoder:
-        return PAIRS
-    return ROWS if is_summary_lm(cfg) else STREAM
+    """A config's :class:`Corpus`, the one its task names (:meth:`aiayn.task.Task.corpus`): a translation's
+    (source, target) pairs, a summarizer's documents, a language model's token stream or, when its dataset is
+    (document, summary) pairs, its "document <sep> summary" rows."""
+    return CORPORA[cfg.kind.corpus(lambda: dataset_of(cfg).summaries(cfg.data))]

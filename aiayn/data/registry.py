@@ -25,7 +25,7 @@ from aiayn.data.datasets import (
     xsum_sha256,
 )
 from aiayn.data.store import PairSource
-from aiayn.data.summarization import XSUM_SPLITS, collapse_whitespace, xsum_pairs
+from aiayn.data.summarization import XSUM_SPLITS, xsum_pairs
 from aiayn.data.synthetic import SPLITS as REVERSE_SPLITS
 from aiayn.data.synthetic import reverse_split
 from aiayn.task import TASKS, Task
@@ -62,21 +62,16 @@ class Dataset:
     def pairs(self, data: DataConfig, task: Task, split: str) -> list[Pair]:
         """The (source, target) texts of ``split``; a summary's texts on one line each."""
         if split not in TRAIN_VALID:
-            raise DataError(f"split {split!r}: expected train or valid"
-                            + ("" if task.translates else " (files named in the config)"))
+            raise DataError(task.split_error(split))
         src, tgt = split_files(data, split)
-        pairs = read_pairs(data.format, src, tgt, data.src_field, data.tgt_field)
-        return pairs if task.translates else [(collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs]
+        return list(task.texts(read_pairs(data.format, src, tgt, data.src_field, data.tgt_field)))
 
     def sources(self, data: DataConfig, task: Task) -> Sources:
         """The train and valid pairs as streams (files read line by line, never whole; a summary's texts on one
         line), and what they are read from: each file's sha256 (a known dataset's: its published identity)."""
 
         def stream(src: str, tgt: str | None) -> Iterator[Pair]:
-            pairs = iter_pairs(data.format, src, tgt, data.src_field, data.tgt_field)
-            if task.translates:
-                return pairs
-            return ((collapse_whitespace(a), collapse_whitespace(b)) for a, b in pairs)
+            return iter(task.texts(iter_pairs(data.format, src, tgt, data.src_field, data.tgt_field)))
 
         sources, inputs = {}, {}
         for split in TRAIN_VALID:
@@ -219,8 +214,3 @@ def pairs(cfg: Config, split: str) -> list[Pair]:
 def config_pairs(data: DataConfig, split: str) -> list[Pair]:
     """Sentence pairs of a translation :class:`~aiayn.config.DataConfig`'s dataset or files and ``split``."""
     return lookup(data.dataset, TASKS["translation"]).pairs(data, TASKS["translation"], split)
-
-
-def is_summary_lm(cfg: Config) -> bool:
-    """A language model trained on "document <sep> summary" sequences (rather than a text stream)."""
-    return not cfg.kind.encoder and dataset_of(cfg).summaries(cfg.data)

@@ -716,7 +716,9 @@ class PairEncoder:
 class PairRecipe(Recipe):
     """The pairs of ``sources`` (split -> a function streaming them), named for the key by ``inputs``; a tokenizer
     is trained on a sample of the training pairs (by ``train_tokenizer(dir)`` when given). Pairs with an empty side
-    are dropped, and those past ``max_len`` unless ``length_filter`` is off. ``extra``: this kind's own settings."""
+    are dropped, and those past ``max_len`` unless ``length_filter`` is off, or ``cut_sources`` cuts a source too
+    long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`). ``extra``: this kind's own
+    settings."""
 
     cfg: Config
     sources: dict[str, PairSource]
@@ -725,6 +727,7 @@ class PairRecipe(Recipe):
     workers: int | None = None
     train_tokenizer: Callable[[Path], None] | None = None
     length_filter: bool = True
+    cut_sources: bool = False
     extra: dict[str, Any] | None = None
     key: str = ""
 
@@ -750,7 +753,7 @@ class PairRecipe(Recipe):
         max_len = (cfg.data.max_len or cfg.model.max_positions) if self.length_filter else None
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
         splits: dict[str, Any] = {}
-        cut = cfg.kind.summarizes and max_len is not None
+        cut = self.cut_sources and max_len is not None
         with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, cut)) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")

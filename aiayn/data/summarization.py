@@ -45,14 +45,10 @@ from aiayn.data.batching import Batch, pad_batch, plan_batches
 from aiayn.data.corpus import DataError
 from aiayn.data.store import PairRecipe, Split
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from aiayn.task import collapse_whitespace
 
 XSUM_SIZE = 1000
 XSUM_SPLITS = {"train": (0, 800), "valid": (800, 900), "test": (900, 1000)}
-
-
-def collapse_whitespace(text: str) -> str:
-    """``text`` with every whitespace run (newlines included) replaced by one space, stripped."""
-    return " ".join(text.split())
 
 
 def xsum_split(split: str) -> list[dict]:
@@ -114,6 +110,12 @@ def lm_sequence_ids(doc_ids: list[int], summ_ids: list[int], sep_ids: list[int],
     if room < 1:
         return None
     return [BOS_ID] + doc_ids[:room] + sep_ids + summ_ids + [EOS_ID]
+
+
+def rows_prompt(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a "document <sep> summary" language model continues ``prompt`` from: its rows start with BOS, so
+    its prompts do too."""
+    return [BOS_ID] + tok.encode(prompt)
 
 
 def lm_prompt(tok: Tokenizer, document: str, sep_ids: list[int], max_len: int) -> list[int]:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.pipeline import corpus_of
-from aiayn.data.registry import is_summary_lm
 from aiayn.data.summarization import collapse_whitespace, lm_prompt, separator_ids
-from aiayn.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.decode.loaded import LoadedRun, merged_options, text_list
 from aiayn.device import model_device
 from aiayn.engine import kernels
@@ -58,16 +58,12 @@ def lm_context(cfg: Config) -> int:
 
 def prompt_ids(cfg: Config, tok: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
     """The ids generation starts from. Summarization LMs saw BOS first in training, so they get it too;
-    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one. A prompt given
-    as ids (a client that tokenized it, as lm-evaluation-harness does) is taken as it is."""
+    a text-stream LM never saw BOS, so an empty prompt starts from a new line when it knows one (the run's
+    corpus says which: :attr:`aiayn.data.pipeline.Corpus.prompt`). A prompt given as ids (a client that
+    tokenized it, as lm-evaluation-harness does) is taken as it is."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
-    if is_summary_lm(cfg):
-        return [BOS_ID] + tok.encode(prompt)
-    if prompt:
-        return tok.encode(prompt)
-    newline = tok.encode("\n")
-    return newline if newline and UNK_ID not in newline else [BOS_ID]
+    return corpus_of(cfg).prompt(tok, prompt)
 
 
 class TextStream:
@@ -231,23 +227,40 @@ def summarize(run: Run, documents: Iterable[str], options: DecodeOptions | None 
     opts = merged_options(run.cfg.decode, options, **overrides)
     if opts.max_new_tokens is not None and opts.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={opts.max_new_tokens}: a summary needs at least 1")
-    run.cfg.kind.check_does("summarize", run.path)
-    summarizer = SUMMARIZERS.get(corpus_of(run.cfg).name)
-    if summarizer is None:
-        raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
-                          "sequences (data.dataset xsum or JSONL files): it cannot summarize")
-    if summarizer is summarize_lm and (overrides.get("beam") not in (None, 1) or opts.sample):
+    summarizer = summarizer_of(run)
+    if summarizer.greedy and (overrides.get("beam") not in (None, 1) or opts.sample):
         raise ConfigError("a language-model run summarizes greedily (no --beam, no --sample); beam search "
                           "needs an encoder-decoder (task: summarization) run")
     with kernels(model_device(run.model), run.precision):
-        return summarizer(run, documents, opts)
+        return summarizer.run(run, documents, opts)
+
+
+@dataclass(frozen=True)
+class Summarizer:
+    """How a run summarizes, by what it was trained on: ``run(run, documents, opts)`` the summaries; ``how(opts)``
+    its decoding in words (a ROUGE result's record); ``greedy``: a beam or sampling asked of it is refused."""
+
+    run: Callable[[Run, Sequence[str], DecodeOptions], list[str]]
+    how: Callable[[DecodeOptions], str]
+    greedy: bool = False
 
 
 # Who summarizes what a run was trained on (its data.pipeline.Corpus): a language model of "document <sep>
 # summary" rows continues the separator; an encoder-decoder of (document, summary) pairs decodes its summary.
 # A run of running text has none.
-SUMMARIZERS: dict[str, Callable[[Run, Sequence[str], DecodeOptions], list[str]]] = {
-    "rows": summarize_lm, "pairs": summarize_seq2seq}
+SUMMARIZERS: dict[str, Summarizer] = {
+    "rows": Summarizer(summarize_lm, lambda opts: "lm: greedy after 'document <sep>'", greedy=True),
+    "documents": Summarizer(summarize_seq2seq, lambda opts: f"encoder-decoder: beam {opts.beam}")}
+
+
+def summarizer_of(run: Run) -> Summarizer:
+    """The :class:`Summarizer` of ``run``'s corpus; a one-line ConfigError for a run that cannot summarize."""
+    run.cfg.kind.check_does("summarize", run.path)
+    summarizer = SUMMARIZERS.get(corpus_of(run.cfg).name)
+    if summarizer is None:
+        raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
+                          "sequences (data.dataset xsum or JSONL files): it cannot summarize")
+    return summarizer
 
 
 def read_documents(path: str | None, field: str = "document") -> list[str]:
@@ -284,6 +297,9 @@ class Generator(LoadedRun):
                  **overrides) -> str:
         """The continuation of ``prompt`` (without the prompt): greedy unless ``sample=True``."""
         return "".join(self.stream(prompt, options, slide, **overrides))
+
+    def warm_up(self) -> None:
+        self.generate("", max_new_tokens=1)
 
     def summarize(self, documents: Iterable[str], options: DecodeOptions | None = None, **overrides) -> list[str]:
         """One summary per document (a "document <sep> summary" language model): :func:`summarize`."""

@@ -78,3 +78,7 @@ class LoadedRun:
     def options(self, options: DecodeOptions | None = None, **overrides) -> DecodeOptions:
         """``options`` (default: the run's ``decode`` section) with the non-None ``overrides`` replacing them."""
         return merged_options(self.cfg.decode, options, **overrides)
+
+    def warm_up(self) -> None:
+        """One tiny decoding, so that a server's first user does not pay for lazy initialisation."""
+        raise NotImplementedError

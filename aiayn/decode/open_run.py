@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aiayn.errors import ConfigError
-
 if TYPE_CHECKING:
     import torch
 
@@ -42,6 +40,6 @@ def open_run(run_dir: str | Path, device: str | torch.device = "auto", precision
     from aiayn.run.directory import load_run
 
     run = load_run(run_dir, device, chosen_weights(run_dir, weights), precision=precision)
-    if translator_only and run.cfg.kind.loader != "translator":
-        raise ConfigError(f"{run_dir} is a language-model run: load it with aiayn.load() or `aiayn generate`")
+    if translator_only:
+        run.cfg.kind.check_does("load_translator", run_dir)
     return {"translator": Translator, "generator": Generator}[run.cfg.kind.loader](run)

@@ -81,6 +81,9 @@ class Translator(LoadedRun):
             ids.append(toks)
         return ids, cut
 
+    def warm_up(self) -> None:
+        self.search(["warm up"], self.options(beam=1, nbest=1), scores=False)
+
     def search(self, texts: Iterable[str], opts: DecodeOptions, scores: bool = True, first_line: int = 1,
                progress: Callable[[int], None] | None = None, stop: Callable[[], bool] | None = None
                ) -> list[list[Translation]]:

@@ -40,7 +40,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     ``RUN/eval/rouge_<split>.json`` and ``.hyp`` (``rouge_<split>.<weights>`` for other ``weights`` than the run's
     own, :func:`aiayn.run.weights.select_weights`); return the record. Options: the run's ``decode`` section, then
     ``options``, then the non-None ``overrides`` (``max_new_tokens`` default 64)."""
-    from aiayn.decode.generate import new_token_limit, summarize
+    from aiayn.decode.generate import new_token_limit, summarize, summarizer_of
     from aiayn.run.directory import load_run
 
     run_dir = Path(run_dir)
@@ -53,7 +53,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
     start = time.perf_counter()
     hyps = summarize(run, [d for d, _ in pairs], opts)
     wall = time.perf_counter() - start
-    kind = "lm: greedy after 'document <sep>'" if not run.cfg.kind.encoder else f"encoder-decoder: beam {opts.beam}"
+    kind = summarizer_of(run).how(opts)
     max_new = new_token_limit(opts, "summarize")
     result: dict[str, Any] = {
         "name": name,

@@ -157,8 +157,7 @@ def ctranslate2_spec(
 
 def _check_exportable(model: nn.Module, positions: int | None) -> None:
     """What CTranslate2's Transformer cannot hold, refused before anything is built."""
-    if not isinstance(model, Transformer):
-        raise TypeError(f"export_ctranslate2 exports an encoder-decoder Transformer, got {type(model).__name__}")
+    registry.check_model("ctranslate2", model, "export_ctranslate2 exports")
     cfg = model.cfg
     if cfg.n_encoder_layers == 0:
         raise ValueError("CTranslate2 needs at least one encoder layer (model.n_encoder_layers=0)")

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from aiayn.config import ModelConfig
+from aiayn.interop import registry
 from aiayn.model.embeddings import sinusoidal_table
 from aiayn.model.transformer import Transformer
 
@@ -273,8 +274,7 @@ def to_hf_marian(model: Transformer, bos_id: int = BOS_ID, eos_id: int = EOS_ID)
     """
     from transformers import MarianMTModel
 
-    if not isinstance(model, Transformer):
-        raise TypeError(f"to_hf_marian converts an encoder-decoder Transformer, got {type(model).__name__}")
+    registry.check_model("hf", model, "to_hf_marian converts")
     cfg = model.cfg
     hf = MarianMTModel(marian_config_from(cfg, bos_id=bos_id, eos_id=eos_id))
     dtype = model.encoder.embed.weight.dtype

@@ -139,6 +139,19 @@ def check(name: str, run_dir: str | Path) -> None:
     check_run(TARGETS[name], run_dir)
 
 
+def check_model(name: str, model: Any, what: str) -> None:
+    """Refuse a model object (a direct Python call that passes one) that target ``name`` cannot hold: one whose
+    architecture none of the tasks it declares builds (:attr:`aiayn.task.Task.architecture`). A TypeError,
+    ``what`` the function that refuses: "to_hf_marian converts an encoder-decoder Transformer, got DecoderOnlyLM"."""
+    from aiayn.model.transformer import ARCHITECTURES
+    from aiayn.task import task_named
+
+    held = sorted({task_named(t).architecture for t in TARGETS[name].tasks})
+    if getattr(model, "architecture", None) not in held:
+        kinds = " or ".join(f"an {a} {ARCHITECTURES[a].__name__}" for a in held)
+        raise TypeError(f"{what} {kinds}, got {type(model).__name__}")
+
+
 def export(name: str, run_dir: str | Path, out: str | Path, *, force: bool = False, **options: Any) -> Path:
     """``aiayn export NAME RUN OUT``: check the options and the run against the target's declarations (one line
     on refusal, nothing written), then run its exporter with the options it reads; return what it wrote."""

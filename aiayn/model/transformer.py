@@ -19,7 +19,7 @@ from aiayn.model.cache import KVCache, StaticKVCache
 from aiayn.model.embeddings import TokenEmbedding
 from aiayn.model.layers import DecoderLayer, EncoderLayer
 from aiayn.model.positions import Positions, PositionScheme, position_scheme
-from aiayn.task import TASKS
+from aiayn.task import task_named
 
 
 def causal_mask(length: int, past: int = 0, device: torch.device | None = None) -> Tensor | None:
@@ -159,6 +159,8 @@ class Transformer(nn.Module):
     """Encoder-decoder Transformer: ``encode(src)`` once, then ``decode(tgt, memory)`` (teacher-forced
     or step by step with a cache). ``forward(src, tgt_in)`` returns logits (B, T, V)."""
 
+    architecture = "encoder-decoder"  # the name a task builds it by (:data:`ARCHITECTURES`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -170,6 +172,11 @@ class Transformer(nn.Module):
             tgt_embed = TokenEmbedding(cfg.target_vocab_size, cfg.d_model, cfg.pad_id, cfg.scale_embeddings)
         self.encoder = Encoder(cfg, src_embed)
         self.decoder = Decoder(cfg, tgt_embed, cross_attention=True)
+
+    @property
+    def encoder_layers(self) -> int:
+        """How many layers its encoder stacks."""
+        return len(self.encoder.layers)
 
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, S) ids -> (B, S) bool, True for real (non-pad) tokens."""
@@ -217,6 +224,9 @@ class DecoderOnlyLM(nn.Module):
     Uses ``n_decoder_layers`` of the config. ``forward(tokens)`` returns logits (B, T, V).
     """
 
+    architecture = "decoder-only"  # the name a task builds it by (:data:`ARCHITECTURES`)
+    encoder_layers = 0  # it has no encoder
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -248,12 +258,16 @@ class DecoderOnlyLM(nn.Module):
         return {"decoder_self": torch.stack(self_probs)}
 
 
+# Each model class by its architecture, the name a task's runs build it by (:attr:`aiayn.task.Task.architecture`).
+ARCHITECTURES: dict[str, type[Transformer | DecoderOnlyLM]] = {c.architecture: c for c in (Transformer, DecoderOnlyLM)}
+
+
 def build_model(cfg: ModelConfig, task: str = "translation") -> nn.Module:
-    """A :class:`Transformer` for translation/summarization or a :class:`DecoderOnlyLM` for ``lm``, with the
-    engine's choice of attention computation per device (:func:`aiayn.engine.use_attention`). Whether it fits
-    this machine is for the caller to ask first (:func:`aiayn.device.check_fits_in_memory`): the model knows no
-    host."""
-    return use_attention(Transformer(cfg) if TASKS[task].encoder else DecoderOnlyLM(cfg))
+    """The model the runs of ``task`` build (:data:`ARCHITECTURES`): a :class:`Transformer` for translation and
+    summarization, a :class:`DecoderOnlyLM` for ``lm``, with the engine's choice of attention computation per
+    device (:func:`aiayn.engine.use_attention`). Whether it fits this machine is for the caller to ask first
+    (:func:`aiayn.device.check_fits_in_memory`): the model knows no host."""
+    return use_attention(ARCHITECTURES[task_named(task).architecture](cfg))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -174,8 +174,5 @@ def create_app(model: Translator | Generator, max_batch_tokens: int | None = Non
 
 @torch.no_grad()
 def warm_up(model: Translator | Generator) -> None:
-    """One tiny call so that the first user does not pay for lazy initialisation."""
-    if isinstance(model, Translator):
-        model.search(["warm up"], model.options(beam=1, nbest=1), scores=False)
-    else:
-        model.generate("", max_new_tokens=1)
+    """One tiny call so that the first user does not pay for lazy initialisation (the run's own)."""
+    model.warm_up()

@@ -1,6 +1,7 @@
 """OpenAI's chat completions over aiayn's runs, and the two shapes (legacy text, chat) of a completion's answer.
 
-A chat request becomes one completion prompt (:func:`chat_prompt`):
+A chat request becomes one completion prompt (:func:`chat_request`, then the run's
+:meth:`~aiayn.serve.openai_api.Completions.chat_prompt`):
 
 * A language-model run that carries its own template (``RUN/chat_template.jinja``, Hugging Face's convention:
   :mod:`aiayn.serve.chat_template`) reads the conversation as that template renders it; the reply is what the
@@ -26,10 +27,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from aiayn.serve.chat_template import ChatTemplate
 from aiayn.serve.completions import refuse_unsupported
 from aiayn.serve.errors import OpenAIError
-from aiayn.task import Task
 
 CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
              "tool_choice", "parallel_tool_calls")
@@ -57,9 +56,9 @@ def _content(message: Any, i: int) -> tuple[str, str]:
     return message["role"], content
 
 
-def chat_prompt(body: dict[str, Any], task: Task, template: ChatTemplate | None = None) -> tuple[str, dict[str, Any]]:
-    """(the completion prompt, the completion request's other fields) of a chat request on a run of ``task``;
-    ``template``: a language model's own (None: the default one above)."""
+def chat_request(body: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """(the conversation's turns, (role, text) each; the completion request's other fields) of a chat request: what
+    the run's completions make a prompt of (:meth:`aiayn.serve.openai_api.Completions.chat_prompt`)."""
     unknown = sorted(set(body) - set(CHAT_ONLY) - set(SHARED))
     if unknown:  # as the completions route names it
         raise OpenAIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
@@ -74,18 +73,25 @@ def chat_prompt(body: dict[str, Any], task: Task, template: ChatTemplate | None 
     fields = {k: body[k] for k in SHARED if k in body}
     if body.get("max_completion_tokens") is not None:  # the newer name wins, as OpenAI reads them
         fields["max_tokens"] = body["max_completion_tokens"]
-    if task.translates:
-        users = [text for role, text in turns if role == "user"]
-        if not users:
-            raise OpenAIError(400, "messages: a translation run translates the last user message; there is none",
-                              param="messages", code="invalid_type")
-        return users[-1], fields
-    if template is not None:  # the run's own template knows its turns' ends: no stop of ours is added
-        return template.render([{"role": role, "content": text} for role, text in turns]), fields
+    return turns, fields
+
+
+def last_user_message(turns: list[tuple[str, str]]) -> str:
+    """What a translation run translates of a conversation: its last user message."""
+    users = [text for role, text in turns if role == "user"]
+    if not users:
+        raise OpenAIError(400, "messages: a translation run translates the last user message; there is none",
+                          param="messages", code="invalid_type")
+    return users[-1]
+
+
+def conversation_prompt(turns: list[tuple[str, str]], fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the prompt, the fields with the template's stop added) of a conversation read through the default
+    template above: what a language model without its own template continues."""
     stop = fields.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if isinstance(stops, list):
-        fields["stop"] = [*stops, TEMPLATE_STOP]
+        fields = {**fields, "stop": [*stops, TEMPLATE_STOP]}
     lines = "".join(f"{'System' if role == 'developer' else role.capitalize()}: {text}\n" for role, text in turns)
     return lines + "Assistant:", fields
 

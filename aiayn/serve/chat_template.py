@@ -84,10 +84,11 @@ class ChatTemplate:
 
 
 def load_chat_template(run: Run) -> ChatTemplate | None:
-    """``run``'s own chat template, parsed (None: the run has none, or is not a language model, whose chat answers
-    the last user message without one). A file that is not UTF-8 or does not parse is a one-line ConfigError."""
+    """``run``'s own chat template, parsed (None: the run has none; a language model's completions ask for it, a
+    translation's chat answers the last user message without one). A file that is not UTF-8 or does not parse is
+    a one-line ConfigError."""
     path = Path(run.path) / TEMPLATE_FILE
-    if run.cfg.kind.encoder or not path.is_file():
+    if not path.is_file():
         return None
     try:
         source = path.read_text(encoding="utf-8")

@@ -38,7 +38,7 @@ from aiayn.serve.routes import RouteTable, route
 from aiayn.serve.schemas import ApiError, attention_request, generate_request, parse_body, read_body, translate_request
 from aiayn.serve.service import Service
 from aiayn.task import TASKS, Task
-from aiayn.viz.attention import KINDS, attention_data
+from aiayn.viz.attention import KINDS, attention_data, attention_reader
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -146,13 +146,14 @@ class NativeRoutes(RouteTable):
     async def attention(self, request: Request) -> Response:
         body = await self.body(request)
         text, target = attention_request(body, self.svc.limits)
-        run, encoder = self.svc.run, self.svc.kind.encoder
-        room = run.cfg.model.max_positions - int(encoder)  # an encoder's source ends in EOS
+        run = self.svc.run
+        reader = attention_reader(run)  # what the run's model reads: a text, and an encoder-decoder's target
+        room, steps = reader.source_room(run.cfg), reader.target_room(run.cfg)
         n = len(run.tokenizers.src.encode(text))
         if n > room:
             raise ApiError(413, "line_too_long", f"text: {n} tokens, the model takes at most {room}")
-        if target is not None and encoder:
-            m, steps = len(run.tokenizers.tgt.encode(target)), run.cfg.model.max_positions - 1
+        if target is not None and steps is not None:
+            m = len(run.tokenizers.tgt.encode(target))
             if m > steps:  # the whole target or nothing: a map of its first positions would mislead
                 raise ApiError(413, "line_too_long", f"target: {m} tokens, the decoder reads at most {steps} "
                                                      "after its start token (the model's positions)")

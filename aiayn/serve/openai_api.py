@@ -38,8 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aiayn.decode.generate import lm_context, prompt_ids
-from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_prompt
-from aiayn.serve.chat_template import load_chat_template
+from aiayn.serve.chat import ChatShape, Shape, TextShape, chat_request, conversation_prompt, last_user_message
+from aiayn.serve.chat_template import ChatTemplate, load_chat_template
 from aiayn.serve.completions import (
     Completion,
     Job,
@@ -79,7 +79,6 @@ class OpenAIRoutes(RouteTable):
         self.svc = svc
         self.model_id = svc.run.path.name
         self.created = int(time.time())
-        self.template = load_chat_template(svc.run)  # a language model's own (RUN/chat_template.jinja), or None
         self.completer = COMPLETIONS[svc.kind.loader](self)  # what a completion is on this run
 
     def authorize(self, request: Request) -> None:
@@ -109,14 +108,10 @@ class OpenAIRoutes(RouteTable):
     @route("/v1/chat/completions", "POST")
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt, fields = chat_prompt(body, self.svc.kind, self.template)
-        if self.template is not None:
-            prompt = self.template_ids(prompt)
+        prompt, fields, strip = self.completer.chat_prompt(*chat_request(body))
         c = completion_request({**fields, "prompt": prompt}, self.svc.limits, "messages")
         self.check_model(body)
-        # the default template's reply follows "Assistant:" and a space; a run's own template says where it starts
-        return await self.respond(c, ChatShape(
-            strip_leading_space=self.completer.language_model and self.template is None))
+        return await self.respond(c, ChatShape(strip_leading_space=strip))
 
     def template_ids(self, text: str) -> list[int]:
         """The ids of a prompt the run's chat template rendered: the special tokens' names in it read as those
@@ -139,11 +134,15 @@ class OpenAIRoutes(RouteTable):
                                    "GET /v1/models; aiayn serve --model-alias NAME adds a name)", param="model",
                               code="model_not_found")
 
-    async def respond(self, c: Completion, shape: Shape) -> Response:
-        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+    def refuse_unserved(self) -> None:
+        """A 400 ``wrong_task`` when the run's task answers no completion (a summarization run's)."""
         why = self.svc.kind.refusal("completions")
         if why is not None:
             raise OpenAIError(400, why, code="wrong_task")
+
+    async def respond(self, c: Completion, shape: Shape) -> Response:
+        """The answer to a checked completion in ``shape``'s protocol: whole, or streamed as server-sent events."""
+        self.refuse_unserved()
         # Every sampling number checked (completion_options), and the prompts: before batching (one request's bad
         # prompt must not fail the others in its batch) and before a stream's 200.
         c = completion_options(c, self.svc.decode, language_model=self.completer.language_model)
@@ -241,9 +240,16 @@ class Completions:
     """What a completion is on the served run: its prompts' checks (before batching), its results, its stream."""
 
     language_model: bool
+    template: ChatTemplate | None = None  # a language model's own chat template
 
     def __init__(self, api: OpenAIRoutes) -> None:
         self.api = api
+
+    def chat_prompt(self, turns: list[tuple[str, str]], fields: dict[str, Any]
+                    ) -> tuple[str | list[int], dict[str, Any], bool]:
+        """(the completion prompt, the request's other fields, whether the reply's leading white space is cut) of
+        a chat's ``turns`` (:func:`aiayn.serve.chat.chat_request`)."""
+        raise NotImplementedError
 
 
 class TranslationCompletions(Completions):
@@ -251,6 +257,12 @@ class TranslationCompletions(Completions):
     completion its translation (:meth:`OpenAIRoutes.translate_choices`), decoded whole."""
 
     language_model = False
+
+    def chat_prompt(self, turns: list[tuple[str, str]], fields: dict[str, Any]
+                    ) -> tuple[str | list[int], dict[str, Any], bool]:
+        if not any(role == "user" for role, _ in turns):  # a run that answers no completion says that, not this
+            self.api.refuse_unserved()
+        return last_user_message(turns), fields, False
 
     def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
         """Refuse what only a language model does, and a prompt too long for the model (before a stream's 200: as
@@ -287,6 +299,19 @@ class LanguageModelCompletions(Completions):
     logprobs), each token streamed as it is decoded."""
 
     language_model = True
+
+    def __init__(self, api: OpenAIRoutes) -> None:
+        super().__init__(api)
+        self.template = load_chat_template(api.svc.run)  # the run's own (RUN/chat_template.jinja), or None
+
+    def chat_prompt(self, turns: list[tuple[str, str]], fields: dict[str, Any]
+                    ) -> tuple[str | list[int], dict[str, Any], bool]:
+        if self.template is None:  # the default template: its reply follows "Assistant:" and a space
+            prompt, fields = conversation_prompt(turns, fields)
+            return prompt, fields, True
+        # the run's own template knows its turns' ends (no stop of ours is added) and where its reply starts
+        text = self.template.render([{"role": role, "content": text} for role, text in turns])
+        return self.api.template_ids(text), fields, False
 
     def check_prompts(self, c: Completion, param: str = "prompt") -> Completion:
         """Each token-id prompt within the vocabulary, and each prompt within the context; returns ``c`` with

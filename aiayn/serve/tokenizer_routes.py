@@ -65,7 +65,7 @@ class TokenizerRoutes(RouteTable):
 
     def info(self) -> dict[str, Any]:
         return tokenizer_info(self.svc.model.run, self.api.model_id,
-                              None if self.api.template is None else self.api.template.source)
+                              None if self.api.completer.template is None else self.api.completer.template.source)
 
     def need_lm(self, path: str) -> None:
         why = self.svc.kind.refusal("lm_route", path)

@@ -46,7 +46,7 @@ class WeightsChoice:
     def __init__(self, cfg: Config, run_dir: Path, data: TrainData, d: Dist,
                  validation: Callable[[nn.Module, Dist], dict[str, float]]) -> None:
         self.cfg, self.run_dir, self.data, self.d, self.validation = cfg, run_dir, data, d, validation
-        self._valid_bleu: Callable[..., dict[str, float]] | None = None  # built when needed
+        self._valid_scores: dict[str, Callable[..., dict[str, float]]] = {}  # built when needed, once each
 
     def write(self, model: nn.Module, state: TrainState) -> Path:
         """model.safetensors from ``model`` (the last weights, at ``state.step``), the best or the averaged weights.
@@ -76,7 +76,9 @@ class WeightsChoice:
             return model, f"last step {last} (the only checkpoint to average)"
         own = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if self.d.main:  # the choice takes two validations (with BLEU: two decodings): say so before they run
-            how = "validation NLL and BLEU by the recipe's search" if self.cfg.kind.translates else "validation NLL"
+            from aiayn.train.validation import VALID_SCORES
+
+            how = " and ".join(["validation NLL", *(VALID_SCORES[n].words for n in self.cfg.kind.weights_scores)])
             log.info("choosing the inference weights: the last ones (step %d) or the average of steps %s, by %s "
                      "(1 of 2: the last weights); if stopped now, aiayn train --resume %s finishes this choice "
                      "without training more", last, steps, how, self.run_dir)
@@ -98,17 +100,17 @@ class WeightsChoice:
         training's, disagreed with beam search on runs cut early: an average that wins greedy can write too short
         beam output), greedy for a recipe that samples."""
         scores = {"valid_nll": self.validation(model, self.d)["valid_nll"]}
-        if self.cfg.kind.translates:
-            if self._valid_bleu is None:  # built once: the sources and references of the validation set
+        for name in self.cfg.kind.weights_scores:  # what the run's task weighs beside NLL (a translation: BLEU)
+            if name not in self._valid_scores:  # built once: the sources and references of the validation set
                 from aiayn.data.tokenizer import TokenizerPair
-                from aiayn.train.validation import validation_bleu_fn
+                from aiayn.train.validation import VALID_SCORES
 
                 tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
                 search = None if self.cfg.decode.sample else self.cfg.decode
-                self._valid_bleu = validation_bleu_fn(self.cfg, self.data, tokenizers, search)
+                self._valid_scores[name] = VALID_SCORES[name].build(self.cfg, self.data, tokenizers, search)
             device = self.d.device
             with engine.kernels(device, inference_precision(device)):  # as aiayn translate decodes
-                scores.update(self._valid_bleu(model, self.d))
+                scores.update(self._valid_scores[name](model, self.d))
         return scores
 
 

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 
 from aiayn.config import SPEED_KEYS, Config, load_config, read_run_config, save_config
-from aiayn.data.pipeline import FITTED_KEYS, build_data, check_data_sources, check_prepared, fit_model_to_vocab
+from aiayn.data.pipeline import (
+    FITTED_KEYS,
+    build_data,
+    check_data_sources,
+    check_prepared,
+    corpus_of,
+    fit_model_to_vocab,
+)
 from aiayn.device import Precision, check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
@@ -50,7 +57,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
     check_fits_in_memory(cfg.model)  # likewise a model this machine cannot hold
-    cfg.check_pair_widths()  # and batches wider than the model's positions (else the first batch fails)
+    corpus_of(cfg).check(cfg)  # and batches wider than the model's positions (else the first batch fails)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     own_group = not (dist.is_available() and dist.is_initialized())  # a caller's own group stays the caller's
     d = init_distributed(cfg.train.device, cfg.train.dist_timeout_s, cfg.train.setup_timeout_s)
@@ -144,11 +151,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
             log.info("model: %s, %.2fM parameters, device %s (%d CPU threads), %d process(es)", type(model).__name__,
                      count_parameters(model) / 1e6, device, threads, d.world)
             log.info("precision: %s (%s)", *precision)
-        evaluate_extra = None
-        if cfg.train.eval_bleu and cfg.kind.encoder:
-            from aiayn.train.validation import validation_bleu_fn
+        from aiayn.train.validation import validation_scores
 
-            evaluate_extra = validation_bleu_fn(cfg, data, tok)
+        # what the run's task scores beside the validation NLL (validation BLEU: a translation's, a summarizer's)
+        evaluate_extra = validation_scores(cfg, data, tok, cfg.kind.valid_scores if cfg.train.eval_bleu else ())
         trainer = Trainer(cfg, model, data, run_dir, d, precision, progress, evaluate_extra)
         if resume and trainer.resume():
             if d.main:

@@ -1,5 +1,7 @@
 """Validation during training: the loss and perplexity of the validation batches (:func:`evaluate_loss`), and
-BLEU (``train.eval_bleu``) from greedy decoding of the validation sources (:func:`validation_bleu_fn`).
+the scores a run's task adds beside them (:data:`VALID_SCORES`, named by ``Task.valid_scores`` and
+``Task.weights_scores``): BLEU (``train.eval_bleu``) from greedy decoding of the validation sources
+(:func:`validation_bleu_fn`).
 
 BLEU decodes through the id-level :func:`aiayn.search.decode_ids`, exactly as ``aiayn translate --beam 1`` does
 (the same batches, the run's length limits, ``min_len``, n-gram blocking and banned ids, the tokenizer's
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,3 +87,30 @@ def validation_bleu_fn(cfg: Config, data: Any, tokenizers: TokenizerPair, search
 
     return valid_bleu
 
+
+
+@dataclass(frozen=True)
+class ValidScore:
+    """A score a task's validation adds beside NLL: ``build(cfg, data, tokenizers, search)`` makes, once per
+    training, a function ``(model, dist=None) -> {name: value}``; ``words``: how a log line names it."""
+
+    build: Callable[..., Callable[..., dict[str, float]]]
+    words: str
+
+
+# By the names tasks give them (:attr:`aiayn.task.Task.valid_scores`, :attr:`aiayn.task.Task.weights_scores`).
+VALID_SCORES: dict[str, ValidScore] = {"bleu": ValidScore(validation_bleu_fn, "BLEU by the recipe's search")}
+
+
+def validation_scores(cfg: Config, data: Any, tokenizers: TokenizerPair, names: Sequence[str],
+                      search: DecodeOptions | None = None) -> Callable[..., dict[str, float]] | None:
+    """One function ``(model, dist=None) -> {score: value}`` of the scores ``names`` (:data:`VALID_SCORES`, built
+    now: the validation set's sources and references read once); None when ``names`` is empty."""
+    scorers = [VALID_SCORES[n].build(cfg, data, tokenizers, search) for n in names]
+    if not scorers:
+        return None
+
+    def scores(model: nn.Module, dist: Dist | None = None) -> dict[str, float]:
+        return {k: v for scorer in scorers for k, v in scorer(model, dist).items()}
+
+    return scores

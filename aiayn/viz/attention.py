@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiayn.config import ConfigError
+from aiayn.config import Config, ConfigError
 from aiayn.data.tokenizer import SPECIAL_PIECES
 from aiayn.device import model_device
 from aiayn.run.directory import Run, load_run
@@ -73,53 +73,92 @@ def _maps(kind: str, probs: torch.Tensor, queries: list[str], keys: list[str],
 
 @torch.no_grad()
 def attention_data(run: Run | str | Path, src: str, tgt: str | None = None, device: str = "auto") -> AttentionData:
-    """Attention probabilities of ``run``'s model for ``src`` (and ``tgt``; None: greedy-decode it).
+    """Attention probabilities of ``run``'s model for ``src`` (and ``tgt``; None: greedy-decode it), as its
+    architecture reads them (:func:`attention_reader`).
 
     Translation models give {"encoder", "decoder_self", "cross"}; language models {"decoder_self"} over
     the tokens of ``src`` (``tgt`` is ignored). ``device`` is used when ``run`` is a path.
     """
     run = run if isinstance(run, Run) else load_run(run, device)
-    model, tok, cfg = run.model, run.tokenizers, run.cfg
     if not src or not src.strip():
         raise ConfigError("viz attention: --src TEXT is required and must not be empty")
-    src_ids = tok.src.encode(src)
-    limit = cfg.model.max_positions
-    dev = model_device(model)
-    if not cfg.kind.encoder:
+    return attention_reader(run).read(run, src, tgt)
+
+
+class StreamAttention:
+    """A decoder-only model's maps: its masked self-attention over the tokens of a text (a target is ignored)."""
+
+    def source_room(self, cfg: Config) -> int:
+        """The most tokens a text may have."""
+        return cfg.model.max_positions
+
+    def target_room(self, cfg: Config) -> int | None:
+        """The most tokens a target may have (None: a target is not read)."""
+        return None
+
+    @torch.no_grad()
+    def read(self, run: Run, src: str, tgt: str | None) -> AttentionData:
         if tgt is not None:
             log.warning("viz attention: %s is a language model; --tgt is ignored", run.path)
+        tok, limit = run.tokenizers.src, self.source_room(run.cfg)
+        src_ids = tok.encode(src)
         if len(src_ids) > limit:
             raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens, the model takes {limit}")
-        probs = model.attention_maps(torch.tensor([src_ids], device=dev))
-        labels = token_labels(tok.src, src_ids)
+        probs = run.model.attention_maps(torch.tensor([src_ids], device=model_device(run.model)))
+        labels = token_labels(tok, src_ids)
         nxt = labels[1:] + ["\u2026"]  # the last step predicts a token the text does not hold yet
         return AttentionData({"decoder_self": _maps("decoder_self", probs["decoder_self"], labels, labels, nxt)},
                              src, None, False)
-    sp = tok.specials
-    src_ids = src_ids + [sp.eos]
-    if len(src_ids) > limit:
-        raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens with </s>, the model takes {limit}")
-    src_t = torch.tensor([src_ids], device=dev)  # (1, S)
-    generated = tgt is None
-    if generated:  # what `aiayn translate --beam 1` gives (the same decoding: banned ids, limits, n-grams)
-        spec = SearchSpec(cfg.decode.replace(beam=1, nbest=1, sample=False), sp)
-        tgt_ids = decode_ids(model, [src_ids[:-1]], spec, scores=False)[0][0].tokens
-        tgt = tok.tgt.decode(tgt_ids)
-    else:
-        tgt_ids = tok.tgt.encode(tgt)
-    if not generated and len(tgt_ids) > limit - 1:  # the whole target or nothing: part of it would mislead
-        raise ConfigError(f"viz attention: the target has {len(tgt_ids)} tokens, the decoder reads at most "
-                          f"{limit - 1} after its start token")
-    tgt_in = [sp.decoder_start] + tgt_ids[: limit - 1]  # a generated one stops at the model's positions anyway
-    probs = model.attention_maps(src_t, torch.tensor([tgt_in], device=dev))
-    s_lab, t_lab = token_labels(tok.src, src_ids), token_labels(tok.tgt, tgt_in)
-    nxt = token_labels(tok.tgt, tgt_in[1:] + [sp.eos])  # each step predicts the next input; the last, </s>
-    maps = {
-        "encoder": _maps("encoder", probs["encoder"], s_lab, s_lab),
-        "decoder_self": _maps("decoder_self", probs["decoder_self"], t_lab, t_lab, nxt),
-        "cross": _maps("cross", probs["cross"], t_lab, s_lab, nxt),
-    }
-    return AttentionData(maps, src, tgt, generated)
+
+
+class PairAttention:
+    """An encoder-decoder's maps: the encoder's self-attention over the source, the decoder's masked
+    self-attention and its attention to the source over the target (given, or its greedy translation)."""
+
+    def source_room(self, cfg: Config) -> int:
+        return cfg.model.max_positions - 1  # the source ends in EOS
+
+    def target_room(self, cfg: Config) -> int | None:
+        return cfg.model.max_positions - 1  # the decoder reads it after its start token
+
+    @torch.no_grad()
+    def read(self, run: Run, src: str, tgt: str | None) -> AttentionData:
+        model, tok, cfg = run.model, run.tokenizers, run.cfg
+        limit, sp, dev = cfg.model.max_positions, tok.specials, model_device(model)
+        src_ids = tok.src.encode(src) + [sp.eos]
+        if len(src_ids) > limit:
+            raise ConfigError(f"viz attention: --src has {len(src_ids)} tokens with </s>, the model takes {limit}")
+        src_t = torch.tensor([src_ids], device=dev)  # (1, S)
+        generated = tgt is None
+        if generated:  # what `aiayn translate --beam 1` gives (the same decoding: banned ids, limits, n-grams)
+            spec = SearchSpec(cfg.decode.replace(beam=1, nbest=1, sample=False), sp)
+            tgt_ids = decode_ids(model, [src_ids[:-1]], spec, scores=False)[0][0].tokens
+            tgt = tok.tgt.decode(tgt_ids)
+        else:
+            tgt_ids = tok.tgt.encode(tgt)
+        if not generated and len(tgt_ids) > limit - 1:  # the whole target or nothing: part of it would mislead
+            raise ConfigError(f"viz attention: the target has {len(tgt_ids)} tokens, the decoder reads at most "
+                              f"{limit - 1} after its start token")
+        tgt_in = [sp.decoder_start] + tgt_ids[: limit - 1]  # a generated one stops at the model's positions anyway
+        probs = model.attention_maps(src_t, torch.tensor([tgt_in], device=dev))
+        s_lab, t_lab = token_labels(tok.src, src_ids), token_labels(tok.tgt, tgt_in)
+        nxt = token_labels(tok.tgt, tgt_in[1:] + [sp.eos])  # each step predicts the next input; the last, </s>
+        maps = {
+            "encoder": _maps("encoder", probs["encoder"], s_lab, s_lab),
+            "decoder_self": _maps("decoder_self", probs["decoder_self"], t_lab, t_lab, nxt),
+            "cross": _maps("cross", probs["cross"], t_lab, s_lab, nxt),
+        }
+        return AttentionData(maps, src, tgt, generated)
+
+
+# How each architecture's attention is read (:attr:`aiayn.model.transformer.Transformer.architecture`).
+READERS: dict[str, StreamAttention | PairAttention] = {"decoder-only": StreamAttention(),
+                                                       "encoder-decoder": PairAttention()}
+
+
+def attention_reader(run: Run) -> StreamAttention | PairAttention:
+    """How ``run``'s model's attention is read: by its architecture (the maps it has, the text it takes)."""
+    return READERS[run.model.architecture]
 
 
 def select(data: AttentionData, layer: int | None = None, head: int | None = None) -> AttentionData:

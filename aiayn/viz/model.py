@@ -46,9 +46,9 @@ def model_diagram(source: str | Path = "paper-base") -> ModelDiagram:
     cfg, name = config_of(source)
     m = recipe_vocabulary(cfg, source)
     with torch.device("meta"):  # the parameter count of exactly this architecture, without allocating it
-        parameters = count_parameters(build_model(m, cfg.task))
-    n_encoder = m.n_encoder_layers if cfg.kind.encoder else 0
-    return ModelDiagram(name=name, n_encoder=n_encoder, n_decoder=m.n_decoder_layers, d_model=m.d_model,
+        model = build_model(m, cfg.task)
+    parameters = count_parameters(model)
+    return ModelDiagram(name=name, n_encoder=model.encoder_layers, n_decoder=m.n_decoder_layers, d_model=m.d_model,
                         heads=m.n_heads, d_k=m.d_k or m.d_model // m.n_heads, d_v=m.d_v or m.d_model // m.n_heads,
                         d_ff=m.d_ff, activation=m.activation, positional=m.positional, norm_first=m.norm_first,
                         dropout=m.dropout, src_vocab=m.vocab_size, tgt_vocab=m.tgt_vocab_size or m.vocab_size,
