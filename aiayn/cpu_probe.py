@@ -110,6 +110,18 @@ if packed:
     checks["int8 weights, packed"] = err(mkldnn._linear_pointwise.binary(x.to(bf), wscale.expand(64, -1), wqp, None,
                                                                        "mul"), wref)
 
+def best_ms(run, warm, inner, calls=1):  # the best of 5 timings of inner runs, in ms per product
+    for _ in range(warm):
+        run()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(inner):
+            run()
+        best = min(best, (time.perf_counter() - t) / inner / calls * 1e3)
+    return best
+
+
 ms = {}
 w = torch.randn(1024, 256) / 16
 for dtype, name in ((torch.float32, "fp32"), (bf, "bf16")):
@@ -120,15 +132,7 @@ for dtype, name in ((torch.float32, "fp32"), (bf, "bf16")):
             run = lambda: mkldnn._linear_pointwise(x.to(dtype), wp, None, "none", [], "").float()
         else:
             run = lambda: F.linear(x.to(dtype), wp).float()
-        for _ in range(10):
-            run()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(20):
-                run()
-            best = min(best, (time.perf_counter() - t) / 20 * 1e3)
-        ms[f"{name} {rows}"] = best
+        ms[f"{name} {rows}"] = best_ms(run, 10, 20)
 # the int8 kinds at the same rows: dynamic int8 (int8 rows, int32 sums) and int8 weights with bf16 rows (the
 # weight-only kernel at 4 rows, oneDNN's bf16 product on the int8 values at 256), each over 8 weights of 1024 x 256 in
 # turn (8 MiB in fp32: a decoder step streams its weights from memory, it does not find them in a core's cache)
@@ -156,15 +160,7 @@ for rows in (4, 256):
                 torch.mul(F.linear(x.to(bf), qb), sl).float()
 
     for name, run in (("int8", dynamic), ("int8_bf16", weights_only)):
-        for _ in range(3):
-            run()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(5):
-                run()
-            best = min(best, (time.perf_counter() - t) / 5 / len(layers) * 1e3)
-        ms[f"{name} {rows}"] = best
+        ms[f"{name} {rows}"] = best_ms(run, 3, 5, len(layers))
 print(json.dumps({"checks": checks, "ms": ms}))
 """
 # The largest relative error (to the largest magnitude of the fp32 result) a check may show: bf16 keeps 8 bits of

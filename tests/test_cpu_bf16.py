@@ -172,6 +172,15 @@ needs_bf16 = pytest.mark.skipif("not _native().native", reason="this CPU has no 
                                 "(aiayn.cpu_probe): bf16 would be emulated or could die of SIGILL")
 
 
+def padded_ids(loaded, sources: list[str]) -> tuple[torch.Tensor, SearchSpec]:
+    """A loaded run's sources as padded ids (EOS appended) and its decoding spec."""
+    specials = loaded.tokenizers.specials
+    ids = [loaded.tokenizers.src.encode(s) + [specials.eos] for s in sources]
+    width = max(map(len, ids))
+    return (torch.tensor([i + [specials.pad] * (width - len(i)) for i in ids]),
+            SearchSpec(loaded.cfg.decode, specials))
+
+
 @needs_bf16
 def test_bf16_products_are_fp32_products_of_bf16_rounded_operands():
     torch.manual_seed(0)
@@ -207,11 +216,7 @@ def test_bf16_decoding_batched_equals_alone_and_stays_near_fp32(tiny_run):
         swaps += same_hypotheses([(h.ids, h.score) for h in hyps[:1]], [(h.ids, h.score) for h in alone[:1]], text)
     assert swaps <= 1
     # cached = uncached in bf16 too
-    specials = bf16.tokenizers.specials
-    ids = [bf16.tokenizers.src.encode(s) + [specials.eos] for s in sources[:8]]
-    width = max(map(len, ids))
-    src = torch.tensor([i + [specials.pad] * (width - len(i)) for i in ids])
-    spec = SearchSpec(bf16.cfg.decode, specials)
+    src, spec = padded_ids(bf16, sources[:8])
     with torch.inference_mode():
         assert greedy_search(bf16.model, src, spec=spec) == greedy_search(bf16.model, src, spec=spec, use_cache=False)
     # not a copy of fp32 (the products really ran in bf16), yet close to it on most sentences
@@ -286,11 +291,7 @@ def test_int8_bf16_decoding_batched_equals_alone_up_to_near_ties_and_stays_near_
         swaps += list(hyps[0].ids) != list(alone[0].ids)
     assert swaps <= 1
     # cached (one row per sentence a step: the weight-only kernel) = uncached (every position at once: oneDNN's)
-    specials = int8.tokenizers.specials
-    ids = [int8.tokenizers.src.encode(s) + [specials.eos] for s in sources[:8]]
-    width = max(map(len, ids))
-    src = torch.tensor([i + [specials.pad] * (width - len(i)) for i in ids])
-    spec = SearchSpec(int8.cfg.decode, specials)
+    src, spec = padded_ids(int8, sources[:8])
     with torch.inference_mode():
         assert greedy_search(int8.model, src[:1], spec=spec) == greedy_search(int8.model, src[:1], spec=spec,
                                                                               use_cache=False)
