@@ -107,8 +107,8 @@ wref = F.linear(x.to(bf).float(), wq.float() * wscale.float()[:, None])
 checks["int8 weights"] = err(torch._weight_int8pack_mm(x.to(bf), wq, wscale), wref)
 if packed:
     wqp = mkldnn._reorder_linear_weight(wq.to(bf), 64)
-    checks["int8 weights, packed"] = err(mkldnn._linear_pointwise.binary(x.to(bf), wscale.expand(64, -1), wqp, None,
-                                                                       "mul"), wref)
+    checks["int8 weights, packed"] = err(mkldnn._linear_pointwise(x.to(bf), wqp, None, "none", [], "").float()
+                                         * wscale.float(), wref)
 
 def best_ms(run, warm, inner, calls=1):  # the best of 5 timings of inner runs, in ms per product
     for _ in range(warm):
@@ -141,23 +141,26 @@ for _ in range(8):
     wl = torch.randn(1024, 256) / 16
     sl = (wl.abs().amax(dim=1) / 127).to(bf)
     ql = torch.div(wl, sl.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    layers.append((ql, sl, ql.t().contiguous(), mkldnn._reorder_linear_weight(ql.to(bf), 64) if packed else ql.to(bf)))
+    layers.append((ql, sl.float(), ql.t().contiguous(),
+                   mkldnn._reorder_linear_weight(ql.to(bf), 64) if packed else ql.to(bf)))
+ones = torch.ones(1024, dtype=bf)
 for rows in (4, 256):
     x = torch.randn(rows, 256)
 
     def dynamic():
         for _, sl, qt, _ in layers:
             s = x.abs().amax(dim=1, keepdim=True).div_(127.0)
-            torch._int_mm(torch.div(x, s).round_().to(torch.int8), qt).float().mul_(s).mul_(sl.float())
+            torch._int_mm(torch.div(x, s).round_().to(torch.int8), qt).float().mul_(s).mul_(sl)
 
     def weights_only():
         for ql, sl, _, qb in layers:
             if rows <= 4:
-                torch._weight_int8pack_mm(x.to(bf), ql, sl).float()
+                y = torch._weight_int8pack_mm(x.to(bf), ql, ones)
             elif packed:
-                mkldnn._linear_pointwise.binary(x.to(bf), sl.expand(rows, -1), qb, None, "mul").float()
+                y = mkldnn._linear_pointwise(x.to(bf), qb, None, "none", [], "")
             else:
-                torch.mul(F.linear(x.to(bf), qb), sl).float()
+                y = F.linear(x.to(bf), qb)
+            y.float().mul_(sl)
 
     for name, run in (("int8", dynamic), ("int8_bf16", weights_only)):
         ms[f"{name} {rows}"] = best_ms(run, 3, 5, len(layers))

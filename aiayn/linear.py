@@ -27,10 +27,9 @@ A module with linear maps declares :class:`LinearKernel` and computes each map a
   :attr:`Int8Bf16Linear.SMALL_ROWS` rows (one sentence's beam) PyTorch's weight-only int8 kernel multiplies the
   int8 weights as they are (a quarter of fp32's bytes: a beam step reads its weights, not its rows, so this is what
   makes one sentence fast); more rows take oneDNN's bf16 product (AMX) on the int8 values held as bf16, which is
-  exact (|q| <= 127 needs 7 bits), with the scales applied inside it. Both round the scaled fp32 sums to bf16 once
-  (8 bits of mantissa, as ``bf16``'s products) and add the bias in fp32, so a row's result alone and in a batch
-  differs only where the two kernels' sums, added in another order, round to another bf16 value (the last bits, as
-  between two CPUs).
+  exact (|q| <= 127 needs 7 bits). Both round the fp32 sums to bf16 (8 bits of mantissa, as ``bf16``'s products),
+  then apply the scales and the bias in fp32, so a row's result alone and in a batch differs only where the two
+  kernels' sums, added in another order, round to another bf16 value (the last bits, as between two CPUs).
 
 Every kind falls back to ``F.linear`` where its kernel does not apply: when autograd records (training, or a
 gradient through the model), and off the CPU or off fp32 (a bf16 model's plain bf16 product). Prepared weights
@@ -220,41 +219,47 @@ class Int8Linear(_CpuKernel):
 
 
 class Int8Bf16Linear(_CpuKernel):
-    """int8 weights (per output row, as :class:`Int8Linear`'s), bf16 input rows, fp32 sums times the scales, rounded
-    to bf16 once, then the fp32 bias (the module docstring's ``int8_bf16``)."""
+    """int8 weights (per output row, as :class:`Int8Linear`'s), bf16 input rows, fp32 sums rounded to bf16, then the
+    scales and the bias in fp32 (the module docstring's ``int8_bf16``)."""
 
     kind = "int8_bf16"
     SMALL_ROWS = 4  # up to here the weight-only kernel (measured: faster at 1-4 rows, slower from 6, 1024 x 256)
 
-    def prepare(self, w: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
-        """(the int8 weight (N, K) for the weight-only kernel, or None; the scales (N,) in bf16, which both paths
-        read; the int8 values as bf16, laid out for oneDNN)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self._ones: dict[int, Tensor] = {}
+
+    def prepare(self, w: Tensor) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+        """(the int8 weight (N, K) for the weight-only kernel, or None; ones (N,) bf16, its scales; the int8 values
+        as bf16, laid out for oneDNN; the scales (N,) fp32, applied after either kernel)."""
         q, scale = quantize_rows(w.float())
         # The weight-only kernel's vector code loads 16 input values at a time from aligned rows and has no tail: a
         # width that is not a multiple of 16 never takes it (it would read past the rows, or fault).
         small = q.contiguous() if w.size(1) % 16 == 0 else None
+        ones = self._ones.setdefault(w.size(0), torch.ones(w.size(0), dtype=torch.bfloat16))
         qb = q.to(torch.bfloat16).contiguous()  # exact
         large = torch.ops.mkldnn._reorder_linear_weight(qb, PackedLinear.BATCH_HINT) if packed_available() else qb
-        return small, scale.to(torch.bfloat16), large
+        return small, ones, large, scale
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """x (..., K), w (N, K), b (N,) or None -> (..., N), fp32."""
         if not self.applies(x, w) or x.numel() == 0:
             return F.linear(x, w, b)
-        small, scale, large = self.prepared(w)
+        small, ones, large, scale = self.prepared(w)
         x2 = x.reshape(-1, x.size(-1)).to(torch.bfloat16).contiguous()  # (M, K): a fresh (aligned) tensor
         rows = x2.size(0)
-        # Both paths: the fp32 sums times the bf16 scales (exact products, q x scale or sum x scale), rounded to
-        # bf16 once, so they differ only where the two kernels' sums, added in another order, round apart.
+        # Both paths: the fp32 sums of exact products, rounded to bf16 (the weight-only kernel with unit scales,
+        # oneDNN's bf16 product), so that they differ only where the two kernels' sums, added in another order,
+        # round apart; then the scales and the bias in fp32. (A oneDNN post-op for the scales, which would round
+        # once, doubled the time of the 8,000-row output projection at 256 rows.)
         if small is not None and rows <= self.SMALL_ROWS:
-            y = torch._weight_int8pack_mm(x2, small, scale)  # (M, N) bf16
+            y = torch._weight_int8pack_mm(x2, small, ones)  # (M, N) bf16
         elif packed_available():
-            x2 = padded_rows(x2)
-            y = torch.ops.mkldnn._linear_pointwise.binary(x2, scale.expand(x2.size(0), -1), large, None,
-                                                          "mul")[:rows]  # the scales as a post-op, in fp32
+            y = torch.ops.mkldnn._linear_pointwise(padded_rows(x2), large, None, "none", [], "")[:rows]
         else:  # pragma: no cover - a PyTorch without oneDNN
-            y = torch.mul(F.linear(x2, large), scale)
-        y = y.float() if b is None else torch.add(b, y)  # fp32 + bf16 -> fp32: the bias added in fp32
+            y = F.linear(x2, large)
+        y = y.float()  # then fp32 ops: faster than bf16 x fp32 ones, which cast inside, for the same values
+        y = y.mul_(scale) if b is None else torch.addcmul(b, y, scale)
         return y.view(*x.shape[:-1], w.size(0))
 
 

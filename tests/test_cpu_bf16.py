@@ -246,9 +246,9 @@ def test_training_in_bf16_on_the_cpu_logs_its_precision_and_report_shows_it(tmp_
 @needs_bf16
 def test_int8_bf16_products_are_int8_weights_times_bf16_rows():
     """Up to SMALL_ROWS rows PyTorch's weight-only kernel, more rows oneDNN's bf16 product: both are the sums of
-    bf16-rounded rows times the int8 weights times the (bf16) row scales (exact products, fp32 sums), rounded to bf16
-    once, plus the bias in fp32; a row alone and in a batch (another kernel) agree but where two sums added in
-    another order round apart. A width that is not a multiple of 16 never takes the small kernel."""
+    bf16-rounded rows times the int8 weights (exact products, fp32 sums), rounded to bf16, then times the row scales
+    plus the bias in fp32; a row alone and in a batch (another kernel) agree but where two sums added in another
+    order round apart. A width that is not a multiple of 16 never takes the small kernel."""
     torch.manual_seed(0)
     kernel = Int8Bf16Linear()
     for width in (256, 48, 50):
@@ -258,8 +258,8 @@ def test_int8_bf16_products_are_int8_weights_times_bf16_rows():
             x = torch.randn(rows, width)
             with torch.inference_mode():
                 y = kernel(x, w, b)
-            sums = (x.bfloat16().double() @ q.double().t()) * scale.bfloat16().double()  # exact
-            ref = b + sums.float().bfloat16().float()  # the rounding the kernel documents
+            sums = x.bfloat16().double() @ q.double().t()  # exact
+            ref = torch.addcmul(b, sums.float().bfloat16().float(), scale)  # the rounding the kernel documents
             assert y.dtype == torch.float32 and y.shape == (rows, 512)
             assert (y == ref).float().mean() >= 0.99, (width, rows)
             assert ((y - ref).abs() <= 2 ** -7 * (ref - b).abs() + 1e-6).all(), (width, rows)  # else one bf16 step
