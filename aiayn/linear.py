@@ -181,7 +181,9 @@ class Bf16Linear(PackedLinear):
             y = torch.ops.mkldnn._linear_pointwise(x2, wb, None, "none", [], "")
         else:  # pragma: no cover - a PyTorch without oneDNN
             y = F.linear(x2, wb)
-        y = y[:rows].float() if b is None else torch.add(b, y[:rows])  # fp32 + bf16 -> fp32
+        y = y[:rows].float()  # then the fp32 bias: faster than an fp32 + bf16 op, which casts inside
+        if b is not None:
+            y.add_(b)
         return y.view(*x.shape[:-1], w.size(0))
 
 
