@@ -227,10 +227,6 @@ class Int8Bf16Linear(_CpuKernel):
     kind = "int8_bf16"
     SMALL_ROWS = 4  # up to here the weight-only kernel (measured: faster at 1-4 rows, slower from 6, 1024 x 256)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ones: dict[int, Tensor] = {}
-
     def prepare(self, w: Tensor) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
         """(the int8 weight (N, K) for the weight-only kernel, or None; ones (N,) bf16, its scales; the int8 values
         as bf16, laid out for oneDNN; the scales (N,) fp32, applied after either kernel)."""
@@ -238,7 +234,7 @@ class Int8Bf16Linear(_CpuKernel):
         # The weight-only kernel's vector code loads 16 input values at a time from aligned rows and has no tail: a
         # width that is not a multiple of 16 never takes it (it would read past the rows, or fault).
         small = q.contiguous() if w.size(1) % 16 == 0 else None
-        ones = self._ones.setdefault(w.size(0), torch.ones(w.size(0), dtype=torch.bfloat16))
+        ones = torch.ones(w.size(0), dtype=torch.bfloat16)
         qb = q.to(torch.bfloat16).contiguous()  # exact
         large = torch.ops.mkldnn._reorder_linear_weight(qb, PackedLinear.BATCH_HINT) if packed_available() else qb
         return small, ones, large, scale
@@ -253,7 +249,7 @@ class Int8Bf16Linear(_CpuKernel):
         # Both paths: the fp32 sums of exact products, rounded to bf16 (the weight-only kernel with unit scales,
         # oneDNN's bf16 product), so that they differ only where the two kernels' sums, added in another order,
         # round apart; then the scales and the bias in fp32. (A oneDNN post-op for the scales, which would round
-        # once, doubled the time of the 8,000-row output projection at 256 rows.)
+        # once, was slower on the 8,000-row output projection at 256 rows.)
         if small is not None and rows <= self.SMALL_ROWS:
             y = torch._weight_int8pack_mm(x2, small, ones)  # (M, N) bf16
         elif packed_available():
