@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from aiayn import __version__
 from aiayn.errors import ConfigError, is_refusal, one_line, said_here, user_error_message
-from aiayn.launched import reattach_stderr, record_error, said_by_launcher
+from aiayn.launched import reattach_stderr, record_error, said_by_launcher, say_when_torchrun_stops_this
 
 
 def decode_overrides(args: argparse.Namespace) -> dict:
@@ -172,6 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         args.set = [*args.set, f"train.threads={args.threads}"]
+    say_when_torchrun_stops_this()
     if args.allow_unverified:
         from aiayn.data.integrity import allow_unverified
 

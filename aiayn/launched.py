@@ -5,6 +5,9 @@
   launcher's saved stderr again (``AIAYN_LAUNCH_STDERR``, a ``/proc/PID/fd/N`` path) onto this process's.
 - Its one error line goes into torchrun's error file (``TORCHELASTIC_ERROR_FILE``, :func:`record_error`), where
   torchrun's agent reads it for its report of a failed process: also under plain torchrun.
+- A worker of plain torchrun that its agent stops (SIGTERM: another process or node of the job stopped, the
+  rendezvous was lost, a node joined, or the agent itself was stopped) says so in one line before it ends
+  (:func:`say_when_torchrun_stops_this`), instead of vanishing without a word.
 - The job's processes of each rendezvous round (:func:`record_members`: rank, pid, host and the agent that started
   each) go to ``AIAYN_LAUNCH_DIR/job.json``, so that the launcher's last line can name a node that was lost.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -53,6 +57,53 @@ def record_error(line: str, status: int, refusal: bool = False) -> None:
               "aiayn": "refusal" if refusal else "stop"}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(record), encoding="utf-8")
+
+
+_STOPPED_BY_AGENT: list[bool] = []  # set once torchrun's agent stopped this process (SIGTERM)
+
+
+def agent_stop_message() -> str:
+    """The one line of a torchrun worker its agent stopped (without ``aiayn: error: ``), with what to do next."""
+    from aiayn.errors import restart_hint
+
+    return ("torchrun's agent stopped this process (SIGTERM), as it does when another process of this torchrun job "
+            f"stopped, a node was lost or joined, or the agent itself was stopped; {restart_hint()}")
+
+
+def stopped_by_agent() -> bool:
+    """Whether torchrun's agent stopped this process (then its data loader workers, which the agent's SIGTERM to
+    the process group also ended, are not the reason)."""
+    return bool(_STOPPED_BY_AGENT)
+
+
+def say_when_torchrun_stops_this() -> None:
+    """In a worker of plain torchrun (not :mod:`aiayn.launch`, whose last line says it for the job): when the agent
+    stops this process (SIGTERM to its process group), raise :class:`~aiayn.errors.StoppedError` at the next
+    Python instruction, so the command's error boundary says why in one line (:func:`agent_stop_message`) and
+    records it. The agent does so when another process or node stopped, often before this process's next
+    collective would have failed on its own. Processes forked from this one (data loader workers) end as the
+    default would; their deaths, which follow, are no longer reported (SIGCHLD back to its default)."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(DIR_ENV):
+        return
+    import sys
+
+    from aiayn.errors import StoppedError
+
+    mine = os.getpid()
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM (or one in a fork) ends the process at once
+        if os.getpid() != mine:
+            os.kill(os.getpid(), signum)
+            return
+        _STOPPED_BY_AGENT.append(True)
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the data loader's workers end too: not the news
+        if sys.exc_info()[0] is None:  # already ending with an error: that one says it
+            raise StoppedError(agent_stop_message())
+
+    with contextlib.suppress(ValueError):  # not the main thread: keep the default
+        signal.signal(signal.SIGTERM, stop)
 
 
 def said_by_launcher(refusal: bool) -> bool:

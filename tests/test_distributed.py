@@ -730,6 +730,39 @@ def test_a_lost_rendezvous_host_is_one_line_that_says_to_start_again_with_resume
     assert all(torch.equal(uninterrupted[k], got[k]) for k in got)
 
 
+@pytest.mark.slow
+def test_a_worker_its_agent_stops_says_why_in_one_line(tmp_path):
+    """CI's stop 75: the agent of the node left noticed the lost rendezvous first and stopped its worker (SIGTERM)
+    before the worker's next collective failed, so that worker ended without a word. Stopped by its agent (here a
+    SIGTERM sent as the agent sends it), a worker of plain torchrun says why in aiayn's one line, with what to do."""
+    import signal
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "agent.log", "w") as err:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "aiayn",
+             "train", *ELASTIC_RECIPE, "--run-dir", str(run)],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=REPO)
+    try:
+        _wait_for_checkpoint(run, 5, [agent])
+        # the agent's worker leads a process group of its own (with its data loader workers): the agent's SIGTERM
+        # goes to that group (torch's SubprocessHandler.close)
+        worker = [pid for pid in _descendants(agent.pid) if pid != agent.pid and os.getpgid(pid) == pid]
+        assert len(worker) == 1, "torchrun's worker not found"
+        os.killpg(worker[0], signal.SIGTERM)
+        assert agent.wait(120) != 0
+    finally:
+        if agent.poll() is None:
+            _lose_node(agent)
+    log = (tmp_path / "agent.log").read_text()
+    said = [x for x in log.splitlines() if x.startswith("aiayn: ")]
+    assert len(said) == 1 and said[0].startswith("aiayn: error: torchrun's agent stopped this process (SIGTERM), "
+                                                 "as it does when another process of this torchrun job stopped"), log
+    assert "start the job again on every node with --resume" in said[0] and "internal error" not in log, said[0]
+
+
 def test_what_torch_distributed_raises_for_a_frozen_or_lost_peer_is_one_line_never_a_bug():
     from aiayn.errors import user_error_message
 

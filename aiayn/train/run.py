@@ -23,6 +23,7 @@ from aiayn.device import Precision, check_fits_in_memory, choose_precision
 from aiayn.engine import cpu_threads, set_cpu_threads
 from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, guard_output, guard_output_dir, locked
+from aiayn.launched import agent_stop_message, stopped_by_agent
 from aiayn.model import build_model, count_parameters
 from aiayn.run.weights import (
     FINAL_WEIGHTS,
@@ -78,6 +79,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
         if d.world > 1 and dist.is_initialized():  # leave the group before exiting: gloo aborts the process else
             dist.destroy_process_group()
         worker = lost_worker(e)  # the machine stopped it (a worker killed), not a bug: say how to go on
+        if worker is not None and stopped_by_agent():  # torchrun's agent ended this process and its workers
+            raise StoppedError(agent_stop_message()) from e
         if worker is not None:
             raise StoppedError(f"{worker}, so the training stopped; {resume_hint(Path(run_dir), d.world)}") from e
         raise
