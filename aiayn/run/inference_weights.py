@@ -44,7 +44,8 @@ class Scores(Protocol):
     weighs beside it (a translation: ``valid_bleu``); every process of the training calls it. ``words``: what they
     are, for the log (``validation NLL and BLEU by the recipe's search``)."""
 
-    words: str
+    @property
+    def words(self) -> str: ...
 
     def __call__(self, model: nn.Module) -> dict[str, float]: ...
 

@@ -128,8 +128,12 @@ class WeightsScores:
     def __init__(self, cfg: Config, run_dir: Path, data: Any, d: Dist,
                  validation: Callable[[nn.Module, Dist], dict[str, float]]) -> None:
         self.cfg, self.run_dir, self.data, self.d, self.validation = cfg, run_dir, data, d, validation
-        self.words = " and ".join(["validation NLL", *(VALID_SCORES[n].words for n in cfg.kind.weights_scores)])
         self._built: dict[str, Callable[..., dict[str, float]]] = {}  # built when needed, once each
+
+    @property
+    def words(self) -> str:
+        """What the scores are, for the log: ``validation NLL and BLEU by the recipe's search``."""
+        return " and ".join(["validation NLL", *(VALID_SCORES[n].words for n in self.cfg.kind.weights_scores)])
 
     def __call__(self, model: nn.Module) -> dict[str, float]:
         scores = {"valid_nll": self.validation(model, self.d)["valid_nll"]}
