@@ -60,7 +60,7 @@ Finish = Callable[[Job, Trained], None]
 def settings_of(cfg: Config, leave_out: Sequence[str]) -> dict[str, Any]:
     """``cfg`` as ``{"section.key": value}`` (JSON values) without the keys ``leave_out``: what a plan's results
     were made with, compared when a plan is run again."""
-    from aiayn.train.ownership import flatten
+    from aiayn.run.ownership import flatten
 
     return json.loads(json.dumps({k: v for k, v in flatten(cfg.to_dict()).items() if k not in leave_out}))
 

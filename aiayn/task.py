@@ -16,19 +16,20 @@ that needs the floors above is named here and registered on the floor it needs, 
   decodes with (:attr:`Task.decoding`).
 
 What only the task knows it answers itself: the work its runs refuse, in its own words (:meth:`Task.check_does`),
-the config fields whose meaning is its own (:meth:`Task.check_config`), how its texts read (:meth:`Task.texts`).
+the config fields whose meaning is its own (:meth:`Task.check_config`), how its texts read (:meth:`Task.texts`), what
+it says of a dataset it does not read (:meth:`Task.dataset_error`).
 Which exports take it: each export target declares the tasks it takes (:mod:`aiayn.interop.registry`). A new task
 that reuses these behaviours is one entry of :data:`TASKS`; a new behaviour is one entry in the table of its floor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from aiayn.errors import ConfigError
+from aiayn.errors import ConfigError, DataError, UserError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,14 @@ class Task:
     def split_error(self, split: str) -> str:
         """What its config's own files answer when asked for a split other than train and valid."""
         return f"split {split!r}: expected train or valid" + ("" if self.translates else " (files named in the config)")
+
+    def dataset_error(self, name: str | None, known: Sequence[str]) -> UserError:
+        """What a config of this task answers when its ``data.dataset`` (``name``) is not a corpus it reads
+        (``known``: the named ones it reads): a language model names its own text file as the other way."""
+        if self.encoder:
+            return DataError(f"dataset {name!r} is not a {self.name} corpus (known: {', '.join(known)})")
+        return ConfigError(f"data.dataset={name!r} is not a language-modelling corpus "
+                           f"(task {self.name}: {', '.join(known)}, or data.train_src: a text file)")
 
     def refusal(self, work: str, where: object = "") -> str | None:
         """The one line a run of this task answers when asked for ``work`` it refuses (see :attr:`refuses`),

@@ -14,8 +14,8 @@ import torch
 
 from aiayn.cli import main
 from aiayn.config import DecodeOptions
+from aiayn.run.inference_weights import describe_choice, prefer_average, search_words
 from aiayn.run.weights import average_weights, checkpoint_paths, read_weights, save_weights
-from aiayn.train.inference_weights import describe_choice, prefer_average, search_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SOURCES = ["a b c", "d c b a", "b b a", "c a", "a a b c d"]

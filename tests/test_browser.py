@@ -63,6 +63,13 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
+@pytest.fixture(scope="module")
+def lm_server(lm_run):
+    proc, url, log = serve_load.start_server(lm_run)
+    yield url
+    assert serve_load.stop_server(proc) == 0, "\n".join(log)
+
+
 def _cells(driver, kind: str) -> dict[tuple[int, int], float]:
     """{(row, col): weight} of one heatmap, read from the cells' data attributes in one script call."""
     rows = driver.execute_script(
@@ -209,3 +216,26 @@ def test_the_page_explains_itself_and_shows_every_head(server, browser):
     browser.find_element(By.ID, "submit").click()
     wait.until(lambda d: d.find_element(By.ID, "output").get_attribute("data-state") == "error")
     assert browser.find_elements(By.CSS_SELECTOR, "#maps svg, #model-view button.thumb") == []
+
+
+def test_a_language_model_page_continues_a_prompt(lm_server, browser):
+    """The page reads what the run offers from /v1/model (its route, architecture and words), not its task's name:
+    a language model's page asks for a prompt, takes new tokens rather than a beam, continues the prompt through
+    /v1/generate and labels its one map's axes as tokens."""
+    wait = WebDriverWait(browser, 60)
+    browser.get(lm_server + "/")
+    wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true")
+    assert browser.find_element(By.ID, "src-label").text == "Prompt"
+    assert browser.find_element(By.ID, "submit").text == "Continue"
+    assert not browser.find_element(By.ID, "beam-field").is_displayed()
+    assert browser.find_element(By.ID, "new-tokens-field").is_displayed()
+    box = browser.find_element(By.ID, "src")
+    box.clear()
+    box.send_keys("the cat")
+    browser.find_element(By.ID, "submit").click()
+    wait.until(lambda d: d.find_element(By.ID, "output").get_attribute("data-state") in ("done", "error"))
+    assert browser.find_element(By.ID, "error").get_attribute("hidden"), browser.find_element(By.ID, "error").text
+    assert browser.find_element(By.ID, "output").text.startswith("the cat")
+    note = browser.find_element(By.CSS_SELECTOR, "#map-decoder_self .axis-note").text
+    assert note == "rows: token \u2192 the token it predicts (queries), columns: token (keys)"
+    assert not browser.find_elements(By.CSS_SELECTOR, "svg[data-kind='cross']")

@@ -473,7 +473,7 @@ def test_each_node_names_its_own_directory_and_rank_when_the_run_directory_is_no
     Now every process says which directory each rank was given (and, for one directory some cannot see, who)."""
     import socket
 
-    from aiayn.train.ownership import check_every_process_sees
+    from aiayn.run.ownership import check_every_process_sees
 
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir()

@@ -14,8 +14,8 @@ import pytest
 from aiayn.config import load_config
 from aiayn.errors import CheckpointError
 from aiayn.files import MARKER
+from aiayn.run.ownership import same_torchrun_job
 from aiayn.run.weights import list_checkpoints
-from aiayn.train.ownership import same_torchrun_job
 from aiayn.train.run import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -375,6 +375,15 @@ def test_evaluate_with_a_split_scores_summaries_by_rouge(summary_lm, summary_seq
         assert res["scores"] == direct["scores"]
 
 
+def test_rolling_refuses_a_summary_lm_without_a_text(summary_lm, capsys):
+    """--rolling scores running text: a model of "document <sep> summary" rows has none (its corpus summarizes), so
+    without --src it is refused in one line, and nothing is written."""
+    assert cli.main(["evaluate", str(summary_lm), "--rolling"]) == 2
+    err = capsys.readouterr().err
+    assert "--rolling scores running text: give a summarization LM's text as --src FILE" in err
+    assert len(err.strip().splitlines()) == 1 and not list((summary_lm / "eval").glob("rolling*"))
+
+
 def test_evaluate_summary_lm_reports_perplexity(summary_lm, capsys):
     from aiayn.run.directory import load_run
 

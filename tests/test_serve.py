@@ -187,6 +187,24 @@ def test_health_and_model(client, translator):
     assert m["task"] == "translation" and m["device"] == "cpu" and m["precision"] == "float32"
     assert m["parameters"] == count_parameters(translator.model)
     assert m["config"]["model"]["n_heads"] == 2 and m["limits"]["max_sentences"] == 128
+    assert m["page"] == {"route": "/v1/translate", "architecture": "encoder-decoder", "source": "Sentence",
+                         "action": "Translate"}
+
+
+def test_the_page_is_told_what_the_run_offers_by_its_corpus():
+    """/v1/model's ``page`` (what static/app.js shows: the route it asks, the axes of its maps, its words) comes from
+    the run's route, architecture and corpus, not from its task's name: a summarizer's documents, a language model's
+    prompt (of running text or of "document <sep> summary" rows)."""
+    from aiayn.config import Config, DataConfig
+    from aiayn.serve.native import STATIC, page_json
+    from aiayn.task import TASKS
+
+    assert page_json(Config(task="summarization")) == {"route": "/v1/translate", "architecture": "encoder-decoder",
+                                                       "source": "Document", "action": "Summarize"}
+    lm = {"route": "/v1/generate", "architecture": "decoder-only", "source": "Prompt", "action": "Continue"}
+    assert page_json(Config(task="lm")) == page_json(Config(task="lm", data=DataConfig(format="jsonl"))) == lm
+    page = (STATIC / "app.js").read_text(encoding="utf-8")
+    assert "m.page" in page and not [name for name in TASKS if f'"{name}"' in page]  # the page names no task
 
 
 def test_attention_maps(client, translator):
@@ -489,7 +507,8 @@ def test_generate_on_a_language_model(lm_client):
     assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task" and "language-model" in r.text
     d = _post(c, "/v1/attention", {"text": "abc"}).json()
     assert list(d["attention"]) == ["decoder_self"] and d["attention"]["decoder_self"]["queries"] == ["a", "b", "c"]
-    assert c.get("/v1/model").json()["task"] == "lm"
+    m = c.get("/v1/model").json()
+    assert m["task"] == "lm" and m["page"]["route"] == "/v1/generate" and m["page"]["architecture"] == "decoder-only"
 
 
 def test_attention_refuses_a_sentence_longer_than_the_model(client):

@@ -2,7 +2,8 @@
 
 Layers, lowest first (docs/architecture.md): errors/files -> config/device -> run.weights/engine -> model/data ->
 search -> train -> run.directory -> decode -> interop/viz/eval -> serve -> cli (the run package, aiayn.run, holds
-the run's weight files on floor 2 and the loaded run on floor 6). A module may import its own layer or a lower one,
+the run's weight files and the choice of its inference weights on floor 2, who owns it on floor 3 and the loaded
+run on floor 6). A module may import its own layer or a lower one,
 never a higher one, not even inside a function; no exception. Inference (run, decode, interop, serve) never imports
 the training code: it opens weight files through aiayn.run.weights.
 """
@@ -22,7 +23,7 @@ LAYERS = {
     "aiayn.errors": 0, "aiayn.files": 0, "aiayn.progress": 0, "aiayn.launched": 0,
     "aiayn.config": 1, "aiayn.cpu_probe": 1, "aiayn.device": 1, "aiayn.task": 1,
     "aiayn.run": 2, "aiayn.run.weights": 2, "aiayn.engine": 2, "aiayn.linear": 2,
-    "aiayn.model": 3, "aiayn.data": 3,
+    "aiayn.model": 3, "aiayn.data": 3, "aiayn.run.ownership": 3,
     "aiayn.search": 4,
     "aiayn.train": 5,
     "aiayn.run.directory": 6,

@@ -455,8 +455,8 @@ def test_averaged_weights_are_used_only_when_validation_finds_them_no_worse(tmp_
     initial weights (a run cut early averages checkpoints from its first updates): the resume's end finds the
     average worse and keeps the last weights."""
     from aiayn.data.pipeline import build_data
+    from aiayn.run.inference_weights import prefer_average
     from aiayn.run.weights import save_weights
-    from aiayn.train.inference_weights import prefer_average
     from aiayn.train.run import resume_run
     from aiayn.train.validation import evaluate_loss, validation_bleu_fn
 

@@ -54,6 +54,12 @@ class Dataset:
         """Whether a config of ``task`` can read it."""
         return self.kind is None or self.kind is task
 
+    def offered_to(self, task: Task) -> bool:
+        """Whether a message naming the datasets ``task`` reads names this one: those of its kind, and (document,
+        summary) data that the task reads as a corpus of its own (a language model's "document <sep> summary" rows,
+        not its running text: :meth:`aiayn.task.Task.corpus`)."""
+        return self.kind is task or (self.lm_summaries and task.corpus(lambda: True) != task.corpus(lambda: False))
+
     def summaries(self, data: DataConfig) -> bool:
         """Whether a language model of it trains on "document <sep> summary" rows (JSONL files: (document,
         summary) pairs) rather than one text stream."""
@@ -115,8 +121,8 @@ class Reverse(Named):
 
     name, kind, test_splits, shared_store = "reverse", TASKS["translation"], ("test",), False
 
-    def serves(self, task: Task) -> bool:
-        return task.encoder
+    def serves(self, task: Task) -> bool:  # any task that reads (source, target) pairs
+        return task.refusal("pairs") is None
 
     def split_pairs(self, data: DataConfig, split: str) -> list[Pair]:
         return reverse_split(split)
@@ -157,6 +163,9 @@ class XSum(Named):
     """The 1,000-row XSum sample: (document, summary) pairs for an encoder-decoder or a language model."""
 
     name, kind, lead_1, shared_store, lm_summaries = "xsum", TASKS["summarization"], True, False, True
+    # Two spellings of the same pairs, by the corpus a task reads of them (:meth:`aiayn.task.Task.corpus`): the
+    # stores prepared under each keep their keys; a language model's "document <sep> summary" rows name the file.
+    KEYS = MappingProxyType({"rows": "xsum/xsum-1000.jsonl/{split}{rows}"})
 
     def serves(self, task: Task) -> bool:
         return True
@@ -165,11 +174,8 @@ class XSum(Named):
         return xsum_pairs(split)
 
     def identity(self, data: DataConfig, task: Task) -> dict[str, str]:
-        sha = xsum_sha256()
-        # Two spellings of the same pairs: the stores prepared under each keep their keys.
-        if task.encoder:
-            return {f"xsum/{s}": sha for s in TRAIN_VALID}
-        return {f"xsum/xsum-1000.jsonl/{s}{XSUM_SPLITS[s]}": sha for s in TRAIN_VALID}
+        sha, key = xsum_sha256(), self.KEYS.get(task.corpus(lambda: self.summaries(data)), "xsum/{split}")
+        return {key.format(split=s, rows=XSUM_SPLITS[s]): sha for s in TRAIN_VALID}
 
 
 class TinyShakespeare(Named):
@@ -193,11 +199,7 @@ def lookup(name: str | None, task: Task) -> Dataset:
     entry = FILES if name is None else REGISTRY.get(name)
     if entry is not None and entry.serves(task):
         return entry
-    known = sorted(n for n, d in REGISTRY.items() if d.kind is task or (not task.encoder and d.lm_summaries))
-    if not task.encoder:
-        raise ConfigError(f"data.dataset={name!r} is not a language-modelling corpus "
-                          f"(task lm: {', '.join(known)}, or data.train_src: a text file)")
-    raise DataError(f"dataset {name!r} is not a {task.name} corpus (known: {', '.join(known)})")
+    raise task.dataset_error(name, sorted(n for n, d in REGISTRY.items() if d.offered_to(task)))
 
 
 def dataset_of(cfg: Config) -> Dataset:

@@ -253,10 +253,16 @@ SUMMARIZERS: dict[str, Summarizer] = {
     "documents": Summarizer(summarize_seq2seq, lambda opts: f"encoder-decoder: beam {opts.beam}")}
 
 
+def summarizer_for(cfg: Config) -> Summarizer | None:
+    """The :class:`Summarizer` of the corpus runs of ``cfg`` train on (:data:`SUMMARIZERS`); None for one that
+    holds no summaries (a language model's running text)."""
+    return SUMMARIZERS.get(corpus_of(cfg).name)
+
+
 def summarizer_of(run: Run) -> Summarizer:
     """The :class:`Summarizer` of ``run``'s corpus; a one-line ConfigError for a run that cannot summarize."""
     run.cfg.kind.check_does("summarize", run.path)
-    summarizer = SUMMARIZERS.get(corpus_of(run.cfg).name)
+    summarizer = summarizer_for(run.cfg)
     if summarizer is None:
         raise ConfigError(f"{run.path} is a language model of running text, not of 'document <sep> summary' "
                           "sequences (data.dataset xsum or JSONL files): it cannot summarize")

@@ -203,10 +203,10 @@ def lm_valid_text(cfg: Config) -> str:
     """The validation text of a language model of running text: the last ``data.valid_fraction`` of its corpus,
     cut where training cut it (``data.pipeline.build_lm_data``)."""
     from aiayn.data.corpus import read_text
-    from aiayn.data.pipeline import ROWS, corpus_of
     from aiayn.data.registry import dataset_of
+    from aiayn.decode.generate import summarizer_for
 
-    if corpus_of(cfg) is ROWS:
+    if summarizer_for(cfg) is not None:  # a model of "document <sep> summary" rows: its corpus is no running text
         raise ConfigError("--rolling scores running text: give a summarization LM's text as --src FILE")
     text = read_text(dataset_of(cfg).text(cfg.data)[0])
     return text[int(len(text) * (1 - cfg.data.valid_fraction)):]
@@ -310,14 +310,14 @@ def _evaluate_language_model(run_dir: Path, cfg: Config, data: EvalData, options
                              device: str, precision: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """A language model: its text scored in lm-evaluation-harness's rolling windows (``--rolling``), a split's
     summaries (a "document <sep> summary" model), else the NLL of its validation text."""
-    from aiayn.data.pipeline import ROWS, corpus_of
+    from aiayn.decode.generate import summarizer_for
 
     split, src, ref = data.split, data.src, data.ref
     if data.rolling:
         if ref is not None or split not in (None, "valid") or (src is not None and split is not None):
             raise ConfigError("--rolling scores the validation text or one --src FILE: no --ref, no other split")
         return evaluate_lm_rolling(run_dir, data, device, precision)
-    if split is not None and corpus_of(cfg) is ROWS:
+    if split is not None and summarizer_for(cfg) is not None:  # a model that summarizes: its summaries of a split
         return _evaluate_split_summaries(run_dir, data, options, device, precision, overrides)
     if src is not None or ref is not None or split not in (None, "valid"):
         raise ConfigError("a language-model run is evaluated on its validation text: no --src/--ref (a text "

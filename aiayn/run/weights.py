@@ -44,6 +44,11 @@ def checkpoint_paths(run_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
     return Path(f"{base}.safetensors"), Path(f"{base}.optim.safetensors"), Path(f"{base}.json")
 
 
+def best_path(run_dir: str | Path) -> Path:
+    """Where a training keeps its best weights by validation NLL, apart from the rotating checkpoints."""
+    return checkpoint_dir(run_dir) / "best.safetensors"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[int]:
     """Steps of the complete checkpoints in ``run_dir`` (those whose JSON and weights exist), ascending."""
     d = checkpoint_dir(run_dir)
@@ -201,7 +206,7 @@ def select_weights(run_dir: str | Path, which: str, average_last: int) -> tuple[
         return (average_weights([checkpoint_paths(run_dir, s)[0] for s in chosen]),
                 f"the average of steps {chosen}", "average")
     if which == "best":
-        best = checkpoint_dir(run_dir) / "best.safetensors"
+        best = best_path(run_dir)
         if not best.is_file():
             raise CheckpointError(f"{best}: no such file (a run keeps its best weights when it evaluates)")
         return best, "the best checkpoint (lowest validation NLL)", "best"

@@ -4,7 +4,7 @@
 ==========================  ========================================================================
 ``GET /``                   the attention explorer page (static/, served by the package, no CDN)
 ``GET /health``             {"status": "ok", "queued", "jobs", "calls", "items", "cancelled"} (batcher counters)
-``GET /v1/model``           task, run, device, precision, parameters, config, limits, batching
+``GET /v1/model``           task, run, device, precision, parameters, config, limits, batching, page
 ``POST /v1/translate``      {"text": [...], any DecodeOptions field} -> {"translations": [...]}, in order
 ``POST /v1/generate``       language-model runs: {"prompt", "max_new_tokens", "temperature", ...}
 ``POST /v1/attention``      {"text", "target"?} -> tokens and attention probabilities (L x H x Q x K)
@@ -29,6 +29,8 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from aiayn.config import Config
+from aiayn.data.pipeline import corpus_of
 from aiayn.decode.generate import Generator
 from aiayn.decode.stream import hypothesis_json
 from aiayn.decode.translator import Translation
@@ -51,6 +53,21 @@ ROUTES: Mapping[str, str] = MappingProxyType({"translator": TRANSLATE, "generato
 def route_of(kind: Task) -> str:
     """aiayn's own route that serves a run of task ``kind``."""
     return ROUTES[kind.loader]
+
+
+# What the attention explorer page (static/app.js) calls its text box and its button, by what the run was trained
+# on (its data.pipeline.Corpus): the page asks the server rather than comparing task names, so a new task whose
+# corpus is one of these shows in its own words; another corpus shows as a translation.
+PAGE_WORDS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "pairs": ("Sentence", "Translate"), "documents": ("Document", "Summarize"),
+    "stream": ("Prompt", "Continue"), "rows": ("Prompt", "Continue")})
+
+
+def page_json(cfg: Config) -> dict[str, str]:
+    """What /v1/model tells the page: the route that serves the run (its request and its fields), the model's
+    architecture (its attention maps' axes) and the words of its text box and button (:data:`PAGE_WORDS`)."""
+    source, action = PAGE_WORDS.get(corpus_of(cfg).name, PAGE_WORDS["pairs"])
+    return {"route": route_of(cfg.kind), "architecture": cfg.kind.architecture, "source": source, "action": action}
 
 
 def need(kind: Task, path: str) -> None:
@@ -122,6 +139,7 @@ class NativeRoutes(RouteTable):
             "decode": dataclasses.asdict(svc.decode),  # the run's decode section with the server's decoding flags
             "limits": {**dataclasses.asdict(svc.limits), "attention_tokens": m.cfg.model.max_positions},
             "batching": {"max_batch_tokens": svc.budget, "max_wait_ms": svc.max_wait_ms, "max_queue": svc.max_queue},
+            "page": page_json(m.cfg),  # what the attention explorer page shows (static/app.js)
         })
 
     @route(TRANSLATE, "POST")

@@ -25,6 +25,7 @@ from aiayn.errors import CheckpointError, ConfigError, StoppedError, lost_worker
 from aiayn.files import check_writable, guard_output, guard_output_dir, locked
 from aiayn.launched import agent_stop_message, stopped_by_agent
 from aiayn.model import build_model, count_parameters
+from aiayn.run.ownership import flatten, own_run_dir, same_torchrun_job
 from aiayn.run.weights import (
     FINAL_WEIGHTS,
     average_weights,
@@ -36,7 +37,6 @@ from aiayn.run.weights import (
 )
 from aiayn.train.init_from import adopt_init_run, copy_init_tokenizer
 from aiayn.train.metrics_log import check_log_backends
-from aiayn.train.ownership import flatten, own_run_dir, same_torchrun_job
 from aiayn.train.parallel import Dist, init_distributed
 from aiayn.train.resume import CheckpointMeta, TrainState, resume_config
 from aiayn.train.trainer import Trainer
@@ -53,7 +53,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, progress: bool
     """Train ``cfg`` into ``run_dir`` (single process, or one rank of a torchrun job). ``init_from``: a run
     whose weights, tokenizer and model section start the training (fine-tuning; :mod:`aiayn.train.init_from`).
 
-    The device, the run directory (:mod:`aiayn.train.ownership`: new or empty, or ``resume`` of a run whose
+    The device, the run directory (:mod:`aiayn.run.ownership`: new or empty, or ``resume`` of a run whose
     newest checkpoint is sound) and its lock are settled before any work; a start that fails removes what it
     created."""
     check_log_backends(cfg.train.log_to)  # a missing tracker package fails before anything is written
@@ -134,7 +134,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, d: Dist,
     if not resume:  # a run that already trained keeps its config
         check_data_sources(cfg)
     check_prepared(cfg)  # a damaged token store is refused before the run directory is touched
-    with own_run_dir(cfg, run_dir, resume, d, device) as owner:
+    with own_run_dir(cfg, run_dir, resume, d, device, CheckpointMeta.read) as owner:
         existing = resume and bool(list_checkpoints(run_dir))  # what trainer.resume() will load
         if existing:  # checked before any work: what the resume may change, its world size, its time left
             check_resume_changes(cfg, run_dir)

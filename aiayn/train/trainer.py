@@ -1,6 +1,6 @@
 """The training loop: the paper's schedule over planned updates (:mod:`aiayn.train.plan`, :mod:`aiayn.train.update`),
 evaluation and early stopping, resumable checkpoints (:mod:`aiayn.train.resume`), progress and metrics, and at the
-end the weights inference uses (:mod:`aiayn.train.inference_weights`). Several processes (torchrun):
+end the weights inference uses (:mod:`aiayn.run.inference_weights`). Several processes (torchrun):
 :mod:`aiayn.train.parallel`.
 """
 
@@ -22,15 +22,15 @@ from aiayn.config import Config, ConfigError, TrainConfig
 from aiayn.data.batching import Batch
 from aiayn.data.loader import UpdateLoader, loader_workers
 from aiayn.device import Precision, autocast_context, inference_precision
+from aiayn.run.inference_weights import WeightsChoice, keep_best
 from aiayn.train.console import Console
-from aiayn.train.inference_weights import WeightsChoice, keep_best
 from aiayn.train.metrics_log import MetricsLog
 from aiayn.train.parallel import Dist, check_agreement
 from aiayn.train.plan import EpochPlanner, TrainData
 from aiayn.train.resume import EMPTY_WINDOW, TrainState, restore_newest, save_state
 from aiayn.train.schedule import build_optimizer, learning_rate
 from aiayn.train.update import Levers, Update, UpdateSums, batch_to_device, training_module
-from aiayn.train.validation import evaluate_loss
+from aiayn.train.validation import WeightsScores, evaluate_loss
 
 log = logging.getLogger("aiayn.train")
 
@@ -204,8 +204,11 @@ class Trainer:
     # --- the end ----------------------------------------------------------------------------------
 
     def write_inference_weights(self) -> Path:
-        """model.safetensors: the last, best or averaged weights (:mod:`aiayn.train.inference_weights`)."""
-        return WeightsChoice(self.cfg, self.run_dir, self.data, self.d, self._validation).write(self.model, self.state)
+        """model.safetensors: the last, best or averaged weights (:mod:`aiayn.run.inference_weights`), chosen on
+        this training's validation (:class:`~aiayn.train.validation.WeightsScores`)."""
+        scores = WeightsScores(self.cfg, self.run_dir, self.data, self.d, self._validation)
+        choice = WeightsChoice(self.cfg, self.run_dir, self.d.main, scores)
+        return choice.write(self.model, self.state.step, self.state.best_step)
 
 
 @dataclass(kw_only=True)

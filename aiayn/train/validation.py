@@ -1,7 +1,7 @@
 """Validation during training: the loss and perplexity of the validation batches (:func:`evaluate_loss`), and
 the scores a run's task adds beside them (:data:`VALID_SCORES`, named by ``Task.valid_scores`` and
 ``Task.weights_scores``): BLEU (``train.eval_bleu``) from greedy decoding of the validation sources
-(:func:`validation_bleu_fn`).
+(:func:`validation_bleu_fn`). What the choice of a run's inference weights compares: :class:`WeightsScores`.
 
 BLEU decodes through the id-level :func:`aiayn.search.decode_ids`, exactly as ``aiayn translate --beam 1`` does
 (the same batches, the run's length limits, ``min_len``, n-gram blocking and banned ids, the tokenizer's
@@ -14,16 +14,18 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from sacrebleu.metrics import BLEU
 from torch import nn
 
+import aiayn.engine as engine
 from aiayn.config import Config, DecodeOptions
 from aiayn.data.batching import Batch
 from aiayn.data.tokenizer import TokenizerPair
-from aiayn.device import model_device
+from aiayn.device import inference_precision, model_device
 from aiayn.search import SearchSpec, decode_ids
 from aiayn.train.loss import label_smoothed_cross_entropy
 from aiayn.train.parallel import Dist
@@ -114,3 +116,33 @@ def validation_scores(cfg: Config, data: Any, tokenizers: TokenizerPair, names: 
         return {k: v for scorer in scorers for k, v in scorer(model, dist).items()}
 
     return scores
+
+
+class WeightsScores:
+    """The scores the choice of a run's inference weights compares (:class:`aiayn.run.inference_weights.Scores`):
+    the validation NLL of a model's weights (``validation``: :func:`evaluate_loss` under the training's autocast),
+    and for a translation run the validation BLEU of their translations by the recipe's own search (``decode``: what
+    the user's translations get; greedy BLEU, the training's, disagreed with beam search on runs cut early: an
+    average that wins greedy can write too short beam output), greedy for a recipe that samples."""
+
+    def __init__(self, cfg: Config, run_dir: Path, data: Any, d: Dist,
+                 validation: Callable[[nn.Module, Dist], dict[str, float]]) -> None:
+        self.cfg, self.run_dir, self.data, self.d, self.validation = cfg, run_dir, data, d, validation
+        self._built: dict[str, Callable[..., dict[str, float]]] = {}  # built when needed, once each
+
+    @property
+    def words(self) -> str:
+        """What the scores are, for the log: ``validation NLL and BLEU by the recipe's search``."""
+        return " and ".join(["validation NLL", *(VALID_SCORES[n].words for n in self.cfg.kind.weights_scores)])
+
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        scores = {"valid_nll": self.validation(model, self.d)["valid_nll"]}
+        for name in self.cfg.kind.weights_scores:  # what the run's task weighs beside NLL (a translation: BLEU)
+            if name not in self._built:  # built once: the sources and references of the validation set
+                tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
+                search = None if self.cfg.decode.sample else self.cfg.decode
+                self._built[name] = VALID_SCORES[name].build(self.cfg, self.data, tokenizers, search)
+            device = self.d.device
+            with engine.kernels(device, inference_precision(device)):  # as aiayn translate decodes
+                scores.update(self._built[name](model, self.d))
+        return scores

@@ -5,17 +5,40 @@
 "use strict";
 
 const KIND_ORDER = ["cross", "encoder", "decoder_self"];  // the alignment first
-const AXES = {  // [rows (queries), columns (keys)] per kind
-  encoder: ["source", "source"],
-  decoder_self: ["decoder input \u2192 the token it predicts", "decoder input"],
-  cross: ["decoder input \u2192 the token it predicts", "source"],
+// [rows (queries), columns (keys)] per kind, by the model's architecture (/v1/model's page.architecture)
+const AXES = {
+  "encoder-decoder": {
+    encoder: ["source", "source"],
+    decoder_self: ["decoder input \u2192 the token it predicts", "decoder input"],
+    cross: ["decoder input \u2192 the token it predicts", "source"],
+  },
+  "decoder-only": { decoder_self: ["token \u2192 the token it predicts", "token"] },
 };
-const LM_AXES = ["token \u2192 the token it predicts", "token"];
+// How the page asks the route that serves the run (/v1/model's page.route): the field the request takes, and the
+// request; each answers the text to show and the body of its /v1/attention request.
+const CALLS = {
+  "/v1/translate": {
+    field: "beam-field",
+    async ask(src) {
+      const beam = Number($("beam").value) || 1;
+      const t = await api("/v1/translate", { text: [src], beam, nbest: 1 });
+      return { shown: t.translations[0].text, attention: { text: src, target: t.translations[0].text } };
+    },
+  },
+  "/v1/generate": {
+    field: "new-tokens-field",
+    async ask(src) {
+      const n = Number($("new-tokens").value) || 40;
+      const g = await api("/v1/generate", { prompt: src, temperature: 0, max_new_tokens: n });
+      return { shown: src + g.text, attention: { text: src + g.text } };
+    },
+  },
+};
 const MIN_CELL = 14;  // px: labels stay readable; a long map scrolls instead of shrinking
 const VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-const state = { task: null, data: null, active: {} };
+const state = { page: null, data: null, active: {} };
 const $ = (id) => document.getElementById(id);
 
 async function api(path, body) {
@@ -89,7 +112,7 @@ function heatmap(kind, kindData, layer, head) {
   const W = matrix(kindData, layer, head);
   const { keys, title } = kindData;
   const queries = rowLabels(kindData);
-  const axes = state.task === "lm" ? LM_AXES : AXES[kind];
+  const axes = AXES[state.page.architecture][kind];
   const cell = Math.max(MIN_CELL, Math.min(28, Math.floor(480 / Math.max(keys.length, queries.length))));
   const left = 16 + 7 * Math.max(...queries.map((t) => t.length));
   const top = 16 + 7 * Math.max(...keys.map((t) => short(t).length));
@@ -160,7 +183,7 @@ function render() {
     fig.className = "map";
     fig.id = `map-${kind}`;
     const cap = document.createElement("figcaption");
-    const axes = state.task === "lm" ? LM_AXES : AXES[kind];
+    const axes = AXES[state.page.architecture][kind];
     cap.innerHTML = `<h3></h3><span class="axis-note"></span>`;
     cap.querySelector("h3").textContent = kindData.title;
     cap.querySelector("span").textContent = `rows: ${axes[0]} (queries), columns: ${axes[1]} (keys)`;
@@ -269,19 +292,9 @@ async function run(ev) {
   render();
   $("cell-info").textContent = "";
   try {
-    let attentionBody;
-    if (state.task === "lm") {
-      const n = Number($("new-tokens").value) || 40;
-      const g = await api("/v1/generate", { prompt: src, temperature: 0, max_new_tokens: n });
-      out.textContent = src + g.text;
-      attentionBody = { text: src + g.text };
-    } else {
-      const beam = Number($("beam").value) || 1;
-      const t = await api("/v1/translate", { text: [src], beam, nbest: 1 });
-      out.textContent = t.translations[0].text;
-      attentionBody = { text: src, target: t.translations[0].text };
-    }
-    state.data = await api("/v1/attention", attentionBody);
+    const answer = await CALLS[state.page.route].ask(src);
+    out.textContent = answer.shown;
+    state.data = await api("/v1/attention", answer.attention);
     state.active = {};
     fillSelects(state.data);
     render();
@@ -305,7 +318,7 @@ async function init() {
   $("head").addEventListener("change", render);
   try {
     const m = await api("/v1/model");
-    state.task = m.task;
+    state.page = m.page;
     const millions = (m.parameters / 1e6).toFixed(2);
     const name = String(m.run).split(/[\\/]/).filter(Boolean).pop();  // the run's name, not a path of the server
     $("model-info").textContent = `${m.task} model ${name}: ${millions}M parameters, ${m.config.model.n_heads} ` +
@@ -315,15 +328,9 @@ async function init() {
         "line and <b>&#x2423;</b> a space. The model reads one character per step and predicts the next: its " +
         "rows are labelled <i>input &rarr; predicted</i>.";
     }
-    if (m.task === "lm") {
-      $("src-label").textContent = "Prompt";
-      $("submit").textContent = "Continue";
-      $("beam-field").hidden = true;
-      $("new-tokens-field").hidden = false;
-    } else if (m.task === "summarization") {
-      $("src-label").textContent = "Document";
-      $("submit").textContent = "Summarize";
-    }
+    $("src-label").textContent = m.page.source;
+    $("submit").textContent = m.page.action;
+    for (const [route, call] of Object.entries(CALLS)) $(call.field).hidden = route !== m.page.route;
     document.body.dataset.ready = "true";
   } catch (err) {
     $("error").textContent = `cannot read /v1/model: ${err.message}`;

@@ -16,6 +16,10 @@ of a torchrun job) for the whole training; a second ``aiayn train`` (or ``aiayn 
 refused. The lock dies with its process, so a killed run can be resumed at once. If the training fails
 before its first update (bad data, bad config, Ctrl-C while the tokenizer trains), what this process
 created is removed again: the directory itself if it made it, else the files it added.
+
+It stands below the training code (inference never imports that, and this is part of the run package): what it needs
+of a training is handed to it, the processes of the job (:class:`Processes`, :class:`aiayn.train.parallel.Dist`) and
+the check of a checkpoint's state (``check_checkpoint``, :meth:`aiayn.train.resume.CheckpointMeta.read`).
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,13 +44,29 @@ from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
 from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, read_json
 from aiayn.run.weights import checkpoint_dir, list_checkpoints
-from aiayn.train.parallel import Dist
-from aiayn.train.resume import CheckpointMeta
 
 log = logging.getLogger("aiayn.train")
 
 # data keys that decide what the tokenizer is: a resume must not silently reuse a tokenizer made for others.
 TOKENIZER_KEYS = ("tokenizer", "vocab_size", "shared_vocab", "byte_fallback", "lowercase", "pretokenize")
+
+# Reads checkpoint ``step`` of a run directory, raising a one-line CheckpointError when its state is not sound.
+CheckpointCheck = Callable[[Path, int], object]
+
+
+class Processes(Protocol):
+    """The processes of a training job as ownership needs them (:class:`aiayn.train.parallel.Dist`)."""
+
+    world: int
+
+    @property
+    def main(self) -> bool: ...
+
+    def barrier(self) -> None: ...
+
+    def gather_objects(self, obj: Any) -> list[Any]: ...
+
+    def broadcast_flag(self, flag: bool, device: torch.device) -> bool: ...
 
 
 def recipe(cfg: Config) -> dict[str, Any]:
@@ -150,10 +170,11 @@ class RunDirectory:
     """Rank 0's ownership of a run directory for one training (see the module docstring).
 
     ``mode`` after :meth:`open`: ``new`` (nothing to resume), ``resume`` (from the newest checkpoint) or
-    ``restart`` (a run killed before its first checkpoint, same config)."""
+    ``restart`` (a run killed before its first checkpoint, same config). ``check_checkpoint``: how a resume's
+    newest checkpoint is checked before any work (:data:`CheckpointCheck`)."""
 
-    def __init__(self, cfg: Config, path: str | Path, resume: bool) -> None:
-        self.cfg, self.path, self.resume = cfg, Path(path), resume
+    def __init__(self, cfg: Config, path: str | Path, resume: bool, check_checkpoint: CheckpointCheck) -> None:
+        self.cfg, self.path, self.resume, self.check_checkpoint = cfg, Path(path), resume, check_checkpoint
         self.hash = config_hash(cfg)
         self.mode = "new"
         self.lock = RunLock(self.path)
@@ -205,7 +226,7 @@ class RunDirectory:
         """The newest checkpoint's state and the tokenizer keys, checked before any work starts."""
         step = st.steps[-1]
         try:
-            CheckpointMeta.read(self.path, step)
+            self.check_checkpoint(self.path, step)
         except CheckpointError as e:
             hint = (f"; delete {checkpoint_dir(self.path) / f'step_{step:06d}'}.* to resume from step {st.steps[-2]}"
                     if len(st.steps) > 1 else "")
@@ -322,7 +343,7 @@ def _listing(entries: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-def check_every_process_sees(run_dir: Path, d: Dist) -> None:
+def check_every_process_sees(run_dir: Path, d: Processes) -> None:
     """Rank 0 writes the run directory (tokenizer, prepared data, checkpoints) and every other process reads it,
     so processes on several machines need the same run directory on a file system they share. Rank 0 writes a probe
     file there; each process says which directory it was given, whether it sees the probe there, and on which host it
@@ -376,15 +397,15 @@ def _unshared_run_dir(seen: list[tuple[str, bool, str]]) -> str | None:
 
 
 @contextlib.contextmanager
-def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Dist,
-                device: torch.device) -> Iterator[RunDirectory | None]:
+def own_run_dir(cfg: Config, run_dir: str | Path, resume: bool, d: Processes, device: torch.device,
+                check_checkpoint: CheckpointCheck) -> Iterator[RunDirectory | None]:
     """Rank 0 takes ``run_dir`` over (:class:`RunDirectory`) for the block and yields it; the other ranks of a
     torchrun job yield None once rank 0 has succeeded (and fail, without writing, when it has not).
     An exception in the block before :meth:`RunDirectory.started` removes what rank 0 created."""
     owner: RunDirectory | None = None
     error: BaseException | None = None
     if d.main:
-        owner = RunDirectory(cfg, run_dir, resume)
+        owner = RunDirectory(cfg, run_dir, resume, check_checkpoint)
         try:
             owner.open()
         except Exception as e:  # whatever it is, the other ranks must hear of it (or wait at the broadcast)

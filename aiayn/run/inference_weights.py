@@ -2,35 +2,35 @@
 weights, as ``train.inference_weights`` says, and which in one line. The average of the last checkpoints is used only
 where validation finds it at least as good as the last weights (:func:`prefer_average`: validation BLEU for
 translation, then NLL; a run cut early averages undertrained checkpoints, which can be much worse).
+
+The choice stands below the training code (it is part of the run package, which inference uses): the validation
+scores it compares are handed to it (:class:`Scores`; a training's: :class:`aiayn.train.validation.WeightsScores`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-import aiayn.engine as engine
 from aiayn.config import Config, DecodeOptions
-from aiayn.device import inference_precision
-from aiayn.run.weights import average_weights, checkpoint_paths, list_checkpoints, read_weights, save_weights
-from aiayn.train.parallel import Dist
-from aiayn.train.plan import TrainData
-from aiayn.train.resume import TrainState
+from aiayn.run.weights import (
+    FINAL_WEIGHTS,
+    average_weights,
+    best_path,
+    checkpoint_paths,
+    list_checkpoints,
+    read_weights,
+    save_weights,
+)
 
 log = logging.getLogger("aiayn.train")
 
 # Validation BLEU closer than this is a tie (sacreBLEU prints two decimals), which validation NLL decides.
 BLEU_TIE = 0.01
-
-
-def best_path(run_dir: str | Path) -> Path:
-    """Where a training keeps its best weights by validation NLL, apart from the rotating checkpoints."""
-    return Path(run_dir) / "checkpoints" / "best.safetensors"
 
 
 def keep_best(model: nn.Module, run_dir: str | Path, step: int, valid_nll: float) -> None:
@@ -39,31 +39,39 @@ def keep_best(model: nn.Module, run_dir: str | Path, step: int, valid_nll: float
     save_weights(model, best_path(run_dir), {"source": f"best step {step}", "valid_nll": str(valid_nll)})
 
 
+class Scores(Protocol):
+    """The validation scores of a model's weights that the choice compares: ``valid_nll``, and what the run's task
+    weighs beside it (a translation: ``valid_bleu``); every process of the training calls it. ``words``: what they
+    are, for the log (``validation NLL and BLEU by the recipe's search``)."""
+
+    @property
+    def words(self) -> str: ...
+
+    def __call__(self, model: nn.Module) -> dict[str, float]: ...
+
+
 class WeightsChoice:
-    """Chooses and writes a run's inference weights. ``validation``: the training's validation scores of a model
-    (``valid_nll``: :func:`aiayn.train.validation.evaluate_loss`, under the training's autocast)."""
+    """Chooses and writes a run's inference weights; ``main``: whether this process writes (rank 0)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, data: TrainData, d: Dist,
-                 validation: Callable[[nn.Module, Dist], dict[str, float]]) -> None:
-        self.cfg, self.run_dir, self.data, self.d, self.validation = cfg, run_dir, data, d, validation
-        self._valid_scores: dict[str, Callable[..., dict[str, float]]] = {}  # built when needed, once each
+    def __init__(self, cfg: Config, run_dir: Path, main: bool, scores: Scores) -> None:
+        self.cfg, self.run_dir, self.main, self.scores = cfg, run_dir, main, scores
 
-    def write(self, model: nn.Module, state: TrainState) -> Path:
-        """model.safetensors from ``model`` (the last weights, at ``state.step``), the best or the averaged weights.
-        Rank 0 writes; every process takes part in the validation."""
-        tc, out = self.cfg.train, self.run_dir / "model.safetensors"
+    def write(self, model: nn.Module, step: int, best_step: int | None) -> Path:
+        """model.safetensors from ``model`` (the last weights, at ``step``), the best (at ``best_step``) or the
+        averaged weights. Rank 0 writes; every process takes part in the validation."""
+        tc, out = self.cfg.train, self.run_dir / FINAL_WEIGHTS
         steps = list_checkpoints(self.run_dir)
         chosen: Any = model
         if tc.inference_weights == "average" and steps:
             averaged = steps[-tc.average_last :]
             avg = average_weights([checkpoint_paths(self.run_dir, s)[0] for s in averaged])
-            chosen, why = self._better_of_average(model, state.step, avg, averaged)
+            chosen, why = self._better_of_average(model, step, avg, averaged)
         elif tc.inference_weights == "best" and best_path(self.run_dir).exists():
             chosen = read_weights(best_path(self.run_dir))
-            why = f"best step {state.best_step} (train.inference_weights=best)"
+            why = f"best step {best_step} (train.inference_weights=best)"
         else:
-            why = f"last step {state.step}"
-        if self.d.main:
+            why = f"last step {step}"
+        if self.main:
             save_weights(chosen, out, {"source": why})
             log.info("inference weights (%s): %s", out.name, why)
         return out
@@ -75,43 +83,21 @@ class WeightsChoice:
         if len(steps) == 1 and steps[0] == last:
             return model, f"last step {last} (the only checkpoint to average)"
         own = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if self.d.main:  # the choice takes two validations (with BLEU: two decodings): say so before they run
-            from aiayn.train.validation import VALID_SCORES
-
-            how = " and ".join(["validation NLL", *(VALID_SCORES[n].words for n in self.cfg.kind.weights_scores)])
+        if self.main:  # the choice takes two validations (with BLEU: two decodings): say so before they run
             log.info("choosing the inference weights: the last ones (step %d) or the average of steps %s, by %s "
                      "(1 of 2: the last weights); if stopped now, aiayn train --resume %s finishes this choice "
-                     "without training more", last, steps, how, self.run_dir)
-        last_scores = self._scores(model)
-        if self.d.main:
+                     "without training more", last, steps, self.scores.words, self.run_dir)
+        last_scores = self.scores(model)
+        if self.main:
             log.info("choosing the inference weights (2 of 2: the average of steps %s)", steps)
         model.load_state_dict({k: v.to(own[k].device, own[k].dtype) for k, v in avg.items()}, strict=False)
-        avg_scores = self._scores(model)
+        avg_scores = self.scores(model)
         model.load_state_dict(own)
         said = describe_choice(avg_scores, last_scores, last, search_words(self.cfg.decode))
         if prefer_average(avg_scores, last_scores):
             return avg, f"average of steps {steps} (train.inference_weights=average; {said})"
         return model, f"last step {last}: the average of steps {steps} is worse on validation ({said}), so it " \
                       "is not used"
-
-    def _scores(self, model: nn.Module) -> dict[str, float]:
-        """The validation NLL of the model's weights, and for a translation run the validation BLEU of their
-        translations by the recipe's own search (``decode``: what the user's translations get; greedy BLEU, the
-        training's, disagreed with beam search on runs cut early: an average that wins greedy can write too short
-        beam output), greedy for a recipe that samples."""
-        scores = {"valid_nll": self.validation(model, self.d)["valid_nll"]}
-        for name in self.cfg.kind.weights_scores:  # what the run's task weighs beside NLL (a translation: BLEU)
-            if name not in self._valid_scores:  # built once: the sources and references of the validation set
-                from aiayn.data.tokenizer import TokenizerPair
-                from aiayn.train.validation import VALID_SCORES
-
-                tokenizers = TokenizerPair.load(self.run_dir / "tokenizer")
-                search = None if self.cfg.decode.sample else self.cfg.decode
-                self._valid_scores[name] = VALID_SCORES[name].build(self.cfg, self.data, tokenizers, search)
-            device = self.d.device
-            with engine.kernels(device, inference_precision(device)):  # as aiayn translate decodes
-                scores.update(self._valid_scores[name](model, self.d))
-        return scores
 
 
 def prefer_average(avg: dict[str, float], last: dict[str, float]) -> bool:
