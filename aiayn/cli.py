@@ -788,10 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         _set_threads(args)
-        if args.command not in TRAINING_COMMANDS:  # a long training run's heap is left to glibc's own thresholds
-            from aiayn.engine import keep_freed_memory
+        from aiayn.engine import keep_freed_memory
 
-            keep_freed_memory()  # this process is aiayn's: its allocator may keep what a decoding step frees
+        keep_freed_memory()  # this process is aiayn's: its allocator may keep what a step (decoding, training) frees
         return args.func(args)
     except KeyboardInterrupt:
         print(f"aiayn: interrupted{_interrupted_training(args)}", file=sys.stderr)

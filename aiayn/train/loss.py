@@ -27,8 +27,12 @@ from torch import Tensor
 import aiayn.engine as engine
 
 # Elements of the fp32 temporaries per chunk: 2^26 floats = 256 MiB, about 1,800 rows of a
-# 37,000-word vocabulary (a 25,000-token batch in ~14 chunks), a whole small batch on a CPU.
+# 37,000-word vocabulary (a 25,000-token batch in ~14 chunks). On a CPU a chunk's fp32 temporary stays below
+# glibc's largest mmap threshold (engine.HEAP_BLOCK_MAX, 32 MiB): a bigger block is mapped afresh and every page of it
+# faults at each use (a 4,000-token batch of the quick recipe in one chunk: ~500,000 page faults and a third of a bf16
+# update's CPU time in the kernel; below it, with engine.keep_freed_memory, the heap's blocks are reused).
 CHUNK_ELEMENTS = 1 << 26
+CPU_CHUNK_ELEMENTS = (engine.HEAP_BLOCK_MAX - (1 << 20)) // 4
 
 
 def label_smoothed_cross_entropy(
@@ -128,7 +132,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         index = target.clamp_min(0).unsqueeze(1)  # (N, 1): ignored positions gather a valid, unused entry
         loss_sum = logits.new_zeros((), dtype=torch.float32)
         nll_sum = logits.new_zeros((), dtype=torch.float32)
-        for rows in _chunks(*logits.shape):
+        for rows in _chunks(*logits.shape, logits.device):
             loss, nll = kernels.forward(logits[rows], index[rows], keep[rows], epsilon)
             loss_sum, nll_sum = loss_sum + loss, nll_sum + nll
         ctx.save_for_backward(logits, index, keep)
@@ -141,7 +145,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, index, keep = ctx.saved_tensors
         coef = (keep.to(torch.float32) * grad_loss.float()).unsqueeze(1)  # (N, 1): d loss_sum / d loss_i
-        chunks = _chunks(*logits.shape)
+        chunks = _chunks(*logits.shape, logits.device)
         if len(chunks) == 1:
             return ctx.kernels.backward(logits, index, coef, ctx.epsilon), None, None, None, None
         grad = torch.empty_like(logits)
@@ -150,15 +154,17 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _chunks(N: int, V: int) -> list[slice]:
-    """Row slices of N rows, each of at most CHUNK_ELEMENTS elements of a V-wide row (at least one row) and of
-    balanced sizes (two at most, one row apart), so that no chunk but of a one-row batch has one row (a compiled
+def _chunks(N: int, V: int, device: torch.device) -> list[slice]:
+    """Row slices of N rows, each of at most CHUNK_ELEMENTS elements (on a CPU no more than CPU_CHUNK_ELEMENTS) of a
+    V-wide row (at least one row) and of balanced sizes (two at most, one row apart), so that no chunk but of a
+    one-row batch has one row (a compiled
     chunk would specialize on it: the engine's shape policy); one slice when the whole loss is traced by
     torch.compile (a Python loop over a symbolic row count would specialize on it): the trainer compiles the
     chunks' math instead (:func:`compiled_loss`), which keeps the bound."""
     if torch.compiler.is_compiling():
         return [slice(None)]
-    step = max(1, CHUNK_ELEMENTS // max(V, 1))
+    most = min(CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS) if device.type == "cpu" else CHUNK_ELEMENTS
+    step = max(1, most // max(V, 1))
     n = max(1, -(-N // step))
     size, bigger = divmod(N, n)  # the first `bigger` chunks have one row more
     bounds = [i * size + min(i, bigger) for i in range(n + 1)]
@@ -204,7 +210,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device) if want_b else None
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         nll_sum = hidden.new_zeros((), dtype=torch.float32)
-        for rows in _chunks(hidden.size(0), weight.size(0)):
+        for rows in _chunks(hidden.size(0), weight.size(0), hidden.device):
             h = hidden[rows]  # (C, D)
             logits = F.linear(h, weight, bias)  # (C, V)
             if want_h or want_w or want_b:
