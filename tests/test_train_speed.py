@@ -211,7 +211,7 @@ def test_a_compiling_training_logs_its_graphs_and_recompiles(tmp_path, monkeypat
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "train_loss" in r]
     assert len(logged) == 3 and all(r["graphs"] >= 1 and r["recompiles"] == 0 for r in logged)
-    assert "speed levers: fused residual + layer norm" in caplog.text
+    assert "speed levers: output projection fused into the loss, fused residual + layer norm" in caplog.text
     torch._dynamo.reset()
 
 
@@ -238,15 +238,18 @@ def test_attention_backends_names_the_computation_of_each_kind_of_attention():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # its hooks are gone
 
 
-def test_the_cpu_levers_are_on_by_default_where_a_cpu_trains_in_bf16_only():
-    """train.cast_weights_once / fused_output_loss = auto: on for bf16 on a CPU (measured faster there), off in fp32
-    and on a GPU (not measured there yet); an explicit true / false wins."""
+def test_the_cpu_levers_are_on_by_default_where_a_cpu_trains():
+    """train.cast_weights_once = auto: on for bf16 on a CPU (measured faster there); fused_output_loss = auto: on a
+    CPU in any precision (measured faster in bf16 and in fp32); both off on a GPU (not measured there yet); an
+    explicit true / false wins."""
     cfg = load_config("tiny_reverse")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert cfg.train.cast_weights_once == "auto" and cfg.train.fused_output_loss == "auto"
     on = Levers.from_config(cfg, cpu, "bf16")
     assert on.cast_dtype == torch.bfloat16 and on.fused_output_loss
-    for dev, precision in ((cpu, "fp32"), (cuda, "bf16"), (cuda, "fp32")):
+    fp32 = Levers.from_config(cfg, cpu, "fp32")
+    assert fp32.cast_dtype is None and fp32.fused_output_loss
+    for dev, precision in ((cuda, "bf16"), (cuda, "fp32")):
         off = Levers.from_config(cfg, dev, precision)
         assert off.cast_dtype is None and not off.fused_output_loss, (dev, precision)
     cfg = load_config("tiny_reverse", ["train.cast_weights_once=false", "train.fused_output_loss=false"])

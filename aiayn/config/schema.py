@@ -271,7 +271,7 @@ class TrainConfig:
     cast_weights_once: bool | str = "auto"
     # the output projection and the label-smoothed loss in one pass over row chunks: the batch's (N, V) logits are
     # never materialized (aiayn.train.loss.projected_cross_entropy)
-    fused_output_loss: bool | str = "auto"  # (auto: as cast_weights_once)
+    fused_output_loss: bool | str = "auto"  # (auto: on a CPU)
     # each residual + dropout + layer norm compiled into fused kernels (regions; implied by train.compile)
     fuse_norms: bool = False
     # CUDA attention backends in order of preference (flash, efficient, cudnn, math); empty: aiayn's choice

@@ -226,9 +226,12 @@ class Levers:
     def from_config(cls, cfg: Config, device: torch.device, precision: str) -> Levers:
         tc = cfg.train
         low = precision in ("bf16", "fp16")
-        # auto: on where a CPU trains in bf16 (BENCHMARKS.md "1b": 1.3x and 1.7x there); GPUs: not measured yet
-        cpu_bf16 = device.type == "cpu" and precision == "bf16"
-        cast, fused = (cpu_bf16 if v == "auto" else bool(v) for v in (tc.cast_weights_once, tc.fused_output_loss))
+        # auto: casting once where a CPU trains in bf16 (BENCHMARKS.md "1b": 1.3x and 1.7x there), the fused output
+        # loss on every CPU (also in fp32: no (tokens x vocabulary) logits over the heap's largest block, BENCHMARKS.md
+        # "Training's heap"); GPUs: not measured yet
+        cast = device.type == "cpu" and precision == "bf16" if tc.cast_weights_once == "auto" else \
+            bool(tc.cast_weights_once)
+        fused = device.type == "cpu" if tc.fused_output_loss == "auto" else bool(tc.fused_output_loss)
         return cls(compile=engine.compile_wanted(tc.compile, device, tc.max_updates, tc.max_minutes),
                    compile_mode=tc.compile_mode,
                    cast_dtype=DTYPES[precision] if cast and low else None,
