@@ -157,10 +157,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def _chunks(N: int, V: int, device: torch.device) -> list[slice]:
     """Row slices of N rows, each of at most CHUNK_ELEMENTS elements (on a CPU no more than CPU_CHUNK_ELEMENTS) of a
     V-wide row (at least one row) and of balanced sizes (two at most, one row apart), so that no chunk but of a
-    one-row batch has one row (a compiled
-    chunk would specialize on it: the engine's shape policy); one slice when the whole loss is traced by
-    torch.compile (a Python loop over a symbolic row count would specialize on it): the trainer compiles the
-    chunks' math instead (:func:`compiled_loss`), which keeps the bound."""
+    one-row batch has one row (a compiled chunk would specialize on it: the engine's shape policy); one slice when
+    the whole loss is traced by torch.compile (a Python loop over a symbolic row count would specialize on it): the
+    trainer compiles the chunks' math instead (:func:`compiled_loss`), which keeps the bound."""
     if torch.compiler.is_compiling():
         return [slice(None)]
     most = min(CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS) if device.type == "cpu" else CHUNK_ELEMENTS
