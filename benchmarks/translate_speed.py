@@ -24,8 +24,11 @@ Engines, all given one trained run's weights:
 Every engine: beam 4, length penalty score / |Y|^alpha ('power', alpha 0.6, as HF and CTranslate2
 compute it), at most ``--max-len`` decoding steps (EOS included), no minimum length, one best
 hypothesis. Sources are sorted by length once. Modes: "batch-1" one sentence at a time; "batched"
-the same batches of ``--batch-size`` sentences in that order for every engine; "tokens" the
-token-budget batches ``aiayn translate`` makes on that device (aiayn.search.decode_batches,
+the same batches of ``--batch-size`` sentences in that order for every engine; "parallel" the batched mode's
+batches searched side by side, as many at once as threads, each on one thread: aiayn's as ``aiayn translate``
+searches them (aiayn.search.search_batches: W workers of T / W intra-op threads), CTranslate2's with
+``inter_threads`` = threads and ``intra_threads`` 1, every batch submitted at once (HF has no such setting);
+"tokens" the token-budget batches ``aiayn translate`` makes on that device (aiayn.search.decode_batches,
 ``--max-tokens`` or the device's default budget), given to every engine. ``--precision fp32 bf16``
 runs every mode once per precision: aiayn's as ``aiayn translate --precision`` runs it (on CUDA the weights cast;
 on a CPU with native bf16, fp32 weights and bf16 linear layers), HF's weights cast to it, CTranslate2 with the
@@ -71,14 +74,14 @@ from aiayn.engine import inference_linear_kind, keep_freed_memory
 from aiayn.errors import UserError
 from aiayn.linear import use_linear
 from aiayn.model.transformer import Transformer
-from aiayn.search import SearchSpec, beam_search, decode_batches
+from aiayn.search import SearchSpec, beam_search, decode_batches, search_batches
 from benchmarks import common
 from benchmarks.flops import synchronize
 
 NAME = "translate_speed"
 ENGINES = ("aiayn", "aiayn-exact", "aiayn-first", "aiayn-graphs", "aiayn-int8", "hf", "ct2-fp32", "ct2-int8",
            "ct2-bf16", "ct2-fp16")
-MODES = ("batch-1", "batched", "tokens")
+MODES = ("batch-1", "batched", "parallel", "tokens")
 LABELS = {
     "aiayn": "aiayn (stop=hf)",
     "aiayn-exact": "aiayn (stop=exact)",
@@ -206,6 +209,11 @@ def aiayn_engine(model: nn.Module, alpha: float, limit: Limit, stop: str, device
         hyps = beam_search(model, src, src != PAD, spec)
         return [h[0].tokens for h in hyps]
 
+    def many(batches: list[list[list[int]]]) -> list[list[list[int]]]:  # the parallel mode: side by side
+        padded = [pad_batch([s + [EOS] for s in batch], PAD).to(device) for batch in batches]
+        return [[h[0].tokens for h in hyps] for hyps in search_batches(model, padded, spec)]
+
+    translate.many = many
     return translate
 
 
@@ -236,18 +244,34 @@ def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: f
                                         compute_type=compute_type, inter_threads=1, intra_threads=threads)
     piece_id = {p: i for i, p in enumerate(task.pieces)}
 
-    def translate(batch: list[list[int]]) -> list[list[int]]:
+    def submit(on: Any, batch: list[list[int]], asynchronous: bool = False) -> list[Any]:
         # Pieces without </s>: the exported config appends it, as aiayn training did.
-        results = translator.translate_batch(
+        return on.translate_batch(
             [[task.src_pieces[i] for i in s] for s in batch], beam_size=4, num_hypotheses=1,
             length_penalty=alpha, max_decoding_length=limit.of(batch), min_decoding_length=0, max_batch_size=0,
+            asynchronous=asynchronous,
         )
+
+    def ids(results: list[Any]) -> list[list[int]]:
         out = []
         for r in results:
-            hyp = r.hypotheses[0]
+            hyp = (r.result() if hasattr(r, "result") else r).hypotheses[0]
             out.append([piece_id[p] for p in (hyp[:-1] if hyp and hyp[-1] == "</s>" else hyp)])
         return out
 
+    def translate(batch: list[list[int]]) -> list[list[int]]:
+        return ids(submit(translator, batch))
+
+    side: list[Any] = []  # the parallel mode's translator: one batch per thread at once, each on one thread
+
+    def many(batches: list[list[list[int]]]) -> list[list[list[int]]]:
+        if not side:
+            side.append(ctranslate2.Translator(str(path), device=device.type, device_index=device.index or 0,
+                                               compute_type=compute_type, inter_threads=threads, intra_threads=1))
+        pending = [submit(side[0], batch, asynchronous=True) for batch in batches]  # all at once, then waited for
+        return [ids(p) for p in pending]
+
+    translate.many = many
     translate([task.sources[0]])  # fails here, not in the timing, when the engine cannot run on this device
     return translate
 
@@ -256,16 +280,18 @@ def ct2_engine(path: Path, compute_type: str, threads: int, task: Task, alpha: f
 
 
 def run_mode(translate: Callable, sources: Sequence[list[int]], batches: Sequence[list[int]],
-             warmup_batches: int, device: torch.device = torch.device("cpu")) -> tuple[list[list[int]], float]:
-    """Translate ``batches`` (lists of source indices) after ``warmup_batches`` untimed ones.
-    Returns (outputs in source order, seconds)."""
-    for idx in batches[:warmup_batches]:
-        translate([sources[i] for i in idx])
+             warmup_batches: int, device: torch.device = torch.device("cpu"), side_by_side: bool = False
+             ) -> tuple[list[list[int]], float]:
+    """Translate ``batches`` (lists of source indices) after ``warmup_batches`` untimed ones; ``side_by_side`` (the
+    parallel mode): all of them in one call of the engine's ``many``. Returns (outputs in source order, seconds)."""
+    search = translate.many if side_by_side else (lambda bs: [translate(b) for b in bs])
+    search([[sources[i] for i in idx] for idx in batches[:warmup_batches]])
     out: list[list[int]] = [[] for _ in sources]
     synchronize(device)
     t0 = time.perf_counter()
-    for idx in batches:
-        for i, hyp in zip(idx, translate([sources[i] for i in idx])):
+    found = search([[sources[i] for i in idx] for idx in batches])
+    for idx, hyps in zip(batches, found):
+        for i, hyp in zip(idx, hyps):
             out[i] = hyp
     synchronize(device)
     return out, time.perf_counter() - t0
@@ -449,6 +475,8 @@ def _best_settings(result: dict[str, Any]) -> list[str]:
         mode, precision, threads = info.get("mode"), info.get("precision"), info.get("threads")
         if mode is None:
             continue
+        side = mode == "parallel"  # the batched mode's batches, side by side: one more setting of the batched work
+        mode = "batched" if side else mode
         fp32 = result["modes"].get(where.get((mode, "fp32", threads), ""), {})
         for e, r in res.items():
             names = [families[e]] if e in families else []
@@ -460,7 +488,7 @@ def _best_settings(result: dict[str, Any]) -> list[str]:
             if not names or (ref is not None and abs(r["bleu"] - ref["bleu"]) > 0.3):
                 continue
             setting = f"{precision if e.startswith('aiayn-exact') else e.split('-', 1)[1]}" + (
-                f", {threads}t" if threads else "")
+                f", {threads}t" if threads else "") + (", side by side" if side else "")
             for name in names:
                 if r["sentences_per_s"] > fastest.setdefault(mode, {}).get(name, (0.0, ""))[0]:
                     fastest[mode][name] = (r["sentences_per_s"], setting)
@@ -483,6 +511,9 @@ def _timed(a: dict[str, Any], budget: int | None) -> str:
         f"{a['warmup_batches']} warm-up batches"
         + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
         + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
+        + ("; parallel = those batches searched side by side, one per thread at once, each on one thread (aiayn: "
+           "`aiayn translate`'s workers, aiayn.search.search_batches; CTranslate2: inter_threads = threads, "
+           "intra_threads 1, the batches submitted at once)" if "parallel" in a.get("modes", []) else "")
         + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
            "+ 1) x beam)" if budget else "")
         + (f"; each engine's fastest of {a['repeats']} passes" + ("" if a.get("isolated") else
@@ -616,6 +647,7 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device, order: lis
     return {
         "batch-1": [[i] for i in range(min(len(task.sources), args.batch1_limit or len(task.sources)))],
         "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
+        "parallel": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
         "tokens": decode_batches([len(s) + 1 for s in task.sources], opts, device.type),  # each source and its EOS
     }
 
@@ -644,16 +676,17 @@ def summarize(task: Task, per_engine: dict[str, tuple[list[list[int]], list[floa
 
 
 def measure(task: Task, fns: dict[str, Callable], batches: list[list[int]], warm: int,
-            device: torch.device, label: str, repeats: int = 1) -> dict[str, Any]:
+            device: torch.device, label: str, repeats: int = 1, side_by_side: bool = False) -> dict[str, Any]:
     """Every engine on the same batches (which may cover only some sources), in this process: speed, BLEU of the
     sources translated, and agreement with aiayn. With ``repeats`` > 1 the engines take turns (each one pass per
     round, the warm-up in the first), and each keeps its fastest pass: on a shared machine the other processes'
     load then falls on every engine alike."""
     per_engine: dict[str, tuple[list[list[int]], list[float]]] = {}
+    fns = {e: fn for e, fn in fns.items() if hasattr(fn, "many") or not side_by_side}
     for round_ in range(repeats):
         for e, fn in fns.items():
             print(f"[{NAME}] {label}: {e} ...", file=sys.stderr, flush=True)
-            outputs, seconds = run_mode(fn, task.sources, batches, warm if round_ == 0 else 0, device)
+            outputs, seconds = run_mode(fn, task.sources, batches, warm if round_ == 0 else 0, device, side_by_side)
             per_engine.setdefault(e, (outputs, []))[1].append(seconds)
     return summarize(task, per_engine, batches, label)
 
@@ -683,11 +716,14 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
                                     order[-8:], device, args.worker_precision)
         modes: dict[str, Any] = {}
         for mode in args.modes if args.worker in fns else []:
+            if mode == "parallel" and not hasattr(fns[args.worker], "many"):
+                continue
             print(f"[{NAME}] {mode} {threads}t: {args.worker} (a process of its own) ...", file=sys.stderr, flush=True)
             warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
             passes, outputs = [], None
             for r in range(args.repeats):
-                out, seconds = run_mode(fns[args.worker], task.sources, batches[mode], warm if r == 0 else 0, device)
+                out, seconds = run_mode(fns[args.worker], task.sources, batches[mode], warm if r == 0 else 0, device,
+                                        mode == "parallel")
                 passes.append(seconds)
                 outputs = out if outputs is None else outputs
             modes[mode] = {"outputs": outputs, "passes": passes}
@@ -772,7 +808,8 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
                 result["checks"].update(checks)
                 for mode, key in keys.items():
                     warm = args.warmup_batches * (8 if mode == "batch-1" else 1)
-                    result["modes"][key] = measure(task, fns, batches[mode], warm, device, key, args.repeats)
+                    result["modes"][key] = measure(task, fns, batches[mode], warm, device, key, args.repeats,
+                                                   mode == "parallel")
                 if args.profile and "aiayn" in fns and q == args.precision[0] and n_threads == thread_counts[0]:
                     profile_search(fns["aiayn"], task.sources, batches["batched"], Path(args.profile), device)
     for res in result["modes"].values():  # token ids are not worth keeping in the JSON

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -777,6 +778,92 @@ def test_a_new_strategy_is_one_entry_of_the_table(tiny_mt, lm_run, monkeypatch):
     run = load_run(lm_run, "cpu")
     assert "".join(generate_text(run, "a", run.cfg.decode.replace(beam=3, max_new_tokens=4))) == ""
     assert streamed == [4]
+
+
+@pytest.fixture
+def threads():
+    """Set the process's intra-op threads for one test (restored after)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_cpu_batches_are_searched_side_by_side_only_where_that_is_sound():
+    from aiayn.config import DecodeOptions
+    from aiayn.search.sources import cpu_workers
+
+    cpu, cuda, beam = torch.device("cpu"), torch.device("cuda"), DecodeOptions(beam=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert cpu_workers(cpu, 8, beam) == (4, 1)
+        assert cpu_workers(cpu, 5, beam) == (2, 2)  # 2 batches a worker at least
+        assert cpu_workers(cpu, 3, beam) == (1, 4)
+        assert cpu_workers(cuda, 8, beam) == (1, 4)
+        assert cpu_workers(cpu, 8, DecodeOptions(sample=True, seed=1)) == (1, 4)  # one generator, batch after batch
+        torch.set_num_threads(1)
+        assert cpu_workers(cpu, 8, beam) == (1, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batches_searched_side_by_side_equal_those_searched_in_turn(tiny_mt, threads, beam):
+    """Two workers of one thread each give every sentence the hypotheses (ids, scores) one thread gives searching the
+    batches in turn, in input order, with progress counted batch by batch; the thread count is restored."""
+    from aiayn.search import decode_batches, decode_ids
+
+    m, src, lengths = tiny_mt
+    rows = [src[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+    spec = spec_of(beam=beam, nbest=1, max_len_a=1.0, max_len_b=5, max_tokens=48 * beam)
+    batches = decode_batches([len(r) + 1 for r in rows], spec.options, "cpu")
+    assert len(batches) >= 4
+    threads(1)
+    in_turn = decode_ids(m, rows, spec)
+    threads(2)
+    counted: list[int] = []
+    side_by_side = decode_ids(m, rows, spec, progress=counted.append)
+    assert torch.get_num_threads() == 2
+    assert counted == [len(b) for b in batches]
+    assert [[(h.tokens, h.score, h.logprob) for h in x] for x in side_by_side] == \
+        [[(h.tokens, h.score, h.logprob) for h in x] for x in in_turn]
+
+
+def test_a_batch_that_fails_stops_the_other_workers_and_its_error_is_raised(tiny_mt, threads):
+    """The error of a batch searched side by side is what the caller gets (not the others' stop), once every worker
+    has stopped; a caller's stop ends the search with SearchStopped. The thread count is restored either way."""
+    from aiayn.search import SearchStopped, decode_ids
+
+    m, src, lengths = tiny_mt
+    rows = [src[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+    spec = spec_of(beam=4, max_len_a=1.0, max_len_b=5, max_tokens=192)
+    calls = {"n": 0}
+
+    class Failing(torch.nn.Module):  # the model, but its 5th decoder step fails
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = m
+            self.cfg = m.cfg
+
+        def encode(self, *a, **k):
+            return m.encode(*a, **k)
+
+        def new_cache(self, *a, **k):
+            return m.new_cache(*a, **k)
+
+        def decode(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise ValueError("the fifth step")
+            return m.decode(*a, **k)
+
+    threads(2)
+    with pytest.raises(ValueError, match="the fifth step"):
+        decode_ids(Failing().eval(), rows, spec)
+    assert torch.get_num_threads() == 2
+    with pytest.raises(SearchStopped):
+        decode_ids(m, rows, replace(spec, stop=lambda: True))
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize("stop,nbest", [("exact", 2), ("hf", 1), ("first", 3)])

@@ -106,6 +106,25 @@ def test_cpu_goals_int8_and_one_pass_per_thread_count(tmp_path):
     assert "| batched 2t | aiayn int8 (stop=exact) |" in text and "fastest of 2 passes" in text
 
 
+def test_the_parallel_mode_searches_the_batched_modes_batches_side_by_side(tmp_path):
+    """The parallel mode: the batched mode's batches, each engine's own way of searching several at once (aiayn's
+    workers, CTranslate2's inter_threads); HF has none and is left out; the same translations as one at a time; its
+    rows count for the batched work in "each at its fastest"."""
+    md = tmp_path / "B.md"
+    result = translate_speed.main(["--smoke", "--limit", "16", "--threads", "2", "--modes", "batched", "parallel",
+                                   "--engines", "aiayn-exact", "hf", "ct2-fp32", "--isolate", "no", "--md", str(md),
+                                   "--out-json", str(tmp_path / "s.json")])
+    assert result["keys"]["parallel"] == {"mode": "parallel", "precision": "fp32", "threads": 2}
+    batched, parallel = result["modes"]["batched"], result["modes"]["parallel"]
+    assert list(parallel) == ["aiayn-exact", "ct2-fp32"]
+    assert parallel["aiayn-exact"]["batches"] == batched["aiayn-exact"]["batches"] == 4  # two workers' worth
+    for e in parallel:
+        assert parallel[e]["sentences"] == 16 and parallel[e]["bleu"] == pytest.approx(batched[e]["bleu"], abs=1.0)
+    text = md.read_text()
+    assert "| parallel | aiayn (stop=exact) |" in text and "parallel = those batches searched side by side" in text
+    assert "- batched, each at its fastest: aiayn exact (" in text
+
+
 def test_int8_and_linear_kernel_tables(tmp_path):
     """benchmarks.int8 states int8's BLEU gap against its goal; benchmarks.linear_kernels times every kernel."""
     from benchmarks import int8, linear_kernels

@@ -5,14 +5,25 @@ decode through :func:`decode_ids`, so they agree (banned ids, lengths, n-gram bl
 The batches are the search's own, not training's: a source costs the row the encoder reads (its ids and the
 EOS appended to it) once per row of the search (each beam, or each draw when sampling), and nothing else.
 
+On a CPU with several intra-op threads, batches are searched side by side (:func:`cpu_workers`): W worker threads,
+each running its batch's operations on T / W of the process's T threads, as CTranslate2's ``inter_threads`` does. A
+beam step's operations are too small to keep several threads busy (2 threads searched a batch 1.2-1.6x faster than 1,
+2 batches side by side on 1 thread each 2x; BENCHMARKS.md, section 2c); PyTorch releases the GIL inside each
+operation, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker takes it, so
+the outputs do not depend on the scheduling.
+
 Shapes: B batch, S source length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 
+import torch
 from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
@@ -64,21 +75,90 @@ def decode_batches(widths: Sequence[int], opts: DecodeOptions, device_type: str)
     return batches
 
 
+# Batches per worker at least: with fewer, a worker left without a batch idles while the last ones run on a fraction
+# of the threads (a search of 2 batches of very different sizes would run its large one on half of them).
+MIN_BATCHES_PER_WORKER = 2
+
+
+def cpu_workers(device: torch.device, batches: int, options: DecodeOptions) -> tuple[int, int]:
+    """(workers, intra-op threads each) with which :func:`decode_ids` searches ``batches`` batches: on a CPU whose
+    PyTorch runs T >= 2 intra-op threads (``--threads``), W = min(T, batches / :data:`MIN_BATCHES_PER_WORKER`)
+    workers of T // W threads each; (1, T) elsewhere: a GPU, too few batches, or sampling (whose draws follow one
+    generator from batch to batch, so their order must not depend on the scheduling)."""
+    threads = torch.get_num_threads()
+    workers = min(threads, batches // MIN_BATCHES_PER_WORKER)
+    if device.type != "cpu" or options.sample or workers < 2:
+        return 1, threads
+    return workers, threads // workers
+
+
+def _searched_side_by_side(model: nn.Module, batches: list[Tensor], spec: SearchSpec, scores: bool,
+                           workers: tuple[int, int]) -> Iterator[list[list[Hypothesis]]]:
+    """Each padded batch's hypotheses, in order, searched by ``workers`` = (W, threads each) worker threads. The
+    first error (or the caller's stop) stops every worker at its next step; that error is raised, after all have
+    stopped. The process's intra-op thread count is restored at the end."""
+    count, each = workers
+    failed: list[BaseException] = []  # in the order they happened: the first is the one to raise
+    halt = threading.Event()
+    asked = spec.stop
+    spec = dataclasses.replace(spec, stop=lambda: halt.is_set() or (asked is not None and asked()))
+
+    @torch.no_grad()
+    def search(src: Tensor) -> list[list[Hypothesis]]:
+        torch.set_num_threads(each)  # this worker's own (OpenMP's count is per thread)
+        try:
+            return search_batch(model, src, src != spec.pad, spec, scores)
+        except BaseException as err:
+            failed.append(err)
+            halt.set()
+            raise
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(each)  # what a new thread starts with
+    try:
+        with ThreadPoolExecutor(count, thread_name_prefix="aiayn-search") as pool:
+            futures = [pool.submit(search, src) for src in batches]
+            try:
+                for fut in futures:
+                    yield fut.result()
+            except BaseException:
+                halt.set()
+                for fut in futures:
+                    fut.cancel()
+                raise
+    except BaseException as err:
+        raise (failed[0] if failed and not isinstance(err, (KeyboardInterrupt, GeneratorExit)) else err) from None
+    finally:
+        torch.set_num_threads(before)
+
+
+def search_batches(model: nn.Module, batches: Sequence[Tensor], spec: SearchSpec, scores: bool = True
+                   ) -> Iterator[list[list[Hypothesis]]]:
+    """The hypotheses of each padded batch (B, S) of ids (EOS included, ``spec.pad`` padding), in order: on a CPU
+    searched side by side by :func:`cpu_workers`'s workers, elsewhere one after the other."""
+    workers = cpu_workers(model_device(model), len(batches), spec.options)
+    if workers[0] > 1:
+        return _searched_side_by_side(model, list(batches), spec, scores, workers)
+    return (search_batch(model, src, src != spec.pad, spec, scores) for src in batches)
+
+
 def decode_ids(model: nn.Module, sources: Sequence[Sequence[int]], spec: SearchSpec, scores: bool = True,
                progress: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Search every source (ids without EOS; the spec's EOS is appended) and return its hypotheses, best first,
     in input order, in the token-budget batches of :func:`decode_batches`. The model must be in eval mode.
     ``scores=False`` spares greedy search the teacher-forced pass that scores its outputs; ``progress`` is
-    called with the number of sources each batch decoded."""
+    called with the number of sources each batch decoded. On a CPU, batches may be searched side by side
+    (:func:`cpu_workers`)."""
     device = model_device(model)
     out: list[list[Hypothesis]] = [[] for _ in sources]
     if not sources:
         return out
     rows = [[*s, spec.eos] for s in sources]  # what the encoder reads
-    for idx in decode_batches([len(r) for r in rows], spec.options, device.type):
-        src = pad_rows([rows[i] for i in idx], spec.pad).to(device)  # (B, S)
-        for i, hyps in zip(idx, search_batch(model, src, src != spec.pad, spec, scores)):
-            out[i] = hyps
+    batches = decode_batches([len(r) for r in rows], spec.options, device.type)
+    padded = [pad_rows([rows[i] for i in idx], spec.pad).to(device) for idx in batches]  # each (B, S)
+    for idx, hyps in zip(batches, search_batches(model, padded, spec, scores)):
+        for i, h in zip(idx, hyps):
+            out[i] = h
         if progress is not None:
             progress(len(idx))
     return out
