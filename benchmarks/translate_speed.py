@@ -26,7 +26,7 @@ compute it), at most ``--max-len`` decoding steps (EOS included), no minimum len
 hypothesis. Sources are sorted by length once. Modes: "batch-1" one sentence at a time; "batched"
 the same batches of ``--batch-size`` sentences in that order for every engine; "parallel" the batched mode's
 batches searched side by side, as many at once as threads, each on one thread: aiayn's as ``aiayn translate``
-searches them (aiayn.search.search_batches: W workers of T / W intra-op threads), CTranslate2's with
+searches them (aiayn.search.sources.search_batches: W workers of T / W intra-op threads), CTranslate2's with
 ``inter_threads`` = threads and ``intra_threads`` 1, every batch submitted at once (HF has no such setting);
 "tokens" the token-budget batches ``aiayn translate`` makes on that device (aiayn.search.decode_batches,
 ``--max-tokens`` or the device's default budget), given to every engine. ``--precision fp32 bf16``
@@ -74,7 +74,8 @@ from aiayn.engine import inference_linear_kind, keep_freed_memory
 from aiayn.errors import UserError
 from aiayn.linear import use_linear
 from aiayn.model.transformer import Transformer
-from aiayn.search import SearchSpec, beam_search, decode_batches, search_batches
+from aiayn.search import SearchSpec, beam_search, decode_batches
+from aiayn.search.sources import search_batches
 from benchmarks import common
 from benchmarks.flops import synchronize
 
@@ -512,7 +513,7 @@ def _timed(a: dict[str, Any], budget: int | None) -> str:
         + (f"; batch-1 = the first {a['batch1_limit']} sentences one at a time" if a.get("batch1_limit") else "")
         + f"; batched = the same length-sorted batches of {a['batch_size']} sentences for every engine"
         + ("; parallel = those batches searched side by side, one per thread at once, each on one thread (aiayn: "
-           "`aiayn translate`'s workers, aiayn.search.search_batches; CTranslate2: inter_threads = threads, "
+           "`aiayn translate`'s workers, aiayn.search.sources.search_batches; CTranslate2: inter_threads = threads, "
            "intra_threads 1, the batches submitted at once)" if "parallel" in a.get("modes", []) else "")
         + (f"; tokens = the token-budget batches of `aiayn translate` ({budget} tokens = sentences x (longest "
            "+ 1) x beam)" if budget else "")

@@ -48,16 +48,7 @@ from aiayn.search.common import (
 from aiayn.search.greedy import Greedy, greedy_search, score_tokens
 from aiayn.search.processing import LogitsProcessor, filter_top_k, filter_top_p, repeated_ngram_bans
 from aiayn.search.sampling import Sampling, sample, sample_list, sample_rows, sample_search
-from aiayn.search.sources import (
-    STRATEGIES,
-    cpu_workers,
-    decode_batches,
-    decode_ids,
-    rows_per_source,
-    search_batch,
-    search_batches,
-    strategy_for,
-)
+from aiayn.search.sources import STRATEGIES, decode_batches, decode_ids, rows_per_source, search_batch, strategy_for
 from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
 from aiayn.search.strategy import Hypothesis, Strategy
 
@@ -66,5 +57,5 @@ __all__ = [
     "Sampling", "SearchSpec", "SearchStopped", "Strategy", "beam_search", "rows_per_source", "strategy_for",
     "decode_batches", "decode_ids", "filter_top_k", "filter_top_p", "greedy_search", "length_penalty_denominator",
     "max_lengths", "model_device", "penalized_score", "repeated_ngram_bans", "sample", "sample_list", "sample_rows",
-    "sample_search", "score_tokens", "search_batch", "search_batches", "cpu_workers",
+    "sample_search", "score_tokens", "search_batch",
 ]
