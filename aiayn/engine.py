@@ -1,6 +1,7 @@
 """The speed choices, in one place: which computation of attention runs where, which kernel computes the linear
 layers (:func:`inference_linear_kind`; the kernels themselves are :mod:`aiayn.linear`'s, which never calls back),
-PyTorch's CUDA attention backends, the CPU dropout, the fused optimizer, ``torch.compile``, CPU threads.
+PyTorch's CUDA attention backends, the CPU dropout, the fused optimizer, ``torch.compile``, CPU threads, the
+processes that share the cores (:func:`worker_pool`) and what the C allocator keeps.
 
 Every choice here computes what the plain path computes (tests/test_model.py and tests/test_engine.py prove
 each equal to it); only the speed differs, and the measurements behind each are in BENCHMARKS.md with their
@@ -18,9 +19,12 @@ Shapes: B batch, T length, D model width.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -448,6 +452,31 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+_WORKER: list[Callable[[Any], Any]] = []  # a worker process's encoder (worker_pool)
+
+
+def _init_worker(make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]) -> None:
+    _WORKER[:] = [make(*args)]
+
+
+def _work(item: Any) -> Any:
+    return _WORKER[0](item)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int | None, big: bool, make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]
+                ) -> Iterator[Callable[[Iterable[Any]], Iterator[Any]]]:
+    """items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (None: every usable core for a
+    ``big`` input, else one; spawned: never fork a process that holds torch's threads), or in this one."""
+    if workers is None:
+        workers = usable_cores() if big else 1
+    if workers <= 1:
+        yield partial(map, make(*args))
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(make, args)) as pool:
+        yield partial(pool.imap, _work)
+
+
 def _cpu_times() -> tuple[float, float] | None:
     """(busy, all) CPU seconds since boot of the cores this process may run on, from /proc/stat's per-core lines
     (Linux); None elsewhere."""
@@ -554,10 +583,21 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, KEPT_FREE))
 
 
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): what training a tokenizer and
+    encoding a corpus freed would otherwise stay resident for hours of training (``benchmarks.rss_timeline``)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
+
+
 __all__ = [
     "ATTENTION_RULE", "AttentionKernel", "CompileCounter", "CpuDropout", "MAX_THREADS", "SDPA_BACKENDS",
     "attention_backends", "attention_path", "busy_cores", "check_threads", "compile_dynamic",
     "compile_for_training_mode", "compile_regions", "compile_wanted", "cpu_threads", "fit_shape", "keep_freed_memory",
-    "kernels", "key_cpu_kernels_by_vector_width", "prepare_model", "set_cpu_threads", "usable_cores", "use_attention",
-    "use_fused_optimizer", "weights_in",
+    "kernels", "key_cpu_kernels_by_vector_width", "prepare_model", "release_free_memory", "set_cpu_threads",
+    "usable_cores", "use_attention", "use_fused_optimizer", "weights_in", "worker_pool",
 ]

@@ -1,6 +1,6 @@
-"""What the benchmark entry points share: the machine and versions they ran on, JSON output, their
-sections of BENCHMARKS.md and the training batches (the re-layout
-that lets a model trained with the paper's interleaved sinusoids run as a Hugging Face Marian model is
+"""What the benchmark entry points share: the machine and versions they ran on, the environment of the processes
+they start, JSON output, their sections of BENCHMARKS.md and the training batches (the re-layout that lets a model
+trained with the paper's interleaved sinusoids run as a Hugging Face Marian model is
 aiayn.interop.marian.concat_layout_copy).
 
 Shapes: B batch, S source length, T target length, D model width, V vocabulary.
@@ -143,6 +143,12 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process' environment with this repository first on PYTHONPATH (what was there stays: carried wheels)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.common import child_env
 from benchmarks.gpu_training import (
     SPEED_PRESETS,
     TRAIN_ITEMS,
@@ -334,12 +335,6 @@ def run_child(item: str, work: Path, device: str, smoke: bool) -> dict[str, Any]
     tmp.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     os.replace(tmp, out)
     return res
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This process' environment with this repository first on PYTHONPATH (what was there stays: carried wheels)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def _aiayn(*args: str, timeout: float | None = None, check: bool = True) -> subprocess.CompletedProcess:

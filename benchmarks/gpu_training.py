@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The synthetic WMT-like corpus (benchmarks.data_scale.write_corpus) and its store.
@@ -86,12 +88,6 @@ SPEED_PRESETS = {"train_speed_base": "paper-base", "train_speed_big": "paper-big
 LOOP_PEERS = {"train_big_bf16": ("paper-big", "aiayn"),
               "train_big_bf16_levers": ("paper-big", "aiayn-compile+cast+fused-loss"),
               "levers_match": ("paper-base", "aiayn-compile+cast+fused-loss")}
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    from benchmarks.gpu_check import child_env as env
-
-    return env(**extra)
 
 
 def corpus(work: Path, size: str) -> dict[str, str]:

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import datetime
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -39,8 +37,9 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
-from aiayn.data.datasets import sha256_file
+from aiayn.data.datasets import cache_dir, sha256_file
 from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
+from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
 from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
 from aiayn.progress import ItemProgress
@@ -56,6 +55,10 @@ PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a m
 STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream (aiayn.data.stream_store)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
+IdOpener = Callable[..., Any]  # (split, label, make, vocab_size[, unreadable]) -> the id file ``make()``, checked
+# How the settings a store depends on (:func:`settings`) are named in a config.
+SETTING_NAMES = {"task": "task", "langs": "data.src_lang/data.tgt_lang", "seed": "train.seed"}
+_BUILDING: list[HeldLock] = []  # the lock of the store this process builds, where :func:`note` writes
 
 
 class IdFile:
@@ -65,8 +68,8 @@ class IdFile:
     by = ("manifest needs", "manifest says")  # what states its length, in its messages
 
     def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
-        self._state = {"path": path, "dtype": np.dtype(dtype).newbyteorder("<").str, "tokens": tokens}
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
+        self._state = {"path": path, "dtype": self.dtype.str, "tokens": tokens}
         fd = os.open(self.path, os.O_RDONLY)
         try:
             check_regular(fd, self.path)
@@ -230,8 +233,6 @@ def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra
 
 def cached_store_dir(key: str) -> Path:
     """The store of every training of ``key`` that names no ``data.prepared`` (``$AIAYN_CACHE_DIR``: ~/.cache/aiayn)."""
-    from aiayn.data.datasets import cache_dir
-
     return cache_dir() / "stores" / key[:24]
 
 
@@ -250,10 +251,9 @@ def tokenizer_digest(d: Path) -> dict[str, str]:
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The manifest of a complete store, None when there is none or it cannot be trusted (then a cache rebuilds)."""
-    try:
+    with contextlib.suppress(DataError):
         return load_manifest(directory, STORE_VERSION)
-    except DataError:
-        return None
+    return None
 
 
 def damaged(path: Path, problem: str) -> DataError:
@@ -271,9 +271,6 @@ def opened_manifest(path: Path) -> dict[str, Any]:
         return load_manifest(path, STORE_VERSION)
     except DataError as e:
         raise damaged(path, str(e)) from None
-
-
-IdOpener = Callable[..., Any]  # (split, label, make, vocab_size[, unreadable]) -> the id file ``make()``, checked
 
 
 def _pair_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Split:
@@ -377,10 +374,8 @@ def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float 
 def store_lock(path: Path, shared: bool, wait_s: float | None) -> Iterator[HeldLock]:
     """The lock of the store ``path``, waited for at most ``wait_s`` seconds (``train.setup_timeout_s``; None: as
     long as it takes), then one line (PeerError) naming the process that holds it, what it does, and the setting."""
-    def waiting(who: str) -> None:
-        limit = f" (at most train.setup_timeout_s={wait_s:g} s)" if wait_s is not None else ""
-        log.info("%s: waiting for the process (pid %s) that prepares it%s", path, who, limit)
-
+    limit = f" (at most train.setup_timeout_s={wait_s:g} s)" if wait_s is not None else ""
+    waiting = lambda who: log.info("%s: waiting for the process (pid %s) that prepares it%s", path, who, limit)
     try:
         with file_lock(path / LOCK, shared=shared, waiting=waiting, timeout_s=wait_s,
                        doing="preparing it: looking at what is there") as held:
@@ -401,33 +396,6 @@ def open_locked(path: Path, opener: Callable[[Path], Any], wait_s: float | None 
             return opener(path)
     except FileNotFoundError:  # the directory went while this waited: a failed build removed it
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
-
-
-_WORKER: list[Callable[[Any], Any]] = []  # a worker process's encoder
-
-
-def _init_worker(make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]) -> None:
-    _WORKER[:] = [make(*args)]
-
-
-def _work(item: Any) -> Any:
-    return _WORKER[0](item)
-
-
-@contextlib.contextmanager
-def worker_pool(workers: int | None, big: bool, make: Callable[..., Callable[[Any], Any]], args: tuple[Any, ...]
-                ) -> Iterator[Callable[[Iterable[Any]], Iterator[Any]]]:
-    """items -> ``make(*args)(item)`` of each, in order: in ``workers`` processes (None: every usable core for a
-    ``big`` input, else one; spawned: never fork a process that holds torch's threads), or in this one."""
-    if workers is None:
-        from aiayn.engine import usable_cores
-
-        workers = usable_cores() if big else 1
-    if workers <= 1:
-        yield partial(map, make(*args))
-        return
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(make, args)) as pool:
-        yield partial(pool.imap, _work)
 
 
 class Recipe:
@@ -494,10 +462,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory (a prepared store is one); choose another directory")
-
-    def found(path: Path) -> Any:  # what is there, opened (the caller holds its lock): None when it is to be built
-        return _named(path, recipe) if not rebuild else _reused(path, recipe)
-
+    found = partial(_reused if rebuild else _named, recipe=recipe)  # what is there, opened (under its lock), or None
     store = open_locked(out, found, wait_s) if out.is_dir() else None  # the common case: no exclusive lock
     if store is not None:
         return store
@@ -505,11 +470,9 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
     with contextlib.ExitStack() as held:
         while True:
             made = _make_dirs(out)
-            try:
+            with contextlib.suppress(FileNotFoundError):  # a failed builder removed ``out`` meanwhile: made again
                 lock = held.enter_context(store_lock(out, False, wait_s))
                 break
-            except FileNotFoundError:  # a builder that had made ``out`` failed and removed it while we waited
-                continue
         try:
             store = found(out)  # built by another process while we waited?
             if store is not None:
@@ -546,10 +509,6 @@ def open_only(out: Path, recipe: Recipe) -> Any:
                         "data.prepared is only read, never rebuilt; prepare one for this config (aiayn prepare "
                         "CONFIG --out NEW_DIR, then --set data.prepared=NEW_DIR), or train with the store's settings")
     return recipe.open(out)
-
-
-# How the settings a store depends on (:func:`settings`) are named in a config.
-SETTING_NAMES = {"task": "task", "langs": "data.src_lang/data.tgt_lang", "seed": "train.seed"}
 
 
 def explain_mismatch(manifest: dict[str, Any], recipe: Recipe) -> str:
@@ -603,9 +562,6 @@ def _refuse_foreign(out: Path) -> None:
         raise DataError(f"{out}: exists and is not a prepared corpus; choose an empty or new directory")
 
 
-_BUILDING: list[HeldLock] = []  # the lock of the store this process builds, where :func:`note` writes
-
-
 def note(doing: str) -> None:
     """Say what the build of a store is doing now (training its tokenizer, encoding a split) in its lock file."""
     for lock in _BUILDING:
@@ -642,14 +598,6 @@ def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None
 def storage_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every id of a vocabulary: uint16, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): what training a tokenizer and
-    encoding freed would otherwise stay resident for hours of training (``benchmarks.rss_timeline``)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).malloc_trim(0)
 
 
 def now() -> str:
@@ -743,14 +691,13 @@ class PairRecipe(Recipe):
                                 f"a sample of at most {self.cfg.data.tokenizer_sample:,} sentences")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
-        cfg = self.cfg
         # Every input read through once first: a malformed file is one line now, not after the tokenizer's
         # training; the counts give the encoding's progress a total.
         counts = {name: sum(1 for _ in source()) for name, source in self.sources.items()}
         tdir, tok = self.place_tokenizer(stage, self.train_tokenizer or self._train)
         vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
         dtype = storage_dtype(vocab)
-        max_len = (cfg.data.max_len or cfg.model.max_positions) if self.length_filter else None
+        max_len = (self.cfg.data.max_len or self.cfg.model.max_positions) if self.length_filter else None
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
         splits: dict[str, Any] = {}
         cut = self.cut_sources and max_len is not None
@@ -759,7 +706,8 @@ class PairRecipe(Recipe):
                 note(f"preparing it: encoding its {name} split")
                 writer = _Writer(stage, name, dtype)
                 progress = ItemProgress(counts[name], "pair", f"prepare {name}")
-                for encoded in encode(_chunks(source(), CHUNK)):
+                chunks = iter(lambda pairs=source(): list(islice(pairs, CHUNK)), [])  # CHUNK pairs a list, to the end
+                for encoded in encode(chunks):
                     writer.add(encoded)
                     progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])
                 progress.close()
@@ -768,11 +716,6 @@ class PairRecipe(Recipe):
                     raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
         return self.manifest(dtype, vocab, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                              splits=splits)
-
-
-def _chunks(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
-    while chunk := list(islice(pairs, size)):
-        yield chunk
 
 
 def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],

@@ -17,11 +17,11 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import count_chars, text_chunks
-from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype, worker_pool
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.engine import worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
 
-STREAM = STREAM_KIND  # the manifest's kind
 SPLITS = ("train", "valid")
 READ_BYTES = 4 << 20  # text read (and encoded) at a time
 LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
@@ -83,9 +83,8 @@ class PieceEncoder:
         self.head: list[int] | None = None
         if isinstance(self.tok, CharTokenizer):
             codes = [ord(c) for c in self.tok.chars]
-            self.table = np.full(max(codes, default=0) + 1, UNK_ID, dtype=np.int64)
+            self.table = np.full(max(codes, default=0) + 2, UNK_ID, dtype=np.int64)  # the last: every code past it
             self.table[codes] = [self.tok.stoi[c] for c in self.tok.chars]
-            self.unk = UNK_ID
         elif isinstance(self.tok, SentencePieceTokenizer) and not any(
                 "\n" in self.tok.id_to_piece(i) for i in range(self.tok.vocab_size)):
             self.head = self.tok.encode("\n")
@@ -99,8 +98,7 @@ class PieceEncoder:
         """(n,) int64: the ids of ``text``, a piece that ``starts`` its part or continues it."""
         if self.table is not None:
             codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
-            known = codes < len(self.table)
-            return np.where(known, self.table[np.where(known, codes, 0)], self.unk)
+            return self.table[np.minimum(codes, len(self.table) - 1)]
         if self.head is None or starts:
             return np.asarray(self.tok.encode(text), dtype=np.int64)
         ids = self.tok.encode("\n" + text)
@@ -110,7 +108,7 @@ class PieceEncoder:
 
 
 def open_stream(path: Path, verify_all: bool = False) -> Store:
-    return open_kind(path, STREAM, (), verify_all)
+    return open_kind(path, STREAM_KIND, (), verify_all)
 
 
 @dataclass
@@ -118,7 +116,7 @@ class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
     tokenizer directory to use, else one is trained on the training part."""
 
-    kind = STREAM
+    kind = STREAM_KIND
     cfg: Config
     path: Path
     inputs: dict[str, str]
@@ -127,7 +125,7 @@ class StreamRecipe(Recipe):
     key: str = ""
 
     def kind_settings(self) -> dict[str, Any]:
-        return {"kind": STREAM, "valid_fraction": self.cfg.data.valid_fraction}
+        return {"kind": STREAM_KIND, "valid_fraction": self.cfg.data.valid_fraction}
 
     def _train(self, tdir: Path, split: int) -> None:
         """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
