@@ -789,20 +789,27 @@ def threads():
 
 
 def test_cpu_batches_are_searched_side_by_side_only_where_that_is_sound():
+    """Side by side where the batches' predicted time says so: equal batches, one a thread or more; not a large and a
+    small one (the large one would run on one thread of two), nor on a GPU, nor when sampling."""
     from aiayn.config import DecodeOptions
     from aiayn.search.sources import cpu_workers
 
     cpu, cuda, beam = torch.device("cpu"), torch.device("cuda"), DecodeOptions(beam=4)
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        assert cpu_workers(cpu, [960, 960], beam) == (2, 1)
+        assert cpu_workers(cpu, [960, 960, 960, 400], beam) == (2, 1)
+        assert cpu_workers(cpu, [960, 30], beam) == (1, 2)  # a large batch and a small one: both threads on each
+        assert cpu_workers(cpu, [960], beam) == (1, 2)
         torch.set_num_threads(4)
-        assert cpu_workers(cpu, 8, beam) == (4, 1)
-        assert cpu_workers(cpu, 5, beam) == (2, 2)  # 2 batches a worker at least
-        assert cpu_workers(cpu, 3, beam) == (1, 4)
-        assert cpu_workers(cuda, 8, beam) == (1, 4)
-        assert cpu_workers(cpu, 8, DecodeOptions(sample=True, seed=1)) == (1, 4)  # one generator, batch after batch
+        assert cpu_workers(cpu, [960] * 8, beam) == (4, 1)
+        assert cpu_workers(cpu, [960] * 4, beam) == (4, 1)
+        assert cpu_workers(cpu, [960] * 3, beam) == (1, 4)  # a fourth worker would have nothing to search
+        assert cpu_workers(cuda, [960] * 8, beam) == (1, 4)
+        assert cpu_workers(cpu, [960] * 8, DecodeOptions(sample=True, seed=1)) == (1, 4)  # one generator, in turn
         torch.set_num_threads(1)
-        assert cpu_workers(cpu, 8, beam) == (1, 1)
+        assert cpu_workers(cpu, [960] * 8, beam) == (1, 1)
     finally:
         torch.set_num_threads(before)
 
@@ -812,12 +819,15 @@ def test_batches_searched_side_by_side_equal_those_searched_in_turn(tiny_mt, thr
     """Two workers of one thread each give every sentence the hypotheses (ids, scores) one thread gives searching the
     batches in turn, in input order, with progress counted batch by batch; the thread count is restored."""
     from aiayn.search import decode_batches, decode_ids
+    from aiayn.search.sources import cpu_workers
 
     m, src, lengths = tiny_mt
     rows = [src[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
     spec = spec_of(beam=beam, nbest=1, max_len_a=1.0, max_len_b=5, max_tokens=48 * beam)
     batches = decode_batches([len(r) + 1 for r in rows], spec.options, "cpu")
-    assert len(batches) >= 4
+    threads(2)
+    assert cpu_workers(torch.device("cpu"), [len(b) * (1 + int(lengths[b].max())) for b in batches],
+                       spec.options) == (2, 1)  # what decode_ids does with them at 2 threads
     threads(1)
     in_turn = decode_ids(m, rows, spec)
     threads(2)
@@ -832,7 +842,8 @@ def test_batches_searched_side_by_side_equal_those_searched_in_turn(tiny_mt, thr
 def test_a_batch_that_fails_stops_the_other_workers_and_its_error_is_raised(tiny_mt, threads):
     """The error of a batch searched side by side is what the caller gets (not the others' stop), once every worker
     has stopped; a caller's stop ends the search with SearchStopped. The thread count is restored either way."""
-    from aiayn.search import SearchStopped, decode_ids
+    from aiayn.search import SearchStopped, decode_batches, decode_ids
+    from aiayn.search.sources import cpu_workers
 
     m, src, lengths = tiny_mt
     rows = [src[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
@@ -858,6 +869,9 @@ def test_a_batch_that_fails_stops_the_other_workers_and_its_error_is_raised(tiny
             return m.decode(*a, **k)
 
     threads(2)
+    batches = decode_batches([len(r) + 1 for r in rows], spec.options, "cpu")
+    assert cpu_workers(torch.device("cpu"), [len(b) * (1 + int(lengths[b].max())) for b in batches],
+                       spec.options) == (2, 1)  # searched side by side
     with pytest.raises(ValueError, match="the fifth step"):
         decode_ids(Failing().eval(), rows, spec)
     assert torch.get_num_threads() == 2

@@ -5,7 +5,7 @@ decode through :func:`decode_ids`, so they agree (banned ids, lengths, n-gram bl
 The batches are the search's own, not training's: a source costs the row the encoder reads (its ids and the
 EOS appended to it) once per row of the search (each beam, or each draw when sampling), and nothing else.
 
-On a CPU with several intra-op threads, batches are searched side by side (:func:`cpu_workers`): W worker threads,
+On a CPU with several intra-op threads, batches may be searched side by side (:func:`cpu_workers`): W worker threads,
 each running its batch's operations on T / W of the process's T threads, as CTranslate2's ``inter_threads`` does. A
 beam step's operations are too small to keep several threads busy (2 threads searched a batch 1.2-1.6x faster than 1,
 2 batches side by side on 1 thread each 2x; BENCHMARKS.md, section 2c); PyTorch releases the GIL inside each
@@ -75,21 +75,37 @@ def decode_batches(widths: Sequence[int], opts: DecodeOptions, device_type: str)
     return batches
 
 
-# Batches per worker at least: with fewer, a worker left without a batch idles while the last ones run on a fraction
-# of the threads (a search of 2 batches of very different sizes would run its large one on half of them).
-MIN_BATCHES_PER_WORKER = 2
+# How much faster k intra-op threads search one batch than one thread, at most: 0.8 k (measured at 2 threads on
+# batches of 64 sentences: 1.32x fp32, 1.60x int8; BENCHMARKS.md section 2d). Workers are chosen where the batches'
+# predicted time side by side beats it, so the guess errs toward the threads.
+INTRA_OP_GAIN = 0.8
 
 
-def cpu_workers(device: torch.device, batches: int, options: DecodeOptions) -> tuple[int, int]:
-    """(workers, intra-op threads each) with which :func:`decode_ids` searches ``batches`` batches: on a CPU whose
-    PyTorch runs T >= 2 intra-op threads (``--threads``), W = min(T, batches / :data:`MIN_BATCHES_PER_WORKER`)
-    workers of T // W threads each; (1, T) elsewhere: a GPU, too few batches, or sampling (whose draws follow one
-    generator from batch to batch, so their order must not depend on the scheduling)."""
+def _intra_op_speedup(threads: int) -> float:
+    return 1.0 if threads == 1 else INTRA_OP_GAIN * threads
+
+
+def _makespan(costs: Sequence[int], workers: int) -> int:
+    """When the last of ``workers`` workers ends, each taking the next batch (in order) when it is free."""
+    free = [0] * workers
+    for cost in costs:
+        free[free.index(min(free))] += cost
+    return max(free)
+
+
+def cpu_workers(device: torch.device, costs: Sequence[int], options: DecodeOptions) -> tuple[int, int]:
+    """(workers, intra-op threads each) with which :func:`search_batches` searches batches of ``costs`` (each its
+    padded ids: sentences x the widest) on a CPU whose PyTorch runs T intra-op threads (``--threads``): of W workers
+    of T // W threads (W dividing T), the W whose predicted time is least, the batches taken in order by whichever
+    worker is free (a time of ``sum(costs)`` for one thread; k threads on a batch :func:`_intra_op_speedup` times
+    faster). So two equal batches on two threads go side by side, a large and a small one do not. (1, T) elsewhere: a
+    GPU, one thread or batch, or sampling (whose draws follow one generator from batch to batch, so their order must
+    not depend on the scheduling)."""
     threads = torch.get_num_threads()
-    workers = min(threads, batches // MIN_BATCHES_PER_WORKER)
-    if device.type != "cpu" or options.sample or workers < 2:
+    if device.type != "cpu" or options.sample or threads < 2 or len(costs) < 2:
         return 1, threads
-    return workers, threads // workers
+    ways = [(w, threads // w) for w in range(1, min(threads, len(costs)) + 1) if threads % w == 0]
+    return min(ways, key=lambda way: _makespan(costs, way[0]) / _intra_op_speedup(way[1]))
 
 
 def _searched_side_by_side(model: nn.Module, batches: list[Tensor], spec: SearchSpec, scores: bool,
@@ -136,7 +152,7 @@ def search_batches(model: nn.Module, batches: Sequence[Tensor], spec: SearchSpec
                    ) -> Iterator[list[list[Hypothesis]]]:
     """The hypotheses of each padded batch (B, S) of ids (EOS included, ``spec.pad`` padding), in order: on a CPU
     searched side by side by :func:`cpu_workers`'s workers, elsewhere one after the other."""
-    workers = cpu_workers(model_device(model), len(batches), spec.options)
+    workers = cpu_workers(model_device(model), [src.numel() for src in batches], spec.options)
     if workers[0] > 1:
         return _searched_side_by_side(model, list(batches), spec, scores, workers)
     return (search_batch(model, src, src != spec.pad, spec, scores) for src in batches)
