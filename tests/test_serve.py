@@ -177,6 +177,30 @@ def test_a_lone_request_after_a_lone_call_is_not_held_for_company():
         b.close(timeout=60)
 
 
+def test_the_next_requests_of_a_calls_clients_join_the_request_queued_meanwhile():
+    """A request queued while a call ran (here, long past its own wait) waits up to --max-wait-ms after that call's
+    answer, so the answered client's next request joins it: one call, not two clients taking turns at the model in
+    half-size calls."""
+    seen, gate = [], threading.Event()
+
+    def run(items):
+        gate.wait(30)
+        seen.append(list(items))
+        return list(items)
+
+    b = Batcher(max_batch_tokens=2, max_wait_ms=30_000)
+    try:
+        answered = b.submit(Job(None, ["first client"], 1, run))
+        queued = b.submit(Job("g", ["second client"], 1, run, arrived=time.monotonic() - 100))
+        gate.set()
+        assert answered.result(30) == ["first client"]
+        follow_up = b.submit(Job("g", ["first client again"], 1, run))  # fills the budget: no waiting
+        assert queued.result(30) == ["second client"] and follow_up.result(30) == ["first client again"]
+        assert seen == [["first client"], ["second client", "first client again"]]
+    finally:
+        b.close(timeout=60)
+
+
 def test_health_and_model(client, translator):
     from aiayn.model.transformer import count_parameters
 

@@ -8,7 +8,8 @@ Grouping rule. Jobs carry a ``group``; jobs with the same non-None group (a tran
 decoding options) can be merged: their items are concatenated, the group's function runs once, and
 each job gets back its own slice of the results, in order. The worker takes the oldest job, then
 waits up to ``max_wait_ms`` after that job's arrival for more jobs of its group, until their summed
-``cost`` (source tokens x beam) reaches ``max_batch_tokens``; but a job alone in the queue that came after the
+``cost`` (source tokens x beam) reaches ``max_batch_tokens`` (a job queued while a call ran: up to ``max_wait_ms`` after
+that call's answer, so that its clients' next requests join it); but a job alone in the queue that came after the
 results of a model call that ran one job (one client sending one request at a time) runs at once. A job with
 group None (generation, attention maps) runs alone. Jobs of other groups keep their place in the queue for the
 next round.
@@ -192,7 +193,10 @@ class Batcher:
         calls, answered = self._last_call
         alone = calls == 1 and len(self._pending) == 1 and first.arrived >= answered
         if first.group is not None and not alone:
-            deadline = first.arrived + self.max_wait
+            # From the later of the job's arrival and the last call's answer: the clients that call answered send their
+            # next requests within the wait and join this call, instead of taking turns at the model with the clients
+            # queued meanwhile (two cohorts in half-size calls, each waiting for the other's)
+            deadline = max(first.arrived, answered) + self.max_wait
             while True:
                 chosen, cost, full = [], 0, False
                 for job in self._pending:
