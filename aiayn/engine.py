@@ -564,9 +564,9 @@ def keep_freed_memory() -> bool:
     OS and taking fresh (zeroed, page-faulting) pages for the next block. A search on the CPU frees and allocates
     the same few-MiB tensors (a step's logits, its log-probabilities, the int8 products) every step; with glibc's
     defaults each came back as new, page-faulting pages. A training's update does the same with its activations and
-    the loss's chunks (train/loss.py keeps those below the mmap threshold on a CPU): ~500,000 page faults an update
-    of the quick recipe in bf16 without it. Process-wide, so the ``aiayn`` CLI calls it at start, never the library
-    on loading a run; a program that embeds aiayn may call it.
+    the loss's chunks (train/loss.py keeps those below the mmap threshold on a CPU): ~100,000 page faults an update
+    of the quick recipe in bf16 without both (BENCHMARKS.md, "Training's heap"). Process-wide, so the ``aiayn`` CLI
+    calls it at start, never the library on loading a run; a program that embeds aiayn may call it.
     Nothing is changed where the environment already tunes the allocator (``MALLOC_*``, ``GLIBC_TUNABLES``, a
     preloaded jemalloc or tcmalloc) or where the C library is not glibc. Returns whether it was set."""
     import ctypes

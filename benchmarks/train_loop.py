@@ -56,12 +56,14 @@ RECIPES = {
 
 class Measured(NamedTuple):
     """One training: target tokens/s between its first and last logged update, the CPU seconds (user + system)
-    of its process, the seconds from its start to its model line, and its "precision: ..." log line's words."""
+    of its process, the seconds from its start to its model line, its "precision: ..." log line's words, and the
+    minor page faults of its process (pages the kernel mapped and zeroed for it: fresh memory, start-up included)."""
 
     speed: float
     cpu_s: float
     setup_s: float
     precision: str
+    faults: int
 
 
 def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list[str],
@@ -87,7 +89,8 @@ def measure(tree: Path, recipe: list[str], updates: int, work: Path, extra: list
     steps = [r for r in logs if "train_loss" in r]
     first, last = steps[0], steps[-1]
     tokens = sum(r["tokens_per_update"] * (r["step"] - p["step"]) for p, r in zip(steps, steps[1:]))
-    return Measured(tokens / (last["elapsed_s"] - first["elapsed_s"]), cpu_s, setup_s, precision)
+    faults = after.ru_minflt - before.ru_minflt
+    return Measured(tokens / (last["elapsed_s"] - first["elapsed_s"]), cpu_s, setup_s, precision, faults)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 m = measure(tree, RECIPES[args.recipe], args.updates, work, extra + own, cache, args.threads)
                 results[name].append(m)
                 print(f"{name}: {m.speed:,.0f} target tokens/s, {m.cpu_s:.1f} CPU s, {m.setup_s:.1f} s to the model "
-                      f"line; precision: {m.precision}", flush=True)
+                      f"line, {m.faults:,} minor page faults; precision: {m.precision}", flush=True)
     report(args, argv, sides, results)
 
 
@@ -135,12 +138,15 @@ def report(args: argparse.Namespace, argv: list[str] | None, sides: list[tuple[s
     rows = {k: [m.speed for m in v] for k, v in results.items()}
     cpu = {k: [m.cpu_s for m in v] for k, v in results.items()}
     setup = {k: [m.setup_s for m in v] for k, v in results.items()}
-    med, med_cpu, med_setup = ({k: statistics.median(v) for k, v in d.items()} for d in (rows, cpu, setup))
+    faults = {k: [m.faults for m in v] for k, v in results.items()}
+    med, med_cpu, med_setup, med_faults = ({k: statistics.median(v) for k, v in d.items()}
+                                           for d in (rows, cpu, setup, faults))
     ratio, cpu_ratio = med[second] / med[first], med_cpu[second] / med_cpu[first]
     described = {name: _describe(tree) for name, tree, _ in sides}
     result: dict[str, Any] = {"date": utc_now(), "recipe": args.recipe, "updates": args.updates,
                               "threads": args.threads, "sides": described, "tokens_per_s": rows, "cpu_s": cpu,
-                              "setup_s": setup, "precision": {k: [m.precision for m in v] for k, v in results.items()},
+                              "setup_s": setup, "minor_faults": faults,
+                              "precision": {k: [m.precision for m in v] for k, v in results.items()},
                               "ratio": ratio, "cpu_ratio": cpu_ratio, "machine": machine_info(args.threads),
                               "command": command_line("train_loop", argv or sys.argv[1:])}
     if not args.precisions:  # the keys earlier results have
@@ -155,7 +161,8 @@ def report(args: argparse.Namespace, argv: list[str] | None, sides: list[tuple[s
         ["side", "measure", *[f"round {i + 1}" for i in range(args.rounds)], "median"],
         [[f"{k} ({described[k]})", what, *[fmt.format(v) for v in vals[k]], fmt.format(mid[k])]
          for what, vals, mid, fmt in (("target tokens/s", rows, med, "{:,.0f}"), ("CPU s", cpu, med_cpu, "{:.1f}"),
-                                      ("start to model line (s)", setup, med_setup, "{:.1f}"))
+                                      ("start to model line (s)", setup, med_setup, "{:.1f}"),
+                                      ("minor page faults", faults, med_faults, "{:,.0f}"))
          for k in vals])
     if args.precisions:
         ran = "; ".join(f"{k}: {v[0].precision}" for k, v in results.items())

@@ -7,10 +7,10 @@ EOS appended to it) once per row of the search (each beam, or each draw when sam
 
 On a CPU with several intra-op threads, batches may be searched side by side (:func:`cpu_workers`): W worker threads,
 each running its batch's operations on T / W of the process's T threads, as CTranslate2's ``inter_threads`` does. A
-beam step's operations are too small to keep several threads busy (2 threads searched a batch 1.2-1.6x faster than 1,
-2 batches side by side on 1 thread each 2x; BENCHMARKS.md, section 2c); PyTorch releases the GIL inside each
-operation, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker takes it, so
-the outputs do not depend on the scheduling.
+beam step's operations are too small to keep several threads busy (batches of 64 sentences at 2 threads: one at a
+time 1.32x one thread's speed, two side by side 1.75x, fp32; BENCHMARKS.md, section 2d); PyTorch releases the GIL
+inside each operation, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker
+takes it, so the outputs do not depend on the scheduling.
 
 Shapes: B batch, S source length.
 """

@@ -29,8 +29,8 @@ import aiayn.engine as engine
 # Elements of the fp32 temporaries per chunk: 2^26 floats = 256 MiB, about 1,800 rows of a
 # 37,000-word vocabulary (a 25,000-token batch in ~14 chunks). On a CPU a chunk's fp32 temporary stays below
 # glibc's largest mmap threshold (engine.HEAP_BLOCK_MAX, 32 MiB): a bigger block is mapped afresh and every page of it
-# faults at each use (a 4,000-token batch of the quick recipe in one chunk: ~500,000 page faults and a third of a bf16
-# update's CPU time in the kernel; below it, with engine.keep_freed_memory, the heap's blocks are reused).
+# faults at each use (the quick recipe's ~4,000-token batches in one chunk: ~100,000 page faults an update in bf16,
+# BENCHMARKS.md "Training's heap"; below it, with engine.keep_freed_memory, the heap's blocks are reused).
 CHUNK_ELEMENTS = 1 << 26
 CPU_CHUNK_ELEMENTS = (engine.HEAP_BLOCK_MAX - (1 << 20)) // 4
 
