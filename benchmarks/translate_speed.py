@@ -645,10 +645,11 @@ def plans(task: Task, args: argparse.Namespace, device: torch.device, order: lis
     ``aiayn translate`` makes on ``device``."""
     opts = DecodeOptions(beam=4, max_tokens=args.max_tokens)
     args.batch_tokens = opts.batch_tokens(device.type) if "tokens" in args.modes else None
+    batched = [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)]
     return {
         "batch-1": [[i] for i in range(min(len(task.sources), args.batch1_limit or len(task.sources)))],
-        "batched": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
-        "parallel": [order[k: k + args.batch_size] for k in range(0, len(order), args.batch_size)],
+        "batched": batched,
+        "parallel": batched,  # the same batches, searched side by side
         "tokens": decode_batches([len(s) + 1 for s in task.sources], opts, device.type),  # each source and its EOS
     }
 
