@@ -183,8 +183,8 @@ def _peak(work: Path, precision: str) -> float | None:
 
 def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, Any]:
     """Target tokens/s and model TFLOP/s of the updates after ``warm``, from the logged lines (each covers the
-    updates since the one before) and the FLOPs of the batches those updates trained on (the run's epoch-0 plan,
-    as the trainer dealt it to one process)."""
+    updates since the one before) and the FLOPs of the batches those updates trained on (the run's epoch plans,
+    as the trainer dealt them to one process: :func:`trained_plan`)."""
     from aiayn.data.pipeline import build_translation_data
     from aiayn.run.directory import read_run_config
     from benchmarks.flops import batch_training_flops
@@ -192,7 +192,7 @@ def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, A
     steps = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
     run_cfg = read_run_config(run_dir)
     data, _ = build_translation_data(run_cfg, run_dir)
-    plan = data.epoch_plan(0)
+    plan = trained_plan(data, steps[-1]["step"] if steps else 0)
     seconds = tokens = flops = timed = 0
     before = 0
     rates: list[float] = []  # each timed logged window's tokens/s
@@ -222,6 +222,20 @@ def throughput(cfg, run_dir: Path, warm: int, peak: float | None) -> dict[str, A
         res["mfu"] = round(flops / seconds / peak, 3)
         res["peak_tflops"] = round(peak / 1e12, 1)
     return res
+
+
+def trained_plan(data: Any, updates: int) -> list[Any]:
+    """The planned batches of ``updates`` updates of one process without accumulation, in training order: the
+    epochs' plans one after the other (a run of 200 updates on a corpus of 158 batches trains into epoch 1)."""
+    plan: list[Any] = []
+    epoch = 0
+    while len(plan) < updates:
+        batches = list(data.epoch_plan(epoch))
+        if not batches:
+            raise ValueError(f"epoch {epoch} plans no batch")
+        plan += batches
+        epoch += 1
+    return plan
 
 
 def update_times(steps: list[dict[str, Any]], warm: int) -> dict[str, Any]:

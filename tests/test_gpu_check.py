@@ -143,3 +143,17 @@ def test_a_cpu_run_never_writes_over_the_gpus_results(tmp_path, capsys):
     gpu = gpu_check.parse_args([])
     assert gpu.md == str(gpu_check.REPO / "BENCHMARKS.md")  # a GPU run still reports where the repository keeps it
 
+
+
+def test_the_flops_of_a_training_past_its_first_epoch_count_the_next_epochs_batches():
+    # the H200 run of 2026-12-04: levers_match's 200 updates ran into epoch 1 of a 158-batch corpus, and the
+    # FLOPs were looked up in epoch 0's plan alone (IndexError)
+    from benchmarks.gpu_training import trained_plan
+
+    class Data:
+        def epoch_plan(self, epoch: int) -> list[tuple[int, int]]:
+            return [(epoch, i) for i in range(3)]
+
+    assert trained_plan(Data(), 0) == []
+    assert trained_plan(Data(), 3) == [(0, 0), (0, 1), (0, 2)]
+    assert trained_plan(Data(), 7)[:9] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
