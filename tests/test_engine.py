@@ -394,6 +394,26 @@ def test_one_inductor_cache_serves_processes_under_other_cpu_kernels_their_own_g
     assert any((tmp_path / "inductor").rglob("*.so"))  # the processes did compile into the shared directory
 
 
+def test_compiling_for_a_gpu_leaves_the_cpu_vector_width_unpicked(monkeypatch):
+    # the pick builds a test program per instruction set with the C++ compiler: seconds (7.7 s on a 2-core EPYC),
+    # and a compiled GPU training took 53 s from its loader to its first update on an H200 (2026-12-04)
+    import torch._inductor.config as inductor_config
+    import torch._inductor.cpu_vec_isa as vec_isa
+
+    from aiayn import engine
+
+    def refuse():
+        raise AssertionError("picked a CPU vector width for a GPU")
+
+    monkeypatch.setattr(vec_isa, "pick_vec_isa", refuse)
+    monkeypatch.setattr(inductor_config.cpp, "simdlen", None)
+    engine.key_cpu_kernels_by_vector_width(torch.device("cuda", 0))
+    engine.compile_regions(torch.nn.Linear(2, 2, device="meta"), [], False, 0, "default")
+    assert inductor_config.cpp.simdlen is None
+    with pytest.raises(AssertionError, match="picked"):
+        engine.key_cpu_kernels_by_vector_width(torch.device("cpu"))
+
+
 # --- CUDA choices, checked without a GPU -------------------------------------------------------------------
 
 

@@ -93,12 +93,13 @@ def _forward_backward_chunk(logits: Tensor, index: Tensor, keep: Tensor, epsilon
 EAGER = ChunkKernels(_forward_chunk, _backward_chunk, _forward_backward_chunk)
 
 
-def compiled_loss(dynamic: bool) -> Callable[[Tensor, Tensor, float, int], tuple[Tensor, Tensor]]:
+def compiled_loss(dynamic: bool, device: torch.device | None = None
+                  ) -> Callable[[Tensor, Tensor, float, int], tuple[Tensor, Tensor]]:
     """:func:`label_smoothed_cross_entropy` with each chunk's math compiled by ``torch.compile`` (``dynamic``:
     one graph for every chunk length) and the loop over chunks left to Python, so a compiled training keeps
     the loss's memory bound: at most ``CHUNK_ELEMENTS`` fp32 temporaries at once, not the whole (N, V)
-    softmax (1.85 GB for 12,500 tokens x 37,000 words)."""
-    kernels = compiled_kernels(dynamic)
+    softmax (1.85 GB for 12,500 tokens x 37,000 words). ``device``: where the logits will be (None: a CPU)."""
+    kernels = compiled_kernels(dynamic, device)
 
     def loss(logits: Tensor, target: Tensor, epsilon: float, ignore_index: int = 0) -> tuple[Tensor, Tensor]:
         return _apply(kernels, logits, target, epsilon, ignore_index)
@@ -106,10 +107,10 @@ def compiled_loss(dynamic: bool) -> Callable[[Tensor, Tensor, float, int], tuple
     return loss
 
 
-def compiled_kernels(dynamic: bool) -> ChunkKernels:
-    """The chunks' math under ``torch.compile``; ``dynamic``: one graph for every chunk length (the engine's shape
-    policy, :func:`aiayn.engine.compile_dynamic`), else one per length."""
-    engine.key_cpu_kernels_by_vector_width()
+def compiled_kernels(dynamic: bool, device: torch.device | None = None) -> ChunkKernels:
+    """The chunks' math under ``torch.compile`` for ``device`` (None: a CPU); ``dynamic``: one graph for every chunk
+    length (the engine's shape policy, :func:`aiayn.engine.compile_dynamic`), else one per length."""
+    engine.key_cpu_kernels_by_vector_width(device)
     if dynamic:
         return ChunkKernels(*(engine.compile_dynamic(f) for f in EAGER))
     return ChunkKernels(*(torch.compile(f, backend=engine.COMPILE_BACKEND, dynamic=False) for f in EAGER))

@@ -267,14 +267,14 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
     n_shapes = len(cfg.data.length_buckets) + 4
     blocks = [m for m in module.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
     return (engine.compile_regions(module, blocks, fixed, n_shapes, cfg.train.compile_mode),
-            compiled_loss(dynamic=not fixed))
+            compiled_loss(dynamic=not fixed, device=next(module.parameters()).device))
 
 
 def fuse_residual_norms(module: nn.Module) -> None:
     """``train.fuse_norms``: each residual connection's ``LayerNorm(x + Dropout(out))`` (section 5.4's wrapper)
     compiled, in training mode, into one kernel per direction instead of three passes over the activations; the
     attention and matmuls around it stay eager. One graph for every such connection (dynamic shapes)."""
-    engine.key_cpu_kernels_by_vector_width()
+    engine.key_cpu_kernels_by_vector_width(next(module.parameters()).device)
     for m in module.modules():
         if isinstance(m, SublayerConnection):
             engine.compile_for_training_mode(m, "residual", engine.compile_dynamic(m.residual))
@@ -304,5 +304,5 @@ def training_module(model: nn.Module, cfg: Config, d: Dist, levers: Levers | Non
     # compiled graphs see batches in the shape policy's shapes (fixed shapes already repeat)
     fields["fit_shapes"] = (levers.compile or levers.fuse_norms) and not fixed_shapes(cfg)
     if levers.fused_output_loss:
-        fields["output_loss"] = compiled_kernels(not fixed_shapes(cfg)) if levers.compile else EAGER
+        fields["output_loss"] = compiled_kernels(not fixed_shapes(cfg), d.device) if levers.compile else EAGER
     return module, {"loss_fn": loss_fn, **fields}
