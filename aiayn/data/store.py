@@ -9,7 +9,7 @@ torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``
     DIR/.aiayn-store           marker: aiayn made this directory and may rebuild it
     DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
 
-Every kind shares the key (:func:`store_key`), the build (:func:`prepare_store`, under the lock, in a staging
+Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
 directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
 naming the file and the fix); a kind (:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
 """
@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import partial
 from itertools import chain, islice
 from pathlib import Path
@@ -218,19 +218,6 @@ def settings(cfg: Config) -> dict[str, Any]:
             "tokenizer_sample": d.tokenizer_sample, "seed": cfg.train.seed}
 
 
-def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra: dict[str, Any] | None = None
-              ) -> str:
-    """sha256 of the version, the settings (with a given tokenizer: its files, the task and max_len), the inputs'
-    identities and ``extra`` (a kind's own settings)."""
-    parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
-    if tokenizer is not None:
-        parts["tokenizer"] = tokenizer_digest(tokenizer)
-        parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
-    if extra:
-        parts["settings"] = {**parts["settings"], **extra}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
 def cached_store_dir(key: str) -> Path:
     """The store of every training of ``key`` that names no ``data.prepared`` (``$AIAYN_CACHE_DIR``: ~/.cache/aiayn)."""
     return cache_dir() / "stores" / key[:24]
@@ -398,23 +385,33 @@ def open_locked(path: Path, opener: Callable[[Path], Any], wait_s: float | None 
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
 
 
+@dataclass
 class Recipe:
-    """How to build a store of one kind (each a dataclass of these fields), and what every kind shares: the key,
-    the manifest, the tokenizer, the processes that encode."""
+    """How to build a store of one kind, and what every kind shares: the key, the manifest, the tokenizer, the
+    processes that encode. A kind adds ``inputs`` (what it is prepared from, for the key and the manifest)."""
 
     kind = PAIRS
     cfg: Config
-    inputs: dict[str, str]  # what the store is prepared from, for the key and the manifest
-    tokenizer: Path | None  # a tokenizer directory to use, else the store trains one
-    workers: int | None
-    key: str  # sha256 of everything the store's ids depend on (:func:`store_key`), made when not given
+    _: KW_ONLY
+    tokenizer: Path | None = None  # a tokenizer directory to use, else the store trains one
+    workers: int | None = None
+    key: str = ""  # sha256 of everything the store's ids depend on, made when not given
 
     def kind_settings(self) -> dict[str, Any] | None:
         """Settings of this kind of store beside :func:`settings`, for the key and the manifest."""
         return None
 
     def __post_init__(self) -> None:
-        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.kind_settings())
+        """The key, when not given: sha256 of the version, the settings (with a given tokenizer: its files, the task
+        and max_len), the inputs' identities and the kind's settings."""
+        if self.key:
+            return
+        parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(self.cfg), "inputs": self.inputs}
+        if self.tokenizer is not None:
+            parts["tokenizer"] = tokenizer_digest(self.tokenizer)
+            parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
+        parts["settings"].update(self.kind_settings() or {})
+        self.key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def manifest_settings(self) -> dict[str, Any]:
         return {**settings(self.cfg), **(self.kind_settings() or {})}
@@ -668,16 +665,12 @@ class PairRecipe(Recipe):
     long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`). ``extra``: this kind's own
     settings."""
 
-    cfg: Config
     sources: dict[str, PairSource]
     inputs: dict[str, str]
-    tokenizer: Path | None = None
-    workers: int | None = None
     train_tokenizer: Callable[[Path], None] | None = None
     length_filter: bool = True
     cut_sources: bool = False
     extra: dict[str, Any] | None = None
-    key: str = ""
 
     def kind_settings(self) -> dict[str, Any] | None:
         return self.extra

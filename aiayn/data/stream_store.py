@@ -117,12 +117,8 @@ class StreamRecipe(Recipe):
     tokenizer directory to use, else one is trained on the training part."""
 
     kind = STREAM_KIND
-    cfg: Config
     path: Path
     inputs: dict[str, str]
-    tokenizer: Path | None = None
-    workers: int | None = None
-    key: str = ""
 
     def kind_settings(self) -> dict[str, Any]:
         return {"kind": STREAM_KIND, "valid_fraction": self.cfg.data.valid_fraction}
@@ -165,4 +161,4 @@ def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | Non
     from aiayn.data.registry import dataset_of
 
     path, inputs = dataset_of(cfg).text(cfg.data)
-    return StreamRecipe(cfg, path, inputs, tokenizer, workers)
+    return StreamRecipe(cfg, path, inputs, tokenizer=tokenizer, workers=workers)
