@@ -7,9 +7,11 @@ piece by piece into the ids of encoding each part in one call (:class:`PieceEnco
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +46,11 @@ def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
         pos = end
 
 
-def train_lines(path: Path, split: int) -> Iterator[str]:
-    """The lines of the training part, as ``train_text.splitlines()`` gives them (a line split over two pieces
+def text_lines(pieces: Iterable[str]) -> Iterator[str]:
+    """The lines of the text ``pieces`` make, as ``text.splitlines()`` gives them (a line split over two pieces
     joined again; one longer than :data:`LONG_LINE` cut there)."""
     tail = ""
-    for name, piece, _ in text_parts(path, split):
-        if name != "train":
-            break
+    for piece in pieces:
         lines = (tail + piece).splitlines(keepends=True)
         tail = "" if lines[-1][-1] in LINE_BREAKS else lines.pop()[:LONG_LINE]
         for line in lines:
@@ -59,12 +59,10 @@ def train_lines(path: Path, split: int) -> Iterator[str]:
         yield tail
 
 
-def train_chars(path: Path, split: int) -> str:
-    """Every character of the training part, once each, in code point order."""
+def text_chars(pieces: Iterable[str]) -> str:
+    """Every character of the text ``pieces`` make, once each, in code point order."""
     seen = np.zeros(0x110000, dtype=bool)
-    for name, piece, _ in text_parts(path, split):
-        if name != "train":
-            break
+    for piece in pieces:
         seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
     return "".join(map(chr, np.flatnonzero(seen)))
 
@@ -125,8 +123,9 @@ class StreamRecipe(Recipe):
 
     def _train(self, tdir: Path, split: int) -> None:
         """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
-        texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
-                                else (ln for ln in train_lines(self.path, split) if ln.strip()))
+        pieces = (piece for _, piece, _ in takewhile(lambda part: part[0] == "train", text_parts(self.path, split)))
+        texts: Iterable[str] = ([text_chars(pieces)] if self.cfg.data.tokenizer == "char"
+                                else (ln for ln in text_lines(pieces) if ln.strip()))
         self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
@@ -139,19 +138,16 @@ class StreamRecipe(Recipe):
         dtype = storage_dtype(tok.src.vocab_size)
         big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
         tokens = {name: 0 for name in SPLITS}
-        files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
-        progress = ItemProgress(chars, "char", "prepare")
-        note("preparing it: encoding the text")
-        try:
-            with worker_pool(self.workers, big, PieceEncoder, (str(tdir),)) as encode:
-                for name, ids, n_chars in encode(text_parts(self.path, split)):
-                    files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
-                    tokens[name] += len(ids)
-                    progress.update(n_chars)
-        finally:
-            for f in files.values():
-                f.close()
-            progress.close()
+        with contextlib.ExitStack() as held:
+            files = {name: held.enter_context(open(stage / f"{name}.bin", "wb")) for name in SPLITS}
+            progress = ItemProgress(chars, "char", "prepare")
+            held.callback(progress.close)
+            note("preparing it: encoding the text")
+            encode = held.enter_context(worker_pool(self.workers, big, PieceEncoder, (str(tdir),)))
+            for name, ids, n_chars in encode(text_parts(self.path, split)):
+                files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
+                tokens[name] += len(ids)
+                progress.update(n_chars)
         return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
                              splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
