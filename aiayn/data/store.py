@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
@@ -41,7 +40,7 @@ from aiayn.data.datasets import cache_dir, sha256_file
 from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
 from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
-from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
+from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary, now
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
@@ -595,11 +594,6 @@ def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None
 def storage_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every id of a vocabulary: uint16, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
-
-
-def now() -> str:
-    """The manifest's creation time, UTC, to the second."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 class _Writer:
