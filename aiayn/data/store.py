@@ -16,14 +16,12 @@ naming the file and the fix); a kind (:data:`KINDS`) gives its id files and coun
 
 from __future__ import annotations
 
-import array
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import KW_ONLY, dataclass
@@ -68,7 +66,7 @@ class IdFile:
 
     def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
-        self._state = {"path": path, "dtype": self.dtype.str, "tokens": tokens}
+        self._args = (path, self.dtype.str, tokens)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             check_regular(fd, self.path)
@@ -77,11 +75,8 @@ class IdFile:
             raise
         self._fd, self.file_bytes = fd, os.fstat(fd).st_size
 
-    def __getstate__(self) -> dict[str, Any]:
-        return self._state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        return type(self), self._args
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -137,12 +132,9 @@ class Side(IdFile):
             data = f.read(size + 1) if held == size else b""
         if held != size or len(data) != size:
             raise DataError(f"{offsets}: holds {held:,} bytes where its manifest says {size:,} ({pairs:,} pairs)")
-        self._bounds = array.array("q", data)  # indexed: Python ints at list speed (numpy's scalars cost more)
-        if sys.byteorder == "big":
-            self._bounds.byteswap()
-        self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
+        self.offsets = np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)  # (pairs + 1,) a view
         super().__init__(ids, dtype, int(self.offsets[-1]))
-        self._state = {"ids": ids, "offsets": offsets, "dtype": self._state["dtype"], "pairs": pairs}
+        self._args = (ids, offsets, self.dtype.str, pairs)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -162,7 +154,7 @@ class Side(IdFile):
     def __getitem__(self, i: int) -> list[int]:
         if not 0 <= i < len(self):
             raise IndexError(f"pair {i} of {len(self)}")
-        a, b, size = self._bounds[i], self._bounds[i + 1], self.dtype.itemsize
+        a, b, size = int(self.offsets[i]), int(self.offsets[i + 1]), self.dtype.itemsize
         return np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), dtype=self.dtype).tolist()
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
