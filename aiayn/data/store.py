@@ -264,15 +264,14 @@ def _stream_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -
 
 @dataclass(frozen=True)
 class Kind:
-    """What a kind adds to the shared store: what its manifest counts per split, the splits it always holds (none:
-    those its manifest names), its noun, the lines of a malformed manifest, a split's line, and its split opened."""
+    """What a kind adds to the shared store: how its manifest is checked and described, and how a split opens."""
 
-    count: str
-    splits: tuple[str, ...]
-    noun: str
+    count: str  # what its manifest counts per split
+    splits: tuple[str, ...]  # the splits it always holds (none: those its manifest names)
+    noun: str  # what it holds
     bad: tuple[str, str]  # its dtype or vocabulary sizes are wrong; its splits are
-    line: str
-    open_split: Callable[[IdOpener, Path, dict[str, Any], str], Any]
+    line: str  # a split, described
+    open_split: Callable[[IdOpener, Path, dict[str, Any], str], Any]  # a split opened, its id files checked
 
 
 KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocabulary sizes are missing or wrong",
@@ -343,8 +342,7 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
 
 
 def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
-    """The pairs store in ``directory`` holding the splits ``need``, checked under its shared lock (waited for at
-    most ``wait_s``): a missing, incomplete or damaged store is one DataError naming the file and the fix."""
+    """:func:`open_kind` of the pairs store in ``directory`` under its shared lock (waited for at most ``wait_s``)."""
     return open_locked(Path(directory), lambda path: open_kind(path, PAIRS, need), wait_s)
 
 
@@ -475,8 +473,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
 
 
 def _reused(out: Path, recipe: Recipe) -> Any:
-    """The store in ``out`` when its manifest has ``recipe``'s key and its files check out, else None (to be built;
-    damage is logged)."""
+    """The store in ``out`` when it has ``recipe``'s key and checks out, else None (to be built; damage logged)."""
     manifest = read_manifest(out)
     if manifest is None or manifest.get("key") != recipe.key:
         return None

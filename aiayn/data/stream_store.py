@@ -35,15 +35,12 @@ def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
     characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
     pos = 0
     for text in text_chunks(path, READ_BYTES):
-        end = pos + len(text)
-        if end <= split:
-            yield "train", text, pos == 0
-        elif pos >= split:
-            yield "valid", text, pos == split
-        else:
-            yield "train", text[: split - pos], pos == 0
-            yield "valid", text[split - pos :], True
-        pos = end
+        cut = min(max(split - pos, 0), len(text))  # the piece's characters before the boundary
+        if cut:
+            yield "train", text[:cut], pos == 0
+        if cut < len(text):
+            yield "valid", text[cut:], pos + cut == split
+        pos += len(text)
 
 
 def text_lines(pieces: Iterable[str]) -> Iterator[str]:
@@ -111,8 +108,7 @@ def open_stream(path: Path, verify_all: bool = False) -> Store:
 
 @dataclass
 class StreamRecipe(Recipe):
-    """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
-    tokenizer directory to use, else one is trained on the training part."""
+    """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key)."""
 
     kind = STREAM_KIND
     path: Path
