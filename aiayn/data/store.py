@@ -608,9 +608,7 @@ class _Writer:
         info: dict[str, Any] = {"pairs": self.stats["kept"], "stats": dict(self.stats)}
         for side in ("src", "tgt"):
             self.files[side].close()
-            lens = np.concatenate(self.lengths[side]) if self.lengths[side] else np.zeros(0, np.int64)
-            offsets = np.zeros(len(lens) + 1, dtype="<i8")
-            np.cumsum(lens, out=offsets[1:])
+            offsets = np.concatenate([[0], *self.lengths[side]]).cumsum().astype("<i8")  # (pairs + 1,)
             offsets.tofile(self.directory / f"{self.split}.{side}.idx")
             info[f"{side}_tokens"] = int(offsets[-1])
         return info

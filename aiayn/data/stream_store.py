@@ -1,8 +1,7 @@
 """The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (UTF-8, plain or .gz, any size)
 as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way). Prepared
-in three passes of :data:`READ_BYTES` pieces: the characters counted (the split is nanoGPT's exactly: the first
-``int(chars * (1 - data.valid_fraction))`` train), the tokenizer trained on the training part, both parts encoded
-piece by piece into the ids of encoding each part in one call (:class:`PieceEncoder`; tests/test_lm_store.py).
+in three passes of :data:`READ_BYTES` pieces: the characters counted (nanoGPT's split), the tokenizer trained on the
+training part, both parts encoded into the ids of encoding each in one call (:class:`PieceEncoder`).
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class StreamRecipe(Recipe):
         chars, visible = count_chars(self.path, READ_BYTES)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
-        split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
+        split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT's: the first 90% train, the rest valid
         tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
         big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
