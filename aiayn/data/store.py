@@ -1,13 +1,12 @@
 """The token store: a corpus tokenized once into flat files of token ids, read by position by any number of runs and
 torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``). One store, two kinds:
 
-    DIR/manifest.json          kind, inputs, settings, counts, every file's sha256 and its own (written last)
-    DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
-    DIR/<split>.src.bin, .idx  pairs: the kept pairs' source ids back to back (uint16, or uint32), int64 offsets
-    DIR/<split>.tgt.bin, .idx  the same for the target side
-    DIR/<split>.bin            stream: a language model's text as one run of ids (:mod:`aiayn.data.stream_store`)
-    DIR/.aiayn-store           marker: aiayn made this directory and may rebuild it
-    DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
+    DIR/manifest.json           kind, inputs, settings, counts, every file's sha256 and its own (written last)
+    DIR/tokenizer/              the tokenizer the ids belong to (trained on a sample of the corpus, or given)
+    DIR/<split>.<side>.bin,idx  pairs: a side's (src, tgt) kept ids back to back (uint16, or uint32), int64 offsets
+    DIR/<split>.bin             stream: a language model's text as one run of ids (:mod:`aiayn.data.stream_store`)
+    DIR/.aiayn-store            marker: aiayn made this directory and may rebuild it
+    DIR/.aiayn-store.lock       flock: exclusive while one process builds, shared while one opens
 
 Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
 directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
@@ -141,7 +140,7 @@ class Side(IdFile):
 
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
         o = self.offsets
-        if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
+        if o[0] != 0 or bool((o[1:] < o[:-1]).any()):
             return f"{self.offsets_path.name}: its offsets are not non-decreasing from 0"
         return super().check(vocab_size, files, memo)
 
@@ -216,7 +215,7 @@ def cached_store_dir(key: str) -> Path:
 
 def describe_store(manifest: dict[str, Any]) -> list[str]:
     """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
-    line = KINDS[STREAM_KIND if manifest.get("kind") == STREAM_KIND else PAIRS].line
+    line = KINDS.get(manifest.get("kind"), KINDS[PAIRS]).line
     return [f"{name}: {line.format(**info)} ({manifest['dtype']})" for name, info in manifest["splits"].items()]
 
 
