@@ -35,6 +35,7 @@ from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import cache_dir, sha256_file
 from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
+from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_files, tokenizer_plan, train_tokenizer_pair
 from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
 from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary, now
@@ -221,8 +222,6 @@ def describe_store(manifest: dict[str, Any]) -> list[str]:
 
 def tokenizer_digest(d: Path) -> dict[str, str]:
     """``{name: sha256}`` of a tokenizer directory's files (the key of a store given it; two compared)."""
-    from aiayn.data.tokenizer import tokenizer_files
-
     return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
 
@@ -410,10 +409,8 @@ class Recipe:
                 "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
                 "vocab_size": vocab_size, **rest}
 
-    def place_tokenizer(self, stage: Path, train: Callable[[Path], None]) -> tuple[Path, Any]:
+    def place_tokenizer(self, stage: Path, train: Callable[[Path], None]) -> tuple[Path, TokenizerPair]:
         """``stage/tokenizer`` and its TokenizerPair: a copy of ``tokenizer``, else the one ``train(dir)`` writes."""
-        from aiayn.data.tokenizer import TokenizerPair
-
         tdir = stage / "tokenizer"
         if self.tokenizer is not None:
             shutil.copytree(self.tokenizer, tdir)
@@ -425,8 +422,6 @@ class Recipe:
 
     def train_tokenizer_on(self, tdir: Path, src: Iterable[str], tgt: Iterable[str], what: str) -> None:
         """Train the config's tokenizer into ``tdir`` on the ``src`` and ``tgt`` texts (``what`` they are, logged)."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
         d = self.cfg.data
         log.info("training %s on %s", tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), what)
         train_tokenizer_pair(src, tgt, tdir, TokenizerSpec.from_config(self.cfg))
@@ -618,8 +613,6 @@ class PairEncoder:
     document (summarization) is cut to ``max_len``, as the translator cuts it, not dropped."""
 
     def __init__(self, tokenizer_dir: str, max_len: int | None, cut: bool) -> None:
-        from aiayn.data.tokenizer import TokenizerPair
-
         self.tok, self.max_len, self.cut = TokenizerPair.load(tokenizer_dir), max_len, cut
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, Any]:

@@ -18,7 +18,9 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import count_chars, text_chunks
+from aiayn.data.registry import dataset_of
 from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
 from aiayn.engine import worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
@@ -70,8 +72,6 @@ class PieceEncoder:
     a model trained on lines holds a newline, so nothing merges across it); any other tokenizer per piece."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
-        from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
-
         self.tok = TokenizerPair.load(tokenizer_dir).src
         self.table: np.ndarray | None = None
         self.head: list[int] | None = None
@@ -149,7 +149,5 @@ class StreamRecipe(Recipe):
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
     """The stream store of a ``task: lm`` config (its text: the dataset registry's)."""
-    from aiayn.data.registry import dataset_of
-
     path, inputs = dataset_of(cfg).text(cfg.data)
     return StreamRecipe(cfg, path, inputs, tokenizer=tokenizer, workers=workers)
