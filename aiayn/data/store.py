@@ -512,15 +512,15 @@ def _named(out: Path, recipe: Recipe) -> Any:
     if (out / MANIFEST).exists():
         return open_only(out, recipe)
     left = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, MARKER) and not is_temporary(p.name))
+    if not left:
+        return None
     shown = f"{', '.join(left[:3])}{' ...' if len(left) > 3 else ''}"
-    if left and not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
+    if not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
         raise DataError(f"{out}: not a prepared corpus (no {MANIFEST}, and it holds {shown}, which aiayn did not "
                         "write); name the directory that aiayn prepare CONFIG --out DIR made, or a new one")
-    if left:
-        raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {shown}): its preparing never finished; a "
-                        f"store named by data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out}"
-                        " prepares it")
-    return None
+    raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {shown}): its preparing never finished; a store "
+                    f"named by data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out} prepares "
+                    "it")
 
 
 def _make_dirs(out: Path) -> Path | None:
