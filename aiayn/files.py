@@ -13,6 +13,7 @@ as it is (:func:`written_in_place`): a rename over it would replace the node its
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import json
 import os
@@ -174,6 +175,12 @@ def atomic_write_safetensors(path: str | Path, tensors: dict[str, Any], metadata
 
             return atomic_write(path, copy)
     return atomic_write(path, write)
+
+
+def now() -> str:
+    """The time a file records as its creation (a store's manifest, a run's marker, an eval record): UTC, to the
+    second, ISO 8601."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def is_temporary(name: str) -> bool:
@@ -728,5 +735,5 @@ def guard_output(path: str | Path, kind: str, inputs: Sequence[str | Path] = (),
 __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock", "atomic_write", "atomic_write_bytes",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
            "claim", "default_file_mode", "file_lock", "guard_output", "guard_output_dir", "is_run_dir", "is_store_dir",
-           "is_temporary", "load_json", "lock_holder", "locked", "os_errors_named", "read_bounded", "read_json",
+           "is_temporary", "load_json", "lock_holder", "locked", "now", "os_errors_named", "read_bounded", "read_json",
            "remove_stale_temporaries", "staged_directory"]

@@ -1,33 +1,29 @@
 """The token store: a corpus tokenized once into flat files of token ids, read by position by any number of runs and
 torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``). One store, two kinds:
 
-    DIR/manifest.json          kind, inputs, settings, counts, every file's sha256 and its own (written last)
-    DIR/tokenizer/             the tokenizer the ids belong to (trained on a sample of the corpus, or given)
-    DIR/<split>.src.bin, .idx  pairs: the kept pairs' source ids back to back (uint16, or uint32), int64 offsets
-    DIR/<split>.tgt.bin, .idx  the same for the target side
-    DIR/<split>.bin            stream: a language model's text as one run of ids (:mod:`aiayn.data.stream_store`)
-    DIR/.aiayn-store           marker: aiayn made this directory and may rebuild it
-    DIR/.aiayn-store.lock      flock: exclusive while one process builds, shared while one opens
+    DIR/manifest.json           kind, inputs, settings, counts, every file's sha256 and its own (written last)
+    DIR/tokenizer/              the tokenizer the ids belong to (trained on a sample of the corpus, or given)
+    DIR/<split>.<side>.bin,idx  pairs: a side's (src, tgt) kept ids back to back (uint16, or uint32), int64 offsets
+    DIR/<split>.bin             stream: a language model's text as one run of ids (:mod:`aiayn.data.stream_store`)
+    DIR/.aiayn-store            marker: aiayn made this directory and may rebuild it
+    DIR/.aiayn-store.lock       flock: exclusive while one process builds, shared while one opens
 
-Every kind shares the key (:func:`store_key`), the build (:func:`prepare_store`, under the lock, in a staging
+Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
 directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
 naming the file and the fix); a kind (:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import partial
 from itertools import chain, islice
 from pathlib import Path
@@ -39,9 +35,10 @@ from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
 from aiayn.data.datasets import cache_dir, sha256_file
 from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
+from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_files, tokenizer_plan, train_tokenizer_pair
 from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
-from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary
+from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary, now
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
@@ -69,7 +66,7 @@ class IdFile:
 
     def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
-        self._state = {"path": path, "dtype": self.dtype.str, "tokens": tokens}
+        self._args = (path, self.dtype.str, tokens)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             check_regular(fd, self.path)
@@ -78,11 +75,8 @@ class IdFile:
             raise
         self._fd, self.file_bytes = fd, os.fstat(fd).st_size
 
-    def __getstate__(self) -> dict[str, Any]:
-        return self._state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        return type(self), self._args
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -138,19 +132,16 @@ class Side(IdFile):
             data = f.read(size + 1) if held == size else b""
         if held != size or len(data) != size:
             raise DataError(f"{offsets}: holds {held:,} bytes where its manifest says {size:,} ({pairs:,} pairs)")
-        self._bounds = array.array("q", data)  # indexed: Python ints at list speed (numpy's scalars cost more)
-        if sys.byteorder == "big":
-            self._bounds.byteswap()
-        self.offsets = np.frombuffer(self._bounds, dtype=np.int64)  # (pairs + 1,) a view, not a copy
+        self.offsets = np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)  # (pairs + 1,) a view
         super().__init__(ids, dtype, int(self.offsets[-1]))
-        self._state = {"ids": ids, "offsets": offsets, "dtype": self._state["dtype"], "pairs": pairs}
+        self._args = (ids, offsets, self.dtype.str, pairs)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
         o = self.offsets
-        if o[0] != 0 or (len(o) > 1 and bool((o[1:] < o[:-1]).any())):
+        if o[0] != 0 or bool((o[1:] < o[:-1]).any()):
             return f"{self.offsets_path.name}: its offsets are not non-decreasing from 0"
         return super().check(vocab_size, files, memo)
 
@@ -163,7 +154,7 @@ class Side(IdFile):
     def __getitem__(self, i: int) -> list[int]:
         if not 0 <= i < len(self):
             raise IndexError(f"pair {i} of {len(self)}")
-        a, b, size = self._bounds[i], self._bounds[i + 1], self.dtype.itemsize
+        a, b, size = int(self.offsets[i]), int(self.offsets[i + 1]), self.dtype.itemsize
         return np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), dtype=self.dtype).tolist()
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,19 +209,6 @@ def settings(cfg: Config) -> dict[str, Any]:
             "tokenizer_sample": d.tokenizer_sample, "seed": cfg.train.seed}
 
 
-def store_key(cfg: Config, inputs: dict[str, str], tokenizer: Path | None, extra: dict[str, Any] | None = None
-              ) -> str:
-    """sha256 of the version, the settings (with a given tokenizer: its files, the task and max_len), the inputs'
-    identities and ``extra`` (a kind's own settings)."""
-    parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(cfg), "inputs": inputs}
-    if tokenizer is not None:
-        parts["tokenizer"] = tokenizer_digest(tokenizer)
-        parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
-    if extra:
-        parts["settings"] = {**parts["settings"], **extra}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
 def cached_store_dir(key: str) -> Path:
     """The store of every training of ``key`` that names no ``data.prepared`` (``$AIAYN_CACHE_DIR``: ~/.cache/aiayn)."""
     return cache_dir() / "stores" / key[:24]
@@ -238,14 +216,12 @@ def cached_store_dir(key: str) -> Path:
 
 def describe_store(manifest: dict[str, Any]) -> list[str]:
     """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
-    line = KINDS[STREAM_KIND if manifest.get("kind") == STREAM_KIND else PAIRS].line
+    line = KINDS.get(manifest.get("kind"), KINDS[PAIRS]).line
     return [f"{name}: {line.format(**info)} ({manifest['dtype']})" for name, info in manifest["splits"].items()]
 
 
 def tokenizer_digest(d: Path) -> dict[str, str]:
     """``{name: sha256}`` of a tokenizer directory's files (the key of a store given it; two compared)."""
-    from aiayn.data.tokenizer import tokenizer_files
-
     return {p.name: sha256_file(p) for p in tokenizer_files(d)}
 
 
@@ -286,15 +262,14 @@ def _stream_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -
 
 @dataclass(frozen=True)
 class Kind:
-    """What a kind adds to the shared store: what its manifest counts per split, the splits it always holds (none:
-    those its manifest names), its noun, the lines of a malformed manifest, a split's line, and its split opened."""
+    """What a kind adds to the shared store: how its manifest is checked and described, and how a split opens."""
 
-    count: str
-    splits: tuple[str, ...]
-    noun: str
+    count: str  # what its manifest counts per split
+    splits: tuple[str, ...]  # the splits it always holds (none: those its manifest names)
+    noun: str  # what it holds
     bad: tuple[str, str]  # its dtype or vocabulary sizes are wrong; its splits are
-    line: str
-    open_split: Callable[[IdOpener, Path, dict[str, Any], str], Any]
+    line: str  # a split, described
+    open_split: Callable[[IdOpener, Path, dict[str, Any], str], Any]  # a split opened, its id files checked
 
 
 KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocabulary sizes are missing or wrong",
@@ -365,8 +340,7 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
 
 
 def open_store(directory: str | Path, need: tuple[str, ...] = (), wait_s: float | None = None) -> Store:
-    """The pairs store in ``directory`` holding the splits ``need``, checked under its shared lock (waited for at
-    most ``wait_s``): a missing, incomplete or damaged store is one DataError naming the file and the fix."""
+    """:func:`open_kind` of the pairs store in ``directory`` under its shared lock (waited for at most ``wait_s``)."""
     return open_locked(Path(directory), lambda path: open_kind(path, PAIRS, need), wait_s)
 
 
@@ -398,23 +372,33 @@ def open_locked(path: Path, opener: Callable[[Path], Any], wait_s: float | None 
         raise DataError(f"{path}: not a prepared corpus (removed while this process waited for it)") from None
 
 
+@dataclass
 class Recipe:
-    """How to build a store of one kind (each a dataclass of these fields), and what every kind shares: the key,
-    the manifest, the tokenizer, the processes that encode."""
+    """How to build a store of one kind, and what every kind shares: the key, the manifest, the tokenizer, the
+    processes that encode. A kind adds ``inputs`` (what it is prepared from, for the key and the manifest)."""
 
     kind = PAIRS
     cfg: Config
-    inputs: dict[str, str]  # what the store is prepared from, for the key and the manifest
-    tokenizer: Path | None  # a tokenizer directory to use, else the store trains one
-    workers: int | None
-    key: str  # sha256 of everything the store's ids depend on (:func:`store_key`), made when not given
+    _: KW_ONLY
+    tokenizer: Path | None = None  # a tokenizer directory to use, else the store trains one
+    workers: int | None = None
+    key: str = ""  # sha256 of everything the store's ids depend on, made when not given
 
     def kind_settings(self) -> dict[str, Any] | None:
         """Settings of this kind of store beside :func:`settings`, for the key and the manifest."""
         return None
 
     def __post_init__(self) -> None:
-        self.key = self.key or store_key(self.cfg, self.inputs, self.tokenizer, self.kind_settings())
+        """The key, when not given: sha256 of the version, the settings (with a given tokenizer: its files, the task
+        and max_len), the inputs' identities and the kind's settings."""
+        if self.key:
+            return
+        parts: dict[str, Any] = {"version": STORE_VERSION, "settings": settings(self.cfg), "inputs": self.inputs}
+        if self.tokenizer is not None:
+            parts["tokenizer"] = tokenizer_digest(self.tokenizer)
+            parts["settings"] = {k: v for k, v in parts["settings"].items() if k in ("task", "max_len")}
+        parts["settings"].update(self.kind_settings() or {})
+        self.key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def manifest_settings(self) -> dict[str, Any]:
         return {**settings(self.cfg), **(self.kind_settings() or {})}
@@ -425,10 +409,8 @@ class Recipe:
                 "settings": self.manifest_settings(), "inputs": self.inputs, "dtype": dtype.name,
                 "vocab_size": vocab_size, **rest}
 
-    def place_tokenizer(self, stage: Path, train: Callable[[Path], None]) -> tuple[Path, Any]:
+    def place_tokenizer(self, stage: Path, train: Callable[[Path], None]) -> tuple[Path, TokenizerPair]:
         """``stage/tokenizer`` and its TokenizerPair: a copy of ``tokenizer``, else the one ``train(dir)`` writes."""
-        from aiayn.data.tokenizer import TokenizerPair
-
         tdir = stage / "tokenizer"
         if self.tokenizer is not None:
             shutil.copytree(self.tokenizer, tdir)
@@ -440,8 +422,6 @@ class Recipe:
 
     def train_tokenizer_on(self, tdir: Path, src: Iterable[str], tgt: Iterable[str], what: str) -> None:
         """Train the config's tokenizer into ``tdir`` on the ``src`` and ``tgt`` texts (``what`` they are, logged)."""
-        from aiayn.data.tokenizer import TokenizerSpec, tokenizer_plan, train_tokenizer_pair
-
         d = self.cfg.data
         log.info("training %s on %s", tokenizer_plan(d.tokenizer, d.vocab_size, d.shared_vocab), what)
         train_tokenizer_pair(src, tgt, tdir, TokenizerSpec.from_config(self.cfg))
@@ -487,8 +467,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
 
 
 def _reused(out: Path, recipe: Recipe) -> Any:
-    """The store in ``out`` when its manifest has ``recipe``'s key and its files check out, else None (to be built;
-    damage is logged)."""
+    """The store in ``out`` when it has ``recipe``'s key and checks out, else None (to be built; damage logged)."""
     manifest = read_manifest(out)
     if manifest is None or manifest.get("key") != recipe.key:
         return None
@@ -533,15 +512,15 @@ def _named(out: Path, recipe: Recipe) -> Any:
     if (out / MANIFEST).exists():
         return open_only(out, recipe)
     left = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, MARKER) and not is_temporary(p.name))
+    if not left:
+        return None
     shown = f"{', '.join(left[:3])}{' ...' if len(left) > 3 else ''}"
-    if left and not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
+    if not (out / MARKER).exists():  # nothing aiayn wrote: the user's own files
         raise DataError(f"{out}: not a prepared corpus (no {MANIFEST}, and it holds {shown}, which aiayn did not "
                         "write); name the directory that aiayn prepare CONFIG --out DIR made, or a new one")
-    if left:
-        raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {shown}): its preparing never finished; a "
-                        f"store named by data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out}"
-                        " prepares it")
-    return None
+    raise DataError(f"{out}: an incomplete store (no {MANIFEST}, but {shown}): its preparing never finished; a store "
+                    f"named by data.prepared is never rebuilt by a training: aiayn prepare CONFIG --out {out} prepares "
+                    "it")
 
 
 def _make_dirs(out: Path) -> Path | None:
@@ -600,11 +579,6 @@ def storage_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-def now() -> str:
-    """The manifest's creation time, UTC, to the second."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 class _Writer:
     """Appends a split's encoded pairs to its .bin files in the staging directory; offsets written at the end."""
 
@@ -628,9 +602,7 @@ class _Writer:
         info: dict[str, Any] = {"pairs": self.stats["kept"], "stats": dict(self.stats)}
         for side in ("src", "tgt"):
             self.files[side].close()
-            lens = np.concatenate(self.lengths[side]) if self.lengths[side] else np.zeros(0, np.int64)
-            offsets = np.zeros(len(lens) + 1, dtype="<i8")
-            np.cumsum(lens, out=offsets[1:])
+            offsets = np.concatenate([[0], *self.lengths[side]]).cumsum().astype("<i8")  # (pairs + 1,)
             offsets.tofile(self.directory / f"{self.split}.{side}.idx")
             info[f"{side}_tokens"] = int(offsets[-1])
         return info
@@ -641,8 +613,6 @@ class PairEncoder:
     document (summarization) is cut to ``max_len``, as the translator cuts it, not dropped."""
 
     def __init__(self, tokenizer_dir: str, max_len: int | None, cut: bool) -> None:
-        from aiayn.data.tokenizer import TokenizerPair
-
         self.tok, self.max_len, self.cut = TokenizerPair.load(tokenizer_dir), max_len, cut
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, Any]:
@@ -668,16 +638,12 @@ class PairRecipe(Recipe):
     long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`). ``extra``: this kind's own
     settings."""
 
-    cfg: Config
     sources: dict[str, PairSource]
     inputs: dict[str, str]
-    tokenizer: Path | None = None
-    workers: int | None = None
     train_tokenizer: Callable[[Path], None] | None = None
     length_filter: bool = True
     cut_sources: bool = False
     extra: dict[str, Any] | None = None
-    key: str = ""
 
     def kind_settings(self) -> dict[str, Any] | None:
         return self.extra

@@ -1,15 +1,16 @@
 """The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (UTF-8, plain or .gz, any size)
 as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way). Prepared
-in three passes of :data:`READ_BYTES` pieces: the characters counted (the split is nanoGPT's exactly: the first
-``int(chars * (1 - data.valid_fraction))`` train), the tokenizer trained on the training part, both parts encoded
-piece by piece into the ids of encoding each part in one call (:class:`PieceEncoder`; tests/test_lm_store.py).
+in three passes of :data:`READ_BYTES` pieces: the characters counted (nanoGPT's split), the tokenizer trained on the
+training part, both parts encoded into the ids of encoding each in one call (:class:`PieceEncoder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import count_chars, text_chunks
+from aiayn.data.registry import dataset_of
 from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
 from aiayn.engine import worker_pool
 from aiayn.errors import DataError
 from aiayn.progress import ItemProgress
@@ -33,24 +36,19 @@ def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
     characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
     pos = 0
     for text in text_chunks(path, READ_BYTES):
-        end = pos + len(text)
-        if end <= split:
-            yield "train", text, pos == 0
-        elif pos >= split:
-            yield "valid", text, pos == split
-        else:
-            yield "train", text[: split - pos], pos == 0
-            yield "valid", text[split - pos :], True
-        pos = end
+        cut = min(max(split - pos, 0), len(text))  # the piece's characters before the boundary
+        if cut:
+            yield "train", text[:cut], pos == 0
+        if cut < len(text):
+            yield "valid", text[cut:], pos + cut == split
+        pos += len(text)
 
 
-def train_lines(path: Path, split: int) -> Iterator[str]:
-    """The lines of the training part, as ``train_text.splitlines()`` gives them (a line split over two pieces
+def text_lines(pieces: Iterable[str]) -> Iterator[str]:
+    """The lines of the text ``pieces`` make, as ``text.splitlines()`` gives them (a line split over two pieces
     joined again; one longer than :data:`LONG_LINE` cut there)."""
     tail = ""
-    for name, piece, _ in text_parts(path, split):
-        if name != "train":
-            break
+    for piece in pieces:
         lines = (tail + piece).splitlines(keepends=True)
         tail = "" if lines[-1][-1] in LINE_BREAKS else lines.pop()[:LONG_LINE]
         for line in lines:
@@ -59,12 +57,10 @@ def train_lines(path: Path, split: int) -> Iterator[str]:
         yield tail
 
 
-def train_chars(path: Path, split: int) -> str:
-    """Every character of the training part, once each, in code point order."""
+def text_chars(pieces: Iterable[str]) -> str:
+    """Every character of the text ``pieces`` make, once each, in code point order."""
     seen = np.zeros(0x110000, dtype=bool)
-    for name, piece, _ in text_parts(path, split):
-        if name != "train":
-            break
+    for piece in pieces:
         seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
     return "".join(map(chr, np.flatnonzero(seen)))
 
@@ -76,8 +72,6 @@ class PieceEncoder:
     a model trained on lines holds a newline, so nothing merges across it); any other tokenizer per piece."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
-        from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
-
         self.tok = TokenizerPair.load(tokenizer_dir).src
         self.table: np.ndarray | None = None
         self.head: list[int] | None = None
@@ -113,24 +107,20 @@ def open_stream(path: Path, verify_all: bool = False) -> Store:
 
 @dataclass
 class StreamRecipe(Recipe):
-    """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key); ``tokenizer``: a
-    tokenizer directory to use, else one is trained on the training part."""
+    """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key)."""
 
     kind = STREAM_KIND
-    cfg: Config
     path: Path
     inputs: dict[str, str]
-    tokenizer: Path | None = None
-    workers: int | None = None
-    key: str = ""
 
     def kind_settings(self) -> dict[str, Any]:
         return {"kind": STREAM_KIND, "valid_fraction": self.cfg.data.valid_fraction}
 
     def _train(self, tdir: Path, split: int) -> None:
         """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
-        texts: Iterable[str] = ([train_chars(self.path, split)] if self.cfg.data.tokenizer == "char"
-                                else (ln for ln in train_lines(self.path, split) if ln.strip()))
+        pieces = (piece for _, piece, _ in takewhile(lambda part: part[0] == "train", text_parts(self.path, split)))
+        texts: Iterable[str] = ([text_chars(pieces)] if self.cfg.data.tokenizer == "char"
+                                else (ln for ln in text_lines(pieces) if ln.strip()))
         self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
@@ -138,31 +128,26 @@ class StreamRecipe(Recipe):
         chars, visible = count_chars(self.path, READ_BYTES)
         if not visible:
             raise DataError(f"{self.path}: the language-modelling corpus is empty (no text)")
-        split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT: first 90% train, last 10% valid
+        split = int(chars * (1 - self.cfg.data.valid_fraction))  # nanoGPT's: the first 90% train, the rest valid
         tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
         big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
         tokens = {name: 0 for name in SPLITS}
-        files = {name: open(stage / f"{name}.bin", "wb") for name in SPLITS}
-        progress = ItemProgress(chars, "char", "prepare")
-        note("preparing it: encoding the text")
-        try:
-            with worker_pool(self.workers, big, PieceEncoder, (str(tdir),)) as encode:
-                for name, ids, n_chars in encode(text_parts(self.path, split)):
-                    files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
-                    tokens[name] += len(ids)
-                    progress.update(n_chars)
-        finally:
-            for f in files.values():
-                f.close()
-            progress.close()
+        with contextlib.ExitStack() as held:
+            files = {name: held.enter_context(open(stage / f"{name}.bin", "wb")) for name in SPLITS}
+            progress = ItemProgress(chars, "char", "prepare")
+            held.callback(progress.close)
+            note("preparing it: encoding the text")
+            encode = held.enter_context(worker_pool(self.workers, big, PieceEncoder, (str(tdir),)))
+            for name, ids, n_chars in encode(text_parts(self.path, split)):
+                files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
+                tokens[name] += len(ids)
+                progress.update(n_chars)
         return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
                              splits={name: {"tokens": tokens[name]} for name in SPLITS})
 
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
     """The stream store of a ``task: lm`` config (its text: the dataset registry's)."""
-    from aiayn.data.registry import dataset_of
-
     path, inputs = dataset_of(cfg).text(cfg.data)
-    return StreamRecipe(cfg, path, inputs, tokenizer, workers)
+    return StreamRecipe(cfg, path, inputs, tokenizer=tokenizer, workers=workers)

@@ -24,7 +24,6 @@ half-written result in the run directory.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import math
 import time
@@ -37,6 +36,7 @@ from aiayn.config import Config, DecodeOptions, load_config
 from aiayn.decode.loaded import merged_options
 from aiayn.errors import CheckpointError, ConfigError
 from aiayn.eval.results import check_name, check_writable, scored_weights, write_result
+from aiayn.files import now
 
 log = logging.getLogger("aiayn.eval")
 
@@ -157,7 +157,7 @@ def evaluate_translation(run_dir: str | Path, data: EvalData, options: DecodeOpt
         "run": run_info,
         "truncated_lines": [i + 1 for i in truncated],
         "wall_s": round(wall, 3),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": now(),
     }
     result["json_path"] = str(write_result(run_dir, name, result, hyps))
     return result
@@ -193,7 +193,7 @@ def evaluate_lm(run_dir: str | Path, name: str | None = None, device: str = "aut
         "scores": {"nll_per_token": round(nll, 6), "ppl": round(perplexity(nll), 4)},
         "run": run_info,
         "wall_s": round(wall, 3),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": now(),
     }
     result["json_path"] = str(write_result(run_dir, name, result, None))
     return result
@@ -255,7 +255,7 @@ def evaluate_lm_rolling(run_dir: str | Path, data: EvalData, device: str = "auto
                    "byte_perplexity": round(perplexity(-loglikelihood / max(n_bytes, 1)), 4),
                    "bits_per_byte": round(-loglikelihood / max(n_bytes, 1) / math.log(2), 6)},
         "run": run_info, "wall_s": round(wall, 3),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": now(),
     }
     result["json_path"] = str(write_result(run_dir, name, result, None))
     return result

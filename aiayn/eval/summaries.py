@@ -10,7 +10,6 @@ a "document <sep> summary" language model and an encoder-decoder); it writes
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 import time
@@ -25,6 +24,7 @@ from aiayn.decode.loaded import merged_options
 from aiayn.errors import UserError, first_line
 from aiayn.eval.results import check_writable, scored_weights, write_result
 from aiayn.eval.scorers import rouge_scores
+from aiayn.files import now
 
 
 def lead1_scores(split: str = "test") -> dict[str, float]:
@@ -63,7 +63,7 @@ def evaluate_summaries(run_dir: str | Path, split: str = "test", options: Decode
         "decode": {"how": kind, "max_new_tokens": max_new, "no_repeat_ngram": opts.no_repeat_ngram},
         "run": run_info,
         "wall_s": round(wall, 3),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": now(),
     }
     if dataset_of(run.cfg).lead_1:
         result["lead1"] = {k: round(v, 2) for k, v in lead1_scores(split).items()}

@@ -25,7 +25,6 @@ the check of a checkpoint's state (``check_checkpoint``, :meth:`aiayn.train.resu
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import logging
@@ -42,7 +41,7 @@ import torch
 from aiayn.config import Config, load_yaml, migrate
 from aiayn.data.pipeline import FITTED_KEYS
 from aiayn.errors import CheckpointError, ConfigError, one_line
-from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, read_json
+from aiayn.files import LOCK, MARKER, RunLock, atomic_write_json, check_writable, now, read_json
 from aiayn.run.weights import checkpoint_dir, list_checkpoints
 
 log = logging.getLogger("aiayn.train")
@@ -278,7 +277,7 @@ class RunDirectory:
             agent = torchrun_agent()
             if st.marker is None:
                 marker = {"aiayn_run": 1,
-                          "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "created": now(),
                           "config_sha256": self.hash, "config": recipe(self.cfg),
                           **({"torchrun": agent} if agent else {})}
                 atomic_write_json(path / MARKER, marker, allow_nan=True)
