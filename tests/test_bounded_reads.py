@@ -139,6 +139,23 @@ def test_a_pair_count_past_any_file_is_one_line_in_an_unverified_store(copy):
     _refused(_cli("prepare", "--verify", str(copy), "--allow-unverified"), "where its manifest says")
 
 
+@pytest.mark.parametrize("kind", [[1], {"pairs": 1}, 7, None, "foo"])
+def test_a_manifest_whose_kind_is_no_kind_name_is_one_line_in_an_unverified_store(copy, capsys, monkeypatch, kind):
+    """A manifest without checksums (opened with --allow-unverified) whose kind is a list: "internal error ...
+    TypeError: unhashable type: 'list'" before. Any kind that is not a kind's name is refused, the file named."""
+    from aiayn.data.integrity import ALLOW_UNVERIFIED
+
+    monkeypatch.setenv(ALLOW_UNVERIFIED, "0")  # --allow-unverified below sets it; undone at the end
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["files"], manifest["checksum"]
+    manifest["kind"] = kind
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(copy)
+    line = one_line(capsys, ["prepare", "--verify", str(copy), "--allow-unverified"])
+    assert f"{copy / 'manifest.json'}: its kind {kind!r} is none that this aiayn reads (pairs, stream)" in line, line
+    assert f"aiayn prepare CONFIG --out {copy}" in line and snapshot(copy) == before
+
+
 def test_run_weights_that_are_a_pipe_are_one_line_not_a_wait(tiny_run, tmp_path):
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     (run / "model.safetensors").unlink()

@@ -215,8 +215,8 @@ def cached_store_dir(key: str) -> Path:
 
 
 def describe_store(manifest: dict[str, Any]) -> list[str]:
-    """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
-    line = KINDS.get(manifest.get("kind"), KINDS[PAIRS]).line
+    """One line per split of an opened store (its kind checked): its pairs (or a stream's tokens) and their dtype."""
+    line = KINDS[manifest.get("kind", PAIRS)].line
     return [f"{name}: {line.format(**info)} ({manifest['dtype']})" for name, info in manifest["splits"].items()]
 
 
@@ -282,9 +282,12 @@ KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocab
 
 def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> str | None:
     """What makes a manifest unusable as a store of ``kind`` holding the splits ``need``, None when nothing."""
+    have = m.get("kind", PAIRS)
+    if not isinstance(have, str) or have not in KINDS:  # any JSON value (a list is no dictionary key)
+        return f"its kind {have!r} is none that this aiayn reads ({', '.join(KINDS)})"
     k, splits = KINDS[kind], m.get("splits")
-    if m.get("kind", PAIRS) != kind:
-        return f"holds a {m.get('kind', PAIRS)!r} store, not {k.noun}"
+    if have != kind:
+        return f"holds a {have!r} store, not {k.noun}"
     sizes = [m.get(s, 1) for s in ("src_vocab_size", "tgt_vocab_size")] + [m.get("vocab_size")]
     if m.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
         return k.bad[0]
@@ -303,7 +306,7 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
     holding the splits ``need``: its id files by length, ids and checksum, the others by checksum (none: logged as
     unverified); one DataError naming the file and the fix. ``verify_all``: no file skipped as unchanged (memo)."""
     manifest = opened_manifest(path)
-    kind = kind or (manifest.get("kind") if manifest.get("kind") in KINDS else PAIRS)
+    kind = kind or manifest.get("kind", PAIRS)
     wrong = _manifest_problem(manifest, kind, need)
     if wrong is not None:
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
