@@ -593,14 +593,14 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
     """The manifest holds a sha256 of every file; an opening hashes a file only when it changed since it was last
     found good (the memo's size, times and inode), so an unchanged store is not read again, and one overwritten id
     (still inside the vocabulary) is refused; `--verify` reads every file whatever the memo says."""
-    from aiayn.data.integrity import file_digest
+    from aiayn.files import sha256_file
 
     out = tmp_path / "store"
     store, _, _ = make(tmp_path, out)
     files = store.manifest["files"]
     assert sorted(files) == sorted(p.relative_to(out).as_posix() for p in out.rglob("*")  # all but the manifest
                                    if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST)
-    assert all(file_digest(out / name) == digest for name, digest in files.items())
+    assert all(sha256_file(out / name) == digest for name, digest in files.items())
     _id_in_range(out)
     with pytest.raises(DataError, match=r"train.tgt.bin: does not match its checksum .*aiayn prepare CONFIG --out"):
         open_store(out)

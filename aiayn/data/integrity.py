@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 
 from aiayn.errors import DataError
-from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json
+from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json, sha256_file
 
 MANIFEST = "manifest.json"
 CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
 CHECK_CHUNK = 1 << 22  # ids read at a time when a file is scanned (8-16 MB: memory stays flat)
-HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
 
 
 def check_regular(fd: int, path: str | Path) -> None:
@@ -40,20 +39,10 @@ def check_regular(fd: int, path: str | Path) -> None:
         raise DataError(f"{path}: not a regular file (a directory, a device or a pipe stands in its place)")
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes, read in bounded chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        check_regular(f.fileno(), path)
-        for block in iter(lambda: f.read(HASH_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_checksums(directory: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``directory`` (a store being built), in name order."""
-    return {p.relative_to(directory).as_posix(): file_digest(p)
-            for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {p.relative_to(directory).as_posix(): sha256_file(p)
+            for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()}  # regular files alone
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -203,25 +192,19 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
                 except DataError as e:
                     problems.append(str(e))
                     continue
-                h, left = hashlib.sha256(), identity[0]  # at most its size when opened: bounded, whatever it is
-                while left > 0:
-                    block = f.read(min(HASH_CHUNK, left))
-                    if not block:
-                        break
-                    h.update(block)
-                    left -= len(block)
+                got = sha256_file(f, identity[0])  # at most its size when opened: bounded, whatever it is
         except FileNotFoundError:
             problems.append(f"{name}: missing (its manifest lists it)")
             continue
         except OSError as e:
             problems.append(f"{name}: unreadable ({e.strerror or e})")
             continue
-        if h.hexdigest() != digest:
+        if got != digest:
             problems.append(f"{name}: does not match its checksum (damaged or edited since it was prepared)")
         else:
             memo.remember(name, identity)
     return problems
 
 
-__all__ = ["CHECKED", "MANIFEST", "Memo", "check_files", "check_ids", "file_checksums", "file_digest", "load_manifest",
+__all__ = ["CHECKED", "MANIFEST", "Memo", "check_files", "check_ids", "file_checksums", "load_manifest",
            "manifest_checksum", "scan_ids", "seal"]
