@@ -141,11 +141,16 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
 
 @contextmanager
 def os_errors_named(path: str | Path) -> Iterator[None]:
-    """Inside the block, safetensors' I/O failures (SafetensorError "... No space left on device (os error 28)",
-    also from a library that saves with it, e.g. transformers' ``save_pretrained``) become the OSError they are,
-    naming ``path``, so that the command line reports them as one line."""
+    """Inside the block, an I/O failure that names no file (``write()``'s bare "No space left on device") and
+    safetensors' (SafetensorError "... No space left on device (os error 28)", also from a library that saves with
+    it, e.g. transformers' ``save_pretrained``) become the OSError they are, naming ``path``, so that the command line
+    reports them as one line."""
     try:
         yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except Exception as e:
         m = OS_ERROR_RE.search(str(e)) if type(e).__name__ == "SafetensorError" else None
         if m is None:

@@ -30,6 +30,17 @@ def store(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory) -> Path:
+    """A language model's store (the stream kind) of a small text."""
+    root = tmp_path_factory.mktemp("streams")
+    (root / "corpus.txt").write_text("".join(f"line {i} of a small play\n" for i in range(3000)))
+    out = root / "store"
+    assert main(["prepare", "lm_tinyshakespeare_char_quick", "--set", "data.dataset=null", "--set",
+                 f"data.train_src={root / 'corpus.txt'}", "--out", str(out)]) == 0
+    return out
+
+
 @pytest.fixture
 def copy(store, tmp_path) -> Path:
     return Path(shutil.copytree(store, tmp_path / "store", symlinks=True))
@@ -89,6 +100,22 @@ def test_a_store_file_that_is_a_device_or_a_directory_ends_in_one_line(copy, nam
         return
     _refused(proc, "not a regular file", "Is a directory")
     assert "4,096 bytes" not in proc.stderr
+
+
+@pytest.mark.parametrize("kind, name", [("pairs", "train.src.bin"), ("pairs", "valid.tgt.idx"),
+                                        ("stream", "train.bin"), ("stream", "valid.bin")])
+@pytest.mark.parametrize("what", ["directory", "/dev/zero", "pipe"])
+def test_an_id_file_that_is_no_regular_file_is_the_same_line_in_either_kind(store, stream, tmp_path, kind, name, what):
+    """Both kinds open their id files through one path: a directory, a device or a pipe in an id file's place is the
+    same line naming the file and the fix (a stream's was a bare "not a regular file", without the fix; a pairs
+    index that is a directory was "unreadable ([Errno 21] ...)"; a pipe waited for a writer forever)."""
+    copy = Path(shutil.copytree(store if kind == "pairs" else stream, tmp_path / "store", symlinks=True))
+    target = copy / name
+    target.unlink()
+    {"directory": target.mkdir, "/dev/zero": lambda: target.symlink_to("/dev/zero"),
+     "pipe": lambda: os.mkfifo(target)}[what]()
+    _refused(_cli("prepare", "--verify", str(copy), timeout=120), f"{target}: not a regular file (a directory, a "
+             f"device or a pipe stands in its place): rebuild it: aiayn prepare CONFIG --out {copy} (CONFIG")
 
 
 def test_export_hf_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny_run, tmp_path, capsys, monkeypatch):

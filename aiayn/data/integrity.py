@@ -32,11 +32,15 @@ CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
 CHECK_CHUNK = 1 << 22  # ids read at a time when a file is scanned (8-16 MB: memory stays flat)
 
 
-def check_regular(fd: int, path: str | Path) -> None:
-    """DataError unless the open ``fd`` (``path``) is a regular file: a directory, a device (a symlink to /dev/zero)
-    or a pipe in a store file's place is damage, named as such (its size says nothing; reading it might never end)."""
+def open_regular(path: str | Path, name: str | Path | None = None) -> int:
+    """A read-only descriptor of the store file ``path``; a DataError naming it (``name``, else ``path``) unless it
+    is a regular file: a directory, a device (a symlink to /dev/zero) or a pipe in its place is damage (its size says
+    nothing; reading it might never end; a pipe is opened without waiting for a writer). OSError as ``os.open``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise DataError(f"{path}: not a regular file (a directory, a device or a pipe stands in its place)")
+        os.close(fd)
+        raise DataError(f"{name or path}: not a regular file (a directory, a device or a pipe stands in its place)")
+    return fd
 
 
 def file_checksums(directory: Path) -> dict[str, str]:
@@ -185,16 +189,14 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
             identity = Memo.identity(os.stat(path), digest)
             if memo.good(name, identity):  # unchanged since found good: not read
                 continue
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path, name), "rb") as f:
                 identity = Memo.identity(f.fileno(), digest)  # what is hashed is what is remembered
-                try:
-                    check_regular(f.fileno(), name)
-                except DataError as e:
-                    problems.append(str(e))
-                    continue
                 got = sha256_file(f, identity[0])  # at most its size when opened: bounded, whatever it is
         except FileNotFoundError:
             problems.append(f"{name}: missing (its manifest lists it)")
+            continue
+        except DataError as e:
+            problems.append(str(e))
             continue
         except OSError as e:
             problems.append(f"{name}: unreadable ({e.strerror or e})")
@@ -207,4 +209,4 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
 
 
 __all__ = ["CHECKED", "MANIFEST", "Memo", "check_files", "check_ids", "file_checksums", "load_manifest",
-           "manifest_checksum", "scan_ids", "seal"]
+           "manifest_checksum", "open_regular", "scan_ids", "seal"]

@@ -33,12 +33,23 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
-from aiayn.data.datasets import cache_dir, sha256_file
-from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
+from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, load_manifest, open_regular, seal
 from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_files, tokenizer_plan, train_tokenizer_pair
 from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
-from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary, now
+from aiayn.files import (
+    STORE_MARKER,
+    TMP_SUFFIX,
+    HeldLock,
+    LockTimeout,
+    atomic_write_json,
+    cache_dir,
+    file_lock,
+    is_temporary,
+    now,
+    os_errors_named,
+    sha256_file,
+)
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
@@ -52,7 +63,7 @@ PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a m
 STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream (aiayn.data.stream_store)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
-IdOpener = Callable[..., Any]  # (split, label, make, vocab_size[, unreadable]) -> the id file ``make()``, checked
+IdOpener = Callable[..., Any]  # (split, make, vocab_size) -> the id file ``make()``, checked
 # How the settings a store depends on (:func:`settings`) are named in a config.
 SETTING_NAMES = {"task": "task", "langs": "data.src_lang/data.tgt_lang", "seed": "train.seed"}
 _BUILDING: list[HeldLock] = []  # the lock of the store this process builds, where :func:`note` writes
@@ -67,13 +78,8 @@ class IdFile:
     def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
         self._args = (path, self.dtype.str, tokens)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            check_regular(fd, self.path)
-        except DataError:
-            os.close(fd)
-            raise
-        self._fd, self.file_bytes = fd, os.fstat(fd).st_size
+        self._fd = open_regular(self.path)
+        self.file_bytes = os.fstat(self._fd).st_size
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         return type(self), self._args
@@ -126,8 +132,7 @@ class Side(IdFile):
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype | str, pairs: int) -> None:
         self.offsets_path, size = offsets, (pairs + 1) * 8
-        with open(offsets, "rb") as f:
-            check_regular(f.fileno(), offsets)
+        with os.fdopen(open_regular(offsets), "rb") as f:
             held = os.fstat(f.fileno()).st_size  # before reading: a manifest's count may be past any file's size
             data = f.read(size + 1) if held == size else b""
         if held != size or len(data) != size:
@@ -250,14 +255,14 @@ def opened_manifest(path: Path) -> dict[str, Any]:
 
 
 def _pair_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Split:
-    return Split(*(id_file(name, f"{name}.{side}", partial(
-        Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", m["dtype"], m["splits"][name]["pairs"]),
-        int(m.get(f"{side}_vocab_size", m["vocab_size"]))) for side in ("src", "tgt")))
+    return Split(*(id_file(name, partial(Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", m["dtype"],
+                                         m["splits"][name]["pairs"]), int(m.get(f"{side}_vocab_size", m["vocab_size"])))
+                   for side in ("src", "tgt")))
 
 
 def _stream_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Stream:
-    return id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", m["dtype"], m["splits"][name]["tokens"]),
-                   m["vocab_size"], (OSError,))
+    return id_file(name, partial(Stream, path / f"{name}.bin", m["dtype"], m["splits"][name]["tokens"]),
+                   m["vocab_size"])
 
 
 @dataclass(frozen=True)
@@ -312,14 +317,15 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), v
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
     files, memo, checked = manifest.get("files"), Memo(path, enabled=not verify_all), set()
 
-    def id_file(split: str, label: str, make: Callable[[], IdFile], vocab_size: int,
-                unreadable: tuple[type[Exception], ...] = (OSError, DataError)) -> Any:
+    def id_file(split: str, make: Callable[[], IdFile], vocab_size: int) -> Any:
         try:
             opened = make()
         except FileNotFoundError as e:
             raise damaged(path, f"{e.filename}: missing (the manifest names split {split})") from None
-        except unreadable as e:
-            raise damaged(path, f"{path}/{label}: unreadable ({e})") from None
+        except OSError as e:
+            raise damaged(path, f"{e.filename}: unreadable ({e.strerror or e})") from None
+        except DataError as e:  # not a regular file (open_regular), offsets of another size (Side)
+            raise damaged(path, str(e)) from None
         problem = opened.check(vocab_size, files, memo)
         if problem is not None:
             raise damaged(path, f"{path}/{problem}")
@@ -582,32 +588,55 @@ def storage_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
+class IdWriter:
+    """An id file of either kind being written into the staging directory: runs of ids appended as ``dtype``
+    (little-endian) and counted (``tokens``); a failed write (a full disk) names the file, not a bare "No space left
+    on device"."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype, self.tokens = path, np.dtype(dtype).newbyteorder("<"), 0
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close)
+
+    def __enter__(self) -> IdWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, ids: np.ndarray) -> None:
+        """Append ``ids`` (n,), of any integer dtype."""
+        with os_errors_named(self.path):
+            self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.tokens += len(ids)
+
+    def close(self) -> None:
+        with os_errors_named(self.path):  # what is still buffered is written here
+            self.file.close()
+
+
 class _Writer:
-    """Appends a split's encoded pairs to its .bin files in the staging directory; offsets written at the end."""
+    """Appends a split's encoded pairs to its sides' id files in the staging directory; offsets written at the end."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
-        self.directory, self.split, self.dtype = directory, split, dtype
-        self.files = {side: open(directory / f"{split}.{side}.bin", "wb") for side in ("src", "tgt")}
+        self.directory, self.split = directory, split
+        self.sides = {side: IdWriter(directory / f"{split}.{side}.bin", dtype) for side in ("src", "tgt")}
         self.lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
         self.stats = {"empty": 0, "too_long": 0, "kept": 0}
 
     def add(self, encoded: dict[str, Any]) -> None:
-        for side in ("src", "tgt"):
-            try:
-                self.files[side].write(encoded[side].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
-            except OSError as e:  # a full disk: name the store's file, not a bare "No space left on device"
-                raise OSError(e.errno, e.strerror, str(self.directory / f"{self.split}.{side}.bin")) from e
+        for side, ids in self.sides.items():
+            ids.add(encoded[side])
             self.lengths[side].append(encoded[f"{side}_lens"])
         for k in self.stats:
             self.stats[k] += encoded[k]
 
     def close(self) -> dict[str, Any]:
         info: dict[str, Any] = {"pairs": self.stats["kept"], "stats": dict(self.stats)}
-        for side in ("src", "tgt"):
-            self.files[side].close()
-            offsets = np.concatenate([[0], *self.lengths[side]]).cumsum().astype("<i8")  # (pairs + 1,)
-            offsets.tofile(self.directory / f"{self.split}.{side}.idx")
-            info[f"{side}_tokens"] = int(offsets[-1])
+        for side, ids in self.sides.items():
+            ids.close()
+            with IdWriter(self.directory / f"{self.split}.{side}.idx", np.dtype(np.int64)) as offsets:
+                offsets.add(np.concatenate([[0], *self.lengths[side]]).cumsum())  # (pairs + 1,)
+            info[f"{side}_tokens"] = ids.tokens
         return info
 
 
