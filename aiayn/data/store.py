@@ -590,54 +590,49 @@ def storage_dtype(vocab_size: int) -> np.dtype:
 
 class IdWriter:
     """An id file of either kind being written into the staging directory: runs of ids appended as ``dtype``
-    (little-endian) and counted (``tokens``); a failed write (a full disk) names the file, not a bare "No space left
-    on device"."""
+    (little-endian) and counted (``tokens``); with ``offsets`` (a side of pairs), the int64 offsets of the pairs
+    whose lengths ``add`` is given are written there at the close. A failed write (a full disk) names the file."""
 
-    def __init__(self, path: Path, dtype: np.dtype) -> None:
-        self.path, self.dtype, self.tokens = path, np.dtype(dtype).newbyteorder("<"), 0
+    def __init__(self, path: Path, dtype: np.dtype, offsets: Path | None = None) -> None:
+        self.path, self.dtype, self.offsets, self.tokens = path, dtype.newbyteorder("<"), offsets, 0
+        self.lengths: list[np.ndarray] = [np.zeros(1, np.int64)]  # offsets: the running sum of [0, every length]
         self.file = open(path, "wb")  # noqa: SIM115 (closed by close)
 
-    def __enter__(self) -> IdWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def add(self, ids: np.ndarray) -> None:
-        """Append ``ids`` (n,), of any integer dtype."""
+    def add(self, ids: np.ndarray, lengths: np.ndarray | None = None) -> None:
+        """Append ``ids`` (n,), of any integer dtype; those of pairs of ``lengths`` (pairs,) (summing to n)."""
         with os_errors_named(self.path):
             self.file.write(ids.astype(self.dtype, copy=False).tobytes())
         self.tokens += len(ids)
+        if lengths is not None:
+            self.lengths.append(lengths)
 
     def close(self) -> None:
         with os_errors_named(self.path):  # what is still buffered is written here
             self.file.close()
+        if self.offsets is not None:
+            with os_errors_named(self.offsets):
+                np.concatenate(self.lengths).cumsum().astype("<i8").tofile(self.offsets)  # (pairs + 1,)
 
 
 class _Writer:
-    """Appends a split's encoded pairs to its sides' id files in the staging directory; offsets written at the end."""
+    """Appends a split's encoded pairs to its sides' id files (and offsets) in the staging directory."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
-        self.directory, self.split = directory, split
-        self.sides = {side: IdWriter(directory / f"{split}.{side}.bin", dtype) for side in ("src", "tgt")}
-        self.lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
+        self.sides = {side: IdWriter(directory / f"{split}.{side}.bin", dtype, directory / f"{split}.{side}.idx")
+                      for side in ("src", "tgt")}
         self.stats = {"empty": 0, "too_long": 0, "kept": 0}
 
     def add(self, encoded: dict[str, Any]) -> None:
         for side, ids in self.sides.items():
-            ids.add(encoded[side])
-            self.lengths[side].append(encoded[f"{side}_lens"])
+            ids.add(encoded[side], encoded[f"{side}_lens"])
         for k in self.stats:
             self.stats[k] += encoded[k]
 
     def close(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"pairs": self.stats["kept"], "stats": dict(self.stats)}
-        for side, ids in self.sides.items():
+        for ids in self.sides.values():
             ids.close()
-            with IdWriter(self.directory / f"{self.split}.{side}.idx", np.dtype(np.int64)) as offsets:
-                offsets.add(np.concatenate([[0], *self.lengths[side]]).cumsum())  # (pairs + 1,)
-            info[f"{side}_tokens"] = ids.tokens
-        return info
+        return {"pairs": self.stats["kept"], "stats": dict(self.stats),
+                **{f"{side}_tokens": ids.tokens for side, ids in self.sides.items()}}
 
 
 class PairEncoder:

@@ -133,7 +133,8 @@ class StreamRecipe(Recipe):
         dtype = storage_dtype(tok.src.vocab_size)
         big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
         with contextlib.ExitStack() as held:
-            files = {name: held.enter_context(IdWriter(stage / f"{name}.bin", dtype)) for name in SPLITS}
+            files = {name: held.enter_context(contextlib.closing(IdWriter(stage / f"{name}.bin", dtype)))
+                     for name in SPLITS}
             progress = ItemProgress(chars, "char", "prepare")
             held.callback(progress.close)
             note("preparing it: encoding the text")
