@@ -610,6 +610,31 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
     assert len(problems) == 1 and "train.tgt.bin: does not match its checksum" in problems[0]
 
 
+def test_verify_reads_every_file_once_whatever_the_memo_says_and_lists_every_damaged_one(tmp_path, monkeypatch):
+    """`aiayn prepare --verify` reads every file although the memo knows them all good, each once (it read each
+    twice: the opening, then a second hash of every file), writes nothing, and still lists every damaged file, not
+    only the first the opening stopped at (which alone is read twice)."""
+    from aiayn.data import integrity
+    from aiayn.data.pipeline import verify_store
+
+    out = tmp_path / "store"
+    store, _, _ = make(tmp_path, out)
+    open_store(out)  # the memo: every file found good
+    memo = (out / integrity.CHECKED).read_bytes()
+    reads = []
+    scan, digest = integrity.scan_ids, integrity.sha256_file
+    monkeypatch.setattr(integrity, "scan_ids", lambda *a: reads.append("scan") or scan(*a))
+    monkeypatch.setattr(integrity, "sha256_file", lambda *a: reads.append("hash") or digest(*a))
+    assert verify_store(out) == []
+    assert len(reads) == len(store.manifest["files"]) and (out / integrity.CHECKED).read_bytes() == memo
+    _id_in_range(out)
+    (out / "valid.src.idx").write_bytes((out / "valid.src.idx").read_bytes()[::-1])  # same size, damaged
+    reads.clear()
+    problems = verify_store(out)
+    assert [p.split(": ")[0] for p in problems] == [f"{out}/train.tgt.bin", f"{out}/valid.src.idx"], problems
+    assert len(reads) == len(store.manifest["files"]) + 1
+
+
 @pytest.mark.parametrize("keys", [("files", "checksum"), ("files",), ("checksum",)])
 def test_a_store_whose_checksums_were_stripped_is_refused_unless_allowed(tmp_path, capsys, monkeypatch, keys):
     """Issue 70: removing `files` and `checksum` from the manifest and changing one id passed `prepare --verify`

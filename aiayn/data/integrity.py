@@ -107,8 +107,9 @@ def allow_unverified() -> None:
 
 
 class Memo:
-    """The files of one store found good at an earlier opening (see the module docstring). ``enabled=False``: every
-    file is checked and nothing is remembered (``aiayn prepare --verify``)."""
+    """The files of one store found good at an earlier opening (see the module docstring). ``enabled=False``
+    (``aiayn prepare --verify``): what earlier openings found is neither read nor written, so every file is read;
+    ``entries`` lists those found good by this one alone."""
 
     def __init__(self, directory: Path, enabled: bool = True) -> None:
         self.path, self.enabled, self.changed = directory / CHECKED, enabled, False
@@ -132,14 +133,14 @@ class Memo:
         return self.enabled and self.entries.get(name) == identity
 
     def remember(self, name: str, identity: list[Any]) -> None:
-        if self.enabled and self.entries.get(name) != identity:
+        if self.entries.get(name) != identity:
             self.entries[name] = identity
             self.changed = True
 
     def save(self) -> None:
         """Write the memo (once per opening, when every check passed); a read-only store is checked again next
         time, nothing lost."""
-        if self.changed:
+        if self.changed and self.enabled:
             with contextlib.suppress(OSError):
                 atomic_write_json(self.path, self.entries)
             self.changed = False
@@ -178,8 +179,8 @@ def check_ids(fd: int, path: Path, dtype: np.dtype, n_ids: int, vocab_size: int,
 
 
 def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[str] = frozenset()) -> list[str]:
-    """What is wrong with the files the manifest lists (``files``: name -> sha256), ``skip`` aside (the id files,
-    checked by :func:`check_ids`): each missing or changed one, one line each; unchanged files (memo) not read."""
+    """What is wrong with the files the manifest lists (``files``: name -> sha256), ``skip`` aside (checked already:
+    the id files, by :func:`check_ids`): each missing or changed one, one line each; unchanged files (memo) not read."""
     problems = []
     for name, digest in files.items():
         if name in skip:

@@ -306,16 +306,17 @@ def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> st
     return f"names no {', '.join(missing)} split" if missing else None
 
 
-def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), verify_all: bool = False) -> Store:
+def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), memo: Memo | None = None) -> Store:
     """Open and check the store in ``path`` (its lock held, or none exists) as a ``kind`` (None: its manifest's)
     holding the splits ``need``: its id files by length, ids and checksum, the others by checksum (none: logged as
-    unverified); one DataError naming the file and the fix. ``verify_all``: no file skipped as unchanged (memo)."""
+    unverified), those ``memo`` knows unchanged since found good skipped (None: the store's own :class:`Memo`); one
+    DataError naming the file and the fix."""
     manifest = opened_manifest(path)
     kind = kind or manifest.get("kind", PAIRS)
     wrong = _manifest_problem(manifest, kind, need)
     if wrong is not None:
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
-    files, memo, checked = manifest.get("files"), Memo(path, enabled=not verify_all), set()
+    files, memo, checked = manifest.get("files"), memo or Memo(path), set()
 
     def id_file(split: str, make: Callable[[], IdFile], vocab_size: int) -> Any:
         try:

@@ -101,8 +101,8 @@ class PieceEncoder:
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
 
 
-def open_stream(path: Path, verify_all: bool = False) -> Store:
-    return open_kind(path, STREAM_KIND, (), verify_all)
+def open_stream(path: Path) -> Store:
+    return open_kind(path, STREAM_KIND)
 
 
 @dataclass
