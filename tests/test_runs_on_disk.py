@@ -511,7 +511,7 @@ def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
 
     import numpy as np
 
-    from aiayn.data.store import _Writer
+    from aiayn.data.store import IdWriter
     from aiayn.errors import user_error_message
 
     class Full:
@@ -521,14 +521,11 @@ def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
         def close(self):
             pass
 
-    writer = _Writer(tmp_path, "train", np.dtype(np.uint16))
-    for side in writer.sides.values():
-        side.file.close()
-        side.file = Full()
-    encoded = {"src": np.zeros(3, np.int64), "tgt": np.zeros(3, np.int64), "src_lens": np.array([3]),
-               "tgt_lens": np.array([3]), "empty": 0, "too_long": 0, "kept": 1}
+    writer = IdWriter(tmp_path / "train.src.bin", np.dtype(np.uint16), tmp_path / "train.src.idx")
+    writer.file.close()
+    writer.file = Full()
     with pytest.raises(OSError) as e:
-        writer.add(encoded)
+        writer.add(np.zeros(3, np.int64), np.array([3]))
     assert user_error_message(e.value) == f"{tmp_path / 'train.src.bin'}: No space left on device"
     # no file at all: the line says where the user can act
     line = user_error_message(OSError(errno.ENOSPC, "No space left on device"))

@@ -615,27 +615,6 @@ class IdWriter:
                 np.concatenate(self.lengths).cumsum().astype("<i8").tofile(self.offsets)  # (pairs + 1,)
 
 
-class _Writer:
-    """Appends a split's encoded pairs to its sides' id files (and offsets) in the staging directory."""
-
-    def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
-        self.sides = {side: IdWriter(directory / f"{split}.{side}.bin", dtype, directory / f"{split}.{side}.idx")
-                      for side in ("src", "tgt")}
-        self.stats = {"empty": 0, "too_long": 0, "kept": 0}
-
-    def add(self, encoded: dict[str, Any]) -> None:
-        for side, ids in self.sides.items():
-            ids.add(encoded[side], encoded[f"{side}_lens"])
-        for k in self.stats:
-            self.stats[k] += encoded[k]
-
-    def close(self) -> dict[str, Any]:
-        for ids in self.sides.values():
-            ids.close()
-        return {"pairs": self.stats["kept"], "stats": dict(self.stats),
-                **{f"{side}_tokens": ids.tokens for side, ids in self.sides.items()}}
-
-
 class PairEncoder:
     """Encodes and filters chunks of pairs as :func:`~aiayn.data.corpus.clean_pairs` does; ``cut``: a long
     document (summarization) is cut to ``max_len``, as the translator cuts it, not dropped."""
@@ -698,16 +677,23 @@ class PairRecipe(Recipe):
         with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, cut)) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")
-                writer = _Writer(stage, name, dtype)
+                sides = {side: IdWriter(stage / f"{name}.{side}.bin", dtype, stage / f"{name}.{side}.idx")
+                         for side in ("src", "tgt")}
+                stats = {"empty": 0, "too_long": 0, "kept": 0}
                 progress = ItemProgress(counts[name], "pair", f"prepare {name}")
                 chunks = iter(lambda pairs=source(): list(islice(pairs, CHUNK)), [])  # CHUNK pairs a list, to the end
                 for encoded in encode(chunks):
-                    writer.add(encoded)
-                    progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])
+                    for side, ids in sides.items():
+                        ids.add(encoded[side], encoded[f"{side}_lens"])
+                    stats = {k: n + encoded[k] for k, n in stats.items()}
+                    progress.update(sum(encoded[k] for k in stats))
                 progress.close()
-                splits[name] = writer.close()
-                if not splits[name]["pairs"]:
+                for ids in sides.values():
+                    ids.close()
+                if not stats["kept"]:
                     raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
+                splits[name] = {"pairs": stats["kept"], "stats": stats,
+                                **{f"{side}_tokens": ids.tokens for side, ids in sides.items()}}
         return self.manifest(dtype, vocab, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                              splits=splits)
 
