@@ -118,6 +118,21 @@ def test_an_id_file_that_is_no_regular_file_is_the_same_line_in_either_kind(stor
              f"device or a pipe stands in its place): rebuild it: aiayn prepare CONFIG --out {copy} (CONFIG")
 
 
+@pytest.mark.parametrize("what", ["pipe", "directory", "/dev/zero"])
+def test_a_memo_that_is_no_regular_file_is_passed_over_when_a_store_opens(copy, what):
+    """The memo of the files found good is a shortcut, read at every opening but --verify's: a pipe in its place
+    waited for a writer forever (a training never started). Now the store opens, every file checked, and nothing is
+    written into the memo's place."""
+    memo = copy / ".aiayn-checked.json"
+    memo.unlink()
+    {"directory": memo.mkdir, "/dev/zero": lambda: memo.symlink_to("/dev/zero"),
+     "pipe": lambda: os.mkfifo(memo)}[what]()
+    opening = "import sys; from aiayn.data.store import open_store; print(len(open_store(sys.argv[1]).splits['train']))"
+    proc = subprocess.run([sys.executable, "-c", opening, str(copy)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert proc.returncode == 0 and int(proc.stdout) > 0, proc.stderr[-2000:]
+
+
 def test_export_hf_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny_run, tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     import transformers.modeling_utils as mu

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from aiayn.errors import DataError
-from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json, sha256_file
+from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, sha256_file
 
 MANIFEST = "manifest.json"
 CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
@@ -116,9 +116,13 @@ class Memo:
         memo: Any = {}
         if enabled:
             try:
-                memo = read_json(self.path)
-            except (OSError, ValueError):
-                memo = {}
+                data = read_bounded(self.path, JSON_MAX_BYTES, pipes=False)  # a pipe in its place: not waited on
+            except FileNotFoundError:
+                data = b"{}"
+            except (OSError, ValueError):  # a directory, a device or a pipe in its place: not written into either
+                data, self.enabled = b"{}", False
+            with contextlib.suppress(ValueError):  # not JSON: written again
+                memo = load_json(data)
         self.entries: dict[str, Any] = memo if isinstance(memo, dict) else {}
 
     @staticmethod
