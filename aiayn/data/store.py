@@ -9,8 +9,9 @@ torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``
     DIR/.aiayn-store.lock       flock: exclusive while one process builds, shared while one opens
 
 Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
-directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
-naming the file and the fix); a kind (:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
+directory, the sealed manifest last), the id files' writing (:class:`IdWriter`) and reading (:class:`IdFile`), the
+opening (:func:`open_kind`: every file checked; damage is one DataError naming the file and the fix); a kind
+(:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), m
         except FileNotFoundError as e:
             raise damaged(path, f"{e.filename}: missing (the manifest names split {split})") from None
         except OSError as e:
-            raise damaged(path, f"{e.filename}: unreadable ({e.strerror or e})") from None
+            raise damaged(path, f"{e.filename or path}: unreadable ({e.strerror or e})") from None
         except DataError as e:  # not a regular file (open_regular), offsets of another size (Side)
             raise damaged(path, str(e)) from None
         problem = opened.check(vocab_size, files, memo)
