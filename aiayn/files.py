@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from aiayn.errors import CheckpointError, ConfigError, one_line
 
@@ -139,11 +141,16 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1, allow
 
 @contextmanager
 def os_errors_named(path: str | Path) -> Iterator[None]:
-    """Inside the block, safetensors' I/O failures (SafetensorError "... No space left on device (os error 28)",
-    also from a library that saves with it, e.g. transformers' ``save_pretrained``) become the OSError they are,
-    naming ``path``, so that the command line reports them as one line."""
+    """Inside the block, an I/O failure that names no file (``write()``'s bare "No space left on device") and
+    safetensors' (SafetensorError "... No space left on device (os error 28)", also from a library that saves with
+    it, e.g. transformers' ``save_pretrained``) become the OSError they are, naming ``path``, so that the command line
+    reports them as one line."""
     try:
         yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except Exception as e:
         m = OS_ERROR_RE.search(str(e)) if type(e).__name__ == "SafetensorError" else None
         if m is None:
@@ -564,6 +571,7 @@ def check_output_dir(out: str | Path, inputs: Sequence[str | Path], force: bool)
 # Bounded reads ----------------------------------------------------------------------------------------------------
 
 JSON_MAX_BYTES = 64 << 20  # a manifest, a marker, a checkpoint's state: far smaller
+HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
 
 
 def read_bounded(path: str | Path, max_bytes: int, pipes: bool = True) -> bytes:
@@ -585,6 +593,19 @@ def read_bounded(path: str | Path, max_bytes: int, pipes: bool = True) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes:,} bytes")
     return data
+
+
+def sha256_file(file: str | Path | BinaryIO, size: int | None = None) -> str:
+    """sha256 (hex) of a file's bytes (a path, or a binary file open at its start), read :data:`HASH_CHUNK` bytes at
+    a time: at most ``size`` bytes when given (a bound whatever the file turns out to be), else to its end."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as f:
+            return sha256_file(f, size)
+    h, left = hashlib.sha256(), math.inf if size is None else size
+    while left > 0 and (block := file.read(min(HASH_CHUNK, left))):
+        h.update(block)
+        left -= len(block)
+    return h.hexdigest()
 
 
 def load_json(data: bytes | str) -> Any:
@@ -736,4 +757,4 @@ __all__ = ["LOCK", "MARKER", "HeldLock", "LockHolder", "LockTimeout", "RunLock",
            "atomic_write_json", "atomic_write_safetensors", "atomic_write_text", "check_output_dir", "check_writable",
            "claim", "default_file_mode", "file_lock", "guard_output", "guard_output_dir", "is_run_dir", "is_store_dir",
            "is_temporary", "load_json", "lock_holder", "locked", "now", "os_errors_named", "read_bounded", "read_json",
-           "remove_stale_temporaries", "staged_directory"]
+           "remove_stale_temporaries", "sha256_file", "staged_directory"]

@@ -511,7 +511,7 @@ def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
 
     import numpy as np
 
-    from aiayn.data.store import _Writer
+    from aiayn.data.store import IdWriter
     from aiayn.errors import user_error_message
 
     class Full:
@@ -521,15 +521,45 @@ def test_a_full_disk_while_preparing_names_the_stores_file(tmp_path, capsys):
         def close(self):
             pass
 
-    writer = _Writer(tmp_path, "train", np.dtype(np.uint16))
-    for f in writer.files.values():
-        f.close()
-    writer.files = {"src": Full(), "tgt": Full()}
-    encoded = {"src": np.zeros(3, np.int64), "tgt": np.zeros(3, np.int64), "src_lens": np.array([3]),
-               "tgt_lens": np.array([3]), "empty": 0, "too_long": 0, "kept": 1}
+    writer = IdWriter(tmp_path / "train.src.bin", np.dtype(np.uint16), tmp_path / "train.src.idx")
+    writer.file.close()
+    writer.file = Full()
     with pytest.raises(OSError) as e:
-        writer.add(encoded)
+        writer.add(np.zeros(3, np.int64), np.array([3]))
     assert user_error_message(e.value) == f"{tmp_path / 'train.src.bin'}: No space left on device"
     # no file at all: the line says where the user can act
     line = user_error_message(OSError(errno.ENOSPC, "No space left on device"))
     assert line.startswith("No space left on device (free space, or write elsewhere") and "--run-dir" in line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="Linux's /dev/full: every write fails with ENOSPC")
+@pytest.mark.parametrize("kind", ["pairs", "stream"])
+def test_a_full_disk_names_the_id_file_of_either_kind_of_store_and_leaves_nothing(tmp_path, capsys, monkeypatch, kind):
+    """Both kinds write their id files through one writer (aiayn.data.store.IdWriter): a full disk is one line naming
+    the file for a language model's stream too (a bare "No space left on device" before), and the failed prepare
+    leaves no directory behind."""
+    from aiayn.data import store
+
+    opened = store.IdWriter.__init__
+
+    def onto_a_full_disk(self, *args):
+        opened(self, *args)
+        self.file.close()
+        self.file = open("/dev/full", "wb")  # noqa: SIM115 (closed by the writer)
+
+    monkeypatch.setattr(store.IdWriter, "__init__", onto_a_full_disk)
+    out = tmp_path / "store"
+    if kind == "pairs":
+        argv = ["prepare", TINY, "--set", "data.vocab_size=300", "--out", str(out)]
+    else:
+        text = tmp_path / "corpus.txt"
+        text.write_text("".join(f"line {i} of a small play\n" for i in range(3000)))
+        argv = ["prepare", "lm_tinyshakespeare_char_quick", "--set", "data.dataset=null", "--set",
+                f"data.train_src={text}", "--out", str(out)]
+    code, err = run_cli(capsys, argv)
+    err = [ln for ln in err if ln.startswith("aiayn:") or "Traceback" in ln]
+    name = "train.src.bin" if kind == "pairs" else "train.bin"
+    assert code == 2 and len(err) == 1, (code, err)
+    assert re.fullmatch(rf"aiayn: error: {re.escape(str(out))}/\.build\.\w+\.tmp/{re.escape(name)}: No space left on "
+                        "device", err[0]), err
+    assert not out.exists()

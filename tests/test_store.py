@@ -593,14 +593,14 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
     """The manifest holds a sha256 of every file; an opening hashes a file only when it changed since it was last
     found good (the memo's size, times and inode), so an unchanged store is not read again, and one overwritten id
     (still inside the vocabulary) is refused; `--verify` reads every file whatever the memo says."""
-    from aiayn.data.integrity import file_digest
+    from aiayn.files import sha256_file
 
     out = tmp_path / "store"
     store, _, _ = make(tmp_path, out)
     files = store.manifest["files"]
     assert sorted(files) == sorted(p.relative_to(out).as_posix() for p in out.rglob("*")  # all but the manifest
                                    if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST)
-    assert all(file_digest(out / name) == digest for name, digest in files.items())
+    assert all(sha256_file(out / name) == digest for name, digest in files.items())
     _id_in_range(out)
     with pytest.raises(DataError, match=r"train.tgt.bin: does not match its checksum .*aiayn prepare CONFIG --out"):
         open_store(out)
@@ -608,6 +608,31 @@ def test_an_id_overwritten_in_range_is_caught_by_its_checksum_once_the_file_chan
 
     problems = verify_store(out)
     assert len(problems) == 1 and "train.tgt.bin: does not match its checksum" in problems[0]
+
+
+def test_verify_reads_every_file_once_whatever_the_memo_says_and_lists_every_damaged_one(tmp_path, monkeypatch):
+    """`aiayn prepare --verify` reads every file although the memo knows them all good, each once (it read each
+    twice: the opening, then a second hash of every file), writes nothing, and still lists every damaged file, not
+    only the first the opening stopped at (which alone is read twice)."""
+    from aiayn.data import integrity
+    from aiayn.data.pipeline import verify_store
+
+    out = tmp_path / "store"
+    store, _, _ = make(tmp_path, out)
+    open_store(out)  # the memo: every file found good
+    memo = (out / integrity.CHECKED).read_bytes()
+    reads = []
+    scan, digest = integrity.scan_ids, integrity.sha256_file
+    monkeypatch.setattr(integrity, "scan_ids", lambda *a: reads.append("scan") or scan(*a))
+    monkeypatch.setattr(integrity, "sha256_file", lambda *a: reads.append("hash") or digest(*a))
+    assert verify_store(out) == []
+    assert len(reads) == len(store.manifest["files"]) and (out / integrity.CHECKED).read_bytes() == memo
+    _id_in_range(out)
+    (out / "valid.src.idx").write_bytes((out / "valid.src.idx").read_bytes()[::-1])  # same size, damaged
+    reads.clear()
+    problems = verify_store(out)
+    assert [p.split(": ")[0] for p in problems] == [f"{out}/train.tgt.bin", f"{out}/valid.src.idx"], problems
+    assert len(reads) == len(store.manifest["files"]) + 1
 
 
 @pytest.mark.parametrize("keys", [("files", "checksum"), ("files",), ("checksum",)])

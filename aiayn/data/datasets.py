@@ -15,7 +15,6 @@ would otherwise train silently on other data than the recipe promises.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write, atomic_write_json, cache_dir
+from ..files import atomic_write, atomic_write_json, cache_dir, sha256_file
 from .corpus import DataError, iter_parallel, read_jsonl_rows, read_parallel, read_text
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
@@ -111,14 +110,6 @@ WMT14_TEST_SETS = {"valid": "wmt13", "newstest2013": "wmt13", "test": "wmt14/ful
 
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco")
 
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 HASH_CACHE = "hashes.json"

@@ -25,35 +25,28 @@ from typing import Any
 import numpy as np
 
 from aiayn.errors import DataError
-from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, read_json
+from aiayn.files import JSON_MAX_BYTES, atomic_write_json, load_json, read_bounded, sha256_file
 
 MANIFEST = "manifest.json"
 CHECKED = ".aiayn-checked.json"  # the memo: files found good, by identity
 CHECK_CHUNK = 1 << 22  # ids read at a time when a file is scanned (8-16 MB: memory stays flat)
-HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
 
 
-def check_regular(fd: int, path: str | Path) -> None:
-    """DataError unless the open ``fd`` (``path``) is a regular file: a directory, a device (a symlink to /dev/zero)
-    or a pipe in a store file's place is damage, named as such (its size says nothing; reading it might never end)."""
+def open_regular(path: str | Path, name: str | Path | None = None) -> int:
+    """A read-only descriptor of the store file ``path``; a DataError naming it (``name``, else ``path``) unless it
+    is a regular file: a directory, a device (a symlink to /dev/zero) or a pipe in its place is damage (its size says
+    nothing; reading it might never end; a pipe is opened without waiting for a writer). OSError as ``os.open``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise DataError(f"{path}: not a regular file (a directory, a device or a pipe stands in its place)")
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes, read in bounded chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        check_regular(f.fileno(), path)
-        for block in iter(lambda: f.read(HASH_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
+        os.close(fd)
+        raise DataError(f"{name or path}: not a regular file (a directory, a device or a pipe stands in its place)")
+    return fd
 
 
 def file_checksums(directory: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``directory`` (a store being built), in name order."""
-    return {p.relative_to(directory).as_posix(): file_digest(p)
-            for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {p.relative_to(directory).as_posix(): sha256_file(p)
+            for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()}  # regular files alone
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -114,17 +107,22 @@ def allow_unverified() -> None:
 
 
 class Memo:
-    """The files of one store found good at an earlier opening (see the module docstring). ``enabled=False``: every
-    file is checked and nothing is remembered (``aiayn prepare --verify``)."""
+    """The files of one store found good at an earlier opening (see the module docstring). ``enabled=False``
+    (``aiayn prepare --verify``): what earlier openings found is neither read nor written, so every file is read;
+    ``entries`` lists those found good by this one alone."""
 
     def __init__(self, directory: Path, enabled: bool = True) -> None:
         self.path, self.enabled, self.changed = directory / CHECKED, enabled, False
         memo: Any = {}
         if enabled:
             try:
-                memo = read_json(self.path)
-            except (OSError, ValueError):
-                memo = {}
+                data = read_bounded(self.path, JSON_MAX_BYTES, pipes=False)  # a pipe in its place: not waited on
+            except FileNotFoundError:
+                data = b"{}"
+            except (OSError, ValueError):  # a directory, a device or a pipe in its place: not written into either
+                data, self.enabled = b"{}", False
+            with contextlib.suppress(ValueError):  # not JSON: written again
+                memo = load_json(data)
         self.entries: dict[str, Any] = memo if isinstance(memo, dict) else {}
 
     @staticmethod
@@ -139,14 +137,14 @@ class Memo:
         return self.enabled and self.entries.get(name) == identity
 
     def remember(self, name: str, identity: list[Any]) -> None:
-        if self.enabled and self.entries.get(name) != identity:
+        if self.entries.get(name) != identity:
             self.entries[name] = identity
             self.changed = True
 
     def save(self) -> None:
         """Write the memo (once per opening, when every check passed); a read-only store is checked again next
         time, nothing lost."""
-        if self.changed:
+        if self.changed and self.enabled:
             with contextlib.suppress(OSError):
                 atomic_write_json(self.path, self.entries)
             self.changed = False
@@ -185,8 +183,8 @@ def check_ids(fd: int, path: Path, dtype: np.dtype, n_ids: int, vocab_size: int,
 
 
 def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[str] = frozenset()) -> list[str]:
-    """What is wrong with the files the manifest lists (``files``: name -> sha256), ``skip`` aside (the id files,
-    checked by :func:`check_ids`): each missing or changed one, one line each; unchanged files (memo) not read."""
+    """What is wrong with the files the manifest lists (``files``: name -> sha256), ``skip`` aside (checked already:
+    the id files, by :func:`check_ids`): each missing or changed one, one line each; unchanged files (memo) not read."""
     problems = []
     for name, digest in files.items():
         if name in skip:
@@ -196,32 +194,24 @@ def check_files(directory: Path, files: dict[str, str], memo: Memo, skip: set[st
             identity = Memo.identity(os.stat(path), digest)
             if memo.good(name, identity):  # unchanged since found good: not read
                 continue
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path, name), "rb") as f:
                 identity = Memo.identity(f.fileno(), digest)  # what is hashed is what is remembered
-                try:
-                    check_regular(f.fileno(), name)
-                except DataError as e:
-                    problems.append(str(e))
-                    continue
-                h, left = hashlib.sha256(), identity[0]  # at most its size when opened: bounded, whatever it is
-                while left > 0:
-                    block = f.read(min(HASH_CHUNK, left))
-                    if not block:
-                        break
-                    h.update(block)
-                    left -= len(block)
+                got = sha256_file(f, identity[0])  # at most its size when opened: bounded, whatever it is
         except FileNotFoundError:
             problems.append(f"{name}: missing (its manifest lists it)")
+            continue
+        except DataError as e:
+            problems.append(str(e))
             continue
         except OSError as e:
             problems.append(f"{name}: unreadable ({e.strerror or e})")
             continue
-        if h.hexdigest() != digest:
+        if got != digest:
             problems.append(f"{name}: does not match its checksum (damaged or edited since it was prepared)")
         else:
             memo.remember(name, identity)
     return problems
 
 
-__all__ = ["CHECKED", "MANIFEST", "Memo", "check_files", "check_ids", "file_checksums", "file_digest", "load_manifest",
-           "manifest_checksum", "scan_ids", "seal"]
+__all__ = ["CHECKED", "MANIFEST", "Memo", "check_files", "check_ids", "file_checksums", "load_manifest",
+           "manifest_checksum", "open_regular", "scan_ids", "seal"]

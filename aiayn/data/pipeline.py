@@ -197,14 +197,15 @@ def _verify(path: Path) -> list[str]:
         manifest = opened_manifest(path)
     except DataError as e:
         return [str(e)]
-    problems = []
+    memo = Memo(path, enabled=False)  # the one place that reads every file, whatever earlier openings found
     try:
-        open_kind(path, verify_all=True)  # of the kind its manifest names
+        open_kind(path, memo=memo)  # of the kind its manifest names
+        return []
     except DataError as e:
-        problems.append(str(e))
+        problems = [str(e)]
     files = manifest.get("files")
     if isinstance(files, dict):  # every changed file, not only the first the opening stopped at
-        for problem in check_files(path, files, Memo(path, enabled=False)):
+        for problem in check_files(path, files, memo, skip=set(memo.entries)):  # entries: found good above
             if not any(problem.split(":")[0] in p for p in problems):
                 problems.append(f"{path}/{problem}")
     return problems

@@ -9,8 +9,9 @@ torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``
     DIR/.aiayn-store.lock       flock: exclusive while one process builds, shared while one opens
 
 Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
-directory, the sealed manifest last), the opening (:func:`open_kind`: every file checked; damage is one DataError
-naming the file and the fix); a kind (:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
+directory, the sealed manifest last), the id files' writing (:class:`IdWriter`) and reading (:class:`IdFile`), the
+opening (:func:`open_kind`: every file checked; damage is one DataError naming the file and the fix); a kind
+(:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
 """
 
 from __future__ import annotations
@@ -33,12 +34,23 @@ import numpy as np
 
 from aiayn.config import Config
 from aiayn.data.corpus import clean_pairs
-from aiayn.data.datasets import cache_dir, sha256_file
-from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, check_regular, load_manifest, seal
+from aiayn.data.integrity import MANIFEST, Memo, check_files, check_ids, load_manifest, open_regular, seal
 from aiayn.data.tokenizer import TokenizerPair, TokenizerSpec, tokenizer_files, tokenizer_plan, train_tokenizer_pair
 from aiayn.engine import release_free_memory, worker_pool
 from aiayn.errors import DataError, PeerError
-from aiayn.files import STORE_MARKER, TMP_SUFFIX, HeldLock, LockTimeout, atomic_write_json, file_lock, is_temporary, now
+from aiayn.files import (
+    STORE_MARKER,
+    TMP_SUFFIX,
+    HeldLock,
+    LockTimeout,
+    atomic_write_json,
+    cache_dir,
+    file_lock,
+    is_temporary,
+    now,
+    os_errors_named,
+    sha256_file,
+)
 from aiayn.progress import ItemProgress
 
 log = logging.getLogger("aiayn.data")
@@ -52,7 +64,7 @@ PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a m
 STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream (aiayn.data.stream_store)
 
 PairSource = Callable[[], Iterator[tuple[str, str]]]  # a fresh stream of (source, target) texts each call
-IdOpener = Callable[..., Any]  # (split, label, make, vocab_size[, unreadable]) -> the id file ``make()``, checked
+IdOpener = Callable[..., Any]  # (split, make, vocab_size) -> the id file ``make()``, checked
 # How the settings a store depends on (:func:`settings`) are named in a config.
 SETTING_NAMES = {"task": "task", "langs": "data.src_lang/data.tgt_lang", "seed": "train.seed"}
 _BUILDING: list[HeldLock] = []  # the lock of the store this process builds, where :func:`note` writes
@@ -67,13 +79,8 @@ class IdFile:
     def __init__(self, path: Path, dtype: np.dtype | str, tokens: int) -> None:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
         self._args = (path, self.dtype.str, tokens)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            check_regular(fd, self.path)
-        except DataError:
-            os.close(fd)
-            raise
-        self._fd, self.file_bytes = fd, os.fstat(fd).st_size
+        self._fd = open_regular(self.path)
+        self.file_bytes = os.fstat(self._fd).st_size
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         return type(self), self._args
@@ -126,8 +133,7 @@ class Side(IdFile):
 
     def __init__(self, ids: Path, offsets: Path, dtype: np.dtype | str, pairs: int) -> None:
         self.offsets_path, size = offsets, (pairs + 1) * 8
-        with open(offsets, "rb") as f:
-            check_regular(f.fileno(), offsets)
+        with os.fdopen(open_regular(offsets), "rb") as f:
             held = os.fstat(f.fileno()).st_size  # before reading: a manifest's count may be past any file's size
             data = f.read(size + 1) if held == size else b""
         if held != size or len(data) != size:
@@ -215,8 +221,8 @@ def cached_store_dir(key: str) -> Path:
 
 
 def describe_store(manifest: dict[str, Any]) -> list[str]:
-    """One line per split of a store: its pairs (or a stream's tokens) and their dtype."""
-    line = KINDS.get(manifest.get("kind"), KINDS[PAIRS]).line
+    """One line per split of an opened store (its kind checked): its pairs (or a stream's tokens) and their dtype."""
+    line = KINDS[manifest.get("kind", PAIRS)].line
     return [f"{name}: {line.format(**info)} ({manifest['dtype']})" for name, info in manifest["splits"].items()]
 
 
@@ -250,14 +256,14 @@ def opened_manifest(path: Path) -> dict[str, Any]:
 
 
 def _pair_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Split:
-    return Split(*(id_file(name, f"{name}.{side}", partial(
-        Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", m["dtype"], m["splits"][name]["pairs"]),
-        int(m.get(f"{side}_vocab_size", m["vocab_size"]))) for side in ("src", "tgt")))
+    return Split(*(id_file(name, partial(Side, path / f"{name}.{side}.bin", path / f"{name}.{side}.idx", m["dtype"],
+                                         m["splits"][name]["pairs"]), int(m.get(f"{side}_vocab_size", m["vocab_size"])))
+                   for side in ("src", "tgt")))
 
 
 def _stream_split(id_file: IdOpener, path: Path, m: dict[str, Any], name: str) -> Stream:
-    return id_file(name, f"{name}.bin", partial(Stream, path / f"{name}.bin", m["dtype"], m["splits"][name]["tokens"]),
-                   m["vocab_size"], (OSError,))
+    return id_file(name, partial(Stream, path / f"{name}.bin", m["dtype"], m["splits"][name]["tokens"]),
+                   m["vocab_size"])
 
 
 @dataclass(frozen=True)
@@ -282,9 +288,12 @@ KINDS = {PAIRS: Kind("pairs", (), "(source, target) pairs", ("its dtype or vocab
 
 def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> str | None:
     """What makes a manifest unusable as a store of ``kind`` holding the splits ``need``, None when nothing."""
+    have = m.get("kind", PAIRS)
+    if not isinstance(have, str) or have not in KINDS:  # any JSON value (a list is no dictionary key)
+        return f"its kind {have!r} is none that this aiayn reads ({', '.join(KINDS)})"
     k, splits = KINDS[kind], m.get("splits")
-    if m.get("kind", PAIRS) != kind:
-        return f"holds a {m.get('kind', PAIRS)!r} store, not {k.noun}"
+    if have != kind:
+        return f"holds a {have!r} store, not {k.noun}"
     sizes = [m.get(s, 1) for s in ("src_vocab_size", "tgt_vocab_size")] + [m.get("vocab_size")]
     if m.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
         return k.bad[0]
@@ -298,25 +307,27 @@ def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> st
     return f"names no {', '.join(missing)} split" if missing else None
 
 
-def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), verify_all: bool = False) -> Store:
+def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), memo: Memo | None = None) -> Store:
     """Open and check the store in ``path`` (its lock held, or none exists) as a ``kind`` (None: its manifest's)
     holding the splits ``need``: its id files by length, ids and checksum, the others by checksum (none: logged as
-    unverified); one DataError naming the file and the fix. ``verify_all``: no file skipped as unchanged (memo)."""
+    unverified), those ``memo`` knows unchanged since found good skipped (None: the store's own :class:`Memo`); one
+    DataError naming the file and the fix."""
     manifest = opened_manifest(path)
-    kind = kind or (manifest.get("kind") if manifest.get("kind") in KINDS else PAIRS)
+    kind = kind or manifest.get("kind", PAIRS)
     wrong = _manifest_problem(manifest, kind, need)
     if wrong is not None:
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
-    files, memo, checked = manifest.get("files"), Memo(path, enabled=not verify_all), set()
+    files, memo, checked = manifest.get("files"), memo or Memo(path), set()
 
-    def id_file(split: str, label: str, make: Callable[[], IdFile], vocab_size: int,
-                unreadable: tuple[type[Exception], ...] = (OSError, DataError)) -> Any:
+    def id_file(split: str, make: Callable[[], IdFile], vocab_size: int) -> Any:
         try:
             opened = make()
         except FileNotFoundError as e:
             raise damaged(path, f"{e.filename}: missing (the manifest names split {split})") from None
-        except unreadable as e:
-            raise damaged(path, f"{path}/{label}: unreadable ({e})") from None
+        except OSError as e:
+            raise damaged(path, f"{e.filename or path}: unreadable ({e.strerror or e})") from None
+        except DataError as e:  # not a regular file (open_regular), offsets of another size (Side)
+            raise damaged(path, str(e)) from None
         problem = opened.check(vocab_size, files, memo)
         if problem is not None:
             raise damaged(path, f"{path}/{problem}")
@@ -579,33 +590,30 @@ def storage_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-class _Writer:
-    """Appends a split's encoded pairs to its .bin files in the staging directory; offsets written at the end."""
+class IdWriter:
+    """An id file of either kind being written into the staging directory: runs of ids appended as ``dtype``
+    (little-endian) and counted (``tokens``); with ``offsets`` (a side of pairs), the int64 offsets of the pairs
+    whose lengths ``add`` is given are written there at the close. A failed write (a full disk) names the file."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype) -> None:
-        self.directory, self.split, self.dtype = directory, split, dtype
-        self.files = {side: open(directory / f"{split}.{side}.bin", "wb") for side in ("src", "tgt")}
-        self.lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
-        self.stats = {"empty": 0, "too_long": 0, "kept": 0}
+    def __init__(self, path: Path, dtype: np.dtype, offsets: Path | None = None) -> None:
+        self.path, self.dtype, self.offsets, self.tokens = path, dtype.newbyteorder("<"), offsets, 0
+        self.lengths: list[np.ndarray] = [np.zeros(1, np.int64)]  # offsets: the running sum of [0, every length]
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close)
 
-    def add(self, encoded: dict[str, Any]) -> None:
-        for side in ("src", "tgt"):
-            try:
-                self.files[side].write(encoded[side].astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
-            except OSError as e:  # a full disk: name the store's file, not a bare "No space left on device"
-                raise OSError(e.errno, e.strerror, str(self.directory / f"{self.split}.{side}.bin")) from e
-            self.lengths[side].append(encoded[f"{side}_lens"])
-        for k in self.stats:
-            self.stats[k] += encoded[k]
+    def add(self, ids: np.ndarray, lengths: np.ndarray | None = None) -> None:
+        """Append ``ids`` (n,), of any integer dtype; those of pairs of ``lengths`` (pairs,) (summing to n)."""
+        with os_errors_named(self.path):
+            self.file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.tokens += len(ids)
+        if lengths is not None:
+            self.lengths.append(lengths)
 
-    def close(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"pairs": self.stats["kept"], "stats": dict(self.stats)}
-        for side in ("src", "tgt"):
-            self.files[side].close()
-            offsets = np.concatenate([[0], *self.lengths[side]]).cumsum().astype("<i8")  # (pairs + 1,)
-            offsets.tofile(self.directory / f"{self.split}.{side}.idx")
-            info[f"{side}_tokens"] = int(offsets[-1])
-        return info
+    def close(self) -> None:
+        with os_errors_named(self.path):  # what is still buffered is written here
+            self.file.close()
+        if self.offsets is not None:
+            with os_errors_named(self.offsets):
+                np.concatenate(self.lengths).cumsum().astype("<i8").tofile(self.offsets)  # (pairs + 1,)
 
 
 class PairEncoder:
@@ -670,16 +678,23 @@ class PairRecipe(Recipe):
         with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, cut)) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")
-                writer = _Writer(stage, name, dtype)
+                sides = {side: IdWriter(stage / f"{name}.{side}.bin", dtype, stage / f"{name}.{side}.idx")
+                         for side in ("src", "tgt")}
+                stats = {"empty": 0, "too_long": 0, "kept": 0}
                 progress = ItemProgress(counts[name], "pair", f"prepare {name}")
                 chunks = iter(lambda pairs=source(): list(islice(pairs, CHUNK)), [])  # CHUNK pairs a list, to the end
                 for encoded in encode(chunks):
-                    writer.add(encoded)
-                    progress.update(encoded["kept"] + encoded["empty"] + encoded["too_long"])
+                    for side, ids in sides.items():
+                        ids.add(encoded[side], encoded[f"{side}_lens"])
+                    stats = {k: n + encoded[k] for k, n in stats.items()}
+                    progress.update(sum(encoded[k] for k in stats))
                 progress.close()
-                splits[name] = writer.close()
-                if not splits[name]["pairs"]:
+                for ids in sides.values():
+                    ids.close()
+                if not stats["kept"]:
                     raise DataError(f"{name}: no usable pairs left after dropping empty and too-long ones")
+                splits[name] = {"pairs": stats["kept"], "stats": stats,
+                                **{f"{side}_tokens": ids.tokens for side, ids in sides.items()}}
         return self.manifest(dtype, vocab, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                              splits=splits)
 

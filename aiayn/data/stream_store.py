@@ -19,7 +19,7 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.corpus import count_chars, text_chunks
 from aiayn.data.registry import dataset_of
-from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, IdWriter, Recipe, Store, note, open_kind, storage_dtype
 from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
 from aiayn.engine import worker_pool
 from aiayn.errors import DataError
@@ -101,8 +101,8 @@ class PieceEncoder:
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
 
 
-def open_stream(path: Path, verify_all: bool = False) -> Store:
-    return open_kind(path, STREAM_KIND, (), verify_all)
+def open_stream(path: Path) -> Store:
+    return open_kind(path, STREAM_KIND)
 
 
 @dataclass
@@ -132,19 +132,18 @@ class StreamRecipe(Recipe):
         tdir, tok = self.place_tokenizer(stage, lambda t: self._train(t, split))
         dtype = storage_dtype(tok.src.vocab_size)
         big = tok.src.kind != "char" and os.path.getsize(self.path) >= PARALLEL_BYTES
-        tokens = {name: 0 for name in SPLITS}
         with contextlib.ExitStack() as held:
-            files = {name: held.enter_context(open(stage / f"{name}.bin", "wb")) for name in SPLITS}
+            files = {name: held.enter_context(contextlib.closing(IdWriter(stage / f"{name}.bin", dtype)))
+                     for name in SPLITS}
             progress = ItemProgress(chars, "char", "prepare")
             held.callback(progress.close)
             note("preparing it: encoding the text")
             encode = held.enter_context(worker_pool(self.workers, big, PieceEncoder, (str(tdir),)))
             for name, ids, n_chars in encode(text_parts(self.path, split)):
-                files[name].write(ids.astype(dtype.newbyteorder("<"), copy=False).tobytes())
-                tokens[name] += len(ids)
+                files[name].add(ids)
                 progress.update(n_chars)
         return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
-                             splits={name: {"tokens": tokens[name]} for name in SPLITS})
+                             splits={name: {"tokens": files[name].tokens} for name in SPLITS})
 
 
 def stream_recipe(cfg: Config, tokenizer: Path | None = None, workers: int | None = None) -> StreamRecipe:
