@@ -406,12 +406,13 @@ def test_compiling_for_a_gpu_leaves_the_cpu_vector_width_unpicked(monkeypatch):
         raise AssertionError("picked a CPU vector width for a GPU")
 
     monkeypatch.setattr(vec_isa, "pick_vec_isa", refuse)
-    monkeypatch.setattr(inductor_config.cpp, "simdlen", None)
-    engine.key_cpu_kernels_by_vector_width(torch.device("cuda", 0))
-    engine.compile_regions(torch.nn.Linear(2, 2, device="meta"), [], False, 0, "default")
-    assert inductor_config.cpp.simdlen is None
-    with pytest.raises(AssertionError, match="picked"):
-        engine.key_cpu_kernels_by_vector_width(torch.device("cpu"))
+    # inductor's config through its own patch: monkeypatch would delete the key on undo (it is no plain attribute)
+    with inductor_config.patch({"cpp.simdlen": None}):
+        engine.key_cpu_kernels_by_vector_width(torch.device("cuda", 0))
+        engine.compile_regions(torch.nn.Linear(2, 2, device="meta"), [], False, 0, "default")
+        assert inductor_config.cpp.simdlen is None
+        with pytest.raises(AssertionError, match="picked"):
+            engine.key_cpu_kernels_by_vector_width(torch.device("cpu"))
 
 
 # --- CUDA choices, checked without a GPU -------------------------------------------------------------------
