@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import LIMITS, SDPA_BACKENDS
-from aiayn.device import int8_kind, resolve_device, resolve_precision
+from aiayn.device import int8_kind, model_device, resolve_device, resolve_precision
 from aiayn.errors import ConfigError
 from aiayn.linear import check_int8, packed_available, use_linear
 
@@ -368,7 +368,7 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
     # against one recompile limit: an encoder and a decoder layer per model (a benchmark compiles several models in
     # one process), or one per shape; past the limit dynamo would silently run the regions eagerly.
     raise_recompile_limit(n_shapes if fixed_shapes else REGION_GRAPHS)
-    key_cpu_kernels_by_vector_width(_device_of(module))
+    key_cpu_kernels_by_vector_width(model_device(module))
     mode_or_none = None if mode == "default" else mode
     for block in blocks or [module]:
         # One computation of eq. (1) for every key length: the CPU rule's branch on it (explicit up to 128 keys)
@@ -376,11 +376,6 @@ def compile_regions(module: nn.Module, blocks: Sequence[nn.Module], fixed_shapes
         use_attention(block, "fused")
         compile_for_training_mode(block, "_call_impl", _compile(block._call_impl, mode_or_none, not fixed_shapes))
     return module
-
-
-def _device_of(module: nn.Module) -> torch.device | None:
-    """Where ``module``'s first parameter lives (None without parameters)."""
-    return next((p.device for p in module.parameters()), None)
 
 
 def compile_for_training_mode(module: nn.Module, name: str, compiled: Callable) -> None:
@@ -425,7 +420,7 @@ def _graphs_built() -> int:
 def key_cpu_kernels_by_vector_width(device: torch.device | None = None) -> None:
     """Make the vector width of inductor's CPU kernels part of torch.compile's cache key; call before compiling for
     ``device`` (None: a CPU). Nothing for another device: no CPU kernel is compiled there, and the pick builds a
-    test program per instruction set with the C++ compiler (7.7 s in a fresh process on a 2-core EPYC).
+    test program per instruction set with the C++ compiler: seconds in a fresh process.
 
     Inductor builds its CPU kernels for the vector instructions it picks by the CPU and ``ATEN_CPU_CAPABILITY``
     (AVX-512, AVX2 or none), but its on-disk FX graph cache (PyTorch 2.13, ``TORCHINDUCTOR_CACHE_DIR``, by default

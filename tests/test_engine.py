@@ -395,8 +395,8 @@ def test_one_inductor_cache_serves_processes_under_other_cpu_kernels_their_own_g
 
 
 def test_compiling_for_a_gpu_leaves_the_cpu_vector_width_unpicked(monkeypatch):
-    # the pick builds a test program per instruction set with the C++ compiler: seconds (7.7 s on a 2-core EPYC),
-    # and a compiled GPU training took 53 s from its loader to its first update on an H200 (2026-12-04)
+    # the pick builds a test program per instruction set with the C++ compiler: seconds in a fresh process,
+    # and a compiled GPU training spent 53 s in its compile set-up on an H200 (2026-12-04, BENCHMARKS.md)
     import torch._inductor.config as inductor_config
     import torch._inductor.cpu_vec_isa as vec_isa
 

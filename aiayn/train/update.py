@@ -267,14 +267,14 @@ def compile_for_training(module: nn.Module, cfg: Config) -> tuple[nn.Module, Los
     n_shapes = len(cfg.data.length_buckets) + 4
     blocks = [m for m in module.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
     return (engine.compile_regions(module, blocks, fixed, n_shapes, cfg.train.compile_mode),
-            compiled_loss(dynamic=not fixed, device=next(module.parameters()).device))
+            compiled_loss(dynamic=not fixed, device=model_device(module)))
 
 
 def fuse_residual_norms(module: nn.Module) -> None:
     """``train.fuse_norms``: each residual connection's ``LayerNorm(x + Dropout(out))`` (section 5.4's wrapper)
     compiled, in training mode, into one kernel per direction instead of three passes over the activations; the
     attention and matmuls around it stay eager. One graph for every such connection (dynamic shapes)."""
-    engine.key_cpu_kernels_by_vector_width(next(module.parameters()).device)
+    engine.key_cpu_kernels_by_vector_width(model_device(module))
     for m in module.modules():
         if isinstance(m, SublayerConnection):
             engine.compile_for_training_mode(m, "residual", engine.compile_dynamic(m.residual))
