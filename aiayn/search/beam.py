@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import DecodeOptions
+from aiayn.search import native
 from aiayn.search.common import (
     LENGTH_PENALTIES,
     NEG_INF,
@@ -226,11 +227,19 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     """Batched beam search with a KV cache. src (B, S) ids, src_mask (B, S) bool (default ``src != spec.pad``).
 
     Returns, per sentence, up to ``nbest`` finished :class:`Hypothesis`, best (highest penalized score) first.
-    The rules (fairseq's and Hugging Face's) and the device-side bookkeeping: the module docstring."""
+    The rules (fairseq's and Hugging Face's) and the device-side bookkeeping: the module docstring. A few sentences
+    on the CPU are searched in one native loop (:mod:`aiayn.search.native`, the same search), the rest here."""
     _check(spec)
-    o = spec.options
     src_mask = src != spec.pad if src_mask is None else src_mask
-    device, B, N = src.device, src.size(0), o.beam
+    if native.chosen(model, src_mask, spec):
+        return native.beam_search(model, src, src_mask, spec)
+    return _search(model, src, src_mask, spec)
+
+
+def _search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> list[list[Hypothesis]]:
+    """:func:`beam_search`'s loop in PyTorch operations, on any device."""
+    o, device, B = spec.options, src.device, src.size(0)
+    N = o.beam
     process, free_waits, sdt = LogitsProcessor(spec, device), waits_are_free(device), score_dtype(device)
     lengths = src_mask.sum(dim=1).tolist()  # the sources' lengths: one transfer, before the loop
     limits = max_lengths(model, src_mask, spec, lengths)

@@ -1,0 +1,714 @@
+// aiayn's native beam search on the CPU: the decoder step, its key/value cache and the search's bookkeeping in one
+// C++ loop, so that a step is arithmetic, not Python between a few hundred small PyTorch operations.
+//
+// It computes what aiayn.search.beam.beam_search computes (the same candidates, pools, stop rules, length penalties,
+// banned ids and min_len), for the post-LN and pre-LN encoder-decoder of aiayn.model with additive positions
+// (sinusoidal or learned) and ReLU / GELU / swish. The encoder and the cross-attention keys/values are computed
+// by PyTorch before the call (once per batch); everything after is here. The products at a few rows stream each
+// weight once per step (a beam of 4 is 4 rows), in fp32 or from bf16 weights widened on the fly (the CPU needs no
+// bf16 instructions for that: a bf16 is the top half of an fp32). Threads: ATen's intra-op pool (at::parallel_for),
+// so torch.set_num_threads applies.
+//
+// Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
+// (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the cache's room in steps.
+// Built by aiayn/native/__init__.py (torch.utils.cpp_extension) with -O3 -march=native for the CPU it runs on.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector register
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const uint16_t* p) {  // bf16 -> fp32: the bf16 bits are the fp32's top half
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+typedef int8_t vb __attribute__((vector_size(W)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+inline vf load(const int8_t* p) {  // int8 -> int32 -> fp32 (the scale is applied to the sums)
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vb q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(__builtin_convertvector(q, vi), vf);
+#endif
+}
+
+// y[r, n] (row stride ldy) = (sum_k x[r, k] w[n, k]) * scale[n] + b[n] for R = 1..4 rows and the column blocks
+// nb0..nb1 of a packed weight: block nb holds columns nb*W .. nb*W + W-1 as (K, W), so one vector load brings W
+// columns' weights for one k, multiplied into all R rows (no horizontal sums). Two blocks at a time: 2R sums in flight.
+template <typename T, int R>
+void block(const float* x, int64_t K, const T* wp, const float* scale, const float* b, float* y, int64_t ldy,
+           int64_t nb0, int64_t nb1, int64_t N) {
+  auto put = [&](const vf* acc, int64_t nb) {
+    const int64_t n0 = nb * W, cols = std::min<int64_t>(W, N - n0);
+    for (int r = 0; r < R; ++r) {
+      float* yr = y + r * ldy + n0;
+      for (int64_t j = 0; j < cols; ++j) yr[j] = acc[r][j] * (scale ? scale[n0 + j] : 1.f) + (b ? b[n0 + j] : 0.f);
+    }
+  };
+  int64_t nb = nb0;
+  for (; nb + 1 < nb1; nb += 2) {
+    const T* w0 = wp + nb * K * W;
+    const T* w1 = w0 + K * W;
+    vf a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = vf{};
+    for (int64_t k = 0; k < K; ++k) {
+      const vf v0 = load(w0 + k * W), v1 = load(w1 + k * W);
+      for (int r = 0; r < R; ++r) {
+        const float xs = x[r * K + k];
+        a0[r] += v0 * xs;
+        a1[r] += v1 * xs;
+      }
+    }
+    put(a0, nb);
+    put(a1, nb + 1);
+  }
+  for (; nb < nb1; ++nb) {
+    const T* w0 = wp + nb * K * W;
+    vf a0[R];
+    for (int r = 0; r < R; ++r) a0[r] = vf{};
+    for (int64_t k = 0; k < K; ++k) {
+      const vf v0 = load(w0 + k * W);
+      for (int r = 0; r < R; ++r) a0[r] += v0 * x[r * K + k];
+    }
+    put(a0, nb);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define AIAYN_VNNI 1
+// Dynamic int8 on the CPU's int8 dot-product unit (AVX512-VNNI): rows quantized to int8 per row, stored as u8 (+128);
+// weights int8 packed (blocks, K4, 16, 4); acc - 128 * colsum is the exact int32 sum of xq * wq, then
+// y = float(sum) * row scale * column scale + b: the arithmetic of aiayn.linear.Int8Linear (torch._int_mm).
+template <int R>
+void block_vnni(const uint8_t* xu, int64_t K4, const int8_t* wp, const int32_t* comp, const float* xs,
+                const float* ws, const float* b, float* y, int64_t ldy, int64_t nb0, int64_t nb1, int64_t N) {
+  auto put = [&](const __m512i* acc, int64_t nb) {
+    const int64_t n0 = nb * 16, cols = std::min<int64_t>(16, N - n0);
+    alignas(64) int32_t lanes[16];
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_si512(lanes, acc[r]);
+      float* yr = y + r * ldy + n0;
+      for (int64_t j = 0; j < cols; ++j)
+        yr[j] = float(lanes[j] - comp[n0 + j]) * xs[r] * ws[n0 + j] + (b ? b[n0 + j] : 0.f);
+    }
+  };
+  int64_t nb = nb0;
+  for (; nb < nb1; nb += 2) {
+    const bool two = nb + 1 < nb1;
+    const int8_t* w0 = wp + nb * K4 * 64;
+    const int8_t* w1 = two ? w0 + K4 * 64 : w0;
+    __m512i a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K4; ++k) {
+      const __m512i v0 = _mm512_loadu_si512(w0 + k * 64), v1 = _mm512_loadu_si512(w1 + k * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xu + r * K4 * 4 + k * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        a0[r] = _mm512_dpbusd_epi32(a0[r], xb, v0);
+        a1[r] = _mm512_dpbusd_epi32(a1[r], xb, v1);
+      }
+    }
+    put(a0, nb);
+    if (two) put(a1, nb + 1);
+  }
+}
+#endif
+
+enum Kind : int64_t { FP32 = 0, BF16 = 1, INT8 = 2 };
+
+// exp of W values at once (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), for x <= 0 (a
+// softmax's x - max); below -87 it gives exp(-87) (~1.6e-38), nothing a sum of probabilities can see.
+inline vf vexp(vf x) {
+  x = x < -87.f ? vf{} - 87.f : x;
+  const vf t = x * 1.44269504088896341f;
+  const vi n = __builtin_convertvector(t - 0.5f, vi);  // round half away from zero, t <= 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi bits = (n + 127) << 23;
+  vf two;
+  std::memcpy(&two, &bits, sizeof two);
+  return p * two;
+}
+
+// log(sum(exp(row))) of a row (V,) whose largest value is finite.
+float log_sum_exp(const float* row, int64_t V) {
+  vf mx = vf{} + NEG_INF;
+  const int64_t Vv = V / W * W;
+  for (int64_t v = 0; v < Vv; v += W) {
+    const vf x = load(row + v);
+    mx = x > mx ? x : mx;
+  }
+  float m = NEG_INF;
+  for (int i = 0; i < W; ++i) m = std::max(m, mx[i]);
+  for (int64_t v = Vv; v < V; ++v) m = std::max(m, row[v]);
+  vf acc = vf{};
+  for (int64_t v = 0; v < Vv; v += W) acc += vexp(load(row + v) - m);
+  float sum = 0.f;
+  for (int i = 0; i < W; ++i) sum += acc[i];
+  for (int64_t v = Vv; v < V; ++v) sum += std::exp(row[v] - m);
+  return m + std::log(sum);
+}
+
+// A linear layer's weight (N, K), packed in blocks of W columns ((N / W, K, W), zero-padded), as fp32, bf16 or
+// int8 with a scale per column (aiayn.linear.quantize_rows' symmetric rows), and its bias (N,) or none.
+struct Linear {
+  torch::Tensor w, b, scale, comp;
+  int64_t N = 0, K = 0, blocks = 0, K4 = 0;
+  Kind kind = FP32;
+
+  Linear() = default;
+  Linear(torch::Tensor weight, torch::Tensor bias, int64_t how) : N(weight.size(0)), K(weight.size(1)) {
+    kind = Kind(how);
+    blocks = (N + W - 1) / W;
+    auto w32 = weight.to(torch::kFloat32);
+    torch::Tensor v = w32;
+    if (kind == INT8) {  // as aiayn.linear.quantize_rows
+      auto amax = w32.abs().amax(1);
+      scale = torch::where(amax > 0, amax / 127.0, torch::ones_like(amax)).contiguous();
+      v = torch::div(w32, scale.unsqueeze(1)).round_().clamp_(-127, 127).to(torch::kInt8);
+    } else if (kind == BF16) {
+      v = w32.to(torch::kBFloat16);
+    }
+#ifdef AIAYN_VNNI
+    if (kind == INT8) {  // (blocks, K4, 16, 4) and 128 * each column's sum
+      K4 = (K + 3) / 4;
+      comp = (v.to(torch::kInt32).sum(1) * 128).to(torch::kInt32);
+      comp = torch::constant_pad_nd(comp, {0, blocks * W - N}).contiguous();
+      auto p = torch::constant_pad_nd(v, {0, K4 * 4 - K, 0, blocks * W - N});
+      w = p.view({blocks, W, K4, 4}).permute({0, 2, 1, 3}).contiguous();
+      if (bias.defined() && bias.numel()) b = bias.to(torch::kFloat32).contiguous();
+      return;
+    }
+#endif
+    v = torch::constant_pad_nd(v, {0, 0, 0, blocks * W - N});  // (blocks * W, K)
+    w = v.view({blocks, W, K}).transpose(1, 2).contiguous();  // (blocks, K, W)
+    if (kind == BF16) w = w.view(torch::kInt16);
+    if (bias.defined() && bias.numel()) b = bias.to(torch::kFloat32).contiguous();
+  }
+
+  // y (M, N) = x (M, K) W^T + b; column blocks split over the intra-op threads, rows taken 4 at a time.
+  void operator()(const float* x, int64_t M, float* y) const {
+    const float* bias = b.defined() ? b.data_ptr<float>() : nullptr;
+    const float* sc = scale.defined() ? scale.data_ptr<float>() : nullptr;
+    const int64_t grain = std::max<int64_t>(2, 4096 / std::max<int64_t>(1, K));
+#ifdef AIAYN_VNNI
+    if (kind == INT8) {
+      // each row: scale = max |x| / 127 (at least 1e-30 / 127), xq = round(x / scale), stored + 128
+      std::vector<uint8_t> xu(M * K4 * 4, 128);
+      std::vector<float> xs(M);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * K;
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+        const float s = std::max(amax, 1e-30f) / 127.f;
+        xs[m] = s;
+        for (int64_t k = 0; k < K; ++k) xu[m * K4 * 4 + k] = uint8_t(int(std::nearbyint(xr[k] / s)) + 128);
+      }
+      const int32_t* cp = comp.data_ptr<int32_t>();
+      const int8_t* wp = w.data_ptr<int8_t>();
+      at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+        for (int64_t m = 0; m < M; m += 4) {
+          const uint8_t* xm = xu.data() + m * K4 * 4;
+          float* ym = y + m * N;
+          switch (std::min<int64_t>(4, M - m)) {
+            case 4: block_vnni<4>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
+            case 3: block_vnni<3>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
+            case 2: block_vnni<2>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
+            default: block_vnni<1>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
+          }
+        }
+      });
+      return;
+    }
+#endif
+    at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        if (kind == BF16) {
+          run(reinterpret_cast<const uint16_t*>(w.data_ptr<int16_t>()), x + m * K, rows, sc, bias, y + m * N, nb0, nb1);
+        } else if (kind == INT8) {
+          run(w.data_ptr<int8_t>(), x + m * K, rows, sc, bias, y + m * N, nb0, nb1);
+        } else {
+          run(w.data_ptr<float>(), x + m * K, rows, sc, bias, y + m * N, nb0, nb1);
+        }
+      }
+    });
+  }
+
+  template <typename T>
+  void run(const T* wp, const float* x, int64_t rows, const float* sc, const float* bias, float* y, int64_t nb0,
+           int64_t nb1) const {
+    switch (rows) {
+      case 4: block<T, 4>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
+      case 3: block<T, 3>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
+      case 2: block<T, 2>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
+      default: block<T, 1>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
+    }
+  }
+};
+
+struct Norm {
+  torch::Tensor w, b;
+  float eps = 1e-5f;
+  // x (M, D) -> out (M, D) = (x - mean) / sqrt(var + eps) * w + b, per row; out may be x.
+  void operator()(const float* x, int64_t M, int64_t D, float* out) const {
+    const float* g = w.data_ptr<float>();
+    const float* bb = b.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * D;
+      float* o = out + m * D;
+      float mean = 0.f;
+      for (int64_t d = 0; d < D; ++d) mean += xr[d];
+      mean /= float(D);
+      float var = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        float c = xr[d] - mean;
+        var += c * c;
+      }
+      var /= float(D);
+      const float inv = 1.f / std::sqrt(var + eps);
+      for (int64_t d = 0; d < D; ++d) o[d] = (xr[d] - mean) * inv * g[d] + bb[d];
+    }
+  }
+};
+
+struct Layer {
+  Norm n_self, n_cross, n_ffn;
+  Linear qkv, self_out, cross_q, cross_out, fc1, fc2;
+};
+
+// softmax(q . keys / sqrt(K)) . values for one query: keys (T, ks) and values (T, vs) with row strides, out (Q,).
+void attend(const float* q, const float* keys, int64_t kstride, const float* vals, int64_t vstride, int64_t T,
+            int64_t K, int64_t Q, float scale, float* scores, float* out) {
+  float mx = NEG_INF;
+  for (int64_t j = 0; j < T; ++j) {
+    const float* kj = keys + j * kstride;
+    float s = 0.f;
+    for (int64_t i = 0; i < K; ++i) s += q[i] * kj[i];
+    s *= scale;
+    scores[j] = s;
+    mx = std::max(mx, s);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < T; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < Q; ++i) out[i] = 0.f;
+  for (int64_t j = 0; j < T; ++j) {
+    const float p = scores[j] * inv;
+    const float* vj = vals + j * vstride;
+    for (int64_t i = 0; i < Q; ++i) out[i] += p * vj[i];
+  }
+}
+
+double denominator(int64_t length, double alpha, int64_t kind) {  // aiayn.search.common.length_penalty_denominator
+  if (kind == 0) return std::pow((5.0 + double(length)) / 6.0, alpha);  // gnmt
+  if (kind == 1) return std::pow(double(length), alpha);  // power
+  return 1.0;  // none
+}
+
+struct Finished {  // one finished hypothesis of a sentence's pool
+  double score;
+  float logprob;
+  std::vector<int64_t> tokens;
+};
+
+struct Candidate {
+  float lp;
+  int64_t beam, tok;
+};
+
+}  // namespace
+
+// The decoder of one model, its weights prepared once (fp32, or bf16 for the products).
+class Decoder {
+ public:
+  Decoder(std::vector<torch::Tensor> t, std::vector<int64_t> ints, std::vector<double> floats) {
+    // ints: D, H, K, Q, L, post_ln, activation (0 relu, 1 gelu, 2 swish), the products' Kind; floats: eps, embedding scale
+    D = ints[0], H = ints[1], K = ints[2], Q = ints[3], L = ints[4];
+    post_ln = ints[5] != 0, act = ints[6];
+    const int64_t how = ints[7];  // Kind of the products
+    const float eps = float(floats[0]);
+    emb_scale = float(floats[1]);
+    size_t i = 0;
+    auto next = [&]() { return t.at(i++); };
+    emb = next().to(torch::kFloat32).contiguous();
+    pe = next().to(torch::kFloat32).contiguous();  // (P, D): the positions' encodings added to the embeddings
+    for (int64_t l = 0; l < L; ++l) {
+      Layer y;
+      auto norm = [&]() {
+        Norm n;
+        n.w = next().to(torch::kFloat32).contiguous();
+        n.b = next().to(torch::kFloat32).contiguous();
+        n.eps = eps;
+        return n;
+      };
+      auto lin = [&]() {
+        auto w = next();
+        auto b = next();
+        return Linear(w, b, how);
+      };
+      y.n_self = norm();
+      y.qkv = lin();
+      y.self_out = lin();
+      y.n_cross = norm();
+      y.cross_q = lin();
+      y.cross_out = lin();
+      y.n_ffn = norm();
+      y.fc1 = lin();
+      y.fc2 = lin();
+      layers.push_back(std::move(y));
+    }
+    final_norm.w = next();
+    final_norm.b = next();
+    has_final = final_norm.w.numel() > 0;
+    if (has_final) final_norm = Norm{final_norm.w.to(torch::kFloat32).contiguous(),
+                                     final_norm.b.to(torch::kFloat32).contiguous(), eps};
+    auto ow = next();
+    auto ob = next();
+    out = Linear(ow, ob, how);
+    V = out.N;
+    F = layers.empty() ? 0 : layers[0].fc1.N;
+  }
+
+  // Beam search over B sentences whose cross-attention keys/values are given, each (B, H, S, K) / (B, H, S, Q) per
+  // layer; src_len (B,) their real lengths; limits (B,) their step limits. Returns, per sentence, up to nbest
+  // (tokens, score, logprob), best first, and whether ``stop`` (called once a step, if not None) ended it early.
+  std::tuple<std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>>, bool> search(
+      std::vector<torch::Tensor> cross_k, std::vector<torch::Tensor> cross_v, std::vector<int64_t> src_len,
+      std::vector<int64_t> limits, std::vector<int64_t> how, double alpha, std::vector<int64_t> banned,
+      py::object stop) {
+    // how: beam N, nbest, length penalty (0 gnmt, 1 power, 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len
+    const int64_t N = how.at(0), nbest = how.at(1), penalty = how.at(2), stop_rule = how.at(3), bos = how.at(4),
+                  eos = how.at(5), min_len = how.at(6);
+    const int64_t B = int64_t(limits.size());
+    std::vector<const float*> ck(L), cv(L);
+    for (int64_t l = 0; l < L; ++l) {
+      cross_k[l] = cross_k[l].to(torch::kFloat32).contiguous();
+      cross_v[l] = cross_v[l].to(torch::kFloat32).contiguous();
+      ck[l] = cross_k[l].data_ptr<float>();
+      cv[l] = cross_v[l].data_ptr<float>();
+    }
+    const int64_t S = L ? cross_k[0].size(2) : 0;
+    std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>> results(B);
+    bool stopped = false;
+    {
+      py::gil_scoped_release nogil;
+      const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
+      const int64_t KQ = std::max(K, Q);
+      const int64_t per_row = L * 2 * H * C * KQ;  // one row's cache: [l][k|v][h][pos][KQ]
+      std::vector<float> cache(B * N * per_row), spare(B * N * per_row);
+      // live sentences (their original index), their beams' summed logprobs (n, N), pools, limits
+      std::vector<int64_t> sent(B);
+      for (int64_t b = 0; b < B; ++b) sent[b] = b;
+      std::vector<float> scores(B * N, NEG_INF);
+      for (int64_t b = 0; b < B; ++b) scores[b * N] = 0.f;
+      std::vector<std::vector<Finished>> pools(B);
+      std::vector<int64_t> tokens(B * (C + 1), bos), new_tokens;  // (rows, t + 1) prefixes, BOS first; stride C + 1
+      int64_t R = B, per_sent = 1;  // rows; rows per sentence (1 on the first step, then N)
+      const int64_t rows_max = B * N;
+      std::vector<float> x(rows_max * D), h(rows_max * std::max({D, 3 * KQ * H, F})), a(rows_max * H * KQ),
+          y(rows_max * D), logits(rows_max * V), sc(rows_max * H * std::max(C, S));
+      const float scale = 1.f / std::sqrt(float(K));
+      for (int64_t t = 0;; ++t) {
+        if (!stop.is_none()) {
+          py::gil_scoped_acquire gil;
+          if (stop().cast<bool>()) {
+            stopped = true;
+            break;
+          }
+        }
+        step(t, R, per_sent, N, tokens, C, sent, ck, cv, S, src_len, cache.data(), per_row, x, h, a, y, logits, sc,
+             scale);
+        // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
+        // best log-probabilities (log_softmax of the row, computed for those k only)
+        const int64_t k = std::min<int64_t>(2 * N, V);
+        std::vector<float> top_v(R * k);
+        std::vector<int64_t> top_i(R * k);
+        at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            float* lg = logits.data() + r * V;
+            for (int64_t id : banned) lg[id] = NEG_INF;
+            const float lse = log_sum_exp(lg, V);
+            if (t < min_len) lg[eos] = NEG_INF;
+            row_top(lg, k, top_v.data() + r * k, top_i.data() + r * k);
+            for (int64_t j = 0; j < k; ++j) top_v[r * k + j] -= lse;
+          }
+        });
+        const int64_t n = int64_t(sent.size());
+        const int64_t length = t + 1;
+        std::vector<int64_t> keep_rows;  // next rows: the row each continues
+        std::vector<int64_t> keep_tok;
+        std::vector<float> keep_scores;
+        std::vector<int64_t> live;
+        std::vector<Candidate> cand;
+        for (int64_t s = 0; s < n; ++s) {
+          cand.clear();
+          for (int64_t rb = 0; rb < per_sent; ++rb) {
+            const int64_t r = s * per_sent + rb;
+            for (int64_t j = 0; j < k; ++j) cand.push_back({scores[s * N + rb] + top_v[r * k + j], rb, top_i[r * k + j]});
+          }
+          const int64_t m = std::min<int64_t>(2 * N, int64_t(cand.size()));
+          std::stable_sort(cand.begin(), cand.end(), [](const Candidate& p, const Candidate& q) { return p.lp > q.lp; });
+          cand.resize(m);
+          const int64_t b = sent[s];
+          const bool at_limit = limits[b] <= length;
+          // finished: EOS among the first N candidates, or all first N at the limit
+          auto& pool = pools[b];
+          const double den = denominator(length, alpha, penalty);
+          for (int64_t j = 0; j < std::min<int64_t>(N, m); ++j) {
+            const Candidate& c = cand[j];
+            const bool is_eos = c.tok == eos;
+            if (!(is_eos || at_limit) || !(c.lp > NEG_INF)) continue;
+            Finished f{double(c.lp) / den, c.lp, {}};
+            const int64_t row = s * per_sent + c.beam;
+            f.tokens.assign(tokens.begin() + row * (C + 1) + 1, tokens.begin() + row * (C + 1) + 1 + t);
+            if (!is_eos) f.tokens.push_back(c.tok);
+            auto at = std::upper_bound(pool.begin(), pool.end(), f.score,
+                                       [](double v, const Finished& e) { return v > e.score; });
+            if (at - pool.begin() < N) {
+              pool.insert(at, std::move(f));
+              if (int64_t(pool.size()) > N) pool.pop_back();
+            }
+          }
+          // next beams: the N best non-EOS candidates, in order
+          std::vector<Candidate> next;
+          for (const Candidate& c : cand)
+            if (c.tok != eos && int64_t(next.size()) < N) next.push_back(c);
+          for (const Candidate& c : cand)  // fewer than N: EOS ones at -inf fill the rest (never continued)
+            if (c.tok == eos && int64_t(next.size()) < N) next.push_back({NEG_INF, c.beam, c.tok});
+          const float best_live = next.empty() ? NEG_INF : next[0].lp;
+          double bound;
+          if (stop_rule == 2) bound = -std::numeric_limits<double>::infinity();  // first
+          else if (stop_rule == 1) bound = double(best_live) / denominator(length, alpha, penalty);  // hf
+          else bound = std::max(double(best_live) / denominator(length + 1, alpha, penalty),
+                                double(best_live) / denominator(limits[b], alpha, penalty));  // exact
+          const int64_t kth = stop_rule == 0 ? nbest : N;
+          const double cut = int64_t(pool.size()) >= kth ? pool[kth - 1].score : -std::numeric_limits<double>::infinity();
+          const bool done = at_limit || best_live == NEG_INF || (cut > -std::numeric_limits<double>::infinity() && bound <= cut);
+          if (done || int64_t(next.size()) < N) continue;
+          live.push_back(b);
+          for (const Candidate& c : next) {
+            keep_rows.push_back(s * per_sent + c.beam);
+            keep_tok.push_back(c.tok);
+            keep_scores.push_back(c.lp);
+          }
+        }
+        if (live.empty()) break;
+        // the next rows: each continues a row's prefix and keys/values (the beams' reorder, finished sentences dropped)
+        const int64_t R2 = int64_t(keep_rows.size());
+        new_tokens.assign(R2 * (C + 1), 0);
+        for (int64_t r = 0; r < R2; ++r) {
+          const int64_t p = keep_rows[r];
+          std::memcpy(new_tokens.data() + r * (C + 1), tokens.data() + p * (C + 1), sizeof(int64_t) * (t + 1));
+          new_tokens[r * (C + 1) + t + 1] = keep_tok[r];
+        }
+        tokens.swap(new_tokens);
+        const int64_t span = (t + 1) * KQ;
+        at::parallel_for(0, R2, 1, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const float* src = cache.data() + keep_rows[r] * per_row;
+            float* dst = spare.data() + r * per_row;
+            for (int64_t seg = 0; seg < L * 2 * H; ++seg)
+              std::memcpy(dst + seg * C * KQ, src + seg * C * KQ, sizeof(float) * span);
+          }
+        });
+        cache.swap(spare);
+        sent = live;
+        scores = keep_scores;
+        R = R2;
+        per_sent = N;
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        auto& pool = pools[b];
+        for (int64_t j = 0; j < std::min<int64_t>(nbest, int64_t(pool.size())); ++j)
+          results[b].emplace_back(pool[j].tokens, pool[j].score, double(pool[j].logprob));
+      }
+    }
+    return {results, stopped};
+  }
+
+ private:
+  int64_t D = 0, H = 0, K = 0, Q = 0, L = 0, V = 0, F = 0, act = 0;
+  bool post_ln = true, has_final = false;
+  float emb_scale = 1.f;
+  torch::Tensor emb, pe;
+  std::vector<Layer> layers;
+  Norm final_norm;
+  Linear out;
+
+  // The k largest of row (V,), best first; equal values: the lower id first.
+  void row_top(const float* row, int64_t k, float* vals, int64_t* ids) const {
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const float x = row[v];
+      if (n == k && !(x > vals[k - 1])) continue;
+      int64_t j = n < k ? n++ : k - 1;
+      while (j > 0 && vals[j - 1] < x) {
+        vals[j] = vals[j - 1];
+        ids[j] = ids[j - 1];
+        --j;
+      }
+      vals[j] = x;
+      ids[j] = v;
+    }
+    for (; n < k; ++n) vals[n] = NEG_INF, ids[n] = 0;
+  }
+
+  void activation(float* v, int64_t n) const {
+    if (act == 0) {
+      for (int64_t i = 0; i < n; ++i) v[i] = v[i] > 0.f ? v[i] : 0.f;
+    } else if (act == 1) {
+      for (int64_t i = 0; i < n; ++i) v[i] = 0.5f * v[i] * (1.f + std::erf(v[i] * float(M_SQRT1_2)));
+    } else {
+      for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.f + std::exp(-v[i]));
+    }
+  }
+
+  // One decoder step of R rows at position t: the last tokens' logits into ``logits`` (R, V); each row's keys/values
+  // written into its cache slot at t. Rows s * per_sent .. belong to live sentence s (original index sent[s]).
+  void step(int64_t t, int64_t R, int64_t per_sent, int64_t N, const std::vector<int64_t>& tokens, int64_t C,
+            const std::vector<int64_t>& sent, const std::vector<const float*>& ck, const std::vector<const float*>& cv,
+            int64_t S, const std::vector<int64_t>& src_len, float* cache, int64_t per_row, std::vector<float>& x,
+            std::vector<float>& h, std::vector<float>& a, std::vector<float>& y, std::vector<float>& logits,
+            std::vector<float>& sc, float scale) const {
+    (void)N;
+    const int64_t KQ = std::max(K, Q);
+    const float* E = emb.data_ptr<float>();
+    const float* P = pe.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t tok = tokens[r * (C + 1) + t];
+      for (int64_t d = 0; d < D; ++d) x[r * D + d] = E[tok * D + d] * emb_scale + P[t * D + d];
+    }
+    const int64_t qw = H * K, vw = H * Q;
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& ly = layers[l];
+      // masked self-attention over the cached steps and this one
+      const float* in = x.data();
+      if (!post_ln) {
+        ly.n_self(x.data(), R, D, y.data());
+        in = y.data();
+      }
+      ly.qkv(in, R, h.data());  // (R, qw + qw + vw)
+      const int64_t w3 = 2 * qw + vw;
+      for (int64_t r = 0; r < R; ++r) {
+        float* slot = cache + r * per_row + l * 2 * H * C * KQ;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          std::memcpy(slot + (hh * C + t) * KQ, h.data() + r * w3 + qw + hh * K, sizeof(float) * K);
+          std::memcpy(slot + ((H + hh) * C + t) * KQ, h.data() + r * w3 + 2 * qw + hh * Q, sizeof(float) * Q);
+        }
+      }
+      at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = i / H, hh = i % H;
+          const float* slot = cache + r * per_row + l * 2 * H * C * KQ;
+          attend(h.data() + r * w3 + hh * K, slot + hh * C * KQ, KQ, slot + (H + hh) * C * KQ, KQ, t + 1, K, Q,
+                 scale, sc.data() + i * std::max(C, S), a.data() + r * vw + hh * Q);
+        }
+      });
+      ly.self_out(a.data(), R, y.data());
+      residual(x.data(), y.data(), R, ly.n_self);
+      // cross-attention over the sentence's source
+      in = x.data();
+      if (!post_ln) {
+        ly.n_cross(x.data(), R, D, y.data());
+        in = y.data();
+      }
+      ly.cross_q(in, R, h.data());  // (R, qw)
+      at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = i / H, hh = i % H;
+          const int64_t b = sent[r / per_sent];
+          const float* keys = ck[l] + (b * H + hh) * S * K;
+          const float* vals = cv[l] + (b * H + hh) * S * Q;
+          attend(h.data() + r * qw + hh * K, keys, K, vals, Q, src_len[b], K, Q, scale,
+                 sc.data() + i * std::max(C, S), a.data() + r * vw + hh * Q);
+        }
+      });
+      ly.cross_out(a.data(), R, y.data());
+      residual(x.data(), y.data(), R, ly.n_cross);
+      // feed-forward
+      in = x.data();
+      if (!post_ln) {
+        ly.n_ffn(x.data(), R, D, y.data());
+        in = y.data();
+      }
+      ly.fc1(in, R, h.data());
+      activation(h.data(), R * F);
+      ly.fc2(h.data(), R, y.data());
+      residual(x.data(), y.data(), R, ly.n_ffn);
+    }
+    const float* last = x.data();
+    if (has_final) {
+      final_norm(x.data(), R, D, y.data());
+      last = y.data();
+    }
+    out(last, R, logits.data());
+  }
+
+  // x = LayerNorm(x + y) post-LN, x + y pre-LN.
+  void residual(float* x, const float* y, int64_t R, const Norm& norm) const {
+    for (int64_t i = 0; i < R * D; ++i) x[i] += y[i];
+    if (post_ln) norm(x, R, D, x);
+  }
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // A linear layer through the native products (kind 0 fp32, 1 bf16 weights, 2 int8 weights): tests, benchmarks.
+  py::class_<Linear>(m, "Linear")
+      .def(py::init<torch::Tensor, torch::Tensor, int64_t>())
+      .def("__call__", [](const Linear& lin, torch::Tensor x) {
+        auto xc = x.to(torch::kFloat32).contiguous();
+        auto y = torch::empty({xc.size(0), lin.N}, xc.options());
+        lin(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
+        return y;
+      });
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("search", &Decoder::search);
+}

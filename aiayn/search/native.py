@@ -1,0 +1,234 @@
+"""Beam search on the CPU in one native loop (``native.cpp``): the decoder step, its key/value cache and the search's
+bookkeeping without Python between a step's operations.
+
+At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations (3.8 ms of its
+4.6 ms in the decoder, 0.8 ms in the search's bookkeeping, on a 2-core AMD EPYC: BENCHMARKS.md, "The native beam
+search"), where its arithmetic is a fraction of a millisecond; the native loop does the same search with each step's
+products streaming their weights once (fp32, or bf16 weights widened on the fly where the model runs in bf16).
+
+What it computes is :func:`aiayn.search.beam.beam_search`'s search (candidates, finished pools, stop rules, length
+penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;
+tests/test_native.py compares them). The encoder and the cross-attention's keys/values stay PyTorch's (once per
+batch). :func:`unsupported` says when the Python search runs instead, and why: a model it does not cover (rotary
+positions, a decoder-only LM, int8 products), options it does not (n-gram blocking, CUDA graphs), a device other
+than the CPU, a model in training mode, or no C++ compiler.
+
+The module is compiled on first use for the CPU it runs on (``-O3 -march=native``, through
+``torch.utils.cpp_extension`` and ninja; ~35 s), into ``cache_dir()/native/<key>``, the key made of the source, the
+CPU's model and flags, PyTorch and Python; later processes load it in well under a second. ``AIAYN_NATIVE=off``
+turns it off (the Python search everywhere).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.cpu_probe import cpu_model
+from aiayn.files import cache_dir
+from aiayn.linear import linear_kind
+from aiayn.model.positions import Positions, PositionScheme
+from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
+from aiayn.search.strategy import Hypothesis
+
+SOURCE = Path(__file__).with_name("native.cpp")
+ENV = "AIAYN_NATIVE"
+PENALTIES = {"gnmt": 0, "power": 1, "none": 2}
+STOPS = {"exact": 0, "hf": 1, "first": 2}
+ACTIVATIONS = {"relu": 0, "gelu": 1, "swish": 2}
+# the model's linear kind -> the native products' weights: fp32 (0), bf16 (1), int8 with a scale per row (2)
+WEIGHTS = {"plain": 0, "packed": 0, "bf16": 1, "int8": 2, "int8_bf16": 2}
+
+_module: Any = None
+_why_not: str | None = None
+_lock = threading.Lock()
+
+
+def _all_flags() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith(("flags", "Features")):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def build_key() -> str:
+    """The compiled module's key: its source, the CPU (``-march=native``), PyTorch and Python."""
+    parts = [SOURCE.read_text(), cpu_model(), _all_flags(), torch.__version__, sys.version, platform.machine()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def module() -> Any | None:
+    """The compiled module, built on first use (None when it cannot be: :func:`why_not` says why)."""
+    global _module, _why_not
+    with _lock:
+        if _module is not None or _why_not is not None:
+            return _module
+        if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+            _why_not = f"{ENV}={os.environ[ENV]}"
+            return None
+        if shutil.which("ninja") is None and not _pip_ninja():
+            _why_not = "no ninja to build the native search (pip install ninja)"
+            return None
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            _why_not = "no C++ compiler to build the native search"
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            out = cache_dir() / "native" / build_key()
+            out.mkdir(parents=True, exist_ok=True)
+            if not any(out.glob("*.so")):
+                print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
+                      file=sys.stderr, flush=True)
+            _module = load(name="aiayn_native_beam", sources=[str(SOURCE)], build_directory=str(out),
+                           extra_cflags=["-O3", "-march=native"], verbose=False)
+        except Exception as e:  # noqa: BLE001 - any build failure leaves the Python search, said once
+            _why_not = f"the native search did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
+        return _module
+
+
+def _pip_ninja() -> bool:
+    try:
+        import ninja  # noqa: F401
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        return True
+    except ImportError:
+        return False
+
+
+def why_not() -> str | None:
+    """Why the native module is not there (after :func:`module` returned None)."""
+    return _why_not
+
+
+# Batches of up to this many sentences take the native search; larger ones PyTorch's (its products read each weight
+# once for all rows, where the native ones, made for a few rows, read it once per 4 rows: at 64 sentences the two
+# searches were even, BENCHMARKS.md "The native beam search").
+MAX_SENTENCES = 4
+
+
+def chosen(model: nn.Module, src_mask: Tensor, spec: SearchSpec) -> bool:
+    """Whether :func:`aiayn.search.beam.beam_search` runs this batch natively: a batch of a few right-padded sources
+    that :func:`unsupported` accepts, where the module builds (once per process; a failure is said once)."""
+    if src_mask.size(0) > MAX_SENTENCES or unsupported(model, spec, src_mask.device) is not None:
+        return False
+    lengths = src_mask.sum(dim=1, keepdim=True)
+    if not torch.equal(src_mask, torch.arange(src_mask.size(1), device=src_mask.device) < lengths):
+        return False  # not right-padded (the native cross-attention reads each source's first tokens)
+    if module() is None:
+        if not _told:
+            _told.append(True)
+            warnings.warn(f"beam search runs in Python: {_why_not}", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+_told: list[bool] = []
+
+
+def unsupported(model: nn.Module, spec: SearchSpec, device: torch.device) -> str | None:
+    """Why the native search cannot run this search (None: it can, the module aside)."""
+    o = spec.options
+    if device.type != "cpu":
+        return f"the native search runs on the CPU, not {device.type}"
+    if getattr(model, "architecture", None) != "encoder-decoder":
+        return "the native search covers the encoder-decoder"
+    if model.training:
+        return "the model is in training mode"
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast is on"
+    if o.cuda_graphs or o.no_repeat_ngram > 0:
+        return "n-gram blocking and CUDA graphs run in the Python search"
+    kind = linear_kind(model)
+    if kind not in WEIGHTS:
+        return f"the native search has no {kind} products"
+    dec = model.decoder
+    if type(dec.positions).rotation is not PositionScheme.rotation:
+        return "the native search adds positions; rotary positions rotate"
+    if model.cfg.activation not in ACTIVATIONS:
+        return f"no native {model.cfg.activation}"
+    if dec.output_proj.weight.size(0) < 2 * o.beam:
+        return "a vocabulary smaller than twice the beam"
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return "the native search takes fp32 weights"
+    return None
+
+
+# Each model's native decoder and the state of the parameters it was made from (kept beside the model, not on it:
+# a model stays copyable and picklable).
+_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(model: nn.Module) -> tuple:
+    return tuple((id(p), p._version) for p in model.parameters()) + (linear_kind(model),)
+
+
+def decoder(model: nn.Module) -> Any:
+    """The native decoder of ``model``: its weights prepared once (fp32, or bf16 where its products are bf16), and
+    again after the parameters change (training between validations)."""
+    state = _state(model)
+    held = _decoders.get(model)
+    if held is not None and held[0] == state:
+        return held[1]
+    cfg, dec = model.cfg, model.decoder
+    D = cfg.d_model
+    P = dec.positions.max_positions
+    pe = dec.positions.encodings(Positions(0, P))
+    empty = torch.empty(0)
+    tensors: list[Tensor] = [dec.embed.weight.detach(), (pe if pe is not None else torch.zeros(P, D)).detach()]
+    for layer in dec.layers:
+        sa, ca, ffn = layer.self_attn, layer.cross_attn, layer.ffn
+        qk = sa._rows[0]
+        tensors += [layer.sub_self.norm.weight, layer.sub_self.norm.bias, sa.in_proj.weight, sa.in_proj.bias,
+                    sa.out_proj.weight, sa.out_proj.bias,
+                    layer.sub_cross.norm.weight, layer.sub_cross.norm.bias, ca.in_proj.weight[:qk],
+                    ca.in_proj.bias[:qk], ca.out_proj.weight, ca.out_proj.bias,
+                    layer.sub_ffn.norm.weight, layer.sub_ffn.norm.bias, ffn.fc1.weight, ffn.fc1.bias,
+                    ffn.fc2.weight, ffn.fc2.bias]
+    final = dec.final_norm
+    tensors += [final.weight if final is not None else empty, final.bias if final is not None else empty]
+    w, b = dec.output_projection()
+    tensors += [w, b if b is not None else empty]
+    tensors = [t.detach() for t in tensors]
+    sa = dec.layers[0].self_attn
+    ints = [D, sa.n_heads, sa.d_k, sa.d_v, len(dec.layers), int(not cfg.norm_first), ACTIVATIONS[cfg.activation],
+            WEIGHTS[linear_kind(model)]]
+    native = module().Decoder(tensors, ints, [float(cfg.layer_norm_eps), float(dec.embed.scale)])
+    _decoders[model] = (state, native)
+    return native
+
+
+@torch.no_grad()
+def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> list[list[Hypothesis]]:
+    """:func:`aiayn.search.beam.beam_search` in the native loop (the caller has checked :func:`unsupported` and
+    :func:`module`). src (B, S) ids, src_mask (B, S) bool."""
+    o = spec.options
+    lengths = src_mask.sum(dim=1).tolist()
+    limits = max_lengths(model, src_mask, spec, lengths)
+    native = decoder(model)
+    memory = model.encode(src, src_mask)  # (B, S, D)
+    ks, vs = [], []
+    for layer in model.decoder.layers:
+        k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, d_k), (B, H, S, d_v)
+        ks.append(k.contiguous())
+        vs.append(v.contiguous())
+    how = [o.beam, o.nbest, PENALTIES[o.length_penalty], STOPS[o.stop], spec.bos, spec.eos, o.min_len]
+    results, stopped = native.search(ks, vs, lengths, limits, how, float(o.alpha), list(spec.banned), spec.stop)
+    if stopped:
+        raise SearchStopped("the search was stopped by its caller")
+    return [[Hypothesis(list(tokens), score, logprob) for tokens, score, logprob in sent] for sent in results]
+
+
+__all__ = ["MAX_SENTENCES", "beam_search", "build_key", "chosen", "decoder", "module", "unsupported", "why_not"]

@@ -1,0 +1,140 @@
+"""The native beam search (aiayn.search.native) computes what the Python search computes.
+
+Each comparison runs :func:`aiayn.search.beam.beam_search`'s Python loop (``AIAYN_NATIVE``-free: the search called
+with the native module switched off for the call) against the native loop on the same random model and sources:
+the same hypotheses, scores within float rounding (sums in another order can swap near-ties, which random models
+with spread-out logits do not have). Products: fp32 and bf16 weights against a float64 reference; int8 against
+:class:`aiayn.linear.Int8Linear`, whose integer arithmetic the VNNI kernel repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from aiayn.config import ModelConfig
+from aiayn.linear import Int8Linear, use_linear
+from aiayn.model.transformer import Transformer
+from aiayn.search import beam, native
+from aiayn.search.spec import SearchSpec, SearchStopped
+
+pytestmark = pytest.mark.skipif(native.module() is None, reason=f"no native search here: {native.why_not()}")
+
+
+def model_of(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    base = dict(vocab_size=61, d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0,
+                max_positions=64)
+    model = Transformer(ModelConfig(**{**base, **overrides})).eval()
+    with torch.no_grad():  # spread the logits out: no near-ties for the two sums' orders to break differently
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def sources(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 9, (n,), generator=g)
+    src = torch.zeros(n, int(lengths.max()), dtype=torch.long)
+    for i, k in enumerate(lengths.tolist()):
+        src[i, :k] = torch.randint(4, 61, (k,), generator=g)
+        src[i, k - 1] = 3  # EOS
+    return src, src != 0
+
+
+def python_search(model, src, mask, spec, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(native, "chosen", lambda *a: False)
+        return beam.beam_search(model, src, mask, spec)
+
+
+def same(a, b, tol=1e-4) -> None:
+    assert len(a) == len(b)
+    for ha, hb in zip(a, b):
+        assert [h.tokens for h in ha] == [h.tokens for h in hb]
+        for x, y in zip(ha, hb):
+            assert x.score == pytest.approx(y.score, rel=tol, abs=tol)
+            assert x.logprob == pytest.approx(y.logprob, rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("model_kw, options", [
+    ({}, dict(beam=4)),
+    ({"norm_first": True, "activation": "gelu"}, dict(beam=3, nbest=3, length_penalty="power", alpha=1.0)),
+    ({"positional": "learned", "activation": "swish", "d_k": 4, "d_v": 12}, dict(beam=4, stop="hf", min_len=3)),
+    ({"tie_output": False, "output_bias": True}, dict(beam=2, stop="first", length_penalty="none", ban_pad=True)),
+    ({}, dict(beam=5, nbest=2, max_len_a=0.0, max_len_b=4)),  # every sentence at its limit
+])
+def test_native_search_equals_python(model_kw, options, monkeypatch):
+    model = model_of(**model_kw)
+    spec = SearchSpec.of(**options)
+    for n in (1, 3):
+        src, mask = sources(n, seed=n)
+        assert native.chosen(model, mask, spec)
+        same(native.beam_search(model, src, mask, spec), python_search(model, src, mask, spec, monkeypatch))
+
+
+def test_batch_of_one_equals_batch(monkeypatch):
+    """Each sentence alone gives what it gives among others (the rows of a batch never meet)."""
+    model, spec = model_of(), SearchSpec.of(beam=4, nbest=2)
+    src, mask = sources(4, seed=7)
+    together = native.beam_search(model, src, mask, spec)
+    for i in range(4):
+        k = int(mask[i].sum())
+        same(native.beam_search(model, src[i: i + 1, :k], mask[i: i + 1, :k], spec), [together[i]], tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_native_precisions_equal_python(kind, monkeypatch):
+    """The model's products in bf16 or int8 (``use_linear``): the native search finds the Python search's hypotheses.
+    int8 on a VNNI CPU does the same integer sums (scores within float rounding); bf16 rounds the weights where the
+    Python kernel also rounds the rows (scores within bf16's rounding)."""
+    model, spec = model_of(), SearchSpec.of(beam=4)
+    src, mask = sources(3, seed=3)
+    use_linear(model, kind)
+    got, ref = native.beam_search(model, src, mask, spec), python_search(model, src, mask, spec, monkeypatch)
+    assert [s[0].tokens for s in got] == [s[0].tokens for s in ref]
+    for a, b in zip(got, ref):
+        assert a[0].score == pytest.approx(b[0].score, rel=3e-2 if kind == "bf16" else 1e-3, abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("rows, n, k", [(1, 37, 50), (4, 96, 64), (3, 16, 1024), (6, 130, 33)])
+def test_native_products(kind, rows, n, k):
+    torch.manual_seed(rows + n)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    got = native.module().Linear(w, b, kind)(x)
+    if kind == 2:
+        torch.testing.assert_close(got, Int8Linear()(x, w, b), rtol=1e-5, atol=1e-4)
+        return
+    wr = w.to(torch.bfloat16).double() if kind == 1 else w.double()
+    ref = (x.double() @ wr.t() + b.double()).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_stop_callback_ends_the_search():
+    model = model_of()
+    src, mask = sources(1)
+    calls = []
+
+    def stop() -> bool:
+        calls.append(1)
+        return len(calls) > 2
+
+    spec = dataclasses.replace(SearchSpec.of(beam=4, max_len_a=0.0, max_len_b=30), stop=stop)
+    with pytest.raises(SearchStopped):
+        beam.beam_search(model, src, mask, spec)
+    assert len(calls) == 3
+
+
+def test_what_the_native_search_leaves_to_python():
+    spec = SearchSpec.of(beam=4)
+    src, mask = sources(2)
+    assert native.unsupported(model_of(positional="rotary"), spec, torch.device("cpu")) is not None
+    assert native.unsupported(model_of(), SearchSpec.of(beam=4, no_repeat_ngram=2), torch.device("cpu")) is not None
+    assert native.unsupported(model_of().train(), spec, torch.device("cpu")) == "the model is in training mode"
+    assert not native.chosen(model_of(), torch.ones(native.MAX_SENTENCES + 1, 3, dtype=torch.bool), spec)
+    left_padded = torch.tensor([[False, True, True], [True, True, True]])
+    assert not native.chosen(model_of(), left_padded, spec)
+    assert native.chosen(model_of(), mask, spec)
