@@ -80,21 +80,19 @@ class IdFile:
         self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype).newbyteorder("<"), tokens
         self._args = (path, self.dtype.str, tokens)
         self._fd = open_regular(self.path)
-        self.file_bytes = os.fstat(self._fd).st_size
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         return type(self), self._args
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
+        with contextlib.suppress(AttributeError, OSError):  # AttributeError: never opened
+            os.close(self._fd)
 
     def check(self, vocab_size: int, files: dict[str, str] | None, memo: Memo) -> str | None:
         """What is wrong with the file, None when nothing: its length, then its ids and checksum (``check_ids``)."""
         need = self.tokens * self.dtype.itemsize
-        if self.file_bytes != need:
-            return f"{self.path.name}: {self.file_bytes:,} bytes where its {self.by[0]} {need:,} (truncated or damaged)"
+        if (held := os.fstat(self._fd).st_size) != need:
+            return f"{self.path.name}: {held:,} bytes where its {self.by[0]} {need:,} (truncated or damaged)"
         return check_ids(self._fd, self.path, self.dtype, self.tokens, vocab_size, files, memo)
 
     def _read_into(self, buf: np.ndarray, starts: list[int], sizes: list[int]) -> np.ndarray:
@@ -158,10 +156,7 @@ class Side(IdFile):
         return out
 
     def __getitem__(self, i: int) -> list[int]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"pair {i} of {len(self)}")
-        a, b, size = int(self.offsets[i]), int(self.offsets[i + 1]), self.dtype.itemsize
-        return np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), dtype=self.dtype).tolist()
+        return self.gather(np.array([i]))[0].tolist()
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids of the pairs ``indices`` (B,) back to back, int64, and their lengths (B,): one ``preadv`` per
