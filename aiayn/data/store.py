@@ -389,10 +389,11 @@ class Recipe:
     tokenizer: Path | None = None  # a tokenizer directory to use, else the store trains one
     workers: int | None = None
     key: str = ""  # sha256 of everything the store's ids depend on, made when not given
+    extra: dict[str, Any] | None = None  # :meth:`kind_settings` where a kind does not say
 
     def kind_settings(self) -> dict[str, Any] | None:
         """Settings of this kind of store beside :func:`settings`, for the key and the manifest."""
-        return None
+        return self.extra
 
     def __post_init__(self) -> None:
         """The key, when not given: sha256 of the version, the settings (with a given tokenizer: its files, the task
@@ -449,8 +450,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory (a prepared store is one); choose another directory")
     found = partial(_reused if rebuild else _named, recipe=recipe)  # what is there, opened (under its lock), or None
-    store = open_locked(out, found, wait_s) if out.is_dir() else None  # the common case: no exclusive lock
-    if store is not None:
+    if out.is_dir() and (store := open_locked(out, found, wait_s)) is not None:  # the common case: no exclusive lock
         return store
     _refuse_foreign(out)
     with contextlib.ExitStack() as held:
@@ -460,12 +460,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
                 lock = held.enter_context(store_lock(out, False, wait_s))
                 break
         try:
-            store = found(out)  # built by another process while we waited?
-            if store is not None:
-                return store
-            _refuse_foreign(out)
-            _build_with(out, recipe, lock)
-            return recipe.open(out)
+            return found(out) or _build_with(out, recipe, lock)  # built by another process while we waited?
         except BaseException:
             if made is not None and read_manifest(out) is None:  # nothing of this failed call stays behind
                 shutil.rmtree(made, ignore_errors=True)
@@ -474,8 +469,7 @@ def prepare_store(out: str | Path, recipe: Recipe, rebuild: bool = True, wait_s:
 
 def _reused(out: Path, recipe: Recipe) -> Any:
     """The store in ``out`` when it has ``recipe``'s key and checks out, else None (to be built; damage logged)."""
-    manifest = read_manifest(out)
-    if manifest is None or manifest.get("key") != recipe.key:
+    if (read_manifest(out) or {}).get("key") != recipe.key:
         return None
     try:
         store = recipe.open(out)
@@ -532,11 +526,10 @@ def _named(out: Path, recipe: Recipe) -> Any:
 def _make_dirs(out: Path) -> Path | None:
     """Create ``out`` (and its missing parents); the topmost directory this call created, None if it existed."""
     top = next((p for p in reversed((out, *out.parents)) if not p.exists()), None)
-    try:
+    with contextlib.suppress(FileExistsError):
         out.mkdir(parents=True)
-    except FileExistsError:
-        return None
-    return top
+        return top
+    return None
 
 
 def _refuse_foreign(out: Path) -> None:
@@ -553,9 +546,10 @@ def note(doing: str) -> None:
         lock.doing(doing)
 
 
-def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None:
+def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> Store:
     """Build the store in this builder's own staging directory inside ``out`` and move it in, the sealed manifest
-    last. The caller holds ``out``'s exclusive lock (``lock``, where :func:`note` writes)."""
+    last; then open it. The caller holds ``out``'s exclusive lock (``lock``, where :func:`note` writes)."""
+    _refuse_foreign(out)
     (out / MARKER).write_text("a token store prepared by aiayn (aiayn prepare): aiayn may rebuild this directory\n")
     for p in out.iterdir():  # what a killed builder left: no process writes there now (we hold the lock)
         if is_temporary(p.name):
@@ -578,6 +572,7 @@ def _build_with(out: Path, recipe: Recipe, lock: HeldLock | None = None) -> None
         _BUILDING.clear()
         shutil.rmtree(stage, ignore_errors=True)
         release_free_memory()
+    return recipe.open(out)
 
 
 def storage_dtype(vocab_size: int) -> np.dtype:
@@ -638,18 +633,13 @@ class PairRecipe(Recipe):
     """The pairs of ``sources`` (split -> a function streaming them), named for the key by ``inputs``; a tokenizer
     is trained on a sample of the training pairs (by ``train_tokenizer(dir)`` when given). Pairs with an empty side
     are dropped, and those past ``max_len`` unless ``length_filter`` is off, or ``cut_sources`` cuts a source too
-    long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`). ``extra``: this kind's own
-    settings."""
+    long to fit (a summarizer's documents: :data:`aiayn.data.pipeline.DOCUMENTS`)."""
 
     sources: dict[str, PairSource]
     inputs: dict[str, str]
     train_tokenizer: Callable[[Path], None] | None = None
     length_filter: bool = True
     cut_sources: bool = False
-    extra: dict[str, Any] | None = None
-
-    def kind_settings(self) -> dict[str, Any] | None:
-        return self.extra
 
     def open(self, path: Path) -> Store:
         return open_kind(path, PAIRS, tuple(self.sources))
