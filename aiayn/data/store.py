@@ -8,10 +8,8 @@ torchrun ranks (``aiayn prepare CONFIG --out DIR``, or the first ``aiayn train``
     DIR/.aiayn-store            marker: aiayn made this directory and may rebuild it
     DIR/.aiayn-store.lock       flock: exclusive while one process builds, shared while one opens
 
-Every kind shares the key (:class:`Recipe`), the build (:func:`prepare_store`, under the lock, in a staging
-directory, the sealed manifest last), the id files' writing (:class:`IdWriter`) and reading (:class:`IdFile`), the
-opening (:func:`open_kind`: every file checked; damage is one DataError naming the file and the fix); a kind
-(:data:`KINDS`) gives its id files and counts, a :class:`Recipe` its build.
+Every kind shares the key and the build (:class:`Recipe`, :func:`prepare_store`), the id files (:class:`IdWriter`,
+:class:`IdFile`) and their opening (:func:`open_kind`); a kind gives its id files and counts (:data:`KINDS`).
 """
 
 from __future__ import annotations
@@ -166,11 +164,9 @@ class Side(IdFile):
             raise IndexError(f"pairs {int(idx.min())}..{int(idx.max())} of {len(self)}")
         starts, ends = self.offsets[idx], self.offsets[idx + 1]
         lens = ends - starts
-        joined = starts[1:] == ends[:-1]  # pair k + 1 follows pair k in the file: one read for both
-        first = np.flatnonzero(np.concatenate(([True], ~joined))) if len(idx) else idx  # where each run begins
+        first = np.flatnonzero(np.concatenate(([True], starts[1:] != ends[:-1]))) if len(idx) else idx  # run starts
         reads = np.add.reduceat(lens, first) if len(idx) else lens
-        buf = np.empty(int(lens.sum()), dtype=self.dtype)
-        return self._read_into(buf, starts[first].tolist(), reads.tolist()), lens
+        return self._read_into(np.empty(int(lens.sum()), self.dtype), starts[first].tolist(), reads.tolist()), lens
 
 
 @dataclass(frozen=True)
@@ -292,9 +288,8 @@ def _manifest_problem(m: dict[str, Any], kind: str, need: tuple[str, ...]) -> st
     sizes = [m.get(s, 1) for s in ("src_vocab_size", "tgt_vocab_size")] + [m.get("vocab_size")]
     if m.get("dtype") not in ("uint16", "uint32") or not all(isinstance(v, int) for v in sizes):
         return k.bad[0]
-    names = k.splits or (splits if isinstance(splits, dict) else ())
     if not isinstance(splits, dict) or not all(isinstance(splits.get(n), dict) and isinstance(
-            splits[n].get(k.count), int) and splits[n][k.count] >= 0 for n in names):
+            splits[n].get(k.count), int) and splits[n][k.count] >= 0 for n in k.splits or splits):
         return k.bad[1]
     if "files" in m and not isinstance(m["files"], dict):
         return "its list of files is malformed"
@@ -309,8 +304,7 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), m
     DataError naming the file and the fix."""
     manifest = opened_manifest(path)
     kind = kind or manifest.get("kind", PAIRS)
-    wrong = _manifest_problem(manifest, kind, need)
-    if wrong is not None:
+    if (wrong := _manifest_problem(manifest, kind, need)) is not None:
         raise damaged(path, f"{path / MANIFEST}: {wrong}")
     files, memo, checked = manifest.get("files"), memo or Memo(path), set()
 
@@ -323,21 +317,18 @@ def open_kind(path: Path, kind: str | None = None, need: tuple[str, ...] = (), m
             raise damaged(path, f"{e.filename or path}: unreadable ({e.strerror or e})") from None
         except DataError as e:  # not a regular file (open_regular), offsets of another size (Side)
             raise damaged(path, str(e)) from None
-        problem = opened.check(vocab_size, files, memo)
-        if problem is not None:
+        if (problem := opened.check(vocab_size, files, memo)) is not None:
             raise damaged(path, f"{path}/{problem}")
         checked.add(opened.path.name)
         return opened
 
     splits = {name: KINDS[kind].open_split(id_file, path, manifest, name)
               for name in KINDS[kind].splits or manifest["splits"]}
-    if isinstance(files, dict):
-        problems = check_files(path, files, memo, skip=checked)
-        if problems:
-            raise damaged(path, f"{path}/{problems[0]}")
-    else:
+    if not isinstance(files, dict):
         log.warning("%s: prepared without checksums (by an older aiayn): its shape and ids are checked, its "
                     "contents unverified; aiayn prepare into a new directory gives a verified store", path)
+    elif problems := check_files(path, files, memo, skip=checked):
+        raise damaged(path, f"{path}/{problems[0]}")
     tokenizer = path / "tokenizer" / "tokenizer.json"
     if not tokenizer.is_file():
         raise damaged(path, f"{tokenizer}: missing (the store's tokenizer)")
@@ -611,14 +602,14 @@ class PairEncoder:
     document (summarization) is cut to ``max_len``, as the translator cuts it, not dropped."""
 
     def __init__(self, tokenizer_dir: str, max_len: int | None, cut: bool) -> None:
-        self.tok, self.max_len, self.cut = TokenizerPair.load(tokenizer_dir), max_len, cut
+        self.tok, self.max_len, self.cut = TokenizerPair.load(tokenizer_dir), max_len, cut and max_len is not None
 
     def __call__(self, pairs: list[tuple[str, str]]) -> dict[str, Any]:
         """The kept pairs' ids back to back and their lengths, per side; the counts of what was dropped."""
         tok, max_len = self.tok, self.max_len
         ids = [(tok.src.encode(s), tok.tgt.encode(t)) for s, t in pairs]
         if self.cut:
-            ids = [(s[: max_len - 1], t) for s, t in ids]  # max_len is set whenever cut is
+            ids = [(s[: max_len - 1], t) for s, t in ids]  # max_len is set whenever cut is (__init__)
         kept, stats = clean_pairs(pairs, ids, max_len)
         out: dict[str, Any] = dict(stats)
         for k, side in enumerate(("src", "tgt")):
@@ -659,8 +650,7 @@ class PairRecipe(Recipe):
         max_len = (self.cfg.data.max_len or self.cfg.model.max_positions) if self.length_filter else None
         big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
         splits: dict[str, Any] = {}
-        cut = self.cut_sources and max_len is not None
-        with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, cut)) as encode:
+        with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, self.cut_sources)) as encode:
             for name, source in self.sources.items():
                 note(f"preparing it: encoding its {name} split")
                 sides = {side: IdWriter(stage / f"{name}.{side}.bin", dtype, stage / f"{name}.{side}.idx")

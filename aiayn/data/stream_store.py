@@ -1,7 +1,6 @@
 """The stream kind of the token store (:mod:`aiayn.data.store`): ``task: lm``'s text (UTF-8, plain or .gz, any size)
-as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way). Prepared
-in three passes of :data:`READ_BYTES` pieces: the characters counted (nanoGPT's split), the tokenizer trained on the
-training part, both parts encoded into the ids of encoding each in one call (:class:`PieceEncoder`).
+as ``train.bin`` and ``valid.bin``, read by windows (:class:`aiayn.data.batching.LMData`, the nanoGPT way); prepared
+in passes of :data:`READ_BYTES` pieces: count (nanoGPT's split), train the tokenizer, encode (:class:`PieceEncoder`).
 """
 
 from __future__ import annotations
