@@ -3,7 +3,9 @@
     python -m benchmarks.decode_breakdown --run-dir runs/m30k_long --limit 300 --threads 1
     python -m benchmarks.decode_breakdown --smoke --md /tmp/B.md --out-json /tmp/d.json
 
-The same run, sources, length-sorted batches of 64 and search as ``benchmarks.translate_speed`` (beam 4, power
+The Python beam search (a batch of a few sentences would otherwise take the native loop of :mod:`aiayn.search.native`,
+which has none of the timed functions); the same run, sources, length-sorted batches of 64 and search as
+``benchmarks.translate_speed`` (beam 4, power
 length penalty alpha 0.6), in one process, one engine at a time:
 
 * rows: the decoder rows (sentences x beams, summed over steps) each stopping rule decodes, under the fixed
@@ -31,6 +33,7 @@ import torch
 
 import aiayn.model.attention as attention
 import aiayn.search.beam as beam
+import aiayn.search.native as native
 from aiayn.engine import keep_freed_memory
 from aiayn.linear import Bf16Linear, Int8Bf16Linear, Int8Linear, PackedLinear
 from aiayn.model.cache import KVCache
@@ -49,6 +52,14 @@ PARTS: dict[str, list[tuple[Any, str]]] = {
     "log_softmax": [(beam.F, "log_softmax")],
     "candidates": [(beam, "_candidates")],
 }
+
+
+@contextlib.contextmanager
+def _python_search() -> Iterator[None]:
+    """The Python beam search for every batch (what the parts time: a batch-1 pass would otherwise take the native
+    loop, aiayn.search.native, which has none of these functions)."""
+    with wrapped(native, "chosen", lambda _: lambda *a: False):
+        yield
 
 
 @contextlib.contextmanager
@@ -162,7 +173,7 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     result: dict[str, Any] = {"benchmark": NAME, "date": common.utc_now(),
                               "command": command or common.command_line(NAME, argv),
                               "machine": common.machine_info(threads), "args": vars(args)}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _python_search():
         task = ts.load_task(args, Path(tmp), [])
         result["task"] = task.description
         order = ts.by_length(task)

@@ -38,6 +38,9 @@ torch.set_num_threads(_threads_per_process(_PROCESSES))
 if "AIAYN_CACHE_DIR" not in os.environ:
     _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     os.environ["AIAYN_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"aiayn-test-cache-{_run}")
+# The native beam search compiles once per source, CPU and PyTorch (aiayn.search.native): kept between test runs, so
+# that only a changed native.cpp costs a run its ~35 s build (tests that set AIAYN_CACHE_DIR of their own included).
+os.environ.setdefault("AIAYN_NATIVE_DIR", os.path.join(tempfile.gettempdir(), "aiayn-test-native"))
 
 
 # --precision auto stays fp32 on a CPU with native bf16 too (aiayn.cpu_probe): the suite's comparisons with fp32

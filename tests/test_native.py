@@ -3,19 +3,22 @@
 Each comparison runs :func:`aiayn.search.beam.beam_search`'s Python loop (``AIAYN_NATIVE``-free: the search called
 with the native module switched off for the call) against the native loop on the same random model and sources:
 the same hypotheses, scores within float rounding (sums in another order can swap near-ties, which random models
-with spread-out logits do not have). Products: fp32 and bf16 weights against a float64 reference; int8 against
-:class:`aiayn.linear.Int8Linear`, whose integer arithmetic the VNNI kernel repeats.
+with spread-out logits do not have). Products: fp32 and bf16 (rows and weights) against a float64 reference; int8
+against :class:`aiayn.linear.Int8Linear`, whose integer arithmetic the VNNI kernel repeats (elsewhere: int8 weights,
+fp32 rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import platform
+import weakref
 
 import pytest
 import torch
 
 from aiayn.config import ModelConfig
-from aiayn.linear import Int8Linear, use_linear
+from aiayn.linear import Int8Linear, quantize_rows, use_linear
 from aiayn.model.transformer import Transformer
 from aiayn.search import beam, native
 from aiayn.search.spec import SearchSpec, SearchStopped
@@ -88,8 +91,8 @@ def test_batch_of_one_equals_batch(monkeypatch):
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_native_precisions_equal_python(kind, monkeypatch):
     """The model's products in bf16 or int8 (``use_linear``): the native search finds the Python search's hypotheses.
-    int8 on a VNNI CPU does the same integer sums (scores within float rounding); bf16 rounds the weights where the
-    Python kernel also rounds the rows (scores within bf16's rounding)."""
+    int8 on a VNNI CPU does the same integer sums (scores within float rounding; elsewhere int8 weights and fp32 rows);
+    bf16 rounds rows and weights as the Python kernel, which also rounds its sums (scores within bf16's rounding)."""
     model, spec = model_of(), SearchSpec.of(beam=4)
     src, mask = sources(3, seed=3)
     use_linear(model, kind)
@@ -105,11 +108,15 @@ def test_native_products(kind, rows, n, k):
     torch.manual_seed(rows + n)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
     got = native.module().Linear(w, b, kind)(x)
-    if kind == 2:
+    if kind == 2 and native.module().vnni:  # dynamic int8: Int8Linear's integer sums
         torch.testing.assert_close(got, Int8Linear()(x, w, b), rtol=1e-5, atol=1e-4)
         return
-    wr = w.to(torch.bfloat16).double() if kind == 1 else w.double()
-    ref = (x.double() @ wr.t() + b.double()).float()
+    if kind == 2:  # int8 weights, fp32 rows
+        q, scale = quantize_rows(w)
+        w = q.double() * scale.double()[:, None]
+    if kind == 1:  # bf16 weights and rows, fp32 sums
+        w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    ref = (x.double() @ w.double().t() + b.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -138,3 +145,37 @@ def test_what_the_native_search_leaves_to_python():
     left_padded = torch.tensor([[False, True, True], [True, True, True]])
     assert not native.chosen(model_of(), left_padded, spec)
     assert native.chosen(model_of(), mask, spec)
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """The module built for AVX2 without AVX-512 (x86-64-v3: 8-float vectors, no VNNI, no bf16 unit), whose paths a
+    CPU with AVX-512 never takes; skipped off x86-64."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the narrower build is x86-64's")
+    return native.build("x86-64-v3")
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_narrow_build_products(narrow, kind):
+    """fp32, bf16 rows and weights, int8 weights with fp32 rows (no VNNI here) against float64."""
+    assert not narrow.vnni and not narrow.dpbf16
+    torch.manual_seed(kind)
+    w, b, x = torch.randn(70, 36), torch.randn(70), torch.randn(5, 36)
+    if kind == 1:
+        ref = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
+    elif kind == 2:
+        q, scale = quantize_rows(w)
+        ref = x.double() @ (q.double() * scale.double()[:, None]).t()
+    else:
+        ref = x.double() @ w.double().t()
+    torch.testing.assert_close(narrow.Linear(w, b, kind)(x), (ref + b.double()).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_narrow_build_search_equals_python(narrow, monkeypatch):
+    model, spec = model_of(norm_first=True), SearchSpec.of(beam=4, nbest=2)
+    src, mask = sources(3, seed=5)
+    ref = python_search(model, src, mask, spec, monkeypatch)
+    monkeypatch.setattr(native, "_module", narrow)
+    monkeypatch.setattr(native, "_decoders", weakref.WeakKeyDictionary())
+    same(native.beam_search(model, src, mask, spec), ref)

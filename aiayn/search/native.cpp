@@ -151,6 +151,49 @@ void block_vnni(const uint8_t* xu, int64_t K4, const int8_t* wp, const int32_t* 
 }
 #endif
 
+inline uint32_t bf16_bits(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+#if defined(__AVX512BF16__)
+#define AIAYN_DPBF16 1
+// bf16 products on the CPU's bf16 dot-product unit (AVX512-BF16): rows rounded to bf16 (to nearest even), weights
+// bf16 packed (blocks, K2, 16, 2); each instruction adds two k's products for 16 columns in fp32.
+template <int R>
+void block_dpbf16(const uint32_t* xp, int64_t K2, const int16_t* wp, const float* b, float* y, int64_t ldy,
+                  int64_t nb0, int64_t nb1, int64_t N) {
+  auto put = [&](const __m512* acc, int64_t nb) {
+    const int64_t n0 = nb * 16, cols = std::min<int64_t>(16, N - n0);
+    alignas(64) float lanes[16];
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(lanes, acc[r]);
+      float* yr = y + r * ldy + n0;
+      for (int64_t j = 0; j < cols; ++j) yr[j] = lanes[j] + (b ? b[n0 + j] : 0.f);
+    }
+  };
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const bool two = nb + 1 < nb1;
+    const int16_t* w0 = wp + nb * K2 * 32;
+    const int16_t* w1 = two ? w0 + K2 * 32 : w0;
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K2; ++k) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k * 32), v1 = (__m512bh)_mm512_loadu_si512(w1 + k * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(xp[r * K2 + k]));
+        a0[r] = _mm512_dpbf16_ps(a0[r], xb, v0);
+        a1[r] = _mm512_dpbf16_ps(a1[r], xb, v1);
+      }
+    }
+    put(a0, nb);
+    if (two) put(a1, nb + 1);
+  }
+}
+
+#endif
+
 enum Kind : int64_t { FP32 = 0, BF16 = 1, INT8 = 2 };
 
 // exp of W values at once (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), for x <= 0 (a
@@ -196,7 +239,7 @@ float log_sum_exp(const float* row, int64_t V) {
 // int8 with a scale per column (aiayn.linear.quantize_rows' symmetric rows), and its bias (N,) or none.
 struct Linear {
   torch::Tensor w, b, scale, comp;
-  int64_t N = 0, K = 0, blocks = 0, K4 = 0;
+  int64_t N = 0, K = 0, blocks = 0, K4 = 0, K2 = 0;
   Kind kind = FP32;
 
   Linear() = default;
@@ -219,6 +262,15 @@ struct Linear {
       comp = torch::constant_pad_nd(comp, {0, blocks * W - N}).contiguous();
       auto p = torch::constant_pad_nd(v, {0, K4 * 4 - K, 0, blocks * W - N});
       w = p.view({blocks, W, K4, 4}).permute({0, 2, 1, 3}).contiguous();
+      if (bias.defined() && bias.numel()) b = bias.to(torch::kFloat32).contiguous();
+      return;
+    }
+#endif
+#ifdef AIAYN_DPBF16
+    if (kind == BF16) {  // (blocks, K2, 16, 2)
+      K2 = (K + 1) / 2;
+      auto p = torch::constant_pad_nd(v, {0, K2 * 2 - K, 0, blocks * W - N});
+      w = p.view({blocks, W, K2, 2}).permute({0, 2, 1, 3}).contiguous().view(torch::kInt16);
       if (bias.defined() && bias.numel()) b = bias.to(torch::kFloat32).contiguous();
       return;
     }
@@ -264,6 +316,36 @@ struct Linear {
       return;
     }
 #endif
+#ifdef AIAYN_DPBF16
+    if (kind == BF16) {  // each row rounded to bf16, in pairs of k
+      std::vector<uint32_t> xp(M * K2, 0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(x[m * K + k]) << (16 * (k & 1));
+      const int16_t* wp = w.data_ptr<int16_t>();
+      at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+        for (int64_t m = 0; m < M; m += 4) {
+          const uint32_t* xm = xp.data() + m * K2;
+          float* ym = y + m * N;
+          switch (std::min<int64_t>(4, M - m)) {
+            case 4: block_dpbf16<4>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
+            case 3: block_dpbf16<3>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
+            case 2: block_dpbf16<2>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
+            default: block_dpbf16<1>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
+          }
+        }
+      });
+      return;
+    }
+#endif
+    std::vector<float> rounded;
+    if (kind == BF16) {  // rows rounded to bf16 as the bf16 unit's kernel rounds them: the same products on every CPU
+      rounded.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) {
+        const uint32_t u = bf16_bits(x[i]) << 16;
+        std::memcpy(&rounded[i], &u, 4);
+      }
+      x = rounded.data();
+    }
     at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rows = std::min<int64_t>(4, M - m);
@@ -699,8 +781,18 @@ class Decoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef AIAYN_VNNI
+  m.attr("vnni") = true;
+#else
+  m.attr("vnni") = false;
+#endif
+#ifdef AIAYN_DPBF16
+  m.attr("dpbf16") = true;
+#else
+  m.attr("dpbf16") = false;
+#endif
   // A linear layer through the native products (kind 0 fp32, 1 bf16 weights, 2 int8 weights): tests, benchmarks.
-  py::class_<Linear>(m, "Linear")
+  py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, int64_t>())
       .def("__call__", [](const Linear& lin, torch::Tensor x) {
         auto xc = x.to(torch::kFloat32).contiguous();
@@ -708,7 +800,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         lin(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
         return y;
       });
-  py::class_<Decoder>(m, "Decoder")
+  py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("search", &Decoder::search);
 }

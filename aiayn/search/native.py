@@ -14,9 +14,9 @@ positions, a decoder-only LM, int8 products), options it does not (n-gram blocki
 than the CPU, a model in training mode, or no C++ compiler.
 
 The module is compiled on first use for the CPU it runs on (``-O3 -march=native``, through
-``torch.utils.cpp_extension`` and ninja; ~35 s), into ``cache_dir()/native/<key>``, the key made of the source, the
-CPU's model and flags, PyTorch and Python; later processes load it in well under a second. ``AIAYN_NATIVE=off``
-turns it off (the Python search everywhere).
+``torch.utils.cpp_extension`` and ninja; ~35 s), into ``$AIAYN_NATIVE_DIR`` or ``cache_dir()/native``, under a key made
+of the source, the CPU's model and flags, PyTorch and Python; later processes load it in well under a second.
+``AIAYN_NATIVE=off`` turns it off (the Python search everywhere).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ WEIGHTS = {"plain": 0, "packed": 0, "bf16": 1, "int8": 2, "int8_bf16": 2}
 _module: Any = None
 _why_not: str | None = None
 _lock = threading.Lock()
+DIR_ENV = "AIAYN_NATIVE_DIR"  # where compiled modules go (default: cache_dir()/native)
 
 
 def _all_flags() -> str:
@@ -62,10 +63,25 @@ def _all_flags() -> str:
     return platform.processor()
 
 
-def build_key() -> str:
-    """The compiled module's key: its source, the CPU (``-march=native``), PyTorch and Python."""
-    parts = [SOURCE.read_text(), cpu_model(), _all_flags(), torch.__version__, sys.version, platform.machine()]
+def build_key(arch: str = "native") -> str:
+    """The compiled module's key: its source, the CPU (for ``-march=native``) or ``arch``, PyTorch and Python."""
+    parts = [SOURCE.read_text(), arch, cpu_model(), _all_flags(), torch.__version__, sys.version, platform.machine()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def build(arch: str = "native") -> Any:
+    """Compile (or load, once compiled) the module for ``-march=arch`` (the CPU it runs on by default; tests build a
+    narrower instruction set too, whose vector paths this CPU would not take); raises what the build raises."""
+    from torch.utils.cpp_extension import load
+
+    out = Path(os.environ.get(DIR_ENV) or cache_dir() / "native") / build_key(arch)
+    out.mkdir(parents=True, exist_ok=True)
+    if not any(out.glob("*.so")):
+        print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
+              file=sys.stderr, flush=True)
+    name = "aiayn_native_beam" if arch == "native" else f"aiayn_native_beam_{arch.replace('-', '_')}"
+    return load(name=name, sources=[str(SOURCE)], build_directory=str(out), extra_cflags=["-O3", f"-march={arch}"],
+                verbose=False)
 
 
 def module() -> Any | None:
@@ -76,25 +92,15 @@ def module() -> Any | None:
             return _module
         if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
             _why_not = f"{ENV}={os.environ[ENV]}"
-            return None
-        if shutil.which("ninja") is None and not _pip_ninja():
+        elif shutil.which("ninja") is None and not _pip_ninja():
             _why_not = "no ninja to build the native search (pip install ninja)"
-            return None
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
+        elif shutil.which(os.environ.get("CXX", "c++")) is None:
             _why_not = "no C++ compiler to build the native search"
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            out = cache_dir() / "native" / build_key()
-            out.mkdir(parents=True, exist_ok=True)
-            if not any(out.glob("*.so")):
-                print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
-                      file=sys.stderr, flush=True)
-            _module = load(name="aiayn_native_beam", sources=[str(SOURCE)], build_directory=str(out),
-                           extra_cflags=["-O3", "-march=native"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - any build failure leaves the Python search, said once
-            _why_not = f"the native search did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
+        else:
+            try:
+                _module = build()
+            except Exception as e:  # noqa: BLE001 - any build failure leaves the Python search, said once
+                _why_not = f"the native search did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
         return _module
 
 
@@ -231,4 +237,5 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpe
     return [[Hypothesis(list(tokens), score, logprob) for tokens, score, logprob in sent] for sent in results]
 
 
-__all__ = ["MAX_SENTENCES", "beam_search", "build_key", "chosen", "decoder", "module", "unsupported", "why_not"]
+__all__ = ["MAX_SENTENCES", "beam_search", "build", "build_key", "chosen", "decoder", "module", "unsupported",
+           "why_not"]
