@@ -785,3 +785,25 @@ def test_the_budget_log_says_what_the_batches_are_and_a_budget_below_every_pair_
             "each of them trains in a batch of its own, over the budget") in caplog.text
     alone = [b for b in data.epoch_plan(0) if data.plan_tokens(b) > middle]
     assert alone and all(len(b) == 1 for b in alone)  # what the line says the plan does
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["files", "dataset"])
+def test_an_input_is_judged_big_by_the_text_read_whether_a_path_or_a_dataset_names_it(tmp_path, monkeypatch, named):
+    """With ``workers`` unset, pairs of at least PARALLEL_BYTES are encoded by worker processes: a known dataset's
+    inputs are named (``wmt14/<file>/en-de``), not paths, and its pairs are as big as the same pairs in files."""
+    from aiayn.data import store as store_mod
+    from aiayn.data.pipeline import pair_sources
+    from aiayn.data.store import PairRecipe
+
+    cfg = file_config(write_pairs(tmp_path, "train", 300, 0), write_pairs(tmp_path, "valid", 30, 100))
+    sources, inputs = pair_sources(cfg)
+    if named:
+        inputs = {f"toy/{split}/en-de": "published" for split in ("train", "valid")}
+    judged, real = [], store_mod.worker_pool
+    monkeypatch.setattr(store_mod, "worker_pool",
+                        lambda workers, big, *a: judged.append((workers, big)) or real(1, big, *a))
+    for limit in (1 << 30, 1000):  # the pairs hold some 20 KB of text
+        monkeypatch.setattr(store_mod, "PARALLEL_BYTES", limit)
+        (stage := tmp_path / f"stage{limit}").mkdir()
+        PairRecipe(cfg=cfg, sources=sources, inputs=inputs).build_into(stage)
+    assert judged == [(None, False), (None, True)]

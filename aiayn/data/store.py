@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import KW_ONLY, dataclass
-from functools import partial
+from functools import partial, reduce
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ STORE_VERSION = 1  # bump when preparing produces other ids from the same inputs
 MARKER = STORE_MARKER  # written first and kept: a directory without a manifest but with it may be rebuilt
 LOCK = ".aiayn-store.lock"  # flock: exclusive while one process builds, shared while one opens
 CHUNK = 20_000  # pairs encoded per task
-PARALLEL_BYTES = 32 << 20  # inputs at least this big are encoded by worker processes (below, one process is faster)
+PARALLEL_BYTES = 32 << 20  # inputs this big (pairs: in characters) are encoded by processes (below, one is faster)
 PAIRS = "pairs"  # the manifest's kind of a store of (source, target) pairs (a manifest without a kind is one)
 STREAM_KIND = "stream"  # the manifest's kind of a language model's token stream (aiayn.data.stream_store)
 
@@ -642,13 +642,15 @@ class PairRecipe(Recipe):
 
     def build_into(self, stage: Path) -> dict[str, Any]:
         # Every input read through once first: a malformed file is one line now, not after the tokenizer's
-        # training; the counts give the encoding's progress a total.
-        counts = {name: sum(1 for _ in source()) for name, source in self.sources.items()}
+        # training; the counts give the encoding's progress a total, the characters read its processes (not inputs'
+        # files: a known dataset's inputs are names).
+        sizes = {name: reduce(lambda n, pair: (n[0] + 1, n[1] + len(pair[0]) + len(pair[1])), source(), (0, 0))
+                 for name, source in self.sources.items()}  # (pairs, characters)
         tdir, tok = self.place_tokenizer(stage, self.train_tokenizer or self._train)
         vocab = max(tok.src.vocab_size, tok.tgt.vocab_size)
         dtype = storage_dtype(vocab)
         max_len = (self.cfg.data.max_len or self.cfg.model.max_positions) if self.length_filter else None
-        big = sum(os.path.getsize(p) for p in self.inputs if os.path.isfile(p)) >= PARALLEL_BYTES
+        big = sum(chars for _, chars in sizes.values()) >= PARALLEL_BYTES
         splits: dict[str, Any] = {}
         with worker_pool(self.workers, big, PairEncoder, (str(tdir), max_len, self.cut_sources)) as encode:
             for name, source in self.sources.items():
@@ -656,7 +658,7 @@ class PairRecipe(Recipe):
                 sides = {side: IdWriter(stage / f"{name}.{side}.bin", dtype, stage / f"{name}.{side}.idx")
                          for side in ("src", "tgt")}
                 stats = {"empty": 0, "too_long": 0, "kept": 0}
-                progress = ItemProgress(counts[name], "pair", f"prepare {name}")
+                progress = ItemProgress(sizes[name][0], "pair", f"prepare {name}")
                 chunks = iter(lambda pairs=source(): list(islice(pairs, CHUNK)), [])  # CHUNK pairs a list, to the end
                 for encoded in encode(chunks):
                     for side, ids in sides.items():
