@@ -326,3 +326,17 @@ def test_a_named_lm_store_is_only_read_its_checksums_catch_an_id_in_range_and_ot
     assert main(["prepare", "--verify", str(out)]) == 2
     assert "train.bin: does not match its checksum" in capsys.readouterr().err
     assert snapshot() == before
+
+
+def test_a_stream_reads_ids_by_position_and_refuses_a_range_outside_it_or_backwards(tmp_path):
+    """``read(start, stop)`` is ids[start:stop]; a stop before its start is refused as any range outside the
+    stream is (an IndexError naming it), not numpy's 'negative dimensions are not allowed'."""
+    from aiayn.data.store import Stream
+
+    np.arange(10, dtype="<u2").tofile(tmp_path / "train.bin")
+    stream = Stream(tmp_path / "train.bin", "uint16", 10)
+    assert stream.read().tolist() == list(range(10)) and stream.read(2, 5).tolist() == [2, 3, 4]
+    assert stream.read(5, 5).tolist() == [] and stream.read(7).tolist() == [7, 8, 9]
+    for start, stop in ((5, 2), (-1, 3), (0, 11), (11, None)):
+        with pytest.raises(IndexError, match=rf"ids {start}\.\.{10 if stop is None else stop} of 10$"):
+            stream.read(start, stop)

@@ -95,7 +95,7 @@ class IdFile:
 
     def _read_into(self, buf: np.ndarray, starts: list[int], sizes: list[int]) -> np.ndarray:
         """``buf`` filled with the runs of ``sizes`` ids at ``starts``, back to back (one ``preadv`` a run); int64."""
-        view, at, size = memoryview(buf).cast("B"), 0, self.dtype.itemsize
+        view, at, size = memoryview(buf.reshape(-1)).cast("B"), 0, self.dtype.itemsize  # flat: (1, 0) casts too
         for start, n in zip(starts, sizes):
             n *= size
             if n and os.preadv(self._fd, [view[at : at + n]], start * size) != n:
@@ -111,8 +111,11 @@ class Stream(IdFile):
         return self.tokens
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """ids[start:stop] (n,) int64."""
-        return self.windows(np.array([start]), (self.tokens if stop is None else stop) - start)[0]
+        """ids[start:stop] (n,) int64; a range outside the stream, or backwards, is refused."""
+        stop = self.tokens if stop is None else stop
+        if not 0 <= start <= stop <= self.tokens:
+            raise IndexError(f"ids {start}..{stop} of {self.tokens}")
+        return self.windows(np.array([start]), stop - start)[0]
 
     def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
         """(B, width) int64: row b is ids[starts[b] : starts[b] + width]."""
