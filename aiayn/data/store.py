@@ -644,9 +644,8 @@ class PairRecipe(Recipe):
                                 f"a sample of at most {self.cfg.data.tokenizer_sample:,} sentences")
 
     def build_into(self, stage: Path) -> dict[str, Any]:
-        # Every input read through once first: a malformed file is one line now, not after the tokenizer's
-        # training; the counts give the encoding's progress a total, the characters read its processes (not inputs'
-        # files: a known dataset's inputs are names).
+        # Every input read through once first: a malformed file is one line now, not after the tokenizer's training;
+        # the counts give the progress a total, the characters read its processes (a dataset's inputs are no files).
         sizes = {name: reduce(lambda n, pair: (n[0] + 1, n[1] + len(pair[0]) + len(pair[1])), source(), (0, 0))
                  for name, source in self.sources.items()}  # (pairs, characters)
         tdir, tok = self.place_tokenizer(stage, self.train_tokenizer or self._train)
