@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -68,7 +69,7 @@ inline vf load(const int8_t* p) {  // int8 -> int32 -> fp32 (the scale is applie
 #endif
 }
 
-// y[r, n] (row stride ldy) = (sum_k x[r, k] w[n, k]) * scale[n] + b[n] for R = 1..4 rows and the column blocks
+// y[r, n] (row stride ldy) = (sum_k x[r, k] w[n, k]) * scale[n] + b[n] for R = 1..ROWS rows and the column blocks
 // nb0..nb1 of a packed weight: block nb holds columns nb*W .. nb*W + W-1 as (K, W), so one vector load brings W
 // columns' weights for one k, multiplied into all R rows (no horizontal sums). Two blocks at a time: 2R sums in flight.
 template <typename T, int R>
@@ -196,6 +197,25 @@ void block_dpbf16(const uint32_t* xp, int64_t K2, const int16_t* wp, const float
 
 enum Kind : int64_t { FP32 = 0, BF16 = 1, INT8 = 2 };
 
+// Rows a weight is read for at once: each column block's weights come from memory once per ROWS rows (2 blocks x ROWS
+// rows of sums stay in registers).
+constexpr int64_t ROWS = 8;
+
+// f(std::integral_constant<int, r>) for r = rows (1 .. ROWS): the kernels' row count as a template argument.
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // exp of W values at once (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), for x <= 0 (a
 // softmax's x - max); below -87 it gives exp(-87) (~1.6e-38), nothing a sum of probabilities can see.
 inline vf vexp(vf x) {
@@ -281,7 +301,7 @@ struct Linear {
     if (bias.defined() && bias.numel()) b = bias.to(torch::kFloat32).contiguous();
   }
 
-  // y (M, N) = x (M, K) W^T + b; column blocks split over the intra-op threads, rows taken 4 at a time.
+  // y (M, N) = x (M, K) W^T + b; column blocks split over the intra-op threads, rows taken ROWS at a time.
   void operator()(const float* x, int64_t M, float* y) const {
     const float* bias = b.defined() ? b.data_ptr<float>() : nullptr;
     const float* sc = scale.defined() ? scale.data_ptr<float>() : nullptr;
@@ -302,15 +322,12 @@ struct Linear {
       const int32_t* cp = comp.data_ptr<int32_t>();
       const int8_t* wp = w.data_ptr<int8_t>();
       at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-        for (int64_t m = 0; m < M; m += 4) {
+        for (int64_t m = 0; m < M; m += ROWS) {
           const uint8_t* xm = xu.data() + m * K4 * 4;
           float* ym = y + m * N;
-          switch (std::min<int64_t>(4, M - m)) {
-            case 4: block_vnni<4>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
-            case 3: block_vnni<3>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
-            case 2: block_vnni<2>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
-            default: block_vnni<1>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N); break;
-          }
+          with_rows(std::min<int64_t>(ROWS, M - m), [&](auto r) {
+            block_vnni<decltype(r)::value>(xm, K4, wp, cp, xs.data() + m, sc, bias, ym, N, nb0, nb1, N);
+          });
         }
       });
       return;
@@ -323,15 +340,12 @@ struct Linear {
         for (int64_t k = 0; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(x[m * K + k]) << (16 * (k & 1));
       const int16_t* wp = w.data_ptr<int16_t>();
       at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-        for (int64_t m = 0; m < M; m += 4) {
+        for (int64_t m = 0; m < M; m += ROWS) {
           const uint32_t* xm = xp.data() + m * K2;
           float* ym = y + m * N;
-          switch (std::min<int64_t>(4, M - m)) {
-            case 4: block_dpbf16<4>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
-            case 3: block_dpbf16<3>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
-            case 2: block_dpbf16<2>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
-            default: block_dpbf16<1>(xm, K2, wp, bias, ym, N, nb0, nb1, N); break;
-          }
+          with_rows(std::min<int64_t>(ROWS, M - m), [&](auto r) {
+            block_dpbf16<decltype(r)::value>(xm, K2, wp, bias, ym, N, nb0, nb1, N);
+          });
         }
       });
       return;
@@ -347,8 +361,8 @@ struct Linear {
       x = rounded.data();
     }
     at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int64_t rows = std::min<int64_t>(ROWS, M - m);
         if (kind == BF16) {
           run(reinterpret_cast<const uint16_t*>(w.data_ptr<int16_t>()), x + m * K, rows, sc, bias, y + m * N, nb0, nb1);
         } else if (kind == INT8) {
@@ -363,12 +377,7 @@ struct Linear {
   template <typename T>
   void run(const T* wp, const float* x, int64_t rows, const float* sc, const float* bias, float* y, int64_t nb0,
            int64_t nb1) const {
-    switch (rows) {
-      case 4: block<T, 4>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
-      case 3: block<T, 3>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
-      case 2: block<T, 2>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
-      default: block<T, 1>(x, K, wp, sc, bias, y, N, nb0, nb1, N); break;
-    }
+    with_rows(rows, [&](auto r) { block<T, decltype(r)::value>(x, K, wp, sc, bias, y, N, nb0, nb1, N); });
   }
 };
 
@@ -399,7 +408,12 @@ struct Norm {
 
 struct Layer {
   Norm n_self, n_cross, n_ffn;
-  Linear qkv, self_out, cross_q, cross_out, fc1, fc2;
+  Linear qkv, self_out, cross_q, cross_out, fc1, fc2, cross_kv;
+};
+
+struct EncoderLayer {
+  Norm n_attn, n_ffn;
+  Linear qkv, out, fc1, fc2;
 };
 
 // softmax(q . keys / sqrt(K)) . values for one query: keys (T, ks) and values (T, vs) with row strides, out (Q,).
@@ -451,7 +465,8 @@ struct Candidate {
 class Decoder {
  public:
   Decoder(std::vector<torch::Tensor> t, std::vector<int64_t> ints, std::vector<double> floats) {
-    // ints: D, H, K, Q, L, post_ln, activation (0 relu, 1 gelu, 2 swish), the products' Kind; floats: eps, embedding scale
+    // ints: D, H, K, Q, L, post_ln, activation (0 relu, 1 gelu, 2 swish), the products' Kind, encoder layers;
+    // floats: eps, embedding scale
     D = ints[0], H = ints[1], K = ints[2], Q = ints[3], L = ints[4];
     post_ln = ints[5] != 0, act = ints[6];
     const int64_t how = ints[7];  // Kind of the products
@@ -461,20 +476,25 @@ class Decoder {
     auto next = [&]() { return t.at(i++); };
     emb = next().to(torch::kFloat32).contiguous();
     pe = next().to(torch::kFloat32).contiguous();  // (P, D): the positions' encodings added to the embeddings
+    auto norm = [&]() {
+      Norm n;
+      n.w = next().to(torch::kFloat32).contiguous();
+      n.b = next().to(torch::kFloat32).contiguous();
+      n.eps = eps;
+      return n;
+    };
+    auto norm_or_none = [&]() {  // empty tensors: none (post-LN has no final norm)
+      Norm n = norm();
+      if (n.w.numel() == 0) n.w = torch::Tensor();
+      return n;
+    };
+    auto lin = [&]() {
+      auto w = next();
+      auto b = next();
+      return Linear(w, b, how);
+    };
     for (int64_t l = 0; l < L; ++l) {
       Layer y;
-      auto norm = [&]() {
-        Norm n;
-        n.w = next().to(torch::kFloat32).contiguous();
-        n.b = next().to(torch::kFloat32).contiguous();
-        n.eps = eps;
-        return n;
-      };
-      auto lin = [&]() {
-        auto w = next();
-        auto b = next();
-        return Linear(w, b, how);
-      };
       y.n_self = norm();
       y.qkv = lin();
       y.self_out = lin();
@@ -486,41 +506,53 @@ class Decoder {
       y.fc2 = lin();
       layers.push_back(std::move(y));
     }
-    final_norm.w = next();
-    final_norm.b = next();
-    has_final = final_norm.w.numel() > 0;
-    if (has_final) final_norm = Norm{final_norm.w.to(torch::kFloat32).contiguous(),
-                                     final_norm.b.to(torch::kFloat32).contiguous(), eps};
+    final_norm = norm_or_none();
     auto ow = next();
     auto ob = next();
     out = Linear(ow, ob, how);
     V = out.N;
     F = layers.empty() ? 0 : layers[0].fc1.N;
+    // the encoder: embeddings, positions, layers, final norm (pre-LN); then each decoder layer's K|V rows of its
+    // cross-attention, which project the encoder's output once per batch
+    enc_emb = next().to(torch::kFloat32).contiguous();
+    enc_pe = next().to(torch::kFloat32).contiguous();
+    const int64_t Le = ints.at(8);
+    for (int64_t l = 0; l < Le; ++l) {
+      EncoderLayer y;
+      y.n_attn = norm();
+      y.qkv = lin();
+      y.out = lin();
+      y.n_ffn = norm();
+      y.fc1 = lin();
+      y.fc2 = lin();
+      enc_layers.push_back(std::move(y));
+    }
+    enc_final = norm_or_none();
+    for (auto& y : layers) y.cross_kv = lin();
   }
 
-  // Beam search over B sentences whose cross-attention keys/values are given, each (B, H, S, K) / (B, H, S, Q) per
-  // layer; src_len (B,) their real lengths; limits (B,) their step limits. Returns, per sentence, up to nbest
+  // Beam search over B sources src (B * S ids, right-padded), src_len (B,) their real lengths, limits (B,) their step
+  // limits. Returns, per sentence, up to nbest
   // (tokens, score, logprob), best first, and whether ``stop`` (called once a step, if not None) ended it early.
   std::tuple<std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>>, bool> search(
-      std::vector<torch::Tensor> cross_k, std::vector<torch::Tensor> cross_v, std::vector<int64_t> src_len,
-      std::vector<int64_t> limits, std::vector<int64_t> how, double alpha, std::vector<int64_t> banned,
-      py::object stop) {
+      std::vector<int64_t> src, std::vector<int64_t> src_len, std::vector<int64_t> limits, std::vector<int64_t> how,
+      double alpha, std::vector<int64_t> banned, py::object stop) {
     // how: beam N, nbest, length penalty (0 gnmt, 1 power, 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len
     const int64_t N = how.at(0), nbest = how.at(1), penalty = how.at(2), stop_rule = how.at(3), bos = how.at(4),
                   eos = how.at(5), min_len = how.at(6);
     const int64_t B = int64_t(limits.size());
+    const int64_t S = B ? int64_t(src.size()) / B : 0;
+    std::vector<std::vector<float>> cross_k, cross_v;
     std::vector<const float*> ck(L), cv(L);
-    for (int64_t l = 0; l < L; ++l) {
-      cross_k[l] = cross_k[l].to(torch::kFloat32).contiguous();
-      cross_v[l] = cross_v[l].to(torch::kFloat32).contiguous();
-      ck[l] = cross_k[l].data_ptr<float>();
-      cv[l] = cross_v[l].data_ptr<float>();
-    }
-    const int64_t S = L ? cross_k[0].size(2) : 0;
     std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>> results(B);
     bool stopped = false;
     {
       py::gil_scoped_release nogil;
+      encode(src, B, S, src_len, cross_k, cross_v);
+      for (int64_t l = 0; l < L; ++l) {
+        ck[l] = cross_k[l].data();
+        cv[l] = cross_v[l].data();
+      }
       const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
       const int64_t KQ = std::max(K, Q);
       const int64_t per_row = L * 2 * H * C * KQ;  // one row's cache: [l][k|v][h][pos][KQ]
@@ -657,12 +689,69 @@ class Decoder {
 
  private:
   int64_t D = 0, H = 0, K = 0, Q = 0, L = 0, V = 0, F = 0, act = 0;
-  bool post_ln = true, has_final = false;
+  bool post_ln = true;
   float emb_scale = 1.f;
-  torch::Tensor emb, pe;
+  torch::Tensor emb, pe, enc_emb, enc_pe;
   std::vector<Layer> layers;
-  Norm final_norm;
+  std::vector<EncoderLayer> enc_layers;
+  Norm final_norm, enc_final;
   Linear out;
+
+  // The encoder over B sources of S ids (right-padded; src_len real ids each), then every decoder layer's
+  // cross-attention keys (B, H, S, K) and values (B, H, S, Q) of its output, into ck[l] and cv[l].
+  void encode(const std::vector<int64_t>& src, int64_t B, int64_t S, const std::vector<int64_t>& src_len,
+              std::vector<std::vector<float>>& ck, std::vector<std::vector<float>>& cv) const {
+    const int64_t M = B * S, KQ = std::max(K, Q), qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
+    const int64_t Fe = enc_layers.empty() ? 0 : enc_layers[0].fc1.N;
+    std::vector<float> x(M * D), y(M * D), h(M * std::max({w3, Fe, D})), a(M * vw), sc(M * H * S);
+    const float* E = enc_emb.data_ptr<float>();
+    const float* P = enc_pe.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t d = 0; d < D; ++d) x[r * D + d] = E[src[r] * D + d] * emb_scale + P[(r % S) * D + d];
+    const float scale = 1.f / std::sqrt(float(K));
+    for (const EncoderLayer& ly : enc_layers) {
+      const float* in = x.data();
+      if (!post_ln) {
+        ly.n_attn(x.data(), M, D, y.data());
+        in = y.data();
+      }
+      ly.qkv(in, M, h.data());
+      at::parallel_for(0, M * H, 4, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = i / H, hh = i % H, b = r / S;
+          const float* first = h.data() + b * S * w3;  // the sentence's first row: its keys and values
+          attend(h.data() + r * w3 + hh * K, first + qw + hh * K, w3, first + 2 * qw + hh * Q, w3, src_len[b], K,
+                 Q, scale, sc.data() + i * S, a.data() + r * vw + hh * Q);
+        }
+      });
+      ly.out(a.data(), M, y.data());
+      residual(x.data(), y.data(), M, ly.n_attn);
+      in = x.data();
+      if (!post_ln) {
+        ly.n_ffn(x.data(), M, D, y.data());
+        in = y.data();
+      }
+      ly.fc1(in, M, h.data());
+      activation(h.data(), M * Fe);
+      ly.fc2(h.data(), M, y.data());
+      residual(x.data(), y.data(), M, ly.n_ffn);
+    }
+    if (enc_final.w.defined()) enc_final(x.data(), M, D, x.data());
+    ck.assign(L, std::vector<float>(B * H * S * K));
+    cv.assign(L, std::vector<float>(B * H * S * Q));
+    for (int64_t l = 0; l < L; ++l) {
+      layers[l].cross_kv(x.data(), M, h.data());  // (M, qw + vw)
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t b = r / S, s = r % S;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          std::memcpy(ck[l].data() + ((b * H + hh) * S + s) * K, h.data() + r * (qw + vw) + hh * K, sizeof(float) * K);
+          std::memcpy(cv[l].data() + ((b * H + hh) * S + s) * Q, h.data() + r * (qw + vw) + qw + hh * Q,
+                      sizeof(float) * Q);
+        }
+      }
+    }
+    (void)KQ;
+  }
 
   // The k largest of row (V,), best first; equal values: the lower id first.
   void row_top(const float* row, int64_t k, float* vals, int64_t* ids) const {
@@ -766,7 +855,7 @@ class Decoder {
       residual(x.data(), y.data(), R, ly.n_ffn);
     }
     const float* last = x.data();
-    if (has_final) {
+    if (final_norm.w.defined()) {
       final_norm(x.data(), R, D, y.data());
       last = y.data();
     }

@@ -1,17 +1,19 @@
 """Beam search on the CPU in one native loop (``native.cpp``): the decoder step, its key/value cache and the search's
 bookkeeping without Python between a step's operations.
 
-At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations (3.8 ms of its
-4.6 ms in the decoder, 0.8 ms in the search's bookkeeping, on a 2-core AMD EPYC: BENCHMARKS.md, "The native beam
-search"), where its arithmetic is a fraction of a millisecond; the native loop does the same search with each step's
-products streaming their weights once (fp32, or bf16 weights widened on the fly where the model runs in bf16).
+At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations (4.6 ms a step on
+a 2-core AMD EPYC, 3.8 ms of it in the decoder, 0.8 ms in the search's bookkeeping), where its arithmetic is a fraction
+of a millisecond. The native loop runs the same search with products that read each packed weight once per 8 rows
+(a beam of 4 is 4 rows) and no allocation or Python between steps.
 
-What it computes is :func:`aiayn.search.beam.beam_search`'s search (candidates, finished pools, stop rules, length
-penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;
-tests/test_native.py compares them). The encoder and the cross-attention's keys/values stay PyTorch's (once per
-batch). :func:`unsupported` says when the Python search runs instead, and why: a model it does not cover (rotary
-positions, a decoder-only LM, int8 products), options it does not (n-gram blocking, CUDA graphs), a device other
-than the CPU, a model in training mode, or no C++ compiler.
+What it computes is :func:`aiayn.search.beam.beam_search`'s search, the encoder included (candidates, finished pools,
+stop rules, length penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;
+tests/test_native.py compares them). The products follow the model's linear kind (:mod:`aiayn.linear`): fp32;
+bf16 (rows and weights rounded to bf16, fp32 sums: on the CPU's bf16 unit where it has AVX512-BF16); int8 (dynamic
+int8 with :class:`aiayn.linear.Int8Linear`'s integer sums on AVX512-VNNI, else int8 weights and fp32 rows).
+:func:`unsupported` says when the Python search runs instead: rotary positions, a decoder-only LM, n-gram blocking,
+CUDA graphs, a device other than the CPU, a model in training mode or not in fp32, a batch of more than
+:data:`MAX_SENTENCES` sentences, or no C++ compiler (said once, as a warning).
 
 The module is compiled on first use for the CPU it runs on (``-O3 -march=native``, through
 ``torch.utils.cpp_extension`` and ninja; ~35 s), into ``$AIAYN_NATIVE_DIR`` or ``cache_dir()/native``, under a key made
@@ -119,10 +121,11 @@ def why_not() -> str | None:
     return _why_not
 
 
-# Batches of up to this many sentences take the native search; larger ones PyTorch's (its products read each weight
-# once for all rows, where the native ones, made for a few rows, read it once per 4 rows: at 64 sentences the two
-# searches were even, BENCHMARKS.md "The native beam search").
-MAX_SENTENCES = 4
+# Batches of up to this many sentences take the native search; larger ones PyTorch's, whose products read each weight
+# once for all rows where the native ones, made for a few rows, read it once per 8 (on the 2-core AMD EPYC, quick
+# recipe, 1 thread: native 1.7x-5x the Python search's sentences/s in fp32 from 1 to 32 sentences, 1.9x-11x in int8;
+# at 64, 1.05x fp32, 1.08x bf16, 0.80x int8).
+MAX_SENTENCES = 32
 
 
 def chosen(model: nn.Module, src_mask: Tensor, spec: SearchSpec) -> bool:
@@ -207,10 +210,23 @@ def decoder(model: nn.Module) -> Any:
     tensors += [final.weight if final is not None else empty, final.bias if final is not None else empty]
     w, b = dec.output_projection()
     tensors += [w, b if b is not None else empty]
+    enc = model.encoder
+    pe = enc.positions.encodings(Positions(0, enc.positions.max_positions))
+    tensors += [enc.embed.weight, pe if pe is not None else torch.zeros(enc.positions.max_positions, D)]
+    for layer in enc.layers:
+        sa, ffn = layer.self_attn, layer.ffn
+        tensors += [layer.sub_attn.norm.weight, layer.sub_attn.norm.bias, sa.in_proj.weight, sa.in_proj.bias,
+                    sa.out_proj.weight, sa.out_proj.bias, layer.sub_ffn.norm.weight, layer.sub_ffn.norm.bias,
+                    ffn.fc1.weight, ffn.fc1.bias, ffn.fc2.weight, ffn.fc2.bias]
+    final = enc.final_norm
+    tensors += [final.weight if final is not None else empty, final.bias if final is not None else empty]
+    for layer in dec.layers:  # the K | V rows of each cross-attention, which project the encoder's output
+        ca = layer.cross_attn
+        tensors += [ca.in_proj.weight[ca._rows[0]:], ca.in_proj.bias[ca._rows[0]:]]
     tensors = [t.detach() for t in tensors]
     sa = dec.layers[0].self_attn
     ints = [D, sa.n_heads, sa.d_k, sa.d_v, len(dec.layers), int(not cfg.norm_first), ACTIVATIONS[cfg.activation],
-            WEIGHTS[linear_kind(model)]]
+            WEIGHTS[linear_kind(model)], len(enc.layers)]
     native = module().Decoder(tensors, ints, [float(cfg.layer_norm_eps), float(dec.embed.scale)])
     _decoders[model] = (state, native)
     return native
@@ -218,20 +234,14 @@ def decoder(model: nn.Module) -> Any:
 
 @torch.no_grad()
 def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> list[list[Hypothesis]]:
-    """:func:`aiayn.search.beam.beam_search` in the native loop (the caller has checked :func:`unsupported` and
-    :func:`module`). src (B, S) ids, src_mask (B, S) bool."""
+    """:func:`aiayn.search.beam.beam_search` in the native loop, the encoder included (the caller has checked
+    :func:`unsupported` and :func:`module`). src (B, S) ids, src_mask (B, S) bool, each row's real ids first."""
     o = spec.options
     lengths = src_mask.sum(dim=1).tolist()
     limits = max_lengths(model, src_mask, spec, lengths)
-    native = decoder(model)
-    memory = model.encode(src, src_mask)  # (B, S, D)
-    ks, vs = [], []
-    for layer in model.decoder.layers:
-        k, v = layer.cross_attn.project_kv(memory)  # (B, H, S, d_k), (B, H, S, d_v)
-        ks.append(k.contiguous())
-        vs.append(v.contiguous())
     how = [o.beam, o.nbest, PENALTIES[o.length_penalty], STOPS[o.stop], spec.bos, spec.eos, o.min_len]
-    results, stopped = native.search(ks, vs, lengths, limits, how, float(o.alpha), list(spec.banned), spec.stop)
+    ids = src.masked_fill(~src_mask, 0).reshape(-1).tolist()  # the encoder reads each source's first ids only
+    results, stopped = decoder(model).search(ids, lengths, limits, how, float(o.alpha), list(spec.banned), spec.stop)
     if stopped:
         raise SearchStopped("the search was stopped by its caller")
     return [[Hypothesis(list(tokens), score, logprob) for tokens, score, logprob in sent] for sent in results]
