@@ -63,7 +63,7 @@ ISA ?= default
 MKL_CBWR ?=
 ROUNDING ?=
 ISA_TESTS := tests/test_translate.py tests/test_search.py tests/test_head_widths.py tests/test_export_run.py \
-             tests/test_hf_interop.py tests/test_ctranslate2.py tests/test_argos.py
+             tests/test_hf_interop.py tests/test_ctranslate2.py tests/test_argos.py tests/test_native.py
 test-isa: $(STAMP)
 	ATEN_CPU_CAPABILITY=$(ISA) MKL_CBWR=$(MKL_CBWR) AIAYN_TEST_ROUNDING=$(ROUNDING) $(PY) -m pytest $(ISA_TESTS) -n $(TEST_WORKERS) --dist worksteal
 

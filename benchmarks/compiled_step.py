@@ -6,8 +6,9 @@
 The issue asks what compiling the beam step does on a CPU, measured. Each way decodes the same sources one at a
 time (beam 4, power length penalty alpha 0.6, at most 64 steps, ``stop=exact``) in a process of its own:
 
-* ``normal``: what ``aiayn translate`` runs: the run's linear kernels for ``--precision`` (fp32: oneDNN prepacked),
-  a KV cache that grows with the steps;
+* ``normal``: the PyTorch search ``aiayn translate`` ran before the native one (``AIAYN_NATIVE=off`` in every way's
+  process): the run's linear kernels for ``--precision`` (fp32: oneDNN prepacked), a KV cache that grows with the
+  steps;
 * ``fixed``: the fixed-shape steps (:mod:`aiayn.search.fixed`, ``decode.cuda_graphs``; on a CPU no graph): every row
   of the batch kept, a static KV cache of 64 steps read whole under a mask; the same linear kernels;
 * ``fixed-plain``: the same with ``F.linear`` (inductor cannot lower oneDNN's prepacked weights);
@@ -173,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sources = Path(tmp) / "sources.json"
         sources.write_text(json.dumps(sources_of(args)), encoding="utf-8")
         for way in args.ways:  # each in a process of its own, an empty compile cache each
-            env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"cache-{way}"),
+            # the PyTorch search every way (a sentence alone would otherwise take the native loop, which has no step
+            # to compile or count: aiayn.search.native)
+            env = {**os.environ, "PYTHONPATH": str(REPO), "AIAYN_NATIVE": "off",
+                   "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"cache-{way}"),
                    "OMP_NUM_THREADS": str(args.threads)}
             out = subprocess.run([sys.executable, "-m", f"benchmarks.{NAME}", *argv, "--child", way,
                                   "--sources", str(sources)], capture_output=True, text=True, env=env, cwd=REPO)

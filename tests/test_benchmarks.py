@@ -293,3 +293,20 @@ def test_compiled_step_smoke_decodes_each_way_in_its_own_process(tmp_path):
     assert fixed["cpu_ms_per_step"] > 0 and normal["speed_vs_first"] == 1.0
     assert json.loads((tmp_path / "c.json").read_text())["ways"]["fixed"]["steps"] == fixed["steps"]
     assert "| fixed |" in (tmp_path / "B.md").read_text()
+
+
+def test_native_search_smoke_times_both_searches_on_the_same_batches(tmp_path):
+    """Issue 69's native search against the PyTorch one, by batch size and precision: both searches on the same
+    batches, their speeds and how many outputs agree (fp32: all, on the smoke test's random model)."""
+    from aiayn.search import native
+    from benchmarks import native_search
+
+    if native.module() is None:
+        pytest.skip(f"no native search here: {native.why_not()}")
+    result = native_search.main(["--smoke", "--precisions", "fp32", "int8", "--md", str(tmp_path / "B.md"),
+                                 "--out-json", str(tmp_path / "n.json")])
+    fp32 = result["precisions"]["fp32"]
+    assert set(fp32) == {"1", "3"} and all(r["same"] == r["of"] == 6 for r in fp32.values())
+    assert all(r["native_sentences_per_s"] > 0 and r["pytorch_sentences_per_s"] > 0
+               for by_size in result["precisions"].values() for r in by_size.values())
+    assert "| fp32 | 1 |" in (tmp_path / "B.md").read_text()

@@ -397,6 +397,9 @@ def test_one_inductor_cache_serves_processes_under_other_cpu_kernels_their_own_g
 def test_compiling_for_a_gpu_leaves_the_cpu_vector_width_unpicked(monkeypatch):
     # the pick builds a test program per instruction set with the C++ compiler: seconds in a fresh process,
     # and a compiled GPU training spent 53 s in its compile set-up on an H200 (2026-12-04, BENCHMARKS.md)
+    # inductor's modules that import the pick by name (codecache, codegen.cpp_micro_gemm), loaded before the patch:
+    # loaded under it, they would keep the refusal after the undo and fail every later CPU compile of this process
+    import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.config as inductor_config
     import torch._inductor.cpu_vec_isa as vec_isa
 

@@ -418,9 +418,11 @@ def test_cached_decoding_with_reorders_equals_the_cat_cache(mt):
 def test_beam_greedy_and_sampling_wait_for_the_device_once_per_step(mt, monkeypatch):
     """As on a GPU (no free host reads): the search's only transfer inside its loop is one ``nonzero``
     per step, and the model's forward passes read nothing back (attention masks empty rows without asking
-    whether there are any)."""
+    whether there are any). The PyTorch search's (the native loop, which a CPU batch this small would take, runs on
+    the host by construction)."""
     m, src = mt
     monkeypatch.setattr(search_beam, "waits_are_free", lambda device: False)
+    monkeypatch.setattr(search_beam.native, "chosen", lambda *a: False)
     calls: dict[str, int] = {}
     state = {"steps": 0, "in_model": False}
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
