@@ -122,9 +122,11 @@ def why_not() -> str | None:
 
 
 # Batches of up to this many sentences take the native search; larger ones PyTorch's, whose products read each weight
-# once for all rows where the native ones, made for a few rows, read it once per 8 (on the 2-core AMD EPYC, quick
-# recipe, 1 thread: native 1.7x-5x the Python search's sentences/s in fp32 from 1 to 32 sentences, 1.9x-11x in int8;
-# at 64, 1.05x fp32, 1.08x bf16, 0.80x int8).
+# once for all rows where the native ones, made for a few rows, read it once per 8. `python -m benchmarks.native_search`
+# (BENCHMARKS.md; the 2-core AMD EPYC, quick recipe, 1 thread): native / PyTorch 4.9x (fp32), 8.3x (bf16), 16.2x (int8)
+# one sentence at a time, 1.8x-1.9x at 32 sentences, 1.5x-2.8x at 64; but in that one process the PyTorch search runs
+# below its own translate_speed pass (54-62 sentences/s fp32 at 64 there, 34-46 here), so 64 stays PyTorch's until
+# translate_speed measures the native search at 64.
 MAX_SENTENCES = 32
 
 
