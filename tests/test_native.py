@@ -68,13 +68,14 @@ def same(a, b, tol=1e-4) -> None:
     ({"positional": "learned", "activation": "swish", "d_k": 4, "d_v": 12}, dict(beam=4, stop="hf", min_len=3)),
     ({"tie_output": False, "output_bias": True}, dict(beam=2, stop="first", length_penalty="none", ban_pad=True)),
     ({}, dict(beam=5, nbest=2, max_len_a=0.0, max_len_b=4)),  # every sentence at its limit
+    ({"share_embeddings": False, "tie_output": False, "tgt_vocab_size": 47}, dict(beam=3)),  # a target vocabulary
 ])
 def test_native_search_equals_python(model_kw, options, monkeypatch):
     model = model_of(**model_kw)
     spec = SearchSpec.of(**options)
     for n in (1, 3):
         src, mask = sources(n, seed=n)
-        assert native.chosen(model, mask, spec)
+        assert native.chosen(model, src, mask, spec)
         same(native.beam_search(model, src, mask, spec), python_search(model, src, mask, spec, monkeypatch))
 
 
@@ -141,10 +142,16 @@ def test_what_the_native_search_leaves_to_python():
     assert native.unsupported(model_of(positional="rotary"), spec, torch.device("cpu")) is not None
     assert native.unsupported(model_of(), SearchSpec.of(beam=4, no_repeat_ngram=2), torch.device("cpu")) is not None
     assert native.unsupported(model_of().train(), spec, torch.device("cpu")) == "the model is in training mode"
-    assert not native.chosen(model_of(), torch.ones(native.MAX_SENTENCES + 1, 3, dtype=torch.bool), spec)
-    left_padded = torch.tensor([[False, True, True], [True, True, True]])
-    assert not native.chosen(model_of(), left_padded, spec)
-    assert native.chosen(model_of(), mask, spec)
+    many = torch.full((native.MAX_SENTENCES + 1, 3), 5)
+    assert not native.chosen(model_of(), many, many != 0, spec)
+    left_padded = torch.tensor([[0, 5, 6], [4, 5, 6]])
+    assert not native.chosen(model_of(), left_padded, left_padded != 0, spec)
+    assert native.chosen(model_of(), src, mask, spec)
+    # ids the model cannot read: the PyTorch search, whose error says so (the native loop checks no index)
+    for bad in (torch.tensor([[5, 61, 3]]), torch.tensor([[5, -1, 3]]), torch.full((1, 65), 5)):
+        assert not native.chosen(model_of(), bad, bad != 0, spec)
+        with pytest.raises((IndexError, ValueError, RuntimeError)):
+            beam.beam_search(model_of(), bad, bad != 0, spec)
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor | None = None,
     on the CPU are searched in one native loop (:mod:`aiayn.search.native`, the same search), the rest here."""
     _check(spec)
     src_mask = src != spec.pad if src_mask is None else src_mask
-    if native.chosen(model, src_mask, spec):
+    if native.chosen(model, src, src_mask, spec):
         return native.beam_search(model, src, src_mask, spec)
     return _search(model, src, src_mask, spec)
 

@@ -24,6 +24,7 @@ of the source, the CPU's model and flags, PyTorch and Python; later processes lo
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -44,6 +45,7 @@ from aiayn.model.positions import Positions, PositionScheme
 from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
 from aiayn.search.strategy import Hypothesis
 
+log = logging.getLogger("aiayn.search")
 SOURCE = Path(__file__).with_name("native.cpp")
 ENV = "AIAYN_NATIVE"
 PENALTIES = {"gnmt": 0, "power": 1, "none": 2}
@@ -130,10 +132,15 @@ def why_not() -> str | None:
 MAX_SENTENCES = 32
 
 
-def chosen(model: nn.Module, src_mask: Tensor, spec: SearchSpec) -> bool:
+def chosen(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> bool:
     """Whether :func:`aiayn.search.beam.beam_search` runs this batch natively: a batch of a few right-padded sources
-    that :func:`unsupported` accepts, where the module builds (once per process; a failure is said once)."""
+    that :func:`unsupported` accepts, where the module builds (once per process; a failure is said once). Sources the
+    model cannot read (an id outside its vocabulary, more positions than it has) go to the PyTorch search, whose
+    error says so: the native loop does not check its indices."""
     if src_mask.size(0) > MAX_SENTENCES or unsupported(model, spec, src_mask.device) is not None:
+        return False
+    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= model.encoder.embed.weight.size(0)
+                        or src.size(1) > model.encoder.positions.max_positions):
         return False
     lengths = src_mask.sum(dim=1, keepdim=True)
     if not torch.equal(src_mask, torch.arange(src_mask.size(1), device=src_mask.device) < lengths):
@@ -143,6 +150,12 @@ def chosen(model: nn.Module, src_mask: Tensor, spec: SearchSpec) -> bool:
             _told.append(True)
             warnings.warn(f"beam search runs in Python: {_why_not}", RuntimeWarning, stacklevel=3)
         return False
+    if not _told:  # said once a process, with `aiayn -v`
+        _told.append(True)
+        m = module()
+        units = [name for name, have in (("AVX512-VNNI int8", m.vnni), ("AVX512-BF16", m.dpbf16)) if have]
+        log.info("beam search of up to %d sentences: the native loop (built for this CPU%s)", MAX_SENTENCES,
+                 f": {', '.join(units)}" if units else "")
     return True
 
 
