@@ -58,8 +58,13 @@ def _live(loaded):
 
     import uvicorn
 
+    from aiayn.search import native
     from aiayn.serve.app import create_app
 
+    # the PyTorch search, whose steps each call the model's decode (the native loop asks the same per-step stop
+    # callback without one: tests/test_native.py::test_stop_callback_ends_the_search)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(native, "chosen", lambda *a: False)
     model, real = loaded.run.model, loaded.run.model.decode
     box = {"calls": 0, "gate_at": None, "at_gate": threading.Event(), "gate": threading.Event()}
 
@@ -88,6 +93,7 @@ def _live(loaded):
         thread.join(60)
         sock.close()
         del model.decode  # the class's own again
+        patch.undo()
 
 
 @pytest.fixture
