@@ -460,6 +460,11 @@ struct Candidate {
   int64_t beam, tok;
 };
 
+struct Rules {  // the search's options
+  int64_t N, nbest, penalty, stop_rule, eos;  // beam; hypotheses returned; 0 gnmt 1 power 2 none; 0 exact 1 hf 2 first
+  double alpha;
+};
+
 }  // namespace
 
 // The decoder of one model, its weights prepared once (fp32, or bf16 for the products).
@@ -539,8 +544,8 @@ class Decoder {
       std::vector<int64_t> src, std::vector<int64_t> src_len, std::vector<int64_t> limits, std::vector<int64_t> how,
       double alpha, std::vector<int64_t> banned, py::object stop) {
     // how: beam N, nbest, length penalty (0 gnmt, 1 power, 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len
-    const int64_t N = how.at(0), nbest = how.at(1), penalty = how.at(2), stop_rule = how.at(3), bos = how.at(4),
-                  eos = how.at(5), min_len = how.at(6);
+    const Rules rules{how.at(0), how.at(1), how.at(2), how.at(3), how.at(5), alpha};
+    const int64_t N = rules.N, bos = how.at(4), eos = rules.eos, min_len = how.at(6);
     const int64_t B = int64_t(limits.size());
     const int64_t S = B ? int64_t(src.size()) / B : 0;
     std::vector<std::vector<float>> cross_k, cross_v;
@@ -597,60 +602,19 @@ class Decoder {
           }
         });
         const int64_t n = int64_t(sent.size());
-        const int64_t length = t + 1;
         std::vector<int64_t> keep_rows;  // next rows: the row each continues
         std::vector<int64_t> keep_tok;
         std::vector<float> keep_scores;
         std::vector<int64_t> live;
-        std::vector<Candidate> cand;
         for (int64_t s = 0; s < n; ++s) {
-          cand.clear();
-          for (int64_t rb = 0; rb < per_sent; ++rb) {
-            const int64_t r = s * per_sent + rb;
-            for (int64_t j = 0; j < k; ++j) cand.push_back({scores[s * N + rb] + top_v[r * k + j], rb, top_i[r * k + j]});
-          }
-          const int64_t m = std::min<int64_t>(2 * N, int64_t(cand.size()));
-          std::stable_sort(cand.begin(), cand.end(), [](const Candidate& p, const Candidate& q) { return p.lp > q.lp; });
-          cand.resize(m);
-          const int64_t b = sent[s];
-          const bool at_limit = limits[b] <= length;
-          // finished: EOS among the first N candidates, or all first N at the limit
-          auto& pool = pools[b];
-          const double den = denominator(length, alpha, penalty);
-          for (int64_t j = 0; j < std::min<int64_t>(N, m); ++j) {
-            const Candidate& c = cand[j];
-            const bool is_eos = c.tok == eos;
-            if (!(is_eos || at_limit) || !(c.lp > NEG_INF)) continue;
-            Finished f{double(c.lp) / den, c.lp, {}};
-            const int64_t row = s * per_sent + c.beam;
-            f.tokens.assign(tokens.begin() + row * (C + 1) + 1, tokens.begin() + row * (C + 1) + 1 + t);
-            if (!is_eos) f.tokens.push_back(c.tok);
-            auto at = std::upper_bound(pool.begin(), pool.end(), f.score,
-                                       [](double v, const Finished& e) { return v > e.score; });
-            if (at - pool.begin() < N) {
-              pool.insert(at, std::move(f));
-              if (int64_t(pool.size()) > N) pool.pop_back();
-            }
-          }
-          // next beams: the N best non-EOS candidates, in order
-          std::vector<Candidate> next;
-          for (const Candidate& c : cand)
-            if (c.tok != eos && int64_t(next.size()) < N) next.push_back(c);
-          for (const Candidate& c : cand)  // fewer than N: EOS ones at -inf fill the rest (never continued)
-            if (c.tok == eos && int64_t(next.size()) < N) next.push_back({NEG_INF, c.beam, c.tok});
-          const float best_live = next.empty() ? NEG_INF : next[0].lp;
-          double bound;
-          if (stop_rule == 2) bound = -std::numeric_limits<double>::infinity();  // first
-          else if (stop_rule == 1) bound = double(best_live) / denominator(length, alpha, penalty);  // hf
-          else bound = std::max(double(best_live) / denominator(length + 1, alpha, penalty),
-                                double(best_live) / denominator(limits[b], alpha, penalty));  // exact
-          const int64_t kth = stop_rule == 0 ? nbest : N;
-          const double cut = int64_t(pool.size()) >= kth ? pool[kth - 1].score : -std::numeric_limits<double>::infinity();
-          const bool done = at_limit || best_live == NEG_INF || (cut > -std::numeric_limits<double>::infinity() && bound <= cut);
-          if (done || int64_t(next.size()) < N) continue;
+          const int64_t b = sent[s], first = s * per_sent;
+          const std::vector<Candidate> next =
+              sentence_step(rules, top_v.data() + first * k, top_i.data() + first * k, k, scores.data() + s * N,
+                            per_sent, tokens.data() + first * (C + 1), C + 1, t, limits[b], pools[b]);
+          if (next.empty()) continue;  // done
           live.push_back(b);
           for (const Candidate& c : next) {
-            keep_rows.push_back(s * per_sent + c.beam);
+            keep_rows.push_back(first + c.beam);
             keep_tok.push_back(c.tok);
             keep_scores.push_back(c.lp);
           }
@@ -682,7 +646,7 @@ class Decoder {
       }
       for (int64_t b = 0; b < B; ++b) {
         auto& pool = pools[b];
-        for (int64_t j = 0; j < std::min<int64_t>(nbest, int64_t(pool.size())); ++j)
+        for (int64_t j = 0; j < std::min<int64_t>(rules.nbest, int64_t(pool.size())); ++j)
           results[b].emplace_back(pool[j].tokens, pool[j].score, double(pool[j].logprob));
       }
     }
@@ -753,6 +717,55 @@ class Decoder {
       }
     }
     (void)KQ;
+  }
+
+  // One live sentence's step (aiayn.search.beam's rules): its 2N best (beam, token) candidates from its ``rows`` rows'
+  // best k log-probabilities top_v / ids top_i (rows, k) and its beams' summed log-probabilities ``beam_scores``; the
+  // finished among the first N (EOS, or all of them at the sentence's ``limit``) offered to its ``pool``, best first,
+  // an equal score after those already there; then its next N beams, or none when it is done (at its limit, nothing
+  // live, or the stop rule's bound). ``prefixes``: its rows' tokens, BOS first, row stride ``stride``.
+  std::vector<Candidate> sentence_step(const Rules& o, const float* top_v, const int64_t* top_i, int64_t k,
+                                       const float* beam_scores, int64_t rows, const int64_t* prefixes, int64_t stride,
+                                       int64_t t, int64_t limit, std::vector<Finished>& pool) const {
+    constexpr double DONE = -std::numeric_limits<double>::infinity();
+    std::vector<Candidate> cand;
+    for (int64_t rb = 0; rb < rows; ++rb)
+      for (int64_t j = 0; j < k; ++j) cand.push_back({beam_scores[rb] + top_v[rb * k + j], rb, top_i[rb * k + j]});
+    std::stable_sort(cand.begin(), cand.end(), [](const Candidate& p, const Candidate& q) { return p.lp > q.lp; });
+    cand.resize(std::min<size_t>(2 * o.N, cand.size()));
+    const int64_t length = t + 1;
+    const bool at_limit = limit <= length;
+    const double den = denominator(length, o.alpha, o.penalty);
+    for (int64_t j = 0; j < std::min<int64_t>(o.N, int64_t(cand.size())); ++j) {
+      const Candidate& c = cand[j];
+      const bool is_eos = c.tok == o.eos;
+      if (!(is_eos || at_limit) || !(c.lp > NEG_INF)) continue;
+      Finished f{double(c.lp) / den, c.lp, {}};
+      const int64_t* prefix = prefixes + c.beam * stride + 1;
+      f.tokens.assign(prefix, prefix + t);
+      if (!is_eos) f.tokens.push_back(c.tok);
+      auto at = std::upper_bound(pool.begin(), pool.end(), f.score,
+                                 [](double v, const Finished& e) { return v > e.score; });
+      if (at - pool.begin() < o.N) {
+        pool.insert(at, std::move(f));
+        if (int64_t(pool.size()) > o.N) pool.pop_back();
+      }
+    }
+    std::vector<Candidate> next;  // the N best non-EOS candidates, in order; EOS ones at -inf fill a shortfall
+    for (const Candidate& c : cand)
+      if (c.tok != o.eos && int64_t(next.size()) < o.N) next.push_back(c);
+    for (const Candidate& c : cand)
+      if (c.tok == o.eos && int64_t(next.size()) < o.N) next.push_back({NEG_INF, c.beam, c.tok});
+    const float best = next.empty() ? NEG_INF : next[0].lp;
+    double bound;  // the best penalized score a live beam can still finish with
+    if (o.stop_rule == 2) bound = DONE;  // first
+    else if (o.stop_rule == 1) bound = double(best) / denominator(length, o.alpha, o.penalty);  // hf
+    else bound = std::max(double(best) / denominator(length + 1, o.alpha, o.penalty),
+                          double(best) / denominator(limit, o.alpha, o.penalty));  // exact
+    const int64_t kth = o.stop_rule == 0 ? o.nbest : o.N;  // exact: the nbest-th, others: a full pool
+    const double cut = int64_t(pool.size()) >= kth ? pool[kth - 1].score : DONE;
+    if (at_limit || best == NEG_INF || (cut > DONE && bound <= cut) || int64_t(next.size()) < o.N) return {};
+    return next;
   }
 
   // The k largest of row (V,), best first; equal values: the lower id first.
