@@ -126,9 +126,9 @@ def why_not() -> str | None:
 # Batches of up to this many sentences take the native search; larger ones PyTorch's, whose products read each weight
 # once for all rows where the native ones, made for a few rows, read it once per 8. `python -m benchmarks.native_search`
 # (BENCHMARKS.md; the 2-core AMD EPYC, quick recipe, 1 thread): native / PyTorch 4.9x (fp32), 8.3x (bf16), 16.2x (int8)
-# one sentence at a time, 1.8x-1.9x at 32 sentences, 1.5x-2.8x at 64; but in that one process the PyTorch search runs
-# below its own translate_speed pass (54-62 sentences/s fp32 at 64 there, 34-46 here), so 64 stays PyTorch's until
-# translate_speed measures the native search at 64.
+# one sentence at a time, 1.8x-1.9x at 32 sentences. At 64, translate_speed's batched mode with this set to 32 and to
+# 64 (benchmarks/results/translate_speed_cpu_amd_batched_{pytorch,native}64.json): native / PyTorch 0.99x fp32, 1.10x
+# bf16, 0.77x int8, so 64 stays PyTorch's.
 MAX_SENTENCES = 32
 
 
