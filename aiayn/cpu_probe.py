@@ -229,12 +229,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def all_flags() -> str:
+    """Every feature flag ``/proc/cpuinfo`` gives this CPU, as written there ("" where there is none)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith(("flags", "Features")):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def cpu_flags() -> tuple[str, ...]:
     """Of :data:`SHOWN_FLAGS`, those this CPU has: ``/proc/cpuinfo``'s flags, or PyTorch's checks where it has none."""
-    for line in _cpuinfo().splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return tuple(f for f in SHOWN_FLAGS if f in have)
+    have = set(all_flags().split())
+    if have:
+        return tuple(f for f in SHOWN_FLAGS if f in have)
     checks = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported", "avx512_vnni": "_is_vnni_supported",
               "avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported"}
     return tuple(f for f, name in checks.items() if getattr(torch.cpu, name, lambda: False)())

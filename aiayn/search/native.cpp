@@ -584,7 +584,7 @@ class Decoder {
             break;
           }
         }
-        step(t, R, per_sent, N, tokens, C, sent, ck, cv, S, src_len, cache.get(), per_row, x, h, a, y, logits, sc,
+        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache.get(), per_row, x, h, a, y, logits, sc,
              scale);
         // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
         // best log-probabilities (log_softmax of the row, computed for those k only)
@@ -667,7 +667,7 @@ class Decoder {
   // cross-attention keys (B, H, S, K) and values (B, H, S, Q) of its output, into ck[l] and cv[l].
   void encode(const std::vector<int64_t>& src, int64_t B, int64_t S, const std::vector<int64_t>& src_len,
               std::vector<std::vector<float>>& ck, std::vector<std::vector<float>>& cv) const {
-    const int64_t M = B * S, KQ = std::max(K, Q), qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
+    const int64_t M = B * S, qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
     const int64_t Fe = enc_layers.empty() ? 0 : enc_layers[0].fc1.N;
     std::vector<float> x(M * D), y(M * D), h(M * std::max({w3, Fe, D})), a(M * vw), sc(M * H * S);
     const float* E = enc_emb.data_ptr<float>();
@@ -716,7 +716,6 @@ class Decoder {
         }
       }
     }
-    (void)KQ;
   }
 
   // One live sentence's step (aiayn.search.beam's rules): its 2N best (beam, token) candidates from its ``rows`` rows'
@@ -798,12 +797,11 @@ class Decoder {
 
   // One decoder step of R rows at position t: the last tokens' logits into ``logits`` (R, V); each row's keys/values
   // written into its cache slot at t. Rows s * per_sent .. belong to live sentence s (original index sent[s]).
-  void step(int64_t t, int64_t R, int64_t per_sent, int64_t N, const std::vector<int64_t>& tokens, int64_t C,
+  void step(int64_t t, int64_t R, int64_t per_sent, const std::vector<int64_t>& tokens, int64_t C,
             const std::vector<int64_t>& sent, const std::vector<const float*>& ck, const std::vector<const float*>& cv,
             int64_t S, const std::vector<int64_t>& src_len, float* cache, int64_t per_row, std::vector<float>& x,
             std::vector<float>& h, std::vector<float>& a, std::vector<float>& y, std::vector<float>& logits,
             std::vector<float>& sc, float scale) const {
-    (void)N;
     const int64_t KQ = std::max(K, Q);
     const float* E = emb.data_ptr<float>();
     const float* P = pe.data_ptr<float>();

@@ -1,10 +1,10 @@
 """Beam search on the CPU in one native loop (``native.cpp``): the decoder step, its key/value cache and the search's
 bookkeeping without Python between a step's operations.
 
-At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations (4.6 ms a step on
-a 2-core AMD EPYC, 3.8 ms of it in the decoder, 0.8 ms in the search's bookkeeping), where its arithmetic is a fraction
-of a millisecond. The native loop runs the same search with products that read each packed weight once per 8 rows
-(a beam of 4 is 4 rows) and no allocation or Python between steps.
+At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations, where its
+arithmetic is a fraction of a millisecond (BENCHMARKS.md, "Where a CPU beam search's time goes"). The native loop runs
+the same search with products that read each packed weight once per 8 rows (a beam of 4 is 4 rows) and no allocation
+or Python between steps: `python -m benchmarks.native_search` compares the two.
 
 What it computes is :func:`aiayn.search.beam.beam_search`'s search, the encoder included (candidates, finished pools,
 stop rules, length penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from aiayn.cpu_probe import cpu_model
+from aiayn.cpu_probe import all_flags, cpu_model
 from aiayn.files import cache_dir
 from aiayn.linear import linear_kind
 from aiayn.model.positions import Positions, PositionScheme
@@ -60,16 +60,9 @@ _lock = threading.Lock()
 DIR_ENV = "AIAYN_NATIVE_DIR"  # where compiled modules go (default: cache_dir()/native)
 
 
-def _all_flags() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith(("flags", "Features")):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def build_key(arch: str = "native") -> str:
     """The compiled module's key: its source, the CPU (for ``-march=native``) or ``arch``, PyTorch and Python."""
-    parts = [SOURCE.read_text(), arch, cpu_model(), _all_flags(), torch.__version__, sys.version, platform.machine()]
+    parts = [SOURCE.read_text(), arch, cpu_model(), all_flags(), torch.__version__, sys.version, platform.machine()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
