@@ -147,7 +147,7 @@ def chosen(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) ->
         _told.append(True)
         m = module()
         units = [name for name, have in (("AVX512-VNNI int8", m.vnni), ("AVX512-BF16", m.dpbf16)) if have]
-        log.info("beam search of up to %d sentences: the native loop (built for this CPU%s)", MAX_SENTENCES,
+        log.debug("beam search of up to %d sentences: the native loop (built for this CPU%s)", MAX_SENTENCES,
                  f": {', '.join(units)}" if units else "")
     return True
 
