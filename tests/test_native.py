@@ -69,6 +69,8 @@ def same(a, b, tol=1e-4) -> None:
     ({"tie_output": False, "output_bias": True}, dict(beam=2, stop="first", length_penalty="none", ban_pad=True)),
     ({}, dict(beam=5, nbest=2, max_len_a=0.0, max_len_b=4)),  # every sentence at its limit
     ({"share_embeddings": False, "tie_output": False, "tgt_vocab_size": 47}, dict(beam=3)),  # a target vocabulary
+    # over 100 steps: the cache's room (64 steps at first) grows twice while beams move
+    ({"max_positions": 200}, dict(beam=3, max_len_a=0.0, max_len_b=150, min_len=100)),
 ])
 def test_native_search_equals_python(model_kw, options, monkeypatch):
     model = model_of(**model_kw)

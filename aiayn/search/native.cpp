@@ -561,8 +561,10 @@ class Decoder {
       }
       const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
       const int64_t KQ = std::max(K, Q);
-      const int64_t per_row = L * 2 * H * C * KQ;  // one row's cache: [l][k|v][h][pos][KQ]
-      // not zeroed (a step reads only the positions written): hundreds of MB for a batch of 64 at 100 steps
+      // one row's cache: [l][k|v][h][pos][KQ], room for ``room`` steps: 64 at first (fewer if fewer are needed), then
+      // doubled up to C as the batch runs longer (a batch whose outputs end early never holds its step limit); not
+      // zeroed: a step reads only the positions written
+      int64_t room = std::min<int64_t>(C, 64), per_row = L * 2 * H * room * KQ;
       std::unique_ptr<float[]> cache(new float[B * N * per_row]), spare(new float[B * N * per_row]);
       // live sentences (their original index), their beams' summed logprobs (n, N), pools, limits
       std::vector<int64_t> sent(B);
@@ -584,7 +586,7 @@ class Decoder {
             break;
           }
         }
-        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache.get(), per_row, x, h, a, y, logits, sc,
+        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache.get(), room, per_row, x, h, a, y, logits, sc,
              scale);
         // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
         // best log-probabilities (log_softmax of the row, computed for those k only)
@@ -630,15 +632,26 @@ class Decoder {
         }
         tokens.swap(new_tokens);
         const int64_t span = (t + 1) * KQ;
+        int64_t new_room = room, new_per_row = per_row;
+        if (t + 2 > room) {  // the next step writes position t + 1: more room, in both buffers
+          new_room = std::min<int64_t>(C, std::max<int64_t>(2 * room, t + 2));
+          new_per_row = L * 2 * H * new_room * KQ;
+          spare.reset(new float[B * N * new_per_row]);
+        }
         at::parallel_for(0, R2, 1, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
             const float* src = cache.get() + keep_rows[r] * per_row;
-            float* dst = spare.get() + r * per_row;
+            float* dst = spare.get() + r * new_per_row;
             for (int64_t seg = 0; seg < L * 2 * H; ++seg)
-              std::memcpy(dst + seg * C * KQ, src + seg * C * KQ, sizeof(float) * span);
+              std::memcpy(dst + seg * new_room * KQ, src + seg * room * KQ, sizeof(float) * span);
           }
         });
         cache.swap(spare);
+        if (new_room != room) {
+          spare.reset(new float[B * N * new_per_row]);
+          room = new_room;
+          per_row = new_per_row;
+        }
         sent = live;
         scores = keep_scores;
         R = R2;
@@ -799,7 +812,8 @@ class Decoder {
   // written into its cache slot at t. Rows s * per_sent .. belong to live sentence s (original index sent[s]).
   void step(int64_t t, int64_t R, int64_t per_sent, const std::vector<int64_t>& tokens, int64_t C,
             const std::vector<int64_t>& sent, const std::vector<const float*>& ck, const std::vector<const float*>& cv,
-            int64_t S, const std::vector<int64_t>& src_len, float* cache, int64_t per_row, std::vector<float>& x,
+            int64_t S, const std::vector<int64_t>& src_len, float* cache, int64_t room, int64_t per_row,
+            std::vector<float>& x,
             std::vector<float>& h, std::vector<float>& a, std::vector<float>& y, std::vector<float>& logits,
             std::vector<float>& sc, float scale) const {
     const int64_t KQ = std::max(K, Q);
@@ -821,17 +835,17 @@ class Decoder {
       ly.qkv(in, R, h.data());  // (R, qw + qw + vw)
       const int64_t w3 = 2 * qw + vw;
       for (int64_t r = 0; r < R; ++r) {
-        float* slot = cache + r * per_row + l * 2 * H * C * KQ;
+        float* slot = cache + r * per_row + l * 2 * H * room * KQ;
         for (int64_t hh = 0; hh < H; ++hh) {
-          std::memcpy(slot + (hh * C + t) * KQ, h.data() + r * w3 + qw + hh * K, sizeof(float) * K);
-          std::memcpy(slot + ((H + hh) * C + t) * KQ, h.data() + r * w3 + 2 * qw + hh * Q, sizeof(float) * Q);
+          std::memcpy(slot + (hh * room + t) * KQ, h.data() + r * w3 + qw + hh * K, sizeof(float) * K);
+          std::memcpy(slot + ((H + hh) * room + t) * KQ, h.data() + r * w3 + 2 * qw + hh * Q, sizeof(float) * Q);
         }
       }
       at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
-          const float* slot = cache + r * per_row + l * 2 * H * C * KQ;
-          attend(h.data() + r * w3 + hh * K, slot + hh * C * KQ, KQ, slot + (H + hh) * C * KQ, KQ, t + 1, K, Q,
+          const float* slot = cache + r * per_row + l * 2 * H * room * KQ;
+          attend(h.data() + r * w3 + hh * K, slot + hh * room * KQ, KQ, slot + (H + hh) * room * KQ, KQ, t + 1, K, Q,
                  scale, sc.data() + i * std::max(C, S), a.data() + r * vw + hh * Q);
         }
       });
