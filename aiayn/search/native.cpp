@@ -10,7 +10,7 @@
 // so torch.set_num_threads applies.
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
-// (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the cache's room in steps.
+// (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
 // Built by aiayn/native/__init__.py (torch.utils.cpp_extension) with -O3 -march=native for the CPU it runs on.
 
 #include <torch/extension.h>
@@ -78,6 +78,14 @@ void block(const float* x, int64_t K, const T* wp, const float* scale, const flo
            int64_t nb0, int64_t nb1, int64_t N) {
   auto put = [&](const vf* acc, int64_t nb) {
     const int64_t n0 = nb * W, cols = std::min<int64_t>(W, N - n0);
+    if (cols == W) {  // whole vectors
+      const vf s = scale ? load(scale + n0) : vf{} + 1.f, bias = b ? load(b + n0) : vf{};
+      for (int r = 0; r < R; ++r) {
+        const vf v = acc[r] * s + bias;
+        std::memcpy(y + r * ldy + n0, &v, sizeof v);
+      }
+      return;
+    }
     for (int r = 0; r < R; ++r) {
       float* yr = y + r * ldy + n0;
       for (int64_t j = 0; j < cols; ++j) yr[j] = acc[r][j] * (scale ? scale[n0 + j] : 1.f) + (b ? b[n0 + j] : 0.f);
@@ -121,13 +129,14 @@ template <int R>
 void block_vnni(const uint8_t* xu, int64_t K4, const int8_t* wp, const int32_t* comp, const float* xs,
                 const float* ws, const float* b, float* y, int64_t ldy, int64_t nb0, int64_t nb1, int64_t N) {
   auto put = [&](const __m512i* acc, int64_t nb) {
-    const int64_t n0 = nb * 16, cols = std::min<int64_t>(16, N - n0);
-    alignas(64) int32_t lanes[16];
+    const int64_t n0 = nb * 16;
+    const __mmask16 cols = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+    const __m512i c = _mm512_maskz_loadu_epi32(cols, comp + n0);
+    const __m512 s = _mm512_maskz_loadu_ps(cols, ws + n0), bias = b ? _mm512_maskz_loadu_ps(cols, b + n0) : __m512{};
     for (int r = 0; r < R; ++r) {
-      _mm512_store_si512(lanes, acc[r]);
-      float* yr = y + r * ldy + n0;
-      for (int64_t j = 0; j < cols; ++j)
-        yr[j] = float(lanes[j] - comp[n0 + j]) * xs[r] * ws[n0 + j] + (b ? b[n0 + j] : 0.f);
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], c)),
+                                                   _mm512_set1_ps(xs[r])), s);
+      _mm512_mask_storeu_ps(y + r * ldy + n0, cols, _mm512_add_ps(v, bias));
     }
   };
   int64_t nb = nb0;
@@ -167,13 +176,10 @@ template <int R>
 void block_dpbf16(const uint32_t* xp, int64_t K2, const int16_t* wp, const float* b, float* y, int64_t ldy,
                   int64_t nb0, int64_t nb1, int64_t N) {
   auto put = [&](const __m512* acc, int64_t nb) {
-    const int64_t n0 = nb * 16, cols = std::min<int64_t>(16, N - n0);
-    alignas(64) float lanes[16];
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(lanes, acc[r]);
-      float* yr = y + r * ldy + n0;
-      for (int64_t j = 0; j < cols; ++j) yr[j] = lanes[j] + (b ? b[n0 + j] : 0.f);
-    }
+    const int64_t n0 = nb * 16;
+    const __mmask16 cols = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+    const __m512 bias = b ? _mm512_maskz_loadu_ps(cols, b + n0) : __m512{};
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, cols, _mm512_add_ps(acc[r], bias));
   };
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
@@ -237,23 +243,37 @@ inline vf vexp(vf x) {
   return p * two;
 }
 
-// log(sum(exp(row))) of a row (V,) whose largest value is finite.
-float log_sum_exp(const float* row, int64_t V) {
-  vf mx = vf{} + NEG_INF;
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// sum(exp(row - m)) of a row (V,), m its largest value (finite).
+float sum_exp(const float* row, int64_t V, float m) {
   const int64_t Vv = V / W * W;
-  for (int64_t v = 0; v < Vv; v += W) {
-    const vf x = load(row + v);
-    mx = x > mx ? x : mx;
-  }
-  float m = NEG_INF;
-  for (int i = 0; i < W; ++i) m = std::max(m, mx[i]);
-  for (int64_t v = Vv; v < V; ++v) m = std::max(m, row[v]);
   vf acc = vf{};
   for (int64_t v = 0; v < Vv; v += W) acc += vexp(load(row + v) - m);
-  float sum = 0.f;
-  for (int i = 0; i < W; ++i) sum += acc[i];
+  float sum = hsum(acc);
   for (int64_t v = Vv; v < V; ++v) sum += std::exp(row[v] - m);
-  return m + std::log(sum);
+  return sum;
+}
+
+// The lanes of x greater than t, as bits.
+inline uint32_t greater(vf x, float t) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(t), _CMP_GT_OQ);
+#elif defined(__AVX__)
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps((__m256)x, _mm256_set1_ps(t), _CMP_GT_OQ)));
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < W; ++i) bits |= uint32_t(x[i] > t) << i;
+  return bits;
+#endif
 }
 
 // A linear layer's weight (N, K), packed in blocks of W columns ((N / W, K, W), zero-padded), as fp32, bf16 or
@@ -312,13 +332,23 @@ struct Linear {
       // each row: scale = max |x| / 127 (at least 1e-30 / 127), xq = round(x / scale), stored + 128
       std::vector<uint8_t> xu(M * K4 * 4, 128);
       std::vector<float> xs(M);
+      const int64_t Kv = K / 16 * 16;
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * K;
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+        uint8_t* q = xu.data() + m * K4 * 4;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = 0; k < Kv; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+        float amax = _mm512_reduce_max_ps(mx);
+        for (int64_t k = Kv; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
         const float s = std::max(amax, 1e-30f) / 127.f;
         xs[m] = s;
-        for (int64_t k = 0; k < K; ++k) xu[m * K4 * 4 + k] = uint8_t(int(std::nearbyint(xr[k] / s)) + 128);
+        const __m512 sv = _mm512_set1_ps(s);
+        const __m512i off = _mm512_set1_epi32(128);
+        for (int64_t k = 0; k < Kv; k += 16)  // x / s rounded to nearest even (the default rounding, as nearbyint)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(
+                               _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv)), off)));
+        for (int64_t k = Kv; k < K; ++k) q[k] = uint8_t(int(std::nearbyint(xr[k] / s)) + 128);
       }
       const int32_t* cp = comp.data_ptr<int32_t>();
       const int8_t* wp = w.data_ptr<int8_t>();
@@ -337,8 +367,14 @@ struct Linear {
 #ifdef AIAYN_DPBF16
     if (kind == BF16) {  // each row rounded to bf16, in pairs of k
       std::vector<uint32_t> xp(M * K2, 0);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(x[m * K + k]) << (16 * (k & 1));
+      const int64_t Kv = K / 32 * 32;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * K;
+        for (int64_t k = 0; k < Kv; k += 32)  // 32 values to bf16 (nearest even), k's order: k even low, odd high
+          _mm512_storeu_si512(xp.data() + m * K2 + k / 2,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k)));
+        for (int64_t k = Kv; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(xr[k]) << (16 * (k & 1));
+      }
       const int16_t* wp = w.data_ptr<int16_t>();
       at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
         for (int64_t m = 0; m < M; m += ROWS) {
@@ -389,20 +425,29 @@ struct Norm {
   void operator()(const float* x, int64_t M, int64_t D, float* out) const {
     const float* g = w.data_ptr<float>();
     const float* bb = b.data_ptr<float>();
+    const int64_t Dv = D / W * W;
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * D;
       float* o = out + m * D;
-      float mean = 0.f;
-      for (int64_t d = 0; d < D; ++d) mean += xr[d];
+      vf acc = vf{};
+      for (int64_t d = 0; d < Dv; d += W) acc += load(xr + d);
+      float mean = hsum(acc);
+      for (int64_t d = Dv; d < D; ++d) mean += xr[d];
       mean /= float(D);
-      float var = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        float c = xr[d] - mean;
-        var += c * c;
+      acc = vf{};
+      for (int64_t d = 0; d < Dv; d += W) {
+        const vf c = load(xr + d) - mean;
+        acc += c * c;
       }
+      float var = hsum(acc);
+      for (int64_t d = Dv; d < D; ++d) var += (xr[d] - mean) * (xr[d] - mean);
       var /= float(D);
       const float inv = 1.f / std::sqrt(var + eps);
-      for (int64_t d = 0; d < D; ++d) o[d] = (xr[d] - mean) * inv * g[d] + bb[d];
+      for (int64_t d = 0; d < Dv; d += W) {
+        const vf v = (load(xr + d) - mean) * inv * load(g + d) + load(bb + d);
+        std::memcpy(o + d, &v, sizeof v);
+      }
+      for (int64_t d = Dv; d < D; ++d) o[d] = (xr[d] - mean) * inv * g[d] + bb[d];
     }
   }
 };
@@ -417,29 +462,40 @@ struct EncoderLayer {
   Linear qkv, out, fc1, fc2;
 };
 
-// softmax(q . keys / sqrt(K)) . values for one query: keys (T, ks) and values (T, vs) with row strides, out (Q,).
-void attend(const float* q, const float* keys, int64_t kstride, const float* vals, int64_t vstride, int64_t T,
-            int64_t K, int64_t Q, float scale, float* scores, float* out) {
+// softmax(q . key(j) * scale, j < T) . val(j) for one query q (K,): key(j) -> (K,), val(j) -> (Q,) (any layout: a
+// source's rows, or a beam's cached steps found through its ancestors); out (Q,). scores: room for T rounded up to W.
+template <typename Keys, typename Vals>
+void attend(const float* q, Keys key, Vals val, int64_t T, int64_t K, int64_t Q, float scale, float* scores,
+            float* out) {
+  const int64_t Kv = K / W * W, Qv = Q / W * W, Tv = (T + W - 1) / W * W;
   float mx = NEG_INF;
   for (int64_t j = 0; j < T; ++j) {
-    const float* kj = keys + j * kstride;
-    float s = 0.f;
-    for (int64_t i = 0; i < K; ++i) s += q[i] * kj[i];
-    s *= scale;
-    scores[j] = s;
-    mx = std::max(mx, s);
+    const float* kj = key(j);
+    vf acc = vf{};
+    for (int64_t i = 0; i < Kv; i += W) acc += load(q + i) * load(kj + i);
+    float s = hsum(acc);
+    for (int64_t i = Kv; i < K; ++i) s += q[i] * kj[i];
+    scores[j] = s * scale;
+    mx = std::max(mx, scores[j]);
   }
-  float sum = 0.f;
-  for (int64_t j = 0; j < T; ++j) {
-    scores[j] = std::exp(scores[j] - mx);
-    sum += scores[j];
+  for (int64_t j = T; j < Tv; ++j) scores[j] = NEG_INF;  // exp: ~1e-38 (vexp's floor), nothing next to exp(0) = 1
+  vf sum = vf{};
+  for (int64_t j = 0; j < Tv; j += W) {
+    const vf e = vexp(load(scores + j) - mx);
+    std::memcpy(scores + j, &e, sizeof e);
+    sum += e;
   }
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < Q; ++i) out[i] = 0.f;
-  for (int64_t j = 0; j < T; ++j) {
-    const float p = scores[j] * inv;
-    const float* vj = vals + j * vstride;
-    for (int64_t i = 0; i < Q; ++i) out[i] += p * vj[i];
+  const float inv = 1.f / hsum(sum);
+  for (int64_t i = 0; i < Qv; i += W) {
+    vf o = vf{};
+    for (int64_t j = 0; j < T; ++j) o += load(val(j) + i) * scores[j];
+    o *= inv;
+    std::memcpy(out + i, &o, sizeof o);
+  }
+  for (int64_t i = Qv; i < Q; ++i) {
+    float o = 0.f;
+    for (int64_t j = 0; j < T; ++j) o += val(j)[i] * scores[j];
+    out[i] = o * inv;
   }
 }
 
@@ -463,6 +519,13 @@ struct Candidate {
 struct Rules {  // the search's options
   int64_t N, nbest, penalty, stop_rule, eos;  // beam; hypotheses returned; 0 gnmt 1 power 2 none; 0 exact 1 hf 2 first
   double alpha;
+};
+
+struct Cache {  // the decoder's keys and values of every step (see Decoder::search)
+  std::vector<std::unique_ptr<float[]>> blocks;  // step t: (L, rows[t], H K + H Q)
+  std::vector<int64_t> rows;  // rows at step t
+  std::vector<int32_t> anc;  // (rows now, stride): each row's ancestor at each step
+  int64_t stride;
 };
 
 }  // namespace
@@ -560,12 +623,10 @@ class Decoder {
         cv[l] = cross_v[l].data();
       }
       const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
-      const int64_t KQ = std::max(K, Q);
-      // one row's cache: [l][k|v][h][pos][KQ], room for ``room`` steps: 64 at first (fewer if fewer are needed), then
-      // doubled up to C as the batch runs longer (a batch whose outputs end early never holds its step limit); not
-      // zeroed: a step reads only the positions written
-      int64_t room = std::min<int64_t>(C, 64), per_row = L * 2 * H * room * KQ;
-      std::unique_ptr<float[]> cache(new float[B * N * per_row]), spare(new float[B * N * per_row]);
+      // the key/value cache: step t's block (L, rows at t, keys (H K) | values (H Q)), written once and never moved;
+      // a row reads its earlier steps through its ancestors: anc[r * (C + 1) + j] = the row at step j its prefix
+      // continues (a beam's reorder is a copy of those indices, not of keys and values)
+      Cache cache{{}, {}, std::vector<int32_t>(B * N * (C + 1)), C + 1};
       // live sentences (their original index), their beams' summed logprobs (n, N), pools, limits
       std::vector<int64_t> sent(B);
       for (int64_t b = 0; b < B; ++b) sent[b] = b;
@@ -573,10 +634,11 @@ class Decoder {
       for (int64_t b = 0; b < B; ++b) scores[b * N] = 0.f;
       std::vector<std::vector<Finished>> pools(B);
       std::vector<int64_t> tokens(B * (C + 1), bos), new_tokens;  // (rows, t + 1) prefixes, BOS first; stride C + 1
+      std::vector<int32_t> new_anc;
       int64_t R = B, per_sent = 1;  // rows; rows per sentence (1 on the first step, then N)
-      const int64_t rows_max = B * N;
-      std::vector<float> x(rows_max * D), h(rows_max * std::max({D, 3 * KQ * H, F})), a(rows_max * H * KQ),
-          y(rows_max * D), logits(rows_max * V), sc(rows_max * H * std::max(C, S));
+      const int64_t rows_max = B * N, T_room = (std::max(C, S) + W - 1) / W * W;
+      std::vector<float> x(rows_max * D), h(rows_max * std::max({D, 3 * std::max(K, Q) * H, F})),
+          a(rows_max * H * Q), y(rows_max * D), logits(rows_max * V), sc(rows_max * H * T_room);
       const float scale = 1.f / std::sqrt(float(K));
       for (int64_t t = 0;; ++t) {
         if (!stop.is_none()) {
@@ -586,8 +648,10 @@ class Decoder {
             break;
           }
         }
-        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache.get(), room, per_row, x, h, a, y, logits, sc,
-             scale);
+        cache.blocks.emplace_back(new float[L * R * (H * K + H * Q)]);
+        cache.rows.push_back(R);
+        for (int64_t r = 0; r < R; ++r) cache.anc[r * cache.stride + t] = int32_t(r);
+        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache, x, h, a, y, logits, sc, T_room, scale);
         // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
         // best log-probabilities (log_softmax of the row, computed for those k only)
         const int64_t k = std::min<int64_t>(2 * N, V);
@@ -597,9 +661,12 @@ class Decoder {
           for (int64_t r = r0; r < r1; ++r) {
             float* lg = logits.data() + r * V;
             for (int64_t id : banned) lg[id] = NEG_INF;
-            const float lse = log_sum_exp(lg, V);
+            const float eos_lg = lg[eos];  // in the log-sum-exp even where min_len bars it
             if (t < min_len) lg[eos] = NEG_INF;
             row_top(lg, k, top_v.data() + r * k, top_i.data() + r * k);
+            const float m = std::max(top_v[r * k], eos_lg);
+            const float sum = sum_exp(lg, V, m) + (t < min_len ? std::exp(eos_lg - m) : 0.f);
+            const float lse = m + std::log(sum);
             for (int64_t j = 0; j < k; ++j) top_v[r * k + j] -= lse;
           }
         });
@@ -622,36 +689,19 @@ class Decoder {
           }
         }
         if (live.empty()) break;
-        // the next rows: each continues a row's prefix and keys/values (the beams' reorder, finished sentences dropped)
+        // the next rows: each continues a row's prefix and ancestors (the beams' reorder, finished sentences dropped)
         const int64_t R2 = int64_t(keep_rows.size());
         new_tokens.assign(R2 * (C + 1), 0);
+        new_anc.assign(R2 * cache.stride, 0);
         for (int64_t r = 0; r < R2; ++r) {
           const int64_t p = keep_rows[r];
           std::memcpy(new_tokens.data() + r * (C + 1), tokens.data() + p * (C + 1), sizeof(int64_t) * (t + 1));
           new_tokens[r * (C + 1) + t + 1] = keep_tok[r];
+          std::memcpy(new_anc.data() + r * cache.stride, cache.anc.data() + p * cache.stride,
+                      sizeof(int32_t) * (t + 1));
         }
         tokens.swap(new_tokens);
-        const int64_t span = (t + 1) * KQ;
-        int64_t new_room = room, new_per_row = per_row;
-        if (t + 2 > room) {  // the next step writes position t + 1: more room, in both buffers
-          new_room = std::min<int64_t>(C, std::max<int64_t>(2 * room, t + 2));
-          new_per_row = L * 2 * H * new_room * KQ;
-          spare.reset(new float[B * N * new_per_row]);
-        }
-        at::parallel_for(0, R2, 1, [&](int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1; ++r) {
-            const float* src = cache.get() + keep_rows[r] * per_row;
-            float* dst = spare.get() + r * new_per_row;
-            for (int64_t seg = 0; seg < L * 2 * H; ++seg)
-              std::memcpy(dst + seg * new_room * KQ, src + seg * room * KQ, sizeof(float) * span);
-          }
-        });
-        cache.swap(spare);
-        if (new_room != room) {
-          spare.reset(new float[B * N * new_per_row]);
-          room = new_room;
-          per_row = new_per_row;
-        }
+        cache.anc.swap(new_anc);
         sent = live;
         scores = keep_scores;
         R = R2;
@@ -682,7 +732,8 @@ class Decoder {
               std::vector<std::vector<float>>& ck, std::vector<std::vector<float>>& cv) const {
     const int64_t M = B * S, qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
     const int64_t Fe = enc_layers.empty() ? 0 : enc_layers[0].fc1.N;
-    std::vector<float> x(M * D), y(M * D), h(M * std::max({w3, Fe, D})), a(M * vw), sc(M * H * S);
+    const int64_t Sp = (S + W - 1) / W * W;  // a query's scores: S rounded up to whole vectors
+    std::vector<float> x(M * D), y(M * D), h(M * std::max({w3, Fe, D})), a(M * vw), sc(M * H * Sp);
     const float* E = enc_emb.data_ptr<float>();
     const float* P = enc_pe.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
@@ -698,9 +749,11 @@ class Decoder {
       at::parallel_for(0, M * H, 4, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H, b = r / S;
-          const float* first = h.data() + b * S * w3;  // the sentence's first row: its keys and values
-          attend(h.data() + r * w3 + hh * K, first + qw + hh * K, w3, first + 2 * qw + hh * Q, w3, src_len[b], K,
-                 Q, scale, sc.data() + i * S, a.data() + r * vw + hh * Q);
+          const float* keys = h.data() + b * S * w3 + qw + hh * K;  // from the sentence's first row
+          const float* vals = h.data() + b * S * w3 + 2 * qw + hh * Q;
+          attend(h.data() + r * w3 + hh * K, [&](int64_t j) { return keys + j * w3; },
+                 [&](int64_t j) { return vals + j * w3; }, src_len[b], K, Q, scale, sc.data() + i * Sp,
+                 a.data() + r * vw + hh * Q);
         }
       });
       ly.out(a.data(), M, y.data());
@@ -780,12 +833,13 @@ class Decoder {
     return next;
   }
 
-  // The k largest of row (V,), best first; equal values: the lower id first.
+  // The k largest of row (V,), best first; equal values: the lower id first. Once k are held, a vector of W values
+  // is looked at only where one of them beats the k-th.
   void row_top(const float* row, int64_t k, float* vals, int64_t* ids) const {
     int64_t n = 0;
-    for (int64_t v = 0; v < V; ++v) {
+    auto offer = [&](int64_t v) {
       const float x = row[v];
-      if (n == k && !(x > vals[k - 1])) continue;
+      if (n == k && !(x > vals[k - 1])) return;
       int64_t j = n < k ? n++ : k - 1;
       while (j > 0 && vals[j - 1] < x) {
         vals[j] = vals[j - 1];
@@ -794,7 +848,12 @@ class Decoder {
       }
       vals[j] = x;
       ids[j] = v;
-    }
+    };
+    int64_t v = 0;
+    for (; v < V && n < k; ++v) offer(v);
+    for (; v + W <= V; v += W)
+      for (uint32_t bits = greater(load(row + v), vals[k - 1]); bits; bits &= bits - 1) offer(v + __builtin_ctz(bits));
+    for (; v < V; ++v) offer(v);
     for (; n < k; ++n) vals[n] = NEG_INF, ids[n] = 0;
   }
 
@@ -809,21 +868,20 @@ class Decoder {
   }
 
   // One decoder step of R rows at position t: the last tokens' logits into ``logits`` (R, V); each row's keys/values
-  // written into its cache slot at t. Rows s * per_sent .. belong to live sentence s (original index sent[s]).
+  // written into the cache's block for t. Rows s * per_sent .. belong to live sentence s (original index sent[s]).
+  // sc: room for T_room scores per (row, head).
   void step(int64_t t, int64_t R, int64_t per_sent, const std::vector<int64_t>& tokens, int64_t C,
             const std::vector<int64_t>& sent, const std::vector<const float*>& ck, const std::vector<const float*>& cv,
-            int64_t S, const std::vector<int64_t>& src_len, float* cache, int64_t room, int64_t per_row,
-            std::vector<float>& x,
+            int64_t S, const std::vector<int64_t>& src_len, const Cache& cache, std::vector<float>& x,
             std::vector<float>& h, std::vector<float>& a, std::vector<float>& y, std::vector<float>& logits,
-            std::vector<float>& sc, float scale) const {
-    const int64_t KQ = std::max(K, Q);
+            std::vector<float>& sc, int64_t T_room, float scale) const {
     const float* E = emb.data_ptr<float>();
     const float* P = pe.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) {
       const int64_t tok = tokens[r * (C + 1) + t];
       for (int64_t d = 0; d < D; ++d) x[r * D + d] = E[tok * D + d] * emb_scale + P[t * D + d];
     }
-    const int64_t qw = H * K, vw = H * Q;
+    const int64_t qw = H * K, vw = H * Q, kv = qw + vw, w3 = qw + kv;
     for (int64_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
       // masked self-attention over the cached steps and this one
@@ -833,20 +891,18 @@ class Decoder {
         in = y.data();
       }
       ly.qkv(in, R, h.data());  // (R, qw + qw + vw)
-      const int64_t w3 = 2 * qw + vw;
-      for (int64_t r = 0; r < R; ++r) {
-        float* slot = cache + r * per_row + l * 2 * H * room * KQ;
-        for (int64_t hh = 0; hh < H; ++hh) {
-          std::memcpy(slot + (hh * room + t) * KQ, h.data() + r * w3 + qw + hh * K, sizeof(float) * K);
-          std::memcpy(slot + ((H + hh) * room + t) * KQ, h.data() + r * w3 + 2 * qw + hh * Q, sizeof(float) * Q);
-        }
-      }
+      float* block = cache.blocks[t].get() + l * R * kv;
+      for (int64_t r = 0; r < R; ++r) std::memcpy(block + r * kv, h.data() + r * w3 + qw, sizeof(float) * kv);
       at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
-          const float* slot = cache + r * per_row + l * 2 * H * room * KQ;
-          attend(h.data() + r * w3 + hh * K, slot + hh * room * KQ, KQ, slot + (H + hh) * room * KQ, KQ, t + 1, K, Q,
-                 scale, sc.data() + i * std::max(C, S), a.data() + r * vw + hh * Q);
+          const int32_t* anc = cache.anc.data() + r * cache.stride;
+          auto at = [&](int64_t j) {  // step j's keys | values of this row's ancestor, this head
+            return cache.blocks[j].get() + (l * cache.rows[j] + anc[j]) * kv;
+          };
+          attend(h.data() + r * w3 + hh * K, [&](int64_t j) { return at(j) + hh * K; },
+                 [&](int64_t j) { return at(j) + qw + hh * Q; }, t + 1, K, Q, scale, sc.data() + i * T_room,
+                 a.data() + r * vw + hh * Q);
         }
       });
       ly.self_out(a.data(), R, y.data());
@@ -864,8 +920,9 @@ class Decoder {
           const int64_t b = sent[r / per_sent];
           const float* keys = ck[l] + (b * H + hh) * S * K;
           const float* vals = cv[l] + (b * H + hh) * S * Q;
-          attend(h.data() + r * qw + hh * K, keys, K, vals, Q, src_len[b], K, Q, scale,
-                 sc.data() + i * std::max(C, S), a.data() + r * vw + hh * Q);
+          attend(h.data() + r * qw + hh * K, [&](int64_t j) { return keys + j * K; },
+                 [&](int64_t j) { return vals + j * Q; }, src_len[b], K, Q, scale, sc.data() + i * T_room,
+                 a.data() + r * vw + hh * Q);
         }
       });
       ly.cross_out(a.data(), R, y.data());
