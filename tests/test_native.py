@@ -73,8 +73,11 @@ def same(a, b, tol=1e-4) -> None:
     ({"tie_output": False, "output_bias": True}, dict(beam=2, stop="first", length_penalty="none", ban_pad=True)),
     ({}, dict(beam=5, nbest=2, max_len_a=0.0, max_len_b=4)),  # every sentence at its limit
     ({"share_embeddings": False, "tie_output": False, "tgt_vocab_size": 47}, dict(beam=3)),  # a target vocabulary
-    # over 100 steps: the cache's room (64 steps at first) grows twice while beams move
+    # over 100 steps: every step's keys and values read through the beams' ancestors
     ({"max_positions": 200}, dict(beam=3, max_len_a=0.0, max_len_b=150, min_len=100)),
+    # heads of 32 and 16 dimensions: 16 keys' dot products summed at once (on AVX-512)
+    ({"d_model": 64, "n_heads": 2, "d_ff": 96}, dict(beam=4, max_len_a=0.0, max_len_b=40, min_len=20)),
+    ({"d_model": 64, "n_heads": 4, "d_ff": 96}, dict(beam=3)),
 ])
 def test_native_search_equals_python(model_kw, options, monkeypatch):
     model = model_of(**model_kw)
@@ -95,6 +98,23 @@ def test_batch_of_one_equals_batch(monkeypatch):
         same(native.beam_search(model, src[i: i + 1, :k], mask[i: i + 1, :k], spec), [together[i]], tol=1e-5)
 
 
+def test_many_sentences_on_one_or_two_threads(monkeypatch):
+    """A batch of 40 sentences (160 rows: the products' rows in many groups, the columns split between threads) finds
+    the Python search's hypotheses, and the same bits on one thread as on two (each value summed by one thread)."""
+    model, spec = model_of(d_model=64, n_heads=2, d_ff=96), SearchSpec.of(beam=4, nbest=2)
+    src, mask = sources(40, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.beam_search(model, src, mask, spec)
+        torch.set_num_threads(2)
+        two = native.beam_search(model, src, mask, spec)
+    finally:
+        torch.set_num_threads(threads)
+    same(one, two, tol=0)
+    same(one, python_search(model, src, mask, spec, monkeypatch))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_native_precisions_equal_python(kind, monkeypatch):
     """The model's products in bf16 or int8 (``use_linear``): the native search finds the Python search's hypotheses.
@@ -111,7 +131,7 @@ def test_native_precisions_equal_python(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2])
-@pytest.mark.parametrize("rows, n, k", [(1, 37, 50), (4, 96, 64), (3, 16, 1024), (6, 130, 33)])
+@pytest.mark.parametrize("rows, n, k", [(1, 37, 50), (4, 96, 64), (3, 16, 1024), (6, 130, 33), (37, 200, 256)])
 def test_native_products(kind, rows, n, k):
     torch.manual_seed(rows + n)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)

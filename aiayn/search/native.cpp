@@ -263,6 +263,23 @@ float sum_exp(const float* row, int64_t V, float m) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// r[i] = the sum of v[i]'s 16 lanes, for i < 16, in the lane order 0 4 8 12 1 5 9 13 2 6 10 14 3 7 11 15 (a 4 x 4
+// transpose puts it right): 45 shuffles and adds for the 16 sums.
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s two halves added; 8-15: v[2i + 1]'s
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // each 128-bit block: one v's quarter sums
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+#endif
+
 // The lanes of x greater than t, as bits.
 inline uint32_t greater(vf x, float t) {
 #if defined(__AVX512F__)
@@ -326,7 +343,8 @@ struct Linear {
   void operator()(const float* x, int64_t M, float* y) const {
     const float* bias = b.defined() ? b.data_ptr<float>() : nullptr;
     const float* sc = scale.defined() ? scale.data_ptr<float>() : nullptr;
-    const int64_t grain = std::max<int64_t>(2, 4096 / std::max<int64_t>(1, K));
+    // a thread takes at least ~256k multiply-adds (a few microseconds): fewer are not worth waking it for
+    const int64_t grain = std::max<int64_t>(2, (1 << 18) / std::max<int64_t>(1, K * W * M));
 #ifdef AIAYN_VNNI
     if (kind == INT8) {
       // each row: scale = max |x| / 127 (at least 1e-30 / 127), xq = round(x / scale), stored + 128
@@ -468,17 +486,42 @@ template <typename Keys, typename Vals>
 void attend(const float* q, Keys key, Vals val, int64_t T, int64_t K, int64_t Q, float scale, float* scores,
             float* out) {
   const int64_t Kv = K / W * W, Qv = Q / W * W, Tv = (T + W - 1) / W * W;
-  float mx = NEG_INF;
-  for (int64_t j = 0; j < T; ++j) {
-    const float* kj = key(j);
-    vf acc = vf{};
-    for (int64_t i = 0; i < Kv; i += W) acc += load(q + i) * load(kj + i);
-    float s = hsum(acc);
-    for (int64_t i = Kv; i < K; ++i) s += q[i] * kj[i];
-    scores[j] = s * scale;
-    mx = std::max(mx, scores[j]);
+#if defined(__AVX512F__)
+  if (Kv == K) {  // 16 keys' dot products at once, summed across lanes together (reduce16)
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t j0 = 0; j0 < T; j0 += 16) {
+      __m512 acc[16];
+      const int64_t n = std::min<int64_t>(16, T - j0);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const float* kj = key(j0 + jj);
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj));
+        for (int64_t i = 16; i < K; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(kj + i), a);
+        acc[jj] = a;
+      }
+      for (int64_t jj = n; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
+      _mm512_storeu_ps(scores + j0,
+                       _mm512_mul_ps(_mm512_permutexvar_ps(order, reduce16(acc)), _mm512_set1_ps(scale)));
+    }
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < T; ++j) {
+      const float* kj = key(j);
+      vf acc = vf{};
+      for (int64_t i = 0; i < Kv; i += W) acc += load(q + i) * load(kj + i);
+      float s = hsum(acc);
+      for (int64_t i = Kv; i < K; ++i) s += q[i] * kj[i];
+      scores[j] = s * scale;
+    }
   }
   for (int64_t j = T; j < Tv; ++j) scores[j] = NEG_INF;  // exp: ~1e-38 (vexp's floor), nothing next to exp(0) = 1
+  vf top = vf{} + NEG_INF;
+  for (int64_t j = 0; j < Tv; j += W) {
+    const vf v = load(scores + j);
+    top = v > top ? v : top;
+  }
+  float mx = NEG_INF;
+  for (int i = 0; i < W; ++i) mx = std::max(mx, top[i]);
   vf sum = vf{};
   for (int64_t j = 0; j < Tv; j += W) {
     const vf e = vexp(load(scores + j) - mx);
@@ -657,7 +700,7 @@ class Decoder {
         const int64_t k = std::min<int64_t>(2 * N, V);
         std::vector<float> top_v(R * k);
         std::vector<int64_t> top_i(R * k);
-        at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+        at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
             float* lg = logits.data() + r * V;
             for (int64_t id : banned) lg[id] = NEG_INF;
@@ -746,7 +789,7 @@ class Decoder {
         in = y.data();
       }
       ly.qkv(in, M, h.data());
-      at::parallel_for(0, M * H, 4, [&](int64_t i0, int64_t i1) {
+      at::parallel_for(0, M * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H, b = r / S;
           const float* keys = h.data() + b * S * w3 + qw + hh * K;  // from the sentence's first row
@@ -893,7 +936,7 @@ class Decoder {
       ly.qkv(in, R, h.data());  // (R, qw + qw + vw)
       float* block = cache.blocks[t].get() + l * R * kv;
       for (int64_t r = 0; r < R; ++r) std::memcpy(block + r * kv, h.data() + r * w3 + qw, sizeof(float) * kv);
-      at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
+      at::parallel_for(0, R * H, heads_grain(t + 1), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
           const int32_t* anc = cache.anc.data() + r * cache.stride;
@@ -914,7 +957,7 @@ class Decoder {
         in = y.data();
       }
       ly.cross_q(in, R, h.data());  // (R, qw)
-      at::parallel_for(0, R * H, 4, [&](int64_t i0, int64_t i1) {
+      at::parallel_for(0, R * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
           const int64_t b = sent[r / per_sent];
@@ -945,6 +988,9 @@ class Decoder {
     }
     out(last, R, logits.data());
   }
+
+  // The (row, head) attentions a thread takes at least, for T keys: ~32k multiply-adds.
+  int64_t heads_grain(int64_t T) const { return std::max<int64_t>(4, (1 << 15) / std::max<int64_t>(1, T * (K + Q))); }
 
   // x = LayerNorm(x + y) post-LN, x + y pre-LN.
   void residual(float* x, const float* y, int64_t R, const Norm& norm) const {

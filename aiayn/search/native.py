@@ -57,12 +57,16 @@ WEIGHTS = {"plain": 0, "packed": 0, "bf16": 1, "int8": 2, "int8_bf16": 2}
 _module: Any = None
 _why_not: str | None = None
 _lock = threading.Lock()
+# -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and without the flag its pragma is dropped (one thread)
+FLAGS = ("-O3", "-fopenmp")
 DIR_ENV = "AIAYN_NATIVE_DIR"  # where compiled modules go (default: cache_dir()/native)
 
 
 def build_key(arch: str = "native") -> str:
-    """The compiled module's key: its source, the CPU (for ``-march=native``) or ``arch``, PyTorch and Python."""
-    parts = [SOURCE.read_text(), arch, cpu_model(), all_flags(), torch.__version__, sys.version, platform.machine()]
+    """The compiled module's key: its source and flags, the CPU (for ``-march=native``) or ``arch``, PyTorch and
+    Python."""
+    parts = [SOURCE.read_text(), *FLAGS, arch, cpu_model(), all_flags(), torch.__version__, sys.version,
+             platform.machine()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
@@ -77,8 +81,8 @@ def build(arch: str = "native") -> Any:
         print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
               file=sys.stderr, flush=True)
     name = "aiayn_native_beam" if arch == "native" else f"aiayn_native_beam_{arch.replace('-', '_')}"
-    return load(name=name, sources=[str(SOURCE)], build_directory=str(out), extra_cflags=["-O3", f"-march={arch}"],
-                verbose=False)
+    return load(name=name, sources=[str(SOURCE)], build_directory=str(out), extra_cflags=[*FLAGS, f"-march={arch}"],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def module() -> Any | None:
