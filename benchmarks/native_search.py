@@ -7,7 +7,7 @@ The same run, sources and search as ``benchmarks.translate_speed`` (beam 4, powe
 most 100 steps); the sources sorted by length and cut into batches of each size; for each precision (the linear
 kernel ``aiayn translate --precision P`` runs on this CPU) and size, one pass of each search on the same batches,
 taking turns, each its fastest of ``--repeats``: sentences per second, native / PyTorch, and how many outputs are the
-same token for token. What :data:`aiayn.search.native.MAX_SENTENCES` is chosen from.
+same token for token. What the choice between the two searches is made from.
 """
 
 from __future__ import annotations

@@ -3,8 +3,12 @@ bookkeeping without Python between a step's operations.
 
 At batch 1 a Python beam step of the quick recipe's model is a few hundred small PyTorch operations, where its
 arithmetic is a fraction of a millisecond (BENCHMARKS.md, "Where a CPU beam search's time goes"). The native loop runs
-the same search with products that read each packed weight once per 8 rows (a beam of 4 is 4 rows) and no allocation
-or Python between steps: `python -m benchmarks.native_search` compares the two.
+the same search with no Python between steps: products on weights packed once (blocks of 16 columns, each weight
+vector read once per 8 rows, on the CPU's int8 or bf16 dot-product units where it has them), keys and values written
+once per step and read through each beam's ancestors (a beam's reorder moves indices, not the cache), vectorized
+attention, softmax and top-k, on torch's intra-op threads. `python -m benchmarks.native_search` compares the two
+searches by batch size: the native one is faster at every size measured (1 to 256 sentences), so it takes every batch
+it supports.
 
 What it computes is :func:`aiayn.search.beam.beam_search`'s search, the encoder included (candidates, finished pools,
 stop rules, length penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;
@@ -12,10 +16,10 @@ tests/test_native.py compares them). The products follow the model's linear kind
 bf16 (rows and weights rounded to bf16, fp32 sums: on the CPU's bf16 unit where it has AVX512-BF16); int8 (dynamic
 int8 with :class:`aiayn.linear.Int8Linear`'s integer sums on AVX512-VNNI, else int8 weights and fp32 rows).
 :func:`unsupported` says when the Python search runs instead: rotary positions, a decoder-only LM, n-gram blocking,
-CUDA graphs, a device other than the CPU, a model in training mode or not in fp32, a batch of more than
-:data:`MAX_SENTENCES` sentences, or no C++ compiler (said once, as a warning).
+CUDA graphs, a device other than the CPU, a model in training mode or not in fp32, or no C++ compiler (said once,
+as a warning).
 
-The module is compiled on first use for the CPU it runs on (``-O3 -march=native``, through
+The module is compiled on first use for the CPU it runs on (``-O3 -march=native -fopenmp``, through
 ``torch.utils.cpp_extension`` and ninja; ~35 s), into ``$AIAYN_NATIVE_DIR`` or ``cache_dir()/native``, under a key made
 of the source, the CPU's model and flags, PyTorch and Python; later processes load it in well under a second.
 ``AIAYN_NATIVE=off`` turns it off (the Python search everywhere).
@@ -120,21 +124,12 @@ def why_not() -> str | None:
     return _why_not
 
 
-# Batches of up to this many sentences take the native search; larger ones PyTorch's, whose products read each weight
-# once for all rows where the native ones, made for a few rows, read it once per 8. `python -m benchmarks.native_search`
-# (BENCHMARKS.md; the 2-core AMD EPYC, quick recipe, 1 thread): native / PyTorch 4.9x (fp32), 8.3x (bf16), 16.2x (int8)
-# one sentence at a time, 1.8x-1.9x at 32 sentences. At 64, translate_speed's batched mode with this set to 32 and to
-# 64 (benchmarks/results/translate_speed_cpu_amd_batched_{pytorch,native}64.json): native / PyTorch 0.99x fp32, 1.10x
-# bf16, 0.77x int8, so 64 stays PyTorch's.
-MAX_SENTENCES = 32
-
-
 def chosen(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> bool:
-    """Whether :func:`aiayn.search.beam.beam_search` runs this batch natively: a batch of a few right-padded sources
-    that :func:`unsupported` accepts, where the module builds (once per process; a failure is said once). Sources the
+    """Whether :func:`aiayn.search.beam.beam_search` runs this batch natively: right-padded sources that
+    :func:`unsupported` accepts, where the module builds (once per process; a failure is said once). Sources the
     model cannot read (an id outside its vocabulary, more positions than it has) go to the PyTorch search, whose
     error says so: the native loop does not check its indices."""
-    if src_mask.size(0) > MAX_SENTENCES or unsupported(model, spec, src_mask.device) is not None:
+    if unsupported(model, spec, src_mask.device) is not None:
         return False
     if src.numel() and (int(src.min()) < 0 or int(src.max()) >= model.encoder.embed.weight.size(0)
                         or src.size(1) > model.encoder.positions.max_positions):
@@ -151,8 +146,7 @@ def chosen(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) ->
         _told.append(True)
         m = module()
         units = [name for name, have in (("AVX512-VNNI int8", m.vnni), ("AVX512-BF16", m.dpbf16)) if have]
-        log.debug("beam search of up to %d sentences: the native loop (built for this CPU%s)", MAX_SENTENCES,
-                 f": {', '.join(units)}" if units else "")
+        log.debug("beam search: the native loop (built for this CPU%s)", f": {', '.join(units)}" if units else "")
     return True
 
 
@@ -259,5 +253,5 @@ def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpe
     return [[Hypothesis(list(tokens), score, logprob) for tokens, score, logprob in sent] for sent in results]
 
 
-__all__ = ["MAX_SENTENCES", "beam_search", "build", "build_key", "chosen", "decoder", "module", "unsupported",
+__all__ = ["beam_search", "build", "build_key", "chosen", "decoder", "module", "unsupported",
            "why_not"]
