@@ -18,7 +18,7 @@ import numpy as np
 from aiayn.config import Config
 from aiayn.data.corpus import count_chars, text_chunks
 from aiayn.data.registry import dataset_of
-from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, IdWriter, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, IdWriter, Recipe, note, storage_dtype
 from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
 from aiayn.engine import worker_pool
 from aiayn.errors import DataError
@@ -98,10 +98,6 @@ class PieceEncoder:
         if ids[: len(self.head)] != self.head:  # pragma: no cover (a newline after text never merges with it)
             raise DataError("the tokenizer merged a newline with the text after it: it cannot encode a stream")
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
-
-
-def open_stream(path: Path) -> Store:
-    return open_kind(path, STREAM_KIND)
 
 
 @dataclass
