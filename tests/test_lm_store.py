@@ -201,7 +201,9 @@ def test_aiayn_prepare_and_data_prepared_for_a_language_model(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "train.bin" in err[0] and f"aiayn prepare CONFIG --out {out}" in err[0]
     assert main(["prepare", "lm_tinyshakespeare_char_quick", "--out", str(out), *sets]) == 0  # rebuilt
-    assert stream_store.open_stream(out).splits["train"].tokens > 0
+    from aiayn.data.store import STREAM_KIND, open_kind
+
+    assert open_kind(out, STREAM_KIND).splits["train"].tokens > 0
 
 
 def test_bad_lm_corpora_are_one_line(tmp_path):

@@ -67,14 +67,15 @@ STREAM_STORE = {
 
 
 def test_a_pairs_store_holds_these_bytes(tmp_path):
-    from aiayn.data.store import prepare
+    from aiayn.data.store import PairRecipe, prepare_store
 
     cfg = load_config("tiny_reverse", ["data.dataset=null", "data.tokenizer=char", "data.vocab_size=100",
                                        "model.max_positions=24"])
     train, valid = _lines(300, 1, 7), _lines(40, 2, 3)
     sources = {"train": lambda: iter(train), "valid": lambda: iter(valid)}
     out = tmp_path / "pairs"
-    store = prepare(cfg, out, sources, {"train": "pinned-train", "valid": "pinned-valid"}, workers=1)
+    inputs = {"train": "pinned-train", "valid": "pinned-valid"}
+    store = prepare_store(out, PairRecipe(cfg=cfg, sources=sources, inputs=inputs, workers=1))
     assert store.manifest["created"] == CREATED and store.manifest["splits"]["train"]["stats"]["too_long"] > 0
     assert _digests(out) == PAIRS_STORE
     assert sorted(p.name for p in out.iterdir() if p.name in NOT_PINNED) == sorted(NOT_PINNED)

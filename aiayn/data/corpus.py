@@ -4,7 +4,8 @@ Every problem with the input is a :class:`DataError` whose message is one line n
 (and line) at fault, which the CLI prints as is. Lines lose only their line ending ("\\n" or
 "\\r\\n"); inner and leading whitespace is kept, since whether it matters is the tokenizer's call.
 Lines are split on "\\n" only (not on the other characters ``str.splitlines`` breaks at, such as
-U+2028 or form feed), so that parallel files stay aligned.
+U+2028 or form feed), so that parallel files stay aligned; only :func:`text_lines` (a language model's text, for its
+tokenizer) splits as ``str.splitlines`` does.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import gzip
 import json
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+import numpy as np
 
 from aiayn.errors import DataError
 
 GZIP_MAGIC = b"\x1f\x8b"
+LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
 
 
 def check_file(path: str | Path) -> Path:
@@ -164,6 +169,41 @@ def count_chars(path: str | Path, size: int) -> tuple[int, bool]:
         n += len(text)
         visible = visible or not text.isspace()
     return n, visible
+
+
+def text_parts(path: str | Path, split: int, size: int) -> Iterator[tuple[str, str, bool]]:
+    """(split name, piece, whether the piece starts its part): the text's pieces (:func:`text_chunks` of ``size``
+    bytes), the first ``split`` characters for train, the rest for valid (the piece that holds the boundary cut in
+    two)."""
+    pos = 0
+    for text in text_chunks(path, size):
+        cut = min(max(split - pos, 0), len(text))  # the piece's characters before the boundary
+        if cut:
+            yield "train", text[:cut], pos == 0
+        if cut < len(text):
+            yield "valid", text[cut:], pos + cut == split
+        pos += len(text)
+
+
+def text_lines(pieces: Iterable[str]) -> Iterator[str]:
+    """The lines of the text ``pieces`` make, as ``text.splitlines()`` gives them (a line split over two pieces
+    joined again; one longer than :data:`LONG_LINE` cut there)."""
+    tail = ""
+    for piece in pieces:
+        lines = (tail + piece).splitlines(keepends=True)
+        tail = "" if lines[-1][-1] in LINE_BREAKS else lines.pop()[:LONG_LINE]
+        for line in lines:
+            yield line[:-2] if line.endswith("\r\n") else line[:-1]
+    if tail:
+        yield tail
+
+
+def text_chars(pieces: Iterable[str]) -> str:
+    """Every character of the text ``pieces`` make, once each, in code point order."""
+    seen = np.zeros(0x110000, dtype=bool)
+    for piece in pieces:
+        seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
+    return "".join(map(chr, np.flatnonzero(seen)))
 
 
 def _n_lines(n: int) -> str:

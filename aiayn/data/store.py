@@ -676,11 +676,3 @@ class PairRecipe(Recipe):
                                 **{f"{side}_tokens": ids.tokens for side, ids in sides.items()}}
         return self.manifest(dtype, vocab, src_vocab_size=tok.src.vocab_size, tgt_vocab_size=tok.tgt.vocab_size,
                              splits=splits)
-
-
-def prepare(cfg: Config, out: str | Path, sources: dict[str, PairSource], inputs: dict[str, str],
-            tokenizer: str | Path | None = None, workers: int | None = None, rebuild: bool = True) -> Store:
-    """:func:`prepare_store` of the :class:`PairRecipe` of ``sources`` (named by ``inputs``) into ``out``."""
-    recipe = PairRecipe(cfg=cfg, sources=sources, inputs=inputs,
-                        tokenizer=Path(tokenizer) if tokenizer is not None else None, workers=workers)
-    return prepare_store(out, recipe, rebuild, cfg.train.setup_timeout_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from aiayn.config import Config
-from aiayn.data.corpus import count_chars, text_chunks
+from aiayn.data.corpus import count_chars, text_chars, text_lines, text_parts
 from aiayn.data.registry import dataset_of
-from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, IdWriter, Recipe, Store, note, open_kind, storage_dtype
+from aiayn.data.store import PARALLEL_BYTES, STREAM_KIND, IdWriter, Recipe, note, storage_dtype
 from aiayn.data.tokenizer import UNK_ID, CharTokenizer, SentencePieceTokenizer, TokenizerPair
 from aiayn.engine import worker_pool
 from aiayn.errors import DataError
@@ -26,42 +26,6 @@ from aiayn.progress import ItemProgress
 
 SPLITS = ("train", "valid")
 READ_BYTES = 4 << 20  # text read (and encoded) at a time
-LONG_LINE = 1 << 20  # a line kept for the tokenizer's sample is cut here (SentencePiece skips lines over 16 KB)
-LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines breaks
-
-
-def text_parts(path: Path, split: int) -> Iterator[tuple[str, str, bool]]:
-    """(split name, piece, whether the piece starts its part): the text's pieces, the first ``split``
-    characters for train, the rest for valid (the piece that holds the boundary cut in two)."""
-    pos = 0
-    for text in text_chunks(path, READ_BYTES):
-        cut = min(max(split - pos, 0), len(text))  # the piece's characters before the boundary
-        if cut:
-            yield "train", text[:cut], pos == 0
-        if cut < len(text):
-            yield "valid", text[cut:], pos + cut == split
-        pos += len(text)
-
-
-def text_lines(pieces: Iterable[str]) -> Iterator[str]:
-    """The lines of the text ``pieces`` make, as ``text.splitlines()`` gives them (a line split over two pieces
-    joined again; one longer than :data:`LONG_LINE` cut there)."""
-    tail = ""
-    for piece in pieces:
-        lines = (tail + piece).splitlines(keepends=True)
-        tail = "" if lines[-1][-1] in LINE_BREAKS else lines.pop()[:LONG_LINE]
-        for line in lines:
-            yield line[:-2] if line.endswith("\r\n") else line[:-1]
-    if tail:
-        yield tail
-
-
-def text_chars(pieces: Iterable[str]) -> str:
-    """Every character of the text ``pieces`` make, once each, in code point order."""
-    seen = np.zeros(0x110000, dtype=bool)
-    for piece in pieces:
-        seen[np.frombuffer(piece.encode("utf-32-le"), dtype="<u4")] = True
-    return "".join(map(chr, np.flatnonzero(seen)))
 
 
 class PieceEncoder:
@@ -100,10 +64,6 @@ class PieceEncoder:
         return np.asarray(ids[len(self.head) :], dtype=np.int64)
 
 
-def open_stream(path: Path) -> Store:
-    return open_kind(path, STREAM_KIND)
-
-
 @dataclass
 class StreamRecipe(Recipe):
     """The stream store of ``task: lm``'s text ``path`` (``inputs``: what it is, for the key)."""
@@ -117,7 +77,8 @@ class StreamRecipe(Recipe):
 
     def _train(self, tdir: Path, split: int) -> None:
         """As a training without a store would: on the training part's lines (BPE) or characters (char)."""
-        pieces = (piece for _, piece, _ in takewhile(lambda part: part[0] == "train", text_parts(self.path, split)))
+        train_parts = takewhile(lambda part: part[0] == "train", text_parts(self.path, split, READ_BYTES))
+        pieces = (piece for _, piece, _ in train_parts)
         texts: Iterable[str] = ([text_chars(pieces)] if self.cfg.data.tokenizer == "char"
                                 else (ln for ln in text_lines(pieces) if ln.strip()))
         self.train_tokenizer_on(tdir, texts, [], f"the first {split:,} characters")
@@ -138,7 +99,7 @@ class StreamRecipe(Recipe):
             held.callback(progress.close)
             note("preparing it: encoding the text")
             encode = held.enter_context(worker_pool(self.workers, big, PieceEncoder, (str(tdir),)))
-            for name, ids, n_chars in encode(text_parts(self.path, split)):
+            for name, ids, n_chars in encode(text_parts(self.path, split, READ_BYTES)):
                 files[name].add(ids)
                 progress.update(n_chars)
         return self.manifest(dtype, tok.src.vocab_size, chars={"train": split, "valid": chars - split},
