@@ -201,6 +201,29 @@ def test_the_next_requests_of_a_calls_clients_join_the_request_queued_meanwhile(
         b.close(timeout=60)
 
 
+def test_a_call_does_not_wait_once_the_last_calls_clients_are_back():
+    """Eight clients, each sending its next request when answered: once as many requests wait as the last call ran,
+    the call runs, instead of idling the model for the rest of --max-wait-ms (a minute here; the 30 s bounds only say
+    that it did not wait it)."""
+    seen = []
+
+    def run(items):
+        seen.append(list(items))
+        return list(items)
+
+    b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+    try:
+        with b.hold():  # a first call of two (both long past their wait)
+            first = [b.submit(Job("g", [i], 1, run, arrived=time.monotonic() - 100)) for i in (1, 2)]
+            b.wait_queued(2)
+        assert [f.result(30) for f in first] == [[1], [2]]
+        again = [b.submit(Job("g", [i], 1, run)) for i in (3, 4)]
+        assert [f.result(30) for f in again] == [[3], [4]]
+        assert seen == [[1, 2], [3, 4]]
+    finally:
+        b.close(timeout=60)
+
+
 def test_health_and_model(client, translator):
     from aiayn.model.transformer import count_parameters
 

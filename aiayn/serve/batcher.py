@@ -9,8 +9,9 @@ decoding options) can be merged: their items are concatenated, the group's funct
 each job gets back its own slice of the results, in order. The worker takes the oldest job, then
 waits up to ``max_wait_ms`` after that job's arrival for more jobs of its group, until their summed
 ``cost`` (source tokens x beam) reaches ``max_batch_tokens`` (a job queued while a call ran: up to ``max_wait_ms`` after
-that call's answer, so that its clients' next requests join it); but a job alone in the queue that came after the
-results of a model call that ran one job (one client sending one request at a time) runs at once. A job with
+that call's answer, so that its clients' next requests join it), or until as many jobs wait as the last call ran (its
+clients are back: waiting longer would idle the model); and a job alone in the queue that came after the results of
+a model call that ran one job (one client sending one request at a time) runs at once. A job with
 group None (generation, attention maps) runs alone. Jobs of other groups keep their place in the queue for the
 next round.
 
@@ -208,7 +209,8 @@ class Batcher:
                     chosen.append(job)
                     cost += job.cost
                 left = deadline - time.monotonic()
-                if full or cost >= self.max_batch_tokens or left <= 0 or self._closing:
+                back = calls > 1 and len(chosen) >= calls  # as many jobs as the last call had: its clients are back
+                if full or cost >= self.max_batch_tokens or left <= 0 or back or self._closing:
                     break
                 self._cond.wait(left)
         for job in chosen:
