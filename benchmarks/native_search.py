@@ -2,6 +2,8 @@
 
     python -m benchmarks.native_search --run-dir runs/quick_700_amd --limit 128 --sizes 1 2 4 8 16 32 64
     python -m benchmarks.native_search --smoke --md /tmp/B.md --out-json /tmp/n.json
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m benchmarks.native_search --arch x86-64-v3 \
+        --precisions fp32 int8   # as on a CPU with AVX2 and no AVX-512: both searches held to it
 
 The same run, sources and search as ``benchmarks.translate_speed`` (beam 4, power length penalty 0.6, stop=exact, at
 most 100 steps); the sources sorted by length and cut into batches of each size; for each precision (the linear
@@ -102,6 +104,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--arch", default=None, help="the native module built for -march=ARCH instead of this CPU "
+                   "(x86-64-v3: AVX2, no AVX-512; with ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA for PyTorch's)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a random tiny model (CI)")
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
@@ -118,6 +122,9 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     args = parse_args(argv)
     keep_freed_memory()
     threads = common.set_threads(args.threads)
+    if args.arch:  # the search takes this build instead of the one for this CPU
+        built = native.build(args.arch)
+        native.module = lambda: built
     if native.module() is None:
         raise SystemExit(f"{NAME}: no native search here ({native.why_not()})")
     result: dict[str, Any] = {"benchmark": NAME, "date": common.utc_now(), "repeats": args.repeats,
