@@ -605,17 +605,16 @@ class Decoder {
       auto b = next();
       return Linear(w, b, how);
     };
+    auto sublayer = [&](Norm& n, Linear& in, Linear& out) {  // its norm, then its two products
+      n = norm();
+      in = lin();
+      out = lin();
+    };
     for (int64_t l = 0; l < L; ++l) {
       Layer y;
-      y.n_self = norm();
-      y.qkv = lin();
-      y.self_out = lin();
-      y.n_cross = norm();
-      y.cross_q = lin();
-      y.cross_out = lin();
-      y.n_ffn = norm();
-      y.fc1 = lin();
-      y.fc2 = lin();
+      sublayer(y.n_self, y.qkv, y.self_out);
+      sublayer(y.n_cross, y.cross_q, y.cross_out);
+      sublayer(y.n_ffn, y.fc1, y.fc2);
       layers.push_back(std::move(y));
     }
     final_norm = norm_or_none();
@@ -631,12 +630,8 @@ class Decoder {
     const int64_t Le = ints.at(8);
     for (int64_t l = 0; l < Le; ++l) {
       EncoderLayer y;
-      y.n_attn = norm();
-      y.qkv = lin();
-      y.out = lin();
-      y.n_ffn = norm();
-      y.fc1 = lin();
-      y.fc2 = lin();
+      sublayer(y.n_attn, y.qkv, y.out);
+      sublayer(y.n_ffn, y.fc1, y.fc2);
       enc_layers.push_back(std::move(y));
     }
     enc_final = norm_or_none();
@@ -801,15 +796,7 @@ class Decoder {
       });
       ly.out(a.data(), M, y.data());
       residual(x.data(), y.data(), M, ly.n_attn);
-      in = x.data();
-      if (!post_ln) {
-        ly.n_ffn(x.data(), M, D, y.data());
-        in = y.data();
-      }
-      ly.fc1(in, M, h.data());
-      activation(h.data(), M * Fe);
-      ly.fc2(h.data(), M, y.data());
-      residual(x.data(), y.data(), M, ly.n_ffn);
+      feed_forward(ly.n_ffn, ly.fc1, ly.fc2, x.data(), M, y.data(), h.data());
     }
     if (enc_final.w.defined()) enc_final(x.data(), M, D, x.data());
     ck.assign(L, std::vector<float>(B * H * S * K));
@@ -970,16 +957,7 @@ class Decoder {
       });
       ly.cross_out(a.data(), R, y.data());
       residual(x.data(), y.data(), R, ly.n_cross);
-      // feed-forward
-      in = x.data();
-      if (!post_ln) {
-        ly.n_ffn(x.data(), R, D, y.data());
-        in = y.data();
-      }
-      ly.fc1(in, R, h.data());
-      activation(h.data(), R * F);
-      ly.fc2(h.data(), R, y.data());
-      residual(x.data(), y.data(), R, ly.n_ffn);
+      feed_forward(ly.n_ffn, ly.fc1, ly.fc2, x.data(), R, y.data(), h.data());
     }
     const float* last = x.data();
     if (final_norm.w.defined()) {
@@ -991,6 +969,20 @@ class Decoder {
 
   // The (row, head) attentions a thread takes at least, for T keys: ~32k multiply-adds.
   int64_t heads_grain(int64_t T) const { return std::max<int64_t>(4, (1 << 15) / std::max<int64_t>(1, T * (K + Q))); }
+
+  // The feed-forward sublayer (eq. 2) of M rows x (M, D), in place; y (M, D) and h (M, fc1.N) are room.
+  void feed_forward(const Norm& norm, const Linear& fc1, const Linear& fc2, float* x, int64_t M, float* y,
+                    float* h) const {
+    const float* in = x;
+    if (!post_ln) {
+      norm(x, M, D, y);
+      in = y;
+    }
+    fc1(in, M, h);
+    activation(h, M * fc1.N);
+    fc2(h, M, y);
+    residual(x, y, M, norm);
+  }
 
   // x = LayerNorm(x + y) post-LN, x + y pre-LN.
   void residual(float* x, const float* y, int64_t R, const Norm& norm) const {
