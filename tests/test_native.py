@@ -98,6 +98,29 @@ def test_batch_of_one_equals_batch(monkeypatch):
         same(native.beam_search(model, src[i: i + 1, :k], mask[i: i + 1, :k], spec), [together[i]], tol=1e-5)
 
 
+def test_exact_ties_put_the_lower_id_first(monkeypatch):
+    """Output rows 10, 11 and 12 the same (weights and bias) and among the best: their logits are equal at every step,
+    and the native search ranks hypotheses that differ only there lower id first (the vectorized top-k looks at a
+    vector only where a lane beats the k-th so far; the pools keep an equal score after those already there). The
+    Python search's scores, rank for rank, are the same up to float rounding (which of the tied hypotheses it keeps
+    can differ: their sums are equal only in exact arithmetic)."""
+    model, spec = model_of(tie_output=False, output_bias=True), SearchSpec.of(beam=4, nbest=4)
+    with torch.no_grad():
+        weight, bias = model.decoder.output_projection()
+        weight[11:13] = weight[10]
+        bias[10:13] = bias[10] + 4.0
+    src, mask = sources(4, seed=5)
+    got, ref = native.beam_search(model, src, mask, spec), python_search(model, src, mask, spec, monkeypatch)
+    tied = 0
+    for hyps, theirs in zip(got, ref):
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in theirs], rel=1e-4)
+        for a, b in zip(hyps, hyps[1:]):
+            if a.score == b.score and a.tokens[:-1] == b.tokens[:-1]:
+                assert a.tokens[-1] < b.tokens[-1]
+                tied += 1
+    assert tied  # the construction does make ties
+
+
 def test_many_sentences_on_one_or_two_threads(monkeypatch):
     """A batch of 40 sentences (160 rows: the products' rows in many groups, the columns split between threads) finds
     the Python search's hypotheses, and the same bits on one thread as on two (each value summed by one thread)."""
