@@ -345,29 +345,32 @@ struct Linear {
     const float* sc = scale.defined() ? scale.data_ptr<float>() : nullptr;
     // a thread takes at least ~256k multiply-adds (a few microseconds): fewer are not worth waking it for
     const int64_t grain = std::max<int64_t>(2, (1 << 18) / std::max<int64_t>(1, K * W * M));
+    const int64_t row_grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K));  // rows quantized or rounded
 #ifdef AIAYN_VNNI
     if (kind == INT8) {
       // each row: scale = max |x| / 127 (at least 1e-30 / 127), xq = round(x / scale), stored + 128
       std::vector<uint8_t> xu(M * K4 * 4, 128);
       std::vector<float> xs(M);
       const int64_t Kv = K / 16 * 16;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * K;
-        uint8_t* q = xu.data() + m * K4 * 4;
-        __m512 mx = _mm512_setzero_ps();
-        for (int64_t k = 0; k < Kv; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
-        float amax = _mm512_reduce_max_ps(mx);
-        for (int64_t k = Kv; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-        const float s = std::max(amax, 1e-30f) / 127.f;
-        xs[m] = s;
-        const __m512 sv = _mm512_set1_ps(s);
-        const __m512i off = _mm512_set1_epi32(128);
-        for (int64_t k = 0; k < Kv; k += 16)  // x / s rounded to nearest even (the default rounding, as nearbyint)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
-                           _mm512_cvtepi32_epi8(_mm512_add_epi32(
-                               _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv)), off)));
-        for (int64_t k = Kv; k < K; ++k) q[k] = uint8_t(int(std::nearbyint(xr[k] / s)) + 128);
-      }
+      at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          const float* xr = x + m * K;
+          uint8_t* q = xu.data() + m * K4 * 4;
+          __m512 mx = _mm512_setzero_ps();
+          for (int64_t k = 0; k < Kv; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+          float amax = _mm512_reduce_max_ps(mx);
+          for (int64_t k = Kv; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+          const float s = std::max(amax, 1e-30f) / 127.f;
+          xs[m] = s;
+          const __m512 sv = _mm512_set1_ps(s);
+          const __m512i off = _mm512_set1_epi32(128);
+          for (int64_t k = 0; k < Kv; k += 16)  // x / s rounded to nearest even (the default rounding, as nearbyint)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(
+                                 _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv)), off)));
+          for (int64_t k = Kv; k < K; ++k) q[k] = uint8_t(int(std::nearbyint(xr[k] / s)) + 128);
+        }
+      });
       const int32_t* cp = comp.data_ptr<int32_t>();
       const int8_t* wp = w.data_ptr<int8_t>();
       at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
@@ -386,13 +389,15 @@ struct Linear {
     if (kind == BF16) {  // each row rounded to bf16, in pairs of k
       std::vector<uint32_t> xp(M * K2, 0);
       const int64_t Kv = K / 32 * 32;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * K;
-        for (int64_t k = 0; k < Kv; k += 32)  // 32 values to bf16 (nearest even), k's order: k even low, odd high
-          _mm512_storeu_si512(xp.data() + m * K2 + k / 2,
-                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k)));
-        for (int64_t k = Kv; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(xr[k]) << (16 * (k & 1));
-      }
+      at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          const float* xr = x + m * K;
+          for (int64_t k = 0; k < Kv; k += 32)  // 32 values to bf16 (nearest even), k's order: k even low, odd high
+            _mm512_storeu_si512(xp.data() + m * K2 + k / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k)));
+          for (int64_t k = Kv; k < K; ++k) xp[m * K2 + k / 2] |= bf16_bits(xr[k]) << (16 * (k & 1));
+        }
+      });
       const int16_t* wp = w.data_ptr<int16_t>();
       at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
         for (int64_t m = 0; m < M; m += ROWS) {
