@@ -769,18 +769,25 @@ class Decoder {
   Norm final_norm, enc_final;
   Linear out;
 
-  // The encoder over B sources of S ids (right-padded; src_len real ids each), then every decoder layer's
-  // cross-attention keys (B, H, S, K) and values (B, H, S, Q) of its output, into ck[l] and cv[l].
+  // The encoder over B sources of S ids (right-padded; src_len real ids each: only those are computed), then every
+  // decoder layer's cross-attention keys (B, H, S, K) and values (B, H, S, Q) of its output (a source's first
+  // src_len positions written), into ck[l] and cv[l].
   void encode(const std::vector<int64_t>& src, int64_t B, int64_t S, const std::vector<int64_t>& src_len,
               std::vector<std::vector<float>>& ck, std::vector<std::vector<float>>& cv) const {
-    const int64_t M = B * S, qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
+    // the sources' real tokens only, packed: sentence b's rows are first[b] .. first[b] + src_len[b] - 1
+    std::vector<int64_t> first(B + 1, 0), sent_of;
+    for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + src_len[b];
+    const int64_t M = first[B], qw = H * K, vw = H * Q, w3 = 2 * qw + vw;
+    for (int64_t b = 0; b < B; ++b) sent_of.insert(sent_of.end(), src_len[b], b);
     const int64_t Fe = enc_layers.empty() ? 0 : enc_layers[0].fc1.N;
     const int64_t Sp = (S + W - 1) / W * W;  // a query's scores: S rounded up to whole vectors
     std::vector<float> x(M * D), y(M * D), h(M * std::max({w3, Fe, D})), a(M * vw), sc(M * H * Sp);
     const float* E = enc_emb.data_ptr<float>();
     const float* P = enc_pe.data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t d = 0; d < D; ++d) x[r * D + d] = E[src[r] * D + d] * emb_scale + P[(r % S) * D + d];
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t b = sent_of[r], pos = r - first[b];
+      for (int64_t d = 0; d < D; ++d) x[r * D + d] = E[src[b * S + pos] * D + d] * emb_scale + P[pos * D + d];
+    }
     const float scale = 1.f / std::sqrt(float(K));
     for (const EncoderLayer& ly : enc_layers) {
       const float* in = x.data();
@@ -791,9 +798,9 @@ class Decoder {
       ly.qkv(in, M, h.data());
       at::parallel_for(0, M * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
-          const int64_t r = i / H, hh = i % H, b = r / S;
-          const float* keys = h.data() + b * S * w3 + qw + hh * K;  // from the sentence's first row
-          const float* vals = h.data() + b * S * w3 + 2 * qw + hh * Q;
+          const int64_t r = i / H, hh = i % H, b = sent_of[r];
+          const float* keys = h.data() + first[b] * w3 + qw + hh * K;  // from the sentence's first row
+          const float* vals = h.data() + first[b] * w3 + 2 * qw + hh * Q;
           attend(h.data() + r * w3 + hh * K, [&](int64_t j) { return keys + j * w3; },
                  [&](int64_t j) { return vals + j * w3; }, src_len[b], K, Q, scale, sc.data() + i * Sp,
                  a.data() + r * vw + hh * Q);
@@ -809,7 +816,7 @@ class Decoder {
     for (int64_t l = 0; l < L; ++l) {
       layers[l].cross_kv(x.data(), M, h.data());  // (M, qw + vw)
       for (int64_t r = 0; r < M; ++r) {
-        const int64_t b = r / S, s = r % S;
+        const int64_t b = sent_of[r], s = r - first[b];
         for (int64_t hh = 0; hh < H; ++hh) {
           std::memcpy(ck[l].data() + ((b * H + hh) * S + s) * K, h.data() + r * (qw + vw) + hh * K, sizeof(float) * K);
           std::memcpy(cv[l].data() + ((b * H + hh) * S + s) * Q, h.data() + r * (qw + vw) + qw + hh * Q,
