@@ -112,6 +112,13 @@ def pytest_configure(config: pytest.Config) -> None:
     markexpr = config.getoption("markexpr") or ""
     if "cuda" not in markexpr.replace("not cuda", ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # The native beam search is compiled here, once, before any test runs (in xdist's controller, before it starts
+    # the workers; a no-op when already built): else the first test to search builds it (~35 s) while the others
+    # wait on its lock, and a server a test starts spends its first request, and that test's time limit, on it.
+    if not hasattr(config, "workerinput"):
+        from aiayn.search import native
+
+        native.module()
 
 
 def shared_data_dir() -> Path | None:

@@ -27,6 +27,7 @@ of the source, the CPU's model and flags, PyTorch and Python; later processes lo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -63,6 +65,7 @@ _why_not: str | None = None
 _lock = threading.Lock()
 # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and without the flag its pragma is dropped (one thread)
 FLAGS = ("-O3", "-fopenmp")
+STALE_LOCK_S = 600  # a build takes ~35 s; a build lock older than this was left by a process that died building
 DIR_ENV = "AIAYN_NATIVE_DIR"  # where compiled modules go (default: cache_dir()/native)
 
 
@@ -84,6 +87,10 @@ def build(arch: str = "native") -> Any:
     if not any(out.glob("*.so")):
         print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
               file=sys.stderr, flush=True)
+    lock = out / "lock"  # torch's build lock: a process killed while building leaves it, and every later one waits
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
     name = "aiayn_native_beam" if arch == "native" else f"aiayn_native_beam_{arch.replace('-', '_')}"
     return load(name=name, sources=[str(SOURCE)], build_directory=str(out), extra_cflags=[*FLAGS, f"-march={arch}"],
                 extra_ldflags=["-fopenmp"], verbose=False)
