@@ -1,17 +1,16 @@
-// aiayn's native beam search on the CPU: the decoder step, its key/value cache and the search's bookkeeping in one
-// C++ loop, so that a step is arithmetic, not Python between a few hundred small PyTorch operations.
+// aiayn's native beam search on the CPU: the encoder, the decoder steps, their key/value cache and the search's
+// bookkeeping in one C++ loop, so that a step is arithmetic, not Python between a few hundred small PyTorch operations.
 //
 // It computes what aiayn.search.beam.beam_search computes (the same candidates, pools, stop rules, length penalties,
 // banned ids and min_len), for the post-LN and pre-LN encoder-decoder of aiayn.model with additive positions
-// (sinusoidal or learned) and ReLU / GELU / swish. The encoder and the cross-attention keys/values are computed
-// by PyTorch before the call (once per batch); everything after is here. The products at a few rows stream each
-// weight once per step (a beam of 4 is 4 rows), in fp32 or from bf16 weights widened on the fly (the CPU needs no
-// bf16 instructions for that: a bf16 is the top half of an fp32). Threads: ATen's intra-op pool (at::parallel_for),
+// (sinusoidal or learned) and ReLU / GELU / swish. Products run on weights packed once (Linear: fp32, bf16 on the
+// AVX512-BF16 unit, int8 on the VNNI unit, else widened on the fly); each step's keys/values are written once and
+// read through each beam's ancestors (Cache). Threads: ATen's intra-op pool (at::parallel_for, built with -fopenmp),
 // so torch.set_num_threads applies.
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
 // (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
-// Built by aiayn/native/__init__.py (torch.utils.cpp_extension) with -O3 -march=native for the CPU it runs on.
+// Built by aiayn/search/native.py (torch.utils.cpp_extension) with -O3 -fopenmp -march=native for the CPU it runs on.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
