@@ -11,8 +11,13 @@ fp32 rows).
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
+import shutil
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +241,43 @@ def test_narrow_build_search_equals_python(narrow, monkeypatch):
     monkeypatch.setattr(native, "_module", narrow)
     monkeypatch.setattr(native, "_decoders", weakref.WeakKeyDictionary())
     same(native.beam_search(model, src, mask, spec), ref)
+
+
+_HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)")
+_LOAD = "from aiayn.search import native; m = native.build(); print('loaded', m.vnni in (True, False))"
+
+
+def _hold(lock: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _load_in_child(native_dir: Path) -> str:
+    env = {**os.environ, native.DIR_ENV: str(native_dir), "PYTHONPATH": str(Path(native.__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_no_lock_left_by_a_killed_process_stalls_a_load(tmp_path):
+    """A process killed while it held the build lock, and torch's own lock file left behind (every loading process
+    took it before, and a server killed as it loaded the module hung every later one): the next process builds or
+    loads at once. A finished build is loaded without any lock: a live process holding the build lock stalls no
+    load."""
+    key = native.build_key()
+    built = Path(os.environ[native.DIR_ENV]) / key
+    shutil.copytree(built, tmp_path / key, ignore=shutil.ignore_patterns("built", "build.lock", "lock"))
+    (tmp_path / key / "lock").write_text("")  # torch's build lock, as a killed process left it
+    holder = _hold(tmp_path / key / "build.lock")
+    holder.kill()
+    holder.wait()
+    assert _load_in_child(tmp_path) == "loaded True\n"
+    assert (tmp_path / key / "built").exists() and not (tmp_path / key / "lock").exists()
+    holder = _hold(tmp_path / key / "build.lock")  # alive this time: a finished build does not wait on it
+    try:
+        assert _load_in_child(tmp_path) == "loaded True\n"
+    finally:
+        holder.kill()
+        holder.wait()

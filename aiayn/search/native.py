@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import sys
 import threading
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.cpu_probe import all_flags, cpu_model
-from aiayn.files import cache_dir
+from aiayn.files import atomic_write_text, cache_dir, file_lock
 from aiayn.linear import linear_kind
 from aiayn.model.positions import Positions, PositionScheme
 from aiayn.search.spec import SearchSpec, SearchStopped, max_lengths
@@ -65,7 +65,6 @@ _why_not: str | None = None
 _lock = threading.Lock()
 # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and without the flag its pragma is dropped (one thread)
 FLAGS = ("-O3", "-fopenmp")
-STALE_LOCK_S = 600  # a build takes ~35 s; a build lock older than this was left by a process that died building
 DIR_ENV = "AIAYN_NATIVE_DIR"  # where compiled modules go (default: cache_dir()/native)
 
 
@@ -79,21 +78,38 @@ def build_key(arch: str = "native") -> str:
 
 def build(arch: str = "native") -> Any:
     """Compile (or load, once compiled) the module for ``-march=arch`` (the CPU it runs on by default; tests build a
-    narrower instruction set too, whose vector paths this CPU would not take); raises what the build raises."""
-    from torch.utils.cpp_extension import load
+    narrower instruction set too, whose vector paths this CPU would not take); raises what the build raises.
 
+    A finished build (its ``built`` marker written after the library) is loaded with no lock. A build is made under
+    an ``flock`` on ``build.lock``, which the kernel releases when its holder dies however it dies: torch's own build
+    lock (a ``lock`` file that every loading process took, even for a finished build) stayed behind when a process
+    was killed while holding it, and every later process waited on it forever (a test's server, killed as it loaded
+    the module, hung the servers and pytest runs after it on CI)."""
     out = Path(os.environ.get(DIR_ENV) or cache_dir() / "native") / build_key(arch)
-    out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
-              file=sys.stderr, flush=True)
-    lock = out / "lock"  # torch's build lock: a process killed while building leaves it, and every later one waits
-    with contextlib.suppress(OSError):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
     name = "aiayn_native_beam" if arch == "native" else f"aiayn_native_beam_{arch.replace('-', '_')}"
-    return load(name=name, sources=[str(SOURCE)], build_directory=str(out), extra_cflags=[*FLAGS, f"-march={arch}"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    marker = out / "built"
+    if not marker.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        with file_lock(out / "build.lock", doing=f"building {name}",
+                       waiting=lambda pid: print(f"aiayn: waiting for pid {pid}, which builds the native beam search "
+                                                 f"into {out}", file=sys.stderr, flush=True)):
+            if not marker.exists():
+                print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
+                      file=sys.stderr, flush=True)
+                with contextlib.suppress(FileNotFoundError):
+                    (out / "lock").unlink()  # torch's, left by a process killed in an earlier build: none holds it now
+                from torch.utils.cpp_extension import load
+
+                built = load(name=name, sources=[str(SOURCE)], build_directory=str(out),
+                             extra_cflags=[*FLAGS, f"-march={arch}"], extra_ldflags=["-fopenmp"], verbose=False)
+                atomic_write_text(marker, f"{name}\n")
+                return built
+    spec = importlib.util.spec_from_file_location(name, out / f"{name}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {out / f'{name}.so'}")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def module() -> Any | None:
