@@ -351,6 +351,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="the server's --max-wait-ms")
     p.add_argument("--precision", default=None, help="the server's --precision (default: its own, auto)")
     p.add_argument("--server-threads", type=int, default=None, help="the server's --threads (default: its own)")
+    p.add_argument("--server-workers", type=int, default=None, help="the server's --workers (default: its own)")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
     p.add_argument("--no-peer", action="store_true",
                    help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")
@@ -370,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options = {} if args.beam is None else {"beam": args.beam}
     extra = ["--max-wait-ms", str(args.max_wait_ms)] + (["--precision", args.precision] if args.precision else [])
     extra += ["--threads", str(args.server_threads)] if args.server_threads else []
+    extra += ["--workers", str(args.server_workers)] if args.server_workers else []
     proc, url, log_lines = start_server(args.run, *extra)
     try:
         with closing(connect(url)) as conn:

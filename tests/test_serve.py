@@ -20,6 +20,7 @@ from conftest import post_held  # noqa: E402  (tests/ is on sys.path under pytes
 from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
+from aiayn.errors import ConfigError  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
 from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
 from aiayn.serve.schemas import Limits  # noqa: E402
@@ -222,6 +223,71 @@ def test_a_call_does_not_wait_once_the_last_calls_clients_are_back():
         assert seen == [[1, 2], [3, 4]]
     finally:
         b.close(timeout=60)
+
+
+def test_workers_run_calls_side_by_side():
+    """Two workers: a call that waits until another call has started finishes, which one worker never would (the
+    second call would queue behind it); each worker's setup ran on its own thread; a call's stop question
+    (call_cancelled) is its own worker's."""
+    started, both = threading.Barrier(2, timeout=30), []
+    b = Batcher(max_batch_tokens=1, max_wait_ms=0, workers=2)  # a budget of 1: one job a call
+    try:
+        threads: set = set()
+        b.setup(lambda worker: threads.add((worker, threading.current_thread().name)))
+        assert threads == {(0, "aiayn-serve-model-0"), (1, "aiayn-serve-model-1")}
+
+        def run(items):
+            started.wait()  # raises BrokenBarrierError after 30 s alone
+            both.append(b.call_cancelled())
+            return list(items)
+
+        gone = threading.Event()
+        gone.set()
+        jobs = [b.submit(Job("g", [i], 1, run, cancelled=gone if i == 0 else None)) for i in range(2)]
+        assert sorted(f.result(60)[0] for f in jobs) == [0, 1]
+        assert sorted(both) == [False, True]  # the cancelled job's call, and the other one's
+        assert b.stats.calls == 2 and b.stats.jobs == 2
+    finally:
+        b.close(timeout=60)
+
+
+def test_workers_take_every_job_once():
+    """Three workers, 300 jobs of three groups submitted from four threads: every job runs once, in a call of its
+    own group, and gets its own results; the counters add up; close finishes what is queued."""
+    calls: list = []
+    lock = threading.Lock()
+
+    def run(items):
+        with lock:
+            calls.append(list(items))
+        time.sleep(0.001)
+        return [x * 10 for x in items]
+
+    b = Batcher(max_batch_tokens=8, max_wait_ms=2, max_queue=1000, workers=3)
+    futures: dict = {}
+
+    def client(k):
+        for i in range(k, 300, 4):
+            futures[i] = b.submit(Job(i % 3, [i], 1, run))
+
+    try:
+        senders = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+    finally:
+        b.close(timeout=120)
+    assert {i: f.result(0) for i, f in futures.items()} == {i: [i * 10] for i in range(300)}
+    ran = sorted(x for call in calls for x in call)
+    assert ran == list(range(300)) and all(len({x % 3 for x in call}) == 1 for call in calls)
+    assert b.stats.jobs == 300 and b.stats.items == 300 and b.stats.calls == len(calls) and b.queued == 0
+
+
+def test_workers_out_of_range_are_refused():
+    for bad in (0, 65):
+        with pytest.raises(ConfigError, match="--workers"):
+            Batcher(workers=bad)
 
 
 def test_health_and_model(client, translator):
@@ -431,10 +497,12 @@ def test_the_server_socket_answers_without_nagle_delays():
     assert asyncio.run(accepted_nodelay()) != 0
 
 
-def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_run, monkeypatch):
-    """``aiayn serve``: the warm-up and every model call run on the batcher's thread, with the CPU threads the command
-    chose; the thread that answers HTTP keeps to one, so that it never starts an OpenMP team of its own (with one, GNU
-    OpenMP stopped spinning between the model thread's operations, and a 2-thread server decoded at half speed)."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_run, monkeypatch, workers):
+    """``aiayn serve``: the warm-up and every model call run on the batcher's threads, with their share of the CPU
+    threads the command chose; the thread that answers HTTP keeps to one, so that it never starts an OpenMP team of
+    its own (with one, GNU OpenMP stopped spinning between the model thread's operations, and a 2-thread server
+    decoded at half speed)."""
     import threading
 
     import torch
@@ -447,14 +515,27 @@ def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_r
     warm_up = app_module.warm_up
 
     def watched_warm_up(model):
-        seen["warm_up"] = threading.current_thread().name, torch.get_num_threads()
+        seen.setdefault("warm_up", set()).add((threading.current_thread().name, torch.get_num_threads()))
         warm_up(model)
 
     def run(self, sockets=None):  # in place of serving: what each thread computes with
         svc = self.config.app.state.service
         seen["http"] = torch.get_num_threads()
-        svc.batcher.setup(lambda: seen.update(model=(threading.current_thread().name, torch.get_num_threads())))
-        svc.batcher.close(timeout=60)
+        b = svc.batcher
+        b.setup(lambda worker: seen.setdefault("model", set()).add(
+            (worker, threading.current_thread().name, torch.get_num_threads())))
+        both = threading.Barrier(2, timeout=30)
+
+        def call(items):  # what a model call computes with
+            both.wait()
+            return [torch.get_num_threads()]
+
+        if b.workers == 2:
+            with b.hold():  # two requests at once: a call each, side by side, on a thread each
+                pair = [b.submit(Job("g", [i], 1, call)) for i in range(2)]
+                b.wait_queued(2)
+            seen["side by side"] = sorted(f.result(60)[0] for f in pair)
+        b.close(timeout=60)
         self.started = True
 
     monkeypatch.setattr(app_module, "warm_up", watched_warm_up)
@@ -462,10 +543,15 @@ def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_r
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # what aiayn.cli set from --threads 2
     try:
-        assert server.serve(str(tiny_run), server.ServeOptions(port=0, device="cpu")) == 0
+        assert server.serve(str(tiny_run), server.ServeOptions(port=0, device="cpu", workers=workers)) == 0
     finally:
         torch.set_num_threads(before)
-    assert seen == {"warm_up": ("aiayn-serve-model", 2), "http": 1, "model": ("aiayn-serve-model", 2)}
+    if workers == 1:
+        assert seen == {"warm_up": {("aiayn-serve-model-0", 2)}, "http": 1, "model": {(0, "aiayn-serve-model-0", 2)}}
+    else:  # --workers 2: the 2 threads shared out, one each; two requests run side by side
+        assert seen == {"warm_up": {("aiayn-serve-model-0", 1), ("aiayn-serve-model-1", 1)}, "http": 1,
+                        "model": {(0, "aiayn-serve-model-0", 1), (1, "aiayn-serve-model-1", 1)},
+                        "side by side": [1, 1]}
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(tiny_run):

@@ -1,8 +1,13 @@
-"""Dynamic batching: requests that arrive close together share one model call, on one worker thread.
+"""Dynamic batching: requests that arrive close together share one model call, on the batcher's worker threads.
 
-The event loop only enqueues a :class:`Job` and awaits its future; the model runs on the batcher's
-single worker thread, so a long decode never blocks the loop (health checks, new requests and
-the page stay responsive) and the model is never entered by two threads at once.
+The event loop only enqueues a :class:`Job` and awaits its future; the model runs on the batcher's worker
+threads, so a long decode never blocks the loop (health checks, new requests and the page stay responsive).
+``workers`` model calls run side by side (each worker a thread with its own CPU threads, :meth:`Batcher.setup`):
+on a CPU under many clients, two calls on one thread each outran one call on two threads and varied less, since a
+step's threads wait for each other and a thread whose core is busy with other work holds its step (BENCHMARKS.md,
+section 4e). One worker at a time chooses the jobs of its call, so no job runs twice; the lowest idle worker takes
+the next call, and a call leaves the idle workers their share of the waiting jobs; only the worker that is to act
+is woken.
 
 Grouping rule. Jobs carry a ``group``; jobs with the same non-None group (a translate request's
 decoding options) can be merged: their items are concatenated, the group's function runs once, and
@@ -75,6 +80,7 @@ class Stats:
 
 
 MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share its model call
+MAX_WORKERS = 64
 
 
 def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: int) -> None:
@@ -89,25 +95,44 @@ def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: 
 
 
 class Batcher:
-    """One worker thread that runs queued jobs, merging those of a group (see the module docstring)."""
+    """``workers`` threads that run queued jobs, merging those of a group (see the module docstring)."""
 
-    def __init__(self, max_batch_tokens: int = 4096, max_wait_ms: float = 10.0, max_queue: int = 256) -> None:
+    def __init__(self, max_batch_tokens: int = 4096, max_wait_ms: float = 10.0, max_queue: int = 256,
+                 workers: int = 1) -> None:
         check_batching(max_batch_tokens, max_wait_ms, max_queue)
+        if not 1 <= workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers {workers}: expected 1-{MAX_WORKERS}")
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
-        self._current: list[Job] = []  # the jobs of the model call running now (worker thread)
-        self._running = 0
+        self._local = threading.local()  # .current: the jobs of the model call its worker runs now
+        self._running = 0  # jobs in the model calls running now
+        self._calls_running = 0
+        self._leftover = False  # the last call left jobs for an idle worker: the next call takes them without waiting
+        self._idle = [False] * workers  # the workers waiting for a job
         self._held = False
+        self._forming: int | None = None  # the worker choosing its call's jobs (the others would choose the same)
+        self._setups: list[collections.deque[Job]] = [collections.deque() for _ in range(workers)]
         # (jobs, time its results were given) of the last model call: a job alone in the queue that came after the
         # results of a one-job call is one client sending one request at a time, and no company is coming for it
         self._last_call = (0, 0.0)
         self._closing = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="aiayn-serve-model", daemon=True)
-        self._thread.start()
+        self._cond = threading.Condition()  # its lock guards the state; waiters outside the workers wait on it
+        # each worker waits on its own condition, and only the one that is to act is woken: a worker woken for nothing
+        # takes a core from a call's threads, which then wait for each other (a lone client's requests took 2.4x as
+        # long with every worker woken at every request)
+        self._wakes = [threading.Condition(self._cond._lock) for _ in range(workers)]  # type: ignore[attr-defined]
+        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"aiayn-serve-model-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def workers(self) -> int:
+        """Model calls that run side by side."""
+        return len(self._threads)
 
     @property
     def queued(self) -> int:
@@ -123,13 +148,21 @@ class Batcher:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._pending.append(job)
+            self._wake_one()
             self._cond.notify_all()
         return job.future
 
-    def setup(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the worker thread, before the jobs queued after it, and wait for it (its exception is raised
-        here): what belongs to the thread that runs the model (its CPU threads, a warm-up)."""
-        self.submit(Job(None, [None], 0, lambda _: [fn()], setup=True)).result()
+    def setup(self, fn: Callable[[int], None]) -> None:
+        """Run ``fn(worker)`` on every worker thread (0, 1, ...), before the jobs it takes next, and wait for them
+        (the first exception is raised here): what belongs to a thread that runs the model (its CPU threads, a
+        warm-up)."""
+        jobs = [Job(None, [None], 0, lambda _, i=i: [fn(i)], setup=True) for i in range(self.workers)]
+        with self._cond:
+            for queue, job in zip(self._setups, jobs):
+                queue.append(job)
+            self._wake_all()
+        for job in jobs:
+            job.future.result()
 
     async def run(self, group: Hashable | None, items: Sequence[Any], cost: int,
                   fn: Callable[[list[Any]], list[Any]], cancelled: threading.Event | None = None) -> list[Any]:
@@ -137,9 +170,10 @@ class Batcher:
         return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn, cancelled=cancelled)))
 
     def call_cancelled(self) -> bool:
-        """Whether every job of the model call running now was cancelled by its client (then the call may stop:
-        a search asks this once per decoding step, :attr:`aiayn.search.SearchSpec.stop`). Worker thread only."""
-        jobs = self._current
+        """Whether every job of the model call this worker runs now was cancelled by its client (then the call may
+        stop: a search asks this once per decoding step, :attr:`aiayn.search.SearchSpec.stop`). Worker threads
+        only."""
+        jobs = getattr(self._local, "current", [])
         return bool(jobs) and all(j.cancelled is not None and j.cancelled.is_set() for j in jobs)
 
     @contextlib.contextmanager
@@ -153,7 +187,7 @@ class Batcher:
         finally:
             with self._cond:
                 self._held = False
-                self._cond.notify_all()
+                self._wake_all()
 
     def wait_queued(self, n: int, timeout: float = 60.0) -> bool:
         """Block until at least ``n`` jobs wait in the queue (not counting running ones); False after ``timeout``
@@ -162,37 +196,79 @@ class Batcher:
             return self._cond.wait_for(lambda: len(self._pending) >= n, timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Take no new job, finish the queued ones, stop the worker (waits up to ``timeout`` seconds)."""
+        """Take no new job, finish the queued ones, stop the workers (waits up to ``timeout`` seconds)."""
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
+            self._wake_all()
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
 
     # The worker thread ----------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, worker: int) -> None:
+        setups = self._setups[worker]
         while True:
             with self._cond:
-                while (not self._pending or self._held) and not self._closing:
-                    self._cond.wait()
-                if not self._pending:
-                    return  # closing, and nothing left to do
-                jobs = self._take()
-                self._running = len(jobs)
+                while True:
+                    if setups:
+                        jobs = [setups.popleft()]
+                        break
+                    # the lowest idle worker takes the next call: a call alone runs on the same thread team each
+                    # time (another team's threads, spinning after their last call, would share the cores with it)
+                    first_idle = not any(self._idle[:worker]) or self._leftover or self._closing
+                    self._idle[worker] = True
+                    if (self._pending and (not self._held or self._closing) and self._forming is None
+                            and first_idle):
+                        self._idle[worker] = False
+                        self._forming = worker
+                        try:
+                            jobs = self._take()
+                        finally:
+                            self._forming = None
+                            if self._pending:
+                                self._wake_one()  # its leftover share, or another group's jobs
+                        break
+                    if self._closing and not self._pending:
+                        self._idle[worker] = False
+                        self._wake_all()
+                        return  # nothing left to do
+                    self._wakes[worker].wait()
+                self._running += len(jobs)
+                self._calls_running += 1
             try:
                 if jobs:
                     self._run(jobs)
             finally:
                 with self._cond:
-                    self._running = 0
+                    self._running -= len(jobs)
+                    self._calls_running -= 1
+
+    def _wake_one(self) -> None:
+        """Wake the worker that acts on a new job: the one choosing a call (it may join it), else the lowest idle one
+        (lock held)."""
+        if self._forming is not None:
+            self._wakes[self._forming].notify()
+            return
+        for worker, idle in enumerate(self._idle):
+            if idle:
+                self._wakes[worker].notify()
+                return
+
+    def _wake_all(self) -> None:
+        for wake in self._wakes:
+            wake.notify()
+        self._cond.notify_all()
 
     def _take(self) -> list[Job]:
         """The oldest job and those of its group that fit the budget, waiting for more until its deadline
-        (called with the lock held; waiting releases it). Cancelled jobs are dropped."""
+        (called with the lock held; waiting releases it), shared out with the workers that are idle. Cancelled jobs
+        are dropped."""
         first = self._pending[0]
         chosen = [first]
         calls, answered = self._last_call
         alone = calls == 1 and len(self._pending) == 1 and first.arrived >= answered
+        leftover, self._leftover = self._leftover, False  # jobs an idle worker was left: they have waited already
         if first.group is not None and not alone:
             # From the later of the job's arrival and the last call's answer: the clients that call answered send their
             # next requests within the wait and join this call, instead of taking turns at the model with the clients
@@ -210,9 +286,16 @@ class Batcher:
                     cost += job.cost
                 left = deadline - time.monotonic()
                 back = calls > 1 and len(chosen) >= calls  # as many jobs as the last call had: its clients are back
-                if full or cost >= self.max_batch_tokens or left <= 0 or back or self._closing:
+                if full or cost >= self.max_batch_tokens or left <= 0 or back or leftover or self._closing:
                     break
-                self._cond.wait(left)
+                self._wakes[self._forming].wait(left)
+            # Workers with nothing to run take their share: calls side by side, each on its share of the CPU threads,
+            # outran one call of them all on all of them (the step's threads wait for each other)
+            idle = self.workers - self._calls_running
+            if idle > 1 and len(chosen) > 1:
+                keep = math.ceil(len(chosen) / idle)
+                self._leftover = keep < len(chosen)
+                chosen = chosen[:keep]
         for job in chosen:
             self._pending.remove(job)
         # A client that went away cancelled its future: do not spend the model on it.
@@ -221,11 +304,12 @@ class Batcher:
     def _run(self, jobs: list[Job]) -> None:
         items = [x for job in jobs for x in job.items]
         if not jobs[0].setup:
-            self.stats.jobs += len(jobs)
-            self.stats.calls += 1
-            self.stats.items += len(items)
-            self.stats.largest_call = max(self.stats.largest_call, len(jobs))
-        self._current = jobs
+            with self._cond:
+                self.stats.jobs += len(jobs)
+                self.stats.calls += 1
+                self.stats.items += len(items)
+                self.stats.largest_call = max(self.stats.largest_call, len(jobs))
+        self._local.current = jobs
         try:
             results = jobs[0].run(items)
             if len(results) != len(items):
@@ -237,8 +321,9 @@ class Batcher:
                 job.future.set_exception(e)
             return
         finally:
-            self._current = []
-        self._last_call = (len(jobs), time.monotonic())  # before the results: a reply's next request comes after
+            self._local.current = []
+        with self._cond:
+            self._last_call = (len(jobs), time.monotonic())  # before the results: a reply's next request comes after
         start = 0
         for job in jobs:
             job.future.set_result(results[start : start + len(job.items)])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
-from aiayn.serve.batcher import check_batching
+from aiayn.serve.batcher import MAX_WORKERS, check_batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class ServeOptions:
     max_batch_tokens: int | None = None  # default: the device's decoding budget
     max_wait_ms: float = 10.0
     max_queue: int = 256
+    workers: int | None = None  # model calls side by side, each on its share of the CPU threads (None: 1)
     limits: Limits = field(default_factory=Limits)
     access_log: bool = False
     allow_hosts: tuple[str, ...] = ()  # Host names allowed beside the loopback ones and the bound address; "*": any
@@ -103,6 +104,8 @@ class ServeOptions:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
         check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
+        if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers {self.workers}: expected 1-{MAX_WORKERS}")
         if self.cors is not None and not re.fullmatch(r"https?://[^/\s]+", self.cors):
             raise ConfigError(f"--cors {self.cors!r}: expected an origin, e.g. https://example.org (no path)")
         for name in self.allow_hosts:
@@ -143,10 +146,11 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     from aiayn.serve.chat_template import load_chat_template
 
     o = options or ServeOptions()
-    # The model computes on the batcher's thread with the CPU threads aiayn.cli chose (--threads, else the free
-    # cores); this thread, which answers HTTP, keeps to one. GNU OpenMP spins a waiting team only while it runs no
-    # more threads than there are CPUs: a team of this thread's too (made by loading the model here) made it sleep
-    # and wake at every operation of the model's thread, and a 2-thread server decoded at half its speed.
+    # The model computes on the batcher's threads with the CPU threads aiayn.cli chose (--threads, else the free
+    # cores), shared out among its workers; this thread, which answers HTTP, keeps to one. GNU OpenMP spins a waiting
+    # team only while it runs no more threads than there are CPUs: a team of this thread's too (made by loading the
+    # model here) made it sleep and wake at every operation of the model's thread, and a 2-thread server decoded at
+    # half its speed.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = open_run(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
@@ -154,10 +158,13 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     load_chat_template(model.run)  # and a chat template of the run's own that does not parse
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
+    workers = o.workers or 1
+    shares = [max(1, threads // workers + (i < threads % workers)) for i in range(workers)]  # each worker's threads
     app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key, o.choices())
-    def on_model_thread() -> None:
-        set_cpu_threads(threads)
+                     o.api_key, o.choices(), workers)
+
+    def on_model_thread(worker: int) -> None:
+        set_cpu_threads(shares[worker])
         warm_up(model)
 
     try:
@@ -173,6 +180,7 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     if not ipaddress.ip_address(bound_host).is_loopback and o.api_key is None:
         log.warning("aiayn serve: listening on %s: anyone who can reach this machine can use the model "
                     "(--api-key or $%s asks every request for a key)", bound_host, API_KEY_ENV)
+    log.info("aiayn serve: %d model call(s) side by side, CPU threads %s", workers, "+".join(map(str, shares)))
     print(f"aiayn serve: {model.cfg.task} run {run_dir} on {model.device}: http://{shown}:{bound_port}/ "
           "(Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
     # uvicorn catches SIGTERM / SIGINT, shuts down gracefully, then re-raises the signal to whatever handler
@@ -203,6 +211,9 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="how long a request waits for others to share its model call (default 10; not when one "
                         "client sends one request at a time)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; then 503 (default 256)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="model calls that run side by side, each on its share of --threads (default 1; on a CPU "
+                        "under load from many clients, 2 served more and steadier: BENCHMARKS.md, section 4e)")
     p.add_argument("--max-sentences", type=int, default=Limits.max_sentences, metavar="N",
                    help="texts per request: sentences to translate, prompts (x n) of a completion (default "
                         f"{Limits.max_sentences}; LangChain's OpenAI sends batch_size prompts at once)")
@@ -239,7 +250,7 @@ def serve_cli(args: argparse.Namespace, decode: dict | None = None) -> int:
     key_from = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     options = ServeOptions(host=args.host, port=args.port, device=args.device, precision=args.precision,
                            max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                           max_queue=args.max_queue, limits=limits, access_log=args.access_log,
+                           max_queue=args.max_queue, workers=args.workers, limits=limits, access_log=args.access_log,
                            allow_hosts=tuple(args.allow_host), cors=args.cors, api_key=key, api_key_from=key_from,
                            decode=dict(decode or {}), model_aliases=tuple(args.model_alias),
                            split_sentences=args.split_sentences, libre_formatting=args.libre_formatting)
