@@ -281,3 +281,5 @@ def test_no_lock_left_by_a_killed_process_stalls_a_load(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+    (tmp_path / key / "aiayn_native_beam.so").unlink()  # the marker stays, the library is gone: built again
+    assert _load_in_child(tmp_path) == "loaded True\n" and (tmp_path / key / "aiayn_native_beam.so").exists()

@@ -87,13 +87,14 @@ def build(arch: str = "native") -> Any:
     the module, hung the servers and pytest runs after it on CI)."""
     out = Path(os.environ.get(DIR_ENV) or cache_dir() / "native") / build_key(arch)
     name = "aiayn_native_beam" if arch == "native" else f"aiayn_native_beam_{arch.replace('-', '_')}"
-    marker = out / "built"
-    if not marker.exists():
+    marker, library = out / "built", out / f"{name}.so"
+    if not (marker.exists() and library.exists()):
         out.mkdir(parents=True, exist_ok=True)
         with file_lock(out / "build.lock", doing=f"building {name}",
                        waiting=lambda pid: print(f"aiayn: waiting for pid {pid}, which builds the native beam search "
                                                  f"into {out}", file=sys.stderr, flush=True)):
-            if not marker.exists():
+            if not (marker.exists() and library.exists()):
+                marker.unlink(missing_ok=True)  # a library removed since: built again
                 print(f"aiayn: building the native beam search for this CPU into {out} (once, about 35 s)",
                       file=sys.stderr, flush=True)
                 with contextlib.suppress(FileNotFoundError):
@@ -104,9 +105,9 @@ def build(arch: str = "native") -> Any:
                              extra_cflags=[*FLAGS, f"-march={arch}"], extra_ldflags=["-fopenmp"], verbose=False)
                 atomic_write_text(marker, f"{name}\n")
                 return built
-    spec = importlib.util.spec_from_file_location(name, out / f"{name}.so")
+    spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {out / f'{name}.so'}")
+        raise ImportError(f"cannot load {library}")
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     return loaded
