@@ -550,7 +550,11 @@ def check_threads(threads: int, where: str = "--threads") -> int:
 
 
 def set_cpu_threads(threads: int | None) -> int:
-    """Set PyTorch's intra-op CPU threads to ``threads`` (None: leave PyTorch's choice); return the count in use."""
+    """Set this thread's PyTorch intra-op CPU threads to ``threads`` (None: leave PyTorch's choice); return the count
+    in use. The count is asked for first: a thread's first question (or first parallel operation) sets its count to
+    the one last set by any thread, so a count set before it was undone when another thread set its own in between
+    (two serve workers setting 2 and 1 threads both ended with 1)."""
+    torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(check_threads(threads, "threads"))
     return torch.get_num_threads()

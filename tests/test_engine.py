@@ -655,3 +655,38 @@ def test_keep_freed_memory_sets_glibc_once_and_leaves_a_tuned_allocator_alone(mo
         monkeypatch.setenv(name, "1")
         assert keep_freed_memory() is False
         monkeypatch.delenv(name)
+
+
+def test_a_threads_cpu_count_stays_when_another_thread_sets_its_own(monkeypatch):
+    """Two threads set their intra-op counts (two serve workers: 2 and 1), the second right after the first's set
+    and before the first's next question: each keeps its own. PyTorch sets a thread's count from the process's last
+    set at the thread's first question or parallel operation, so a count set before that was undone."""
+    import threading
+
+    from aiayn.engine import set_cpu_threads
+
+    real_set = torch.set_num_threads
+    first_set, second_set, got = threading.Event(), threading.Event(), {}
+
+    def set_then_let_the_other_set(n):  # in the first thread: the second sets its count right after this one's
+        real_set(n)
+        if threading.current_thread().name == "first":
+            first_set.set()
+            second_set.wait(30)
+
+    monkeypatch.setattr(torch, "set_num_threads", set_then_let_the_other_set)
+
+    def first():
+        got["first"] = set_cpu_threads(2)
+
+    def second():
+        first_set.wait(30)
+        got["second"] = set_cpu_threads(1)
+        second_set.set()
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {"first": 2, "second": 1}

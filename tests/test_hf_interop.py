@@ -428,8 +428,9 @@ def test_a_lone_word_boundary_first_never_reaches_the_text(tmp_path, capsys):
     from starlette.testclient import TestClient
 
     from aiayn.serve.app import create_app
+    from aiayn.serve.batcher import Batching
 
-    with TestClient(create_app(translator, max_wait_ms=0.0), base_url="http://localhost") as c:
+    with TestClient(create_app(translator, batching=Batching(max_wait_ms=0.0)), base_url="http://localhost") as c:
         r = c.post("/v1/translate", json={"text": ["a dog runs"]})
     assert r.json()["translations"][0]["text"] == theirs[0]
 

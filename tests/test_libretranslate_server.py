@@ -26,6 +26,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.interop.argos import ARGOS_FLAGS, ARGOS_SEARCH  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
+from aiayn.serve.batcher import Batching  # noqa: E402
 from aiayn.serve.service import Choices  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def libretranslate(learned_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def aiayn_server(learned_run):
     model = aiayn.load(learned_run, device="cpu")
-    with TestClient(create_app(model, max_wait_ms=1.0, choices=Choices(decode=dict(ARGOS_SEARCH))),
+    with TestClient(create_app(model, batching=Batching(max_wait_ms=1.0), choices=Choices(decode=dict(ARGOS_SEARCH))),
                     base_url="http://localhost") as c:
         yield c
 

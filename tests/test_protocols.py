@@ -24,6 +24,7 @@ import aiayn  # noqa: E402
 from aiayn.decode.generate import fits_in_batch  # noqa: E402
 from aiayn.interop import argos  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
+from aiayn.serve.batcher import Batching  # noqa: E402
 from aiayn.serve.completions import StopScan  # noqa: E402
 from aiayn.serve.libretranslate import libre_format  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
@@ -150,13 +151,14 @@ def test_serve_takes_translates_decoding_flags_for_its_libretranslate_routes(tin
 
 @pytest.fixture(scope="module")
 def client_mt(translator):
-    with TestClient(create_app(translator, max_wait_ms=2.0), base_url="http://localhost") as c:
+    with TestClient(create_app(translator, batching=Batching(max_wait_ms=2.0)), base_url="http://localhost") as c:
         yield c
 
 
 def test_api_key_is_asked_by_every_protocol(translator):
     key = "s3cret-key"
-    with TestClient(create_app(translator, max_wait_ms=2.0, api_key=key), base_url="http://localhost") as c:
+    app = create_app(translator, batching=Batching(max_wait_ms=2.0), api_key=key)
+    with TestClient(app, base_url="http://localhost") as c:
         q = {"q": "a b", "source": "en", "target": "de"}
         assert c.post("/translate", json=q).status_code == 403
         assert c.post("/translate", json={**q, "api_key": "wrong-key!"}).json() == {"error": "Invalid API key"}
@@ -194,7 +196,7 @@ def test_libretranslate_and_openai_requests_share_model_calls_on_a_translation_r
     """Requests of both protocols (and aiayn's own) queued together are merged by the batcher into one model call
     when they decode with the same options, and each answers with its slice of that call. The batcher is held
     until all are queued, so no thread timing decides the merge."""
-    app = create_app(translator, max_wait_ms=0.0, max_batch_tokens=100_000)
+    app = create_app(translator, batching=Batching(max_wait_ms=0.0, max_batch_tokens=100_000))
     calls, real = [], translator.search
 
     def counting(texts, opts, scores=True, **kwargs):
@@ -263,7 +265,7 @@ def test_concurrent_completions_on_a_language_model_share_model_calls(lm_run):
     prompt too long for a batch (it needs the sliding window) runs alone in the same call. The batcher is held
     until all are queued: no thread timing."""
     gen = aiayn.load(lm_run, device="cpu")
-    app = create_app(gen, max_wait_ms=0.0, max_batch_tokens=100_000)
+    app = create_app(gen, batching=Batching(max_wait_ms=0.0, max_batch_tokens=100_000))
     bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, **extra} for p, n, extra in (
         ("the cat", 12, {}), ("a", 5, {}), ("the dog sat on", 9, {"stop": [" the"]}), ("t", 7, {"stream": True}),
         ("the log", 10, {"stream": True, "stop": ["."]}), ("on the mat. the", 6, {}),
@@ -451,7 +453,7 @@ def lm(lm_run):
 
 @pytest.fixture(scope="module")
 def client_lm(lm):
-    with TestClient(create_app(lm, max_wait_ms=1.0), base_url="http://localhost") as c:
+    with TestClient(create_app(lm, batching=Batching(max_wait_ms=1.0)), base_url="http://localhost") as c:
         yield c
 
 
@@ -530,7 +532,7 @@ def test_a_requests_scored_prompts_share_forward_passes(lm, monkeypatch):
         return real(tokens)
 
     body = {"prompt": rows, "echo": True, "logprobs": 2, "max_tokens": 0}
-    with TestClient(create_app(lm, max_wait_ms=0.0), base_url="http://localhost") as c:
+    with TestClient(create_app(lm, batching=Batching(max_wait_ms=0.0)), base_url="http://localhost") as c:
         monkeypatch.setattr(lm.model, "forward", counting)
         one = c.post("/v1/completions", json=body)
         one_passes, passes[:] = list(passes), []
@@ -666,7 +668,7 @@ def test_model_aliases_are_listed_and_answered(lm):
     answer names the run), another name is 404 naming the option."""
     from aiayn.serve.service import Choices
 
-    app = create_app(lm, max_wait_ms=1.0, choices=Choices(aliases=("gpt-3.5-turbo", "davinci")))
+    app = create_app(lm, batching=Batching(max_wait_ms=1.0), choices=Choices(aliases=("gpt-3.5-turbo", "davinci")))
     with TestClient(app, base_url="http://localhost") as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["run", "gpt-3.5-turbo", "davinci"]
         r = c.post("/v1/completions", json={"model": "davinci", "prompt": "the", "max_tokens": 2, "temperature": 0})
@@ -715,7 +717,7 @@ def test_a_runs_own_chat_template_is_what_its_chat_reads(lm_run, tmp_path):
     if render_jinja_template is not None:
         assert render_jinja_template(conversations=[plain], chat_template=OWN_TEMPLATE, add_generation_prompt=True,
                                      bos_token="<s>", eos_token="</s>")[0] == [rendered]
-    with TestClient(create_app(lm, max_wait_ms=1.0), base_url="http://localhost") as c:
+    with TestClient(create_app(lm, batching=Batching(max_wait_ms=1.0)), base_url="http://localhost") as c:
         assert c.get("/tokenizer_info").json()["chat_template"] == OWN_TEMPLATE
         ids = c.post("/tokenize", json={"prompt": rendered}).json()["tokens"]
         sp = lm.tokenizers.specials
@@ -752,7 +754,8 @@ def test_a_chat_template_that_does_not_parse_stops_serve_before_it_listens(lm_ru
     with pytest.raises(ConfigError, match="chat_template.jinja"):
         create_app(aiayn.load(run, device="cpu"))
     (run / "chat_template.jinja").unlink()
-    with TestClient(create_app(aiayn.load(run, device="cpu"), max_wait_ms=1.0), base_url="http://localhost") as c:
+    app = create_app(aiayn.load(run, device="cpu"), batching=Batching(max_wait_ms=1.0))
+    with TestClient(app, base_url="http://localhost") as c:
         assert c.get("/tokenizer_info").json()["chat_template"] is None
 
 

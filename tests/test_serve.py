@@ -22,7 +22,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.errors import ConfigError  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
-from aiayn.serve.batcher import Batcher, Job, QueueFull  # noqa: E402
+from aiayn.serve.batcher import Batcher, Batching, Job, QueueFull  # noqa: E402
 from aiayn.serve.schemas import Limits  # noqa: E402
 from benchmarks import serve_load  # noqa: E402
 
@@ -38,7 +38,7 @@ def translator(tiny_run):
 
 @pytest.fixture(scope="module")
 def client(translator):
-    with TestClient(create_app(translator, max_wait_ms=2.0), base_url="http://localhost") as c:
+    with TestClient(create_app(translator, batching=Batching(max_wait_ms=2.0)), base_url="http://localhost") as c:
         yield c
 
 
@@ -357,7 +357,7 @@ def test_page_and_static_files_are_served_without_cdn(client):
 def test_concurrent_requests_share_model_calls_and_give_the_same_answers(translator):
     """Requests queued together are merged per decoding options (beam 2 and beam 1 never share a call), and
     each gets its own slice of that call's answers. The batcher is held until all are queued (no timing)."""
-    app = create_app(translator, max_wait_ms=0.0, max_batch_tokens=100_000)
+    app = create_app(translator, batching=Batching(max_wait_ms=0.0, max_batch_tokens=100_000))
     calls: list[tuple[list[str], int]] = []
     real = translator.search
 
@@ -384,7 +384,7 @@ def test_concurrent_requests_share_model_calls_and_give_the_same_answers(transla
 
 
 def test_full_queue_gives_503_then_serves(translator):
-    app = create_app(translator, max_wait_ms=0.0, max_queue=1, max_batch_tokens=100_000)
+    app = create_app(translator, batching=Batching(max_wait_ms=0.0, max_queue=1, max_batch_tokens=100_000))
     batcher = app.state.service.batcher
     with TestClient(app, base_url="http://localhost") as c:
         results: list = []
@@ -497,7 +497,7 @@ def test_the_server_socket_answers_without_nagle_delays():
     assert asyncio.run(accepted_nodelay()) != 0
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [None, 2])  # None: the default, one worker
 def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_run, monkeypatch, workers):
     """``aiayn serve``: the warm-up and every model call run on the batcher's threads, with their share of the CPU
     threads the command chose; the thread that answers HTTP keeps to one, so that it never starts an OpenMP team of
@@ -546,7 +546,7 @@ def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_r
         assert server.serve(str(tiny_run), server.ServeOptions(port=0, device="cpu", workers=workers)) == 0
     finally:
         torch.set_num_threads(before)
-    if workers == 1:
+    if workers is None:  # the default: one worker
         assert seen == {"warm_up": {("aiayn-serve-model-0", 2)}, "http": 1, "model": {(0, "aiayn-serve-model-0", 2)}}
     else:  # --workers 2: the 2 threads shared out, one each; two requests run side by side
         assert seen == {"warm_up": {("aiayn-serve-model-0", 1), ("aiayn-serve-model-1", 1)}, "http": 1,

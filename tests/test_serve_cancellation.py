@@ -60,6 +60,7 @@ def _live(loaded):
 
     from aiayn.search import native
     from aiayn.serve.app import create_app
+    from aiayn.serve.batcher import Batching
 
     # the PyTorch search, whose steps each call the model's decode (the native loop asks the same per-step stop
     # callback without one: tests/test_native.py::test_stop_callback_ends_the_search)
@@ -76,7 +77,7 @@ def _live(loaded):
         return real(*args, **kwargs)
 
     model.decode = decode
-    app = create_app(loaded, max_wait_ms=0.0)
+    app = create_app(loaded, batching=Batching(max_wait_ms=0.0))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()

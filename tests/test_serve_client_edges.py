@@ -17,6 +17,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 import aiayn  # noqa: E402
 from aiayn.serve.app import create_app  # noqa: E402
+from aiayn.serve.batcher import Batching  # noqa: E402
 from aiayn.serve.markup import join_html, split_html  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,7 +31,7 @@ def translator(tiny_run):
 
 @pytest.fixture(scope="module")
 def client_mt(translator):
-    with TestClient(create_app(translator, max_wait_ms=1.0), base_url="http://localhost") as c:
+    with TestClient(create_app(translator, batching=Batching(max_wait_ms=1.0)), base_url="http://localhost") as c:
         yield c
 
 
@@ -41,7 +42,7 @@ def lm(lm_run):
 
 @pytest.fixture(scope="module")
 def client_lm(lm):
-    with TestClient(create_app(lm, max_wait_ms=1.0), base_url="http://localhost") as c:
+    with TestClient(create_app(lm, batching=Batching(max_wait_ms=1.0)), base_url="http://localhost") as c:
         yield c
 
 
@@ -74,7 +75,8 @@ def test_multipart_forms_are_read_on_every_libretranslate_route(client_mt, trans
 def test_languages_answers_without_the_key_as_libretranslate_does(translator):
     """LibreTranslate has no key check on ``GET /languages`` (its clients list languages before they have a key);
     the routes that translate still ask for it."""
-    with TestClient(create_app(translator, max_wait_ms=1.0, api_key=KEY), base_url="http://localhost") as c:
+    app = create_app(translator, batching=Batching(max_wait_ms=1.0), api_key=KEY)
+    with TestClient(app, base_url="http://localhost") as c:
         assert c.get("/languages").json() == [{"code": "en", "name": "English", "targets": ["de", "en"]},
                                               {"code": "de", "name": "German", "targets": ["de"]}]
         assert c.post("/languages", json={"api_key": "wrong-key!"}).status_code == 200  # not read
@@ -248,7 +250,7 @@ def test_a_request_without_top_k_keeps_the_servers_top_k(lm, client_lm):
 
     body = {"prompt": "the cat", "max_tokens": 8, "temperature": 1.0, "seed": 3}
     unfiltered = client_lm.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    with TestClient(create_app(lm, max_wait_ms=1.0, choices=Choices(decode={"top_k": 1})),
+    with TestClient(create_app(lm, batching=Batching(max_wait_ms=1.0), choices=Choices(decode={"top_k": 1})),
                     base_url="http://localhost") as c:
         assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == lm.generate("the cat",
                                                                                                 max_new_tokens=8)

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 import aiayn
 from aiayn.interop.sentence_splitter import argos_join, split_sentences
 from aiayn.serve.app import create_app
+from aiayn.serve.batcher import Batching  # noqa: E402
 from aiayn.serve.libretranslate import libre_format
 from aiayn.serve.schemas import Limits
 from aiayn.serve.service import Choices
@@ -29,7 +30,8 @@ def translator(tiny_run):
 
 def client(translator, **choices) -> TestClient:
     limits = choices.pop("limits", None)
-    return TestClient(create_app(translator, max_wait_ms=1.0, limits=limits, choices=Choices(**choices)),
+    return TestClient(create_app(translator, batching=Batching(max_wait_ms=1.0), limits=limits,
+                                 choices=Choices(**choices)),
                       base_url="http://localhost")
 
 

@@ -24,9 +24,10 @@ def client(tiny_run):
 
     import aiayn
     from aiayn.serve.app import Access, create_app
+    from aiayn.serve.batcher import Batching
 
     tr = aiayn.load(tiny_run, device="cpu")
-    app = create_app(tr, max_wait_ms=1.0, access=Access(cors="https://tools.example"))
+    app = create_app(tr, batching=Batching(max_wait_ms=1.0), access=Access(cors="https://tools.example"))
     with TestClient(app, base_url="http://localhost") as c:
         yield c
 
@@ -114,9 +115,10 @@ def keyed_client(translator):
     from starlette.testclient import TestClient
 
     from aiayn.serve.app import Access, create_app
+    from aiayn.serve.batcher import Batching
 
-    app = create_app(translator, max_wait_ms=1.0, max_queue=2, access=Access(cors="https://tools.example"),
-                     api_key="s3cret-key")
+    app = create_app(translator, batching=Batching(max_wait_ms=1.0, max_queue=2),
+                     access=Access(cors="https://tools.example"), api_key="s3cret-key")
     with TestClient(app, base_url="http://localhost") as c:
         yield c
 
@@ -262,11 +264,12 @@ def test_a_summarization_run_refuses_completions_and_chats_in_its_own_words(tiny
     from aiayn.decode.translator import Translator
     from aiayn.run.directory import Run, load_run
     from aiayn.serve.app import create_app
+    from aiayn.serve.batcher import Batching
 
     run = load_run(tiny_run, "cpu")
     run = Run(run.path, dataclasses.replace(run.cfg, task="summarization"), run.model, run.tokenizers)
     why = "this server runs a summarization run; completions need a language model or a translation run"
-    with TestClient(create_app(Translator(run), max_wait_ms=1.0), base_url="http://localhost") as c:
+    with TestClient(create_app(Translator(run), batching=Batching(max_wait_ms=1.0)), base_url="http://localhost") as c:
         for path, body in (("/v1/completions", {"prompt": "a b"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}]}),
                            ("/v1/chat/completions", {"messages": [{"role": "system", "content": "a b"}]})):

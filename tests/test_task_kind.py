@@ -92,8 +92,9 @@ def test_a_task_kind_registered_from_a_test_alone_trains_evaluates_loads_and_is_
     from starlette.testclient import TestClient
 
     from aiayn.serve.app import create_app
+    from aiayn.serve.batcher import Batching
 
-    with TestClient(create_app(model, max_wait_ms=0.0), base_url="http://localhost") as client:
+    with TestClient(create_app(model, batching=Batching(max_wait_ms=0.0)), base_url="http://localhost") as client:
         r = client.post(TRANSLATE, json={"text": ["a b c"]})
         assert r.status_code == 200 and len(r.json()["translations"]) == 1
         r = client.post("/v1/generate", json={"prompt": "a"})

@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 
 from aiayn.decode.generate import Generator
 from aiayn.decode.translator import Translator
-from aiayn.serve.batcher import Batcher
+from aiayn.serve.batcher import Batching
 from aiayn.serve.libretranslate import LibreTranslate
 from aiayn.serve.native import STATIC, NativeRoutes
 from aiayn.serve.openai_api import OpenAIRoutes
@@ -137,23 +137,22 @@ async def not_found(request: Request, exc: HTTPException) -> Response:
     return request.app.state.protocols.error_response(request.url.path, exc.status_code, code, msg)
 
 
-def create_app(model: Translator | Generator, max_batch_tokens: int | None = None, max_wait_ms: float = 10.0,
-               max_queue: int = 256, limits: Limits | None = None, access: Access | None = None,
-               api_key: str | None = None, choices: Choices | None = None, workers: int = 1):
-    """The server for a loaded model (``aiayn.load(RUN)``). ``max_batch_tokens`` (default: the device's
-    decoding budget) bounds the source tokens x beam merged into one model call; ``max_wait_ms`` is how
-    long the first request of a call waits for others; ``max_queue`` requests wait at most; ``access``: who
-    may call it (default: loopback names only, no CORS); ``api_key``: when set, every API request must carry it
+def create_app(model: Translator | Generator, batching: Batching | None = None, limits: Limits | None = None,
+               access: Access | None = None, api_key: str | None = None, choices: Choices | None = None):
+    """The server for a loaded model (``aiayn.load(RUN)``). ``batching``: how model calls are merged and run
+    (:class:`aiayn.serve.batcher.Batching`: ``max_batch_tokens``, default the device's decoding budget, bounds the
+    source tokens x beam merged into one call; ``max_wait_ms`` is how long the first request of a call waits for
+    others; ``max_queue`` requests wait at most; ``workers`` calls run side by side); ``access``: who may call it
+    (default: loopback names only, no CORS); ``api_key``: when set, every API request must carry it
     (:mod:`aiayn.serve.service`); ``choices``: the operator's decoding options, replacing the run's ``decode``
     section on every route (``Choices(decode={"beam": 4, "alpha": 0.2, "length_penalty": "power"})``), and model
-    aliases; ``workers``: model calls side by side (:class:`aiayn.serve.batcher.Batcher`). Returns the ASGI app (its
-    ``state.service`` is the loaded model, batcher and limits)."""
-    choices = choices or Choices()
+    aliases. Returns the ASGI app (its ``state.service`` is the loaded model, batcher and limits)."""
+    choices, batching = choices or Choices(), batching or Batching()
     base = model.cfg.decode.replace(**choices.decode)  # a bad option fails here, before anything is served
-    budget = max_batch_tokens or base.batch_tokens(model.device.type)
-    batcher = Batcher(budget, max_wait_ms, max_queue, workers)
-    svc = Service(model=model, batcher=batcher, limits=limits or Limits(),
-                  api_key=api_key, budget=budget, max_wait_ms=max_wait_ms, max_queue=max_queue, choices=choices)
+    budget = batching.max_batch_tokens or base.batch_tokens(model.device.type)
+    batcher = batching.batcher(budget)
+    svc = Service(model=model, batcher=batcher, limits=limits or Limits(), api_key=api_key, budget=budget,
+                  max_wait_ms=batching.max_wait_ms, max_queue=batching.max_queue, choices=choices)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -94,6 +94,26 @@ def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: 
         raise ConfigError(f"--max-queue {max_queue}: expected 1-1000000")
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a server batches its model calls (``aiayn serve``'s flags): ``max_batch_tokens`` (None: the device's
+    decoding budget), ``max_wait_ms``, ``max_queue``, ``workers`` (model calls side by side); checked when built."""
+
+    max_batch_tokens: int | None = None
+    max_wait_ms: float = 10.0
+    max_queue: int = 256
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers {self.workers}: expected 1-{MAX_WORKERS}")
+
+    def batcher(self, budget: int) -> Batcher:
+        """The batcher, merging up to ``budget`` source tokens x beam a call."""
+        return Batcher(budget, self.max_wait_ms, self.max_queue, self.workers)
+
+
 class Batcher:
     """``workers`` threads that run queued jobs, merging those of a group (see the module docstring)."""
 

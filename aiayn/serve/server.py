@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
-from aiayn.serve.batcher import MAX_WORKERS, check_batching
+from aiayn.serve.batcher import MAX_WORKERS, Batching, check_batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
 
 if TYPE_CHECKING:
@@ -147,10 +147,9 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
 
     o = options or ServeOptions()
     # The model computes on the batcher's threads with the CPU threads aiayn.cli chose (--threads, else the free
-    # cores), shared out among its workers; this thread, which answers HTTP, keeps to one. GNU OpenMP spins a waiting
-    # team only while it runs no more threads than there are CPUs: a team of this thread's too (made by loading the
-    # model here) made it sleep and wake at every operation of the model's thread, and a 2-thread server decoded at
-    # half its speed.
+    # cores), shared out among its --workers; this thread, which answers HTTP, keeps to one. GNU OpenMP spins a
+    # waiting team only while its teams hold no more threads than there are CPUs: a team of this thread's too made it
+    # sleep and wake at every operation of the model's thread, and a 2-thread server decoded at half its speed.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = open_run(run_dir, o.device, o.precision)  # a bad run or device fails here, before binding
@@ -160,15 +159,11 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     bound_host, bound_port = sock.getsockname()[:2]
     workers = o.workers or 1
     shares = [max(1, threads // workers + (i < threads % workers)) for i in range(workers)]  # each worker's threads
-    app = create_app(model, o.max_batch_tokens, o.max_wait_ms, o.max_queue, o.limits, o.access(bound_host),
-                     o.api_key, o.choices(), workers)
-
-    def on_model_thread(worker: int) -> None:
-        set_cpu_threads(shares[worker])
-        warm_up(model)
+    app = create_app(model, Batching(o.max_batch_tokens, o.max_wait_ms, o.max_queue, workers), o.limits,
+                     o.access(bound_host), o.api_key, o.choices())
 
     try:
-        app.state.service.batcher.setup(on_model_thread)
+        app.state.service.batcher.setup(lambda worker: (set_cpu_threads(shares[worker]), warm_up(model)))
     except BaseException:
         sock.close()
         raise
