@@ -141,8 +141,7 @@ class Batcher:
         self._closing = False
         self._cond = threading.Condition()  # its lock guards the state; waiters outside the workers wait on it
         # each worker waits on its own condition, and only the one that is to act is woken: a worker woken for nothing
-        # takes a core from a call's threads, which then wait for each other (a lone client's requests took 2.4x as
-        # long with every worker woken at every request)
+        # takes a core from the running call's threads, which then wait for each other
         self._wakes = [threading.Condition(self._cond._lock) for _ in range(workers)]  # type: ignore[attr-defined]
         self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"aiayn-serve-model-{i}", daemon=True)
                          for i in range(workers)]
