@@ -285,9 +285,12 @@ def test_workers_take_every_job_once():
 
 
 def test_workers_out_of_range_are_refused():
+    from aiayn.serve.server import ServeOptions
+
     for bad in (0, 65):
-        with pytest.raises(ConfigError, match="--workers"):
-            Batcher(workers=bad)
+        for build in (Batcher, Batching, ServeOptions):
+            with pytest.raises(ConfigError, match=f"--workers {bad}: expected 1-64"):
+                build(workers=bad)
 
 
 def test_health_and_model(client, translator):
