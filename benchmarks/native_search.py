@@ -15,10 +15,12 @@ same token for token. What the choice between the two searches is made from.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +86,9 @@ def markdown(result: dict[str, Any]) -> str:
              common.provenance(result["machine"], result["command"], result["date"]),
              f"- Task: {result['task']}; beam 4, power length penalty 0.6, stop=exact, at most 100 steps; the "
              f"sources sorted by length, in batches of each size; each search's fastest of {result['repeats']} "
-             "passes, taking turns, in one process.\n"]
+             "passes, taking turns, in one process"
+             + (f"; {result['args']['busy']} other process(es) spinning on a core each meanwhile" if
+                result["args"].get("busy") else "") + ".\n"]
     rows = [[precision, size, f"{r['pytorch_sentences_per_s']:.1f}", f"{r['native_sentences_per_s']:.1f}",
              f"{r['ratio']:.2f}x", f"{r['same']} / {r['of']}"]
             for precision, by_size in result["precisions"].items() for size, r in by_size.items()]
@@ -103,6 +107,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8"], choices=["fp32", "bf16", "int8"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--busy", type=int, default=0, help="processes that keep a core busy while the searches run (a "
+                   "server's other work, another program): how a search's threads fare beside a neighbour")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--arch", default=None, help="the native module built for -march=ARCH instead of this CPU "
                    "(x86-64-v3: AVX2, no AVX-512; with ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA for PyTorch's)")
@@ -115,6 +121,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.smoke:
         args.limit, args.sizes, args.repeats = 6, [1, 3], 1
     return args
+
+
+@contextlib.contextmanager
+def busy_neighbours(n: int) -> Iterator[list[subprocess.Popen]]:
+    """``n`` processes that spin on a core each until the block ends (yields them)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[str, Any]:
@@ -139,7 +157,8 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
                 result.setdefault("not_run", {})[precision] = why
                 continue
             use_linear(task.model, inference_linear_kind(torch.device("cpu"), precision))
-            result["precisions"][precision] = measure(task, args.sizes, args.repeats)
+            with busy_neighbours(args.busy):
+                result["precisions"][precision] = measure(task, args.sizes, args.repeats)
     common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
     common.update_section(args.md, NAME, markdown(result))
     return result

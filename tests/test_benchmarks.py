@@ -303,8 +303,12 @@ def test_native_search_smoke_times_both_searches_on_the_same_batches(tmp_path):
 
     if native.module() is None:
         pytest.skip(f"no native search here: {native.why_not()}")
-    result = native_search.main(["--smoke", "--precisions", "fp32", "int8", "--md", str(tmp_path / "B.md"),
-                                 "--out-json", str(tmp_path / "n.json")])
+    with native_search.busy_neighbours(1) as procs:  # a neighbour spins while inside, and is gone after
+        assert [p.poll() for p in procs] == [None]
+    assert procs[0].poll() is not None
+    result = native_search.main(["--smoke", "--precisions", "fp32", "int8", "--busy", "1", "--md",
+                                 str(tmp_path / "B.md"), "--out-json", str(tmp_path / "n.json")])
+    assert "1 other process(es) spinning on a core each meanwhile" in (tmp_path / "B.md").read_text()
     fp32 = result["precisions"]["fp32"]
     assert set(fp32) == {"1", "3"} and all(r["same"] == r["of"] == 6 for r in fp32.values())
     assert all(r["native_sentences_per_s"] > 0 and r["pytorch_sentences_per_s"] > 0
