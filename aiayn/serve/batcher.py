@@ -83,7 +83,7 @@ MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share i
 MAX_WORKERS = 64
 
 
-def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: int) -> None:
+def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: int, workers: int = 1) -> None:
     """The batcher's settings, as ``aiayn serve`` flags: a one-line ConfigError for one out of range (a wait that
     is NaN would make every request wait forever, an infinite one would stop the model's thread)."""
     if not (math.isfinite(max_wait_ms) and 0 <= max_wait_ms <= MAX_WAIT_MS):
@@ -92,6 +92,8 @@ def check_batching(max_batch_tokens: int | None, max_wait_ms: float, max_queue: 
         raise ConfigError(f"--max-batch-tokens {max_batch_tokens}: expected 1-{2**31}")
     if not 1 <= max_queue <= 1_000_000:
         raise ConfigError(f"--max-queue {max_queue}: expected 1-1000000")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers {workers}: expected 1-{MAX_WORKERS}")
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,7 @@ class Batching:
     workers: int = 1
 
     def __post_init__(self) -> None:
-        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
-        if not 1 <= self.workers <= MAX_WORKERS:
-            raise ConfigError(f"--workers {self.workers}: expected 1-{MAX_WORKERS}")
+        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue, self.workers)
 
     def batcher(self, budget: int) -> Batcher:
         """The batcher, merging up to ``budget`` source tokens x beam a call."""
@@ -119,9 +119,7 @@ class Batcher:
 
     def __init__(self, max_batch_tokens: int = 4096, max_wait_ms: float = 10.0, max_queue: int = 256,
                  workers: int = 1) -> None:
-        check_batching(max_batch_tokens, max_wait_ms, max_queue)
-        if not 1 <= workers <= MAX_WORKERS:
-            raise ConfigError(f"--workers {workers}: expected 1-{MAX_WORKERS}")
+        check_batching(max_batch_tokens, max_wait_ms, max_queue, workers)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue

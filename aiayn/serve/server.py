@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
-from aiayn.serve.batcher import MAX_WORKERS, Batching, check_batching
+from aiayn.serve.batcher import Batching, check_batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
 
 if TYPE_CHECKING:
@@ -103,9 +103,8 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
-        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue)
-        if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:
-            raise ConfigError(f"--workers {self.workers}: expected 1-{MAX_WORKERS}")
+        workers = 1 if self.workers is None else self.workers
+        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue, workers)
         if self.cors is not None and not re.fullmatch(r"https?://[^/\s]+", self.cors):
             raise ConfigError(f"--cors {self.cors!r}: expected an origin, e.g. https://example.org (no path)")
         for name in self.allow_hosts:
