@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from aiayn.config import ModelConfig
+from aiayn.engine import set_cpu_threads
 from aiayn.linear import Int8Linear, quantize_rows, use_linear
 from aiayn.model.transformer import Transformer
 from aiayn.search import beam, native
@@ -283,3 +285,35 @@ def test_no_lock_left_by_a_killed_process_stalls_a_load(tmp_path):
         holder.wait()
     (tmp_path / key / "aiayn_native_beam.so").unlink()  # the marker stays, the library is gone: built again
     assert _load_in_child(tmp_path) == "loaded True\n" and (tmp_path / key / "aiayn_native_beam.so").exists()
+
+
+def test_a_search_runs_on_its_threads_count_when_another_thread_set_another():
+    """A thread that set one CPU thread runs its first native search on one, though another thread set two since:
+    at::parallel_for's first call on a thread (this module's copy of ATen's lazy init) had set the thread's count to
+    the one last set anywhere (a server's one-thread worker grew an OpenMP team, and GNU OpenMP's waiting threads
+    then slept at every parallel operation of every multi-threaded search)."""
+    model, spec = model_of(), SearchSpec.of(beam=4)
+    src, mask = sources(2)
+    ready, set_two = threading.Event(), threading.Event()
+    seen = []
+
+    def worker():
+        set_cpu_threads(1)  # asked, then set: PyTorch's own first question is behind it
+        ready.set()
+        set_two.wait(60)
+        native.beam_search(model, src, mask, dataclasses.replace(
+            spec, stop=lambda: seen.append(torch.get_num_threads()) and False))
+        return torch.get_num_threads()
+
+    threads = torch.get_num_threads()
+    try:
+        t = threading.Thread(target=lambda: seen.append(("after", worker())))
+        t.start()
+        ready.wait(60)
+        torch.set_num_threads(2)  # the count last set anywhere
+        set_two.set()
+        t.join(120)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[-1] == ("after", 1) and set(seen[:-1]) == {1}
+

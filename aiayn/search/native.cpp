@@ -6,7 +6,7 @@
 // (sinusoidal or learned) and ReLU / GELU / swish. Products run on weights packed once (Linear: fp32, bf16 on the
 // AVX512-BF16 unit, int8 on the VNNI unit, else widened on the fly); each step's keys/values are written once and
 // read through each beam's ancestors (Cache). Threads: ATen's intra-op pool (at::parallel_for, built with -fopenmp),
-// so torch.set_num_threads applies.
+// so torch.set_num_threads applies (keep_thread_count).
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
 // (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
@@ -14,6 +14,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #if defined(__x86_64__)
@@ -29,6 +30,20 @@
 #include <vector>
 
 namespace {
+
+// Keep the calling thread's OpenMP thread count as the caller set it (torch.set_num_threads on this thread).
+// at::parallel_for begins, on a thread's first call, with at::internal::lazy_init_num_threads, an inline function
+// whose thread_local flag this module has a copy of: so on a thread where PyTorch had set and read its count already,
+// the first parallel_for here set the thread's count again, to the count last set by any thread. A serve worker set
+// to one thread then ran its searches on another worker's count: its OpenMP team grew, and once the teams hold more
+// threads than there are CPUs, GNU OpenMP's waiting threads sleep at once instead of spinning, and every
+// multi-threaded search in the process waits for a wake-up at each parallel operation (a two-thread search at batch
+// 1 ran several times slower). Called before this module's parallel work: the flag set, the count kept.
+void keep_thread_count() {
+  const int n = omp_get_max_threads();
+  at::internal::lazy_init_num_threads();
+  if (omp_get_max_threads() != n) omp_set_num_threads(n);
+}
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -583,6 +598,7 @@ class Decoder {
   Decoder(std::vector<torch::Tensor> t, std::vector<int64_t> ints, std::vector<double> floats) {
     // ints: D, H, K, Q, L, post_ln, activation (0 relu, 1 gelu, 2 swish), the products' Kind, encoder layers;
     // floats: eps, embedding scale
+    keep_thread_count();
     D = ints[0], H = ints[1], K = ints[2], Q = ints[3], L = ints[4];
     post_ln = ints[5] != 0, act = ints[6];
     const int64_t how = ints[7];  // Kind of the products
@@ -659,6 +675,7 @@ class Decoder {
     bool stopped = false;
     {
       py::gil_scoped_release nogil;
+      keep_thread_count();
       encode(src, B, S, src_len, cross_k, cross_v);
       for (int64_t l = 0; l < L; ++l) {
         ck[l] = cross_k[l].data();
@@ -1017,6 +1034,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, int64_t>())
       .def("__call__", [](const Linear& lin, torch::Tensor x) {
+        keep_thread_count();
         auto xc = x.to(torch::kFloat32).contiguous();
         auto y = torch::empty({xc.size(0), lin.N}, xc.options());
         lin(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
