@@ -314,3 +314,25 @@ def test_native_search_smoke_times_both_searches_on_the_same_batches(tmp_path):
     assert all(r["native_sentences_per_s"] > 0 and r["pytorch_sentences_per_s"] > 0
                for by_size in result["precisions"].values() for r in by_size.values())
     assert "| fp32 | 1 |" in (tmp_path / "B.md").read_text()
+
+
+def test_native_products_smoke_holds_each_kind_against_its_units_peak(tmp_path):
+    """The native products per kind against one thread's peak of the unit each runs on: every kind measured at
+    every shape, multiply-adds per second both ways, a step's products summed; the section names the unit."""
+    from aiayn.search import native
+    from benchmarks import native_products
+
+    if native.module() is None:
+        pytest.skip(f"no native search here: {native.why_not()}")
+    result = native_products.main(["--smoke", "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "p.json")])
+    assert set(result["kinds"]) == {"fp32", "bf16", "int8"}
+    for kind, r in result["kinds"].items():
+        assert r["peak_gmacs"] > 0 and r["unit"] == native_products.unit(kind, native.module())
+        names = [p["product"] for p in r["products"]]
+        assert names == [*native_products.step_shapes(64, 128, 500), "a step's products"]
+        assert all(p["us"] > 0 and p["gmacs"] > 0 and p["of_peak"] > 0 for p in r["products"])
+        whole = r["products"][-1]
+        # each time rounded to 0.1 us: five of them and the sum differ by 0.3 at most
+        assert whole["us"] == pytest.approx(sum(p["us"] for p in r["products"][:-1]), rel=0.01, abs=0.31)
+    text = (tmp_path / "B.md").read_text()
+    assert "| bf16 | " + result["kinds"]["bf16"]["unit"] + " |" in text

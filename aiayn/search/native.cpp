@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -1019,6 +1020,64 @@ class Decoder {
   }
 };
 
+// One thread's peak of the products' unit for ``kind`` (0 fp32: FMA on W floats; 1 bf16: the AVX512-BF16 dot product,
+// else the fp32 FMA the widened weights run on; 2 int8: the AVX512-VNNI dot product, else the fp32 FMA), in
+// multiply-adds per second: ``iters`` rounds of 16 independent instructions (as many sums in flight as the kernels
+// keep). What benchmarks.native_products holds the products' speed against.
+double peak_macs(int64_t kind, int64_t iters) {
+  auto t0 = std::chrono::steady_clock::now();
+  double macs = 0.0;
+#ifdef AIAYN_DPBF16
+  if (kind == BF16) {
+    __m512 a[16];
+    for (auto& v : a) v = _mm512_setzero_ps();
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), w = x;
+    for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, w);
+      __asm__ volatile("" : "+v"(x));
+    }
+    float sink = 0.f;
+    for (auto& v : a) sink += _mm512_reduce_add_ps(v);
+    __asm__ volatile("" : : "r"(&sink) : "memory");
+    macs = 32.0 * 16 * iters;
+  }
+#endif
+#ifdef AIAYN_VNNI
+  if (kind == INT8) {
+    __m512i a[16];
+    for (auto& v : a) v = _mm512_setzero_si512();
+    __m512i x = _mm512_set1_epi8(1), w = x;
+    for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbusd_epi32(a[i], x, w);
+      __asm__ volatile("" : "+v"(x));
+    }
+    int32_t sink = 0;
+    for (auto& v : a) sink += _mm512_reduce_add_epi32(v);
+    __asm__ volatile("" : : "r"(&sink) : "memory");
+    macs = 64.0 * 16 * iters;
+  }
+#endif
+  if (macs == 0.0) {  // fp32 FMA on W floats
+    vf a[16];
+    for (auto& v : a) v = vf{};
+    vf x = vf{} + 1.f, w = x;
+    for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] += x * w;
+      __asm__ volatile("" : "+x"(x));
+    }
+    float sink = 0.f;
+    for (auto& v : a)
+      for (int j = 0; j < W; ++j) sink += v[j];
+    __asm__ volatile("" : : "r"(&sink) : "memory");
+    macs = double(W) * 16 * iters;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return macs / s;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef AIAYN_VNNI
   m.attr("vnni") = true;
@@ -1039,7 +1098,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto y = torch::empty({xc.size(0), lin.N}, xc.options());
         lin(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
         return y;
+      })
+      // seconds per call of ``calls`` calls on x, timed here (benchmarks.native_products: no Python between calls)
+      .def("seconds", [](const Linear& lin, torch::Tensor x, int64_t calls) {
+        keep_thread_count();
+        auto xc = x.to(torch::kFloat32).contiguous();
+        std::vector<float> y(xc.size(0) * lin.N);
+        py::gil_scoped_release nogil;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int64_t i = 0; i < calls; ++i) lin(xc.data_ptr<float>(), xc.size(0), y.data());
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(calls);
       });
+  m.def("peak_macs", &peak_macs, "one thread's multiply-adds per second on the products' unit for a kind");
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("search", &Decoder::search);
