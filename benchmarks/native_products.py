@@ -7,7 +7,7 @@
 How far can a faster kernel take the native beam search? Its time goes to the decoder's products (the layers' linear
 maps and the output projection over the vocabulary); each kind runs on one unit of the CPU: fp32 on its FMA, bf16 on
 its AVX512-BF16 dot product (else widened to fp32), int8 on its AVX512-VNNI dot product (else fp32). For each kind:
-the unit's peak, one thread's multiply-adds per second of 16 independent instructions in a loop
+the unit's peak, one thread's multiply-adds per second of 16 independent instructions in a loop (12 fp32 on AVX2)
 (``native.module().peak_macs``), and the products of a decoder step at each shape (``rows`` = sentences x beam,
 the quick recipe's widths by default), each the fastest of ``--repeats`` timings of ``--calls`` calls in the module:
 microseconds, multiply-adds per second, and their share of the peak. A share near 100% leaves only fewer
@@ -86,7 +86,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"- Shapes: a decoder layer's products and the output projection at d_model {a['d_model']}, d_ff "
              f"{a['d_ff']}, vocabulary {a['vocab']}; rows = sentences x beam; each the fastest of {a['repeats']} "
              f"timings of {a['calls']} calls. Peak: one thread's multiply-adds per second of 16 independent "
-             "instructions of the kind's unit in a loop.\n"]
+             "instructions of the kind's unit in a loop (12 fp32 on AVX2).\n"]
     rows = []
     for kind, r in result["kinds"].items():
         for p in r["products"]:

@@ -1022,8 +1022,8 @@ class Decoder {
 
 // One thread's peak of the products' unit for ``kind`` (0 fp32: FMA on W floats; 1 bf16: the AVX512-BF16 dot product,
 // else the fp32 FMA the widened weights run on; 2 int8: the AVX512-VNNI dot product, else the fp32 FMA), in
-// multiply-adds per second: ``iters`` rounds of 16 independent instructions (as many sums in flight as the kernels
-// keep). What benchmarks.native_products holds the products' speed against.
+// multiply-adds per second: ``iters`` rounds of 16 independent instructions (12 of fp32 on AVX2), as many sums in
+// flight as the kernels keep. What benchmarks.native_products holds the products' speed against.
 double peak_macs(int64_t kind, int64_t iters) {
   auto t0 = std::chrono::steady_clock::now();
   double macs = 0.0;
@@ -1059,20 +1059,21 @@ double peak_macs(int64_t kind, int64_t iters) {
     macs = 64.0 * 16 * iters;
   }
 #endif
-  if (macs == 0.0) {  // fp32 FMA on W floats
-    vf a[16];
+  if (macs == 0.0) {  // fp32 FMA on W floats; AVX2 has 16 vector registers: 12 sums, the operands, no spills
+    constexpr int A = W == 16 ? 16 : 12;
+    vf a[A];
     for (auto& v : a) v = vf{};
     vf x = vf{} + 1.f, w = x;
     for (int64_t k = 0; k < iters; ++k) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) a[i] += x * w;
+      for (int i = 0; i < A; ++i) a[i] += x * w;
       __asm__ volatile("" : "+x"(x));
     }
     float sink = 0.f;
     for (auto& v : a)
       for (int j = 0; j < W; ++j) sink += v[j];
     __asm__ volatile("" : : "r"(&sink) : "memory");
-    macs = double(W) * 16 * iters;
+    macs = double(W) * A * iters;
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return macs / s;
