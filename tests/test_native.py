@@ -289,9 +289,9 @@ def test_no_lock_left_by_a_killed_process_stalls_a_load(tmp_path):
 
 def test_a_search_runs_on_its_threads_count_when_another_thread_set_another():
     """A thread that set one CPU thread runs its first native search on one, though another thread set two since:
-    at::parallel_for's first call on a thread (this module's copy of ATen's lazy init) had set the thread's count to
-    the one last set anywhere (a server's one-thread worker grew an OpenMP team, and GNU OpenMP's waiting threads
-    then slept at every parallel operation of every multi-threaded search)."""
+    at::parallel_for's first call on a thread (the module's own copy of ATen's lazy init) had set the thread's count
+    to the one last set anywhere (a server's one-thread worker grew an OpenMP team, and GNU OpenMP's waiting threads
+    then slept at every parallel operation of every multi-threaded search); the module's loops are its own now."""
     model, spec = model_of(), SearchSpec.of(beam=4)
     src, mask = sources(2)
     ready, set_two = threading.Event(), threading.Event()

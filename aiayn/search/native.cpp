@@ -5,8 +5,8 @@
 // banned ids and min_len), for the post-LN and pre-LN encoder-decoder of aiayn.model with additive positions
 // (sinusoidal or learned) and ReLU / GELU / swish. Products run on weights packed once (Linear: fp32, bf16 on the
 // AVX512-BF16 unit, int8 on the VNNI unit, else widened on the fly); each step's keys/values are written once and
-// read through each beam's ancestors (Cache). Threads: ATen's intra-op pool (at::parallel_for, built with -fopenmp),
-// so torch.set_num_threads applies (keep_thread_count).
+// read through each beam's ancestors (Cache). Threads: the caller's OpenMP threads (parallel_for, built with -fopenmp,
+// the OpenMP of PyTorch's CPU builds), so torch.set_num_threads applies.
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
 // (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
@@ -17,7 +17,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <exception>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -32,18 +34,40 @@
 
 namespace {
 
-// Keep the calling thread's OpenMP thread count as the caller set it (torch.set_num_threads on this thread).
-// at::parallel_for begins, on a thread's first call, with at::internal::lazy_init_num_threads, an inline function
-// whose thread_local flag this module has a copy of: so on a thread where PyTorch had set and read its count already,
-// the first parallel_for here set the thread's count again, to the count last set by any thread. A serve worker set
-// to one thread then ran its searches on another worker's count: its OpenMP team grew, and once the teams hold more
-// threads than there are CPUs, GNU OpenMP's waiting threads sleep at once instead of spinning, and every
-// multi-threaded search in the process waits for a wake-up at each parallel operation (a two-thread search at batch
-// 1 ran several times slower). Called before this module's parallel work: the flag set, the count kept.
-void keep_thread_count() {
-  const int n = omp_get_max_threads();
-  at::internal::lazy_init_num_threads();
-  if (omp_get_max_threads() != n) omp_set_num_threads(n);
+// The search's parallel loops: at::parallel_for's split (each of the caller's OpenMP threads one contiguous chunk of
+// at least ``grain`` items; inline on one thread, for a loop of one chunk, or inside a parallel region) without its
+// first step. at::parallel_for begins with at::internal::lazy_init_num_threads, an inline function whose
+// thread_local "done" flag this module holds a copy of: on a thread where PyTorch had set its count already, this
+// module's first loop set the thread's count again, to the count last set by any thread. A serve worker set to one
+// thread (uneven --workers shares) then ran its searches on another worker's count: its OpenMP team grew, and once the
+// teams hold more threads than there are CPUs, GNU OpenMP's waiting threads sleep at once instead of spinning, and
+// every multi-threaded search in the process waited for a wake-up at each loop (scratch: several times slower).
+// Each search starts with at::get_num_threads() instead, PyTorch's own copy of that first step: a thread PyTorch
+// has not set yet gets its count as it would in PyTorch.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  if (n <= grain || n == 1 || omp_in_parallel() || omp_get_max_threads() == 1) {
+    f(begin, end);
+    return;
+  }
+  std::exception_ptr error;
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+#pragma omp parallel
+  {
+    int64_t threads = omp_get_num_threads();
+    if (grain > 0) threads = std::min<int64_t>(threads, (n + grain - 1) / grain);
+    const int64_t chunk = (n + threads - 1) / threads, b = begin + omp_get_thread_num() * chunk;
+    if (b < end) {
+      try {
+        f(b, std::min(end, b + chunk));
+      } catch (...) {
+        if (!failed.test_and_set()) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -367,7 +391,7 @@ struct Linear {
       std::vector<uint8_t> xu(M * K4 * 4, 128);
       std::vector<float> xs(M);
       const int64_t Kv = K / 16 * 16;
-      at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+      parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
           const float* xr = x + m * K;
           uint8_t* q = xu.data() + m * K4 * 4;
@@ -388,7 +412,7 @@ struct Linear {
       });
       const int32_t* cp = comp.data_ptr<int32_t>();
       const int8_t* wp = w.data_ptr<int8_t>();
-      at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+      parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
         for (int64_t m = 0; m < M; m += ROWS) {
           const uint8_t* xm = xu.data() + m * K4 * 4;
           float* ym = y + m * N;
@@ -404,7 +428,7 @@ struct Linear {
     if (kind == BF16) {  // each row rounded to bf16, in pairs of k
       std::vector<uint32_t> xp(M * K2, 0);
       const int64_t Kv = K / 32 * 32;
-      at::parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
+      parallel_for(0, M, row_grain, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) {
           const float* xr = x + m * K;
           for (int64_t k = 0; k < Kv; k += 32)  // 32 values to bf16 (nearest even), k's order: k even low, odd high
@@ -414,7 +438,7 @@ struct Linear {
         }
       });
       const int16_t* wp = w.data_ptr<int16_t>();
-      at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+      parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
         for (int64_t m = 0; m < M; m += ROWS) {
           const uint32_t* xm = xp.data() + m * K2;
           float* ym = y + m * N;
@@ -435,7 +459,7 @@ struct Linear {
       }
       x = rounded.data();
     }
-    at::parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
+    parallel_for(0, blocks, grain, [&](int64_t nb0, int64_t nb1) {
       for (int64_t m = 0; m < M; m += ROWS) {
         const int64_t rows = std::min<int64_t>(ROWS, M - m);
         if (kind == BF16) {
@@ -599,7 +623,6 @@ class Decoder {
   Decoder(std::vector<torch::Tensor> t, std::vector<int64_t> ints, std::vector<double> floats) {
     // ints: D, H, K, Q, L, post_ln, activation (0 relu, 1 gelu, 2 swish), the products' Kind, encoder layers;
     // floats: eps, embedding scale
-    keep_thread_count();
     D = ints[0], H = ints[1], K = ints[2], Q = ints[3], L = ints[4];
     post_ln = ints[5] != 0, act = ints[6];
     const int64_t how = ints[7];  // Kind of the products
@@ -676,7 +699,7 @@ class Decoder {
     bool stopped = false;
     {
       py::gil_scoped_release nogil;
-      keep_thread_count();
+      at::get_num_threads();  // the thread's count as PyTorch sets it (parallel_for)
       encode(src, B, S, src_len, cross_k, cross_v);
       for (int64_t l = 0; l < L; ++l) {
         ck[l] = cross_k[l].data();
@@ -717,7 +740,7 @@ class Decoder {
         const int64_t k = std::min<int64_t>(2 * N, V);
         std::vector<float> top_v(R * k);
         std::vector<int64_t> top_i(R * k);
-        at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+        parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
             float* lg = logits.data() + r * V;
             for (int64_t id : banned) lg[id] = NEG_INF;
@@ -813,7 +836,7 @@ class Decoder {
         in = y.data();
       }
       ly.qkv(in, M, h.data());
-      at::parallel_for(0, M * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
+      parallel_for(0, M * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H, b = sent_of[r];
           const float* keys = h.data() + first[b] * w3 + qw + hh * K;  // from the sentence's first row
@@ -952,7 +975,7 @@ class Decoder {
       ly.qkv(in, R, h.data());  // (R, qw + qw + vw)
       float* block = cache.blocks[t].get() + l * R * kv;
       for (int64_t r = 0; r < R; ++r) std::memcpy(block + r * kv, h.data() + r * w3 + qw, sizeof(float) * kv);
-      at::parallel_for(0, R * H, heads_grain(t + 1), [&](int64_t i0, int64_t i1) {
+      parallel_for(0, R * H, heads_grain(t + 1), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
           const int32_t* anc = cache.anc.data() + r * cache.stride;
@@ -973,7 +996,7 @@ class Decoder {
         in = y.data();
       }
       ly.cross_q(in, R, h.data());  // (R, qw)
-      at::parallel_for(0, R * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
+      parallel_for(0, R * H, heads_grain(S), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t r = i / H, hh = i % H;
           const int64_t b = sent[r / per_sent];
@@ -1094,7 +1117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, int64_t>())
       .def("__call__", [](const Linear& lin, torch::Tensor x) {
-        keep_thread_count();
+        at::get_num_threads();
         auto xc = x.to(torch::kFloat32).contiguous();
         auto y = torch::empty({xc.size(0), lin.N}, xc.options());
         lin(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
@@ -1102,7 +1125,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       // seconds per call of ``calls`` calls on x, timed here (benchmarks.native_products: no Python between calls)
       .def("seconds", [](const Linear& lin, torch::Tensor x, int64_t calls) {
-        keep_thread_count();
+        at::get_num_threads();
         auto xc = x.to(torch::kFloat32).contiguous();
         std::vector<float> y(xc.size(0) * lin.N);
         py::gil_scoped_release nogil;
