@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiayn.errors import ConfigError, UserError, require
-from aiayn.serve.batcher import Batching, check_batching
+from aiayn.serve.batcher import Batching
 from aiayn.serve.schemas import API_KEY_ENV, Limits
 
 if TYPE_CHECKING:
@@ -94,6 +94,11 @@ class ServeOptions:
     split_sentences: bool = True
     libre_formatting: bool = True
 
+    def batching(self) -> Batching:
+        """How the server batches its model calls (checked: a one-line ConfigError for a flag out of range)."""
+        workers = 1 if self.workers is None else self.workers
+        return Batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue, workers)
+
     def choices(self) -> Choices:
         """What the operator chose beyond the run, as the routes read it."""
         from aiayn.serve.service import Choices  # starlette's, imported once a server starts
@@ -103,8 +108,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: expected 1-65535 (or 0 for a free port)")
-        workers = 1 if self.workers is None else self.workers
-        check_batching(self.max_batch_tokens, self.max_wait_ms, self.max_queue, workers)
+        self.batching()
         if self.cors is not None and not re.fullmatch(r"https?://[^/\s]+", self.cors):
             raise ConfigError(f"--cors {self.cors!r}: expected an origin, e.g. https://example.org (no path)")
         for name in self.allow_hosts:
@@ -156,10 +160,10 @@ def serve(run_dir: str, options: ServeOptions | None = None) -> int:
     load_chat_template(model.run)  # and a chat template of the run's own that does not parse
     sock = listen(o.host, o.port)
     bound_host, bound_port = sock.getsockname()[:2]
-    workers = o.workers or 1
+    batching = o.batching()
+    workers = batching.workers
     shares = [max(1, threads // workers + (i < threads % workers)) for i in range(workers)]  # each worker's threads
-    app = create_app(model, Batching(o.max_batch_tokens, o.max_wait_ms, o.max_queue, workers), o.limits,
-                     o.access(bound_host), o.api_key, o.choices())
+    app = create_app(model, batching, o.limits, o.access(bound_host), o.api_key, o.choices())
 
     try:
         app.state.service.batcher.setup(lambda worker: (set_cpu_threads(shares[worker]), warm_up(model)))
