@@ -112,6 +112,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
     args = p.parse_args(argv)
+    sizes = {"--rows": min(args.rows), "--d-model": args.d_model, "--d-ff": args.d_ff, "--vocab": args.vocab,
+             "--calls": args.calls, "--repeats": args.repeats, "--peak-iters": args.peak_iters}
+    bad = next((f"{flag} {value}" for flag, value in sizes.items() if value < 1), None)
+    if bad:
+        p.error(f"{bad}: expected a whole number >= 1")
     if args.smoke:
         args.rows, args.d_model, args.d_ff, args.vocab = [4], 64, 128, 500
         args.calls, args.repeats, args.peak_iters = 5, 1, 100_000
@@ -127,7 +132,8 @@ def main(argv: Sequence[str] | None = None, command: str | None = None) -> dict[
     threads = common.set_threads(1)
     result: dict[str, Any] = {"benchmark": NAME, "date": common.utc_now(),
                               "command": command or common.command_line(NAME, argv),
-                              "machine": common.machine_info(threads), "args": vars(args),
+                              "machine": common.machine_info(threads),
+                              "args": {k: v for k, v in vars(args).items() if k not in ("md", "out_json")},
                               "kinds": measure(args, module)}
     common.write_json(args.out_json or common.RESULTS_DIR / f"{NAME}.json", result)
     common.update_section(args.md, NAME, markdown(result))

@@ -336,3 +336,13 @@ def test_native_products_smoke_holds_each_kind_against_its_units_peak(tmp_path):
         assert whole["us"] == pytest.approx(sum(p["us"] for p in r["products"][:-1]), rel=0.01, abs=0.31)
     text = (tmp_path / "B.md").read_text()
     assert "| bf16 | " + result["kinds"]["bf16"]["unit"] + " |" in text
+
+
+@pytest.mark.parametrize("flag", [["--rows", "4", "0"], ["--calls", "0"], ["--d-model", "-3"]])
+def test_native_products_refuses_sizes_below_one(flag, tmp_path, capsys):
+    from benchmarks import native_products
+
+    with pytest.raises(SystemExit) as exit_:
+        native_products.main([*flag, "--out-json", str(tmp_path / "p.json"), "--md", str(tmp_path / "B.md")])
+    assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "B.md").exists()

@@ -41,7 +41,7 @@ namespace {
 // module's first loop set the thread's count again, to the count last set by any thread. A serve worker set to one
 // thread (uneven --workers shares) then ran its searches on another worker's count: its OpenMP team grew, and once the
 // teams hold more threads than there are CPUs, GNU OpenMP's waiting threads sleep at once instead of spinning, and
-// every multi-threaded search in the process waited for a wake-up at each loop (scratch: several times slower).
+// every multi-threaded search in the process waited for a wake-up at each loop (seen in scratch runs).
 // Each search starts with at::get_num_threads() instead, PyTorch's own copy of that first step: a thread PyTorch
 // has not set yet gets its count as it would in PyTorch.
 template <typename F>
