@@ -338,11 +338,18 @@ def test_native_products_smoke_holds_each_kind_against_its_units_peak(tmp_path):
     assert "| bf16 | " + result["kinds"]["bf16"]["unit"] + " |" in text
 
 
-@pytest.mark.parametrize("flag", [["--rows", "4", "0"], ["--calls", "0"], ["--d-model", "-3"]])
-def test_native_products_refuses_sizes_below_one(flag, tmp_path, capsys):
+@pytest.mark.parametrize("flag, why", [(["--rows", "4", "0"], "expected a whole number >= 1"),
+                                       (["--calls", "0"], "expected a whole number >= 1"),
+                                       (["--d-model", "-3"], "expected a whole number >= 1"),
+                                       (["--out-json", "B.md"], "--out-json a .json file"),
+                                       (["--md", "p.json"], "--md takes a .md file")])
+def test_native_products_refuses_bad_flags_before_any_work(flag, why, tmp_path, capsys, monkeypatch):
     from benchmarks import native_products
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "B.md").write_text("kept\n")
+    (tmp_path / "p.json").write_text("{}\n")
     with pytest.raises(SystemExit) as exit_:
-        native_products.main([*flag, "--out-json", str(tmp_path / "p.json"), "--md", str(tmp_path / "B.md")])
-    assert exit_.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err.splitlines()[-1]
-    assert not (tmp_path / "p.json").exists() and not (tmp_path / "B.md").exists()
+        native_products.main(["--out-json", "p.json", "--md", "B.md", *flag])
+    assert exit_.value.code == 2 and why in capsys.readouterr().err.splitlines()[-1]
+    assert (tmp_path / "B.md").read_text() == "kept\n" and (tmp_path / "p.json").read_text() == "{}\n"
