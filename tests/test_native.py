@@ -145,6 +145,59 @@ def test_many_sentences_on_one_or_two_threads(monkeypatch):
     same(one, python_search(model, src, mask, spec, monkeypatch))
 
 
+def test_groups_of_sentences_find_the_same_bits(monkeypatch):
+    """Sentences split into groups, each searched by one thread: the same hypotheses and scores, to the bit, as one
+    group on one or two threads, for any split (more groups than threads or sentences too); and the Python search's."""
+    model, spec = model_of(d_model=64, n_heads=2, d_ff=96), SearchSpec.of(beam=4, nbest=2)
+    src, mask = sources(9, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one = native.beam_search(model, src, mask, spec, groups=1)
+        for groups in (0, 2, 3, 9, 20):
+            same(native.beam_search(model, src, mask, spec, groups=groups), one, tol=0)
+        torch.set_num_threads(1)
+        same(native.beam_search(model, src, mask, spec, groups=2), one, tol=0)
+    finally:
+        torch.set_num_threads(threads)
+    same(one, python_search(model, src, mask, spec, monkeypatch))
+
+
+def test_group_count():
+    """T groups where each of T threads gets two sentences and 8 rows (sentences x beam), else one."""
+    count = native.module().group_count
+    assert count(8, 4, 2) == 2 and count(4, 4, 2) == 2 and count(3, 4, 2) == 1 and count(1, 4, 2) == 1
+    assert count(8, 1, 2) == 1 and count(16, 1, 2) == 2  # beam 1: a sentence is one row
+    assert count(100, 4, 1) == 1 and count(64, 4, 16) == 16 and count(16, 4, 16) == 1
+
+
+def test_stop_callback_in_groups_runs_on_the_callers_thread():
+    """In groups, ``stop`` is asked on the caller's thread only (a server's cancel check reads that thread's call) and
+    ends every group; an exception it raises reaches the caller."""
+    model = model_of()
+    src, mask = sources(6)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(threading.get_ident())
+        return len(asked) > 2
+
+    def fails() -> bool:
+        raise ValueError("the stop check failed")
+
+    spec = SearchSpec.of(beam=4, max_len_a=0.0, max_len_b=30)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(SearchStopped):
+            native.beam_search(model, src, mask, dataclasses.replace(spec, stop=stop), groups=2)
+        with pytest.raises(ValueError, match="the stop check failed"):
+            native.beam_search(model, src, mask, dataclasses.replace(spec, stop=fails), groups=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(asked) >= 3 and set(asked) == {threading.get_ident()}
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_native_precisions_equal_python(kind, monkeypatch):
     """The model's products in bf16 or int8 (``use_linear``): the native search finds the Python search's hypotheses.

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <exception>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -28,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -683,120 +685,249 @@ class Decoder {
   }
 
   // Beam search over B sources src (B * S ids, right-padded), src_len (B,) their real lengths, limits (B,) their step
-  // limits. Returns, per sentence, up to nbest
-  // (tokens, score, logprob), best first, and whether ``stop`` (called once a step, if not None) ended it early.
+  // limits. Returns, per sentence, up to nbest (tokens, score, logprob), best first, and whether ``stop`` (called once
+  // a step, if not None, on the caller's thread) ended it early. how: beam N, nbest, length penalty (0 gnmt, 1 power,
+  // 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len, and optionally the sentences' groups (0 or absent:
+  // groups(); tests and benchmarks set it).
+  //
+  // Threads: with T of them and at least T sentences, the sentences are split into T groups of about equal source
+  // length and each thread searches its group alone (its products, attention and top-k on one thread): a step then
+  // has no point where threads wait for each other, where one step on T threads has ~30 (a product's column blocks,
+  // the attention's heads, the rows' top-k). A thread whose core is taken by other work (the server's HTTP thread, its
+  // clients, another process) then slows its own group only. Fewer sentences than threads: one group, its loops
+  // split over the threads. A sentence's hypotheses do not depend on its group (each row's arithmetic is the same).
   std::tuple<std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>>, bool> search(
       std::vector<int64_t> src, std::vector<int64_t> src_len, std::vector<int64_t> limits, std::vector<int64_t> how,
       double alpha, std::vector<int64_t> banned, py::object stop) {
-    // how: beam N, nbest, length penalty (0 gnmt, 1 power, 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len
     const Rules rules{how.at(0), how.at(1), how.at(2), how.at(3), how.at(5), alpha};
-    const int64_t N = rules.N, bos = how.at(4), eos = rules.eos, min_len = how.at(6);
-    const int64_t B = int64_t(limits.size());
-    const int64_t S = B ? int64_t(src.size()) / B : 0;
-    std::vector<std::vector<float>> cross_k, cross_v;
-    std::vector<const float*> ck(L), cv(L);
-    std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>> results(B);
+    const Batch batch{src, src_len, limits, B_of(limits), how.at(4), how.at(6), banned};
+    const int64_t forced = how.size() > 7 ? how.at(7) : 0;
+    Results results(batch.B);
     bool stopped = false;
     {
       py::gil_scoped_release nogil;
-      at::get_num_threads();  // the thread's count as PyTorch sets it (parallel_for)
-      encode(src, B, S, src_len, cross_k, cross_v);
-      for (int64_t l = 0; l < L; ++l) {
-        ck[l] = cross_k[l].data();
-        cv[l] = cross_v[l].data();
-      }
-      const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
-      // the key/value cache: step t's block (L, rows at t, keys (H K) | values (H Q)), written once and never moved;
-      // a row reads its earlier steps through its ancestors: anc[r * (C + 1) + j] = the row at step j its prefix
-      // continues (a beam's reorder is a copy of those indices, not of keys and values)
-      Cache cache{{}, {}, std::vector<int32_t>(B * N * (C + 1)), C + 1};
-      // live sentences (their original index), their beams' summed logprobs (n, N), pools, limits
-      std::vector<int64_t> sent(B);
-      for (int64_t b = 0; b < B; ++b) sent[b] = b;
-      std::vector<float> scores(B * N, NEG_INF);
-      for (int64_t b = 0; b < B; ++b) scores[b * N] = 0.f;
-      std::vector<std::vector<Finished>> pools(B);
-      std::vector<int64_t> tokens(B * (C + 1), bos), new_tokens;  // (rows, t + 1) prefixes, BOS first; stride C + 1
-      std::vector<int32_t> new_anc;
-      int64_t R = B, per_sent = 1;  // rows; rows per sentence (1 on the first step, then N)
-      const int64_t rows_max = B * N, T_room = (std::max(C, S) + W - 1) / W * W;
-      std::vector<float> x(rows_max * D), h(rows_max * std::max({D, 3 * std::max(K, Q) * H, F})),
-          a(rows_max * H * Q), y(rows_max * D), logits(rows_max * V), sc(rows_max * H * T_room);
-      const float scale = 1.f / std::sqrt(float(K));
-      for (int64_t t = 0;; ++t) {
-        if (!stop.is_none()) {
-          py::gil_scoped_acquire gil;
-          if (stop().cast<bool>()) {
-            stopped = true;
-            break;
+      const int64_t T = at::get_num_threads();  // the thread's count as PyTorch sets it (parallel_for)
+      auto ask = [&]() {  // the caller's stop, on the caller's thread
+        py::gil_scoped_acquire gil;
+        return stop().cast<bool>();
+      };
+      const std::vector<std::vector<int64_t>> groups = split(batch, forced > 0 ? forced : group_count(batch.B, rules.N, T));
+      if (groups.size() == 1) {
+        search_group(rules, batch, groups[0], [&]() { return !stop.is_none() && ask(); }, results, stopped);
+      } else {
+        // thread 0 (the caller's) asks ``stop`` at each of its steps and, once its group is done, every millisecond
+        // until the others are; the others read its answer
+        const int64_t G = int64_t(groups.size());
+        std::atomic<bool> halt{false};
+        int64_t left = G;  // groups not done yet (under ``done``)
+        std::mutex done;
+        std::condition_variable finished;
+        std::exception_ptr error;
+        std::atomic_flag failed = ATOMIC_FLAG_INIT;
+        auto fail = [&]() {
+          if (!failed.test_and_set()) error = std::current_exception();
+          halt = true;
+        };
+        auto asked = [&]() {
+          if (!halt && !stop.is_none() && ask()) halt = true;
+          return bool(halt);
+        };
+#pragma omp parallel num_threads(std::min(G, T))
+        {
+          const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+          for (int64_t g = tid; g < G; g += nt) {
+            bool mine = false;
+            try {
+              if (tid == 0) search_group(rules, batch, groups[g], asked, results, mine);
+              else search_group(rules, batch, groups[g], [&]() { return bool(halt); }, results, mine);
+            } catch (...) {
+              fail();
+            }
+            std::lock_guard<std::mutex> hold(done);
+            if (--left == 0) finished.notify_all();
+          }
+          if (tid == 0) {  // the caller's thread: asks ``stop`` until every group is done
+            std::unique_lock<std::mutex> hold(done);
+            while (left > 0) {
+              if (stop.is_none()) {
+                finished.wait(hold);
+                continue;
+              }
+              finished.wait_for(hold, std::chrono::milliseconds(1));
+              hold.unlock();
+              try {
+                asked();
+              } catch (...) {
+                fail();
+              }
+              hold.lock();
+            }
           }
         }
-        cache.blocks.emplace_back(new float[L * R * (H * K + H * Q)]);
-        cache.rows.push_back(R);
-        for (int64_t r = 0; r < R; ++r) cache.anc[r * cache.stride + t] = int32_t(r);
-        step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache, x, h, a, y, logits, sc, T_room, scale);
-        // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
-        // best log-probabilities (log_softmax of the row, computed for those k only)
-        const int64_t k = std::min<int64_t>(2 * N, V);
-        std::vector<float> top_v(R * k);
-        std::vector<int64_t> top_i(R * k);
-        parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1; ++r) {
-            float* lg = logits.data() + r * V;
-            for (int64_t id : banned) lg[id] = NEG_INF;
-            const float eos_lg = lg[eos];  // in the log-sum-exp even where min_len bars it
-            if (t < min_len) lg[eos] = NEG_INF;
-            row_top(lg, k, top_v.data() + r * k, top_i.data() + r * k);
-            const float m = std::max(top_v[r * k], eos_lg);
-            const float sum = sum_exp(lg, V, m) + (t < min_len ? std::exp(eos_lg - m) : 0.f);
-            const float lse = m + std::log(sum);
-            for (int64_t j = 0; j < k; ++j) top_v[r * k + j] -= lse;
-          }
-        });
-        const int64_t n = int64_t(sent.size());
-        std::vector<int64_t> keep_rows;  // next rows: the row each continues
-        std::vector<int64_t> keep_tok;
-        std::vector<float> keep_scores;
-        std::vector<int64_t> live;
-        for (int64_t s = 0; s < n; ++s) {
-          const int64_t b = sent[s], first = s * per_sent;
-          const std::vector<Candidate> next =
-              sentence_step(rules, top_v.data() + first * k, top_i.data() + first * k, k, scores.data() + s * N,
-                            per_sent, tokens.data() + first * (C + 1), C + 1, t, limits[b], pools[b]);
-          if (next.empty()) continue;  // done
-          live.push_back(b);
-          for (const Candidate& c : next) {
-            keep_rows.push_back(first + c.beam);
-            keep_tok.push_back(c.tok);
-            keep_scores.push_back(c.lp);
-          }
-        }
-        if (live.empty()) break;
-        // the next rows: each continues a row's prefix and ancestors (the beams' reorder, finished sentences dropped)
-        const int64_t R2 = int64_t(keep_rows.size());
-        new_tokens.assign(R2 * (C + 1), 0);
-        new_anc.assign(R2 * cache.stride, 0);
-        for (int64_t r = 0; r < R2; ++r) {
-          const int64_t p = keep_rows[r];
-          std::memcpy(new_tokens.data() + r * (C + 1), tokens.data() + p * (C + 1), sizeof(int64_t) * (t + 1));
-          new_tokens[r * (C + 1) + t + 1] = keep_tok[r];
-          std::memcpy(new_anc.data() + r * cache.stride, cache.anc.data() + p * cache.stride,
-                      sizeof(int32_t) * (t + 1));
-        }
-        tokens.swap(new_tokens);
-        cache.anc.swap(new_anc);
-        sent = live;
-        scores = keep_scores;
-        R = R2;
-        per_sent = N;
-      }
-      for (int64_t b = 0; b < B; ++b) {
-        auto& pool = pools[b];
-        for (int64_t j = 0; j < std::min<int64_t>(rules.nbest, int64_t(pool.size())); ++j)
-          results[b].emplace_back(pool[j].tokens, pool[j].score, double(pool[j].logprob));
+        if (error) std::rethrow_exception(error);
+        stopped = halt;
       }
     }
     return {results, stopped};
+  }
+
+  // How many groups B sentences of N rows each (the beam) are searched in on T threads (search's comment): T where
+  // each thread has at least two sentences and ROWS rows (fewer rows make its products slower than a share of every
+  // row's columns: fp32 at 4 rows ran at ~70% of its unit's peak, BENCHMARKS.md "The native search's products"),
+  // else one.
+  static int64_t group_count(int64_t B, int64_t N, int64_t T) {
+    if (T <= 1 || omp_in_parallel() || B < T * std::max<int64_t>(2, (ROWS + N - 1) / N)) return 1;
+    return T;
+  }
+
+ private:
+  typedef std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>> Results;
+  struct Batch {  // search's arguments: B sources of S ids (right-padded), their lengths and step limits
+    const std::vector<int64_t>& src;
+    const std::vector<int64_t>& src_len;
+    const std::vector<int64_t>& limits;
+    int64_t B;
+    int64_t bos, min_len;
+    const std::vector<int64_t>& banned;
+    int64_t S() const { return B ? int64_t(src.size()) / B : 0; }
+  };
+  static int64_t B_of(const std::vector<int64_t>& limits) { return int64_t(limits.size()); }
+
+  // The sentences (their indices) in G groups of about equal summed source length: longest first, each to the group
+  // with the least so far; each group in the sentences' order. G = 1: all of them, in order.
+  static std::vector<std::vector<int64_t>> split(const Batch& batch, int64_t G) {
+    G = std::max<int64_t>(1, std::min(G, batch.B));
+    std::vector<std::vector<int64_t>> groups(G);
+    if (G == 1) {
+      for (int64_t b = 0; b < batch.B; ++b) groups[0].push_back(b);
+      return groups;
+    }
+    std::vector<int64_t> order(batch.B), load(G, 0);
+    for (int64_t b = 0; b < batch.B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t p, int64_t q) { return batch.src_len[p] > batch.src_len[q]; });
+    for (int64_t b : order) {
+      const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
+      groups[g].push_back(b);
+      load[g] += batch.src_len[b] + 1;
+    }
+    for (auto& g : groups) std::sort(g.begin(), g.end());
+    return groups;
+  }
+
+  // The beam search of the sentences ``which`` of ``batch`` (their results into results[b]); ``halted()`` is asked once
+  // a step: true ends the search and sets ``stopped``.
+  template <typename Halted>
+  void search_group(const Rules& rules, const Batch& batch, const std::vector<int64_t>& which, Halted&& halted,
+                    Results& results, bool& stopped) const {
+    const int64_t N = rules.N, bos = batch.bos, eos = rules.eos, min_len = batch.min_len;
+    const int64_t B = int64_t(which.size()), S_all = batch.S();
+    // the group's sources, src_len and limits, padded to its longest source
+    std::vector<int64_t> src_len(B), limits(B);
+    int64_t S = 1;
+    for (int64_t b = 0; b < B; ++b) {
+      src_len[b] = batch.src_len[which[b]];
+      limits[b] = batch.limits[which[b]];
+      S = std::max(S, src_len[b]);
+    }
+    std::vector<int64_t> src(B * S, 0);
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(src.data() + b * S, batch.src.data() + which[b] * S_all, sizeof(int64_t) * src_len[b]);
+    const std::vector<int64_t>& banned = batch.banned;
+    std::vector<std::vector<float>> cross_k, cross_v;
+    std::vector<const float*> ck(L), cv(L);
+    encode(src, B, S, src_len, cross_k, cross_v);
+    for (int64_t l = 0; l < L; ++l) {
+      ck[l] = cross_k[l].data();
+      cv[l] = cross_v[l].data();
+    }
+    const int64_t C = *std::max_element(limits.begin(), limits.end());  // steps at most
+    // the key/value cache: step t's block (L, rows at t, keys (H K) | values (H Q)), written once and never moved;
+    // a row reads its earlier steps through its ancestors: anc[r * (C + 1) + j] = the row at step j its prefix
+    // continues (a beam's reorder is a copy of those indices, not of keys and values)
+    Cache cache{{}, {}, std::vector<int32_t>(B * N * (C + 1)), C + 1};
+    // live sentences (their index in the group), their beams' summed logprobs (n, N), pools, limits
+    std::vector<int64_t> sent(B);
+    for (int64_t b = 0; b < B; ++b) sent[b] = b;
+    std::vector<float> scores(B * N, NEG_INF);
+    for (int64_t b = 0; b < B; ++b) scores[b * N] = 0.f;
+    std::vector<std::vector<Finished>> pools(B);
+    std::vector<int64_t> tokens(B * (C + 1), bos), new_tokens;  // (rows, t + 1) prefixes, BOS first; stride C + 1
+    std::vector<int32_t> new_anc;
+    int64_t R = B, per_sent = 1;  // rows; rows per sentence (1 on the first step, then N)
+    const int64_t rows_max = B * N, T_room = (std::max(C, S) + W - 1) / W * W;
+    std::vector<float> x(rows_max * D), h(rows_max * std::max({D, 3 * std::max(K, Q) * H, F})),
+        a(rows_max * H * Q), y(rows_max * D), logits(rows_max * V), sc(rows_max * H * T_room);
+    const float scale = 1.f / std::sqrt(float(K));
+    for (int64_t t = 0;; ++t) {
+      if (halted()) {
+        stopped = true;
+        break;
+      }
+      cache.blocks.emplace_back(new float[L * R * (H * K + H * Q)]);
+      cache.rows.push_back(R);
+      for (int64_t r = 0; r < R; ++r) cache.anc[r * cache.stride + t] = int32_t(r);
+      step(t, R, per_sent, tokens, C, sent, ck, cv, S, src_len, cache, x, h, a, y, logits, sc, T_room, scale);
+      // banned ids and min_len at -inf; each row's best k (k = 2N) of the logits, less the row's log-sum-exp: its k
+      // best log-probabilities (log_softmax of the row, computed for those k only)
+      const int64_t k = std::min<int64_t>(2 * N, V);
+      std::vector<float> top_v(R * k);
+      std::vector<int64_t> top_i(R * k);
+      parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          float* lg = logits.data() + r * V;
+          for (int64_t id : banned) lg[id] = NEG_INF;
+          const float eos_lg = lg[eos];  // in the log-sum-exp even where min_len bars it
+          if (t < min_len) lg[eos] = NEG_INF;
+          row_top(lg, k, top_v.data() + r * k, top_i.data() + r * k);
+          const float m = std::max(top_v[r * k], eos_lg);
+          const float sum = sum_exp(lg, V, m) + (t < min_len ? std::exp(eos_lg - m) : 0.f);
+          const float lse = m + std::log(sum);
+          for (int64_t j = 0; j < k; ++j) top_v[r * k + j] -= lse;
+        }
+      });
+      const int64_t n = int64_t(sent.size());
+      std::vector<int64_t> keep_rows;  // next rows: the row each continues
+      std::vector<int64_t> keep_tok;
+      std::vector<float> keep_scores;
+      std::vector<int64_t> live;
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t b = sent[s], first = s * per_sent;
+        const std::vector<Candidate> next =
+            sentence_step(rules, top_v.data() + first * k, top_i.data() + first * k, k, scores.data() + s * N,
+                          per_sent, tokens.data() + first * (C + 1), C + 1, t, limits[b], pools[b]);
+        if (next.empty()) continue;  // done
+        live.push_back(b);
+        for (const Candidate& c : next) {
+          keep_rows.push_back(first + c.beam);
+          keep_tok.push_back(c.tok);
+          keep_scores.push_back(c.lp);
+        }
+      }
+      if (live.empty()) break;
+      // the next rows: each continues a row's prefix and ancestors (the beams' reorder, finished sentences dropped)
+      const int64_t R2 = int64_t(keep_rows.size());
+      new_tokens.assign(R2 * (C + 1), 0);
+      new_anc.assign(R2 * cache.stride, 0);
+      for (int64_t r = 0; r < R2; ++r) {
+        const int64_t p = keep_rows[r];
+        std::memcpy(new_tokens.data() + r * (C + 1), tokens.data() + p * (C + 1), sizeof(int64_t) * (t + 1));
+        new_tokens[r * (C + 1) + t + 1] = keep_tok[r];
+        std::memcpy(new_anc.data() + r * cache.stride, cache.anc.data() + p * cache.stride,
+                    sizeof(int32_t) * (t + 1));
+      }
+      tokens.swap(new_tokens);
+      cache.anc.swap(new_anc);
+      sent = live;
+      scores = keep_scores;
+      R = R2;
+      per_sent = N;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      auto& pool = pools[b];
+      for (int64_t j = 0; j < std::min<int64_t>(rules.nbest, int64_t(pool.size())); ++j)
+        results[which[b]].emplace_back(pool[j].tokens, pool[j].score, double(pool[j].logprob));
+    }
   }
 
  private:
@@ -1133,6 +1264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         for (int64_t i = 0; i < calls; ++i) lin(xc.data_ptr<float>(), xc.size(0), y.data());
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(calls);
       });
+  m.def("group_count", &Decoder::group_count, "the groups a search of B sentences, beam N, takes on T threads");
   m.def("peak_macs", &peak_macs, "one thread's multiply-adds per second on the products' unit for a kind");
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<double>>())

@@ -263,13 +263,16 @@ def decoder(model: nn.Module) -> Any:
 
 
 @torch.no_grad()
-def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec) -> list[list[Hypothesis]]:
+def beam_search(model: nn.Module, src: Tensor, src_mask: Tensor, spec: SearchSpec,
+                groups: int = 0) -> list[list[Hypothesis]]:
     """:func:`aiayn.search.beam.beam_search` in the native loop, the encoder included (the caller has checked
-    :func:`unsupported` and :func:`module`). src (B, S) ids, src_mask (B, S) bool, each row's real ids first."""
+    :func:`unsupported` and :func:`module`). src (B, S) ids, src_mask (B, S) bool, each row's real ids first.
+    ``groups``: the sentences' groups, each searched by one thread (0: the module's choice, ``group_count``; tests
+    and benchmarks set it)."""
     o = spec.options
     lengths = src_mask.sum(dim=1).tolist()
     limits = max_lengths(model, src_mask, spec, lengths)
-    how = [o.beam, o.nbest, PENALTIES[o.length_penalty], STOPS[o.stop], spec.bos, spec.eos, o.min_len]
+    how = [o.beam, o.nbest, PENALTIES[o.length_penalty], STOPS[o.stop], spec.bos, spec.eos, o.min_len, groups]
     ids = src.masked_fill(~src_mask, 0).reshape(-1).tolist()  # the encoder reads each source's first ids only
     results, stopped = decoder(model).search(ids, lengths, limits, how, float(o.alpha), list(spec.banned), spec.stop)
     if stopped:
