@@ -46,7 +46,10 @@ def searches(spec: SearchSpec) -> dict[str, Callable[[torch.nn.Module, torch.Ten
     def native_(model: torch.nn.Module, src: torch.Tensor) -> list[list[int]]:
         return [h[0].tokens for h in native.beam_search(model, src, src != ts.PAD, spec)]
 
-    return {"pytorch": pytorch, "native": native_}
+    def one_group(model: torch.nn.Module, src: torch.Tensor) -> list[list[int]]:  # every step on all the threads
+        return [h[0].tokens for h in native.beam_search(model, src, src != ts.PAD, spec, groups=1)]
+
+    return {"pytorch": pytorch, "native": native_, "native_one_group": one_group}
 
 
 def one_pass(fn: Callable, model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple[float, list[list[int]]]:
@@ -76,7 +79,10 @@ def measure(task: ts.Task, sizes: Sequence[int], repeats: int) -> dict[str, Any]
         out[str(size)] = {"pytorch_sentences_per_s": round(n / best["pytorch"], 2),
                           "native_sentences_per_s": round(n / best["native"], 2),
                           "ratio": round(best["pytorch"] / best["native"], 3),
-                          "same": sum(a == b for a, b in zip(outputs["pytorch"], outputs["native"])), "of": n}
+                          "native_one_group_sentences_per_s": round(n / best["native_one_group"], 2),
+                          "groups": native.module().group_count(size, spec.options.beam, torch.get_num_threads()),
+                          "same": sum(a == b for a, b in zip(outputs["pytorch"], outputs["native"])), "of": n,
+                          "groups_same": outputs["native"] == outputs["native_one_group"]}
         print(f"[{NAME}] {size} sentences a batch: {out[str(size)]}", file=sys.stderr)
     return out
 
@@ -90,10 +96,19 @@ def markdown(result: dict[str, Any]) -> str:
              + (f"; {result['args']['busy']} other process(es) spinning on a core each meanwhile" if
                 result["args"].get("busy") else "") + ".\n"]
     rows = [[precision, size, f"{r['pytorch_sentences_per_s']:.1f}", f"{r['native_sentences_per_s']:.1f}",
-             f"{r['ratio']:.2f}x", f"{r['same']} / {r['of']}"]
+             f"{r['ratio']:.2f}x", f"{r['same']} / {r['of']}", r["groups"],
+             f"{r['native_one_group_sentences_per_s']:.1f}",
+             f"{r['native_sentences_per_s'] / r['native_one_group_sentences_per_s']:.2f}x"]
             for precision, by_size in result["precisions"].items() for size, r in by_size.items()]
     lines.append(common.markdown_table(["precision", "sentences a batch", "PyTorch sentences/s", "native sentences/s",
-                                        "native / PyTorch", "same outputs"], rows))
+                                        "native / PyTorch", "same outputs", "native: groups (a thread each)",
+                                        "native, one group on every thread: sentences/s", "groups / one group"],
+                                       rows))
+    lines.append("\n- Groups: with T threads and at least 2T sentences the native search splits them into T groups, "
+                 "each searched by one thread (no step waits for another thread); \"one group\": every step's "
+                 "loops split over the threads instead. Both give the same outputs"
+                 + ("" if all(r["groups_same"] for by_size in result["precisions"].values()
+                              for r in by_size.values()) else " (NOT in this run)") + ".")
     for precision, why in result.get("not_run", {}).items():
         lines.append(f"\n- {precision}: not run ({why}).")
     return "\n".join(lines) + "\n"
@@ -119,7 +134,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.run_dir_given = ts.run_dir_given(argv)
     args.batch_size = 64  # translate_speed's task loader reads it
     if args.smoke:
-        args.limit, args.sizes, args.repeats = 6, [1, 3], 1
+        args.limit, args.sizes, args.repeats = 6, [1, 4], 1
     return args
 
 

@@ -297,7 +297,8 @@ def test_compiled_step_smoke_decodes_each_way_in_its_own_process(tmp_path):
 
 def test_native_search_smoke_times_both_searches_on_the_same_batches(tmp_path):
     """Issue 69's native search against the PyTorch one, by batch size and precision: both searches on the same
-    batches, their speeds and how many outputs agree (fp32: all, on the smoke test's random model)."""
+    batches, their speeds and how many outputs agree (fp32: all, on the smoke test's random model); on two threads, 4
+    sentences a batch in two groups against one group, the same outputs."""
     from aiayn.search import native
     from benchmarks import native_search
 
@@ -306,12 +307,19 @@ def test_native_search_smoke_times_both_searches_on_the_same_batches(tmp_path):
     with native_search.busy_neighbours(1) as procs:  # a neighbour spins while inside, and is gone after
         assert [p.poll() for p in procs] == [None]
     assert procs[0].poll() is not None
-    result = native_search.main(["--smoke", "--precisions", "fp32", "int8", "--busy", "1", "--md",
-                                 str(tmp_path / "B.md"), "--out-json", str(tmp_path / "n.json")])
-    assert "1 other process(es) spinning on a core each meanwhile" in (tmp_path / "B.md").read_text()
+    threads = torch.get_num_threads()
+    try:
+        result = native_search.main(["--smoke", "--precisions", "fp32", "int8", "--busy", "1", "--threads", "2",
+                                     "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "n.json")])
+    finally:
+        torch.set_num_threads(threads)
+    md = (tmp_path / "B.md").read_text()
+    assert "1 other process(es) spinning on a core each meanwhile" in md and "Both give the same outputs." in md
     fp32 = result["precisions"]["fp32"]
-    assert set(fp32) == {"1", "3"} and all(r["same"] == r["of"] == 6 for r in fp32.values())
-    assert all(r["native_sentences_per_s"] > 0 and r["pytorch_sentences_per_s"] > 0
+    assert set(fp32) == {"1", "4"} and all(r["same"] == r["of"] == 6 for r in fp32.values())
+    assert [fp32[k]["groups"] for k in ("1", "4")] == [1, 2]
+    assert all(r["native_sentences_per_s"] > 0 and r["pytorch_sentences_per_s"] > 0 and r["groups_same"]
+               and r["native_one_group_sentences_per_s"] > 0
                for by_size in result["precisions"].values() for r in by_size.values())
     assert "| fp32 | 1 |" in (tmp_path / "B.md").read_text()
 
