@@ -7,9 +7,10 @@ EOS appended to it) once per row of the search (each beam, or each draw when sam
 
 On a CPU with several intra-op threads, batches may be searched side by side (:func:`cpu_workers`): W worker threads,
 each running its batch's operations on T / W of the process's T threads, as CTranslate2's ``inter_threads`` does. A
-beam step's operations are too small to keep several threads busy (batches of 64 sentences at 2 threads: one at a
-time 1.32x one thread's speed, two side by side 1.75x, fp32; BENCHMARKS.md, section 2d); PyTorch releases the GIL
-inside each operation, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker
+beam step's operations are too small to keep several threads busy (the PyTorch search, batches of 64 sentences at 2
+threads: one at a time 1.32x one thread's speed, two side by side 1.75x, fp32; BENCHMARKS.md, section 2d). The native
+search splits a batch's sentences over its threads itself (1.78x-1.85x at 2 threads, level with its batches side by
+side: section 2i). PyTorch and the native search release the GIL, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker
 takes it, so the outputs do not depend on the scheduling.
 
 Shapes: B batch, S source length.

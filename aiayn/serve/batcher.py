@@ -2,10 +2,10 @@
 
 The event loop only enqueues a :class:`Job` and awaits its future; the model runs on the batcher's worker
 threads, so a long decode never blocks the loop (health checks, new requests and the page stay responsive).
-``workers`` model calls run side by side (each worker a thread with its own CPU threads, :meth:`Batcher.setup`):
-on a CPU under many clients, two calls on one thread each outran one call on two threads and varied less, since a
-step's threads wait for each other and a thread whose core is busy with other work holds its step (BENCHMARKS.md,
-section 4e). One worker at a time chooses the jobs of its call, so no job runs twice; the lowest idle worker takes
+``workers`` model calls run side by side (each worker a thread with its own CPU threads, :meth:`Batcher.setup`).
+Two calls on one thread each once outran one call on two threads under many clients (a step's threads waited for
+each other, and a thread whose core was busy held the step); since the native search splits a call's sentences into a
+group per thread, one call does as well (BENCHMARKS.md, section 4e), and one worker is the default. One worker at a time chooses the jobs of its call, so no job runs twice; the lowest idle worker takes
 the next call, and a call leaves the idle workers their share of the waiting jobs; only the worker that is to act
 is woken.
 
