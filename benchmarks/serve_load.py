@@ -15,7 +15,9 @@ server gets SIGTERM and must exit 0. Writes the ``serve_load`` section of BENCHM
 The peer: where ``$AIAYN_LIBRETRANSLATE`` names a LibreTranslate executable (benchmarks/libretranslate_peer.py), a
 real LibreTranslate server on the same run's Argos package (``aiayn export argos``), with LibreTranslate's and Argos'
 defaults, gets the same phases after aiayn's, its clients posting LibreTranslate's ``/translate``; elsewhere the
-section says why it was not measured. ``--no-peer`` leaves it out.
+section says why it was not measured. ``--no-peer`` leaves it out. aiayn serves with the run's own search (its
+config's decode section: ``stop=exact`` by default), the peer with Argos' (``stop=first``, alpha 0.2);
+``--argos-search`` gives aiayn Argos' search too (:data:`aiayn.interop.argos.ARGOS_FLAGS`), the same search on both.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aiayn.interop.argos import ARGOS_FLAGS
 
 # The server ---------------------------------------------------------------------------------------------
 
@@ -352,6 +356,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--precision", default=None, help="the server's --precision (default: its own, auto)")
     p.add_argument("--server-threads", type=int, default=None, help="the server's --threads (default: its own)")
     p.add_argument("--server-workers", type=int, default=None, help="the server's --workers (default: its own)")
+    p.add_argument("--argos-search", action="store_true",
+                   help="serve with Argos' search (aiayn.interop.argos.ARGOS_FLAGS: beam 4, alpha 0.2, stop=first, ...), "
+                   "the search the LibreTranslate peer runs, instead of the run's own")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
     p.add_argument("--no-peer", action="store_true",
                    help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")
@@ -372,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     extra = ["--max-wait-ms", str(args.max_wait_ms)] + (["--precision", args.precision] if args.precision else [])
     extra += ["--threads", str(args.server_threads)] if args.server_threads else []
     extra += ["--workers", str(args.server_workers)] if args.server_workers else []
+    extra += ARGOS_FLAGS.split() if args.argos_search else []
     proc, url, log_lines = start_server(args.run, *extra)
     try:
         with closing(connect(url)) as conn:
@@ -388,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = {
         "date": utc_now(), "command": command_line("serve_load", md_argv), "machine": machine_info(os.cpu_count() or 1),
         "run": str(args.run), "parameters": info["parameters"], "inputs": inputs,
-        "options": {"beam": info["config"]["decode"]["beam"], **options},
+        "options": {**{k: info["decode"][k] for k in ("beam", "alpha", "length_penalty", "stop")}, **options},
         "server_command": " ".join(["aiayn", *server_args(args.run, *extra)]),
         "exit_status": status, "phases": phases, "peer": peer,
     }

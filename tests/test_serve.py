@@ -602,6 +602,15 @@ def test_load_smoke(tiny_run, tmp_path, monkeypatch):
     assert "<!-- BEGIN serve_load -->" in text and "python -m benchmarks.serve_load" in text
     assert json.loads(out.read_text())["phases"][0]["requests"] == result["phases"][0]["requests"]
     assert "AIAYN_LIBRETRANSLATE" in result["peer"]["skipped"] and "LibreTranslate: not measured (needs" in text
+    assert result["options"]["stop"] == "exact"  # the run's own search (tiny_run's config)
+
+
+def test_load_smoke_with_the_peers_search(tiny_run, tmp_path):
+    """``--argos-search``: the server runs Argos' search (the LibreTranslate peer's), and the record says so."""
+    result = serve_load.main(["--run", str(tiny_run), "--smoke", "--no-peer", "--clients", "1", "--argos-search",
+                              "--md", str(tmp_path / "B.md"), "--out-json", str(tmp_path / "s.json")])
+    assert result["exit_status"] == 0 and "--stop first" in result["server_command"]
+    assert {k: result["options"][k] for k in ("beam", "alpha", "stop")} == {"beam": 4, "alpha": 0.2, "stop": "first"}
 
 
 @pytest.fixture(scope="module")
