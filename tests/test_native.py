@@ -163,6 +163,11 @@ def test_groups_of_sentences_find_the_same_bits(monkeypatch):
     same(one, python_search(model, src, mask, spec, monkeypatch))
 
 
+def test_an_empty_batch_finds_nothing():
+    results, stopped = native.decoder(model_of()).search([], [], [], [4, 1, 0, 0, 1, 2, 0], 0.6, [], None)
+    assert results == [] and stopped is False
+
+
 def test_group_count():
     """T groups where each of T threads gets two sentences and 8 rows (sentences x beam), else one."""
     count = native.module().group_count

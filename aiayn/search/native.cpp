@@ -6,7 +6,8 @@
 // (sinusoidal or learned) and ReLU / GELU / swish. Products run on weights packed once (Linear: fp32, bf16 on the
 // AVX512-BF16 unit, int8 on the VNNI unit, else widened on the fly); each step's keys/values are written once and
 // read through each beam's ancestors (Cache). Threads: the caller's OpenMP threads (parallel_for, built with -fopenmp,
-// the OpenMP of PyTorch's CPU builds), so torch.set_num_threads applies.
+// the OpenMP of PyTorch's CPU builds), so torch.set_num_threads applies; a batch of at least 2T sentences is T groups,
+// a thread each (Decoder::search).
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
 // (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
@@ -688,19 +689,19 @@ class Decoder {
   // limits. Returns, per sentence, up to nbest (tokens, score, logprob), best first, and whether ``stop`` (called once
   // a step, if not None, on the caller's thread) ended it early. how: beam N, nbest, length penalty (0 gnmt, 1 power,
   // 2 none), stop rule (0 exact, 1 hf, 2 first), BOS, EOS, min_len, and optionally the sentences' groups (0 or absent:
-  // groups(); tests and benchmarks set it).
+  // group_count's; tests and benchmarks set it).
   //
-  // Threads: with T of them and at least T sentences, the sentences are split into T groups of about equal source
-  // length and each thread searches its group alone (its products, attention and top-k on one thread): a step then
-  // has no point where threads wait for each other, where one step on T threads has ~30 (a product's column blocks,
-  // the attention's heads, the rows' top-k). A thread whose core is taken by other work (the server's HTTP thread, its
-  // clients, another process) then slows its own group only. Fewer sentences than threads: one group, its loops
+  // Threads: with T of them and at least 2T sentences (group_count), the sentences are split into T groups of about
+  // equal source length and each thread searches its group alone (its products, attention and top-k on one thread):
+  // a step then has no point where threads wait for each other, where one step on T threads has ~30 (a product's
+  // column blocks, the attention's heads, the rows' top-k). A thread whose core is taken by other work (the server's
+  // HTTP thread, its clients, another process) then slows its own group only. Fewer sentences: one group, its loops
   // split over the threads. A sentence's hypotheses do not depend on its group (each row's arithmetic is the same).
   std::tuple<std::vector<std::vector<std::tuple<std::vector<int64_t>, double, double>>>, bool> search(
       std::vector<int64_t> src, std::vector<int64_t> src_len, std::vector<int64_t> limits, std::vector<int64_t> how,
       double alpha, std::vector<int64_t> banned, py::object stop) {
     const Rules rules{how.at(0), how.at(1), how.at(2), how.at(3), how.at(5), alpha};
-    const Batch batch{src, src_len, limits, B_of(limits), how.at(4), how.at(6), banned};
+    const Batch batch{src, src_len, limits, int64_t(limits.size()), how.at(4), how.at(6), banned};
     const int64_t forced = how.size() > 7 ? how.at(7) : 0;
     Results results(batch.B);
     bool stopped = false;
@@ -711,7 +712,8 @@ class Decoder {
         py::gil_scoped_acquire gil;
         return stop().cast<bool>();
       };
-      const std::vector<std::vector<int64_t>> groups = split(batch, forced > 0 ? forced : group_count(batch.B, rules.N, T));
+      const int64_t G_wanted = forced > 0 ? forced : group_count(batch.B, rules.N, T);
+      const std::vector<std::vector<int64_t>> groups = split(batch, G_wanted);
       if (groups.size() == 1) {
         search_group(rules, batch, groups[0], [&]() { return !stop.is_none() && ask(); }, results, stopped);
       } else {
@@ -791,7 +793,6 @@ class Decoder {
     const std::vector<int64_t>& banned;
     int64_t S() const { return B ? int64_t(src.size()) / B : 0; }
   };
-  static int64_t B_of(const std::vector<int64_t>& limits) { return int64_t(limits.size()); }
 
   // The sentences (their indices) in G groups of about equal summed source length: longest first, each to the group
   // with the least so far; each group in the sentences' order. G = 1: all of them, in order.
@@ -822,6 +823,7 @@ class Decoder {
                     Results& results, bool& stopped) const {
     const int64_t N = rules.N, bos = batch.bos, eos = rules.eos, min_len = batch.min_len;
     const int64_t B = int64_t(which.size()), S_all = batch.S();
+    if (B == 0) return;  // no sentence: nothing to search (and no step limit to take the largest of)
     // the group's sources, src_len and limits, padded to its longest source
     std::vector<int64_t> src_len(B), limits(B);
     int64_t S = 1;
