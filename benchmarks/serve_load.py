@@ -193,9 +193,9 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
           post: Post, health: bool = True) -> dict[str, Any]:
     """``clients`` clients for ``duration`` seconds (at most ``max_requests`` requests); the numbers. ``health``:
     the server counts its model calls at ``/health`` (aiayn's; LibreTranslate has none)."""
-    def calls_and_jobs() -> dict[str, int]:
+    def calls_and_jobs() -> dict[str, Any]:
         if not health:
-            return {"calls": 0, "jobs": 0}
+            return {"calls": 0, "jobs": 0, "busy_s": 0.0}
         with closing(connect(url)) as conn:
             return request(conn, "GET", "/health")[1]
 
@@ -237,6 +237,8 @@ def phase(url: str, pid: int, texts: Sequence[str], clients: int, duration: floa
                        "mean": round(1000 * statistics.fmean(ok), 1) if ok else None},
         "model_calls": calls if health else None,
         "requests_per_call": round((after["jobs"] - before["jobs"]) / calls, 2) if calls else None,
+        # the share of the phase the model worked (summed over workers): the rest it waited for requests
+        "model_busy": round((after["busy_s"] - before["busy_s"]) / elapsed, 3) if health else None,
         "rss_mib": {"start": memory[0][1] if memory else None, "end": memory[-1][1] if memory else None,
                     "max": max(m for _, m in memory) if memory else None,
                     "second_half_growth": round(half[-1] - half[0], 1) if len(half) > 1 else None},
@@ -257,12 +259,14 @@ def markdown(result: dict[str, Any]) -> str:
     for server, p in servers:
         lat, mem = p["latency_ms"], p["rss_mib"]
         rows.append([server, p["clients"], p["seconds"], p["requests"], p["requests_per_s"], lat["p50"], lat["p90"],
-                     lat["p99"], lat["max"], p["requests_per_call"], p["errors_5xx"],
+                     lat["p99"], lat["max"], p["requests_per_call"],
+                     "" if p.get("model_busy") is None else f"{100 * p['model_busy']:.0f}%", p["errors_5xx"],
                      sum(v for k, v in p["errors"].items() if k.startswith("4")),
                      f"{mem['start']} / {mem['max']} / {mem['end']}", mem["second_half_growth"],
                      " / ".join(map(str, p["load_average_1min"]))])
     table = markdown_table(["server", "clients", "seconds", "requests", "sentences/s", "p50 ms", "p90 ms", "p99 ms",
-                            "max ms", "requests per model call", "5xx", "4xx", "server RSS MiB start / max / end",
+                            "max ms", "requests per model call", "model busy", "5xx", "4xx",
+                            "server RSS MiB start / max / end",
                             "RSS growth, 2nd half (MiB)", "load avg before / after"], rows)
     return (
         "## 4. Serving under load (`aiayn serve`, loopback, CPU)\n\n"
@@ -274,7 +278,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- Shutdown: SIGTERM after the last phase, exit status {result['exit_status']} (0 = graceful).\n\n"
         + table + peer_lines(result["phases"], peer)
         + "\nGoals: zero 5xx in every phase; memory flat (RSS growth over the second half of a phase within a "
-        "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests. The load "
+        "few MiB). Requests per model call above 1 is the dynamic batching merging concurrent requests. Model busy: "
+        "the share of the phase the model spent in its calls (summed over `--workers`; the rest it waited for "
+        "requests: each client sends its next request only after its answer). The load "
         "average (1 minute, whole machine, the clients included) says how much else ran on the cores.\n"
     )
 

@@ -298,7 +298,7 @@ def test_health_and_model(client, translator):
 
     assert _post(client, "/v1/translate", {"text": ["a b"]}).status_code == 200  # counted whatever ran before
     h = client.get("/health").json()
-    assert h["status"] == "ok" and h["calls"] >= 1 and h["jobs"] >= h["calls"]
+    assert h["status"] == "ok" and h["calls"] >= 1 and h["jobs"] >= h["calls"] and h["busy_s"] > 0
     m = client.get("/v1/model").json()
     assert m["task"] == "translation" and m["device"] == "cpu" and m["precision"] == "float32"
     assert m["parameters"] == count_parameters(translator.model)
@@ -598,6 +598,7 @@ def test_load_smoke(tiny_run, tmp_path, monkeypatch):
         assert p["ok"] > 0 and p["errors_5xx"] == 0 and p["errors"] == {}
         assert p["latency_ms"]["p50"] <= p["latency_ms"]["p99"] <= p["latency_ms"]["max"]
         assert p["rss_mib"]["max"] > 0
+        assert 0 < p["model_busy"] <= 1.05  # one worker: at most the phase's length (timed apart, a hair over)
     text = md.read_text(encoding="utf-8")
     assert "<!-- BEGIN serve_load -->" in text and "python -m benchmarks.serve_load" in text
     assert json.loads(out.read_text())["phases"][0]["requests"] == result["phases"][0]["requests"]

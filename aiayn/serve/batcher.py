@@ -70,13 +70,14 @@ class Job:
 
 @dataclass
 class Stats:
-    """Counters for /health and the tests: jobs taken, model calls made, items run, largest call."""
+    """Counters for /health and the tests: jobs taken, model calls made, items run, largest call, seconds in calls."""
 
     jobs: int = 0
     calls: int = 0
     items: int = 0
     largest_call: int = 0  # jobs merged into one call, at most
     cancelled: int = 0  # streamed answers stopped because their client went away (aiayn.serve.streams)
+    busy_s: float = 0.0  # seconds the workers spent in model calls (summed over workers; setup calls not counted)
 
 
 MAX_WAIT_MS = 60_000.0  # a request waits at most a minute for others to share its model call
@@ -327,6 +328,7 @@ class Batcher:
                 self.stats.items += len(items)
                 self.stats.largest_call = max(self.stats.largest_call, len(jobs))
         self._local.current = jobs
+        started = time.monotonic()
         try:
             results = jobs[0].run(items)
             if len(results) != len(items):
@@ -339,6 +341,9 @@ class Batcher:
             return
         finally:
             self._local.current = []
+            if not jobs[0].setup:
+                with self._cond:
+                    self.stats.busy_s += time.monotonic() - started
         with self._cond:
             self._last_call = (len(jobs), time.monotonic())  # before the results: a reply's next request comes after
         start = 0

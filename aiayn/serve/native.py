@@ -121,7 +121,7 @@ class NativeRoutes(RouteTable):
         svc = self.svc
         s = svc.batcher.stats
         return JSONResponse({"status": "ok", "queued": svc.batcher.queued, "jobs": s.jobs, "calls": s.calls,
-                             "items": s.items, "cancelled": s.cancelled,
+                             "items": s.items, "cancelled": s.cancelled, "busy_s": round(s.busy_s, 6),
                              "uptime_s": round(time.time() - svc.started, 3)})
 
     @route("/v1/model")
