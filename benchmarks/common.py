@@ -170,6 +170,14 @@ def provenance(info: dict[str, Any], command: str, date: str) -> str:
     )
 
 
+def check_outputs(parser: argparse.ArgumentParser, md: str | None, out_json: str | None) -> None:
+    """Refuse, in one argparse line (exit 2) before any work, a ``--md`` that is not a .md file or an ``--out-json``
+    that is not a .json file: each is rewritten (``--out-json BENCHMARKS.md`` would replace it with JSON)."""
+    wrong_md = md is not None and not str(md).endswith(".md")
+    if wrong_md or (out_json is not None and not str(out_json).endswith(".json")):
+        parser.error("--md takes a .md file and --out-json a .json file (each is rewritten)")
+
+
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,8 +117,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = next((f"{flag} {value}" for flag, value in sizes.items() if value < 1), None)
     if bad:
         p.error(f"{bad}: expected a whole number >= 1")
-    if not args.md.endswith(".md") or (args.out_json is not None and not args.out_json.endswith(".json")):
-        p.error("--md takes a .md file and --out-json a .json file (each is rewritten)")
+    common.check_outputs(p, args.md, args.out_json)
     if args.smoke:
         args.rows, args.d_model, args.d_ff, args.vocab = [4], 64, 128, 500
         args.calls, args.repeats, args.peak_iters = 5, 1, 100_000

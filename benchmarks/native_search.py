@@ -131,6 +131,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--md", default=str(common.DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=None, help=f"default: benchmarks/results/{NAME}.json")
     args = p.parse_args(argv)
+    common.check_outputs(p, args.md, args.out_json)
     args.run_dir_given = ts.run_dir_given(argv)
     args.batch_size = 64  # translate_speed's task loader reads it
     if args.smoke:

@@ -370,7 +370,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")
     p.add_argument("--md", default=str(DEFAULT_MD), help="markdown file whose section is rewritten")
     p.add_argument("--out-json", default=str(RESULTS_DIR / "serve_load.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from benchmarks.common import check_outputs
+
+    check_outputs(p, args.md, args.out_json)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -361,3 +361,21 @@ def test_native_products_refuses_bad_flags_before_any_work(flag, why, tmp_path, 
         native_products.main(["--out-json", "p.json", "--md", "B.md", *flag])
     assert exit_.value.code == 2 and why in capsys.readouterr().err.splitlines()[-1]
     assert (tmp_path / "B.md").read_text() == "kept\n" and (tmp_path / "p.json").read_text() == "{}\n"
+
+
+@pytest.mark.parametrize("module", ["native_search", "serve_load"])
+@pytest.mark.parametrize("flag", [["--out-json", "B.md"], ["--md", "p.json"]])
+def test_benchmarks_refuse_an_output_of_another_kind(module, flag, tmp_path, capsys, monkeypatch):
+    """An --out-json naming a .md file (or --md a .json one) is refused in one line, exit 2, before any work: each
+    is rewritten, and would replace a file of the other kind (benchmarks.common.check_outputs)."""
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{module}").main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "B.md").write_text("kept\n")
+    (tmp_path / "p.json").write_text("{}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out-json", "p.json", "--md", "B.md", *flag])
+    assert exit_.value.code == 2 and "--md takes a .md file and --out-json a .json file" in \
+        capsys.readouterr().err.splitlines()[-1]
+    assert (tmp_path / "B.md").read_text() == "kept\n" and (tmp_path / "p.json").read_text() == "{}\n"
