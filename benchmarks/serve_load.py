@@ -363,8 +363,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=None, help="the server's --threads (default: its own)")
     p.add_argument("--server-workers", type=int, default=None, help="the server's --workers (default: its own)")
     p.add_argument("--argos-search", action="store_true",
-                   help="serve with Argos' search (aiayn.interop.argos.ARGOS_FLAGS: beam 4, alpha 0.2, stop=first, ...), "
-                   "the search the LibreTranslate peer runs, instead of the run's own")
+                   help="serve with Argos' search (aiayn.interop.argos.ARGOS_FLAGS: beam 4, alpha 0.2, stop=first, "
+                   "...), the search the LibreTranslate peer runs, instead of the run's own")
     p.add_argument("--smoke", action="store_true", help="seconds-long: 2 phases (1 and 4 clients) of 2 s")
     p.add_argument("--no-peer", action="store_true",
                    help="leave out the LibreTranslate server ($AIAYN_LIBRETRANSLATE) measured after aiayn's")

@@ -10,8 +10,8 @@ each running its batch's operations on T / W of the process's T threads, as CTra
 beam step's operations are too small to keep several threads busy (the PyTorch search, batches of 64 sentences at 2
 threads: one at a time 1.32x one thread's speed, two side by side 1.75x, fp32; BENCHMARKS.md, section 2d). The native
 search splits a batch's sentences over its threads itself (1.78x-1.85x at 2 threads, level with its batches side by
-side: section 2i). PyTorch and the native search release the GIL, so the workers' arithmetic runs at once. A batch is searched the same way whichever worker
-takes it, so the outputs do not depend on the scheduling.
+side: section 2i). PyTorch and the native search release the GIL, so the workers' arithmetic runs at once. A batch
+is searched the same way whichever worker takes it, so the outputs do not depend on the scheduling.
 
 Shapes: B batch, S source length.
 """

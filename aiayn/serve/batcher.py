@@ -5,9 +5,9 @@ threads, so a long decode never blocks the loop (health checks, new requests and
 ``workers`` model calls run side by side (each worker a thread with its own CPU threads, :meth:`Batcher.setup`).
 Two calls on one thread each once outran one call on two threads under many clients (a step's threads waited for
 each other, and a thread whose core was busy held the step); since the native search splits a call's sentences into a
-group per thread, one call does as well (BENCHMARKS.md, section 4e), and one worker is the default. One worker at a time chooses the jobs of its call, so no job runs twice; the lowest idle worker takes
-the next call, and a call leaves the idle workers their share of the waiting jobs; only the worker that is to act
-is woken.
+group per thread, one call does as well (BENCHMARKS.md, section 4e), and one worker is the default. One worker at a
+time chooses the jobs of its call, so no job runs twice; the lowest idle worker takes the next call, and a call
+leaves the idle workers their share of the waiting jobs; only the worker that is to act is woken.
 
 Grouping rule. Jobs carry a ``group``; jobs with the same non-None group (a translate request's
 decoding options) can be merged: their items are concatenated, the group's function runs once, and
