@@ -3,6 +3,7 @@ the dynamic batcher on its own, SIGTERM on a real server process, and the load t
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import re
@@ -223,6 +224,77 @@ def test_a_call_does_not_wait_once_the_last_calls_clients_are_back():
         assert seen == [[1, 2], [3, 4]]
     finally:
         b.close(timeout=60)
+
+
+def _settles(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """Counts the batcher's answers to ``loop``: the jobs of each callback that gives awaiting requests their
+    outcome (other callbacks, such as run_in_executor's, pass through)."""
+    sizes: list[int] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        if getattr(callback, "__name__", "") == "_settle":
+            sizes.append(len(args[0]))
+        return real(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_calls_answers_reach_the_event_loop_in_one_callback(fails):
+    """Four requests awaited on the event loop share one call: their results (or the model's error) reach the loop
+    in one callback, not one each (each woke the loop and took the interpreter from the model's thread)."""
+    def run(items):
+        if fails:
+            raise RuntimeError("the model failed (simulated)")
+        return [x * 10 for x in items]
+
+    async def main() -> tuple[list, list[int]]:
+        sizes = _settles(asyncio.get_running_loop())
+        b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+        try:
+            with b.hold():
+                tasks = [asyncio.ensure_future(b.run("g", [i], 1, run)) for i in range(4)]
+                await asyncio.get_running_loop().run_in_executor(None, b.wait_queued, 4)
+            return await asyncio.gather(*tasks, return_exceptions=True), sizes
+        finally:
+            b.close(timeout=60)
+
+    results, sizes = asyncio.run(main())
+    if fails:
+        assert all(isinstance(r, RuntimeError) and "simulated" in str(r) for r in results)
+    else:
+        assert results == [[0], [10], [20], [30]]
+    assert sizes == [4]
+
+
+def test_a_cancelled_request_leaves_the_queue_before_its_call():
+    """A request whose awaiting task is cancelled (its client went away) while it waits in the queue is not run: its
+    neighbours' call runs without it, and it is not counted."""
+    seen = []
+
+    def run(items):
+        seen.append(list(items))
+        return list(items)
+
+    async def main() -> list:
+        b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+        try:
+            with b.hold():
+                tasks = [asyncio.ensure_future(b.run("g", [i], 1, run)) for i in range(3)]
+                await asyncio.get_running_loop().run_in_executor(None, b.wait_queued, 3)
+                tasks[1].cancel()
+                await asyncio.sleep(0)  # the cancellation reaches the job
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            assert b.stats.jobs == 2
+            return done
+        finally:
+            b.close(timeout=60)
+
+    done = asyncio.run(main())
+    assert done[0] == [0] and isinstance(done[1], asyncio.CancelledError) and done[2] == [2]
+    assert seen == [[0, 2]]
 
 
 def test_workers_run_calls_side_by_side():

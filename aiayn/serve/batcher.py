@@ -1,7 +1,9 @@
 """Dynamic batching: requests that arrive close together share one model call, on the batcher's worker threads.
 
 The event loop only enqueues a :class:`Job` and awaits its future; the model runs on the batcher's worker
-threads, so a long decode never blocks the loop (health checks, new requests and the page stay responsive).
+threads, so a long decode never blocks the loop (health checks, new requests and the page stay responsive). A call's
+answers reach the loop in one callback, and a worker choosing a call is woken when its call may be complete, not at
+each request: every wake takes the interpreter from the thread that is answering or reading requests.
 ``workers`` model calls run side by side (each worker a thread with its own CPU threads, :meth:`Batcher.setup`).
 Two calls on one thread each once outran one call on two threads under many clients (a step's threads waited for
 each other, and a thread whose core was busy held the step); since the native search splits a call's sentences into a
@@ -66,6 +68,8 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event | None = None  # set when its client went away (a stream: aiayn.serve.streams)
     setup: bool = False  # Batcher.setup's: not a request, not counted in the stats
+    # Batcher.run's: the event loop's own future, given its outcome by one callback per call (see _answer)
+    waiter: asyncio.Future | None = None
 
 
 @dataclass
@@ -115,6 +119,20 @@ class Batching:
         return Batcher(budget, self.max_wait_ms, self.max_queue, self.workers)
 
 
+def _settle(jobs: list[Job]) -> None:
+    """On the event loop: each job's waiter gets its future's outcome (one whose task was cancelled: nothing)."""
+    for job in jobs:
+        waiter = job.waiter
+        if waiter is None or waiter.done():
+            continue
+        if job.future.cancelled():
+            waiter.cancel()
+        elif (error := job.future.exception()) is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(job.future.result())
+
+
 class Batcher:
     """``workers`` threads that run queued jobs, merging those of a group (see the module docstring)."""
 
@@ -126,6 +144,8 @@ class Batcher:
         self.max_queue = max_queue
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
+        self._pending_cost = 0  # the summed cost of the queued jobs (all groups)
+        self._wake_at = 1  # queued jobs at which a submit wakes the worker choosing a call (see _take)
         self._local = threading.local()  # .current: the jobs of the model call its worker runs now
         self._running = 0  # jobs in the model calls running now
         self._calls_running = 0
@@ -166,7 +186,13 @@ class Batcher:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._pending.append(job)
-            self._wake_one()
+            self._pending_cost += job.cost
+            if self._forming is None:
+                self._wake_one()
+            elif len(self._pending) >= self._wake_at or self._pending_cost >= self.max_batch_tokens:
+                # the worker choosing a call is woken only when its call may be complete: each wake takes the
+                # interpreter from the event loop that is reading the next requests
+                self._wakes[self._forming].notify()
             self._cond.notify_all()
         return job.future
 
@@ -184,8 +210,13 @@ class Batcher:
 
     async def run(self, group: Hashable | None, items: Sequence[Any], cost: int,
                   fn: Callable[[list[Any]], list[Any]], cancelled: threading.Event | None = None) -> list[Any]:
-        """Queue a job and await its results (on the event loop); ``cancelled``: set when its client went away."""
-        return await asyncio.wrap_future(self.submit(Job(group, items, cost, fn, cancelled=cancelled)))
+        """Queue a job and await its results (on the event loop); ``cancelled``: set when its client went away.
+        Cancelling the awaiting task cancels the job if it has not started."""
+        waiter = asyncio.get_running_loop().create_future()
+        job = Job(group, items, cost, fn, cancelled=cancelled, waiter=waiter)
+        waiter.add_done_callback(lambda w: job.future.cancel() if w.cancelled() else None)
+        self.submit(job)
+        return await waiter
 
     def call_cancelled(self) -> bool:
         """Whether every job of the model call this worker runs now was cancelled by its client (then the call may
@@ -306,7 +337,11 @@ class Batcher:
                 back = calls > 1 and len(chosen) >= calls  # as many jobs as the last call had: its clients are back
                 if full or cost >= self.max_batch_tokens or left <= 0 or back or leftover or self._closing:
                     break
+                # woken by a submit once as many jobs wait as the last call ran (or the budget's worth), by close or
+                # hold, or at the deadline (counting every group's jobs: a wake too early only looks again)
+                self._wake_at = calls if calls > 1 else self.max_queue + 1
                 self._wakes[self._forming].wait(left)
+            self._wake_at = 1
             # Workers with nothing to run take their share: calls side by side, each on its share of the CPU threads,
             # outran one call of them all on all of them (the step's threads wait for each other)
             idle = self.workers - self._calls_running
@@ -316,6 +351,7 @@ class Batcher:
                 chosen = chosen[:keep]
         for job in chosen:
             self._pending.remove(job)
+            self._pending_cost -= job.cost
         # A client that went away cancelled its future: do not spend the model on it.
         return [job for job in chosen if job.future.set_running_or_notify_cancel()]
 
@@ -338,6 +374,7 @@ class Batcher:
                 log.exception("model call failed (%d requests, %d items)", len(jobs), len(items))
             for job in jobs:
                 job.future.set_exception(e)
+            self._answer(jobs)
             return
         finally:
             self._local.current = []
@@ -350,3 +387,17 @@ class Batcher:
         for job in jobs:
             job.future.set_result(results[start : start + len(job.items)])
             start += len(job.items)
+        self._answer(jobs)
+
+    @staticmethod
+    def _answer(jobs: list[Job]) -> None:
+        """Give the event loop futures of ``jobs`` (done ones) their outcome, in one callback per loop: a callback
+        per job woke the loop once per job, and each wake took the interpreter back and forth between this thread
+        and the loop, which was answering the first of them."""
+        loops: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+        for job in jobs:
+            if job.waiter is not None:
+                loops.setdefault(job.waiter.get_loop(), []).append(job)
+        for loop, waiting in loops.items():
+            with contextlib.suppress(RuntimeError):  # the loop was closed: nobody awaits them
+                loop.call_soon_threadsafe(_settle, waiting)
