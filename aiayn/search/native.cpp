@@ -5,9 +5,10 @@
 // banned ids and min_len), for the post-LN and pre-LN encoder-decoder of aiayn.model with additive positions
 // (sinusoidal or learned) and ReLU / GELU / swish. Products run on weights packed once (Linear: fp32, bf16 on the
 // AVX512-BF16 unit, int8 on the VNNI unit, else widened on the fly); each step's keys/values are written once and
-// read through each beam's ancestors (Cache). Threads: the caller's OpenMP threads (parallel_for, built with -fopenmp,
-// the OpenMP of PyTorch's CPU builds), so torch.set_num_threads applies; a batch of at least 2T sentences is T groups,
-// a thread each (Decoder::search).
+// read through each beam's ancestors (Cache). Threads: T, the caller's count as torch.set_num_threads sets it; a batch
+// of at least 2T sentences is T groups, the caller's thread and T - 1 of the call's own each searching one
+// (Decoder::search); fewer sentences, one group whose loops the caller's OpenMP threads split (parallel_for, built
+// with -fopenmp, the OpenMP of PyTorch's CPU builds).
 //
 // Shapes: R rows (live sentences x beams), D model width, H heads, K key width per head (d_k), Q value width per head
 // (d_v), F the FFN's inner width, V the vocabulary, L decoder layers, S source length, C the batch's most steps.
@@ -31,27 +32,37 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// The search's parallel loops: at::parallel_for's split (each of the caller's OpenMP threads one contiguous chunk of
-// at least ``grain`` items; inline on one thread, for a loop of one chunk, or inside a parallel region) without its
-// first step. at::parallel_for begins with at::internal::lazy_init_num_threads, an inline function whose
-// thread_local "done" flag this module holds a copy of: on a thread where PyTorch had set its count already, this
+// A thread that searches a group of sentences (Decoder::search) runs every loop inline.
+thread_local bool in_group = false;
+
+struct InGroup {  // marks this thread as a group's for its scope
+  InGroup() { in_group = true; }
+  ~InGroup() { in_group = false; }
+};
+
+// The search's parallel loops: at::parallel_for's split (each of the caller's OpenMP threads one contiguous chunk of at
+// least ``grain`` items; inline on one thread, for a loop of one chunk, inside a parallel region or on a group's
+// thread) without its first step. at::parallel_for begins with at::internal::lazy_init_num_threads, an inline function
+// whose thread_local "done" flag this module holds a copy of: on a thread where PyTorch had set its count already, this
 // module's first loop set the thread's count again, to the count last set by any thread. A serve worker set to one
 // thread (uneven --workers shares) then ran its searches on another worker's count: its OpenMP team grew, and once the
 // teams hold more threads than there are CPUs, GNU OpenMP's waiting threads sleep at once instead of spinning, and
-// every multi-threaded search in the process waited for a wake-up at each loop (seen in scratch runs).
-// Each search starts with at::get_num_threads() instead, PyTorch's own copy of that first step: a thread PyTorch
-// has not set yet gets its count as it would in PyTorch.
+// every multi-threaded search in the process waited for a wake-up at each loop (seen in scratch runs). Each search
+// starts with at::get_num_threads() instead, PyTorch's own copy of that first step: a thread PyTorch has not set yet
+// gets its count as it would in PyTorch.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  if (n <= grain || n == 1 || omp_in_parallel() || omp_get_max_threads() == 1) {
+  if (n <= grain || n == 1 || in_group || omp_in_parallel() || omp_get_max_threads() == 1) {
     f(begin, end);
     return;
   }
@@ -734,9 +745,11 @@ class Decoder {
           if (!halt && !stop.is_none() && ask()) halt = true;
           return bool(halt);
         };
-#pragma omp parallel num_threads(std::min(G, T))
-        {
-          const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        // the groups' threads: the caller's and nt - 1 of their own, which end with the call (an OpenMP team's would
+        // spin on their cores after it, while the server answers the call's requests and reads the next ones)
+        const int64_t nt = std::min(G, T);
+        auto run_groups = [&](int64_t tid) {
+          InGroup inline_loops;
           for (int64_t g = tid; g < G; g += nt) {
             bool mine = false;
             try {
@@ -748,24 +761,33 @@ class Decoder {
             std::lock_guard<std::mutex> hold(done);
             if (--left == 0) finished.notify_all();
           }
-          if (tid == 0) {  // the caller's thread: asks ``stop`` until every group is done
-            std::unique_lock<std::mutex> hold(done);
-            while (left > 0) {
-              if (stop.is_none()) {
-                finished.wait(hold);
-                continue;
-              }
-              finished.wait_for(hold, std::chrono::milliseconds(1));
-              hold.unlock();
-              try {
-                asked();
-              } catch (...) {
-                fail();
-              }
-              hold.lock();
+        };
+        std::vector<std::thread> helpers;
+        int64_t started = 1;
+        try {
+          for (; started < nt; ++started) helpers.emplace_back(run_groups, started);
+        } catch (const std::system_error&) {  // no thread to be had: the caller searches those groups too
+        }
+        run_groups(0);
+        for (int64_t tid = started; tid < nt; ++tid) run_groups(tid);
+        {  // the caller's thread: asks ``stop`` until every group is done
+          std::unique_lock<std::mutex> hold(done);
+          while (left > 0) {
+            if (stop.is_none()) {
+              finished.wait(hold);
+              continue;
             }
+            finished.wait_for(hold, std::chrono::milliseconds(1));
+            hold.unlock();
+            try {
+              asked();
+            } catch (...) {
+              fail();
+            }
+            hold.lock();
           }
         }
+        for (auto& helper : helpers) helper.join();
         if (error) std::rethrow_exception(error);
         stopped = halt;
       }
@@ -778,7 +800,7 @@ class Decoder {
   // row's columns: fp32 at 4 rows ran at ~70% of its unit's peak, BENCHMARKS.md "The native search's products"),
   // else one.
   static int64_t group_count(int64_t B, int64_t N, int64_t T) {
-    if (T <= 1 || omp_in_parallel() || B < T * std::max<int64_t>(2, (ROWS + N - 1) / N)) return 1;
+    if (T <= 1 || in_group || omp_in_parallel() || B < T * std::max<int64_t>(2, (ROWS + N - 1) / N)) return 1;
     return T;
   }
 
