@@ -6,9 +6,10 @@ arithmetic is a fraction of a millisecond (BENCHMARKS.md, "Where a CPU beam sear
 the same search with no Python between steps: products on weights packed once (blocks of 16 columns, each weight
 vector read once per 8 rows, on the CPU's int8 or bf16 dot-product units where it has them), keys and values written
 once per step and read through each beam's ancestors (a beam's reorder moves indices, not the cache), vectorized
-attention, softmax and top-k, on torch's intra-op threads: T threads and at least 2T sentences are T groups of
-sentences, each searched by one thread, with no step waiting for another thread (a thread whose core is busy slows its
-own group only); fewer sentences share each step's loops. `python -m benchmarks.native_search` compares the two
+attention, softmax and top-k, on T threads (torch's intra-op count): at least 2T sentences are T groups of sentences,
+each searched by one thread (the caller's, and T - 1 started for the call, which end with it: no thread spins on a core
+after the call), with no step waiting for another thread (a thread whose core is busy slows its own group only); fewer
+sentences share each step's loops on torch's intra-op (OpenMP) threads. `python -m benchmarks.native_search` compares the two
 searches by batch size: the native one is faster at every size measured (1 to 256 sentences), so it takes every batch
 it supports.
 
