@@ -172,9 +172,9 @@ def test_a_lone_request_after_a_lone_call_is_not_held_for_company():
     30 s bounds only say that it did not wait it). Company that does come is merged: the merging tests."""
     b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
     try:
-        assert b.submit(Job(None, [1], 1, lambda xs: xs)).result(timeout=30) == [1]
-        assert b.submit(Job("g", [2], 1, lambda xs: xs)).result(timeout=30) == [2]
-        assert b.submit(Job("g", [3], 1, lambda xs: xs)).result(timeout=30) == [3]
+        assert b.submit(Job(group=None, items=[1], cost=1, run=lambda xs: xs)).result(timeout=30) == [1]
+        assert b.submit(Job(group="g", items=[2], cost=1, run=lambda xs: xs)).result(timeout=30) == [2]
+        assert b.submit(Job(group="g", items=[3], cost=1, run=lambda xs: xs)).result(timeout=30) == [3]
     finally:
         b.close(timeout=60)
 
@@ -192,11 +192,12 @@ def test_the_next_requests_of_a_calls_clients_join_the_request_queued_meanwhile(
 
     b = Batcher(max_batch_tokens=2, max_wait_ms=30_000)
     try:
-        answered = b.submit(Job(None, ["first client"], 1, run))
-        queued = b.submit(Job("g", ["second client"], 1, run, arrived=time.monotonic() - 100))
+        answered = b.submit(Job(group=None, items=["first client"], cost=1, run=run))
+        queued = b.submit(Job(group="g", items=["second client"], cost=1, run=run, arrived=time.monotonic() - 100))
         gate.set()
         assert answered.result(30) == ["first client"]
-        follow_up = b.submit(Job("g", ["first client again"], 1, run))  # fills the budget: no waiting
+        # fills the budget: no waiting
+        follow_up = b.submit(Job(group="g", items=["first client again"], cost=1, run=run))
         assert queued.result(30) == ["second client"] and follow_up.result(30) == ["first client again"]
         assert seen == [["first client"], ["second client", "first client again"]]
     finally:
@@ -216,10 +217,11 @@ def test_a_call_does_not_wait_once_the_last_calls_clients_are_back():
     b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
     try:
         with b.hold():  # a first call of two (both long past their wait)
-            first = [b.submit(Job("g", [i], 1, run, arrived=time.monotonic() - 100)) for i in (1, 2)]
+            first = [b.submit(Job(group="g", items=[i], cost=1, run=run, arrived=time.monotonic() - 100))
+                     for i in (1, 2)]
             b.wait_queued(2)
         assert [f.result(30) for f in first] == [[1], [2]]
-        again = [b.submit(Job("g", [i], 1, run)) for i in (3, 4)]
+        again = [b.submit(Job(group="g", items=[i], cost=1, run=run)) for i in (3, 4)]
         assert [f.result(30) for f in again] == [[3], [4]]
         assert seen == [[1, 2], [3, 4]]
     finally:
@@ -252,7 +254,7 @@ def test_a_calls_answers_reach_the_event_loop_in_one_callback(fails):
 
     async def main() -> tuple[list, list[int]]:
         sizes = _settles(asyncio.get_running_loop())
-        b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+        b = Batcher(max_batch_tokens=4096, max_wait_ms=0)  # held, then all four are queued: one call
         try:
             with b.hold():
                 tasks = [asyncio.ensure_future(b.run("g", [i], 1, run)) for i in range(4)]
@@ -279,7 +281,7 @@ def test_a_cancelled_request_leaves_the_queue_before_its_call():
         return list(items)
 
     async def main() -> list:
-        b = Batcher(max_batch_tokens=4096, max_wait_ms=60_000)
+        b = Batcher(max_batch_tokens=4096, max_wait_ms=0)  # held, then both left are queued: one call
         try:
             with b.hold():
                 tasks = [asyncio.ensure_future(b.run("g", [i], 1, run)) for i in range(3)]
@@ -315,7 +317,8 @@ def test_workers_run_calls_side_by_side():
 
         gone = threading.Event()
         gone.set()
-        jobs = [b.submit(Job("g", [i], 1, run, cancelled=gone if i == 0 else None)) for i in range(2)]
+        jobs = [b.submit(Job(group="g", items=[i], cost=1, run=run, cancelled=gone if i == 0 else None))
+                for i in range(2)]
         assert sorted(f.result(60)[0] for f in jobs) == [0, 1]
         assert sorted(both) == [False, True]  # the cancelled job's call, and the other one's
         assert b.stats.calls == 2 and b.stats.jobs == 2
@@ -340,7 +343,7 @@ def test_workers_take_every_job_once():
 
     def client(k):
         for i in range(k, 300, 4):
-            futures[i] = b.submit(Job(i % 3, [i], 1, run))
+            futures[i] = b.submit(Job(group=i % 3, items=[i], cost=1, run=run))
 
     try:
         senders = [threading.Thread(target=client, args=(k,)) for k in range(4)]
@@ -484,8 +487,9 @@ def test_batcher_groups_by_key_and_budget():
         return [x * 10 for x in items]
 
     b = Batcher(max_batch_tokens=5, max_wait_ms=50, max_queue=10)
-    blocker = b.submit(Job(None, [0], 1, run))  # holds the worker while the others queue up
-    jobs = [Job("g", [1], 2, run), Job("h", [2], 1, run), Job("g", [3, 4], 2, run), Job("g", [5], 2, run)]
+    blocker = b.submit(Job(group=None, items=[0], cost=1, run=run))  # holds the worker while the others queue up
+    jobs = [Job(group="g", items=[1], cost=2, run=run), Job(group="h", items=[2], cost=1, run=run),
+            Job(group="g", items=[3, 4], cost=2, run=run), Job(group="g", items=[5], cost=2, run=run)]
     futures = [b.submit(j) for j in jobs]
     gate.set()
     assert [f.result(5) for f in futures] == [[10], [20], [30, 40], [50]]
@@ -507,12 +511,12 @@ def test_batcher_queue_bound_cancel_and_close():
         return list(items)
 
     b = Batcher(max_batch_tokens=10, max_wait_ms=0, max_queue=2)
-    b.submit(Job(None, ["busy"], 1, run))
+    b.submit(Job(group=None, items=["busy"], cost=1, run=run))
     assert entered.wait(5)  # the worker runs it: the queue is empty again
-    kept = b.submit(Job("g", ["kept"], 1, run))
-    gone = b.submit(Job("g2", ["cancelled"], 1, run))
+    kept = b.submit(Job(group="g", items=["kept"], cost=1, run=run))
+    gone = b.submit(Job(group="g2", items=["cancelled"], cost=1, run=run))
     with pytest.raises(QueueFull):
-        b.submit(Job("g", ["over"], 1, run))
+        b.submit(Job(group="g", items=["over"], cost=1, run=run))
     assert gone.cancel()
     gate.set()
     b.close(5)  # finishes what is queued
@@ -607,7 +611,7 @@ def test_the_model_computes_on_its_own_thread_with_the_chosen_cpu_threads(tiny_r
 
         if b.workers == 2:
             with b.hold():  # two requests at once: a call each, side by side, on a thread each
-                pair = [b.submit(Job("g", [i], 1, call)) for i in range(2)]
+                pair = [b.submit(Job(group="g", items=[i], cost=1, run=call)) for i in range(2)]
                 b.wait_queued(2)
             seen["side by side"] = sorted(f.result(60)[0] for f in pair)
         b.close(timeout=60)

@@ -9,9 +9,9 @@ once per step and read through each beam's ancestors (a beam's reorder moves ind
 attention, softmax and top-k, on T threads (torch's intra-op count): at least 2T sentences are T groups of sentences,
 each searched by one thread (the caller's, and T - 1 started for the call, which end with it: no thread spins on a core
 after the call), with no step waiting for another thread (a thread whose core is busy slows its own group only); fewer
-sentences share each step's loops on torch's intra-op (OpenMP) threads. `python -m benchmarks.native_search` compares the two
-searches by batch size: the native one is faster at every size measured (1 to 256 sentences), so it takes every batch
-it supports.
+sentences share each step's loops on torch's intra-op (OpenMP) threads. `python -m benchmarks.native_search` compares
+the two searches by batch size: the native one is faster at every size measured (1 to 256 sentences), so it takes every
+batch it supports.
 
 What it computes is :func:`aiayn.search.beam.beam_search`'s search, the encoder included (candidates, finished pools,
 stop rules, length penalties, banned ids, ``min_len``): the same hypotheses up to near-ties (sums in another order;

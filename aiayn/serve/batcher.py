@@ -56,7 +56,7 @@ class Closed(Exception):
     """The batcher is shutting down and takes no new job."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Job:
     """Some items to run through ``run`` (merged items in, one result per item out, same order)."""
 
@@ -200,7 +200,8 @@ class Batcher:
         """Run ``fn(worker)`` on every worker thread (0, 1, ...), before the jobs it takes next, and wait for them
         (the first exception is raised here): what belongs to a thread that runs the model (its CPU threads, a
         warm-up)."""
-        jobs = [Job(None, [None], 0, lambda _, i=i: [fn(i)], setup=True) for i in range(self.workers)]
+        jobs = [Job(group=None, items=[None], cost=0, run=lambda _, i=i: [fn(i)], setup=True)
+                for i in range(self.workers)]
         with self._cond:
             for queue, job in zip(self._setups, jobs):
                 queue.append(job)
@@ -213,7 +214,7 @@ class Batcher:
         """Queue a job and await its results (on the event loop); ``cancelled``: set when its client went away.
         Cancelling the awaiting task cancels the job if it has not started."""
         waiter = asyncio.get_running_loop().create_future()
-        job = Job(group, items, cost, fn, cancelled=cancelled, waiter=waiter)
+        job = Job(group=group, items=items, cost=cost, run=fn, cancelled=cancelled, waiter=waiter)
         waiter.add_done_callback(lambda w: job.future.cancel() if w.cancelled() else None)
         self.submit(job)
         return await waiter
