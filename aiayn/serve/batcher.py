@@ -145,7 +145,7 @@ class Batcher:
         self.stats = Stats()
         self._pending: collections.deque[Job] = collections.deque()
         self._pending_cost = 0  # the summed cost of the queued jobs (all groups)
-        self._wake_at = 1  # queued jobs at which a submit wakes the worker choosing a call (see _take)
+        self._wake_at = 1  # queued jobs at which a submit wakes the worker choosing a call (_take sets it, then waits)
         self._local = threading.local()  # .current: the jobs of the model call its worker runs now
         self._running = 0  # jobs in the model calls running now
         self._calls_running = 0
@@ -342,7 +342,6 @@ class Batcher:
                 # hold, or at the deadline (counting every group's jobs: a wake too early only looks again)
                 self._wake_at = calls if calls > 1 else self.max_queue + 1
                 self._wakes[self._forming].wait(left)
-            self._wake_at = 1
             # Workers with nothing to run take their share: calls side by side, each on its share of the CPU threads,
             # outran one call of them all on all of them (the step's threads wait for each other)
             idle = self.workers - self._calls_running
